@@ -1,0 +1,90 @@
+"""The contract every backend fulfils. Vendor files implement only this; the executor, the
+schedules and symmetric-memory bookkeeping live above it, once.
+
+A *queue* is whatever the backend orders work on (a worker thread on CPU, a stream on GPUs).
+Tensors handed to the methods are already views of the right rectangle: the executor resolves
+plan :class:`~ficco.plan.Block` s to tensors, the backend only moves and multiplies them.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable, ClassVar
+
+import torch
+
+
+class Backend(ABC):
+    #: short name used by FICCO_BACKEND: "cpu", "cuda", "rocm"
+    name: ClassVar[str]
+
+    # -- availability -----------------------------------------------------------------------
+    @classmethod
+    @abstractmethod
+    def unavailable_reason(cls) -> str | None:
+        """None when this backend can run here, else one sentence saying why not and how to
+        fix it (install what, set what)."""
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return cls.unavailable_reason() is None
+
+    @abstractmethod
+    def target(self) -> str:
+        """What the code runs on, for cache keys and result files: "cpu", "cuda:sm_90"…"""
+
+    @abstractmethod
+    def device(self) -> torch.device:
+        """The torch device tensors of this backend live on."""
+
+    # -- queues and events ------------------------------------------------------------------
+    @abstractmethod
+    def queue(self, name: str) -> Any:
+        """The queue for a plan queue name: "compute", "copy{i}", "comm". "compute" is the
+        caller's current stream on GPUs. Copy queues beyond what exists wrap around."""
+
+    @abstractmethod
+    def new_event(self) -> Any: ...
+
+    @abstractmethod
+    def record(self, event: Any, queue: Any) -> None: ...
+
+    @abstractmethod
+    def wait(self, event: Any, queue: Any) -> None: ...
+
+    # -- work -------------------------------------------------------------------------------
+    @abstractmethod
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, queue: Any) -> None:
+        """DMA copy of a contiguous block (1D) on a copy engine when ``queue`` is a copy queue."""
+
+    @abstractmethod
+    def copy_2d(self, dst: torch.Tensor, src: torch.Tensor, queue: Any) -> None:
+        """DMA copy of a 2-D block whose rows are contiguous but whose row pitch
+        (``stride(0)``) may differ between ``src`` and ``dst`` (cudaMemcpy2DAsync-style)."""
+
+    @abstractmethod
+    def gemm(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool,
+             queue: Any) -> None:
+        """``out (+)= a @ b``. ``a`` and ``out`` may be 3-D strided-batched views."""
+
+    @abstractmethod
+    def launch(self, queue: Any, fn: Callable[[], None]) -> None:
+        """Run host code ``fn`` in ``queue``'s order (collectives, local moves)."""
+
+    @abstractmethod
+    def barrier(self, symm: Any, channel: int, queue: Any, timeout_s: float, step: int) -> None:
+        """Cross-rank barrier ordered on ``queue`` over the signal pads of symmetric handle
+        ``symm``. Must raise :class:`~ficco.errors.CommTimeoutError` naming the rank, step and
+        late peer once ``timeout_s`` passes, never hang."""
+
+    @abstractmethod
+    def finish(self, queues: list[Any]) -> None:
+        """End of one call: make the caller's compute queue wait for every other queue (GPU),
+        or block until all queues drained and re-raise any worker error (CPU)."""
+
+    # -- symmetric memory ---------------------------------------------------------------------
+    @abstractmethod
+    def symm_provider(self) -> Any:
+        """The :class:`ficco.symm_mem.Provider` that allocates this backend's symmetric memory."""
+
+    def close(self) -> None:
+        """Release queues and handles; called by ``ficco.shutdown()`` and at exit."""

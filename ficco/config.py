@@ -1,0 +1,163 @@
+"""Every FICCO_* setting, in one place, read when used (never at import).
+
+Each knob reads its environment variable on every access unless set from Python::
+
+    from ficco import config
+    config.timeout_s()                      # FICCO_TIMEOUT or 300
+    with config.scope(schedule="ring"):     # temporary override, e.g. in tests
+        ...
+
+A bad value raises :class:`~ficco.errors.ConfigError` listing what is accepted.
+Precedence for a decision: call argument > env/scope > selector.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Knob:
+    env: str
+    default: Any
+    parse: Callable[[str], Any]
+    doc: str
+    choices: tuple | None = None
+
+    def read(self) -> Any:
+        override = _overrides().get(self.env, _UNSET)
+        if override is not _UNSET:
+            return override
+        raw = os.environ.get(self.env)
+        if raw is None or raw.strip() == "":
+            return self.default
+        try:
+            value = self.parse(raw.strip())
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{self.env}={raw!r} is not valid: {exc}; {self.doc}") from None
+        if self.choices is not None and value not in self.choices:
+            raise ConfigError(
+                f"{self.env}={raw!r} is not valid; use one of: {', '.join(map(str, self.choices))}")
+        return value
+
+
+_UNSET = object()
+_local = threading.local()
+
+
+def _overrides() -> dict:
+    if not hasattr(_local, "stack"):
+        _local.stack = [{}]
+    return _local.stack[-1]
+
+
+def _positive_float(raw: str) -> float:
+    value = float(raw)
+    if not value > 0:
+        raise ValueError("must be a positive number")
+    return value
+
+
+def _positive_int(raw: str) -> int:
+    value = int(raw)
+    if value <= 0:
+        raise ValueError("must be a positive integer")
+    return value
+
+
+def _flag(raw: str) -> bool:
+    low = raw.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("must be 0 or 1")
+
+
+def _schedule_name(raw: str) -> str:
+    from . import schedules
+
+    schedules.get(raw)  # raises with the valid list
+    return raw
+
+
+KNOBS: dict[str, Knob] = {k.env: k for k in [
+    Knob("FICCO_BACKEND", None, str, "cpu, cuda or rocm", choices=(None, "cpu", "cuda", "rocm")),
+    Knob("FICCO_SCHEDULE", None, _schedule_name, "a name from ficco.schedules.names()"),
+    Knob("FICCO_SELECTOR", "model", str, "which selector picks a schedule",
+         choices=("paper", "model", "tune")),
+    Knob("FICCO_TRANSPORT", "auto", str, "how bytes cross ranks", choices=("auto", "dma", "ccl")),
+    Knob("FICCO_DISABLE", False, _flag, "1 runs plain all_gather + matmul"),
+    Knob("FICCO_PROFILE", None, str, "a built-in profile name or a JSON file path"),
+    Knob("FICCO_TOPOLOGY", None, str, "mesh, switch or pcie",
+         choices=(None, "mesh", "switch", "pcie")),
+    Knob("FICCO_CACHE_DIR", None, str, "a directory for the tune selector's JSON cache"),
+    Knob("FICCO_TIMEOUT", 300.0, _positive_float, "seconds before a cross-rank wait fails"),
+    Knob("FICCO_LOG", "warning", str, "log level of ficco's decisions",
+         choices=("debug", "info", "warning", "error")),
+    Knob("FICCO_COPY_ENGINES", None, _positive_int, "copy queues per rank (default: one per peer)"),
+    Knob("FICCO_PAPER_LOW", 1.0, _positive_float,
+         "paper selector: below this multiple of the machine's OTB*MT pick uniform-fused-1d"),
+    Knob("FICCO_PAPER_HIGH", 5.0, _positive_float,
+         "paper selector: above this multiple of the machine's OTB*MT pick hetero-unfused-1d"),
+]}
+
+_NAMES = {env.removeprefix("FICCO_").lower(): env for env in KNOBS}
+
+
+def get(name: str) -> Any:
+    """Read a knob by short name (``"timeout"``) or env name (``"FICCO_TIMEOUT"``)."""
+    env = _NAMES.get(name, name)
+    if env not in KNOBS:
+        raise ConfigError(f"unknown ficco setting {name!r}; known: {', '.join(sorted(_NAMES))}")
+    return KNOBS[env].read()
+
+
+@contextlib.contextmanager
+def scope(**settings):
+    """Temporarily set knobs by short name (this thread only): ``scope(timeout=5)``."""
+    new = dict(_overrides())
+    for name, value in settings.items():
+        env = _NAMES.get(name)
+        if env is None:
+            raise ConfigError(f"unknown ficco setting {name!r}; known: {', '.join(sorted(_NAMES))}")
+        knob = KNOBS[env]
+        if isinstance(value, str):
+            try:
+                value = knob.parse(value)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"{name}={value!r} is not valid: {exc}; {knob.doc}") from None
+        if knob.choices is not None and value not in knob.choices:
+            raise ConfigError(f"{name}={value!r} is not valid; use one of: "
+                              f"{', '.join(map(str, knob.choices))}")
+        new[env] = value
+    _overrides_stack().append(new)
+    try:
+        yield
+    finally:
+        _overrides_stack().pop()
+
+
+def _overrides_stack() -> list:
+    _overrides()
+    return _local.stack
+
+
+# Typed accessors: the names the rest of ficco uses.
+def backend() -> str | None: return get("FICCO_BACKEND")
+def schedule() -> str | None: return get("FICCO_SCHEDULE")
+def selector() -> str: return get("FICCO_SELECTOR")
+def transport() -> str: return get("FICCO_TRANSPORT")
+def disabled() -> bool: return get("FICCO_DISABLE")
+def profile() -> str | None: return get("FICCO_PROFILE")
+def topology() -> str | None: return get("FICCO_TOPOLOGY")
+def cache_dir() -> str | None: return get("FICCO_CACHE_DIR")
+def timeout_s() -> float: return get("FICCO_TIMEOUT")
+def log_level() -> str: return get("FICCO_LOG")
+def copy_engines() -> int | None: return get("FICCO_COPY_ENGINES")
+def paper_thresholds() -> tuple[float, float]: return get("FICCO_PAPER_LOW"), get("FICCO_PAPER_HIGH")

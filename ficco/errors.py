@@ -1,0 +1,30 @@
+"""The errors ficco raises. Each message says what failed, the values seen and the fix."""
+from __future__ import annotations
+
+
+class FiccoError(RuntimeError):
+    """Base of every ficco error."""
+
+
+class InvalidArgumentError(FiccoError, ValueError):
+    """A call's arguments are wrong; raised before any communication."""
+
+
+class ConfigError(FiccoError, ValueError):
+    """A FICCO_* environment variable or knob holds a value ficco does not accept."""
+
+
+class MismatchError(FiccoError):
+    """Ranks of one group called with different shapes, dtypes or schedules."""
+
+
+class CommTimeoutError(FiccoError, TimeoutError):
+    """A cross-rank wait passed its deadline (FICCO_TIMEOUT): a peer is dead or stuck."""
+
+
+class BackendUnavailableError(FiccoError):
+    """The requested backend cannot run here (no device, missing package, wrong version)."""
+
+
+class BackendCallError(FiccoError):
+    """A vendor runtime call (CUDA driver/runtime, HIP) returned an error status."""

@@ -1,0 +1,85 @@
+"""Pieces every schedule shares: the publish/barrier prologue, the closing barrier, and block
+constructors. Schedules build Plans only from these and :mod:`ficco.plan`."""
+from __future__ import annotations
+
+from ..errors import InvalidArgumentError
+from ..plan import COMM, COMPUTE, AllGather, Barrier, Block, Copy, Gemm, PlanBuilder, copy_queue
+from ..problem import Problem
+
+TRANSPORTS = ("dma", "ccl")
+
+
+def check_transport(transport: str) -> None:
+    if transport not in TRANSPORTS:
+        raise InvalidArgumentError(
+            f"transport must be one of {TRANSPORTS}; got {transport!r}")
+
+
+def shard_rows(p: Problem, peer: int, row0: int = 0, rows: int | None = None, *,
+               col0: int = 0, cols: int | None = None, remote: bool = False) -> Block:
+    """Rows ``[row0, row0+rows)`` of ``peer``'s shard in the gathered buffer; ``remote`` names
+    the peer's own symmetric copy (the source of a pull) instead of this rank's."""
+    rows = p.m - row0 if rows is None else rows
+    cols = p.k - col0 if cols is None else cols
+    return Block("gathered", p.shard_row0(peer) + row0, rows, col0, cols,
+                 peer=peer if remote else None)
+
+
+def out_rows(p: Problem, j: int, row0: int, rows: int) -> Block:
+    return Block("out", row0, rows, 0, p.ns[j], index=j)
+
+
+def publish(b: PlanBuilder, transport: str) -> int:
+    """Put the local shard in place in the gathered buffer; with ``dma`` every rank then
+    waits for all peers to have published (barrier channel 0). Returns the handle copies and
+    collectives wait on."""
+    p = b.problem
+    h = b.add(Copy(COMPUTE, Block("input", 0, p.m, 0, p.k), shard_rows(p, p.rank)))
+    if transport == "dma" and p.world > 1:
+        h = b.add(Barrier(COMPUTE, channel=0), after=[h])
+    return h
+
+
+def pull(b: PlanBuilder, queue_index: int, peer: int, row0: int, rows: int, *, col0: int = 0,
+         cols: int | None = None, step: int = 0, after=()) -> int | None:
+    """DMA-pull a rectangle of ``peer``'s shard into the same place of this rank's buffer.
+    Empty rectangles are skipped (returns None)."""
+    p = b.problem
+    cols = p.k - col0 if cols is None else cols
+    if rows == 0 or cols == 0:
+        return None
+    src = shard_rows(p, peer, row0, rows, col0=col0, cols=cols, remote=True)
+    dst = shard_rows(p, peer, row0, rows, col0=col0, cols=cols)
+    return b.add(Copy(copy_queue(queue_index), src, dst, two_d=cols != p.k, step=step),
+                 after=after)
+
+
+def all_gather_rows(b: PlanBuilder, row0: int, rows: int, *, col0: int = 0,
+                    cols: int | None = None, step: int = 0, after=()) -> int | None:
+    """``ccl``: one all-gather of the same rectangle of every rank's shard, landing in place."""
+    p = b.problem
+    cols = p.k - col0 if cols is None else cols
+    if rows == 0 or cols == 0:
+        return None
+    src = shard_rows(p, p.rank, row0, rows, col0=col0, cols=cols)
+    dsts = tuple(shard_rows(p, q, row0, rows, col0=col0, cols=cols) for q in range(p.world))
+    return b.add(AllGather(COMM, src, dsts, step=step), after=after)
+
+
+def gemm_rows(b: PlanBuilder, row0: int, rows: int, *, step: int = 0, after=()) -> list[int]:
+    """One GEMM per ``b_j`` over gathered rows ``[row0, row0+rows)`` written in place."""
+    p = b.problem
+    if rows == 0:
+        return []
+    a = Block("gathered", row0, rows, 0, p.k)
+    return [b.add(Gemm(COMPUTE, (a,), (out_rows(p, j, row0, rows),), j, 0, p.k, step=step),
+                  after=after)
+            for j in range(len(p.ns))]
+
+
+def close(b: PlanBuilder, transport: str, copies: list[int | None]) -> None:
+    """With ``dma``: once this rank's pulls are done, tell peers they may reuse their buffers
+    (barrier channel 1, on the first copy queue so compute never waits for it)."""
+    if transport == "dma" and b.problem.world > 1:
+        b.add(Barrier(copy_queue(0), channel=1, step=b.problem.world),
+              after=[h for h in copies if h is not None])

@@ -1,0 +1,116 @@
+"""Symmetric memory: every rank of a group allocates the same number of bytes and can address
+every peer's allocation directly (CPU: shared files in /dev/shm; GPUs: IPC handles or torch's
+``_symmetric_memory``).
+
+The API mirrors torch's::
+
+    t = ficco.symm_mem.empty((m, k), dtype=torch.bfloat16)   # this rank's part
+    h = ficco.symm_mem.rendezvous(t, group)                   # collective
+    peer = h.get_buffer(1, (m, k), torch.bfloat16)            # rank 1's part, as a tensor
+    h.barrier(channel=0, timeout_s=60)
+
+Each handle also carries one signal pad per rank: ``SIGNAL_CHANNELS x world`` int32 counters
+used for cross-rank barriers (rank r writes generation g into slot ``[channel, r]`` of every
+peer's pad, then waits until its own pad holds >= g in every slot of that channel).
+"""
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from ..errors import InvalidArgumentError
+
+SIGNAL_CHANNELS = 8
+_ALIGN = 256
+
+
+class SymmHandle(ABC):
+    """One symmetric allocation of ``nbytes`` bytes per rank, mapped on this rank."""
+
+    rank: int
+    world: int
+    nbytes: int
+
+    @abstractmethod
+    def get_buffer(self, rank: int, shape, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+        """``rank``'s allocation viewed as a contiguous tensor of ``shape`` starting ``offset``
+        bytes in. Raises when it does not fit."""
+
+    @abstractmethod
+    def signal_pad(self, rank: int) -> torch.Tensor:
+        """``rank``'s signal pad: an int32 tensor of shape ``(SIGNAL_CHANNELS, world)``."""
+
+    @abstractmethod
+    def barrier(self, channel: int = 0, timeout_s: float | None = None) -> None:
+        """Host-side barrier over the signal pads: blocks until every rank called it for this
+        channel as often as this rank has; raises CommTimeoutError naming the late peers."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Unmap and release everything; safe to call twice."""
+
+    def _check_fits(self, shape, dtype: torch.dtype, offset: int) -> int:
+        numel = math.prod(shape)
+        need = offset + numel * torch.empty((), dtype=dtype).element_size()
+        if need > self.nbytes or offset < 0:
+            raise InvalidArgumentError(
+                f"get_buffer(shape={tuple(shape)}, dtype={dtype}, offset={offset}) needs {need} "
+                f"bytes but the symmetric allocation holds {self.nbytes}; allocate more")
+        return numel
+
+
+class Provider(ABC):
+    """Allocates symmetric memory for one backend."""
+
+    @abstractmethod
+    def allocate(self, nbytes: int, group: Any, device: torch.device) -> SymmHandle:
+        """Collective over ``group``: every rank allocates ``nbytes`` and maps all peers."""
+
+    def handle_for(self, tensor: torch.Tensor) -> SymmHandle | None:
+        """The handle whose local allocation ``tensor`` lives in, or None."""
+        return _owner_of(tensor)
+
+
+# -- tensors allocated through empty(), waiting for rendezvous ---------------------------------
+_pending: dict[int, tuple[int, int]] = {}        # data_ptr -> (nbytes, id of pending record)
+_owned: "weakref.WeakValueDictionary[int, SymmHandle]" = weakref.WeakValueDictionary()
+_lock = threading.Lock()
+
+
+def _owner_of(tensor: torch.Tensor) -> SymmHandle | None:
+    ptr = tensor.untyped_storage().data_ptr()
+    return _owned.get(ptr)
+
+
+def register_local(handle: SymmHandle, local: torch.Tensor) -> None:
+    """Remember that ``local`` (this rank's part of ``handle``) lives in symmetric memory, so
+    a tensor allocated there is used in place by ``all_gather_matmul``."""
+    _owned[local.untyped_storage().data_ptr()] = handle
+
+
+def empty(shape, dtype: torch.dtype = torch.float32, device=None, group=None) -> torch.Tensor:
+    """Allocate a tensor in symmetric memory (collective over ``group``) and return this
+    rank's part; ``rendezvous(t, group)`` returns its handle."""
+    from .. import api  # late: api imports us
+
+    handle, tensor = api.allocate_symmetric(shape, dtype, device, group)
+    return tensor
+
+
+def rendezvous(tensor: torch.Tensor, group=None) -> SymmHandle:
+    """The handle of a tensor made by :func:`empty`."""
+    handle = _owner_of(tensor)
+    if handle is None:
+        raise InvalidArgumentError(
+            "rendezvous() takes a tensor allocated by ficco.symm_mem.empty(); this tensor lives "
+            "in ordinary memory")
+    return handle
+
+
+def aligned(nbytes: int) -> int:
+    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
