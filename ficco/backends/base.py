@@ -88,3 +88,13 @@ class Backend(ABC):
 
     def close(self) -> None:
         """Release queues and handles; called by ``ficco.shutdown()`` and at exit."""
+
+    def synchronize(self) -> None:
+        """Block the host until all work queued so far has finished (benchmarks, tuning)."""
+
+    def elapsed_s(self, start: Any, end: Any) -> float:
+        """Seconds between two recorded events of one call (tracing). Backends whose events
+        carry no time raise BackendUnavailableError."""
+        from ..errors import BackendUnavailableError
+
+        raise BackendUnavailableError(f"the {self.name} backend does not time events")

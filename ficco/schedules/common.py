@@ -83,3 +83,19 @@ def close(b: PlanBuilder, transport: str, copies: list[int | None]) -> None:
     if transport == "dma" and b.problem.world > 1:
         b.add(Barrier(copy_queue(0), channel=1, step=b.problem.world),
               after=[h for h in copies if h is not None])
+
+
+def publish_on_copy_engine(b: PlanBuilder) -> tuple[int, int]:
+    """``dma`` prologue that leaves the compute queue free: the local shard is copied into
+    place on copy0 and the cross-rank barrier (channel 0) waits there too, so a GEMM that
+    reads the caller's ``input`` can start at once. Returns ``(published, ready)``: the
+    handle a GEMM reading this rank's rows of ``gathered`` waits on, and the one pulls wait
+    on.
+
+    >>> published, ready = publish_on_copy_engine(builder)   # doctest: +SKIP
+    """
+    p = b.problem
+    published = b.add(Copy(copy_queue(0), Block("input", 0, p.m, 0, p.k),
+                           shard_rows(p, p.rank)))
+    ready = b.add(Barrier(copy_queue(0), channel=0), after=[published])
+    return published, ready

@@ -1,0 +1,66 @@
+"""Backend selection: exactly one backend is active per process.
+
+``FICCO_BACKEND`` forces one (cpu, cuda, rocm); otherwise the first usable of rocm (torch's
+ROCm build), cuda, cpu — a GPU build with a visible device wins over the CPU.
+"""
+from __future__ import annotations
+
+import importlib
+import threading
+
+from .. import config
+from ..errors import BackendUnavailableError
+from .base import Backend
+
+_CLASSES = {"cuda": ("ficco.backends.cuda", "CudaBackend"),
+            "rocm": ("ficco.backends.rocm", "RocmBackend"),
+            "cpu": ("ficco.backends.cpu", "CpuBackend")}
+_active: dict[str, Backend] = {}
+_lock = threading.Lock()
+
+
+def backend_class(name: str) -> type[Backend]:
+    if name not in _CLASSES:
+        raise BackendUnavailableError(
+            f"unknown backend {name!r}; valid backends: {', '.join(_CLASSES)}")
+    module, cls = _CLASSES[name]
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except (ImportError, AttributeError) as exc:
+        raise BackendUnavailableError(f"the {name} backend cannot be imported: {exc}") from exc
+
+
+def _auto_name() -> str:
+    reasons = []
+    for name in ("rocm", "cuda"):
+        try:
+            reason = backend_class(name).unavailable_reason()
+        except BackendUnavailableError as exc:
+            reason = str(exc)
+        if reason is None:
+            return name
+        reasons.append(f"{name}: {reason}")
+    return "cpu"
+
+
+def get_backend(name: str | None = None) -> Backend:
+    """The active backend instance (created on first use)."""
+    name = name or config.backend() or _auto_name()
+    with _lock:
+        if name not in _active:
+            cls = backend_class(name)
+            reason = cls.unavailable_reason()
+            if reason is not None:
+                raise BackendUnavailableError(f"FICCO_BACKEND={name} cannot run here: {reason}")
+            _active[name] = cls()
+        return _active[name]
+
+
+def close_all() -> None:
+    with _lock:
+        for backend in _active.values():
+            backend.close()
+        _active.clear()
+
+
+__all__ = ["Backend", "get_backend", "backend_class", "close_all"]

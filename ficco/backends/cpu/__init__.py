@@ -1,0 +1,177 @@
+"""The CPU backend: the reference for tests, CI and the demo.
+
+A queue is a worker thread with a FIFO; an event is a flag; a copy queue is a thread doing
+``Tensor.copy_`` (which releases the GIL), so copies really overlap GEMMs on a multi-core host.
+If any queue fails during a call, every other queue of this rank is woken and skips the rest,
+and ``finish`` raises the first error.
+"""
+from __future__ import annotations
+
+import queue as queue_mod
+import threading
+import time
+
+import torch
+
+from ...errors import CommTimeoutError, FiccoError
+from ..base import Backend
+from .symm import CpuSymmProvider
+
+
+class _Aborted(Exception):
+    """Raised inside a queue that is skipping work after another queue failed."""
+
+
+class CpuEvent:
+    __slots__ = ("flag", "time_s")
+
+    def __init__(self):
+        self.flag = threading.Event()
+        self.time_s = None
+
+    def set(self):
+        self.time_s = time.perf_counter()
+        self.flag.set()
+
+
+class _Worker:
+    def __init__(self, name: str, backend: "CpuBackend"):
+        self.name = name
+        self.backend = backend
+        self.tasks: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name=f"ficco-{name}", daemon=True)
+        self.thread.start()
+
+    def _loop(self):
+        torch.set_num_threads(1)
+        while True:
+            task = self.tasks.get()
+            if task is None:
+                return
+            if isinstance(task, CpuEvent):  # finish() marker: always delivered
+                task.set()
+                continue
+            if self.backend.abort.is_set():
+                continue
+            try:
+                task()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller by finish()
+                self.backend._fail(self.name, exc)
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+
+    def __init__(self, device=None):
+        self.abort = threading.Event()
+        self._errors: list[tuple[str, BaseException]] = []
+        self._lock = threading.Lock()
+        self._workers: dict[str, _Worker] = {}
+        self._provider = CpuSymmProvider(self.abort)
+
+    @classmethod
+    def unavailable_reason(cls):
+        return None
+
+    def target(self):
+        return "cpu"
+
+    def device(self):
+        return torch.device("cpu")
+
+    def queue(self, name):
+        worker = self._workers.get(name)
+        if worker is None:
+            worker = self._workers[name] = _Worker(name, self)
+        return worker
+
+    def new_event(self):
+        return CpuEvent()
+
+    def record(self, event, queue):
+        queue.tasks.put(event.set)
+
+    def wait(self, event, queue):
+        def wait_for_event():
+            from ... import config
+
+            deadline = time.monotonic() + config.timeout_s()
+            while not event.flag.wait(0.05):
+                if self.abort.is_set():
+                    raise _Aborted()
+                if time.monotonic() > deadline:
+                    raise CommTimeoutError(
+                        f"queue {queue.name} waited past FICCO_TIMEOUT for an event of this rank")
+        queue.tasks.put(wait_for_event)
+
+    def copy(self, dst, src, queue):
+        queue.tasks.put(lambda: dst.copy_(src))
+
+    def copy_2d(self, dst, src, queue):
+        queue.tasks.put(lambda: dst.copy_(src))
+
+    def gemm(self, a, b, out, accumulate, queue):
+        def run():
+            if a.dim() == 2:
+                if accumulate:
+                    out.addmm_(a, b)
+                else:
+                    torch.mm(a, b, out=out)
+            elif accumulate:
+                out.baddbmm_(a, b.expand(a.shape[0], *b.shape))
+            else:
+                out.copy_(torch.matmul(a, b))
+        queue.tasks.put(run)
+
+    def launch(self, queue, fn):
+        queue.tasks.put(fn)
+
+    def barrier(self, symm, channel, queue, timeout_s, step):
+        queue.tasks.put(lambda: symm.barrier(channel, timeout_s, step=step))
+
+    def finish(self, queues):
+        from ... import config
+
+        markers = []
+        for q in queues:
+            marker = CpuEvent()
+            q.tasks.put(marker)
+            markers.append((q, marker))
+        deadline = time.monotonic() + config.timeout_s() + 5.0
+        for q, marker in markers:
+            while not marker.flag.wait(0.05):
+                if time.monotonic() > deadline:
+                    self.abort.set()
+                    raise CommTimeoutError(f"queue {q.name} did not drain before FICCO_TIMEOUT")
+        errors, self._errors = self._errors, []
+        self.abort.clear()
+        real = [(n, e) for n, e in errors if not isinstance(e, _Aborted)]
+        if real:
+            name, exc = real[0]
+            if isinstance(exc, FiccoError):
+                raise exc
+            raise FiccoError(f"queue {name} failed: {type(exc).__name__}: {exc}") from exc
+
+    def _fail(self, name, exc):
+        with self._lock:
+            self._errors.append((name, exc))
+        self.abort.set()
+
+    def elapsed_s(self, start, end):
+        return end.time_s - start.time_s
+
+    def synchronize(self):
+        pass
+
+    def symm_provider(self):
+        return self._provider
+
+    def close(self):
+        for worker in self._workers.values():
+            worker.tasks.put(None)
+        for worker in self._workers.values():
+            worker.thread.join(timeout=5)
+        self._workers.clear()
+
+
+__all__ = ["CpuBackend"]

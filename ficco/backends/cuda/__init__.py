@@ -1,0 +1,144 @@
+"""The CUDA backend: :class:`~ficco.backends.gpu.GpuBackend` plus the few runtime and driver
+calls torch does not expose, made through cuda-python (``cuda.bindings``):
+
+- 1-D copies: ``cudaMemcpyAsync`` device-to-device on a copy stream (runs on a copy engine);
+- 2-D copies: ``cudaMemcpy2DAsync`` (column chunks of the gathered buffer);
+- signals: ``cuStreamWriteValue32`` / ``cuStreamWaitValue32`` (GEQ) on signal pads;
+- symmetric memory: ``cudaMalloc`` + ``cudaIpcGetMemHandle`` / ``cudaIpcOpenMemHandle``.
+
+>>> from ficco.backends.cuda import CudaBackend
+>>> CudaBackend.unavailable_reason() is None or "CUDA" in CudaBackend.unavailable_reason()
+True
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ...errors import BackendCallError
+from ..gpu import Copy2D, GpuBackend, Vendor, handle_bytes
+
+IPC_HANDLE_BYTES = 64
+
+
+class CudaVendor(Vendor):
+    """cuda-python calls. ``runtime`` / ``driver`` default to ``cuda.bindings``' modules; tests
+    pass recorders with the same function names."""
+
+    name = "cuda"
+
+    def __init__(self, runtime=None, driver=None):
+        if runtime is None or driver is None:
+            from cuda.bindings import driver as cuda_driver
+            from cuda.bindings import runtime as cuda_runtime
+
+            runtime, driver = runtime or cuda_runtime, driver or cuda_driver
+        self.rt, self.drv = runtime, driver
+        self._d2d = runtime.cudaMemcpyKind.cudaMemcpyDeviceToDevice
+        self._write_flags = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
+        self._wait_geq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        self._keep_handles: list = []
+
+    def check(self, call: str, result):
+        """Raise :class:`BackendCallError` naming ``call``, the status code and its meaning;
+        return the call's outputs (one value, a tuple, or None)."""
+        status, *values = result if isinstance(result, tuple) else (result,)
+        if int(status) != 0:
+            raise BackendCallError(f"{call} failed with status {int(status)} "
+                                   f"({self._describe(status)})")
+        if not values:
+            return None
+        return values[0] if len(values) == 1 else tuple(values)
+
+    def _describe(self, status) -> str:
+        try:
+            if isinstance(status, self.drv.CUresult):
+                name = self.drv.cuGetErrorName(status)[1]
+                text = self.drv.cuGetErrorString(status)[1]
+            else:
+                name = self.rt.cudaGetErrorName(status)[1]
+                text = self.rt.cudaGetErrorString(status)[1]
+            return f"{_text(name)}: {_text(text)}"
+        except Exception:  # noqa: BLE001 - describing an error must never hide it
+            return getattr(status, "name", str(status))
+
+    def bind_device(self, index):
+        self.check("cudaSetDevice", self.rt.cudaSetDevice(index))
+
+    def copy_1d(self, dst, src, nbytes, stream):
+        self.check("cudaMemcpyAsync",
+                   self.rt.cudaMemcpyAsync(dst, src, nbytes, self._d2d, stream))
+
+    def copy_2d(self, args: Copy2D, stream):
+        self.check("cudaMemcpy2DAsync",
+                   self.rt.cudaMemcpy2DAsync(args.dst, args.dpitch, args.src, args.spitch,
+                                             args.width, args.height, self._d2d, stream))
+
+    def write_value32(self, stream, address, value):
+        self.check("cuStreamWriteValue32",
+                   self.drv.cuStreamWriteValue32(stream, address, value, self._write_flags))
+
+    def wait_value32_geq(self, stream, address, value):
+        self.check("cuStreamWaitValue32",
+                   self.drv.cuStreamWaitValue32(stream, address, value, self._wait_geq))
+
+    def malloc(self, nbytes):
+        return int(self.check("cudaMalloc", self.rt.cudaMalloc(max(nbytes, 1))))
+
+    def free(self, address):
+        self.check("cudaFree", self.rt.cudaFree(address))
+
+    def ipc_export(self, address):
+        handle = self.check("cudaIpcGetMemHandle", self.rt.cudaIpcGetMemHandle(address))
+        return handle_bytes(handle.getPtr(), IPC_HANDLE_BYTES)
+
+    def ipc_open(self, handle):
+        raw = ctypes.create_string_buffer(bytes(handle), IPC_HANDLE_BYTES)
+        wrapped = self.rt.cudaIpcMemHandle_t(_ptr=ctypes.addressof(raw))
+        address = self.check("cudaIpcOpenMemHandle",
+                             self.rt.cudaIpcOpenMemHandle(wrapped,
+                                                          self.rt.cudaIpcMemLazyEnablePeerAccess))
+        return int(address)
+
+    def ipc_close(self, address):
+        self.check("cudaIpcCloseMemHandle", self.rt.cudaIpcCloseMemHandle(address))
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class CudaBackend(GpuBackend):
+    """ficco on NVIDIA GPUs. ``CudaBackend(device=None)`` uses the current CUDA device."""
+
+    name = "cuda"
+    make_vendor = CudaVendor
+
+    @classmethod
+    def unavailable_reason(cls):
+        if getattr(torch.version, "hip", None):
+            return (f"this torch is a ROCm build (torch.version.hip={torch.version.hip}); use "
+                    f"the rocm backend (FICCO_BACKEND=rocm)")
+        if torch.version.cuda is None:
+            return ("this torch is a CPU-only build (torch.version.cuda is None); install a CUDA "
+                    "build of torch, e.g. pip install torch --index-url "
+                    "https://download.pytorch.org/whl/cu130")
+        try:
+            import cuda.bindings.driver  # noqa: F401
+            import cuda.bindings.runtime  # noqa: F401
+        except ImportError as exc:
+            major = torch.version.cuda.split(".")[0]
+            return (f"cuda-python is missing ({exc}); install the one matching torch's CUDA "
+                    f"{torch.version.cuda}: pip install 'cuda-python=={major}.*'")
+        if not torch.cuda.is_available():
+            return ("no CUDA device is visible (torch.cuda.is_available() is False); check the "
+                    "driver with nvidia-smi and CUDA_VISIBLE_DEVICES")
+        return None
+
+    def target(self):
+        major, minor = torch.cuda.get_device_capability(self._device)
+        return f"cuda:sm_{major}{minor}"
+
+
+__all__ = ["CudaBackend", "CudaVendor"]

@@ -1,0 +1,579 @@
+"""What NVIDIA and AMD GPUs share, written once: streams and events from ``torch.cuda`` (torch's
+ROCm build exposes HIP through the same module), GEMMs through torch (cuBLAS / hipBLASLt),
+stream-ordered barriers over signal pads with a host-side deadline, and symmetric memory over
+IPC handles. The vendor packages (:mod:`ficco.backends.cuda`, :mod:`ficco.backends.rocm`) only
+supply a :class:`Vendor`: the handful of runtime calls torch does not expose.
+
+Queues are torch streams::
+
+    compute  = the caller's current stream (so CUDA graph capture and user streams compose)
+    copy{i}  = a pool of side streams, one per index asked for (one per peer with the FiCCO
+               schedules), wrapping around at FICCO_COPY_ENGINES when that is set
+    comm     = one side stream; process-group collectives run with it current
+"""
+from __future__ import annotations
+
+import ctypes
+import socket
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .. import config
+from ..errors import CommTimeoutError, FiccoError, InvalidArgumentError
+from ..symm_mem import SIGNAL_CHANNELS, Provider, SymmHandle, aligned
+from .base import Backend
+
+#: barrier channel used by SymmHandle.close(); plans use the low channels
+CLOSE_CHANNEL = SIGNAL_CHANNELS - 1
+#: how long close() waits for peers before it leaks its allocation rather than free it early
+CLOSE_TIMEOUT_S = 10.0
+
+
+# -- the vendor layer ----------------------------------------------------------------------------
+class Vendor(ABC):
+    """The runtime calls torch does not expose. Pointers and streams are plain ints (a
+    ``torch.cuda.Stream``'s ``cuda_stream``); every call goes through the vendor's ``check``."""
+
+    name: str
+
+    @abstractmethod
+    def bind_device(self, index: int) -> None:
+        """Make ``index`` the current device of the calling thread (for driver calls)."""
+
+    @abstractmethod
+    def copy_1d(self, dst: int, src: int, nbytes: int, stream: int) -> None: ...
+
+    @abstractmethod
+    def copy_2d(self, args: "Copy2D", stream: int) -> None: ...
+
+    @abstractmethod
+    def write_value32(self, stream: int, address: int, value: int) -> None:
+        """Stream-ordered store of ``value`` at ``address``, fenced after earlier work."""
+
+    @abstractmethod
+    def wait_value32_geq(self, stream: int, address: int, value: int) -> None:
+        """Later work on ``stream`` waits until the int32 at ``address`` is >= ``value``."""
+
+    @abstractmethod
+    def malloc(self, nbytes: int) -> int: ...
+
+    @abstractmethod
+    def free(self, address: int) -> None: ...
+
+    @abstractmethod
+    def ipc_export(self, address: int) -> bytes:
+        """The IPC handle of an allocation made by :meth:`malloc`, as bytes."""
+
+    @abstractmethod
+    def ipc_open(self, handle: bytes) -> int:
+        """Map a peer process's allocation; returns its address in this process."""
+
+    @abstractmethod
+    def ipc_close(self, address: int) -> None: ...
+
+
+def handle_bytes(address: int, size: int = 64) -> bytes:
+    """The ``size`` bytes of a C handle struct at ``address`` (IPC handles are 64 bytes)."""
+    return ctypes.string_at(address, size)
+
+
+# -- argument construction, pure so it is tested without a GPU ----------------------------------
+@dataclass(frozen=True)
+class Copy2D:
+    """cudaMemcpy2DAsync / hipMemcpy2DAsync arguments, all in bytes: ``height`` rows of
+    ``width`` bytes from ``src`` (rows ``spitch`` apart) to ``dst`` (rows ``dpitch`` apart)."""
+
+    dst: int
+    dpitch: int
+    src: int
+    spitch: int
+    width: int
+    height: int
+
+
+def _row_pitch_bytes(t: torch.Tensor, name: str) -> int:
+    if t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
+        raise InvalidArgumentError(
+            f"copy_2d needs 2-D {name} views with contiguous rows; got shape {tuple(t.shape)} "
+            f"strides {t.stride()}")
+    return max(t.stride(0), t.shape[1]) * t.element_size()
+
+
+def copy_2d_args(dst: torch.Tensor, src: torch.Tensor) -> Copy2D | None:
+    """The 2-D copy that moves ``src`` into ``dst`` (same shape), or None when it is empty.
+
+    >>> g = torch.empty(8, 10, dtype=torch.bfloat16)        # gathered buffer, K = 10
+    >>> a = copy_2d_args(g[0:4, 3:6], g[4:8, 3:6])          # a 4 x 3 column chunk
+    >>> (a.dpitch, a.spitch, a.width, a.height)
+    (20, 20, 6, 4)
+    """
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        raise InvalidArgumentError(
+            f"copy_2d: dst {tuple(dst.shape)} {dst.dtype} and src {tuple(src.shape)} "
+            f"{src.dtype} must have the same shape and dtype")
+    if dst.numel() == 0:
+        return None
+    return Copy2D(dst=dst.data_ptr(), dpitch=_row_pitch_bytes(dst, "dst"),
+                  src=src.data_ptr(), spitch=_row_pitch_bytes(src, "src"),
+                  width=dst.shape[1] * dst.element_size(), height=dst.shape[0])
+
+
+# -- raw device memory as tensors ----------------------------------------------------------------
+class _DeviceSpan:
+    """A raw device range exposed through the CUDA Array Interface, which ``torch.as_tensor``
+    wraps without copying (supported public path; no stream sync requested)."""
+
+    def __init__(self, address: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                         "data": (address, False), "version": 3,
+                                         "strides": None, "stream": None}
+
+
+def tensor_at(address: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor of ``nbytes`` on ``device`` viewing memory this process did not get from
+    torch (our own allocation or a peer's IPC mapping). The caller keeps the memory alive."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    try:
+        return torch.as_tensor(_DeviceSpan(address, nbytes), device=device)
+    except (TypeError, RuntimeError):
+        # Builds without CUDA-Array-Interface import (seen on some ROCm wheels): wrap the
+        # pointer in a storage directly.
+        storage = torch._C._construct_storage_from_data_pointer(address, device, nbytes)
+        return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+# -- symmetric memory ----------------------------------------------------------------------------
+def _group_of(group):
+    if group is None and dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return group
+
+
+class GpuSymmHandle(SymmHandle):
+    """One symmetric allocation: per rank a uint8 span of ``nbytes`` data followed by the int32
+    ``(SIGNAL_CHANNELS, world)`` signal pad. ``spans[p]`` views rank p's whole allocation."""
+
+    def __init__(self, backend: "GpuBackend", rank: int, world: int, nbytes: int,
+                 spans: list[torch.Tensor], release: Callable[[], None]):
+        self.backend, self.rank, self.world, self.nbytes = backend, rank, world, nbytes
+        self._spans = spans
+        self._release = release
+        self._pads = [s[aligned(nbytes):aligned(nbytes) + pad_bytes(world)].view(torch.int32)
+                      .view(SIGNAL_CHANNELS, world) for s in spans]
+        self._generation = [0] * SIGNAL_CHANNELS
+        self._closed = False
+
+    def get_buffer(self, rank, shape, dtype, offset=0):
+        numel = self._check_fits(shape, dtype, offset)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if offset % itemsize:
+            raise InvalidArgumentError(f"get_buffer offset {offset} is not a multiple of the "
+                                       f"{dtype} item size {itemsize}")
+        raw = self._spans[rank][offset: offset + numel * itemsize]
+        return raw.view(dtype).view(tuple(shape))
+
+    def signal_pad(self, rank):
+        return self._pads[rank]
+
+    def slot_address(self, owner: int, channel: int, writer: int) -> int:
+        """Device address of ``owner``'s pad slot ``[channel, writer]``."""
+        return self._pads[owner][channel, writer].data_ptr()
+
+    def next_generation(self, channel: int) -> int:
+        if not 0 <= channel < SIGNAL_CHANNELS:
+            raise InvalidArgumentError(f"barrier channel {channel} is outside [0, "
+                                       f"{SIGNAL_CHANNELS})")
+        self._generation[channel] += 1
+        return self._generation[channel]
+
+    def barrier(self, channel=0, timeout_s=None, step=None):
+        timeout_s = config.timeout_s() if timeout_s is None else timeout_s
+        self.backend.host_barrier(self, channel, timeout_s, -1 if step is None else step)
+
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            # Peers may still be reading this rank's memory: drain our own work, then wait
+            # until every peer drained theirs before anything is unmapped or freed.
+            torch.cuda.synchronize(self.backend.device())
+            if self.world > 1:
+                self.backend.host_barrier(self, CLOSE_CHANNEL, CLOSE_TIMEOUT_S, -1)
+        except FiccoError:
+            # A peer is gone or stuck: freeing now could corrupt its reads. Leak until exit,
+            # when the driver reclaims everything.
+            self._spans = self._pads = []
+            return
+        self._spans = self._pads = []
+        self._release()
+
+
+def pad_bytes(world: int) -> int:
+    return aligned(SIGNAL_CHANNELS * world * 4)
+
+
+class IpcSymmProvider(Provider):
+    """Symmetric memory over IPC handles: each rank allocates ``nbytes`` + its signal pad with
+    the vendor allocator, the handles travel through ``all_gather_object``, every rank maps
+    every peer. Works for any number of processes per GPU (how the GPU tests run)."""
+
+    def __init__(self, backend: "GpuBackend"):
+        self.backend = backend
+
+    def allocate(self, nbytes, group, device):
+        group = _group_of(group)
+        rank = dist.get_rank(group) if group is not None else 0
+        world = dist.get_world_size(group) if group is not None else 1
+        vendor = self.backend.vendor
+        total = aligned(nbytes) + pad_bytes(world)
+        local = vendor.malloc(total)
+        spans: list[torch.Tensor] = []
+        opened: list[int] = []
+
+        def release():
+            for address in opened:
+                vendor.ipc_close(address)
+            vendor.free(local)
+
+        try:
+            local_span = tensor_at(local, total, device)
+            local_span[aligned(nbytes):].zero_()
+            torch.cuda.synchronize(device)  # pads are zero before any peer can write them
+            where = (socket.gethostname(), vendor.ipc_export(local))
+            everyone = [where]
+            if world > 1:
+                everyone = [None] * world
+                dist.all_gather_object(everyone, where, group=group)
+            hosts = {host for host, _ in everyone}
+            if len(hosts) > 1:
+                raise InvalidArgumentError(
+                    f"symmetric memory over IPC needs every rank on one host; the group spans "
+                    f"{sorted(hosts)}. Set FICCO_TRANSPORT=ccl for multi-host groups")
+            for peer, (_, handle) in enumerate(everyone):
+                if peer == rank:
+                    spans.append(local_span)
+                    continue
+                address = vendor.ipc_open(handle)
+                opened.append(address)
+                spans.append(tensor_at(address, total, device))
+        except BaseException:
+            release()
+            raise
+        if world > 1:
+            dist.barrier(group=group)  # every rank mapped every peer before anyone signals
+        return GpuSymmHandle(self.backend, rank, world, nbytes, spans, release)
+
+
+class TorchSymmProvider(Provider):
+    """torch's ``_symmetric_memory`` (one rank per GPU, CUDA; ROCm where torch supports it).
+    The signal pad is carved out of the same allocation so barriers work as with IPC."""
+
+    def __init__(self, backend: "GpuBackend"):
+        self.backend = backend
+
+    def allocate(self, nbytes, group, device):
+        from torch.distributed import _symmetric_memory as torch_symm
+
+        group = _group_of(group)
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        total = aligned(nbytes) + pad_bytes(world)
+        local = torch_symm.empty(total, dtype=torch.uint8, device=device)
+        local[aligned(nbytes):].zero_()
+        torch.cuda.synchronize(device)
+        handle = torch_symm.rendezvous(local, group)
+        spans = [local if p == rank else handle.get_buffer(p, (total,), torch.uint8)
+                 for p in range(world)]
+        dist.barrier(group=group)
+        keep = [local, handle]  # torch frees the allocation once these are dropped
+        return GpuSymmHandle(self.backend, rank, world, nbytes, spans, release=keep.clear)
+
+
+class AutoSymmProvider(Provider):
+    """torch's provider when every rank has its own GPU on one host (its intended setting),
+    our IPC provider otherwise (several ranks per GPU, world size 1, torch without it)."""
+
+    def __init__(self, backend: "GpuBackend"):
+        self.ipc = IpcSymmProvider(backend)
+        self.torch = TorchSymmProvider(backend)
+
+    def allocate(self, nbytes, group, device):
+        group = _group_of(group)
+        world = dist.get_world_size(group) if group is not None else 1
+        if world == 1 or not _torch_symm_usable():
+            return self.ipc.allocate(nbytes, group, device)
+        placement = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))
+        everyone = [None] * world
+        dist.all_gather_object(everyone, placement, group=group)
+        if len(set(everyone)) == world and len({host for host, _ in everyone}) == 1:
+            return self.torch.allocate(nbytes, group, device)
+        return self.ipc.allocate(nbytes, group, device)
+
+
+def _torch_symm_usable() -> bool:
+    try:
+        from torch.distributed import _symmetric_memory as torch_symm
+    except ImportError:
+        return False
+    return hasattr(torch_symm, "empty") and hasattr(torch_symm, "rendezvous")
+
+
+# -- barrier deadline ----------------------------------------------------------------------------
+@dataclass(eq=False)
+class _PendingBarrier:
+    event: torch.cuda.Event
+    deadline: float
+    symm: GpuSymmHandle
+    channel: int
+    generation: int
+    step: int
+    timeout_s: float
+
+
+class Watchdog:
+    """A stream wait cannot time out, so a host thread watches every barrier still pending.
+    Past its deadline it names the peers whose slots are short, releases the stream by writing
+    the awaited value into those slots itself, and leaves the error for the next ficco call."""
+
+    POLL_S = 0.002
+
+    def __init__(self, backend: "GpuBackend"):
+        self.backend = backend
+        self._pending: list[_PendingBarrier] = []
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    def watch(self, item: _PendingBarrier) -> None:
+        with self._cv:
+            self._pending.append(item)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="ficco-watchdog",
+                                                daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def _loop(self):
+        self.backend.bind_thread()
+        while True:
+            with self._cv:
+                while not self._pending and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                items = list(self._pending)
+            now = time.monotonic()
+            done = []
+            for item in items:
+                if item.event.query():
+                    done.append(item)
+                elif now > item.deadline:
+                    self.backend.expire(item)
+                    done.append(item)
+            with self._cv:
+                self._pending = [i for i in self._pending if i not in done]
+            time.sleep(self.POLL_S)
+
+    def stop(self):
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+
+# -- the backend ---------------------------------------------------------------------------------
+class GpuBackend(Backend):
+    """Everything of a GPU backend but the vendor calls; subclasses set ``name`` and
+    ``make_vendor`` and answer ``unavailable_reason``."""
+
+    make_vendor: Callable[[], Vendor]
+
+    def __init__(self, device=None):
+        from ..errors import BackendUnavailableError
+
+        reason = type(self).unavailable_reason()
+        if reason is not None:
+            raise BackendUnavailableError(f"the {self.name} backend cannot run here: {reason}")
+        index = torch.cuda.current_device() if device is None else torch.device(device).index
+        self._device = torch.device("cuda", torch.cuda.current_device() if index is None
+                                    else index)
+        self.vendor = type(self).make_vendor()
+        self.vendor.bind_device(self._device.index)
+        self._copy_streams: dict[int, torch.cuda.Stream] = {}
+        self._comm_stream: torch.cuda.Stream | None = None
+        self._side_stream: torch.cuda.Stream | None = None
+        self._provider = AutoSymmProvider(self)
+        self._watchdog = Watchdog(self)
+        self._error: FiccoError | None = None
+        self._error_lock = threading.Lock()
+
+    def device(self):
+        return self._device
+
+    def bind_thread(self) -> None:
+        torch.cuda.set_device(self._device)
+        self.vendor.bind_device(self._device.index)
+
+    # -- queues and events --------------------------------------------------------------------
+    def queue(self, name):
+        self.raise_pending()
+        if name == "compute":
+            return torch.cuda.current_stream(self._device)
+        if name == "comm":
+            if self._comm_stream is None:
+                self._comm_stream = torch.cuda.Stream(self._device)
+            return self._comm_stream
+        if name.startswith("copy") and name[4:].isdigit():
+            index = int(name[4:])
+            engines = config.copy_engines()
+            if engines is not None:
+                index %= engines
+            stream = self._copy_streams.get(index)
+            if stream is None:
+                stream = self._copy_streams[index] = torch.cuda.Stream(self._device)
+            return stream
+        raise InvalidArgumentError(f"unknown queue {name!r}; use compute, comm or copy<i>")
+
+    def new_event(self):
+        # Timing on: the executor's trace reads elapsed times from the same events.
+        return torch.cuda.Event(enable_timing=True)
+
+    def record(self, event, queue):
+        event.record(queue)
+
+    def wait(self, event, queue):
+        queue.wait_event(event)
+
+    def elapsed_s(self, start, end) -> float:
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self._device)
+        self.raise_pending()
+
+    # -- work ---------------------------------------------------------------------------------
+    def copy(self, dst, src, queue):
+        if dst.shape != src.shape or dst.dtype != src.dtype:
+            raise InvalidArgumentError(f"copy: dst {tuple(dst.shape)} {dst.dtype} and src "
+                                       f"{tuple(src.shape)} {src.dtype} differ")
+        if dst.numel() == 0:
+            return
+        if not (dst.is_contiguous() and src.is_contiguous()):
+            self.copy_2d(dst, src, queue)
+            return
+        self.vendor.copy_1d(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size(),
+                            queue.cuda_stream)
+
+    def copy_2d(self, dst, src, queue):
+        args = copy_2d_args(dst, src)
+        if args is not None:
+            self.vendor.copy_2d(args, queue.cuda_stream)
+
+    def gemm(self, a, b, out, accumulate, queue):
+        if out.numel() == 0:
+            return
+        beta = 1 if accumulate else 0  # beta 0 never reads ``out`` (NaN poison stays out)
+        with torch.cuda.stream(queue):
+            if a.dim() == 2:
+                out.addmm_(a, b, beta=beta)
+            else:
+                # One strided-batched GEMM over equally spaced row blocks; B broadcast with a
+                # zero batch stride so nothing is copied.
+                out.baddbmm_(a, b.expand(a.shape[0], *b.shape), beta=beta)
+
+    def launch(self, queue, fn):
+        with torch.cuda.stream(queue):
+            fn()
+
+    # -- cross-rank ---------------------------------------------------------------------------
+    def barrier(self, symm, channel, queue, timeout_s, step):
+        self.raise_pending()
+        self._enqueue_barrier(symm, channel, queue, timeout_s, step)
+
+    def _enqueue_barrier(self, symm, channel, queue, timeout_s, step) -> _PendingBarrier:
+        generation = symm.next_generation(channel)
+        stream = queue.cuda_stream
+        for peer in range(symm.world):
+            self.vendor.write_value32(stream, symm.slot_address(peer, channel, symm.rank),
+                                      generation)
+        for peer in range(symm.world):
+            self.vendor.wait_value32_geq(stream, symm.slot_address(symm.rank, channel, peer),
+                                         generation)
+        item = _PendingBarrier(torch.cuda.Event(), time.monotonic() + timeout_s, symm, channel,
+                               generation, step, timeout_s)
+        if not torch.cuda.is_current_stream_capturing():
+            item.event.record(queue)
+            self._watchdog.watch(item)
+        return item
+
+    def host_barrier(self, symm, channel, timeout_s, step) -> None:
+        """Block the host until every rank reached this barrier (runs on a private stream)."""
+        self.raise_pending()
+        item = self._enqueue_barrier(symm, channel, self._side(), timeout_s, step)
+        while not item.event.query():
+            if time.monotonic() > item.deadline + 1.0:
+                break
+            time.sleep(0.0005)
+        item.event.synchronize()  # the watchdog released it if a peer never came
+        self.raise_pending()
+
+    def expire(self, item: _PendingBarrier) -> None:
+        """Called by the watchdog: a barrier's stream wait outlived its deadline."""
+        symm = item.symm
+        side = self._side()
+        with torch.cuda.stream(side):
+            slots = symm.signal_pad(symm.rank)[item.channel].to("cpu", non_blocking=False)
+        late = [p for p in range(symm.world) if int(slots[p]) < item.generation]
+        for peer in late:  # release the stuck stream so the process can go on
+            self.vendor.write_value32(side.cuda_stream,
+                                      symm.slot_address(symm.rank, item.channel, peer),
+                                      item.generation)
+        side.synchronize()
+        where = f" at step {item.step}" if item.step >= 0 else ""
+        error = CommTimeoutError(
+            f"rank {symm.rank}{where}: barrier channel {item.channel} (generation "
+            f"{item.generation}) waited {item.timeout_s:.1f}s for rank(s) {late or '?'} whose "
+            f"signal slots held {[int(slots[p]) for p in late]}; those peers are dead or stuck. "
+            f"Raise FICCO_TIMEOUT if they are only slow")
+        with self._error_lock:
+            if self._error is None:
+                self._error = error
+
+    def raise_pending(self) -> None:
+        if self._error is None:
+            return
+        with self._error_lock:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _side(self) -> torch.cuda.Stream:
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self._device)
+        return self._side_stream
+
+    def finish(self, queues):
+        self.raise_pending()
+        compute = torch.cuda.current_stream(self._device)
+        for q in queues:
+            if q != compute:
+                done = torch.cuda.Event()
+                done.record(q)
+                compute.wait_event(done)
+
+    def symm_provider(self):
+        return self._provider
+
+    def close(self):
+        self._watchdog.stop()
+        self._copy_streams.clear()
+        self._comm_stream = self._side_stream = None

@@ -1,0 +1,184 @@
+"""The ROCm backend: :class:`~ficco.backends.gpu.GpuBackend` (torch's ROCm build exposes HIP
+streams, events and hipBLASLt GEMMs through ``torch.cuda``) plus the HIP calls torch does not
+expose, made through hip-python (``from hip import hip``, imported only when used):
+
+- 1-D copies: ``hipMemcpyAsync`` with ``hipMemcpyDeviceToDeviceNoCU`` so the copy runs on an
+  SDMA engine and never takes compute units;
+- 2-D copies: ``hipMemcpy2DAsync``, asked for NoCU as well and falling back to
+  ``hipMemcpyDeviceToDevice`` once if this ROCm refuses that kind for 2-D copies;
+- signals: ``hipStreamWriteValue32`` / ``hipStreamWaitValue32`` with ``hipStreamWaitValueGte``
+  and an all-ones mask (the mask is ANDed with the slot before comparing: 0 would never wait);
+- symmetric memory: ``hipMalloc`` + ``hipIpcGetMemHandle`` / ``hipIpcOpenMemHandle``.
+
+``hipMemcpyBatchAsync`` is not used: hip-python 10.0's generated binding drops its ``dsts``
+and ``sizes`` arguments (``hipMemcpyBatchAsync(srcs, count, attrs, numAttrs, stream)``).
+
+Nothing here has run on AMD hardware yet; see docs/gpu.md.
+
+>>> from ficco.backends.rocm import RocmBackend
+>>> RocmBackend.unavailable_reason() is None or "ROCm" in RocmBackend.unavailable_reason()
+True
+"""
+from __future__ import annotations
+
+import torch
+
+from ...errors import BackendCallError
+from ..gpu import Copy2D, GpuBackend, Vendor, handle_bytes
+
+IPC_HANDLE_BYTES = 64
+ALL_BITS = 0xFFFFFFFF
+
+
+def address_of(value) -> int:
+    """A hip-python pointer result (Pointer, DeviceArray) or an int, as an int address."""
+    if isinstance(value, int):
+        return value
+    if hasattr(value, "as_c_void_p"):
+        return value.as_c_void_p().value or 0
+    return int(value)
+
+
+class RocmVendor(Vendor):
+    """hip-python calls. ``hip`` defaults to hip-python's module; tests pass a recorder."""
+
+    name = "rocm"
+
+    def __init__(self, hip=None):
+        if hip is None:
+            from hip import hip
+        self.hip = hip
+        self._copy_kind = hip.hipMemcpyKind.hipMemcpyDeviceToDeviceNoCU
+        self._copy_2d_kind = hip.hipMemcpyKind.hipMemcpyDeviceToDeviceNoCU
+
+    def check(self, call: str, result):
+        """Raise :class:`BackendCallError` naming ``call``, the status code and its meaning;
+        return the call's outputs (one value, a tuple, or None)."""
+        status, *values = result if isinstance(result, tuple) else (result,)
+        if int(status) != 0:
+            raise BackendCallError(f"{call} failed with status {int(status)} "
+                                   f"({self._describe(status)})")
+        if not values:
+            return None
+        return values[0] if len(values) == 1 else tuple(values)
+
+    def _describe(self, status) -> str:
+        try:
+            name = self.hip.hipGetErrorName(status)[1]
+            text = self.hip.hipGetErrorString(status)[1]
+            decode = lambda v: v.decode() if isinstance(v, bytes) else str(v)  # noqa: E731
+            return f"{decode(name)}: {decode(text)}"
+        except Exception:  # noqa: BLE001 - describing an error must never hide it
+            return getattr(status, "name", str(status))
+
+    def bind_device(self, index):
+        self.check("hipSetDevice", self.hip.hipSetDevice(index))
+
+    def copy_1d(self, dst, src, nbytes, stream):
+        self.check("hipMemcpyAsync",
+                   self.hip.hipMemcpyAsync(dst, src, nbytes, self._copy_kind, stream))
+
+    def copy_2d(self, args: Copy2D, stream):
+        def call(kind):
+            return self.hip.hipMemcpy2DAsync(args.dst, args.dpitch, args.src, args.spitch,
+                                             args.width, args.height, kind, stream)
+
+        result = call(self._copy_2d_kind)
+        refused = (self.hip.hipError_t.hipErrorInvalidMemcpyDirection,
+                   self.hip.hipError_t.hipErrorInvalidValue)
+        if _status(result) in refused and \
+                self._copy_2d_kind == self.hip.hipMemcpyKind.hipMemcpyDeviceToDeviceNoCU:
+            # The documented kinds for 2-D copies do not include NoCU; older ROCm refuse it.
+            self._copy_2d_kind = self.hip.hipMemcpyKind.hipMemcpyDeviceToDevice
+            result = call(self._copy_2d_kind)
+        self.check("hipMemcpy2DAsync", result)
+
+    def write_value32(self, stream, address, value):
+        self.check("hipStreamWriteValue32",
+                   self.hip.hipStreamWriteValue32(stream, address, value, 0))
+
+    def wait_value32_geq(self, stream, address, value):
+        self.check("hipStreamWaitValue32",
+                   self.hip.hipStreamWaitValue32(stream, address, value,
+                                                 self.hip.hipStreamWaitValueGte, ALL_BITS))
+
+    def malloc(self, nbytes):
+        return address_of(self.check("hipMalloc", self.hip.hipMalloc(max(nbytes, 1))))
+
+    def free(self, address):
+        self.check("hipFree", self.hip.hipFree(address))
+
+    def ipc_export(self, address):
+        handle = self.check("hipIpcGetMemHandle", self.hip.hipIpcGetMemHandle(address))
+        return handle_bytes(address_of(handle), IPC_HANDLE_BYTES)
+
+    def ipc_open(self, handle):
+        wrapped = self.hip.hipIpcMemHandle_t.fromObj(bytearray(handle))
+        opened = self.check("hipIpcOpenMemHandle",
+                            self.hip.hipIpcOpenMemHandle(wrapped,
+                                                         self.hip.hipIpcMemLazyEnablePeerAccess))
+        return address_of(opened)
+
+    def ipc_close(self, address):
+        self.check("hipIpcCloseMemHandle", self.hip.hipIpcCloseMemHandle(address))
+
+
+def _status(result):
+    return result[0] if isinstance(result, tuple) else result
+
+
+def hip_python_mismatch(rocm_version: str, hip_python_version: str) -> str | None:
+    """None when hip-python's major.minor equals the installed ROCm's, else the fix.
+
+    >>> hip_python_mismatch("6.2.41133-dd7f95766", "6.2.0.499")
+    >>> hip_python_mismatch("6.2.41133", "10.0.0")[:27]
+    'hip-python 10.0.0 does not '
+    """
+    want = ".".join(rocm_version.split(".")[:2])
+    have = ".".join(hip_python_version.split(".")[:2])
+    if want == have:
+        return None
+    return (f"hip-python {hip_python_version} does not match ROCm {rocm_version}; install the "
+            f"matching one: pip install 'hip-python~={want}.0' (from the index in ROCm's "
+            f"hip-python install guide)")
+
+
+class RocmBackend(GpuBackend):
+    """ficco on AMD Instinct GPUs. ``RocmBackend(device=None)`` uses the current device."""
+
+    name = "rocm"
+    make_vendor = RocmVendor
+
+    @classmethod
+    def unavailable_reason(cls):
+        rocm = getattr(torch.version, "hip", None)
+        if not rocm:
+            return ("this torch is not a ROCm build (torch.version.hip is None); install torch "
+                    "for ROCm, e.g. pip install torch --index-url "
+                    "https://download.pytorch.org/whl/rocm6.4, or use the cuda/cpu backend")
+        try:
+            from importlib.metadata import PackageNotFoundError, version
+
+            installed = version("hip-python")
+        except PackageNotFoundError:
+            want = ".".join(rocm.split(".")[:2])
+            return (f"hip-python is not installed; install the one for ROCm {rocm}: "
+                    f"pip install 'hip-python~={want}.0'")
+        mismatch = hip_python_mismatch(rocm, installed)
+        if mismatch:
+            return mismatch
+        try:
+            from hip import hip  # noqa: F401
+        except ImportError as exc:
+            return f"hip-python {installed} is installed but does not import ({exc}); reinstall it"
+        if not torch.cuda.is_available():
+            return ("no AMD GPU is visible (torch.cuda.is_available() is False); check rocm-smi "
+                    "and HIP_VISIBLE_DEVICES")
+        return None
+
+    def target(self):
+        arch = getattr(torch.cuda.get_device_properties(self._device), "gcnArchName", "gfx")
+        return f"rocm:{arch.split(':')[0]}"
+
+
+__all__ = ["RocmBackend", "RocmVendor", "hip_python_mismatch"]

@@ -1,0 +1,1 @@
+"""``python -m ficco.bench <verb>``: sweep, characterize, simulate, timeline (DESIGN §6)."""

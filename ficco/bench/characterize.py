@@ -1,0 +1,364 @@
+"""``characterize``: measure one device's decomposition and contention losses (paper §IV,
+Figs. 7-9) and write a profile JSON that ``FICCO_PROFILE`` accepts.
+
+Everything runs through the active backend's queues (streams on GPUs, worker threads on CPU),
+so the copies measured are the copies ficco makes (DMA on GPUs, ``cudaMemcpy2DAsync`` for 2D)::
+
+    python -m ficco.bench characterize --quick            # CPU: seconds
+    python -m ficco.bench characterize --scale 8          # one GPU: about a minute
+    FICCO_PROFILE=bench/results/characterize-.../profile.json python my_model.py
+
+Measured:
+- DIL: each GEMM whole vs. as 8 and 64 row (M) pieces and 8 and 64 column (K) pieces that
+  accumulate, run back to back on the compute queue (Fig. 7).
+- copy efficiency: bandwidth of 1D (contiguous) and 2D (rows of a column block) copies by
+  size, as a fraction of the best 1D bandwidth seen, plus 2D efficiency by row width (Fig. 9).
+- CIL: an 8-way M piece of each GEMM alone vs. beside copies saturating the copy queues, and
+  a copy alone vs. beside back-to-back GEMMs (Fig. 8).
+The profile starts from the built-in one for this target and replaces what was measured;
+``sources`` in the JSON says which numbers came from where.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+from pathlib import Path
+from statistics import median
+
+import torch
+
+from ..errors import InvalidArgumentError
+from . import results
+from .scenarios import Scenario, paper
+
+DIL_WAYS = (8, 64)
+ROW_WIDTH_2D = 2048          # bytes per row of a 2D copy in the by-size curve (K/8 of bf16 K=8192)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    gemms: tuple[Scenario, ...]
+    copy_sizes: tuple[int, ...]
+    widths_2d: tuple[int, ...]
+    width_probe_bytes: int
+    noise_copy_bytes: int
+    copy_queues: int
+    warmup: int
+    repeat: int
+
+
+def settings_for(args, device: torch.device) -> Settings:
+    """``--quick``: a few tiny GEMMs and copies (CPU seconds). Otherwise the paper's GEMMs
+    with M divided by ``--scale`` and copies from 4 KiB to 256 MiB."""
+    if args.quick:
+        gemms = (Scenario("tall", 1024, 128, 256, "quick"), Scenario("wide", 256, 128, 1024, "quick"),
+                 Scenario("square", 512, 256, 512, "quick"))
+        return Settings(gemms, tuple(2 ** p for p in range(12, 21, 2)), (64, 256, 1024, 4096),
+                        1 << 20, 1 << 20, args.copy_queues or 2, 1, args.repeat or 3)
+    if args.scale <= 0:
+        raise InvalidArgumentError(f"--scale must be positive; got {args.scale}")
+    gemms = tuple(paper(args.scale))
+    if args.only:
+        keep = set(args.only.split(","))
+        gemms = tuple(g for g in gemms if g.name in keep)
+    queues = args.copy_queues or (7 if device.type != "cpu" else 2)
+    return Settings(gemms, tuple(2 ** p for p in range(12, 29, 2)),
+                    (64, 128, 256, 512, 1024, 2048, 4096, 8192), 16 << 20, 64 << 20, queues,
+                    2, args.repeat or 5)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU, CI)")
+    parser.add_argument("--scale", type=int, default=8,
+                        help="divide the paper GEMMs' M by this (default 8)")
+    parser.add_argument("--only", default=None, help="comma list of paper GEMMs, e.g. g1,g2")
+    parser.add_argument("--dtype", default=None,
+                        help="GEMM dtype (default bfloat16 on GPU, float32 on CPU)")
+    parser.add_argument("--repeat", type=int, default=None, help="timed runs per point")
+    parser.add_argument("--copy-queues", type=int, default=None,
+                        help="copy queues kept busy in the CIL runs (default 7 on GPU)")
+    parser.add_argument("--base", default=None,
+                        help="built-in profile to start from (default: detected for the target)")
+    parser.add_argument("--name", default=None, help="name of the written profile")
+    parser.add_argument("--out", default=None,
+                        help="directory (default bench/results/characterize-<target>-<date>)")
+
+
+# -- timing on backend queues ----------------------------------------------------------------
+class Timer:
+    """Times work enqueued on backend queues with the backend's own events."""
+
+    def __init__(self, backend, copy_queues: int):
+        self.backend = backend
+        self.compute = backend.queue("compute")
+        self.copies = [backend.queue(f"copy{i}") for i in range(copy_queues)]
+
+    def _drain(self):
+        self.backend.finish([self.compute, *self.copies])
+        self.backend.synchronize()
+
+    def alone(self, queue, enqueue, warmup: int, repeat: int) -> float:
+        """Median seconds of ``enqueue(queue)`` with every other queue idle."""
+        for _ in range(warmup):
+            enqueue(queue)
+        self._drain()
+        marks = []
+        for _ in range(repeat):
+            start, end = self.backend.new_event(), self.backend.new_event()
+            self.backend.record(start, queue)
+            enqueue(queue)
+            self.backend.record(end, queue)
+            marks.append((start, end))
+        self._drain()
+        return median(self.backend.elapsed_s(s, e) for s, e in marks)
+
+    def beside(self, queue, enqueue, noise_queues, noise, noise_count: int, repeat: int) -> float:
+        """Median seconds of ``enqueue(queue)`` while ``noise(q)`` runs ``noise_count`` times
+        back to back on each of ``noise_queues`` (queued first, so it covers the victim)."""
+        times = []
+        for _ in range(repeat):
+            for q in noise_queues:
+                for _ in range(noise_count):
+                    noise(q)
+            start, end = self.backend.new_event(), self.backend.new_event()
+            self.backend.record(start, queue)
+            enqueue(queue)
+            self.backend.record(end, queue)
+            self._drain()
+            times.append(self.backend.elapsed_s(start, end))
+        return median(times)
+
+
+def _cover(victim_s: float, noise_s: float) -> int:
+    """Noise repetitions that outlast the victim by half again (capped: a tiny noise op
+    against a long victim would otherwise queue thousands)."""
+    return max(2, min(256, math.ceil(1.5 * victim_s / max(noise_s, 1e-9)) + 1))
+
+
+# -- measurements -----------------------------------------------------------------------------
+def _operands(g: Scenario, dtype: torch.dtype, device):
+    a = torch.randn(g.big_m, g.k, device=device).to(dtype)
+    b = torch.randn(g.k, g.n, device=device).to(dtype)
+    out = torch.empty(g.big_m, g.n, device=device, dtype=dtype)
+    return a, b, out
+
+
+def _rows_gemm(backend, a, b, out, ways: int):
+    pieces = [(r0, r0 + n) for r0, n in _split(a.shape[0], ways)]
+    return lambda q: [backend.gemm(a[r0:r1], b, out[r0:r1], False, q) for r0, r1 in pieces]
+
+
+def _cols_gemm(backend, a, b, out, ways: int):
+    pieces = [(k0, k0 + n) for k0, n in _split(a.shape[1], ways)]
+    return lambda q: [backend.gemm(a[:, k0:k1], b[k0:k1], out, i > 0, q)
+                      for i, (k0, k1) in enumerate(pieces)]
+
+
+def _split(total: int, parts: int):
+    from ..problem import even_split
+
+    return [(s, n) for s, n in even_split(total, parts) if n > 0]
+
+
+def measure_dil(timer: Timer, st: Settings, dtype: torch.dtype, device, progress) -> list[dict]:
+    out_records = []
+    backend = timer.backend
+    for g in st.gemms:
+        a, b, out = _operands(g, dtype, device)
+        whole_s = timer.alone(timer.compute, lambda q: backend.gemm(a, b, out, False, q),
+                              st.warmup, st.repeat)
+        for split, build in (("row", _rows_gemm), ("col", _cols_gemm)):
+            for ways in DIL_WAYS:
+                sharded_s = timer.alone(timer.compute, build(backend, a, b, out, ways),
+                                        st.warmup, st.repeat)
+                out_records.append(dict(
+                    schema=results.CHARACTERIZE_SCHEMA, kind="dil", gemm=g.name, M=g.big_m,
+                    N=g.n, K=g.k, split=split, ways=ways, whole_s=whole_s, sharded_s=sharded_s,
+                    dil=sharded_s / whole_s, flops_per_s=2 * g.big_m * g.n * g.k / whole_s))
+        progress.update(1)
+        del a, b, out
+    return out_records
+
+
+def _copy_pair(nbytes: int, width: int | None, device):
+    """(dst, src) byte views: contiguous for 1D; for 2D, ``width``-byte rows of a block 8x as
+    wide (a column chunk of an 8-way split), so each row is strided."""
+    if width is None:
+        return (torch.empty(nbytes, dtype=torch.uint8, device=device),
+                torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device))
+    rows = max(1, nbytes // width)
+    src = torch.randint(0, 255, (rows, 8 * width), dtype=torch.uint8, device=device)
+    dst = torch.empty(rows, 8 * width, dtype=torch.uint8, device=device)
+    return dst[:, :width], src[:, :width]
+
+
+def measure_copies(timer: Timer, st: Settings, device, progress) -> list[dict]:
+    backend, q = timer.backend, timer.copies[0]
+    recs = []
+    for shape in ("1d", "2d"):
+        for nbytes in st.copy_sizes:
+            width = None if shape == "1d" else min(ROW_WIDTH_2D, nbytes)
+            dst, src = _copy_pair(nbytes, width, device)
+            move = backend.copy if width is None else backend.copy_2d
+            seconds = timer.alone(q, lambda qq: move(dst, src, qq), st.warmup, st.repeat)
+            recs.append(dict(schema=results.CHARACTERIZE_SCHEMA, kind="copy", shape=shape,
+                             bytes=dst.numel(), width_bytes=width or nbytes, time_s=seconds,
+                             bytes_per_s=dst.numel() / seconds))
+            progress.update(1)
+    best = max(r["bytes_per_s"] for r in recs if r["shape"] == "1d")
+    for r in recs:
+        r["efficiency"] = r["bytes_per_s"] / best
+    flat_dst, flat_src = _copy_pair(st.width_probe_bytes, None, device)
+    flat_s = timer.alone(q, lambda qq: backend.copy(flat_dst, flat_src, qq), st.warmup, st.repeat)
+    for width in st.widths_2d:
+        dst, src = _copy_pair(st.width_probe_bytes, width, device)
+        seconds = timer.alone(q, lambda qq: backend.copy_2d(dst, src, qq), st.warmup, st.repeat)
+        recs.append(dict(schema=results.CHARACTERIZE_SCHEMA, kind="copy_width", shape="2d",
+                         bytes=dst.numel(), width_bytes=width, time_s=seconds,
+                         bytes_per_s=dst.numel() / seconds,
+                         ratio_to_1d=(dst.numel() / seconds) / (flat_dst.numel() / flat_s)))
+        progress.update(1)
+    return recs
+
+
+def measure_cil(timer: Timer, st: Settings, dtype: torch.dtype, device, progress) -> list[dict]:
+    backend = timer.backend
+    noise_dst, noise_src = _copy_pair(st.noise_copy_bytes, None, device)
+    noise_copy = lambda q: backend.copy(noise_dst, noise_src, q)  # noqa: E731
+    copy_s = timer.alone(timer.copies[0], noise_copy, st.warmup, st.repeat)
+    recs = []
+    for g in st.gemms:
+        piece = Scenario(g.name, max(1, g.big_m // 8), g.n, g.k)
+        a, b, out = _operands(piece, dtype, device)
+        gemm = lambda q: backend.gemm(a, b, out, False, q)  # noqa: E731
+        mt = (piece.big_m * piece.k + piece.k * piece.n + piece.big_m * piece.n) * a.element_size()
+        gemm_alone = timer.alone(timer.compute, gemm, st.warmup, st.repeat)
+        gemm_beside = timer.beside(timer.compute, gemm, timer.copies, noise_copy,
+                                   _cover(gemm_alone, copy_s), st.repeat)
+        copy_beside = timer.beside(timer.copies[0], noise_copy, [timer.compute], gemm,
+                                   _cover(copy_s, gemm_alone), st.repeat)
+        common = dict(schema=results.CHARACTERIZE_SCHEMA, kind="cil", gemm=g.name,
+                      M=piece.big_m, N=piece.n, K=piece.k, mt_bytes=mt,
+                      copy_bytes=st.noise_copy_bytes, copy_queues=len(timer.copies))
+        recs.append(dict(common, victim="gemm", alone_s=gemm_alone, beside_s=gemm_beside,
+                         cil=gemm_beside / gemm_alone))
+        recs.append(dict(common, victim="copy", alone_s=copy_s, beside_s=copy_beside,
+                         cil=copy_beside / copy_s))
+        progress.update(1)
+        del a, b, out
+    return recs
+
+
+# -- profile ----------------------------------------------------------------------------------
+def fit_profile(base, recs: list[dict], dtype: str, name: str, device_name: str):
+    """The base profile with the measured numbers put in; ``sources`` notes each one.
+
+    - ``copy_efficiency``: the 1D by-size curve; ``copy_latency_s``: the smallest copy's time.
+    - ``copy_2d_half_row_bytes``: ``w * (1/r - 1)`` (median over row widths ``w``), fitting
+      ``r = w / (w + half)`` to the 2D/1D bandwidth ratio ``r``.
+    - ``dil.gemm_efficiency``: best whole-GEMM FLOP/s over the profile's peak (the peak is
+      raised to the measurement when the measurement beats it).
+    - ``cil.dma_gemm`` / ``cil.dma_copy``: ``(CIL - 1) / (MT / (MT + mt_half_bytes))``, the
+      mean over GEMMs, i.e. the slowdown the profile's MT scaling implies at full traffic.
+    """
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    note = f"measured by ficco bench characterize on {device_name}, {stamp}"
+    changes, sources = {}, dict(base.sources)
+    one_d = sorted((r for r in recs if r["kind"] == "copy" and r["shape"] == "1d"),
+                   key=lambda r: r["bytes"])
+    if one_d:
+        changes["copy_efficiency"] = {str(r["bytes"]): round(r["efficiency"], 4) for r in one_d}
+        changes["copy_latency_s"] = one_d[0]["time_s"]
+        sources["copy_efficiency"] = sources["copy_latency_s"] = note
+    halves = [r["width_bytes"] * (1 / r["ratio_to_1d"] - 1) for r in recs
+              if r["kind"] == "copy_width" and 0 < r["ratio_to_1d"] < 1]
+    if halves:
+        changes["copy_2d_half_row_bytes"] = float(median(halves))
+        sources["copy_2d_half_row_bytes"] = note
+    dil = dict(base.dil)
+    flops = [r["flops_per_s"] for r in recs if r["kind"] == "dil"]
+    if flops:
+        peak = dict(base.peak_flops)
+        best = max(flops)
+        if best > base.flops(dtype):
+            peak[dtype] = best
+            changes["peak_flops"] = peak
+            sources["peak_flops"] = f"{dtype}: {note} (beat the built-in peak)"
+        dil["gemm_efficiency"] = round(min(1.0, best / max(best, base.flops(dtype))), 4)
+        changes["dil"] = dil
+        sources["dil.gemm_efficiency"] = note
+    cil = dict(base.cil)
+    for victim, key in (("gemm", "dma_gemm"), ("copy", "dma_copy")):
+        fits = [(r["cil"] - 1) / (r["mt_bytes"] / (r["mt_bytes"] + cil["mt_half_bytes"]))
+                for r in recs if r["kind"] == "cil" and r["victim"] == victim]
+        if fits:
+            cil[key] = round(max(0.0, sum(fits) / len(fits)), 4)
+            sources[f"cil.{key}"] = note
+    changes["cil"] = cil
+    return dataclasses.replace(base, name=name, sources=sources, **changes)
+
+
+def main(args) -> int:
+    from tqdm import tqdm
+
+    from ..backends import get_backend
+    from ..heuristics import profiles
+
+    backend = get_backend()
+    device = backend.device()
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    if dtype not in ("float32", "bfloat16", "float16", "float64"):
+        raise InvalidArgumentError(f"--dtype {dtype!r}; use float32, bfloat16, float16 or float64")
+    st = settings_for(args, device)
+    target = backend.target()
+    env = results.environment(1, target, device)
+    timer = Timer(backend, st.copy_queues)
+    steps = 2 * len(st.gemms) + 2 * len(st.copy_sizes) + len(st.widths_2d)
+    torch.manual_seed(0)
+    with tqdm(total=steps, desc="characterize", unit="point", dynamic_ncols=True) as progress:
+        recs = measure_copies(timer, st, device, progress)
+        recs += measure_dil(timer, st, getattr(torch, dtype), device, progress)
+        recs += measure_cil(timer, st, getattr(torch, dtype), device, progress)
+    for r in recs:
+        r["env"] = env
+    base = profiles.load(args.base or profiles.detect(target))
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    safe_target = "".join(c if c.isalnum() or c in "_." else "-" for c in target)
+    out_dir = Path(args.out or Path("bench") / "results" / f"characterize-{safe_target}-{stamp}")
+    profile = fit_profile(base, recs, dtype, args.name or f"{base.name}-measured",
+                          env["env_device"])
+    profile.to_json(out_dir / "profile.json")
+    results.write_jsonl(out_dir / "characterize.jsonl", recs)
+    from . import plots
+
+    pngs = [plots.plot_dil([r for r in recs if r["kind"] == "dil"], out_dir / "dil.png"),
+            plots.plot_copy_efficiency([r for r in recs if r["kind"] == "copy"],
+                                       out_dir / "copy_efficiency.png"),
+            plots.plot_cil([r for r in recs if r["kind"] == "cil"], out_dir / "cil.png")]
+    print(summary(recs, profile))
+    print(f"wrote {out_dir / 'profile.json'}, {out_dir / 'characterize.jsonl'}, "
+          + ", ".join(str(p) for p in pngs))
+    print(f"use it with: FICCO_PROFILE={out_dir / 'profile.json'}")
+    return 0
+
+
+def summary(recs: list[dict], profile) -> str:
+    """A few lines for the terminal: geomean DIL per variant, CIL, copy numbers."""
+    from .plots import geomean
+
+    lines = [f"profile {profile.name}: gemm_efficiency {profile.dil['gemm_efficiency']}, "
+             f"copy_latency_s {profile.copy_latency_s:.2e}, "
+             f"copy_2d_half_row_bytes {profile.copy_2d_half_row_bytes:.0f}, "
+             f"cil dma_gemm {profile.cil['dma_gemm']} dma_copy {profile.cil['dma_copy']}"]
+    for split in ("row", "col"):
+        for ways in DIL_WAYS:
+            vals = [r["dil"] for r in recs if r["kind"] == "dil" and r["split"] == split
+                    and r["ways"] == ways]
+            lines.append(f"DIL {split} {ways}-way: geomean {geomean(vals):.3f}x over {len(vals)} GEMMs")
+    for victim in ("gemm", "copy"):
+        vals = [r["cil"] for r in recs if r["kind"] == "cil" and r["victim"] == victim]
+        lines.append(f"CIL {victim}: geomean {geomean(vals):.3f}x")
+    best = max((r["bytes_per_s"] for r in recs if r["kind"] == "copy"), default=0)
+    lines.append(f"best 1D copy bandwidth {best / 1e9:.1f} GB/s")
+    return "\n".join(lines)

@@ -1,0 +1,235 @@
+"""Paper-style PNG plots of benchmark records (matplotlib, Agg: no display needed).
+
+Sweep plots take the records of :mod:`ficco.bench.results`; characterize plots take the
+``dil`` / ``copy`` / ``cil`` records that ``characterize`` writes. Example::
+
+    from ficco.bench import plots, results
+    recs = results.read_jsonl("bench/results/sweep-cpu-20261122/results.jsonl")
+    plots.sweep_plots(recs, "bench/results/sweep-cpu-20261122")   # -> list of PNG paths
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from .results import PICK_TOLERANCE, SELECTORS, selector_accuracy
+
+SELECTOR_MARKERS = {"paper": ("v", "tab:red"), "model": ("o", "tab:green")}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _label(rec: dict) -> str:
+    if rec["kind"] == "baseline" or rec["transport"] != "dma":
+        return f"{rec['schedule']} ({rec['transport']})"
+    return rec["schedule"]
+
+
+def _scenarios(records):
+    return list(dict.fromkeys(r["scenario"] for r in records))
+
+
+def ideal_speedup(ratio: float) -> float:
+    """Perfect overlap of a GEMM and an all-gather whose times have ``ratio`` = gemm/comm:
+    ``(g + c) / max(g, c)``, 2x at ratio 1 (paper Fig. 13's bell).
+
+    >>> ideal_speedup(1.0), ideal_speedup(4.0)
+    (2.0, 1.25)
+    """
+    return (1 + ratio) / max(1.0, ratio)
+
+
+def plot_speedups(records: list[dict], path) -> Path:
+    """Fig. 12b: speedup over serial (ccl) of every schedule per scenario; each selector's
+    pick marked above its bar."""
+    plt = _pyplot()
+    ok = [r for r in records if r.get("status") == "ok" and r.get("speedup")]
+    scenarios = _scenarios(ok)
+    labels = list(dict.fromkeys(_label(r) for r in ok))
+    width = 0.8 / max(len(labels), 1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(scenarios) * max(len(labels), 4) / 4), 4.5))
+    cmap = plt.get_cmap("tab20")
+    for i, label in enumerate(labels):
+        xs, ys = [], []
+        for j, sc in enumerate(scenarios):
+            rec = next((r for r in ok if r["scenario"] == sc and _label(r) == label), None)
+            if rec is None:
+                continue
+            x = j - 0.4 + width * (i + 0.5)
+            xs.append(x)
+            ys.append(rec["speedup"])
+            for sel in rec.get("picked_by", []):
+                marker, color = SELECTOR_MARKERS.get(sel, ("x", "black"))
+                offset = 0.04 * (1 + list(SELECTORS).index(sel)) if sel in SELECTORS else 0.04
+                ax.plot(x, rec["speedup"] + offset * max(ys), marker=marker, color=color,
+                        markersize=6, linestyle="none")
+        ax.bar(xs, ys, width=width, label=label, color=cmap(i % 20))
+    for sel, (marker, color) in SELECTOR_MARKERS.items():
+        ax.plot([], [], marker=marker, color=color, linestyle="none", label=f"{sel} selector pick")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(scenarios)), scenarios, rotation=45, ha="right")
+    ax.set_ylabel("speedup over serial (ccl)")
+    ax.set_title("Schedules per scenario (cf. FiCCO Fig. 12b)")
+    ax.legend(fontsize=6, ncol=2, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _save(fig, path)
+
+
+def plot_ratio(records: list[dict], path) -> Path:
+    """Fig. 13: speedup against GEMM/communication time ratio, with the ideal curve; the best
+    FiCCO schedule and shard-level ``ring`` per scenario."""
+    plt = _pyplot()
+    ok = [r for r in records if r.get("status") == "ok" and r.get("speedup")
+          and r.get("gemm_comm_ratio")]
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    ratios = [r["gemm_comm_ratio"] for r in ok]
+    if ratios:
+        lo, hi = min(ratios + [0.1]) / 2, max(ratios + [10.0]) * 2
+        xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+        ax.plot(xs, [ideal_speedup(x) for x in xs], color="black", label="ideal overlap")
+    series = {"best ficco": [], "ring": [], "ring-bidir": []}
+    for sc in _scenarios(ok):
+        recs = [r for r in ok if r["scenario"] == sc]
+        ficco_recs = [r for r in recs if r["kind"] == "schedule" and "-" in r["schedule"]
+                      and not r["schedule"].startswith("ring")]
+        if ficco_recs:
+            series["best ficco"].append(max(ficco_recs, key=lambda r: r["speedup"]))
+        for name in ("ring", "ring-bidir"):
+            series[name] += [r for r in recs if r["schedule"] == name and r["transport"] == "dma"]
+    for (name, recs), marker in zip(series.items(), ("o", "s", "^")):
+        if recs:
+            ax.scatter([r["gemm_comm_ratio"] for r in recs], [r["speedup"] for r in recs],
+                       marker=marker, label=name)
+            for r in recs if name == "best ficco" else []:
+                ax.annotate(r["scenario"], (r["gemm_comm_ratio"], r["speedup"]), fontsize=6)
+    ax.set_xscale("log")
+    ax.axhline(1.0, color="grey", linewidth=0.6)
+    ax.set_xlabel("GEMM time / all-gather time (each alone)")
+    ax.set_ylabel("speedup over serial (ccl)")
+    ax.set_title("Speedup vs GEMM/comm ratio (cf. FiCCO Fig. 13)")
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def plot_selector_accuracy(records: list[dict], path) -> Path:
+    """How often each selector's pick is within 5% of the best measured schedule (left) and,
+    per scenario, the best speedup next to each selector's pick's speedup (right)."""
+    plt = _pyplot()
+    acc = selector_accuracy(records)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2),
+                                      gridspec_kw={"width_ratios": [1, 3]})
+    names = [s for s in SELECTORS if acc[s]["scenarios"]]
+    left.bar(names, [100 * acc[s]["accuracy"] for s in names],
+             color=[SELECTOR_MARKERS[s][1] for s in names])
+    for i, s in enumerate(names):
+        left.annotate(f"{acc[s]['hits']}/{acc[s]['scenarios']}\nloss {100 * acc[s]['mean_loss_when_missed']:.0f}%",
+                      (i, 100 * acc[s]["accuracy"]), ha="center", va="bottom", fontsize=7)
+    left.set_ylim(0, 119)
+    left.set_ylabel(f"picks within {PICK_TOLERANCE:.0%} of best (%)")
+    left.set_title("Selector accuracy")
+    scenarios = [sc for sc in _scenarios(records)
+                 if any(r["scenario"] == sc and r.get("best_speedup") for r in records)]
+    width = 0.8 / (1 + len(SELECTORS))
+    for i, key in enumerate(["best"] + list(SELECTORS)):
+        ys = []
+        for sc in scenarios:
+            rec = next(r for r in records if r["scenario"] == sc)
+            value = rec.get("best_speedup") if key == "best" else rec.get("pick_speedups", {}).get(key)
+            ys.append(value or 0.0)
+        color = "tab:blue" if key == "best" else SELECTOR_MARKERS[key][1]
+        right.bar([j - 0.4 + width * (i + 0.5) for j in range(len(scenarios))], ys, width=width,
+                  label=key if key == "best" else f"{key} pick", color=color)
+    right.axhline(1.0, color="black", linewidth=0.8)
+    right.set_xticks(range(len(scenarios)), scenarios, rotation=45, ha="right")
+    right.set_ylabel("speedup over serial (ccl)")
+    right.set_title("Best measured vs picked")
+    right.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def sweep_plots(records: list[dict], out_dir) -> list[Path]:
+    """All sweep plots into ``out_dir``: speedup.png, ratio.png, selectors.png."""
+    out_dir = Path(out_dir)
+    return [plot_speedups(records, out_dir / "speedup.png"),
+            plot_ratio(records, out_dir / "ratio.png"),
+            plot_selector_accuracy(records, out_dir / "selectors.png")]
+
+
+# -- characterize (paper Figs. 7-9) ---------------------------------------------------------
+def plot_dil(records: list[dict], path) -> Path:
+    """Fig. 7: slowdown of 8- and 64-way row (M) and column (K) sharded GEMMs vs one GEMM."""
+    plt = _pyplot()
+    gemms = list(dict.fromkeys(r["gemm"] for r in records))
+    variants = list(dict.fromkeys(f"{r['split']} {r['ways']}-way" for r in records))
+    width = 0.8 / max(len(variants), 1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.8 * len(gemms)), 4))
+    for i, variant in enumerate(variants):
+        xs, ys = [], []
+        for j, g in enumerate(gemms):
+            rec = next((r for r in records if r["gemm"] == g
+                        and f"{r['split']} {r['ways']}-way" == variant), None)
+            if rec:
+                xs.append(j - 0.4 + width * (i + 0.5))
+                ys.append(rec["dil"])
+        ax.bar(xs, ys, width=width, label=variant)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(gemms)), gemms, rotation=45, ha="right")
+    ax.set_ylabel("DIL: sharded time / whole time")
+    ax.set_title("GEMM decomposition loss (cf. FiCCO Fig. 7)")
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def plot_copy_efficiency(records: list[dict], path) -> Path:
+    """Fig. 9: achieved copy bandwidth by size, 1D and 2D, as a fraction of the best seen."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for shape in dict.fromkeys(r["shape"] for r in records):
+        recs = sorted((r for r in records if r["shape"] == shape), key=lambda r: r["bytes"])
+        ax.plot([r["bytes"] for r in recs], [r["efficiency"] for r in recs], marker="o",
+                label=shape)
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("bytes per copy")
+    ax.set_ylabel("bandwidth / best bandwidth")
+    ax.set_title("DMA copy efficiency by size (cf. FiCCO Fig. 9)")
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def plot_cil(records: list[dict], path) -> Path:
+    """Fig. 8: slowdown of a GEMM beside copies (left) and of copies beside a GEMM (right)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, victim in zip(axes, ("gemm", "copy")):
+        recs = [r for r in records if r["victim"] == victim]
+        ax.bar([r["gemm"] for r in recs], [r["cil"] for r in recs],
+               color="tab:orange" if victim == "gemm" else "tab:purple")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.tick_params(axis="x", rotation=45)
+        ax.set_ylabel("CIL: time beside the other / time alone")
+        ax.set_title(f"{victim} slowdown (cf. FiCCO Fig. 8)")
+    return _save(fig, path)
+
+
+def _save(fig, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def geomean(values) -> float:
+    """Geometric mean of positive numbers (``nan`` for none)."""
+    values = [v for v in values if v and v > 0]
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else float("nan")

@@ -1,0 +1,297 @@
+"""``sweep``: time every schedule and the baselines on the live group, one record per
+scenario x (schedule, transport), as JSON lines + CSV + plots.
+
+Run under torchrun (any backend: NCCL/RCCL on GPUs, gloo on CPU)::
+
+    torchrun --nproc-per-node 8 -m ficco.bench sweep --scenarios paper --scale 8
+    torchrun --nproc-per-node 2 -m ficco.bench sweep --shape 256,128,64 --dtype float32
+
+Each timed iteration starts behind a barrier; its time is the slowest rank's (all-reduce
+MAX), since a collective is only done when its last rank is. Medians and p10/p90 go into the
+records; so do the GEMM and all-gather alone (for the GEMM/comm ratio), what each selector
+would pick, and the measured speedup of that pick.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..errors import InvalidArgumentError
+from . import results, scenarios
+
+# max |C - ref| / max |ref| above which a schedule's result counts as wrong
+RELATIVE_TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "float16": 1e-2, "bfloat16": 2e-2}
+TORCH_FUSED = "torch-fused"
+
+
+def add_arguments(parser) -> None:
+    scenarios.add_arguments(parser)
+    parser.add_argument("--schedules", default=None,
+                        help="comma list of schedule names (default: every schedule)")
+    parser.add_argument("--transports", default="dma",
+                        help="transports to time each schedule over: dma, ccl or dma,ccl")
+    parser.add_argument("--dtype", default=None,
+                        help="float32, bfloat16, float16 (default: bfloat16 on GPU, float32 on CPU)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed calls per schedule")
+    parser.add_argument("--repeat", type=int, default=10, help="timed calls per schedule")
+    parser.add_argument("--timeout", type=float, default=120.0,
+                        help="FICCO_TIMEOUT for the sweep's calls, seconds")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None,
+                        help="result directory (default bench/results/sweep-<target>-<date>)")
+    parser.add_argument("--no-plots", action="store_true", help="write results only")
+
+
+# -- process group and timing, shared with ``timeline`` --------------------------------------
+def init_distributed() -> tuple[int, int]:
+    """Join (or create) the default process group; a plain ``python`` run is a group of one."""
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        use_gpu = torch.cuda.is_available() and os.environ.get("FICCO_BACKEND") != "cpu"
+        if use_gpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if use_gpu else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_calls(fn, warmup: int, repeat: int, device: torch.device) -> list[float]:
+    """Per-iteration wall time of ``fn()`` on the slowest rank (all-reduce MAX)."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    local = []
+    for _ in range(repeat):
+        dist.barrier()
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        local.append(time.perf_counter() - start)
+    # CPU tensor with gloo; NCCL needs it on the device.
+    times = torch.tensor(local, dtype=torch.float64,
+                         device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return times.cpu().tolist()
+
+
+def agree_on_failure(error: str | None, device: torch.device) -> str | None:
+    """Every rank learns whether any rank failed, so all skip the timing together."""
+    flag = torch.tensor([1.0 if error else 0.0],
+                        device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() == 0:
+        return None
+    return error or "failed on another rank"
+
+
+# -- what gets timed -------------------------------------------------------------------------
+def _entries(schedules: list[str], transports: list[str]) -> list[tuple[str, str, str]]:
+    """(schedule, transport, kind) in timing order: baseline serial over ccl first."""
+    out = [("serial", "ccl", "baseline")]
+    out += [(name, t, "schedule") for t in transports for name in schedules
+            if (name, t) != ("serial", "ccl")]
+    out.append((TORCH_FUSED, "symm_mem", "baseline"))
+    return out
+
+
+def _ficco_call(a, b, name: str, transport: str):
+    import ficco
+    from .. import config
+
+    def call():
+        with config.scope(transport=transport):
+            return ficco.all_gather_matmul(a, b, schedule=name)
+    return call
+
+
+def _torch_fused_call(a, b, device):
+    """torch's own fused op where it runs (CUDA symmetric memory); else a reason to skip."""
+    if device.type != "cuda":
+        return None, f"torch.ops.symm_mem.fused_all_gather_matmul needs CUDA; device is {device.type}"
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        group = dist.group.WORLD
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            symm_mem.enable_symm_mem_for_group(group.group_name)
+        op = torch.ops.symm_mem.fused_all_gather_matmul
+    except Exception as exc:  # noqa: BLE001 - any failure here only means "skip this baseline"
+        return None, f"torch symmetric memory unavailable: {type(exc).__name__}: {exc}"
+    return (lambda: op(a, [b], 0, group.group_name)[1][0]), None
+
+
+def _picks(problem, target: str) -> dict[str, str]:
+    picks = {}
+    try:
+        from .. import heuristics
+    except ImportError:
+        return picks
+    for sel in results.SELECTORS:
+        try:
+            picks[sel] = heuristics.choose(problem, transport="dma", target=target,
+                                           selector=sel).schedule
+        except Exception:  # noqa: BLE001 - a selector that cannot decide just has no pick
+            continue
+    return picks
+
+
+def run_scenario(sc, entries, args, dtype: str, device, rank: int, world: int, env: dict,
+                 progress) -> list[dict]:
+    """Time every entry on one scenario; returns this scenario's records (same on all ranks)."""
+    torch.manual_seed(args.seed * 7919 + rank)
+    problem = sc.problem(world, rank, dtype)
+    tdtype = problem.torch_dtype
+    a = torch.randn(problem.m, sc.k, device=device).to(tdtype)
+    b = (torch.randn(sc.k, sc.n, device=device) / sc.k ** 0.5).to(tdtype)
+    gathered = torch.empty(problem.big_m, sc.k, device=device, dtype=tdtype)
+    dist.all_gather_into_tensor(gathered, a)
+    # float64 reference on CPU, float32 on GPUs where float64 GEMMs crawl
+    ref_dtype = torch.float64 if device.type == "cpu" else torch.float32
+    reference = gathered.to(ref_dtype) @ b.to(ref_dtype)
+    ref_scale = max(reference.abs().max().item(), 1e-30)
+    gemm_times = time_calls(lambda: torch.matmul(gathered, b), args.warmup, args.repeat, device)
+    comm_times = time_calls(lambda: dist.all_gather_into_tensor(gathered, a), args.warmup,
+                            args.repeat, device)
+    gemm_s = results.timing_summary(gemm_times)["median_s"]
+    comm_s = results.timing_summary(comm_times)["median_s"]
+    base = dict(schema=results.SWEEP_SCHEMA, scenario=sc.name, source=sc.source,
+                big_m=problem.big_m, n=sc.n, k=sc.k, m=problem.m, dtype=dtype, world=world,
+                warmup=args.warmup, repeat=args.repeat, gemm_s=gemm_s, comm_s=comm_s,
+                gemm_comm_ratio=gemm_s / comm_s if comm_s else None,
+                ideal_speedup=(gemm_s + comm_s) / max(gemm_s, comm_s), env=env)
+    records = []
+    for name, transport, kind in entries:
+        rec = dict(base, schedule=name, transport=transport, kind=kind, status="ok", reason="",
+                   times_s=[], median_s=None, p10_s=None, p90_s=None, max_abs_err=None)
+        if name == TORCH_FUSED:
+            fn, skip = _torch_fused_call(a, b, device)
+        else:
+            fn, skip = _ficco_call(a, b, name, transport), None
+        if skip:
+            rec.update(status="skipped", reason=skip)
+        else:
+            error = None
+            try:
+                out = fn()
+                synchronize(device)
+                err = (out.to(ref_dtype) - reference).abs().max().item()
+                rec["max_abs_err"] = err
+                if not err / ref_scale <= RELATIVE_TOLERANCE[dtype]:
+                    error = (f"wrong result: max |C - ref| = {err:.3g} is above "
+                             f"{RELATIVE_TOLERANCE[dtype]} x max |ref| = {ref_scale:.3g}")
+            except Exception as exc:  # noqa: BLE001 - recorded, the sweep goes on
+                error = f"{type(exc).__name__}: {exc}"
+            error = agree_on_failure(error, device)
+            if error:
+                rec.update(status="error", reason=error.splitlines()[0][:500])
+            else:
+                rec["times_s"] = time_calls(fn, args.warmup, args.repeat, device)
+                rec.update(results.timing_summary(rec["times_s"]))
+        records.append(rec)
+        progress.update(1)
+    results.finalize_scenario(records, _picks(problem, env["env_backend"]))
+    return records
+
+
+def format_table(records: list[dict]) -> str:
+    """The end-of-sweep table: one line per scenario x schedule; marks: P = paper selector's
+    pick, M = model selector's pick, * = best measured schedule."""
+    head = (f"{'scenario':<18} {'M x N x K':<20} {'schedule':<18} {'transport':<9} "
+            f"{'median ms':>10} {'p10-p90 ms':>17} {'speedup':>8}  marks")
+    lines = [head, "-" * len(head)]
+    for r in records:
+        shape = f"{r['big_m']}x{r['n']}x{r['k']}"
+        if r["status"] != "ok":
+            lines.append(f"{r['scenario']:<18} {shape:<20} {r['schedule']:<18} "
+                         f"{r['transport']:<9} {r['status'].upper()}: {r['reason'][:70]}")
+            continue
+        marks = "".join(sel[0].upper() for sel in r.get("picked_by", []))
+        if r["kind"] == "schedule" and r["schedule"] == r.get("best_schedule") \
+                and r["transport"] == "dma":
+            marks += "*"
+        spread = f"{1e3 * r['p10_s']:.3f}-{1e3 * r['p90_s']:.3f}"
+        speedup = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
+        lines.append(f"{r['scenario']:<18} {shape:<20} {r['schedule']:<18} {r['transport']:<9} "
+                     f"{1e3 * r['median_s']:>10.3f} {spread:>17} {speedup:>8}  {marks}")
+    acc = results.selector_accuracy(records)
+    for sel, a in acc.items():
+        if a["scenarios"]:
+            lines.append(f"selector {sel}: pick within {results.PICK_TOLERANCE:.0%} of best in "
+                         f"{a['hits']}/{a['scenarios']} scenarios; mean speedup lost when it "
+                         f"misses {100 * a['mean_loss_when_missed']:.1f}%")
+        else:
+            lines.append(f"selector {sel}: no pick measured")
+    return "\n".join(lines)
+
+
+def default_out_dir(target: str) -> Path:
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    safe = "".join(c if c.isalnum() or c in "_." else "-" for c in target)
+    return Path("bench") / "results" / f"sweep-{safe}-{stamp}"
+
+
+def main(args) -> int:
+    import ficco
+    from .. import config
+    from ..backends import get_backend
+
+    rank, world = init_distributed()
+    backend = get_backend()
+    device = backend.device()
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    if dtype not in RELATIVE_TOLERANCE:
+        raise InvalidArgumentError(f"--dtype {dtype!r}; use one of {list(RELATIVE_TOLERANCE)}")
+    names = ficco.schedules.names()
+    schedules = [s for s in args.schedules.split(",") if s] if args.schedules else names
+    for s in schedules:
+        ficco.schedules.get(s)  # unknown names fail here, before any timing
+    transports = [t for t in args.transports.split(",") if t]
+    if not transports or any(t not in ("dma", "ccl") for t in transports):
+        raise InvalidArgumentError(f"--transports {args.transports!r}; use dma, ccl or dma,ccl")
+    if args.warmup < 0 or args.repeat < 1:
+        raise InvalidArgumentError(f"need --warmup >= 0 and --repeat >= 1; got "
+                                   f"{args.warmup}, {args.repeat}")
+    scenario_list = scenarios.from_args(args, world)
+    entries = _entries(schedules, transports)
+    env = results.environment(world, backend.target(), device)
+    from tqdm import tqdm
+
+    progress = tqdm(total=len(scenario_list) * len(entries), disable=rank != 0,
+                    desc="sweep", unit="run", dynamic_ncols=True)
+    records = []
+    with config.scope(timeout=args.timeout):
+        for sc in scenario_list:
+            progress.set_postfix_str(sc.name)
+            records += run_scenario(sc, entries, args, dtype, device, rank, world, env, progress)
+    progress.close()
+    if rank == 0:
+        out_dir = Path(args.out) if args.out else default_out_dir(backend.target())
+        written = [results.write_jsonl(out_dir / "results.jsonl", records),
+                   results.write_csv(out_dir / "results.csv", records)]
+        table = format_table(records)
+        (out_dir / "table.txt").write_text(table + "\n")
+        written.append(out_dir / "table.txt")
+        if not args.no_plots:
+            from . import plots
+
+            written += plots.sweep_plots(records, out_dir)
+        print(table)
+        print("wrote " + ", ".join(str(p) for p in written))
+    dist.barrier()
+    return 0

@@ -1,0 +1,280 @@
+"""Device profiles: the numbers the simulator and the ``paper`` selector need, as data.
+
+A profile is one JSON file. Built-in ones live in ``ficco/heuristics/profiles/<name>.json``;
+``bench characterize`` writes the same schema from measurements, and ``FICCO_PROFILE`` takes
+either a built-in name or a path to such a file.
+
+JSON schema (every key at top level; units in the names)::
+
+    {
+      "name": "mi300x",                        # str
+      "peak_flops": {"bfloat16": 1.3074e15,    # dense FLOP/s per torch dtype name
+                     "float16": ..., "float32": ..., "float64": ...},
+      "hbm_bytes_per_s": 5.3e12,               # device memory bandwidth
+      "hbm_capacity_bytes": 1.92e11,           # device memory size
+      "compute_units": 304,                    # CUs (AMD) or SMs (NVIDIA)
+      "copy_engines": 7,                       # DMA copies that truly run at once
+      "copy_engine_bytes_per_s": 6.4e10,       # what one DMA copy can move at most
+      "topology": "mesh",                      # "mesh" | "switch" | "pcie"
+      "gpus_per_node": 8,
+      "link_bytes_per_s": 6.4e10,              # mesh: per link per direction;
+                                               # switch: per GPU per direction
+      "pcie_bytes_per_s": 6.4e10,              # per GPU per direction, for topology "pcie"
+      "copy_latency_s": 1e-05,                 # fixed cost of one DMA copy
+      "copy_efficiency": {"65536": 0.3, ...},  # copy size in bytes -> fraction of bandwidth
+      "copy_2d_half_row_bytes": 256,           # 2D copy row width at which efficiency halves
+      "barrier_latency_s": 1e-05,              # cross-rank barrier over symmetric memory
+      "dil": {"tile_m": 256, "tile_n": 256,    # GEMM output tile; one tile per CU per wave
+              "tile_k_overhead": 256,          # per-tile prologue/epilogue, in K elements
+              "gemm_efficiency": 0.7,          # best fraction of peak a large GEMM reaches
+              "memory_efficiency": 0.8,        # fraction of HBM bandwidth a copy kernel gets
+              "launch_s": 5e-06},              # fixed cost of one kernel
+      "cil": {"dma_gemm": 0.2,                 # GEMM slowdown under full DMA traffic (x MT factor)
+              "dma_copy": 0.25,                # DMA slowdown under a concurrent GEMM (x MT factor)
+              "ccl_gemm": 0.35, "ccl_copy": 0.3,   # the same with collectives on compute units
+              "mt_half_bytes": 2e9},           # GEMM memory traffic at which the factor is 1/2
+      "ccl": {"efficiency": 0.8,               # fraction of link bandwidth a collective reaches
+              "latency_s": 2e-05,
+              "compute_unit_fraction": 0.1},   # share of CUs a collective kernel occupies
+      "sources": {"peak_flops": "...", ...}    # where every number comes from
+    }
+
+Only ``name``, ``peak_flops``, ``hbm_bytes_per_s``, ``compute_units``, ``topology`` and
+``link_bytes_per_s`` are required; the rest default to the values of :data:`DEFAULTS`.
+
+Example::
+
+    >>> from ficco.heuristics import profiles
+    >>> p = profiles.load("mi300x")
+    >>> p.topology, p.link_bytes_per_s
+    ('mesh', 64000000000.0)
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..errors import ConfigError
+
+PROFILE_DIR = Path(__file__).with_name("profiles")
+TOPOLOGIES = ("mesh", "switch", "pcie")
+REQUIRED = ("name", "peak_flops", "hbm_bytes_per_s", "compute_units", "topology",
+            "link_bytes_per_s")
+
+DEFAULTS = {
+    "hbm_capacity_bytes": 80e9,
+    "copy_engines": 8,
+    "copy_engine_bytes_per_s": None,     # None: as fast as the link
+    "gpus_per_node": 8,
+    "pcie_bytes_per_s": 32e9,
+    "copy_latency_s": 10e-6,
+    "copy_efficiency": {"4096": 0.05, "65536": 0.3, "1048576": 0.75, "16777216": 0.92,
+                        "268435456": 0.97},
+    "copy_2d_half_row_bytes": 256.0,
+    "barrier_latency_s": 10e-6,
+    "dil": {"tile_m": 256, "tile_n": 256, "tile_k_overhead": 256, "gemm_efficiency": 0.7,
+            "memory_efficiency": 0.8, "launch_s": 5e-6},
+    "cil": {"dma_gemm": 0.2, "dma_copy": 0.25, "ccl_gemm": 0.35, "ccl_copy": 0.3,
+            "mt_half_bytes": 2e9},
+    "ccl": {"efficiency": 0.8, "latency_s": 20e-6, "compute_unit_fraction": 0.1},
+}
+_NESTED = ("dil", "cil", "ccl")
+
+log = logging.getLogger("ficco")
+
+
+@dataclass
+class Profile:
+    """One device's numbers; see the module docstring for the JSON schema and units."""
+
+    name: str
+    peak_flops: dict
+    hbm_bytes_per_s: float
+    compute_units: int
+    topology: str
+    link_bytes_per_s: float
+    hbm_capacity_bytes: float = DEFAULTS["hbm_capacity_bytes"]
+    copy_engines: int = DEFAULTS["copy_engines"]
+    copy_engine_bytes_per_s: float | None = None
+    gpus_per_node: int = DEFAULTS["gpus_per_node"]
+    pcie_bytes_per_s: float = DEFAULTS["pcie_bytes_per_s"]
+    copy_latency_s: float = DEFAULTS["copy_latency_s"]
+    copy_efficiency: dict = field(default_factory=lambda: dict(DEFAULTS["copy_efficiency"]))
+    copy_2d_half_row_bytes: float = DEFAULTS["copy_2d_half_row_bytes"]
+    barrier_latency_s: float = DEFAULTS["barrier_latency_s"]
+    dil: dict = field(default_factory=lambda: dict(DEFAULTS["dil"]))
+    cil: dict = field(default_factory=lambda: dict(DEFAULTS["cil"]))
+    ccl: dict = field(default_factory=lambda: dict(DEFAULTS["ccl"]))
+    sources: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.topology not in TOPOLOGIES:
+            raise ConfigError(f"profile {self.name!r}: topology {self.topology!r} is not one of "
+                              f"{TOPOLOGIES}")
+        for key in _NESTED:   # a characterised profile may give only some of the keys
+            setattr(self, key, {**DEFAULTS[key], **getattr(self, key)})
+        self.copy_efficiency = {str(int(float(k))): float(v)
+                                for k, v in self.copy_efficiency.items()}
+        for name in ("hbm_bytes_per_s", "link_bytes_per_s", "compute_units"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"profile {self.name!r}: {name} must be positive, "
+                                  f"got {getattr(self, name)!r}")
+
+    # -- derived numbers ---------------------------------------------------------------------
+    def flops(self, dtype: str) -> float:
+        """Peak dense FLOP/s for ``dtype``; float16 falls back to bfloat16 and back."""
+        for name in (dtype, {"float16": "bfloat16", "bfloat16": "float16"}.get(dtype)):
+            if name in self.peak_flops:
+                return float(self.peak_flops[name])
+        raise ConfigError(f"profile {self.name!r} has no peak_flops for {dtype!r}; it has "
+                          f"{sorted(self.peak_flops)}; add it to the profile JSON")
+
+    def ridge_flops_per_byte(self, dtype: str) -> float:
+        """The machine's op-to-byte ratio: peak FLOP/s over HBM bytes/s."""
+        return self.flops(dtype) / self.hbm_bytes_per_s
+
+    def copy_fraction(self, size_bytes: float) -> float:
+        """Fraction of link bandwidth one copy of ``size_bytes`` reaches: the
+        ``copy_efficiency`` curve, interpolated linearly in log(size), flat at both ends."""
+        points = sorted((int(k), v) for k, v in self.copy_efficiency.items())
+        sizes = [s for s, _ in points]
+        if size_bytes <= sizes[0]:
+            return points[0][1]
+        if size_bytes >= sizes[-1]:
+            return points[-1][1]
+        i = bisect.bisect_right(sizes, size_bytes)
+        (s0, f0), (s1, f1) = points[i - 1], points[i]
+        t = (math.log(size_bytes) - math.log(s0)) / (math.log(s1) - math.log(s0))
+        return f0 + t * (f1 - f0)
+
+    def link_for(self, topology: str) -> float:
+        """Bandwidth per link (mesh) or per GPU (switch, pcie) when the profile is used with
+        ``topology``: an override converts mesh links to a GPU total and back."""
+        peers = max(self.gpus_per_node - 1, 1)
+        if topology == "pcie":
+            return self.pcie_bytes_per_s
+        if topology == self.topology:
+            return self.link_bytes_per_s
+        if topology == "switch":
+            return self.link_bytes_per_s * (peers if self.topology == "mesh" else 1)
+        return (self.pcie_bytes_per_s if self.topology == "pcie" else self.link_bytes_per_s) / peers
+
+    # -- JSON --------------------------------------------------------------------------------
+    def to_json(self, path) -> None:
+        """Write this profile as JSON (atomically) so ``FICCO_PROFILE=path`` reads it back."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def from_dict(cls, data: dict, origin: str = "profile") -> "Profile":
+        missing = [k for k in REQUIRED if k not in data]
+        if missing:
+            raise ConfigError(f"{origin}: missing required profile keys {missing}; required: "
+                              f"{list(REQUIRED)}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{origin}: unknown profile keys {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+    def fingerprint(self) -> str:
+        """A stable string naming these exact numbers (for decision caches)."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+def builtin_names() -> list[str]:
+    """Names of the profiles shipped with ficco, e.g. ``['a100', 'b200', 'cpu', …]``."""
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+
+
+_loaded: dict[str, Profile] = {}
+
+
+def load(name_or_path: str) -> Profile:
+    """A built-in profile by name (``"mi300x"``) or a profile JSON file by path.
+
+    >>> load("h100").topology
+    'switch'
+    """
+    key = str(name_or_path)
+    if key in _loaded:
+        return _loaded[key]
+    path = Path(key)
+    if not (key.endswith(".json") or os.sep in key or path.is_file()):
+        path = PROFILE_DIR / f"{key.lower()}.json"
+        if not path.is_file():
+            raise ConfigError(f"unknown profile {key!r}; built-in profiles: "
+                              f"{', '.join(builtin_names())}, or give a JSON file path")
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"profile file {str(path)!r} does not exist; give a built-in name "
+                          f"({', '.join(builtin_names())}) or an existing JSON path") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"profile file {str(path)!r} is not valid JSON: {exc}") from None
+    profile = Profile.from_dict(data, origin=str(path))
+    _loaded[key] = profile
+    return profile
+
+
+# (target prefix, device-name fragment or None, profile); first match wins.
+_DETECT = [
+    ("cuda:sm_80", None, "a100"),
+    ("cuda:sm_90", "H200", "h200"),
+    ("cuda:sm_90", None, "h100"),
+    ("cuda:sm_100", None, "b200"),
+    ("rocm:gfx942", "MI325", "mi325x"),
+    ("rocm:gfx942", None, "mi300x"),
+    ("rocm:gfx950", None, "mi355x"),
+    ("cpu", None, "cpu"),
+]
+_FALLBACK = {"cuda": "h100", "rocm": "mi300x"}
+
+
+def detect(target: str, device_name: str | None = None) -> str:
+    """The built-in profile name for a backend target, refined by the device name where
+    one architecture covers several parts (sm_90: H100 or H200; gfx942: MI300X or MI325X).
+    An unknown GPU falls back to its vendor's reference part, with a warning.
+
+    >>> detect("rocm:gfx942"), detect("cuda:sm_90", "NVIDIA H200")
+    ('mi300x', 'h200')
+    """
+    if device_name is None and target.startswith(("cuda", "rocm")):
+        device_name = _local_device_name()
+    for prefix, fragment, name in _DETECT:
+        if target.startswith(prefix) and (fragment is None or fragment in (device_name or "")):
+            return name
+    vendor = target.split(":")[0]
+    if vendor in _FALLBACK:
+        log.warning("ficco: no built-in profile for target %r (%s); using %r. Set "
+                    "FICCO_PROFILE to a profile from `bench characterize` for better choices",
+                    target, device_name, _FALLBACK[vendor])
+        return _FALLBACK[vendor]
+    raise ConfigError(f"no profile for target {target!r}; set FICCO_PROFILE to one of "
+                      f"{', '.join(builtin_names())} or to a profile JSON path")
+
+
+def _local_device_name() -> str | None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name()
+    except Exception:   # detection is best effort; the target alone still picks a profile
+        return None
+    return None
+
+
+def resolve(target: str = "cpu") -> Profile:
+    """The profile in force: ``FICCO_PROFILE`` (name or path) if set, else :func:`detect`."""
+    from .. import config
+
+    return load(config.profile() or detect(target))

@@ -1,0 +1,160 @@
+"""A pool of spawned rank processes kept alive across test cases.
+
+Spawning W ranks costs seconds (importing torch, joining the process group), so each pool is
+started once per (world, env) and reused: ``pool.run(fn, *args)`` sends ``fn`` (a top-level,
+importable function ``fn(rank, world, *args)``) to every rank and returns their results in
+rank order. A failing rank raises :class:`RankError` carrying every rank's traceback; since the
+group may then be out of step, that pool is discarded and restarted on next use.
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import importlib
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import traceback
+
+DEFAULT_ENV = {"FICCO_TIMEOUT": "20", "FICCO_POISON": "1", "OMP_NUM_THREADS": "1"}
+
+
+class RankError(AssertionError):
+    pass
+
+
+def _rank_main(rank, world, init_file, env, pg_backend, conn):
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(pg_backend, init_method=f"file://{init_file}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=60))
+        conn.send(("ready", None))
+    except BaseException:  # noqa: BLE001
+        conn.send(("err", traceback.format_exc()))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg is None:
+            break
+        module, name, args = msg
+        try:
+            fn = getattr(importlib.import_module(module), name)
+            conn.send(("ok", fn(rank, world, *args)))
+        except BaseException:  # noqa: BLE001 - every failure goes back to the test
+            conn.send(("err", traceback.format_exc()))
+    try:
+        import ficco
+
+        ficco.shutdown()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        pass
+
+
+class RankPool:
+    def __init__(self, world: int, env: dict | None = None, pg_backend: str = "gloo",
+                 start_timeout_s: float = 120):
+        self.world = world
+        self.env = {**DEFAULT_ENV, **(env or {})}
+        ctx = mp.get_context("spawn")
+        fd, self._init_file = tempfile.mkstemp(prefix="ficco-pg-")
+        os.close(fd)
+        os.unlink(self._init_file)
+        self.conns, self.procs = [], []
+        for rank in range(world):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_rank_main, daemon=True,
+                               args=(rank, world, self._init_file, self.env, pg_backend, child))
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        states = self._collect(start_timeout_s)
+        bad = [s for s in states if s[0] != "ready"]
+        if bad:
+            self.close()
+            raise RankError("rank start failed:\n" + "\n".join(str(s[1]) for s in bad))
+
+    def _collect(self, timeout_s):
+        deadline = time.monotonic() + timeout_s
+        out = [None] * self.world
+        while any(o is None for o in out):
+            for r, conn in enumerate(self.conns):
+                if out[r] is None and conn.poll(0.01):
+                    try:
+                        out[r] = conn.recv()
+                    except EOFError:
+                        out[r] = ("err", f"rank {r} died (exit code {self.procs[r].exitcode})")
+                elif out[r] is None and not self.procs[r].is_alive() and not conn.poll(0):
+                    out[r] = ("err", f"rank {r} died (exit code {self.procs[r].exitcode})")
+            if time.monotonic() > deadline:
+                for r in range(self.world):
+                    if out[r] is None:
+                        out[r] = ("err", f"rank {r} did not answer within {timeout_s}s")
+        return out
+
+    def run(self, fn, *args, timeout_s: float = 120):
+        for conn in self.conns:
+            conn.send((fn.__module__, fn.__name__, args))
+        results = self._collect(timeout_s)
+        errors = [(r, res[1]) for r, res in enumerate(results) if res[0] != "ok"]
+        if errors:
+            self.broken = True
+            raise RankError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in errors))
+        return [res[1] for res in results]
+
+    def kill(self, rank: int):
+        self.procs[rank].kill()
+        self.broken = True
+
+    def alive(self):
+        return [p.is_alive() for p in self.procs]
+
+    broken = False
+
+    def close(self):
+        for conn, proc in zip(self.conns, self.procs):
+            try:
+                if proc.is_alive():
+                    conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        if os.path.exists(self._init_file):
+            os.unlink(self._init_file)
+
+
+_pools: dict = {}
+
+
+def pool(world: int, env: dict | None = None, pg_backend: str = "gloo") -> RankPool:
+    """A live pool of ``world`` ranks with ``env``; restarted if a previous case broke it."""
+    key = (world, tuple(sorted((env or {}).items())), pg_backend)
+    current = _pools.get(key)
+    if current is not None and (current.broken or not all(current.alive())):
+        current.close()
+        current = None
+    if current is None:
+        current = _pools[key] = RankPool(world, env, pg_backend)
+    return current
+
+
+def close_all():
+    for p in _pools.values():
+        p.close()
+    _pools.clear()
+
+
+atexit.register(close_all)

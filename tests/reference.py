@@ -1,0 +1,31 @@
+"""Float64 references and tolerances shared by the tests."""
+from __future__ import annotations
+
+import torch
+
+# Largest per-row relative error ||out_i - ref_i|| / ||ref_i|| accepted, by dtype. bf16/fp16
+# outputs are rounded once per partial sum (2d schedules accumulate W times), hence the margin.
+ROW_TOL = {torch.float32: 1e-4, torch.float64: 1e-10, torch.bfloat16: 4e-2, torch.float16: 6e-3}
+
+
+def max_row_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Worst row's relative error, with NaN (an unwritten, poisoned row) counted as infinite."""
+    out64 = out.detach().to(torch.float64).reshape(-1, out.shape[-1]).cpu()
+    ref64 = ref.to(torch.float64).reshape(-1, ref.shape[-1]).cpu()
+    if out64.shape != ref64.shape:
+        return float("inf")
+    if torch.isnan(out64).any():
+        return float("inf")
+    num = (out64 - ref64).norm(dim=1)
+    den = ref64.norm(dim=1).clamp_min(1e-30)
+    return float((num / den).max()) if num.numel() else 0.0
+
+
+def make_inputs(seed, world, shard_shape, ns, dtype, gather_dim=0):
+    """Every rank's shard (same generator on all ranks) and the b's, all fresh random."""
+    gen = torch.Generator().manual_seed(seed)
+    shards = [torch.randn(*shard_shape, generator=gen).to(dtype) for _ in range(world)]
+    bs = [torch.randn(shard_shape[-1], n, generator=gen).to(dtype) for n in ns]
+    full = torch.cat(shards, dim=gather_dim)
+    refs = [full.to(torch.float64) @ b.to(torch.float64) for b in bs]
+    return shards, bs, full, refs
