@@ -254,22 +254,22 @@ def measure_cil(timer: Timer, st: Settings, dtype: torch.dtype, device, progress
 def fit_profile(base, recs: list[dict], dtype: str, name: str, device_name: str):
     """The base profile with the measured numbers put in; ``sources`` notes each one.
 
-    - ``copy_efficiency``: the 1D by-size curve; ``copy_latency_s``: the smallest copy's time.
+    - ``copy_efficiency`` and ``copy_latency_s``: see :func:`fit_copy_curve`.
     - ``copy_2d_half_row_bytes``: ``w * (1/r - 1)`` (median over row widths ``w``), fitting
       ``r = w / (w + half)`` to the 2D/1D bandwidth ratio ``r``.
     - ``dil.gemm_efficiency``: best whole-GEMM FLOP/s over the profile's peak (the peak is
       raised to the measurement when the measurement beats it).
-    - ``cil.dma_gemm`` / ``cil.dma_copy``: ``(CIL - 1) / (MT / (MT + mt_half_bytes))``, the
-      mean over GEMMs, i.e. the slowdown the profile's MT scaling implies at full traffic.
+    - ``cil``: see :func:`fit_cil`.
     """
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     note = f"measured by ficco bench characterize on {device_name}, {stamp}"
     changes, sources = {}, dict(base.sources)
     one_d = sorted((r for r in recs if r["kind"] == "copy" and r["shape"] == "1d"),
                    key=lambda r: r["bytes"])
-    if one_d:
-        changes["copy_efficiency"] = {str(r["bytes"]): round(r["efficiency"], 4) for r in one_d}
-        changes["copy_latency_s"] = one_d[0]["time_s"]
+    if len(one_d) >= 2:
+        latency_s, fractions = fit_copy_curve([(r["bytes"], r["time_s"]) for r in one_d])
+        changes["copy_efficiency"] = fractions
+        changes["copy_latency_s"] = latency_s
         sources["copy_efficiency"] = sources["copy_latency_s"] = note
     halves = [r["width_bytes"] * (1 / r["ratio_to_1d"] - 1) for r in recs
               if r["kind"] == "copy_width" and 0 < r["ratio_to_1d"] < 1]
@@ -288,15 +288,65 @@ def fit_profile(base, recs: list[dict], dtype: str, name: str, device_name: str)
         dil["gemm_efficiency"] = round(min(1.0, best / max(best, base.flops(dtype))), 4)
         changes["dil"] = dil
         sources["dil.gemm_efficiency"] = note
-    cil = dict(base.cil)
-    for victim, key in (("gemm", "dma_gemm"), ("copy", "dma_copy")):
-        fits = [(r["cil"] - 1) / (r["mt_bytes"] / (r["mt_bytes"] + cil["mt_half_bytes"]))
-                for r in recs if r["kind"] == "cil" and r["victim"] == victim]
-        if fits:
-            cil[key] = round(max(0.0, sum(fits) / len(fits)), 4)
+    cil_fit = fit_cil([r for r in recs if r["kind"] == "cil"])
+    if cil_fit:
+        cil = {**base.cil, **cil_fit}
+        changes["cil"] = cil
+        for key in cil_fit:
             sources[f"cil.{key}"] = note
-    changes["cil"] = cil
     return dataclasses.replace(base, name=name, sources=sources, **changes)
+
+
+def fit_copy_curve(points: list[tuple[int, float]]) -> tuple[float, dict]:
+    """Split measured 1D copies ``(bytes, seconds)`` into the simulator's terms, time =
+    latency + bytes / (bandwidth x fraction(bytes)): the latency is the intercept of the line
+    through the two smallest copies (kept below 90% of the smallest time), and each size's
+    fraction is its latency-free bandwidth over the best one.
+
+    >>> lat, frac = fit_copy_curve([(1000, 2e-6), (2000, 3e-6), (10**6, 1.001e-3)])
+    >>> round(lat * 1e6, 3), frac["1000000"]
+    (1.0, 1.0)
+    """
+    points = sorted(points)
+    (s1, t1), (s2, t2) = points[0], points[1]
+    slope = (t2 - t1) / (s2 - s1) if s2 != s1 else 0.0
+    latency_s = min(max(t1 - s1 * slope, 0.0), 0.9 * t1)
+    rates = {size: size / (t - latency_s) for size, t in points}
+    best = max(rates.values())
+    return latency_s, {str(size): round(min(1.0, rate / best), 4) for size, rate in rates.items()}
+
+
+def fit_cil(cil_recs: list[dict]) -> dict:
+    """Fit the profile's contention model, slowdown = 1 + coef * MT / (MT + mt_half_bytes), to
+    the measured CILs: ``dma_gemm`` (GEMM beside copies), ``dma_copy`` (copies beside a GEMM)
+    and one shared ``mt_half_bytes``. Least squares over a log grid of ``mt_half_bytes``; each
+    coefficient is capped at twice the largest slowdown seen, so points far below
+    ``mt_half_bytes`` cannot extrapolate to absurd asymptotes.
+
+    >>> recs = [dict(victim=v, mt_bytes=mt, cil=1 + 0.2 * mt / (mt + 1e6))
+    ...         for v in ("gemm", "copy") for mt in (1e5, 1e6, 1e7)]
+    >>> fit = fit_cil(recs); round(fit["dma_gemm"], 2), fit["mt_half_bytes"]
+    (0.2, 1000000.0)
+    """
+    series = {key: [(r["mt_bytes"], r["cil"] - 1) for r in cil_recs if r["victim"] == victim]
+              for victim, key in (("gemm", "dma_gemm"), ("copy", "dma_copy"))}
+    series = {k: pts for k, pts in series.items() if pts}
+    if not series:
+        return {}
+    best = None
+    for exponent in range(8 * 4, 11 * 8 + 1):     # 1e4 .. 1e11 bytes, 8 steps per decade
+        half = 10 ** (exponent / 8)
+        fit, sse = {"mt_half_bytes": half}, 0.0
+        for key, pts in series.items():
+            xs = [mt / (mt + half) for mt, _ in pts]
+            cap = 2 * max(max(excess for _, excess in pts), 0.0)
+            coef = sum(x * y for x, (_, y) in zip(xs, pts)) / max(sum(x * x for x in xs), 1e-30)
+            coef = min(max(coef, 0.0), cap)
+            sse += sum((coef * x - y) ** 2 for x, (_, y) in zip(xs, pts))
+            fit[key] = round(coef, 4)
+        if best is None or sse < best[0] - 1e-12:
+            best = (sse, fit)
+    return best[1]
 
 
 def main(args) -> int:

@@ -77,7 +77,7 @@ def plot_speedups(records: list[dict], path) -> Path:
     ax.set_xticks(range(len(scenarios)), scenarios, rotation=45, ha="right")
     ax.set_ylabel("speedup over serial (ccl)")
     ax.set_title("Schedules per scenario (cf. FiCCO Fig. 12b)")
-    ax.legend(fontsize=6, ncol=2, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    _legend(ax, fontsize=6, ncol=2, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _save(fig, path)
 
 
@@ -113,7 +113,7 @@ def plot_ratio(records: list[dict], path) -> Path:
     ax.set_xlabel("GEMM time / all-gather time (each alone)")
     ax.set_ylabel("speedup over serial (ccl)")
     ax.set_title("Speedup vs GEMM/comm ratio (cf. FiCCO Fig. 13)")
-    ax.legend(fontsize=7)
+    _legend(ax, fontsize=7)
     return _save(fig, path)
 
 
@@ -149,7 +149,7 @@ def plot_selector_accuracy(records: list[dict], path) -> Path:
     right.set_xticks(range(len(scenarios)), scenarios, rotation=45, ha="right")
     right.set_ylabel("speedup over serial (ccl)")
     right.set_title("Best measured vs picked")
-    right.legend(fontsize=7)
+    _legend(right, fontsize=7)
     return _save(fig, path)
 
 
@@ -182,7 +182,7 @@ def plot_dil(records: list[dict], path) -> Path:
     ax.set_xticks(range(len(gemms)), gemms, rotation=45, ha="right")
     ax.set_ylabel("DIL: sharded time / whole time")
     ax.set_title("GEMM decomposition loss (cf. FiCCO Fig. 7)")
-    ax.legend(fontsize=7)
+    _legend(ax, fontsize=7)
     return _save(fig, path)
 
 
@@ -199,7 +199,7 @@ def plot_copy_efficiency(records: list[dict], path) -> Path:
     ax.set_xlabel("bytes per copy")
     ax.set_ylabel("bandwidth / best bandwidth")
     ax.set_title("DMA copy efficiency by size (cf. FiCCO Fig. 9)")
-    ax.legend(fontsize=7)
+    _legend(ax, fontsize=7)
     return _save(fig, path)
 
 
@@ -216,6 +216,12 @@ def plot_cil(records: list[dict], path) -> Path:
         ax.set_ylabel("CIL: time beside the other / time alone")
         ax.set_title(f"{victim} slowdown (cf. FiCCO Fig. 8)")
     return _save(fig, path)
+
+
+def _legend(ax, **kwargs) -> None:
+    # An all-skipped sweep still draws (empty) plots; matplotlib warns on an empty legend.
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kwargs)
 
 
 def _save(fig, path) -> Path:

@@ -65,6 +65,12 @@ def init_distributed() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def all_gather_rows(out: torch.Tensor, shard: torch.Tensor) -> None:
+    """The plain all-gather along rows (``all_gather_single`` where torch has it)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, shard)
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -160,13 +166,13 @@ def run_scenario(sc, entries, args, dtype: str, device, rank: int, world: int, e
     a = torch.randn(problem.m, sc.k, device=device).to(tdtype)
     b = (torch.randn(sc.k, sc.n, device=device) / sc.k ** 0.5).to(tdtype)
     gathered = torch.empty(problem.big_m, sc.k, device=device, dtype=tdtype)
-    dist.all_gather_into_tensor(gathered, a)
+    all_gather_rows(gathered, a)
     # float64 reference on CPU, float32 on GPUs where float64 GEMMs crawl
     ref_dtype = torch.float64 if device.type == "cpu" else torch.float32
     reference = gathered.to(ref_dtype) @ b.to(ref_dtype)
     ref_scale = max(reference.abs().max().item(), 1e-30)
     gemm_times = time_calls(lambda: torch.matmul(gathered, b), args.warmup, args.repeat, device)
-    comm_times = time_calls(lambda: dist.all_gather_into_tensor(gathered, a), args.warmup,
+    comm_times = time_calls(lambda: all_gather_rows(gathered, a), args.warmup,
                             args.repeat, device)
     gemm_s = results.timing_summary(gemm_times)["median_s"]
     comm_s = results.timing_summary(comm_times)["median_s"]

@@ -1,19 +1,121 @@
 """The FiCCO schedule family (paper §V, Fig. 11a): ``{uniform|hetero}-{fused|unfused}-{1d|2d}``.
 
-PLACEHOLDER: being written (issue 3). Until then this module plans every FiCCO name as the
-uniform-unfused-1d pattern so the registry and executor can be exercised.
+Communication is cut one level below the shard: chunk c is rows ``problem.row_chunks()[c]``
+of every shard (``1d``, contiguous) or columns ``problem.col_chunks()[c]`` of every shard
+(``2d``, strided: real 2-D copies, and GEMMs that accumulate over K). In step c every rank
+pulls chunk c of every peer at once, one copy per peer, round-robin over the copy queues, so
+all links of a full mesh are busy (``ccl``: one all-gather of chunk c instead)::
+
+    publish  : input -> my rows of gathered, barrier 0      (dma: on copy0, compute stays free)
+    for c    : for each peer q: gathered[q, chunk c] <- peer q   (copy queue (q - r - 1) % E)
+    compute  : per variant, below
+    close    : barrier 1 after my last pull                 (on copy0)
+
+Compute, per variant (``G`` = one GEMM launch per ``b_j``; ``rows(q, c)`` = chunk c of q)::
+
+    uniform-fused-1d    for c: G(rows(q, c) for all q)      W blocks m rows apart: ONE strided-
+                                                            batched GEMM, no gather/scatter
+    uniform-unfused-1d  for c: for q: G(rows(q, c))         local first (reads input, no wait)
+    hetero-fused-1d     G(my shard); for c: G(rows(q, c) for q != r)
+    hetero-unfused-1d   G(my shard); for c: for q != r: G(rows(q, c))
+    uniform-fused-2d    for c: G(all M rows, cols c)        one strided view, C (+)= A[:, c] B[c]
+    uniform-unfused-2d  for c: for q: G(shard q, cols c)
+    hetero-fused-2d     G(my shard, all K); for c: G(shards q != r, cols c)
+    hetero-unfused-2d   G(my shard, all K); for c: for q != r: G(shard q, cols c)
+
+Timelines for W = 4 (``cN`` = the three copies of chunk N, ``Gn`` = compute of chunk n,
+``L`` = the whole local shard)::
+
+    uniform-*:   copy0..2 |pub|c0|c1|c2|c3|
+                 compute  |      |G0|G1|G2|G3|         (unfused: local piece of G0 at t=0)
+    hetero-*:    copy0..2 |pub|c0|c1|c2|c3|
+                 compute  |== L ==|G0|G1|G2|G3|       (L starts at t=0, no wait)
+
+Gathers and scatters still needed: none, except ``hetero-fused`` on ranks 1 … W-2, whose
+remote chunks surround the local shard and so are not equally spaced. There each step
+gathers the remote chunks into a stage (compute engine) and GEMMs the stage; ``1d`` scatters
+the stage's rows to ``out`` after every step, ``2d`` accumulates every step into one stage per
+``b`` and scatters it once at the end. Ranks 0 and W-1 (and every rank when W = 2) GEMM in
+place. Moved per middle rank: (W-1)·m·K elements gathered, (W-1)·m·sum(n) scattered.
+Recomputing the local chunk would avoid the moves in 1d, but hetero steps hold remote chunks
+only (DESIGN §3), and in 2d it would count the local product twice.
+
+Coinciding variants: W = 1: all eight are one GEMM per b on the input, no copy, no barrier
+(the caller's shard is the gathered matrix). W = 2: hetero-fused-Xd and hetero-unfused-Xd
+hold the same ops (one peer, so every step has one remote chunk). Empty chunks (m < W, or
+K < W in 2d) are skipped; with m = 0 the plan is empty.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..plan import Plan, PlanBuilder
+from ..errors import InvalidArgumentError
+from ..plan import COMPUTE, Block, Gather, Gemm, Plan, PlanBuilder, Scatter
 from ..problem import Problem
 from . import common
 
 
 @dataclass(frozen=True)
+class Chunk:
+    """Chunk ``index`` of every shard, relative to the shard's first row."""
+
+    index: int
+    row0: int
+    rows: int
+    col0: int
+    cols: int
+
+
+def chunks(problem: Problem, two_d: bool) -> list[Chunk]:
+    """The non-empty chunks of one shard: row blocks (1d) or column blocks (2d).
+
+    >>> [c.rows for c in chunks(Problem(m=5, k=8, ns=(4,), dtype="float32", world=4), False)]
+    [2, 1, 1, 1]
+    """
+    p = problem
+    if two_d:
+        out = [Chunk(i, 0, p.m, k0, kc) for i, (k0, kc) in enumerate(p.col_chunks())]
+    else:
+        out = [Chunk(i, r0, rows, 0, p.k) for i, (r0, rows) in enumerate(p.row_chunks())]
+    return [c for c in out if c.rows and c.cols]
+
+
+def coalesce(blocks: list[Block]) -> list[Block]:
+    """Merge blocks that follow each other row-wise with the same columns into one."""
+    merged: list[Block] = []
+    for blk in blocks:
+        last = merged[-1] if merged else None
+        if (last is not None and (last.buf, last.peer, last.index, last.col0, last.cols)
+                == (blk.buf, blk.peer, blk.index, blk.col0, blk.cols)
+                and last.row0 + last.rows == blk.row0):
+            merged[-1] = Block(last.buf, last.row0, last.rows + blk.rows, last.col0,
+                               last.cols, last.peer, last.index)
+        else:
+            merged.append(blk)
+    return merged
+
+
+def equally_spaced(blocks: list[Block]) -> bool:
+    """True when ``blocks`` can be one strided-batched GEMM operand: same buffer and shape,
+    rows starting at a constant positive stride."""
+    shape = {(b.buf, b.peer, b.index, b.rows, b.col0, b.cols) for b in blocks}
+    gaps = {b2.row0 - b1.row0 for b1, b2 in zip(blocks, blocks[1:])}
+    return len(shape) == 1 and len(gaps) <= 1 and all(g >= blocks[0].rows for g in gaps)
+
+
+@dataclass(frozen=True)
 class Ficco:
+    """One FiCCO schedule: ``uniform`` (local chunk joins every step) or hetero (local shard
+    first, alone); ``fused`` (one GEMM per step) or unfused (one per received chunk);
+    ``two_d`` (column chunks, accumulating GEMMs) or 1d (row chunks). See the module
+    docstring for pseudo-code, timelines and the gathers/scatters each one needs.
+
+    >>> plan = Ficco(uniform=True, fused=True, two_d=False).plan(
+    ...     Problem(m=8, k=16, ns=(32,), dtype="float32", world=4, rank=1))
+    >>> plan.schedule, dict(plan.count())
+    ('uniform-fused-1d', {'copy_1d': 13, 'barrier': 2, 'gemm': 4})
+    """
+
     uniform: bool = True
     fused: bool = True
     two_d: bool = False
@@ -25,23 +127,166 @@ class Ficco:
 
     def plan(self, problem: Problem, transport: str = "dma", copy_engines: int | None = None) -> Plan:
         common.check_transport(transport)
-        p, b = problem, PlanBuilder(self.name, transport, problem)
-        engines = copy_engines or max(p.world - 1, 1)
-        ready = common.publish(b, transport)
-        copies = []
-        for c, (row0, rows) in enumerate(p.row_chunks()):
-            step_copies = []
-            if transport == "dma":
-                for i, q in enumerate(q for q in range(p.world) if q != p.rank):
-                    step_copies.append(common.pull(b, i % engines, q, row0, rows, step=c,
-                                                   after=[ready]))
-            elif p.world > 1:
-                step_copies.append(common.all_gather_rows(b, row0, rows, step=c, after=[ready]))
-            copies += step_copies
-            for q in range(p.world):
-                common.gemm_rows(b, p.shard_row0(q) + row0, rows, step=c, after=step_copies)
-        common.close(b, transport, copies)
+        if copy_engines is not None and copy_engines < 1:
+            raise InvalidArgumentError(
+                f"copy_engines must be >= 1 or None (one per peer); got {copy_engines}")
+        b = PlanBuilder(self.name, transport, problem)
+        if problem.m == 0:
+            return b.build()
+        if problem.world == 1:
+            _local_shard_gemms(b, step=0)
+            return b.build()
+        _Planner(self, b, transport, copy_engines or problem.world - 1).run()
         return b.build()
+
+
+def _local_shard_gemms(b: PlanBuilder, step: int) -> None:
+    """GEMM the caller's whole shard straight from ``input``: it needs no copy at all."""
+    p = b.problem
+    for j, n in enumerate(p.ns):
+        b.add(Gemm(COMPUTE, (Block("input", 0, p.m, 0, p.k),),
+                   (common.out_rows(p, j, p.shard_row0(p.rank), p.m),), j, 0, p.k, step=step))
+
+
+@dataclass
+class _Planner:
+    """Builds one FiCCO plan for W >= 2; one method per compute pattern."""
+
+    schedule: Ficco
+    b: PlanBuilder
+    transport: str
+    engines: int
+    copies: list = field(default_factory=list)
+    stage_a: int | None = None
+    stage_out: list = field(default_factory=list)
+
+    def run(self) -> None:
+        p, s = self.b.problem, self.schedule
+        if self.transport == "dma":
+            self.published, self.ready = common.publish_on_copy_engine(self.b)
+        else:
+            self.published = self.ready = common.publish(self.b, self.transport)
+        self.peers = [(p.rank + i) % p.world for i in range(1, p.world)]
+        todo = chunks(p, s.two_d)
+        self.first_index = todo[0].index
+        if not s.uniform:
+            _local_shard_gemms(self.b, step=0)
+        for chunk in todo:
+            step = chunk.index + (0 if s.uniform else 1)
+            arrived = self.move(chunk, step)
+            if s.uniform and s.fused:
+                self.uniform_fused(chunk, arrived, step)
+            elif s.uniform:
+                self.per_chunk(chunk, arrived, step, [p.rank] + self.peers)
+            elif s.fused:
+                self.hetero_fused(chunk, arrived, step)
+            else:
+                self.per_chunk(chunk, arrived, step, self.peers)
+        if self.stage_out and s.two_d:
+            self.scatter_stage(rows=(p.world - 1) * p.m, step=step)
+        common.close(self.b, self.transport, self.copies)
+
+    # -- blocks -------------------------------------------------------------------------------
+    def shard_block(self, q: int, chunk: Chunk) -> Block:
+        return common.shard_rows(self.b.problem, q, chunk.row0, chunk.rows, col0=chunk.col0,
+                                 cols=chunk.cols)
+
+    def out_block(self, j: int, q: int, chunk: Chunk) -> Block:
+        p = self.b.problem
+        return common.out_rows(p, j, p.shard_row0(q) + chunk.row0, chunk.rows)
+
+    def accumulate(self, chunk: Chunk) -> bool:
+        # Outputs arrive poisoned: the first K block of a row must overwrite, not add.
+        return self.schedule.two_d and chunk.index != self.first_index
+
+    # -- communication ------------------------------------------------------------------------
+    def move(self, chunk: Chunk, step: int) -> dict[int, int]:
+        """Bring chunk ``chunk`` of every peer; returns peer -> handle of the op that wrote it."""
+        if self.transport == "ccl":
+            h = common.all_gather_rows(self.b, chunk.row0, chunk.rows, col0=chunk.col0,
+                                       cols=chunk.cols, step=step, after=[self.ready])
+            self.copies.append(h)
+            return {q: h for q in range(self.b.problem.world)}
+        arrived = {}
+        for lane, q in enumerate(self.peers):
+            arrived[q] = common.pull(self.b, lane % self.engines, q, chunk.row0, chunk.rows,
+                                     col0=chunk.col0, cols=chunk.cols, step=step,
+                                     after=[self.ready])
+            self.copies.append(arrived[q])
+        return arrived
+
+    # -- compute ------------------------------------------------------------------------------
+    def gemm(self, a: list[Block], outs_by_b: list[list[Block]], chunk: Chunk, step: int,
+             after, accumulate: bool | None = None) -> None:
+        acc = self.accumulate(chunk) if accumulate is None else accumulate
+        for j, outs in enumerate(outs_by_b):
+            self.b.add(Gemm(COMPUTE, tuple(a), tuple(outs), j, chunk.col0, chunk.cols, acc,
+                            step=step), after=after)
+
+    def per_chunk(self, chunk: Chunk, arrived: dict, step: int, owners: list[int]) -> None:
+        """Unfused: one GEMM per received chunk, in arrival order, written in place; the local
+        chunk reads ``input`` so it never waits."""
+        p = self.b.problem
+        for q in owners:
+            if q == p.rank:
+                a = Block("input", chunk.row0, chunk.rows, chunk.col0, chunk.cols)
+                after = []
+            else:
+                a, after = self.shard_block(q, chunk), [arrived[q]]
+            outs = [[self.out_block(j, q, chunk)] for j in range(len(p.ns))]
+            self.gemm([a], outs, chunk, step, after)
+
+    def uniform_fused(self, chunk: Chunk, arrived: dict, step: int) -> None:
+        """Chunk c of all W shards is m rows apart in ``gathered`` and in ``out``: one
+        strided-batched GEMM (2d: one strided view of all M rows)."""
+        p = self.b.problem
+        owners = range(p.world)
+        a = coalesce([self.shard_block(q, chunk) for q in owners])
+        outs = [coalesce([self.out_block(j, q, chunk) for q in owners]) for j in range(len(p.ns))]
+        self.gemm(a, outs, chunk, step, list(arrived.values()) + [self.published])
+
+    def hetero_fused(self, chunk: Chunk, arrived: dict, step: int) -> None:
+        p = self.b.problem
+        remote = sorted(self.peers)
+        a = coalesce([self.shard_block(q, chunk) for q in remote])
+        outs = [coalesce([self.out_block(j, q, chunk) for q in remote])
+                for j in range(len(p.ns))]
+        after = list(arrived.values())
+        if equally_spaced(a):
+            self.gemm(a, outs, chunk, step, after)
+            return
+        # The local shard splits the remote chunks into two runs: stack them in a stage.
+        rows = sum(blk.rows for blk in a)
+        if self.stage_a is None:
+            self.declare_stages(chunk)
+        staged_a = Block("stage", 0, rows, 0, chunk.cols, index=self.stage_a)
+        self.b.add(Gather(COMPUTE, tuple(a), staged_a, step=step), after=after)
+        staged_out = [[Block("stage", 0, rows, 0, n, index=self.stage_out[j])]
+                      for j, n in enumerate(p.ns)]
+        self.gemm([staged_a], staged_out, chunk, step, after=[])
+        if not self.schedule.two_d:
+            self.scatter_stage(rows, step, outs)
+
+    def declare_stages(self, chunk: Chunk) -> None:
+        p = self.b.problem
+        if self.schedule.two_d:
+            rows, cols = (p.world - 1) * p.m, p.col_chunks()[0][1]
+        else:
+            rows, cols = (p.world - 1) * p.row_chunks()[0][1], p.k
+        self.stage_a = self.b.stage(rows, cols)
+        self.stage_out = [self.b.stage(rows, n) for n in p.ns]
+
+    def scatter_stage(self, rows: int, step: int, dsts_by_b: list[list[Block]] | None = None) -> None:
+        """Put stage rows back in ``out``; by default (2d, once at the end) every remote row."""
+        p = self.b.problem
+        for j, n in enumerate(p.ns):
+            if dsts_by_b is None:
+                dsts = coalesce([common.out_rows(p, j, p.shard_row0(q), p.m)
+                                 for q in sorted(self.peers)])
+            else:
+                dsts = dsts_by_b[j]
+            src = Block("stage", 0, rows, 0, n, index=self.stage_out[j])
+            self.b.add(Scatter(COMPUTE, src, tuple(dsts), step=step))
 
 
 FICCO_SCHEDULES = tuple(Ficco(u, f, t) for t in (False, True) for u in (True, False)

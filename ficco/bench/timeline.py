@@ -1,0 +1,134 @@
+"""``timeline``: one measured call drawn per queue (from the backend's events) next to the
+simulator's prediction for the same Plan.
+
+Run under torchrun; rank 0 writes the files::
+
+    torchrun --nproc-per-node 8 -m ficco.bench timeline --shape 16384,8192,8192 \\
+        --schedule hetero-fused-1d
+    # -> timeline-<schedule>-measured-rank0.png, timeline-<schedule>-predicted.png, timeline.json
+
+The measured chart is one rank's view (``--rank``, or ``--rank all`` for one file per rank):
+each bar is an op's start and end event on its queue, relative to the first op of the call.
+The predicted chart is :func:`ficco.heuristics.simulator.simulate` of the very Plan that ran,
+on the profile in force (``--profile`` or ``FICCO_PROFILE`` or the detected one).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..errors import InvalidArgumentError
+from . import results, scenarios
+from .sweep import RELATIVE_TOLERANCE, all_gather_rows, init_distributed, synchronize
+
+
+def add_arguments(parser) -> None:
+    scenarios.add_arguments(parser)
+    parser.add_argument("--schedule", default="uniform-fused-1d", help="schedule to draw")
+    parser.add_argument("--transport", default="dma", choices=("dma", "ccl"))
+    parser.add_argument("--dtype", default=None,
+                        help="element type (default bfloat16 on GPU, float32 on CPU)")
+    parser.add_argument("--warmup", type=int, default=2, help="untraced calls before the traced one")
+    parser.add_argument("--profile", default=None,
+                        help="profile for the prediction (name or JSON; default: FICCO_PROFILE "
+                             "or the one detected for this device)")
+    parser.add_argument("--rank", default="0", help="whose measured timeline to draw, or 'all'")
+    parser.add_argument("--out", default=None,
+                        help="directory (default bench/results/timeline-<target>-<date>)")
+
+
+def _makespan(rows: list[dict]) -> float:
+    return max((r["end_s"] for r in rows), default=0.0) - min((r["start_s"] for r in rows), default=0.0)
+
+
+def main(args) -> int:
+    import ficco
+    from .. import api
+    from ..backends import get_backend
+
+    rank, world = init_distributed()
+    backend = get_backend()
+    device = backend.device()
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    if dtype not in RELATIVE_TOLERANCE:
+        raise InvalidArgumentError(f"--dtype {dtype!r}; use one of {list(RELATIVE_TOLERANCE)}")
+    if args.rank != "all" and not (args.rank.isdigit() and int(args.rank) < world):
+        raise InvalidArgumentError(f"--rank {args.rank!r}: use 'all' or a rank below {world}")
+    ficco.schedules.get(args.schedule)
+    if not args.shape and not args.scenarios:
+        args.shape = ["2048,1024,1024"]
+    scenario = scenarios.from_args(args, world)[0]
+    problem = scenario.problem(world, rank, dtype)
+    torch.manual_seed(rank + 1)
+    a = torch.randn(problem.m, scenario.k, device=device).to(problem.torch_dtype)
+    b = (torch.randn(scenario.k, scenario.n, device=device) / scenario.k ** 0.5).to(problem.torch_dtype)
+
+    from .. import config
+
+    with config.scope(transport=args.transport):
+        for _ in range(args.warmup):
+            ficco.all_gather_matmul(a, b, schedule=args.schedule)
+    synchronize(device)
+    out, plan, rows = api.traced_all_gather_matmul(a, b, schedule=args.schedule,
+                                                   transport=args.transport)
+    synchronize(device)
+    gathered = torch.empty(problem.big_m, scenario.k, device=device, dtype=a.dtype)
+    all_gather_rows(gathered, a)
+    ref_dtype = torch.float64 if device.type == "cpu" else torch.float32
+    reference = gathered.to(ref_dtype) @ b.to(ref_dtype)
+    max_abs_err = (out.to(ref_dtype) - reference).abs().max().item()
+    everyone = [None] * world
+    dist.all_gather_object(everyone, {"rows": rows, "max_abs_err": max_abs_err})
+    if rank == 0:
+        _write(args, scenario, plan, everyone, backend, device, world)
+    dist.barrier()
+    return 0
+
+
+def _write(args, scenario, plan, everyone, backend, device, world) -> None:
+    from ..heuristics import profiles, simulator
+    from .gantt import draw_gantt
+
+    target = backend.target()
+    profile_name = args.profile or profiles.resolve(target).name
+    profile = profiles.load(args.profile) if args.profile else profiles.resolve(target)
+    predicted = simulator.simulate(plan, profile)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    safe_target = "".join(c if c.isalnum() or c in "_." else "-" for c in target)
+    out_dir = Path(args.out or Path("bench") / "results" / f"timeline-{safe_target}-{stamp}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shape = f"{plan.problem.big_m}x{scenario.n}x{scenario.k} {plan.problem.dtype} W={world}"
+    ranks = range(world) if args.rank == "all" else [int(args.rank)]
+    written = []
+    for r in ranks:
+        rows = everyone[r]["rows"]
+        path = out_dir / f"timeline-{args.schedule}-measured-rank{r}.png"
+        draw_gantt(rows, path, f"measured: {args.schedule} over {args.transport}, rank {r}, "
+                               f"{shape}, {1e3 * _makespan(rows):.3f} ms")
+        written.append(path)
+    path = out_dir / f"timeline-{args.schedule}-predicted.png"
+    draw_gantt(predicted.rows, path, f"predicted ({profile_name}): {args.schedule} over "
+                                     f"{args.transport}, {shape}, "
+                                     f"{1e3 * predicted.makespan_s:.3f} ms")
+    written.append(path)
+    record = {"schema": results.TIMELINE_SCHEMA, "scenario": scenario.name,
+              "big_m": plan.problem.big_m, "n": scenario.n, "k": scenario.k,
+              "dtype": plan.problem.dtype, "world": world, "schedule": args.schedule,
+              "transport": args.transport, "profile": profile_name,
+              "measured_makespan_s": {str(r): _makespan(e["rows"]) for r, e in enumerate(everyone)},
+              "predicted_makespan_s": predicted.makespan_s,
+              "max_abs_err": max(e["max_abs_err"] for e in everyone),
+              "measured_rows": {str(r): e["rows"] for r, e in enumerate(everyone)},
+              "predicted_rows": predicted.rows,
+              "env": results.environment(world, target, device)}
+    (out_dir / "timeline.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    written.append(out_dir / "timeline.json")
+    print(f"{args.schedule} over {args.transport} on {shape}: measured "
+          + ", ".join(f"rank {r} {1e3 * v:.3f} ms" for r, v in record["measured_makespan_s"].items())
+          + f"; predicted {1e3 * predicted.makespan_s:.3f} ms on profile {profile_name}; "
+          f"max |C - ref| {record['max_abs_err']:.2e}")
+    print("wrote " + ", ".join(str(p) for p in written))

@@ -1,0 +1,294 @@
+"""A discrete-event simulator that times a :class:`~ficco.plan.Plan` on a device profile.
+
+The same Plan the executor runs is replayed queue by queue: ops of one queue run in order, a
+``Wait`` holds its queue until the matching ``Record`` has run, and a ``Barrier`` completes a
+fixed latency after its queue reaches it (ranks are symmetric, so every peer arrives at the
+same moment; rank 0's plan stands for all). Work is fluid: each running op has a fixed part
+(latency, launch) and a bandwidth part whose speed changes whenever another op starts or ends.
+
+Cost model (every number from :class:`~ficco.heuristics.profiles.Profile`):
+
+- GEMM: output tiles ``tile_m x tile_n`` are dealt to the compute units in waves; time =
+  waves x one tile's time (its K extent plus a fixed per-tile overhead, at the CU's share of
+  ``gemm_efficiency x peak``), or the memory time when that is longer (roofline), plus a
+  launch. Small pieces waste CUs and short K wastes tiles: that is the DIL of decomposition.
+- DMA copy: latency + bytes / (bandwidth x size-dependent efficiency, lower for narrow 2D
+  rows). On a ``mesh`` each peer has its own link, so one busy peer uses 1 of W-1 links; on a
+  ``switch`` or ``pcie`` all concurrent copies share the GPU's bandwidth. At most
+  ``copy_engines`` copies progress at full speed at once.
+- Contention (CIL): while a GEMM runs next to DMA traffic it slows by
+  ``1 + cil.dma_gemm x s(MT) x u`` (u: fraction of the GPU's link bandwidth in use,
+  s(MT) = MT / (MT + mt_half_bytes), the GEMM's memory traffic), and the copies slow by
+  ``1 + cil.dma_copy x s(MT)``. Collectives (``ccl``) run on compute units: they take
+  ``ccl.compute_unit_fraction`` of the GEMM's CUs and use the larger ``ccl_*`` factors.
+- Gather/scatter and local copies: memory-bound moves (read + write) on the compute engines.
+
+Example::
+
+    >>> from ficco import schedules
+    >>> from ficco.problem import Problem
+    >>> from ficco.heuristics import profiles, simulator
+    >>> plan = schedules.get("serial").plan(Problem(4096, 8192, (8192,), "bfloat16", 8))
+    >>> result = simulator.simulate(plan, profiles.load("mi300x"))
+    >>> round(result.makespan_s * 1e3, 2) > 0
+    True
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..errors import InvalidArgumentError
+from ..plan import (AllGather, Barrier, Copy, Gather, Gemm, Plan, Record, Scatter, SendRecv,
+                    Wait, WORK_OPS)
+from .profiles import Profile
+
+_EPS = 1e-12
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """``makespan_s``: predicted time of the whole plan; ``rows``: one dict per work op with
+    op_index, queue, start_s, end_s, kind and a short label (what :func:`draw_gantt` takes)."""
+
+    makespan_s: float
+    rows: list = field(default_factory=list)
+
+    def busy_s(self, *kinds: str) -> float:
+        """Summed duration of the ops of the given kinds, e.g. ``busy_s("gemm")``."""
+        return sum(r["end_s"] - r["start_s"] for r in self.rows if r["kind"] in kinds)
+
+
+@dataclass
+class _Task:
+    category: str            # gemm | dma | ccl | mem | sync
+    fixed_s: float           # latency part, not slowed by anyone
+    work_s: float            # bandwidth/compute part at solo speed
+    resource: tuple = ()     # which link a dma copy uses
+    demand: float = 0.0      # bytes/s this copy moves when alone
+    mt_factor: float = 0.0   # s(MT) of a GEMM, in [0, 1)
+
+
+def simulate(plan: Plan, profile: Profile, topology: str | None = None) -> SimResult:
+    """Time ``plan`` on ``profile`` (``topology`` overrides the profile's). See module doc."""
+    return _Simulation(plan, profile, topology or profile.topology).run()
+
+
+class _Simulation:
+    def __init__(self, plan: Plan, profile: Profile, topology: str):
+        self.plan, self.profile, self.topology = plan, profile, topology
+        self.problem = plan.problem
+        self.itemsize = self.problem.itemsize
+        self.link_bytes_per_s = profile.link_for(topology)
+        peers = max(self.problem.world - 1, 1)
+        self.ingress_bytes_per_s = self.link_bytes_per_s * (peers if topology == "mesh" else 1)
+
+    # -- event loop --------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        ops = self.plan.ops
+        order: dict[str, list[int]] = {}
+        for i, op in enumerate(ops):
+            order.setdefault(op.queue, []).append(i)
+        next_op = {q: 0 for q in order}
+        recorded: set[int] = set()
+        start, end = [0.0] * len(ops), [0.0] * len(ops)
+        active: dict[int, _Task] = {}
+        busy: set[str] = set()
+        now = 0.0
+        while True:
+            self._issue(order, next_op, recorded, busy, active, start, end, now)
+            if not active:
+                stuck = {q: ops[order[q][k]] for q, k in next_op.items() if k < len(order[q])}
+                if stuck:
+                    raise InvalidArgumentError(
+                        f"plan {self.plan.schedule!r} cannot finish: queues wait forever at "
+                        f"{stuck}; every Wait needs a Record earlier on another queue")
+                break
+            rates = self._rates(active)
+            left = {i: (t.fixed_s if t.fixed_s > 0 else t.work_s / rates[i])
+                    for i, t in active.items()}
+            step = min(left.values())
+            now += step
+            for i, task in list(active.items()):
+                if left[i] <= step * (1 + 1e-9) + _EPS:
+                    if task.fixed_s > 0:
+                        task.fixed_s = 0.0
+                    else:
+                        task.work_s = 0.0
+                elif task.fixed_s > 0:
+                    task.fixed_s -= step
+                else:
+                    task.work_s -= step * rates[i]
+                if task.fixed_s <= 0 and task.work_s <= 0:
+                    end[i] = now
+                    del active[i]
+                    busy.discard(ops[i].queue)
+        rows = [{"op_index": i, "queue": op.queue, "start_s": start[i], "end_s": end[i],
+                 "kind": op.kind, "label": self._label(op)}
+                for i, op in enumerate(ops) if isinstance(op, WORK_OPS)]
+        return SimResult(max(end, default=0.0), rows)
+
+    def _issue(self, order, next_op, recorded, busy, active, start, end, now):
+        """Start every op whose queue is free and whose waits are satisfied."""
+        progressed = True
+        while progressed:
+            progressed = False
+            for queue, indices in order.items():
+                while queue not in busy and next_op[queue] < len(indices):
+                    i = indices[next_op[queue]]
+                    op = self.plan.ops[i]
+                    if isinstance(op, Wait) and op.event not in recorded:
+                        break
+                    next_op[queue] += 1
+                    progressed = True
+                    start[i] = end[i] = now
+                    if isinstance(op, Record):
+                        recorded.add(op.event)
+                    elif not isinstance(op, Wait):
+                        active[i] = self._task(op)
+                        busy.add(queue)
+
+    # -- rates -------------------------------------------------------------------------------
+    def _rates(self, active: dict[int, _Task]) -> dict[int, float]:
+        """Speed of every running op (1 = as fast as when alone) given who else runs."""
+        cil = self.profile.cil
+        flowing = {i: t for i, t in active.items() if t.fixed_s <= 0}
+        demand_by_link: dict[tuple, float] = {}
+        for t in flowing.values():
+            if t.category == "dma":
+                demand_by_link[t.resource] = demand_by_link.get(t.resource, 0.0) + t.demand
+        copies = [t for t in flowing.values() if t.category == "dma"]
+        engine_share = min(1.0, self.profile.copy_engines / len(copies)) if copies else 1.0
+        link_cap = self.link_bytes_per_s
+        share = {link: (min(1.0, link_cap / d) if d > 0 else 1.0) * engine_share
+                 for link, d in demand_by_link.items()}
+        moved = sum(t.demand * share[t.resource] for t in copies)
+        used = min(1.0, moved / self.ingress_bytes_per_s)
+        gemm_mt = max((t.mt_factor for t in flowing.values() if t.category == "gemm"), default=None)
+        ccl_running = any(t.category == "ccl" for t in flowing.values())
+        rates = {}
+        for i, t in active.items():
+            rate = 1.0
+            if t.fixed_s > 0:
+                rate = 1.0
+            elif t.category == "dma":
+                rate = share[t.resource]
+                if gemm_mt is not None:
+                    rate /= 1 + cil["dma_copy"] * gemm_mt
+            elif t.category == "ccl" and gemm_mt is not None:
+                rate /= 1 + cil["ccl_copy"] * gemm_mt
+            elif t.category == "gemm":
+                slowdown = 1 + cil["dma_gemm"] * t.mt_factor * used
+                if ccl_running:
+                    slowdown += cil["ccl_gemm"] * t.mt_factor
+                    slowdown /= 1 - self.profile.ccl["compute_unit_fraction"]
+                rate = 1 / slowdown
+            elif t.category == "mem":
+                rate = 1 / (1 + cil["dma_gemm"] * used)
+            rates[i] = rate
+        return rates
+
+    # -- solo costs --------------------------------------------------------------------------
+    def _task(self, op) -> _Task:
+        prof, p = self.profile, self.problem
+        if isinstance(op, Gemm):
+            return self._gemm(op)
+        if isinstance(op, Copy):
+            peer = op.src.peer if op.src.peer is not None else op.dst.peer
+            nbytes = op.src.numel * self.itemsize
+            if peer is None or peer == p.rank:
+                return self._memory_move(nbytes)
+            return self._dma(peer, nbytes, op.src.cols * self.itemsize if op.two_d else None)
+        if isinstance(op, (Gather, Scatter)):
+            block = op.dst if isinstance(op, Gather) else op.src
+            return self._memory_move(block.numel * self.itemsize)
+        if isinstance(op, AllGather):
+            return self._collective(op.src.numel * self.itemsize, len(op.dsts) - 1)
+        if isinstance(op, SendRecv):
+            block = op.recv if op.recv is not None else op.send
+            return self._collective(block.numel * self.itemsize if block else 0, 1)
+        if isinstance(op, Barrier):
+            return _Task("sync", prof.barrier_latency_s if p.world > 1 else 0.0, 0.0)
+        raise InvalidArgumentError(f"simulator does not know op {type(op).__name__}")
+
+    def _gemm(self, op: Gemm) -> _Task:
+        prof, p, dil = self.profile, self.problem, self.profile.dil
+        n = p.ns[op.b]
+        rows = sum(block.rows for block in op.a)
+        if rows == 0 or op.kc == 0:
+            return _Task("gemm", 0.0, 0.0)
+        tiles = sum(math.ceil(block.rows / dil["tile_m"]) for block in op.a) \
+            * math.ceil(n / dil["tile_n"])
+        waves = math.ceil(tiles / prof.compute_units)
+        cu_flops = prof.flops(p.dtype) * dil["gemm_efficiency"] / prof.compute_units
+        tile_s = 2 * dil["tile_m"] * dil["tile_n"] * (op.kc + dil["tile_k_overhead"]) / cu_flops
+        traffic = (rows * op.kc + op.kc * n + rows * n * (2 if op.accumulate else 1)) \
+            * self.itemsize
+        memory_s = traffic / (prof.hbm_bytes_per_s * dil["memory_efficiency"])
+        mt_factor = traffic / (traffic + prof.cil["mt_half_bytes"])
+        return _Task("gemm", dil["launch_s"], max(waves * tile_s, memory_s),
+                     mt_factor=mt_factor)
+
+    def _dma(self, peer: int, nbytes: int, row_bytes: int | None) -> _Task:
+        prof = self.profile
+        if nbytes == 0:
+            return _Task("dma", 0.0, 0.0, ("link", peer), 0.0)
+        fraction = prof.copy_fraction(nbytes)
+        if row_bytes is not None:
+            fraction *= row_bytes / (row_bytes + prof.copy_2d_half_row_bytes)
+        bandwidth = self.link_bytes_per_s
+        if prof.copy_engine_bytes_per_s:
+            bandwidth = min(bandwidth, prof.copy_engine_bytes_per_s)
+        demand = bandwidth * fraction
+        link = ("link", peer) if self.topology == "mesh" else ("gpu",)
+        return _Task("dma", prof.copy_latency_s, nbytes / demand, link, demand)
+
+    def _memory_move(self, nbytes: int) -> _Task:
+        dil = self.profile.dil
+        bandwidth = self.profile.hbm_bytes_per_s * dil["memory_efficiency"]
+        return _Task("mem", dil["launch_s"] if nbytes else 0.0, 2 * nbytes / bandwidth)
+
+    def _collective(self, bytes_per_peer: int, peers: int) -> _Task:
+        """A collective on compute units: on a mesh all peers' links run in parallel; on a
+        switch the GPU's bandwidth carries every peer's bytes."""
+        prof = self.profile
+        if bytes_per_peer == 0 or peers <= 0:
+            return _Task("ccl", 0.0, 0.0)
+        bandwidth = self.link_bytes_per_s * prof.ccl["efficiency"] \
+            * prof.copy_fraction(bytes_per_peer)
+        volume = bytes_per_peer * (1 if self.topology == "mesh" else peers)
+        return _Task("ccl", prof.ccl["latency_s"], volume / bandwidth)
+
+    # -- labels ------------------------------------------------------------------------------
+    def _label(self, op) -> str:
+        step = getattr(op, "step", 0)
+        if isinstance(op, Copy):
+            peer = op.src.peer if op.src.peer is not None else op.dst.peer
+            if peer is None or peer == self.problem.rank:
+                return "publish" if op.src.buf == "input" else f"local c{step}"
+            return f"peer {peer} c{step}"
+        if isinstance(op, Gemm):
+            rows = sum(block.rows for block in op.a)
+            return f"gemm {rows}r s{step}" + (f" x{len(op.a)}" if len(op.a) > 1 else "")
+        if isinstance(op, Barrier):
+            return f"barrier {op.channel}"
+        if isinstance(op, SendRecv):
+            return f"recv {op.recv_from} s{step}"
+        return f"{op.kind.replace('_', '-')} s{step}"
+
+
+def ideal_speedup(serial: SimResult) -> float:
+    """The paper's ideal: the serial run with its GEMM and its all-gather perfectly overlapped
+    (no decomposition or contention loss), as a speedup over serial. Balanced GEMM and
+    communication approach 2x.
+
+    >>> ideal_speedup(SimResult(2.0, [
+    ...     {"kind": "copy_1d", "label": "peer 1 c0", "start_s": 0.0, "end_s": 1.0},
+    ...     {"kind": "gemm", "label": "gemm", "start_s": 1.0, "end_s": 2.0}]))
+    2.0
+    """
+    gemm_s = serial.busy_s("gemm")
+    comm = [r for r in serial.rows
+            if r["kind"] in ("all_gather", "send_recv") or r["label"].startswith("peer ")]
+    comm_s = (max(r["end_s"] for r in comm) - min(r["start_s"] for r in comm)) if comm else 0.0
+    return serial.makespan_s / max(serial.makespan_s - min(gemm_s, comm_s), _EPS)

@@ -1,0 +1,113 @@
+"""Rank-side functions of the multi-rank GPU tests (several processes sharing one GPU through
+the IPC provider; importable by the harness's spawned ranks)."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+import ficco
+from ficco import api, config
+from ficco.backends import get_backend
+from ficco.errors import CommTimeoutError
+from ficco.problem import Problem
+
+from ..reference import ROW_TOL, make_inputs, max_row_rel_err
+
+
+def _pattern(rank: int, rows: int, cols: int, device) -> torch.Tensor:
+    """Distinct values per rank, row and column (exact in float32)."""
+    r = torch.arange(rows, device=device, dtype=torch.float32)[:, None]
+    c = torch.arange(cols, device=device, dtype=torch.float32)[None, :]
+    return rank * 10000 + r * 100 + c
+
+
+def ipc_pull(rank, world, m, k):
+    """Publish a pattern into this rank's rows, barrier on the compute stream, then pull every
+    peer's shard: rows 1-D by uneven row chunks, columns 2-D by uneven column chunks, each peer
+    on its own copy stream. Returns the number of wrong elements."""
+    backend = get_backend()
+    dev = backend.device()
+    symm = backend.symm_provider().allocate(2 * world * m * k * 4, None, dev)
+    try:
+        problem = Problem(m=m, k=k, ns=(1,), dtype="float32", world=world, rank=rank)
+        rows_buf = symm.get_buffer(rank, (world * m, k), torch.float32)
+        cols_buf = symm.get_buffer(rank, (world * m, k), torch.float32, offset=world * m * k * 4)
+        rows_buf.fill_(float("nan"))
+        cols_buf.fill_(float("nan"))
+        compute = backend.queue("compute")
+        mine = _pattern(rank, m, k, dev)
+        rows_buf[rank * m:(rank + 1) * m].copy_(mine)
+        cols_buf[rank * m:(rank + 1) * m].copy_(mine)
+        backend.barrier(symm, 0, compute, 30.0, 0)
+        published = backend.new_event()
+        backend.record(published, compute)
+        queues = [compute]
+        for peer in range(world):
+            if peer == rank:
+                continue
+            q = backend.queue(f"copy{peer}")
+            queues.append(q)
+            backend.wait(published, q)
+            theirs_rows = symm.get_buffer(peer, (world * m, k), torch.float32)
+            theirs_cols = symm.get_buffer(peer, (world * m, k), torch.float32,
+                                          offset=world * m * k * 4)
+            base = peer * m
+            for r0, nr in problem.row_chunks():
+                backend.copy(rows_buf[base + r0: base + r0 + nr],
+                             theirs_rows[base + r0: base + r0 + nr], q)
+            for c0, nc in problem.col_chunks():
+                backend.copy_2d(cols_buf[base: base + m, c0: c0 + nc],
+                                theirs_cols[base: base + m, c0: c0 + nc], q)
+        backend.finish(queues)
+        backend.barrier(symm, 1, compute, 30.0, 1)  # nobody frees while a peer still reads
+        backend.synchronize()
+        expect = torch.cat([_pattern(p, m, k, dev) for p in range(world)])
+        wrong = int((rows_buf != expect).sum()) + int((cols_buf != expect).sum())
+    finally:
+        symm.close()
+    return wrong
+
+
+def stalled_peer(rank, world, timeout_s):
+    """Rank 0 enters a barrier rank 1 never enters: rank 0 must raise CommTimeoutError naming
+    rank 1 within about ``timeout_s``, and its stream must be released. Returns rank 0's error
+    text (others return "")."""
+    backend = get_backend()
+    symm = backend.symm_provider().allocate(1024, None, backend.device())
+    message = ""
+    try:
+        if rank == 0:
+            start = time.monotonic()
+            backend.barrier(symm, 2, backend.queue("compute"), timeout_s, 5)
+            try:
+                backend.synchronize()   # returns once the watchdog released the stream
+                backend.queue("compute")
+            except CommTimeoutError as exc:
+                message = f"{exc} after {time.monotonic() - start:.1f}s"
+    finally:
+        symm.close()
+    return message
+
+
+def schedule_case(rank, world, schedule, transport, dtype_name, seed):
+    """One all_gather_matmul on the GPU against the float64 reference; returns failures."""
+    dtype = getattr(torch, dtype_name)
+    dev = get_backend().device()
+    failures = []
+    shape, ns = (13, 24), (7, 5)          # uneven: 13 rows and 24 columns over W chunks
+    with config.scope(transport=transport):
+        shards, bs, full, refs = make_inputs(seed, world, shape, ns, dtype)
+        a = shards[rank].to(dev)
+        b_list = [b.to(dev) for b in bs]
+        gathered, outs = ficco.all_gather_matmul(a, b_list, schedule=schedule,
+                                                 return_gathered=True)
+        for j, (out, ref) in enumerate(zip(outs, refs)):
+            err = max_row_rel_err(out, ref)
+            if out.device != a.device or not err <= ROW_TOL[dtype]:
+                failures.append(f"b{j}: {out.device} err {err:.3g}")
+        if not torch.equal(gathered.cpu(), full):
+            failures.append("gathered A differs")
+        if world > 1 and api.last_run() != (schedule, transport):
+            failures.append(f"ran {api.last_run()}, not {(schedule, transport)}")
+    return failures

@@ -1,0 +1,41 @@
+"""Several ranks sharing ONE GPU (separate processes, gloo process group, IPC symmetric memory):
+raw pulls, the barrier deadline, and every schedule x transport x W x dtype through
+``ficco.all_gather_matmul`` against float64. Correctness only: timings here mean nothing."""
+from __future__ import annotations
+
+import pytest
+
+from ficco import schedules
+
+from .. import harness
+from . import gpu_cases
+
+pytestmark = pytest.mark.gpu
+
+WORLDS = (1, 2, 4)
+GPU_ENV = {"FICCO_TIMEOUT": "30"}
+
+
+@pytest.mark.parametrize("world", (2, 4))
+@pytest.mark.parametrize("m,k", [(8, 32), (13, 10)])
+def test_ipc_pull_rows_and_columns(world, m, k):
+    wrong = harness.pool(world, GPU_ENV).run(gpu_cases.ipc_pull, m, k, timeout_s=120)
+    assert wrong == [0] * world
+
+
+def test_stalled_peer_raises_instead_of_hanging():
+    results = harness.pool(2, GPU_ENV).run(gpu_cases.stalled_peer, 1.0, timeout_s=120)
+    assert "rank(s) [1]" in results[0] and "step 5" in results[0], results
+
+
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16", "float32"))
+@pytest.mark.parametrize("transport", ("dma", "ccl"))
+@pytest.mark.parametrize("schedule", schedules.names())
+@pytest.mark.parametrize("world", WORLDS)
+def test_schedule_on_gpu(world, schedule, transport, dtype):
+    if world == 1 and transport == "ccl":
+        pytest.skip("world size 1 is a plain matmul: no transport")
+    seed = hash((world, schedule, transport, dtype)) % 10_000
+    failures = harness.pool(world, GPU_ENV).run(gpu_cases.schedule_case, schedule, transport,
+                                                dtype, seed, timeout_s=120)
+    assert failures == [[]] * world

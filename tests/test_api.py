@@ -1,0 +1,68 @@
+"""all_gather_matmul end to end: every schedule x transport x world size against float64."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import ficco
+from ficco import api
+
+from . import harness
+from .cases import DTYPES, SHAPES, run_matrix
+from .reference import ROW_TOL, make_inputs, max_row_rel_err
+
+WORLDS = (2, 3, 4, 8)
+
+
+@pytest.mark.parametrize("transport", ["dma", "ccl"])
+@pytest.mark.parametrize("schedule", ficco.schedules.names())
+@pytest.mark.parametrize("world", WORLDS)
+def test_schedule_matches_reference(world, schedule, transport):
+    seed = random.randrange(1 << 30)
+    failures = harness.pool(world).run(run_matrix, schedule, transport, seed)
+    assert failures == [[]] * world, f"seed {seed}: {failures}"
+
+
+@pytest.mark.parametrize("schedule", ficco.schedules.names())
+def test_world_size_one_is_a_plain_matmul(schedule):
+    """No process group at all: ficco degrades to a matmul for every shape and dtype."""
+    seed = random.randrange(1 << 30)
+    for case, (label, shape, ns, gdim, ret) in enumerate(SHAPES):
+        for dtype in DTYPES:
+            shards, bs, full, refs = make_inputs(seed + case, 1, shape, ns, dtype, gdim)
+            result = ficco.all_gather_matmul(shards[0], bs, gather_dim=gdim, schedule=schedule,
+                                             return_gathered=True)
+            gathered, outs = result
+            assert torch.equal(gathered, full), label
+            for out, ref in zip(outs, refs):
+                assert max_row_rel_err(out, ref) <= ROW_TOL[dtype], (label, dtype, seed)
+
+
+def _selector_picks(rank, world, seed):
+    """With no schedule forced, the selector's pick runs, agrees on every rank, and is right."""
+    shards, bs, full, refs = make_inputs(seed, world, (24, 32), (40,), torch.float32)
+    decision = ficco.explain(shards[rank], bs[0])
+    out = ficco.all_gather_matmul(shards[rank], bs[0])
+    return decision.schedule, decision.transport, api.last_run(), max_row_rel_err(out, refs[0])
+
+
+def test_selector_choice_runs_and_agrees():
+    results = harness.pool(4).run(_selector_picks, random.randrange(1 << 30))
+    assert len({r[:3] for r in results}) == 1, results
+    schedule, transport, ran, err = results[0]
+    assert ran == (schedule, transport)
+    assert err <= ROW_TOL[torch.float32]
+
+
+def _disabled(rank, world, seed):
+    shards, bs, full, refs = make_inputs(seed, world, (6, 8), (5,), torch.float32)
+    with ficco.config.scope(disable=True):
+        gathered, out = ficco.all_gather_matmul(shards[rank], bs[0], return_gathered=True)
+    return torch.equal(gathered, full), max_row_rel_err(out, refs[0])
+
+
+def test_ficco_disable_runs_plain_all_gather_then_matmul():
+    for same, err in harness.pool(2).run(_disabled, random.randrange(1 << 30)):
+        assert same and err <= ROW_TOL[torch.float32]
