@@ -342,12 +342,18 @@ def explain(a_shard, b, group=None, *, gather_dim=0, schedule=None):
     return _decide(call, schedule)
 
 
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """``out`` (W*rows, ...) <- every rank's ``inp`` (rows, ...), stacked along dim 0."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, inp, group=group)
+
+
 def _plain(call: Call, return_gathered: bool):
     """FICCO_DISABLE=1: the unoverlapped all_gather + matmul ficco replaces."""
     p = call.problem
     gathered = torch.empty(p.big_m, p.k, dtype=call.a.dtype, device=call.a.device)
     if p.world > 1:
-        dist.all_gather_into_tensor(gathered, call.a.contiguous(), group=call.group)
+        all_gather_flat(gathered, call.a.contiguous(), call.group)
     else:
         gathered.copy_(call.a)
     outs = [gathered @ bj for bj in call.bs]

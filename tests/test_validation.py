@@ -45,7 +45,7 @@ def test_bad_env_values_list_the_valid_ones(monkeypatch):
     with pytest.raises(ConfigError, match="auto, dma, ccl"):
         ficco.config.transport()
     monkeypatch.setenv("FICCO_SCHEDULE", "nope")
-    with pytest.raises(InvalidArgumentError, match="valid schedules"):
+    with pytest.raises(ConfigError, match="FICCO_SCHEDULE='nope'.*valid schedules: serial"):
         ficco.config.schedule()
     monkeypatch.setenv("FICCO_TIMEOUT", "-3")
     with pytest.raises(ConfigError, match="FICCO_TIMEOUT"):

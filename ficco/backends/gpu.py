@@ -165,8 +165,9 @@ class GpuSymmHandle(SymmHandle):
         self.backend, self.rank, self.world, self.nbytes = backend, rank, world, nbytes
         self._spans = spans
         self._release = release
-        self._pads = [s[aligned(nbytes):aligned(nbytes) + pad_bytes(world)].view(torch.int32)
-                      .view(SIGNAL_CHANNELS, world) for s in spans]
+        start, count = aligned(nbytes), SIGNAL_CHANNELS * world * 4
+        self._pads = [s[start:start + count].view(torch.int32).view(SIGNAL_CHANNELS, world)
+                      for s in spans]
         self._generation = [0] * SIGNAL_CHANNELS
         self._closed = False
 
@@ -443,8 +444,9 @@ class GpuBackend(Backend):
         raise InvalidArgumentError(f"unknown queue {name!r}; use compute, comm or copy<i>")
 
     def new_event(self):
-        # Timing on: the executor's trace reads elapsed times from the same events.
-        return torch.cuda.Event(enable_timing=True)
+        # Timing on (the executor's trace reads elapsed times from the same events), except
+        # while a CUDA graph is being captured, where only plain events may be recorded.
+        return torch.cuda.Event(enable_timing=not torch.cuda.is_current_stream_capturing())
 
     def record(self, event, queue):
         event.record(queue)

@@ -5,7 +5,7 @@ Everything runs through the active backend's queues (streams on GPUs, worker thr
 so the copies measured are the copies ficco makes (DMA on GPUs, ``cudaMemcpy2DAsync`` for 2D)::
 
     python -m ficco.bench characterize --quick            # CPU: seconds
-    python -m ficco.bench characterize --scale 8          # one GPU: about a minute
+    python -m ficco.bench characterize                    # one GPU: a few minutes
     FICCO_PROFILE=bench/results/characterize-.../profile.json python my_model.py
 
 Measured:
@@ -49,8 +49,8 @@ class Settings:
 
 
 def settings_for(args, device: torch.device) -> Settings:
-    """``--quick``: a few tiny GEMMs and copies (CPU seconds). Otherwise the paper's GEMMs
-    with M divided by ``--scale`` and copies from 4 KiB to 256 MiB."""
+    """``--quick``: a few tiny GEMMs and copies (CPU seconds). Otherwise the paper's GEMMs as
+    one GPU of eight runs them, M divided by ``--scale``, and copies from 4 KiB to 256 MiB."""
     if args.quick:
         gemms = (Scenario("tall", 1024, 128, 256, "quick"), Scenario("wide", 256, 128, 1024, "quick"),
                  Scenario("square", 512, 256, 512, "quick"))
@@ -58,7 +58,8 @@ def settings_for(args, device: torch.device) -> Settings:
                         1 << 20, 1 << 20, args.copy_queues or 2, 1, args.repeat or 3)
     if args.scale <= 0:
         raise InvalidArgumentError(f"--scale must be positive; got {args.scale}")
-    gemms = tuple(paper(args.scale))
+    # each GPU's GEMM on an 8-GPU node: M x N/8 x K (the Table I reading of ficco.heuristics)
+    gemms = tuple(Scenario(g.name, g.big_m, g.local_n(8), g.k, "paper") for g in paper(args.scale))
     if args.only:
         keep = set(args.only.split(","))
         gemms = tuple(g for g in gemms if g.name in keep)
@@ -70,8 +71,8 @@ def settings_for(args, device: torch.device) -> Settings:
 
 def add_arguments(parser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU, CI)")
-    parser.add_argument("--scale", type=int, default=8,
-                        help="divide the paper GEMMs' M by this (default 8)")
+    parser.add_argument("--scale", type=int, default=4,
+                        help="divide the paper GEMMs' M by this (default 4)")
     parser.add_argument("--only", default=None, help="comma list of paper GEMMs, e.g. g1,g2")
     parser.add_argument("--dtype", default=None,
                         help="GEMM dtype (default bfloat16 on GPU, float32 on CPU)")
@@ -128,6 +129,96 @@ class Timer:
             self._drain()
             times.append(self.backend.elapsed_s(start, end))
         return median(times)
+
+
+class TorchCudaQueues:
+    """Stand-in for a GPU backend that cannot be created here (not built yet, or refused):
+    the same few calls on torch.cuda streams, so a lent GPU can still be characterised.
+    1D copies are ``Tensor.copy_`` (cudaMemcpyAsync); 2D copies use cudaMemcpy2DAsync
+    through cuda-python when it imports, else ``copy_`` (a strided copy kernel)."""
+
+    name = "torch-cuda"
+
+    def __init__(self):
+        self._device = torch.device("cuda", torch.cuda.current_device())
+        self._streams = {"compute": torch.cuda.current_stream()}
+        try:
+            from cuda.bindings import runtime
+        except ImportError:
+            runtime = None
+        self._runtime = runtime
+
+    def target(self):
+        major, minor = torch.cuda.get_device_capability()
+        return f"{'rocm' if torch.version.hip else 'cuda'}:sm_{major}{minor}"
+
+    def device(self):
+        return self._device
+
+    def queue(self, name):
+        if name not in self._streams:
+            self._streams[name] = torch.cuda.Stream()
+        return self._streams[name]
+
+    def new_event(self):
+        return torch.cuda.Event(enable_timing=True)
+
+    def record(self, event, queue):
+        event.record(queue)
+
+    def wait(self, event, queue):
+        queue.wait_event(event)
+
+    def copy(self, dst, src, queue):
+        with torch.cuda.stream(queue):
+            dst.copy_(src, non_blocking=True)
+
+    def copy_2d(self, dst, src, queue):
+        if self._runtime is None:
+            return self.copy(dst, src, queue)
+        rt, size = self._runtime, dst.element_size()
+        err, = rt.cudaMemcpy2DAsync(dst.data_ptr(), dst.stride(0) * size, src.data_ptr(),
+                                    src.stride(0) * size, dst.shape[1] * size, dst.shape[0],
+                                    rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, queue.cuda_stream)
+        if err != rt.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"cudaMemcpy2DAsync failed: {err}")
+
+    def gemm(self, a, b, out, accumulate, queue):
+        with torch.cuda.stream(queue):
+            if accumulate:
+                out.addmm_(a, b)
+            else:
+                torch.mm(a, b, out=out)
+
+    def finish(self, queues):
+        for q in queues:
+            self._streams["compute"].wait_stream(q)
+
+    def synchronize(self):
+        torch.cuda.synchronize()
+
+    def elapsed_s(self, start, end):
+        return start.elapsed_time(end) / 1e3
+
+
+def _backend():
+    """The active ficco backend, or :class:`TorchCudaQueues` when a GPU is visible but no
+    ficco GPU backend can be created here."""
+    from ..backends import get_backend
+    from ..errors import BackendUnavailableError
+
+    try:
+        backend = get_backend()
+    except BackendUnavailableError:
+        backend = None
+    if (backend is None or backend.device().type == "cpu") and torch.cuda.is_available():
+        import os
+
+        if os.environ.get("FICCO_BACKEND") != "cpu":
+            return TorchCudaQueues()
+    if backend is None:
+        return get_backend()   # raises the backend's own explanation
+    return backend
 
 
 def _cover(victim_s: float, noise_s: float) -> int:
@@ -300,7 +391,7 @@ def fit_profile(base, recs: list[dict], dtype: str, name: str, device_name: str)
 def fit_copy_curve(points: list[tuple[int, float]]) -> tuple[float, dict]:
     """Split measured 1D copies ``(bytes, seconds)`` into the simulator's terms, time =
     latency + bytes / (bandwidth x fraction(bytes)): the latency is the intercept of the line
-    through the two smallest copies (kept below 90% of the smallest time), and each size's
+    through the two smallest copies (kept below 99% of the smallest time), and each size's
     fraction is its latency-free bandwidth over the best one.
 
     >>> lat, frac = fit_copy_curve([(1000, 2e-6), (2000, 3e-6), (10**6, 1.001e-3)])
@@ -310,7 +401,7 @@ def fit_copy_curve(points: list[tuple[int, float]]) -> tuple[float, dict]:
     points = sorted(points)
     (s1, t1), (s2, t2) = points[0], points[1]
     slope = (t2 - t1) / (s2 - s1) if s2 != s1 else 0.0
-    latency_s = min(max(t1 - s1 * slope, 0.0), 0.9 * t1)
+    latency_s = min(max(t1 - s1 * slope, 0.0), 0.99 * t1)
     rates = {size: size / (t - latency_s) for size, t in points}
     best = max(rates.values())
     return latency_s, {str(size): round(min(1.0, rate / best), 4) for size, rate in rates.items()}
@@ -352,10 +443,9 @@ def fit_cil(cil_recs: list[dict]) -> dict:
 def main(args) -> int:
     from tqdm import tqdm
 
-    from ..backends import get_backend
     from ..heuristics import profiles
 
-    backend = get_backend()
+    backend = _backend()
     device = backend.device()
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     if dtype not in ("float32", "bfloat16", "float16", "float64"):
@@ -363,6 +453,7 @@ def main(args) -> int:
     st = settings_for(args, device)
     target = backend.target()
     env = results.environment(1, target, device)
+    env["env_queues"] = getattr(backend, "name", "?")
     timer = Timer(backend, st.copy_queues)
     steps = 2 * len(st.gemms) + 2 * len(st.copy_sizes) + len(st.widths_2d)
     torch.manual_seed(0)

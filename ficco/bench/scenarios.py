@@ -1,7 +1,10 @@
 """Scenario sets for the benchmarks: the paper's Table I, Llama projection presets, ad-hoc shapes.
 
-A scenario is one GEMM ``(M, N, K)`` of the *gathered* problem: ``M`` rows of A after the
-all-gather, ``N`` columns of B, ``K`` the inner dimension. Each rank holds ``M / W`` rows.
+A scenario is one GEMM ``(M, N, K)``: ``M`` rows of A after the all-gather (each rank holds
+``M / W``), ``K`` the inner dimension, ``N`` the columns of B. For Table I and ``--shape`` it is
+the layer's GEMM and each rank holds ``N / W`` weight columns (``split_n``), the reading of
+:mod:`ficco.heuristics.scenarios` and of ``bench simulate``, so ``sweep`` measures what
+``simulate`` predicts. The llama presets are already per rank (N or K divided by ``--tp``).
 
     >>> [s.name for s in paper(scale=64)][:3]
     ['g1', 'g2', 'g3']
@@ -14,27 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
+from ..heuristics.scenarios import PAPER_TABLE_I
 from ..problem import Problem
-
-# Paper Table I: (name, parallelism, model, (M, N, K)).
-PAPER_TABLE = (
-    ("g1", "SP+TP", "llama-3-405b", (16384, 16384, 131072)),
-    ("g2", "SP+TP", "llama-3-405b", (131072, 16384, 16384)),
-    ("g3", "SP+TP", "llama-3-405b", (53248, 16384, 131072)),
-    ("g4", "SP+TP", "llama-3-405b", (131072, 53248, 16384)),
-    ("g5", "SP+TP", "llama-2-70b", (8192, 8192, 262144)),
-    ("g6", "SP+TP", "llama-2-70b", (262144, 8192, 8192)),
-    ("g7", "SP+TP", "llama-2-70b", (28672, 8192, 262144)),
-    ("g8", "SP+TP", "llama-2-70b", (262144, 28672, 8192)),
-    ("g9", "SP+TP", "llama-3-405b", (196608, 18432, 16384)),
-    ("g10", "SP+TP", "llama-3-405b", (196608, 106496, 16384)),
-    ("g11", "SP+TP", "llama-2-70b", (1048576, 10240, 8192)),
-    ("g12", "SP+TP", "llama-2-70b", (1048576, 57344, 8192)),
-    ("g13", "EP", "DeepSeek", (1607680, 57344, 8192)),
-    ("g14", "EP", "Mixtral", (147456, 28672, 4096)),
-    ("g15", "EP", "Mixtral", (327680, 28672, 4096)),
-    ("g16", "EP", "Mixtral", (229376, 28672, 4096)),
-)
 
 # Public model configurations: hidden size, attention heads, KV heads, head dim, MLP width.
 LLAMA_MODELS = {
@@ -56,6 +40,7 @@ class Scenario:
     k: int
     source: str = "shape"
     note: str = ""
+    split_n: bool = False
 
     def __post_init__(self):
         if min(self.big_m, self.n, self.k) <= 0:
@@ -68,8 +53,12 @@ class Scenario:
         measured M is ``shard_rows(W) * W``; results record that effective M."""
         return max(1, self.big_m // world)
 
+    def local_n(self, world: int) -> int:
+        """Columns of B on each rank: N, or N / W for a Table I layer GEMM."""
+        return max(1, self.n // world) if self.split_n else self.n
+
     def problem(self, world: int, rank: int = 0, dtype: str = "bfloat16") -> Problem:
-        return Problem(self.shard_rows(world), self.k, (self.n,), dtype, world, rank)
+        return Problem(self.shard_rows(world), self.k, (self.local_n(world),), dtype, world, rank)
 
 
 def _scaled(value: int, scale: int) -> int:
@@ -80,8 +69,8 @@ def paper(scale: int = 1, scale_nk: int = 1) -> list[Scenario]:
     """Table I of the paper, g1-g16. ``scale`` divides M (as the paper's sizes need a full
     8-GPU node); ``scale_nk`` also divides N and K, for CPUs where B alone would not fit."""
     return [Scenario(name, _scaled(m, scale), _scaled(n, scale_nk), _scaled(k, scale_nk),
-                     "paper", f"{par} {model}")
-            for name, par, model, (m, n, k) in PAPER_TABLE]
+                     "paper", "Table I", split_n=True)
+            for name, (m, n, k) in PAPER_TABLE_I.items()]
 
 
 def llama(model: str, seq_len: int, tp: int, scale: int = 1, scale_nk: int = 1) -> list[Scenario]:
@@ -114,7 +103,8 @@ def llama(model: str, seq_len: int, tp: int, scale: int = 1, scale_nk: int = 1) 
 
 
 def parse_shape(text: str) -> Scenario:
-    """``"M,N,K"`` (``x`` also accepted as separator) -> a Scenario named ``MxNxK``.
+    """``"M,N,K"`` (``x`` also accepted as separator) -> a layer GEMM named ``MxNxK`` whose N
+    is split over the ranks, as ``bench simulate --shape`` reads it.
 
     >>> parse_shape("1024,512,256").big_m
     1024
@@ -126,7 +116,7 @@ def parse_shape(text: str) -> Scenario:
         raise InvalidArgumentError(
             f"--shape {text!r} is not three integers; write it as M,N,K, e.g. 4096,1024,2048"
         ) from None
-    return Scenario(f"{m}x{n}x{k}", m, n, k, "shape")
+    return Scenario(f"{m}x{n}x{k}", m, n, k, "shape", split_n=True)
 
 
 def add_arguments(parser) -> None:
@@ -136,7 +126,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--only", default=None,
                         help="comma list of scenario names to keep, e.g. g2,g6")
     parser.add_argument("--shape", action="append", default=[], metavar="M,N,K",
-                        help="an extra gathered GEMM shape (repeatable)")
+                        help="an extra layer GEMM: M rows gathered, N weight columns split "
+                             "over the ranks, K (repeatable)")
     parser.add_argument("--scale", type=int, default=1, help="divide every M by this")
     parser.add_argument("--scale-nk", type=int, default=1,
                         help="divide every N and K by this too (CPU runs)")

@@ -164,7 +164,8 @@ def run_scenario(sc, entries, args, dtype: str, device, rank: int, world: int, e
     problem = sc.problem(world, rank, dtype)
     tdtype = problem.torch_dtype
     a = torch.randn(problem.m, sc.k, device=device).to(tdtype)
-    b = (torch.randn(sc.k, sc.n, device=device) / sc.k ** 0.5).to(tdtype)
+    n = problem.ns[0]
+    b = (torch.randn(sc.k, n, device=device) / sc.k ** 0.5).to(tdtype)
     gathered = torch.empty(problem.big_m, sc.k, device=device, dtype=tdtype)
     all_gather_rows(gathered, a)
     # float64 reference on CPU, float32 on GPUs where float64 GEMMs crawl
@@ -177,7 +178,8 @@ def run_scenario(sc, entries, args, dtype: str, device, rank: int, world: int, e
     gemm_s = results.timing_summary(gemm_times)["median_s"]
     comm_s = results.timing_summary(comm_times)["median_s"]
     base = dict(schema=results.SWEEP_SCHEMA, scenario=sc.name, source=sc.source,
-                big_m=problem.big_m, n=sc.n, k=sc.k, m=problem.m, dtype=dtype, world=world,
+                big_m=problem.big_m, n=n, n_layer=sc.n, k=sc.k, m=problem.m, dtype=dtype,
+                world=world,
                 warmup=args.warmup, repeat=args.repeat, gemm_s=gemm_s, comm_s=comm_s,
                 gemm_comm_ratio=gemm_s / comm_s if comm_s else None,
                 ideal_speedup=(gemm_s + comm_s) / max(gemm_s, comm_s), env=env)
@@ -221,7 +223,9 @@ def format_table(records: list[dict]) -> str:
     head = (f"{'scenario':<18} {'M x N x K':<20} {'schedule':<18} {'transport':<9} "
             f"{'median ms':>10} {'p10-p90 ms':>17} {'speedup':>8}  marks")
     lines = [head, "-" * len(head)]
-    for r in records:
+    for i, r in enumerate(records):
+        if i and records[i - 1]["scenario"] != r["scenario"]:
+            lines.append(_picks_line(records[i - 1]))
         shape = f"{r['big_m']}x{r['n']}x{r['k']}"
         if r["status"] != "ok":
             lines.append(f"{r['scenario']:<18} {shape:<20} {r['schedule']:<18} "
@@ -235,6 +239,8 @@ def format_table(records: list[dict]) -> str:
         speedup = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
         lines.append(f"{r['scenario']:<18} {shape:<20} {r['schedule']:<18} {r['transport']:<9} "
                      f"{1e3 * r['median_s']:>10.3f} {spread:>17} {speedup:>8}  {marks}")
+    if records:
+        lines.append(_picks_line(records[-1]))
     acc = results.selector_accuracy(records)
     for sel, a in acc.items():
         if a["scenarios"]:
@@ -244,6 +250,16 @@ def format_table(records: list[dict]) -> str:
         else:
             lines.append(f"selector {sel}: no pick measured")
     return "\n".join(lines)
+
+
+def _picks_line(rec: dict) -> str:
+    picks = rec.get("picks") or {}
+    if not picks:
+        return "  picks: no selector could decide"
+    speedups = rec.get("pick_speedups") or {}
+    return "  picks: " + ", ".join(
+        f"{sel} {name} ({speedups[sel]:.2f}x)" if speedups.get(sel) else f"{sel} {name} (not timed)"
+        for sel, name in picks.items())
 
 
 def default_out_dir(target: str) -> Path:

@@ -65,7 +65,8 @@ def main(args) -> int:
     problem = scenario.problem(world, rank, dtype)
     torch.manual_seed(rank + 1)
     a = torch.randn(problem.m, scenario.k, device=device).to(problem.torch_dtype)
-    b = (torch.randn(scenario.k, scenario.n, device=device) / scenario.k ** 0.5).to(problem.torch_dtype)
+    b = (torch.randn(scenario.k, problem.ns[0], device=device) / scenario.k ** 0.5) \
+        .to(problem.torch_dtype)
 
     from .. import config
 
@@ -101,7 +102,7 @@ def _write(args, scenario, plan, everyone, backend, device, world) -> None:
     safe_target = "".join(c if c.isalnum() or c in "_." else "-" for c in target)
     out_dir = Path(args.out or Path("bench") / "results" / f"timeline-{safe_target}-{stamp}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    shape = f"{plan.problem.big_m}x{scenario.n}x{scenario.k} {plan.problem.dtype} W={world}"
+    shape = f"{plan.problem.big_m}x{plan.problem.ns[0]}x{scenario.k} {plan.problem.dtype} W={world}"
     ranks = range(world) if args.rank == "all" else [int(args.rank)]
     written = []
     for r in ranks:
@@ -116,7 +117,7 @@ def _write(args, scenario, plan, everyone, backend, device, world) -> None:
                                      f"{1e3 * predicted.makespan_s:.3f} ms")
     written.append(path)
     record = {"schema": results.TIMELINE_SCHEMA, "scenario": scenario.name,
-              "big_m": plan.problem.big_m, "n": scenario.n, "k": scenario.k,
+              "big_m": plan.problem.big_m, "n": plan.problem.ns[0], "k": scenario.k,
               "dtype": plan.problem.dtype, "world": world, "schedule": args.schedule,
               "transport": args.transport, "profile": profile_name,
               "measured_makespan_s": {str(r): _makespan(e["rows"]) for r, e in enumerate(everyone)},

@@ -195,7 +195,7 @@ def builtin_names() -> list[str]:
     return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
 
 
-_loaded: dict[str, Profile] = {}
+_loaded: dict[tuple, Profile] = {}
 
 
 def load(name_or_path: str) -> Profile:
@@ -204,15 +204,19 @@ def load(name_or_path: str) -> Profile:
     >>> load("h100").topology
     'switch'
     """
-    key = str(name_or_path)
+    text = str(name_or_path)
+    path = Path(text)
+    if not (text.endswith(".json") or os.sep in text or path.is_file()):
+        path = PROFILE_DIR / f"{text.lower()}.json"
+        if not path.is_file():
+            raise ConfigError(f"unknown profile {text!r}; built-in profiles: "
+                              f"{', '.join(builtin_names())}, or give a JSON file path")
+    try:
+        key = (str(path.resolve()), path.stat().st_mtime_ns)   # a rewritten file is re-read
+    except OSError:
+        key = None
     if key in _loaded:
         return _loaded[key]
-    path = Path(key)
-    if not (key.endswith(".json") or os.sep in key or path.is_file()):
-        path = PROFILE_DIR / f"{key.lower()}.json"
-        if not path.is_file():
-            raise ConfigError(f"unknown profile {key!r}; built-in profiles: "
-                              f"{', '.join(builtin_names())}, or give a JSON file path")
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -221,7 +225,8 @@ def load(name_or_path: str) -> Profile:
     except json.JSONDecodeError as exc:
         raise ConfigError(f"profile file {str(path)!r} is not valid JSON: {exc}") from None
     profile = Profile.from_dict(data, origin=str(path))
-    _loaded[key] = profile
+    if key is not None:
+        _loaded[key] = profile
     return profile
 
 

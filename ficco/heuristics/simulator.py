@@ -11,7 +11,9 @@ Cost model (every number from :class:`~ficco.heuristics.profiles.Profile`):
 - GEMM: output tiles ``tile_m x tile_n`` are dealt to the compute units in waves; time =
   waves x one tile's time (its K extent plus a fixed per-tile overhead, at the CU's share of
   ``gemm_efficiency x peak``), or the memory time when that is longer (roofline), plus a
-  launch. Small pieces waste CUs and short K wastes tiles: that is the DIL of decomposition.
+  launch. With fewer tiles than CUs, K may be split (as GEMM libraries do) at the cost of
+  reducing the partial sums. Small pieces waste CUs and short K wastes tiles: that is the
+  DIL of decomposition.
 - DMA copy: latency + bytes / (bandwidth x size-dependent efficiency, lower for narrow 2D
   rows). On a ``mesh`` each peer has its own link, so one busy peer uses 1 of W-1 links; on a
   ``switch`` or ``pcie`` all concurrent copies share the GPU's bandwidth. At most
@@ -153,12 +155,13 @@ class _Simulation:
         """Speed of every running op (1 = as fast as when alone) given who else runs."""
         cil = self.profile.cil
         flowing = {i: t for i, t in active.items() if t.fixed_s <= 0}
-        demand_by_link: dict[tuple, float] = {}
-        for t in flowing.values():
-            if t.category == "dma":
-                demand_by_link[t.resource] = demand_by_link.get(t.resource, 0.0) + t.demand
         copies = [t for t in flowing.values() if t.category == "dma"]
+        # Only copy_engines copies move at once; the engines are then shared over the links.
         engine_share = min(1.0, self.profile.copy_engines / len(copies)) if copies else 1.0
+        demand_by_link: dict[tuple, float] = {}
+        for t in copies:
+            demand_by_link[t.resource] = demand_by_link.get(t.resource, 0.0) \
+                + t.demand * engine_share
         link_cap = self.link_bytes_per_s
         share = {link: (min(1.0, link_cap / d) if d > 0 else 1.0) * engine_share
                  for link, d in demand_by_link.items()}
@@ -168,9 +171,9 @@ class _Simulation:
         ccl_running = any(t.category == "ccl" for t in flowing.values())
         rates = {}
         for i, t in active.items():
-            rate = 1.0
+            rate = 1.0   # latency phases and barriers are never slowed
             if t.fixed_s > 0:
-                rate = 1.0
+                pass
             elif t.category == "dma":
                 rate = share[t.resource]
                 if gemm_mt is not None:
@@ -219,15 +222,25 @@ class _Simulation:
             return _Task("gemm", 0.0, 0.0)
         tiles = sum(math.ceil(block.rows / dil["tile_m"]) for block in op.a) \
             * math.ceil(n / dil["tile_n"])
-        waves = math.ceil(tiles / prof.compute_units)
         cu_flops = prof.flops(p.dtype) * dil["gemm_efficiency"] / prof.compute_units
-        tile_s = 2 * dil["tile_m"] * dil["tile_n"] * (op.kc + dil["tile_k_overhead"]) / cu_flops
+        compute_s = min(self._split_k_s(tiles, op.kc, split, cu_flops, rows * n)
+                        for split in (1, 2, 4, 8, 16) if split == 1 or op.kc // split >= 256)
         traffic = (rows * op.kc + op.kc * n + rows * n * (2 if op.accumulate else 1)) \
             * self.itemsize
         memory_s = traffic / (prof.hbm_bytes_per_s * dil["memory_efficiency"])
         mt_factor = traffic / (traffic + prof.cil["mt_half_bytes"])
-        return _Task("gemm", dil["launch_s"], max(waves * tile_s, memory_s),
-                     mt_factor=mt_factor)
+        return _Task("gemm", dil["launch_s"], max(compute_s, memory_s), mt_factor=mt_factor)
+
+    def _split_k_s(self, tiles: int, kc: int, split: int, cu_flops: float, outputs: int) -> float:
+        """Compute time with K cut in ``split`` parts per tile (what GEMM libraries do when
+        there are fewer tiles than compute units), plus the partial sums' reduction."""
+        dil, prof = self.profile.dil, self.profile
+        waves = math.ceil(tiles * split / prof.compute_units)
+        tile_s = 2 * dil["tile_m"] * dil["tile_n"] * (kc / split + dil["tile_k_overhead"]) \
+            / cu_flops
+        reduce_s = 0.0 if split == 1 else \
+            2 * split * outputs * 4 / (prof.hbm_bytes_per_s * dil["memory_efficiency"])
+        return waves * tile_s + reduce_s
 
     def _dma(self, peer: int, nbytes: int, row_bytes: int | None) -> _Task:
         prof = self.profile

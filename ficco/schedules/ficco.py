@@ -184,7 +184,9 @@ class _Planner:
                 self.per_chunk(chunk, arrived, step, self.peers)
         if self.stage_out and s.two_d:
             self.scatter_stage(rows=(p.world - 1) * p.m, step=step)
-        common.close(self.b, self.transport, self.copies)
+        # The closing barrier needs only the last pull of each copy queue: queues run in order.
+        last_per_queue = {self.b._ops[h].queue: h for h in self.copies if h is not None}
+        common.close(self.b, self.transport, list(last_per_queue.values()))
 
     # -- blocks -------------------------------------------------------------------------------
     def shard_block(self, q: int, chunk: Chunk) -> Block:
@@ -243,7 +245,9 @@ class _Planner:
         owners = range(p.world)
         a = coalesce([self.shard_block(q, chunk) for q in owners])
         outs = [coalesce([self.out_block(j, q, chunk) for q in owners]) for j in range(len(p.ns))]
-        self.gemm(a, outs, chunk, step, list(arrived.values()) + [self.published])
+        # This rank's rows were published on copy0 before the chunk's first pull there, so
+        # waiting for the pulls covers them too.
+        self.gemm(a, outs, chunk, step, list(arrived.values()))
 
     def hetero_fused(self, chunk: Chunk, arrived: dict, step: int) -> None:
         p = self.b.problem

@@ -1,0 +1,141 @@
+"""``python -m ficco.bench simulate``: predicted time of every schedule on a device profile.
+
+For each scenario: the simulated time of every schedule, its speedup over ``serial``, the
+ideal speedup (serial with GEMM and all-gather perfectly overlapped) and the pick of the
+``paper`` and ``model`` selectors; printed as a table, written as JSON, and drawn as one PNG
+timeline per scenario (``serial`` above the model's pick). No GPU needed::
+
+    python -m ficco.bench simulate --profile mi300x --scenarios paper --world 8
+    python -m ficco.bench simulate --profile h100 --shape 65536,8192,8192 --out /tmp/sim
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from .. import config, schedules
+from ..errors import InvalidArgumentError
+from ..heuristics import model, profiles, simulator
+from ..heuristics.paper import paper_choice
+from ..heuristics.scenarios import PAPER_TABLE_I, gemm_problem
+
+SHORT = {"serial": "serial", "ring": "ring", "ring-bidir": "ring-bi"}
+
+
+def short_name(name: str) -> str:
+    """``hetero-unfused-1d`` -> ``h-u-1d``: table headers that fit a terminal."""
+    return SHORT.get(name) or "-".join(part[0] for part in name.split("-")[:2]) \
+        + "-" + name.split("-")[-1]
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--profile", default="mi300x",
+                        help=f"built-in profile ({', '.join(profiles.builtin_names())}) or a "
+                             f"profile JSON path (default mi300x)")
+    parser.add_argument("--scenarios", default="paper", choices=["paper", "none"],
+                        help="scenario set: paper = Table I g1-g16 (default)")
+    parser.add_argument("--shape", action="append", default=[], metavar="M,N,K",
+                        help="an extra layer GEMM (M rows gathered, N weight columns split "
+                             "over the world, K); repeatable")
+    parser.add_argument("--world", type=int, default=8, help="group size W (default 8)")
+    parser.add_argument("--dtype", default="bfloat16",
+                        choices=["bfloat16", "float16", "float32", "float64"])
+    parser.add_argument("--scale", type=int, default=1, help="divide every M by this")
+    parser.add_argument("--transport", default="dma", choices=["dma", "ccl"])
+    parser.add_argument("--topology", default=None, choices=list(profiles.TOPOLOGIES),
+                        help="override the profile's topology")
+    parser.add_argument("--out", default=None,
+                        help="output folder (default bench/results/simulate-<profile>)")
+    parser.add_argument("--no-png", action="store_true", help="skip the timeline PNGs")
+
+
+def scenarios(args) -> list[tuple[str, tuple[int, int, int]]]:
+    chosen = list(PAPER_TABLE_I.items()) if args.scenarios == "paper" else []
+    for text in args.shape:
+        try:
+            big_m, n, k = (int(v) for v in text.split(","))
+        except ValueError:
+            raise InvalidArgumentError(f"--shape {text!r}: expected three integers M,N,K, "
+                                       f"e.g. --shape 65536,8192,8192") from None
+        chosen.append((f"{big_m}x{n}x{k}", (big_m, n, k)))
+    if not chosen:
+        raise InvalidArgumentError("no scenarios: use --scenarios paper or give --shape M,N,K")
+    return [(name, (max(m // args.scale, args.world), n, k)) for name, (m, n, k) in chosen]
+
+
+def run(args) -> dict:
+    """Simulate every schedule on every scenario; returns the JSON-ready report."""
+    if args.world < 1:
+        raise InvalidArgumentError(f"--world must be >= 1; got {args.world}")
+    profile = profiles.load(args.profile)
+    topology = args.topology or profile.topology
+    low, high = config.paper_thresholds()
+    engines = config.copy_engines()
+    report = {"profile": profile.name, "world": args.world, "dtype": args.dtype,
+              "transport": args.transport, "topology": topology, "scenarios": []}
+    for name, (big_m, n, k) in scenarios(args):
+        problem = gemm_problem(big_m, n, k, args.world, args.dtype)
+        times = model.predict_all(problem, profile, topology, args.transport, engines)
+        serial_s = times["serial"]
+        pick_model, _, _ = model.model_choice(problem, profile, topology, args.transport,
+                                              engines)
+        pick_paper, score, _ = paper_choice(problem, profile, low, high)
+        serial_run = model.simulate_schedule("serial", problem, profile, topology,
+                                             args.transport, engines)
+        report["scenarios"].append({
+            "name": name, "M": big_m, "N": n, "K": k, "local_n": problem.n_total,
+            "times_s": times,
+            "speedup": {s: serial_s / t if t > 0 else 1.0 for s, t in times.items()},
+            "ideal_speedup": simulator.ideal_speedup(serial_run),
+            "picks": {"paper": pick_paper, "model": pick_model}, "paper_score": score})
+    return report
+
+
+def table(report: dict) -> str:
+    names = schedules.names()
+    head = f"{'scenario':<10} {'serial ms':>10} {'ideal':>6} " \
+        + " ".join(f"{short_name(s):>7}" for s in names) + f"  {'paper':<18} {'model':<18}"
+    lines = [f"profile {report['profile']} ({report['topology']}), W={report['world']}, "
+             f"{report['dtype']}, transport {report['transport']}; speedup over serial",
+             head, "-" * len(head)]
+    for sc in report["scenarios"]:
+        lines.append(
+            f"{sc['name']:<10} {sc['times_s']['serial'] * 1e3:>10.3f} "
+            f"{sc['ideal_speedup']:>5.2f}x "
+            + " ".join(f"{sc['speedup'][s]:>6.2f}x" for s in names)
+            + f"  {sc['picks']['paper']:<18} {sc['picks']['model']:<18}")
+    return "\n".join(lines)
+
+
+def draw(report: dict, args, out_dir: Path) -> list[Path]:
+    from .gantt import draw_gantt
+
+    profile = profiles.load(args.profile)
+    paths = []
+    for sc in report["scenarios"]:
+        problem = gemm_problem(sc["M"], sc["N"], sc["K"], args.world, args.dtype)
+        rows = []
+        for label in dict.fromkeys(["serial", sc["picks"]["model"]]):
+            result = model.simulate_schedule(label, problem, profile, report["topology"],
+                                             args.transport, config.copy_engines())
+            rows += [{**r, "queue": f"{label}/{r['queue']}"} for r in result.rows]
+        pick = sc["picks"]["model"]
+        title = (f"{sc['name']} (M={sc['M']}, N={sc['N']}, K={sc['K']}, W={args.world}) on "
+                 f"{report['profile']}: serial {sc['times_s']['serial'] * 1e3:.2f} ms, "
+                 f"{pick} {sc['times_s'][pick] * 1e3:.2f} ms ({sc['speedup'][pick]:.2f}x)")
+        paths.append(draw_gantt(rows, out_dir / f"{sc['name']}.png", title))
+    return paths
+
+
+def main(args) -> int:
+    started = time.perf_counter()
+    report = run(args)
+    out_dir = Path(args.out or Path("bench") / "results" / f"simulate-{report['profile']}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(table(report))
+    (out_dir / "simulate.json").write_text(json.dumps(report, indent=1) + "\n")
+    pngs = [] if args.no_png else draw(report, args, out_dir)
+    print(f"wrote {out_dir / 'simulate.json'} and {len(pngs)} PNG timelines in {out_dir} "
+          f"({time.perf_counter() - started:.1f} s)")
+    return 0

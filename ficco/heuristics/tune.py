@@ -1,0 +1,126 @@
+"""The ``tune`` selector: time every candidate on the live group once per problem key.
+
+The API hands in ``measure(name) -> seconds``, already the slowest rank's time and the same on
+every rank (it all-reduces MAX), so the argmin here is the same everywhere; ties go to the
+alphabetically first name. Candidates are measured in ``ficco.schedules.names()`` order on
+every rank, because each measurement is itself collective.
+
+Winners are cached in memory and in ``<FICCO_CACHE_DIR>/tune.json`` (default
+``~/.cache/ficco``), keyed by op, M, n, K, dtype, W, backend target, topology, transport and
+ficco version; later calls cost a dictionary lookup. Every rank may write the file: the
+content is identical and each write is atomic (temporary file + ``os.replace``).
+
+Example::
+
+    >>> from ficco.problem import Problem
+    >>> p = Problem(4, 8, (8,), "float32", 2)
+    >>> tune_choice(p, transport="dma", target="cpu", topology="switch",
+    ...             measure=lambda name: 1.0 if name == "ring" else 2.0, persist=False)[0]
+    'ring'
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Callable
+
+from .. import config, schedules
+from ..errors import ConfigError, InvalidArgumentError
+from ..problem import Problem
+
+CACHE_FILE = "tune.json"
+_memory: dict[str, dict] = {}
+_lock = threading.Lock()
+
+
+def ficco_version() -> str:
+    module = sys.modules.get("ficco")
+    return str(getattr(module, "__version__", "unknown"))
+
+
+def cache_key(problem: Problem, transport: str, target: str, topology: str) -> str:
+    """The tune cache key, as a readable string.
+
+    >>> cache_key(Problem(4, 8, (8,), "float32", 2), "dma", "cpu", "switch").split("|")[:4]
+    ['all_gather_matmul/dma', 'M=8', 'n=8', 'K=8']
+    """
+    ns = ",".join(map(str, problem.ns))
+    return "|".join([f"all_gather_matmul/{transport}", f"M={problem.big_m}", f"n={ns}",
+                     f"K={problem.k}", problem.dtype, f"W={problem.world}", target, topology,
+                     f"ficco={ficco_version()}"])
+
+
+def cache_path() -> Path:
+    root = config.cache_dir() or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ficco")
+    return Path(root) / CACHE_FILE
+
+
+def _read_file(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}   # no cache yet, or a torn file from a crashed writer: re-tune
+    return data if isinstance(data, dict) else {}
+
+
+def _write_file(path: Path, key: str, entry: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _read_file(path)
+        data[key] = entry
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise ConfigError(f"tune cache {str(path)!r} cannot be written ({exc}); set "
+                          f"FICCO_CACHE_DIR to a writable directory") from None
+
+
+def lookup(key: str, persist: bool = True) -> dict | None:
+    """The cached entry ``{"schedule", "scores"}`` for ``key`` (memory, then file)."""
+    with _lock:
+        entry = _memory.get(key)
+    if entry is None and persist:
+        entry = _read_file(cache_path()).get(key)
+        if entry is not None and entry.get("schedule") in schedules.names():
+            with _lock:
+                _memory[key] = entry
+        else:
+            entry = None
+    return entry
+
+
+def tune_choice(problem: Problem, *, transport: str, target: str, topology: str,
+                measure: Callable[[str], float] | None, persist: bool = True
+                ) -> tuple[str, dict[str, float], str]:
+    """(schedule, measured seconds per candidate, reason); measures only at first sight."""
+    key = cache_key(problem, transport, target, topology)
+    entry = lookup(key, persist)
+    if entry is not None:
+        scores = {k: float(v) for k, v in entry["scores"].items()}
+        return entry["schedule"], scores, f"tuned earlier (cache {key})"
+    if measure is None:
+        raise InvalidArgumentError(
+            "selector 'tune' needs a measure(schedule) callable; it is given by "
+            "ficco.all_gather_matmul/explain on a live group. Use selector 'model' or 'paper' "
+            "offline, or set FICCO_SELECTOR=model")
+    scores = {name: float(measure(name)) for name in schedules.names()}
+    best = min(scores, key=lambda name: (scores[name], name))
+    entry = {"schedule": best, "scores": scores}
+    with _lock:
+        _memory[key] = entry
+    if persist:
+        _write_file(cache_path(), key, entry)
+    speedup = scores.get("serial", scores[best]) / scores[best] if scores[best] > 0 else 1.0
+    return best, scores, (f"fastest of {len(scores)} measured (slowest rank): "
+                          f"{scores[best] * 1e3:.3f} ms, {speedup:.2f}x over serial")
+
+
+def clear_memory() -> None:
+    """Forget in-memory winners (tests; the file cache stays)."""
+    with _lock:
+        _memory.clear()

@@ -1,0 +1,211 @@
+"""Benchmarks (ficco/bench): scenario sets, the result schema and its summaries, the fits that
+turn measurements into a profile, and smoke runs of sweep, characterize and timeline on CPU
+that check the files they write (never their timings)."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ficco.bench import characterize, results, scenarios
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _run(args: list[str], tmp_path: Path, ranks: int | None = None) -> str:
+    """Run ``python -m ficco.bench ...`` (under torch.distributed.run when ``ranks``) on the
+    CPU backend and return its output; a failure shows that output."""
+    env = dict(os.environ, FICCO_BACKEND="cpu", OMP_NUM_THREADS="1", FICCO_TIMEOUT="60",
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("FICCO_PROFILE", None)
+    cmd = [sys.executable]
+    if ranks:
+        cmd += ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+                "--master-port", str(_free_port())]
+    cmd += ["-m", "ficco.bench", *args]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{output[-6000:]}"
+    return output
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _is_png(path: Path) -> bool:
+    return path.is_file() and path.read_bytes()[:8] == PNG_MAGIC
+
+
+# -- scenarios --------------------------------------------------------------------------------
+def test_paper_table_is_complete_and_scales_m_only():
+    full, scaled = scenarios.paper(), scenarios.paper(scale=64)
+    assert [s.name for s in full] == [f"g{i}" for i in range(1, 17)]
+    assert (full[0].big_m, full[0].n, full[0].k) == (16384, 16384, 131072)
+    assert (full[12].big_m, full[12].n, full[12].k) == (1607680, 57344, 8192)
+    for f, s in zip(full, scaled):
+        assert (s.big_m, s.n, s.k) == (f.big_m // 64, f.n, f.k)
+    # each rank multiplies by its N / W slice of the layer's weight (ficco.heuristics' reading)
+    assert scaled[1].problem(world=8).ns == (16384 // 8,)
+    tiny = scenarios.paper(scale=4096, scale_nk=1024)[4]
+    assert (tiny.big_m, tiny.n, tiny.k) == (2, 8, 256)
+
+
+def test_llama_presets_shard_n_or_k_by_tp():
+    by_name = {s.name: s for s in scenarios.llama("70B", seq_len=4096, tp=8)}
+    assert (by_name["llama-70B-qkv"].n, by_name["llama-70B-qkv"].k) == ((8 + 2) * 128, 8192)
+    assert (by_name["llama-70B-o"].n, by_name["llama-70B-o"].k) == (8192, 1024)
+    assert (by_name["llama-70B-upgate"].n, by_name["llama-70B-upgate"].k) == (2 * 3584, 8192)
+    assert (by_name["llama-70B-down"].n, by_name["llama-70B-down"].k) == (8192, 3584)
+    assert all(s.big_m == 4096 for s in by_name.values())
+    with pytest.raises(ValueError, match="8B, 70B, 405B"):
+        scenarios.llama("7B", 4096, 8)
+
+
+def test_shapes_parse_and_uneven_m_rounds_down_per_rank():
+    sc = scenarios.parse_shape("1001,64,32")
+    assert (sc.name, sc.big_m, sc.n, sc.k) == ("1001x64x32", 1001, 64, 32)
+    assert sc.problem(world=4).m == 250 and sc.problem(world=4).big_m == 1000
+    assert sc.problem(world=4).ns == (16,)
+    with pytest.raises(ValueError, match="M,N,K"):
+        scenarios.parse_shape("12,abc")
+
+
+# -- results: summaries and schema ------------------------------------------------------------
+def _fake(scenario, schedule, median_s, transport="dma", kind="schedule"):
+    return dict(schema=results.SWEEP_SCHEMA, scenario=scenario, schedule=schedule,
+                transport=transport, kind=kind, status="ok", median_s=median_s)
+
+
+def test_percentiles_match_numpy():
+    np = pytest.importorskip("numpy")
+    values = list(np.random.default_rng().random(17))
+    for q in (10, 50, 90):
+        assert results.percentile(values, q) == pytest.approx(np.percentile(values, q))
+    summary = results.timing_summary(values)
+    assert summary["median_s"] == pytest.approx(np.median(values))
+
+
+def test_finalize_and_selector_accuracy():
+    recs_a = [_fake("a", "serial", 4.0, "ccl", "baseline"), _fake("a", "ring", 2.0),
+              _fake("a", "uniform-fused-1d", 1.0)]
+    recs_b = [_fake("b", "serial", 3.0, "ccl", "baseline"), _fake("b", "ring", 3.0),
+              _fake("b", "uniform-fused-1d", 1.02)]
+    results.finalize_scenario(recs_a, {"paper": "ring", "model": "uniform-fused-1d"})
+    results.finalize_scenario(recs_b, {"paper": "uniform-fused-1d", "model": "ring"})
+    assert [r["speedup"] for r in recs_a] == [1.0, 2.0, 4.0]
+    assert recs_a[0]["best_schedule"] == "uniform-fused-1d" and recs_a[0]["best_speedup"] == 4.0
+    assert recs_a[0]["pick_speedups"] == {"paper": 2.0, "model": 4.0}
+    assert recs_a[1]["picked_by"] == ["paper"] and recs_a[2]["picked_by"] == ["model"]
+    acc = results.selector_accuracy(recs_a + recs_b)
+    # paper: misses a (loses half), hits b (1.02 is within 5% of 1.02); model the reverse.
+    assert acc["paper"] == {"scenarios": 2, "hits": 1, "accuracy": 0.5,
+                            "mean_loss_when_missed": pytest.approx(0.5)}
+    assert acc["model"]["hits"] == 1
+    assert acc["model"]["mean_loss_when_missed"] == pytest.approx(1 - 1.02 / 3.0)
+
+
+def test_validate_names_each_problem():
+    bad = _fake("a", "ring", None)
+    bad.update(status="ok", times_s=[], env={})
+    with pytest.raises(ValueError) as info:
+        results.validate(bad)
+    text = str(info.value)
+    assert "times_s" in text and "median_s" in text and "env lacks" in text and "big_m" in text
+
+
+# -- characterize fits ------------------------------------------------------------------------
+def test_fits_recover_the_simulator_parameters():
+    latency_s, bandwidth = 5e-6, 2e10
+    points = [(s, latency_s + s / bandwidth) for s in (4096, 65536, 1 << 20, 1 << 24)]
+    fit_latency, fractions = characterize.fit_copy_curve(points)
+    assert fit_latency == pytest.approx(latency_s)
+    assert all(f == pytest.approx(1.0) for f in fractions.values())
+    recs = [dict(victim=v, mt_bytes=mt, cil=1 + coef * mt / (mt + 3e8))
+            for v, coef in (("gemm", 0.3), ("copy", 0.1)) for mt in (1e7, 1e8, 1e9, 1e10)]
+    fit = characterize.fit_cil(recs)
+    assert fit["dma_gemm"] == pytest.approx(0.3, rel=0.1)
+    assert fit["dma_copy"] == pytest.approx(0.1, rel=0.1)
+    assert 1e8 < fit["mt_half_bytes"] < 1e9
+
+
+# -- smoke runs on CPU ------------------------------------------------------------------------
+def test_sweep_two_ranks_writes_schema_and_plots(tmp_path):
+    out = tmp_path / "sweep"
+    schedules = ["ring", "uniform-fused-1d", "hetero-unfused-1d"]
+    text = _run(["sweep", "--scenarios", "paper", "--only", "g1,g2", "--scale", "2048",
+                 "--scale-nk", "512", "--schedules", ",".join(schedules), "--warmup", "1",
+                 "--repeat", "2", "--out", str(out)], tmp_path, ranks=2)
+    assert "speedup" in text and "selector paper" in text
+    records = results.read_jsonl(out / "results.jsonl")
+    expected = {(sc, name, t) for sc in ("g1", "g2")
+                for name, t in [("serial", "ccl"), ("torch-fused", "symm_mem")]
+                + [(s, "dma") for s in schedules]}
+    assert {(r["scenario"], r["schedule"], r["transport"]) for r in records} == expected
+    for r in records:
+        results.validate(r)
+        assert r["world"] == 2 and r["env"]["env_world"] == 2
+        if r["schedule"] == "torch-fused":
+            assert r["status"] == "skipped" and "CUDA" in r["reason"]
+            continue
+        assert r["status"] == "ok", r["reason"]
+        assert len(r["times_s"]) == 2 and r["p10_s"] <= r["median_s"] <= r["p90_s"]
+        # the sweep checks each schedule's first result against a float64 reference
+        assert r["max_abs_err"] < 1e-3
+        assert set(r["picks"]) <= set(results.SELECTORS)
+    with (out / "results.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == list(results.SWEEP_FIELDS) and len(rows) == len(records)
+    for name in ("speedup.png", "ratio.png", "selectors.png"):
+        assert _is_png(out / name), name
+    assert (out / "table.txt").read_text().startswith("scenario")
+
+
+def test_characterize_quick_writes_a_loadable_profile(tmp_path):
+    from ficco.heuristics import profiles
+
+    out = tmp_path / "char"
+    _run(["characterize", "--quick", "--out", str(out), "--name", "cpu-test"], tmp_path)
+    profile = profiles.load(str(out / "profile.json"))
+    assert profile.name == "cpu-test"
+    assert any("characterize" in v for v in profile.sources.values())
+    assert 0 < profile.dil["gemm_efficiency"] <= 1
+    recs = [json.loads(line) for line in (out / "characterize.jsonl").read_text().splitlines()]
+    kinds = {r["kind"] for r in recs}
+    assert kinds == {"dil", "copy", "copy_width", "cil"}
+    assert {(r["split"], r["ways"]) for r in recs if r["kind"] == "dil"} == \
+        {("row", 8), ("row", 64), ("col", 8), ("col", 64)}
+    assert all(r["schema"] == results.CHARACTERIZE_SCHEMA for r in recs)
+    for name in ("dil.png", "copy_efficiency.png", "cil.png"):
+        assert _is_png(out / name), name
+
+
+def test_timeline_two_ranks_draws_measured_and_predicted(tmp_path):
+    out = tmp_path / "tl"
+    _run(["timeline", "--shape", "64,32,48", "--schedule", "uniform-fused-1d", "--warmup", "1",
+          "--out", str(out)], tmp_path, ranks=2)
+    assert _is_png(out / "timeline-uniform-fused-1d-measured-rank0.png")
+    assert _is_png(out / "timeline-uniform-fused-1d-predicted.png")
+    record = json.loads((out / "timeline.json").read_text())
+    assert record["schema"] == results.TIMELINE_SCHEMA and record["world"] == 2
+    assert record["max_abs_err"] < 1e-3
+    for rows in (record["measured_rows"]["0"], record["predicted_rows"]):
+        assert rows and all({"queue", "start_s", "end_s", "kind"} <= set(r) for r in rows)
+        assert all(r["end_s"] >= r["start_s"] for r in rows)
+    assert {r["queue"] for r in record["measured_rows"]["1"]} >= {"compute", "copy0"}
+
+
+def test_docs_list_every_sweep_field():
+    text = (REPO / "docs" / "benchmarks.md").read_text()
+    missing = [f for f in results.SWEEP_FIELDS if f"| `{f}` |" not in text]
+    assert not missing, f"docs/benchmarks.md lacks schema rows for {missing}"

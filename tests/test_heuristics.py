@@ -1,0 +1,219 @@
+"""Profiles, the paper rule, choose() with every selector, the tune cache, logging."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from ficco import config, schedules
+from ficco.errors import ConfigError, InvalidArgumentError
+from ficco.heuristics import Decision, choose, model, profiles, tune
+from ficco.heuristics.paper import combined_score, paper_choice
+from ficco.heuristics.scenarios import PAPER_TABLE_I, table_i_problem
+from ficco.problem import Problem
+
+REQUIRED_PROFILES = ("mi300x", "mi325x", "mi355x", "h100", "h200", "b200", "a100", "cpu")
+
+
+# -- profiles -------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", REQUIRED_PROFILES)
+def test_builtin_profile_loads_and_cites_every_number(name):
+    prof = profiles.load(name)
+    raw = json.loads((profiles.PROFILE_DIR / f"{name}.json").read_text())
+    missing = [k for k in raw if k not in ("name", "sources") and not raw["sources"].get(k)]
+    assert not missing, f"{name}: no source for {missing}"
+    assert prof.flops("bfloat16") > 0 and prof.hbm_bytes_per_s > 0
+
+
+def test_mi300x_matches_the_paper_platform():
+    prof = profiles.load("mi300x")
+    assert (prof.topology, prof.gpus_per_node, prof.link_bytes_per_s) == ("mesh", 8, 64e9)
+
+
+def test_profile_json_round_trip(tmp_path):
+    prof = profiles.load("h100")
+    path = tmp_path / "mine.json"
+    prof.to_json(path)
+    again = profiles.load(str(path))
+    assert again.fingerprint() == prof.fingerprint()
+
+
+def test_partial_profile_gets_defaults_and_bad_ones_fail(tmp_path):
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps({"name": "tiny", "peak_flops": {"float32": 1e12},
+                                "hbm_bytes_per_s": 1e11, "compute_units": 4,
+                                "topology": "pcie", "link_bytes_per_s": 1e10,
+                                "cil": {"dma_gemm": 0.5}}))
+    prof = profiles.load(str(path))
+    assert prof.cil["dma_gemm"] == 0.5 and "mt_half_bytes" in prof.cil
+    with pytest.raises(ConfigError, match="mi300x"):
+        profiles.load("no-such-gpu")
+    path.write_text(json.dumps({"name": "x"}))
+    with pytest.raises(ConfigError, match="missing required"):
+        profiles.Profile.from_dict(json.loads(path.read_text()))
+
+
+def test_detect_maps_targets_to_profiles():
+    assert profiles.detect("cpu") == "cpu"
+    assert profiles.detect("rocm:gfx942", "AMD Instinct MI300X") == "mi300x"
+    assert profiles.detect("rocm:gfx942", "AMD Instinct MI325X") == "mi325x"
+    assert profiles.detect("cuda:sm_90", "NVIDIA H100 80GB HBM3") == "h100"
+    assert profiles.detect("cuda:sm_90", "NVIDIA H200") == "h200"
+    assert profiles.detect("cuda:sm_100", "NVIDIA B200") == "b200"
+    assert profiles.detect("cuda:sm_120", "future") == "h100"
+    with pytest.raises(ConfigError):
+        profiles.detect("tpu:v5")
+
+
+# -- paper ----------------------------------------------------------------------------------
+def test_paper_rule_worked_example_and_branches():
+    mi300x = profiles.load("mi300x")
+    g6 = table_i_problem("g6")
+    assert combined_score(g6, mi300x) == pytest.approx(
+        2 * 262144 * 1024 * 8192 / (1.3074e15 * 1e-3))
+    assert paper_choice(g6, mi300x)[0] == "hetero-fused-1d"
+    assert paper_choice(table_i_problem("g1"), mi300x)[0] == "uniform-fused-2d"  # M <= K
+    assert paper_choice(table_i_problem("g13"), mi300x)[0] == "hetero-unfused-1d"
+    assert paper_choice(g6, mi300x, low=4.0, high=8.0)[0] == "uniform-fused-1d"
+    assert paper_choice(Problem(4, 4, (4,), "float32", 1), mi300x)[0] == "serial"
+
+
+def test_paper_thresholds_come_from_the_knobs():
+    g6 = table_i_problem("g6")
+    with config.scope(paper_low=4.0, paper_high=8.0):
+        assert choose(g6, target="rocm:gfx942", selector="paper").schedule == "uniform-fused-1d"
+    with config.scope(paper_low=1.0, paper_high=2.0):
+        assert choose(g6, target="rocm:gfx942", selector="paper").schedule == "hetero-unfused-1d"
+    with config.scope(paper_low=5.0, paper_high=2.0), pytest.raises(ConfigError):
+        choose(g6, target="rocm:gfx942", selector="paper")
+
+
+# -- choose ---------------------------------------------------------------------------------
+def test_forced_schedule_wins_and_is_reported():
+    d = choose(table_i_problem("g6"), target="cpu", forced="ring", forced_by="FICCO_SCHEDULE")
+    assert (d.schedule, d.selector, d.scores) == ("ring", "forced", {})
+    assert "FICCO_SCHEDULE" in d.reason and d.inputs["M"] == 262144
+    with pytest.raises(InvalidArgumentError, match="valid schedules"):
+        choose(table_i_problem("g6"), forced="fastest")
+
+
+@pytest.mark.parametrize("selector", ["paper", "model"])
+def test_selectors_are_deterministic_and_rank_independent(selector):
+    for name in ("g2", "g6", "g14"):
+        base = table_i_problem(name)
+        decisions = []
+        for rank in range(8):
+            model.clear_cache()   # each rank computes its own, as separate processes would
+            decisions.append(choose(Problem(base.m, base.k, base.ns, base.dtype, 8, rank),
+                                    target="rocm:gfx942", selector=selector))
+        assert len({(d.schedule, tuple(sorted(d.scores.items()))) for d in decisions}) == 1
+
+
+def test_model_picks_the_fastest_candidate_of_all_schedules():
+    d = choose(table_i_problem("g11"), target="rocm:gfx942", selector="model")
+    assert set(d.scores) == set(schedules.names())
+    assert d.scores[d.schedule] == min(d.scores.values())
+    assert d.inputs["profile"] == "mi300x" and d.inputs["topology"] == "mesh"
+    text = str(d)
+    assert d.schedule in text and "ms" in text and "reason" in text
+
+
+def test_env_selects_selector_profile_and_topology(tmp_path):
+    g6 = table_i_problem("g6")
+    with config.scope(selector="paper", profile="h100", topology="mesh"):
+        d = choose(g6, target="rocm:gfx942")
+    assert (d.selector, d.inputs["profile"], d.inputs["topology"]) == ("paper", "h100", "mesh")
+    path = tmp_path / "p.json"
+    profiles.load("a100").to_json(path)
+    with config.scope(profile=str(path), selector="model"):
+        assert choose(g6, target="cpu").inputs["profile"] == "a100"
+
+
+def test_tune_measures_once_breaks_ties_by_name_and_caches_to_disk(tmp_path):
+    problem = Problem(64, 32, (16,), "float32", 4)
+    measured = []
+
+    def measure(name):
+        measured.append(name)
+        return 1.0 if name in ("ring-bidir", "ring") else 2.0 + len(name) * 1e-3
+
+    with config.scope(cache_dir=str(tmp_path)):
+        tune.clear_memory()
+        d = choose(problem, target="cpu", selector="tune", measure=measure)
+        assert d.schedule == "ring" and d.selector == "tune"
+        assert measured == schedules.names()
+        d2 = choose(problem, target="cpu", selector="tune", measure=measure)
+        assert d2.schedule == "ring" and len(measured) == len(schedules.names())
+        tune.clear_memory()   # a fresh process: the file answers, nothing is measured
+
+        def fail(name):
+            raise AssertionError("must not measure again")
+
+        assert choose(problem, target="cpu", selector="tune", measure=fail).schedule == "ring"
+    data = json.loads((tmp_path / tune.CACHE_FILE).read_text())
+    (key, entry), = data.items()
+    assert entry["schedule"] == "ring" and "W=4" in key and "cpu" in key
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_tune_without_measure_says_what_to_do(tmp_path):
+    with config.scope(cache_dir=str(tmp_path)):
+        tune.clear_memory()
+        with pytest.raises(InvalidArgumentError, match="measure"):
+            choose(Problem(64, 32, (16,), "float32", 4), target="cpu", selector="tune")
+
+
+def test_info_logging_once_per_problem_key(caplog):
+    problem = Problem(1000, 64, (48,), "float32", 3)
+    with config.scope(log="info"), caplog.at_level(logging.INFO, logger="ficco"):
+        for _ in range(3):
+            choose(problem, target="cpu", selector="paper")
+    lines = [r for r in caplog.records if "ficco decision" in r.getMessage()]
+    assert len(lines) == 1 and "M=3000" in lines[0].getMessage()
+
+
+def test_decision_is_frozen_and_prints_a_table():
+    d = choose(table_i_problem("g5"), target="rocm:gfx942", selector="paper")
+    assert isinstance(d, Decision)
+    with pytest.raises(AttributeError):
+        d.schedule = "serial"
+    assert str(d).splitlines()[0].startswith("schedule  uniform-fused-2d")
+
+
+def test_table_i_is_the_papers():
+    assert len(PAPER_TABLE_I) == 16 and PAPER_TABLE_I["g13"] == (1607680, 57344, 8192)
+    assert table_i_problem("g2").key() == (16384, 16384, (2048,), "bfloat16", 8)
+
+
+# -- tune on a live group -------------------------------------------------------------------
+def _tune_live(rank, world, seed, cache_dir):
+    import ficco
+    from ficco.heuristics import tune as tune_module
+
+    from .reference import max_row_rel_err, make_inputs
+
+    shards, bs, _, refs = make_inputs(seed, world, (12, 16), (20,), torch.float32)
+    with ficco.config.scope(selector="tune", cache_dir=cache_dir):
+        tune_module.clear_memory()
+        decision = ficco.explain(shards[rank], bs[0])
+        again = ficco.explain(shards[rank], bs[0])   # cached: same answer, nothing measured
+        out = ficco.all_gather_matmul(shards[rank], bs[0])
+    return (decision.schedule, decision.selector, tuple(sorted(decision.scores)),
+            again.schedule, max_row_rel_err(out, refs[0]))
+
+
+def test_tune_on_a_live_group_agrees_on_every_rank(tmp_path):
+    import random
+
+    from . import harness
+    from .reference import ROW_TOL
+
+    results = harness.pool(3).run(_tune_live, random.randrange(1 << 30), str(tmp_path))
+    assert len({r[:4] for r in results}) == 1, results
+    schedule, selector, scored, again, _ = results[0]
+    assert selector == "tune" and scored == tuple(sorted(schedules.names())) and again == schedule
+    assert all(r[4] <= ROW_TOL[torch.float32] for r in results)
+    entries = json.loads((tmp_path / tune.CACHE_FILE).read_text())
+    assert [e["schedule"] for e in entries.values()] == [schedule]
