@@ -156,17 +156,24 @@ class _Planner:
     b: PlanBuilder
     transport: str
     engines: int
-    copies: list = field(default_factory=list)
+    ready: int | None = None                  # what every transfer waits for
+    last_pull: dict = field(default_factory=dict)   # copy queue -> its latest transfer
     stage_a: int | None = None
     stage_out: list = field(default_factory=list)
+
+    @property
+    def peers(self) -> list[int]:
+        """Remote ranks in pull order r+1, r+2, …: at any moment the ranks pull from
+        different peers, so no shard is read by everyone at once."""
+        p = self.b.problem
+        return [(p.rank + i) % p.world for i in range(1, p.world)]
 
     def run(self) -> None:
         p, s = self.b.problem, self.schedule
         if self.transport == "dma":
-            self.published, self.ready = common.publish_on_copy_engine(self.b)
+            _, self.ready = common.publish_on_copy_engine(self.b)
         else:
-            self.published = self.ready = common.publish(self.b, self.transport)
-        self.peers = [(p.rank + i) % p.world for i in range(1, p.world)]
+            self.ready = common.publish(self.b, self.transport)
         todo = chunks(p, s.two_d)
         self.first_index = todo[0].index
         if not s.uniform:
@@ -185,8 +192,7 @@ class _Planner:
         if self.stage_out and s.two_d:
             self.scatter_stage(rows=(p.world - 1) * p.m, step=step)
         # The closing barrier needs only the last pull of each copy queue: queues run in order.
-        last_per_queue = {self.b._ops[h].queue: h for h in self.copies if h is not None}
-        common.close(self.b, self.transport, list(last_per_queue.values()))
+        common.close(self.b, self.transport, list(self.last_pull.values()))
 
     # -- blocks -------------------------------------------------------------------------------
     def shard_block(self, q: int, chunk: Chunk) -> Block:
@@ -207,23 +213,23 @@ class _Planner:
         if self.transport == "ccl":
             h = common.all_gather_rows(self.b, chunk.row0, chunk.rows, col0=chunk.col0,
                                        cols=chunk.cols, step=step, after=[self.ready])
-            self.copies.append(h)
+            self.last_pull["comm"] = h
             return {q: h for q in range(self.b.problem.world)}
         arrived = {}
         for lane, q in enumerate(self.peers):
             arrived[q] = common.pull(self.b, lane % self.engines, q, chunk.row0, chunk.rows,
                                      col0=chunk.col0, cols=chunk.cols, step=step,
                                      after=[self.ready])
-            self.copies.append(arrived[q])
+            self.last_pull[lane % self.engines] = arrived[q]
         return arrived
 
     # -- compute ------------------------------------------------------------------------------
     def gemm(self, a: list[Block], outs_by_b: list[list[Block]], chunk: Chunk, step: int,
-             after, accumulate: bool | None = None) -> None:
-        acc = self.accumulate(chunk) if accumulate is None else accumulate
+             after) -> None:
+        """One GEMM launch per ``b_j`` over the columns of ``chunk`` (all of K in 1d)."""
         for j, outs in enumerate(outs_by_b):
-            self.b.add(Gemm(COMPUTE, tuple(a), tuple(outs), j, chunk.col0, chunk.cols, acc,
-                            step=step), after=after)
+            self.b.add(Gemm(COMPUTE, tuple(a), tuple(outs), j, chunk.col0, chunk.cols,
+                            self.accumulate(chunk), step=step), after=after)
 
     def per_chunk(self, chunk: Chunk, arrived: dict, step: int, owners: list[int]) -> None:
         """Unfused: one GEMM per received chunk, in arrival order, written in place; the local
@@ -250,6 +256,8 @@ class _Planner:
         self.gemm(a, outs, chunk, step, list(arrived.values()))
 
     def hetero_fused(self, chunk: Chunk, arrived: dict, step: int) -> None:
+        """The remote chunks of a step, fused; in place where they are equally spaced (ranks
+        0 and W-1), else through a stage."""
         p = self.b.problem
         remote = sorted(self.peers)
         a = coalesce([self.shard_block(q, chunk) for q in remote])
@@ -262,7 +270,7 @@ class _Planner:
         # The local shard splits the remote chunks into two runs: stack them in a stage.
         rows = sum(blk.rows for blk in a)
         if self.stage_a is None:
-            self.declare_stages(chunk)
+            self.declare_stages()
         staged_a = Block("stage", 0, rows, 0, chunk.cols, index=self.stage_a)
         self.b.add(Gather(COMPUTE, tuple(a), staged_a, step=step), after=after)
         staged_out = [[Block("stage", 0, rows, 0, n, index=self.stage_out[j])]
@@ -271,7 +279,9 @@ class _Planner:
         if not self.schedule.two_d:
             self.scatter_stage(rows, step, outs)
 
-    def declare_stages(self, chunk: Chunk) -> None:
+    def declare_stages(self) -> None:
+        """One stage for the stacked A chunks (reused every step: the compute queue orders
+        its uses) and one per ``b`` for their products, sized for the largest chunk."""
         p = self.b.problem
         if self.schedule.two_d:
             rows, cols = (p.world - 1) * p.m, p.col_chunks()[0][1]
