@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import InvalidArgumentError
-from .plan import (AllGather, Barrier, Block, Copy, Gather, Gemm, Plan, Record, Scatter,
+from .plan import (COMPUTE, AllGather, Barrier, Block, Copy, Gather, Gemm, Plan, Record, Scatter,
                    SendRecv, Wait)
 
 
@@ -119,6 +119,13 @@ def execute(plan: Plan, backend, buffers: Buffers, *, timeout_s: float,
     events = [backend.new_event() for _ in range(plan.num_events)]
     buffers.stages = [torch.empty(rows, cols, dtype=p.torch_dtype, device=buffers.gathered.device)
                       for rows, cols in plan.stages]
+    # Side queues start after everything the caller queued before this call (the input may
+    # still be being written on the caller's stream).
+    entry = backend.new_event()
+    backend.record(entry, queues[COMPUTE])
+    for name, q in queues.items():
+        if name != COMPUTE:
+            backend.wait(entry, q)
     marks = []
     for index, op in enumerate(plan.ops):
         q = queues[op.queue]

@@ -86,8 +86,9 @@ class _Checker:
             raise PlanCheckError("check_plans needs the plans of ranks 0..W-1, in rank order; "
                                  f"got ranks {[pl.problem.rank for pl in plans]} for W={p.world}")
         for pl in plans:
-            if replace(pl.problem, rank=0) != replace(p, rank=0) or pl.schedule != plans[0].schedule \
-                    or pl.transport != plans[0].transport:
+            same_call = (replace(pl.problem, rank=0), pl.schedule, pl.transport) \
+                == (replace(p, rank=0), plans[0].schedule, plans[0].transport)
+            if not same_call:
                 raise PlanCheckError("all ranks' plans must be of one schedule, transport and "
                                      f"problem; got {pl.schedule}/{pl.transport}/{pl.problem}")
         self.node_of: list[tuple] = []   # node -> (rank, op index, op), for messages
@@ -201,7 +202,8 @@ class _Checker:
         if src.buf == "input":
             expect = Block("gathered", p.shard_row0(rank) + src.row0, src.rows, src.col0, src.cols)
         elif src.buf == "gathered" and src.peer is not None and src.peer != rank:
-            owner_first, owner_last = src.row0 // max(p.m, 1), (src.row0 + src.rows - 1) // max(p.m, 1)
+            m = max(p.m, 1)
+            owner_first, owner_last = src.row0 // m, (src.row0 + src.rows - 1) // m
             if owner_first != src.peer or owner_last != src.peer:
                 self.fail(f"{self.label(node)} pulls rows of shards "
                           f"{owner_first}..{owner_last} from peer {src.peer}")
@@ -305,7 +307,8 @@ class _Checker:
         for r, (op, node) in enumerate(heads):
             if op.recv is not None:
                 if op.recv_from not in values:
-                    self.fail(f"{self.label(node)} waits for rank {op.recv_from}, which sends nothing")
+                    self.fail(f"{self.label(node)} waits for rank {op.recv_from}, which "
+                              "sends nothing")
                 self.write(r, op.recv, node, values[op.recv_from], init=True, received=True)
 
     # -- the simulation -----------------------------------------------------------------------
@@ -325,9 +328,6 @@ class _Checker:
             return (queues[r][q][i], self.plans[r].ops[queues[r][q][i]]) \
                 if i < len(queues[r][q]) else (None, None)
 
-        def label(r, i, op):
-            return (r, i, op)
-
         def advance(r, q, node):
             last[r][q] = node
             pos[r][q] += 1
@@ -346,7 +346,7 @@ class _Checker:
                         preds = [last[r][q]]
                         if isinstance(op, Wait):
                             preds.append(recorded[r][op.event])
-                        node = self.new_node(label(r, i, op), preds)
+                        node = self.new_node((r, i, op), preds)
                         if isinstance(op, Record):
                             if op.event in recorded[r]:
                                 self.fail(f"rank {r}: event {op.event} is recorded twice")
@@ -361,13 +361,13 @@ class _Checker:
                             self.run_scatter(r, op, node)
                         advance(r, q, node)
                         progress = True
-            progress |= self.joint_step(queues, head, last, advance, label)
+            progress |= self.joint_step(queues, head, last, advance)
         stuck = [f"rank {r} {q}: {head(r, q)[1]}" for r in range(len(self.plans))
                  for q in queues[r] if head(r, q)[1] is not None]
         if stuck:
             self.fail("deadlock: these queue heads can never run: " + "; ".join(stuck[:6]))
 
-    def joint_step(self, queues, head, last, advance, label) -> bool:
+    def joint_step(self, queues, head, last, advance) -> bool:
         """Run one barrier or collective that every rank has reached, if any."""
         world = len(self.plans)
         barrier_heads = [{} for _ in range(world)]
@@ -382,7 +382,7 @@ class _Checker:
             if all(channel in bh for bh in barrier_heads):
                 parts = [bh[channel] for bh in barrier_heads]
                 preds = [last[r][q] for r, (q, _, _) in enumerate(parts)]
-                nodes = [self.new_node(label(r, i, op), preds) for r, (_, i, op) in enumerate(parts)]
+                nodes = [self.new_node((r, i, op), preds) for r, (_, i, op) in enumerate(parts)]
                 for r, (q, _, _) in enumerate(parts):
                     advance(r, q, nodes[r])
                 self.barrier_nodes[channel] = nodes
@@ -390,7 +390,7 @@ class _Checker:
         kinds = {type(op) for _, op in comm_heads}
         if len(kinds) == 1 and kinds != {type(None)}:
             preds = [last[r]["comm"] for r in range(world)]
-            heads = [(op, self.new_node(label(r, i, op), preds))
+            heads = [(op, self.new_node((r, i, op), preds))
                      for r, (i, op) in enumerate(comm_heads)]
             if kinds == {AllGather}:
                 self.run_all_gather(heads)

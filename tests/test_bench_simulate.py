@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from ficco import schedules
 from ficco.bench.__main__ import main as bench_main
 from ficco.bench.gantt import draw_gantt
 from ficco.bench.simulate import short_name
+from ficco.errors import InvalidArgumentError
 
 
 def test_simulate_paper_scenarios_writes_table_and_json(tmp_path, capsys):
@@ -35,10 +38,6 @@ def test_simulate_shape_draws_a_png_per_scenario(tmp_path):
 
 
 def test_simulate_rejects_a_bad_shape(tmp_path):
-    import pytest
-
-    from ficco.errors import InvalidArgumentError
-
     with pytest.raises(InvalidArgumentError, match="M,N,K"):
         bench_main(["simulate", "--scenarios", "none", "--shape", "1,2", "--out", str(tmp_path)])
 

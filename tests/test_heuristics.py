@@ -3,16 +3,21 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 
 import pytest
 import torch
 
+import ficco
 from ficco import config, schedules
 from ficco.errors import ConfigError, InvalidArgumentError
 from ficco.heuristics import Decision, choose, model, profiles, tune
 from ficco.heuristics.paper import combined_score, paper_choice
 from ficco.heuristics.scenarios import PAPER_TABLE_I, table_i_problem
 from ficco.problem import Problem
+
+from . import harness
+from .reference import ROW_TOL, make_inputs, max_row_rel_err
 
 REQUIRED_PROFILES = ("mi300x", "mi325x", "mi355x", "h100", "h200", "b200", "a100", "cpu")
 
@@ -189,14 +194,9 @@ def test_table_i_is_the_papers():
 
 # -- tune on a live group -------------------------------------------------------------------
 def _tune_live(rank, world, seed, cache_dir):
-    import ficco
-    from ficco.heuristics import tune as tune_module
-
-    from .reference import max_row_rel_err, make_inputs
-
     shards, bs, _, refs = make_inputs(seed, world, (12, 16), (20,), torch.float32)
     with ficco.config.scope(selector="tune", cache_dir=cache_dir):
-        tune_module.clear_memory()
+        tune.clear_memory()
         decision = ficco.explain(shards[rank], bs[0])
         again = ficco.explain(shards[rank], bs[0])   # cached: same answer, nothing measured
         out = ficco.all_gather_matmul(shards[rank], bs[0])
@@ -205,11 +205,6 @@ def _tune_live(rank, world, seed, cache_dir):
 
 
 def test_tune_on_a_live_group_agrees_on_every_rank(tmp_path):
-    import random
-
-    from . import harness
-    from .reference import ROW_TOL
-
     results = harness.pool(3).run(_tune_live, random.randrange(1 << 30), str(tmp_path))
     assert len({r[:4] for r in results}) == 1, results
     schedule, selector, scored, again, _ = results[0]
@@ -217,3 +212,11 @@ def test_tune_on_a_live_group_agrees_on_every_rank(tmp_path):
     assert all(r[4] <= ROW_TOL[torch.float32] for r in results)
     entries = json.loads((tmp_path / tune.CACHE_FILE).read_text())
     assert [e["schedule"] for e in entries.values()] == [schedule]
+
+
+def test_noisy_measured_copy_curve_is_clamped(caplog):
+    prof = profiles.Profile.from_dict({
+        "name": "noisy", "peak_flops": {"float32": 1e12}, "hbm_bytes_per_s": 1e11,
+        "compute_units": 4, "topology": "switch", "link_bytes_per_s": 1e10,
+        "copy_efficiency": {"4096": 0.6, "16384": -0.26, "65536": 1.7}})
+    assert all(0 < prof.copy_fraction(size) <= 1 for size in (1e3, 4096, 16384, 3e4, 1e6))

@@ -120,8 +120,10 @@ def test_ficco_compute_pattern(schedule):
         plan = schedule.plan(p, "dma")
         gemms = work(plan, Gemm)
         per_step = Counter((g.step, g.b) for g in gemms)
-        if schedule.uniform:
-            assert all(len(g.a[0:1]) and g.a[0].rows == gemms[0].a[0].rows for g in gemms)
+        if schedule.uniform:   # every step computes the same shapes
+            shape_of_step = {g.step: sorted((len(h.a), h.a[0].rows, h.kc) for h in gemms
+                                            if h.step == g.step) for g in gemms}
+            assert len({tuple(v) for v in shape_of_step.values()}) == 1, shape_of_step
         else:
             first = next(op for op in plan.ops if op.queue == "compute")
             assert isinstance(first, Gemm), "hetero must start on the local shard, no wait"
@@ -251,6 +253,7 @@ def test_checker_catches_a_pull_without_closing_barrier_and_a_misplaced_copy():
 
     def shift(ops):
         i = next(i for i, op in enumerate(ops) if isinstance(op, Copy) and op.src.peer is not None)
-        return ops[:i] + [replace(ops[i], dst=replace(ops[i].dst, row0=ops[i].dst.row0 + 1))] + ops[i + 1:]
+        moved = replace(ops[i], dst=replace(ops[i].dst, row0=ops[i].dst.row0 + 1))
+        return ops[:i] + [moved] + ops[i + 1:]
     with pytest.raises(PlanCheckError, match="lands in"):
         check_plans(_broken(plans, 1, shift))

@@ -133,3 +133,12 @@ def test_a_wait_without_record_is_reported():
     ok = Plan("fine", "dma", p, (COMPUTE, "copy0"),
               (Wait(COMPUTE, 0), Record("copy0", 0)), (), 1)
     assert simulator.simulate(ok, MI300X).makespan_s == 0.0
+
+
+def test_every_schedule_simulates_over_ccl_and_pcie():
+    problem = table_i_problem("g14")
+    over_ccl = model.predict_all(problem, MI300X, transport="ccl")
+    assert all(0 < t < float("inf") for t in over_ccl.values())
+    # PCIe gives each GPU far less than NVSwitch: the all-gather-bound serial run slows down.
+    assert model.predict("serial", problem, H100, "pcie") > \
+        1.5 * model.predict("serial", problem, H100, "switch")

@@ -47,6 +47,11 @@ class Vendor(ABC):
         """Make ``index`` the current device of the calling thread (for driver calls)."""
 
     @abstractmethod
+    def relax_capture_mode(self) -> None:
+        """Let the calling (watchdog) thread query events while another thread captures a
+        graph; in the default 'global' capture mode that query would invalidate the capture."""
+
+    @abstractmethod
     def copy_1d(self, dst: int, src: int, nbytes: int, stream: int) -> None: ...
 
     @abstractmethod
@@ -363,6 +368,7 @@ class Watchdog:
 
     def _loop(self):
         self.backend.bind_thread()
+        self.backend.vendor.relax_capture_mode()
         while True:
             with self._cv:
                 while not self._pending and not self._stop:
@@ -411,6 +417,7 @@ class GpuBackend(Backend):
         self._copy_streams: dict[int, torch.cuda.Stream] = {}
         self._comm_stream: torch.cuda.Stream | None = None
         self._side_stream: torch.cuda.Stream | None = None
+        self._rescue_stream: torch.cuda.Stream | None = None
         self._provider = AutoSymmProvider(self)
         self._watchdog = Watchdog(self)
         self._error: FiccoError | None = None
@@ -425,14 +432,19 @@ class GpuBackend(Backend):
 
     # -- queues and events --------------------------------------------------------------------
     def queue(self, name):
+        """The stream for plan queue ``name``. A side stream (copy, comm) is returned ordered
+        after everything already enqueued on the caller's current stream: the executor fetches
+        its queues when a call starts, so work there never overtakes the caller's producers
+        of the inputs, and under CUDA graph capture the side streams join the capture."""
         self.raise_pending()
+        compute = torch.cuda.current_stream(self._device)
         if name == "compute":
-            return torch.cuda.current_stream(self._device)
+            return compute
         if name == "comm":
             if self._comm_stream is None:
                 self._comm_stream = torch.cuda.Stream(self._device)
-            return self._comm_stream
-        if name.startswith("copy") and name[4:].isdigit():
+            stream = self._comm_stream
+        elif name.startswith("copy") and name[4:].isdigit():
             index = int(name[4:])
             engines = config.copy_engines()
             if engines is not None:
@@ -440,8 +452,10 @@ class GpuBackend(Backend):
             stream = self._copy_streams.get(index)
             if stream is None:
                 stream = self._copy_streams[index] = torch.cuda.Stream(self._device)
-            return stream
-        raise InvalidArgumentError(f"unknown queue {name!r}; use compute, comm or copy<i>")
+        else:
+            raise InvalidArgumentError(f"unknown queue {name!r}; use compute, comm or copy<i>")
+        stream.wait_stream(compute)
+        return stream
 
     def new_event(self):
         # Timing on (the executor's trace reads elapsed times from the same events), except
@@ -531,7 +545,10 @@ class GpuBackend(Backend):
     def expire(self, item: _PendingBarrier) -> None:
         """Called by the watchdog: a barrier's stream wait outlived its deadline."""
         symm = item.symm
-        side = self._side()
+        # Never the host-barrier stream: that one may be the stream stuck in this very wait.
+        if self._rescue_stream is None:
+            self._rescue_stream = torch.cuda.Stream(self._device)
+        side = self._rescue_stream
         with torch.cuda.stream(side):
             slots = symm.signal_pad(symm.rank)[item.channel].to("cpu", non_blocking=False)
         late = [p for p in range(symm.world) if int(slots[p]) < item.generation]
@@ -578,4 +595,4 @@ class GpuBackend(Backend):
     def close(self):
         self._watchdog.stop()
         self._copy_streams.clear()
-        self._comm_stream = self._side_stream = None
+        self._comm_stream = self._side_stream = self._rescue_stream = None

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import os
 from pathlib import Path
 from statistics import median
 
@@ -79,6 +80,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeat", type=int, default=None, help="timed runs per point")
     parser.add_argument("--copy-queues", type=int, default=None,
                         help="copy queues kept busy in the CIL runs (default 7 on GPU)")
+    parser.add_argument("--queues", default="auto",
+                        choices=("auto", "backend", "torch", "torch-ce"),
+                        help="time on ficco's backend queues; on torch.cuda streams (torch-ce: "
+                             "copies hinted onto copy engines); auto (default): the backend, "
+                             "else torch streams on a GPU")
     parser.add_argument("--base", default=None,
                         help="built-in profile to start from (default: detected for the target)")
     parser.add_argument("--name", default=None, help="name of the written profile")
@@ -132,21 +138,31 @@ class Timer:
 
 
 class TorchCudaQueues:
-    """Stand-in for a GPU backend that cannot be created here (not built yet, or refused):
-    the same few calls on torch.cuda streams, so a lent GPU can still be characterised.
-    1D copies are ``Tensor.copy_`` (cudaMemcpyAsync); 2D copies use cudaMemcpy2DAsync
-    through cuda-python when it imports, else ``copy_`` (a strided copy kernel)."""
+    """Stand-in for a GPU backend, on plain torch.cuda streams: for a GPU where no ficco GPU
+    backend can be created, and to compare copy paths. Copies are ``Tensor.copy_``
+    (cudaMemcpyAsync; 2D through cudaMemcpy2DAsync when cuda-python imports). With
+    ``prefer_copy_engines`` they go through cudaMemcpyBatchAsync / cudaMemcpy3DBatchAsync with
+    the prefer-overlap-with-compute hint, which asks the driver for a copy engine even for a
+    copy inside one GPU (a plain one there runs on the SMs)."""
 
-    name = "torch-cuda"
-
-    def __init__(self):
+    def __init__(self, prefer_copy_engines: bool = False):
         self._device = torch.device("cuda", torch.cuda.current_device())
         self._streams = {"compute": torch.cuda.current_stream()}
+        self.prefer_copy_engines = prefer_copy_engines
+        self.name = "torch-cuda" + ("-ce" if prefer_copy_engines else "")
         try:
             from cuda.bindings import runtime
         except ImportError:
+            if prefer_copy_engines:
+                raise InvalidArgumentError("--queues torch-ce needs cuda-python "
+                                           "(pip install cuda-python)") from None
             runtime = None
         self._runtime = runtime
+
+    def _check(self, call: str, result) -> None:
+        err = result[0] if isinstance(result, tuple) else result
+        if err != self._runtime.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"{call} failed: {err}")
 
     def target(self):
         major, minor = torch.cuda.get_device_capability()
@@ -170,18 +186,39 @@ class TorchCudaQueues:
         queue.wait_event(event)
 
     def copy(self, dst, src, queue):
+        if self.prefer_copy_engines:
+            rt = self._runtime
+            attr = rt.cudaMemcpyAttributes()
+            attr.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+            attr.flags = rt.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute
+            nbytes = dst.numel() * dst.element_size()
+            self._check("cudaMemcpyBatchAsync", rt.cudaMemcpyBatchAsync(
+                [dst.data_ptr()], [src.data_ptr()], [nbytes], 1, [attr], [0], 1,
+                queue.cuda_stream))
+            return
         with torch.cuda.stream(queue):
             dst.copy_(src, non_blocking=True)
 
     def copy_2d(self, dst, src, queue):
-        if self._runtime is None:
-            return self.copy(dst, src, queue)
         rt, size = self._runtime, dst.element_size()
-        err, = rt.cudaMemcpy2DAsync(dst.data_ptr(), dst.stride(0) * size, src.data_ptr(),
-                                    src.stride(0) * size, dst.shape[1] * size, dst.shape[0],
-                                    rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, queue.cuda_stream)
-        if err != rt.cudaError_t.cudaSuccess:
-            raise RuntimeError(f"cudaMemcpy2DAsync failed: {err}")
+        if rt is None:
+            return self.copy(dst, src, queue)
+        if self.prefer_copy_engines:
+            op = rt.cudaMemcpy3DBatchOp()
+            for operand, t in ((op.src, src), (op.dst, dst)):
+                operand.type = rt.cudaMemcpy3DOperandType.cudaMemcpyOperandTypePointer
+                operand.op.ptr.ptr = t.data_ptr()
+                operand.op.ptr.rowLength = t.stride(0) * size   # pointer copies count bytes
+            op.extent.width, op.extent.height, op.extent.depth = dst.shape[1] * size, dst.shape[0], 1
+            op.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+            op.flags = rt.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute
+            self._check("cudaMemcpy3DBatchAsync",
+                        rt.cudaMemcpy3DBatchAsync(1, [op], 0, queue.cuda_stream))
+            return
+        self._check("cudaMemcpy2DAsync", rt.cudaMemcpy2DAsync(
+            dst.data_ptr(), dst.stride(0) * size, src.data_ptr(), src.stride(0) * size,
+            dst.shape[1] * size, dst.shape[0], rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
+            queue.cuda_stream))
 
     def gemm(self, a, b, out, accumulate, queue):
         with torch.cuda.stream(queue):
@@ -201,23 +238,27 @@ class TorchCudaQueues:
         return start.elapsed_time(end) / 1e3
 
 
-def _backend():
-    """The active ficco backend, or :class:`TorchCudaQueues` when a GPU is visible but no
-    ficco GPU backend can be created here."""
+def _backend(queues: str = "auto"):
+    """The active ficco backend (``queues="backend"``), :class:`TorchCudaQueues`
+    (``"torch"``, ``"torch-ce"``), or for ``"auto"`` the backend unless a GPU is visible and no ficco GPU
+    backend can be created here."""
     from ..backends import get_backend
-    from ..errors import BackendUnavailableError
 
+    if queues in ("torch", "torch-ce"):
+        if not torch.cuda.is_available():
+            raise InvalidArgumentError(f"--queues {queues} needs a visible GPU (torch.cuda)")
+        return TorchCudaQueues(prefer_copy_engines=queues == "torch-ce")
     try:
         backend = get_backend()
-    except BackendUnavailableError:
-        backend = None
-    if (backend is None or backend.device().type == "cpu") and torch.cuda.is_available():
-        import os
-
-        if os.environ.get("FICCO_BACKEND") != "cpu":
-            return TorchCudaQueues()
-    if backend is None:
-        return get_backend()   # raises the backend's own explanation
+    except Exception as exc:  # noqa: BLE001 - any failure: fall back or re-raise below
+        if queues == "backend" or not torch.cuda.is_available():
+            raise
+        print(f"ficco's GPU backend is unavailable ({type(exc).__name__}: {exc}); timing on "
+              f"torch.cuda streams instead")
+        return TorchCudaQueues()
+    if queues == "auto" and backend.device().type == "cpu" and torch.cuda.is_available() \
+            and os.environ.get("FICCO_BACKEND") != "cpu":
+        return TorchCudaQueues()
     return backend
 
 
@@ -445,7 +486,7 @@ def main(args) -> int:
 
     from ..heuristics import profiles
 
-    backend = _backend()
+    backend = _backend(args.queues)
     device = backend.device()
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     if dtype not in ("float32", "bfloat16", "float16", "float64"):

@@ -2,8 +2,9 @@
 
 For each scenario: the simulated time of every schedule, its speedup over ``serial``, the
 ideal speedup (serial with GEMM and all-gather perfectly overlapped) and the pick of the
-``paper`` and ``model`` selectors; printed as a table, written as JSON, and drawn as one PNG
-timeline per scenario (``serial`` above the model's pick). No GPU needed::
+``paper`` and ``model`` selectors; printed as a table, written as ``table.txt`` and
+``simulate.json``, and drawn as one PNG timeline per scenario (``serial`` above the model's
+pick). No GPU needed::
 
     python -m ficco.bench simulate --profile mi300x --scenarios paper --world 8
     python -m ficco.bench simulate --profile h100 --shape 65536,8192,8192 --out /tmp/sim
@@ -133,9 +134,11 @@ def main(args) -> int:
     report = run(args)
     out_dir = Path(args.out or Path("bench") / "results" / f"simulate-{report['profile']}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    print(table(report))
+    text = table(report)
+    print(text)
+    (out_dir / "table.txt").write_text(text + "\n")
     (out_dir / "simulate.json").write_text(json.dumps(report, indent=1) + "\n")
     pngs = [] if args.no_png else draw(report, args, out_dir)
-    print(f"wrote {out_dir / 'simulate.json'} and {len(pngs)} PNG timelines in {out_dir} "
+    print(f"wrote simulate.json, table.txt and {len(pngs)} PNG timelines in {out_dir} "
           f"({time.perf_counter() - started:.1f} s)")
     return 0

@@ -118,8 +118,17 @@ class Profile:
                               f"{TOPOLOGIES}")
         for key in _NESTED:   # a characterised profile may give only some of the keys
             setattr(self, key, {**DEFAULTS[key], **getattr(self, key)})
-        self.copy_efficiency = {str(int(float(k))): float(v)
-                                for k, v in self.copy_efficiency.items()}
+        curve = {str(int(float(k))): float(v) for k, v in self.copy_efficiency.items()}
+        if not curve:
+            raise ConfigError(f"profile {self.name!r}: copy_efficiency needs at least one "
+                              f"size -> fraction point")
+        bad = {k: v for k, v in curve.items() if not 0 < v <= 1}
+        if bad:
+            # A noisy measurement must not give negative or infinite copy times.
+            log.warning("ficco: profile %r has copy_efficiency fractions outside (0, 1]: %s; "
+                        "clamping them", self.name, bad)
+            curve = {k: min(max(v, 1e-3), 1.0) for k, v in curve.items()}
+        self.copy_efficiency = curve
         for name in ("hbm_bytes_per_s", "link_bytes_per_s", "compute_units"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"profile {self.name!r}: {name} must be positive, "

@@ -6,10 +6,11 @@ of every shard (``1d``, contiguous) or columns ``problem.col_chunks()[c]`` of ev
 pulls chunk c of every peer at once, one copy per peer, round-robin over the copy queues, so
 all links of a full mesh are busy (``ccl``: one all-gather of chunk c instead)::
 
-    publish  : input -> my rows of gathered, barrier 0      (dma: on copy0, compute stays free)
+    publish  : input -> my rows of gathered   (dma: on copy0, then barrier 0 there, so the
+                                               compute queue never waits; ccl: on compute)
     for c    : for each peer q: gathered[q, chunk c] <- peer q   (copy queue (q - r - 1) % E)
-    compute  : per variant, below
-    close    : barrier 1 after my last pull                 (on copy0)
+    compute  : per variant, below; every GEMM waits only for the transfers it reads
+    close    : barrier 1 after the last pull of each copy queue    (dma only, on copy0)
 
 Compute, per variant (``G`` = one GEMM launch per ``b_j``; ``rows(q, c)`` = chunk c of q)::
 
@@ -23,13 +24,17 @@ Compute, per variant (``G`` = one GEMM launch per ``b_j``; ``rows(q, c)`` = chun
     hetero-fused-2d     G(my shard, all K); for c: G(shards q != r, cols c)
     hetero-unfused-2d   G(my shard, all K); for c: for q != r: G(shard q, cols c)
 
-Timelines for W = 4 (``cN`` = the three copies of chunk N, ``Gn`` = compute of chunk n,
-``L`` = the whole local shard)::
+"my shard" is read straight from ``input``: it needs no transfer. Timelines for W = 4
+(``cN`` = the three copies of chunk N, one per copy queue; ``Gn`` = the GEMM(s) of chunk n;
+``L`` = the whole local shard; with ``ccl`` the copy rows become one ``comm`` row of
+all-gathers ``AG0 AG1 AG2 AG3``)::
 
-    uniform-*:   copy0..2 |pub|c0|c1|c2|c3|
-                 compute  |      |G0|G1|G2|G3|         (unfused: local piece of G0 at t=0)
-    hetero-*:    copy0..2 |pub|c0|c1|c2|c3|
-                 compute  |== L ==|G0|G1|G2|G3|       (L starts at t=0, no wait)
+    uniform-*   copy0..2 |pub|bar|c0 |c1 |c2 |c3 |bar|
+                compute  |           |G0 |G1 |G2 |G3 |     unfused: G0's local piece at t=0
+    hetero-*    copy0..2 |pub|bar|c0 |c1 |c2 |c3 |bar|
+                compute  |===== L =====|G0 |G1 |G2 |G3 |   L starts at t=0, hides c0
+    hetero-fused on ranks 1..W-2:   1d: Gn = gather | GEMM | scatter
+                                    2d: Gn = gather | GEMM (into a stage); one scatter after G3
 
 Gathers and scatters still needed: none, except ``hetero-fused`` on ranks 1 … W-2, whose
 remote chunks surround the local shard and so are not equally spaced. There each step
@@ -290,7 +295,8 @@ class _Planner:
         self.stage_a = self.b.stage(rows, cols)
         self.stage_out = [self.b.stage(rows, n) for n in p.ns]
 
-    def scatter_stage(self, rows: int, step: int, dsts_by_b: list[list[Block]] | None = None) -> None:
+    def scatter_stage(self, rows: int, step: int,
+                      dsts_by_b: list[list[Block]] | None = None) -> None:
         """Put stage rows back in ``out``; by default (2d, once at the end) every remote row."""
         p = self.b.problem
         for j, n in enumerate(p.ns):

@@ -4,8 +4,8 @@
 shard that arrived at step s-1 runs; step 0 multiplies the local shard with no wait. Only one
 peer link is busy at a time (on a full mesh, one of W-1)::
 
-    copy0     |  A[r+1]  |  A[r+2]  |  A[r+3]  |
-    compute   |pub| C[r] |  C[r+1]  |  C[r+2]  |  C[r+3] |
+    copy0     |pub|  A[r+1]  |  A[r+2]  |  A[r+3]  |
+    compute   | C[r] (from input) |  C[r+1]  |  C[r+2]  |  C[r+3] |
 
 ``ring-bidir``: each step pulls from (r+s) and (r-s) on two copy queues, so it needs
 ceil((W-1)/2) steps; its GEMMs are per shard, as above.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..plan import COMM, Plan, PlanBuilder, SendRecv
+from ..plan import COMM, COMPUTE, Block, Gemm, Plan, PlanBuilder, SendRecv
 from ..problem import Problem
 from . import common
 
@@ -47,8 +47,17 @@ class Ring:
     def plan(self, problem: Problem, transport: str = "dma", copy_engines: int | None = None) -> Plan:
         common.check_transport(transport)
         p, b = problem, PlanBuilder(self.name, transport, problem)
-        ready = common.publish(b, transport)
-        common.gemm_rows(b, p.shard_row0(p.rank), p.m, step=0)
+        if transport == "dma" and p.world > 1:
+            # Publish and barrier on copy0, so the local GEMM (reading the caller's input)
+            # starts at once, as in Async-TP.
+            _, ready = common.publish_on_copy_engine(b)
+        else:
+            ready = common.publish(b, transport)
+        local = Block("input", 0, p.m, 0, p.k)
+        for j in range(len(p.ns)):
+            if p.m:
+                b.add(Gemm(COMPUTE, (local,), (common.out_rows(p, j, p.shard_row0(p.rank), p.m),),
+                           j, 0, p.k, step=0))
         copies: list[int | None] = []
         for s, peers in enumerate(self.peers_by_step(p.world, p.rank), start=1):
             for lane, q in enumerate(peers):

@@ -66,6 +66,11 @@ class CudaVendor(Vendor):
     def bind_device(self, index):
         self.check("cudaSetDevice", self.rt.cudaSetDevice(index))
 
+    def relax_capture_mode(self):
+        mode = self.rt.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed
+        self.check("cudaThreadExchangeStreamCaptureMode",
+                   self.rt.cudaThreadExchangeStreamCaptureMode(mode))
+
     def copy_1d(self, dst, src, nbytes, stream):
         self.check("cudaMemcpyAsync",
                    self.rt.cudaMemcpyAsync(dst, src, nbytes, self._d2d, stream))

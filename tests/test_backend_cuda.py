@@ -1,0 +1,192 @@
+"""The CUDA backend without a GPU: 2-D copy arguments for uneven chunks (checked by replaying
+them as a byte-level memcpy2D against torch's strided copy), the cuda-python calls it makes
+(against cuda.bindings' real signatures), check() messages, availability, and the shared
+backend contract."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from ficco.backends.base import Backend
+from ficco.backends.cuda import CudaBackend, CudaVendor
+from ficco.backends.gpu import Copy2D, copy_2d_args
+from ficco.backends.rocm import RocmBackend
+from ficco.errors import BackendCallError, BackendUnavailableError, InvalidArgumentError
+from ficco.problem import Problem
+
+
+def replay_memcpy_2d(args: Copy2D, base: int, memory: bytearray) -> None:
+    """What cudaMemcpy2DAsync does with ``args``, on a byte array whose address 0 is ``base``."""
+    for row in range(args.height):
+        s = args.src - base + row * args.spitch
+        d = args.dst - base + row * args.dpitch
+        memory[d: d + args.width] = memory[s: s + args.width]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m,k,world", [(8, 64, 4), (13, 10, 3), (5, 3, 4), (7, 24, 8), (1, 9, 2)])
+def test_copy_2d_args_for_uneven_column_chunks(dtype, m, k, world):
+    """Every column chunk of every peer's shard from one M x K buffer into another: the replayed
+    arguments reproduce torch's strided copy exactly, and pitches/widths are what they say."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    buf = torch.zeros(2, world * m, k, dtype=dtype)
+    buf[0] = torch.randn(world * m, k).to(dtype)          # source half, random
+    src, dst = buf[0], buf[1]
+    memory = bytearray(buf.view(torch.uint8).numpy().tobytes())
+    base = buf.data_ptr()
+    problem = Problem(m=m, k=k, ns=(1,), dtype="float32", world=world, rank=0)
+    for peer in range(world):
+        rows = slice(peer * m, (peer + 1) * m)
+        for c0, nc in problem.col_chunks():
+            args = copy_2d_args(dst[rows, c0:c0 + nc], src[rows, c0:c0 + nc])
+            if nc == 0:
+                assert args is None
+                continue
+            assert (args.dpitch, args.spitch) == (k * itemsize, k * itemsize)
+            assert (args.width, args.height) == (nc * itemsize, m)
+            assert args.src == base + (peer * m * k + c0) * itemsize
+            assert args.dst == base + (world * m * k + peer * m * k + c0) * itemsize
+            replay_memcpy_2d(args, base, memory)
+    replayed = torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(2, world * m, k)
+    assert torch.equal(replayed[1], src)
+
+
+def test_copy_2d_args_between_different_pitches():
+    """A stage buffer (pitch = chunk width) filled from a column chunk of a wider buffer."""
+    wide = torch.randn(6, 40)
+    stage = torch.empty(6, 8)
+    args = copy_2d_args(stage, wide[:, 16:24])
+    assert (args.dpitch, args.spitch, args.width, args.height) == (32, 160, 32, 6)
+    assert args.src == wide.data_ptr() + 16 * 4
+
+
+def test_copy_2d_args_rejects_what_no_2d_copy_can_do():
+    t = torch.randn(4, 6)
+    with pytest.raises(InvalidArgumentError, match="same shape"):
+        copy_2d_args(t[:, :2], t[:, :3])
+    with pytest.raises(InvalidArgumentError, match="contiguous rows"):
+        copy_2d_args(t.t()[:, :2], t.t()[:, 2:4])
+
+
+class Recorder:
+    """Stands in for a cuda.bindings module: records calls, returns success."""
+
+    def __init__(self, real, result=(0,)):
+        self._real, self.calls, self._result = real, [], result
+
+    def __getattr__(self, name):
+        attr = getattr(self._real, name)
+        if not callable(attr) or isinstance(attr, type):
+            return attr
+
+        def record(*args):
+            self.calls.append((name, args))
+            return self._result
+        return record
+
+
+def signature_params(fn) -> list[str]:
+    """Parameter names from a cuda-python function's docstring signature line."""
+    first = fn.__doc__.strip().splitlines()[0]
+    inside = first[first.index("(") + 1: first.rindex(")")]
+    names = []
+    for param in filter(None, (p.strip() for p in inside.split(","))):
+        # "size_t dpitch" (C style) or "kind: cudaMemcpyKind" (annotated)
+        names.append(param.split(":")[0].strip() if ":" in param else param.split()[-1])
+    return names
+
+
+def test_cuda_vendor_calls_match_cuda_python_signatures():
+    from cuda.bindings import driver, runtime
+
+    rt, drv = Recorder(runtime), Recorder(driver)
+    vendor = CudaVendor(runtime=rt, driver=drv)
+    vendor.copy_1d(0x1000, 0x2000, 4096, 77)
+    vendor.copy_2d(Copy2D(dst=0x1000, dpitch=256, src=0x8000, spitch=512, width=64, height=3), 77)
+    vendor.write_value32(77, 0x3000, 5)
+    vendor.wait_value32_geq(77, 0x3004, 5)
+    calls = dict(rt.calls + drv.calls)
+    for name, args in calls.items():
+        real = getattr(runtime, name, None) or getattr(driver, name)
+        assert len(args) == len(signature_params(real)), (name, args, real.__doc__.splitlines()[0])
+    assert calls["cudaMemcpyAsync"] == (0x1000, 0x2000, 4096,
+                                        runtime.cudaMemcpyKind.cudaMemcpyDeviceToDevice, 77)
+    assert calls["cudaMemcpy2DAsync"] == (0x1000, 256, 0x8000, 512, 64, 3,
+                                          runtime.cudaMemcpyKind.cudaMemcpyDeviceToDevice, 77)
+    assert calls["cuStreamWriteValue32"] == (
+        77, 0x3000, 5, driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
+    assert calls["cuStreamWaitValue32"] == (
+        77, 0x3004, 5, driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+
+
+def test_cuda_ipc_handle_bytes_round_trip():
+    """The 64 handle bytes that travel between ranks rebuild the same cudaIpcMemHandle_t."""
+    import ctypes
+
+    from cuda.bindings import runtime
+
+    handle_bytes = bytes(range(64))
+    seen = {}
+
+    class FakeRuntime(Recorder):
+        def cudaIpcOpenMemHandle(self, handle, flags):
+            seen["bytes"] = ctypes.string_at(handle.getPtr(), 64)
+            seen["flags"] = flags
+            return (0, 0xABC000)
+
+    vendor = CudaVendor(runtime=FakeRuntime(runtime), driver=Recorder(__import__(
+        "cuda.bindings.driver", fromlist=["driver"])))
+    assert vendor.ipc_open(handle_bytes) == 0xABC000
+    assert seen == {"bytes": handle_bytes, "flags": runtime.cudaIpcMemLazyEnablePeerAccess}
+
+
+def test_check_names_the_call_status_and_meaning():
+    """A real cuda-python call with real arguments: on this GPU-less machine it returns an
+    error status (never a TypeError), which check() turns into a named BackendCallError."""
+    from cuda.bindings import runtime
+
+    vendor = CudaVendor()
+    status = runtime.cudaError_t.cudaErrorInvalidValue
+    with pytest.raises(BackendCallError, match=r"cudaMemcpy2DAsync failed with status 1 "):
+        vendor.check("cudaMemcpy2DAsync", (status,))
+    assert vendor.check("cudaMalloc", (runtime.cudaError_t.cudaSuccess, 1234)) == 1234
+    args = Copy2D(dst=0, dpitch=64, src=0, spitch=64, width=64, height=1)
+    if not torch.cuda.is_available():
+        with pytest.raises(BackendCallError, match="cudaMemcpy2DAsync failed with status"):
+            vendor.copy_2d(args, 0)
+
+
+def test_cuda_backend_reports_itself_unavailable_here():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    reason = CudaBackend.unavailable_reason()
+    assert reason and ("CPU-only build" in reason or "no CUDA device" in reason)
+    with pytest.raises(BackendUnavailableError, match="cuda backend cannot run here"):
+        CudaBackend()
+
+
+def test_cuda_says_unavailable_under_rocm_torch_and_rocm_under_cuda_torch(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133-dd7f95766", raising=False)
+    assert "ROCm build" in CudaBackend.unavailable_reason()
+    assert "FICCO_BACKEND=rocm" in CudaBackend.unavailable_reason()
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0", raising=False)
+    assert "not a ROCm build" in RocmBackend.unavailable_reason()
+
+
+def public_methods(cls) -> dict[str, inspect.Signature]:
+    return {name: inspect.signature(getattr(cls, name)) for name in dir(Backend)
+            if not name.startswith("_") and callable(getattr(Backend, name))}
+
+
+def test_cuda_and_rocm_backends_expose_the_same_contract():
+    for cls in (CudaBackend, RocmBackend):
+        assert issubclass(cls, Backend)
+        assert not getattr(cls, "__abstractmethods__", None), cls.__abstractmethods__
+        assert list(inspect.signature(cls.__init__).parameters) == ["self", "device"]
+    assert public_methods(CudaBackend) == public_methods(RocmBackend)
+    for name, sig in public_methods(Backend).items():
+        assert list(public_methods(CudaBackend)[name].parameters) == list(sig.parameters), name
+    assert (CudaBackend.name, RocmBackend.name) == ("cuda", "rocm")
