@@ -60,6 +60,13 @@ def test_partial_profile_gets_defaults_and_bad_ones_fail(tmp_path):
         profiles.Profile.from_dict(json.loads(path.read_text()))
 
 
+def test_noisy_measured_copy_curve_is_clamped():
+    prof = profiles.Profile.from_dict({
+        "name": "noisy", "peak_flops": {"float32": 1e12}, "hbm_bytes_per_s": 1e11,
+        "compute_units": 4, "topology": "switch", "link_bytes_per_s": 1e10,
+        "copy_efficiency": {"4096": 0.6, "16384": -0.26, "65536": 1.7}})
+    assert all(0 < prof.copy_fraction(size) <= 1 for size in (1e3, 4096, 16384, 3e4, 1e6))
+
 def test_detect_maps_targets_to_profiles():
     assert profiles.detect("cpu") == "cpu"
     assert profiles.detect("rocm:gfx942", "AMD Instinct MI300X") == "mi300x"
@@ -192,31 +199,28 @@ def test_table_i_is_the_papers():
     assert table_i_problem("g2").key() == (16384, 16384, (2048,), "bfloat16", 8)
 
 
-# -- tune on a live group -------------------------------------------------------------------
-def _tune_live(rank, world, seed, cache_dir):
+# -- explain on a live group -------------------------------------------------------------------
+def _explain_live(rank, world, seed, cache_dir):
     shards, bs, _, refs = make_inputs(seed, world, (12, 16), (20,), torch.float32)
     with ficco.config.scope(selector="tune", cache_dir=cache_dir):
         tune.clear_memory()
         decision = ficco.explain(shards[rank], bs[0])
         again = ficco.explain(shards[rank], bs[0])   # cached: same answer, nothing measured
         out = ficco.all_gather_matmul(shards[rank], bs[0])
+    picked_by = []
+    for sel in ("paper", "model"):
+        with ficco.config.scope(selector=sel):
+            picked_by.append(ficco.explain(shards[rank], bs[0]).selector)
     return (decision.schedule, decision.selector, tuple(sorted(decision.scores)),
-            again.schedule, max_row_rel_err(out, refs[0]))
+            again.schedule, max_row_rel_err(out, refs[0]), tuple(picked_by))
 
 
-def test_tune_on_a_live_group_agrees_on_every_rank(tmp_path):
-    results = harness.pool(3).run(_tune_live, random.randrange(1 << 30), str(tmp_path))
+def test_explain_on_a_live_group_for_every_selector(tmp_path):
+    results = harness.pool(3).run(_explain_live, random.randrange(1 << 30), str(tmp_path))
     assert len({r[:4] for r in results}) == 1, results
-    schedule, selector, scored, again, _ = results[0]
+    schedule, selector, scored, again, _, _ = results[0]
     assert selector == "tune" and scored == tuple(sorted(schedules.names())) and again == schedule
     assert all(r[4] <= ROW_TOL[torch.float32] for r in results)
+    assert all(r[5] == ("paper", "model") for r in results)
     entries = json.loads((tmp_path / tune.CACHE_FILE).read_text())
     assert [e["schedule"] for e in entries.values()] == [schedule]
-
-
-def test_noisy_measured_copy_curve_is_clamped(caplog):
-    prof = profiles.Profile.from_dict({
-        "name": "noisy", "peak_flops": {"float32": 1e12}, "hbm_bytes_per_s": 1e11,
-        "compute_units": 4, "topology": "switch", "link_bytes_per_s": 1e10,
-        "copy_efficiency": {"4096": 0.6, "16384": -0.26, "65536": 1.7}})
-    assert all(0 < prof.copy_fraction(size) <= 1 for size in (1e3, 4096, 16384, 3e4, 1e6))

@@ -13,6 +13,7 @@ Queues are torch streams::
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import socket
 import threading
@@ -315,7 +316,9 @@ class AutoSymmProvider(Provider):
         world = dist.get_world_size(group) if group is not None else 1
         if world == 1 or not _torch_symm_usable():
             return self.ipc.allocate(nbytes, group, device)
-        placement = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))
+        props = torch.cuda.get_device_properties(device)
+        placement = (socket.gethostname(), str(getattr(props, "uuid", "")) or props.name +
+                     str(getattr(props, "pci_bus_id", device.index)))
         everyone = [None] * world
         dist.all_gather_object(everyone, placement, group=group)
         if len(set(everyone)) == world and len({host for host, _ in everyone}) == 1:
@@ -498,7 +501,7 @@ class GpuBackend(Backend):
         if out.numel() == 0:
             return
         beta = 1 if accumulate else 0  # beta 0 never reads ``out`` (NaN poison stays out)
-        with torch.cuda.stream(queue):
+        with self._on(queue):
             if a.dim() == 2:
                 out.addmm_(a, b, beta=beta)
             else:
@@ -507,8 +510,14 @@ class GpuBackend(Backend):
                 out.baddbmm_(a, b.expand(a.shape[0], *b.shape), beta=beta)
 
     def launch(self, queue, fn):
-        with torch.cuda.stream(queue):
+        with self._on(queue):
             fn()
+
+    def _on(self, queue):
+        # Switching streams costs host time per op; GEMMs mostly run on the current stream.
+        if queue == torch.cuda.current_stream(self._device):
+            return contextlib.nullcontext()
+        return torch.cuda.stream(queue)
 
     # -- cross-rank ---------------------------------------------------------------------------
     def barrier(self, symm, channel, queue, timeout_s, step):

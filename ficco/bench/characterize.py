@@ -47,6 +47,7 @@ class Settings:
     copy_queues: int
     warmup: int
     repeat: int
+    copy_to_host: bool = False
 
 
 def settings_for(args, device: torch.device) -> Settings:
@@ -56,7 +57,8 @@ def settings_for(args, device: torch.device) -> Settings:
         gemms = (Scenario("tall", 1024, 128, 256, "quick"), Scenario("wide", 256, 128, 1024, "quick"),
                  Scenario("square", 512, 256, 512, "quick"))
         return Settings(gemms, tuple(2 ** p for p in range(12, 21, 2)), (64, 256, 1024, 4096),
-                        1 << 20, 1 << 20, args.copy_queues or 2, 1, args.repeat or 3)
+                        1 << 20, 1 << 20, args.copy_queues or 2, 1, args.repeat or 3,
+                        args.copy_to == "host")
     if args.scale <= 0:
         raise InvalidArgumentError(f"--scale must be positive; got {args.scale}")
     # each GPU's GEMM on an 8-GPU node: M x N/8 x K (the Table I reading of ficco.heuristics)
@@ -67,7 +69,7 @@ def settings_for(args, device: torch.device) -> Settings:
     queues = args.copy_queues or (7 if device.type != "cpu" else 2)
     return Settings(gemms, tuple(2 ** p for p in range(12, 29, 2)),
                     (64, 128, 256, 512, 1024, 2048, 4096, 8192), 16 << 20, 64 << 20, queues,
-                    2, args.repeat or 5)
+                    2, args.repeat or 5, args.copy_to == "host")
 
 
 def add_arguments(parser) -> None:
@@ -85,6 +87,10 @@ def add_arguments(parser) -> None:
                         help="time on ficco's backend queues; on torch.cuda streams (torch-ce: "
                              "copies hinted onto copy engines); auto (default): the backend, "
                              "else torch streams on a GPU")
+    parser.add_argument("--copy-to", default="device", choices=("device", "host"),
+                        help="copy destination: device (a copy inside the GPU, which CUDA runs "
+                             "on the SMs) or host (pinned memory: surely a copy engine, at PCIe "
+                             "speed; needs --queues torch on GPUs)")
     parser.add_argument("--base", default=None,
                         help="built-in profile to start from (default: detected for the target)")
     parser.add_argument("--name", default=None, help="name of the written profile")
@@ -217,7 +223,7 @@ class TorchCudaQueues:
             return
         self._check("cudaMemcpy2DAsync", rt.cudaMemcpy2DAsync(
             dst.data_ptr(), dst.stride(0) * size, src.data_ptr(), src.stride(0) * size,
-            dst.shape[1] * size, dst.shape[0], rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
+            dst.shape[1] * size, dst.shape[0], rt.cudaMemcpyKind.cudaMemcpyDefault,
             queue.cuda_stream))
 
     def gemm(self, a, b, out, accumulate, queue):
@@ -313,15 +319,18 @@ def measure_dil(timer: Timer, st: Settings, dtype: torch.dtype, device, progress
     return out_records
 
 
-def _copy_pair(nbytes: int, width: int | None, device):
+def _copy_pair(nbytes: int, width: int | None, device, to_host: bool = False):
     """(dst, src) byte views: contiguous for 1D; for 2D, ``width``-byte rows of a block 8x as
-    wide (a column chunk of an 8-way split), so each row is strided."""
+    wide (a column chunk of an 8-way split), so each row is strided. ``to_host``: the
+    destination is pinned host memory, so a GPU moves it with a copy engine for sure."""
+    where = dict(device="cpu", pin_memory=True) if to_host and device.type != "cpu" \
+        else dict(device=device)
     if width is None:
-        return (torch.empty(nbytes, dtype=torch.uint8, device=device),
+        return (torch.empty(nbytes, dtype=torch.uint8, **where),
                 torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device))
     rows = max(1, nbytes // width)
     src = torch.randint(0, 255, (rows, 8 * width), dtype=torch.uint8, device=device)
-    dst = torch.empty(rows, 8 * width, dtype=torch.uint8, device=device)
+    dst = torch.empty(rows, 8 * width, dtype=torch.uint8, **where)
     return dst[:, :width], src[:, :width]
 
 
@@ -331,7 +340,7 @@ def measure_copies(timer: Timer, st: Settings, device, progress) -> list[dict]:
     for shape in ("1d", "2d"):
         for nbytes in st.copy_sizes:
             width = None if shape == "1d" else min(ROW_WIDTH_2D, nbytes)
-            dst, src = _copy_pair(nbytes, width, device)
+            dst, src = _copy_pair(nbytes, width, device, st.copy_to_host)
             move = backend.copy if width is None else backend.copy_2d
             seconds = timer.alone(q, lambda qq: move(dst, src, qq), st.warmup, st.repeat)
             recs.append(dict(schema=results.CHARACTERIZE_SCHEMA, kind="copy", shape=shape,
@@ -341,10 +350,10 @@ def measure_copies(timer: Timer, st: Settings, device, progress) -> list[dict]:
     best = max(r["bytes_per_s"] for r in recs if r["shape"] == "1d")
     for r in recs:
         r["efficiency"] = r["bytes_per_s"] / best
-    flat_dst, flat_src = _copy_pair(st.width_probe_bytes, None, device)
+    flat_dst, flat_src = _copy_pair(st.width_probe_bytes, None, device, st.copy_to_host)
     flat_s = timer.alone(q, lambda qq: backend.copy(flat_dst, flat_src, qq), st.warmup, st.repeat)
     for width in st.widths_2d:
-        dst, src = _copy_pair(st.width_probe_bytes, width, device)
+        dst, src = _copy_pair(st.width_probe_bytes, width, device, st.copy_to_host)
         seconds = timer.alone(q, lambda qq: backend.copy_2d(dst, src, qq), st.warmup, st.repeat)
         recs.append(dict(schema=results.CHARACTERIZE_SCHEMA, kind="copy_width", shape="2d",
                          bytes=dst.numel(), width_bytes=width, time_s=seconds,
@@ -356,7 +365,7 @@ def measure_copies(timer: Timer, st: Settings, device, progress) -> list[dict]:
 
 def measure_cil(timer: Timer, st: Settings, dtype: torch.dtype, device, progress) -> list[dict]:
     backend = timer.backend
-    noise_dst, noise_src = _copy_pair(st.noise_copy_bytes, None, device)
+    noise_dst, noise_src = _copy_pair(st.noise_copy_bytes, None, device, st.copy_to_host)
     noise_copy = lambda q: backend.copy(noise_dst, noise_src, q)  # noqa: E731
     copy_s = timer.alone(timer.copies[0], noise_copy, st.warmup, st.repeat)
     recs = []
@@ -432,7 +441,7 @@ def fit_profile(base, recs: list[dict], dtype: str, name: str, device_name: str)
 def fit_copy_curve(points: list[tuple[int, float]]) -> tuple[float, dict]:
     """Split measured 1D copies ``(bytes, seconds)`` into the simulator's terms, time =
     latency + bytes / (bandwidth x fraction(bytes)): the latency is the intercept of the line
-    through the two smallest copies (kept below 99% of the smallest time), and each size's
+    through the two smallest copies (kept below 99% of every measured time), and each size's
     fraction is its latency-free bandwidth over the best one.
 
     >>> lat, frac = fit_copy_curve([(1000, 2e-6), (2000, 3e-6), (10**6, 1.001e-3)])
@@ -442,7 +451,8 @@ def fit_copy_curve(points: list[tuple[int, float]]) -> tuple[float, dict]:
     points = sorted(points)
     (s1, t1), (s2, t2) = points[0], points[1]
     slope = (t2 - t1) / (s2 - s1) if s2 != s1 else 0.0
-    latency_s = min(max(t1 - s1 * slope, 0.0), 0.99 * t1)
+    # below every measured time, so each size keeps a positive transfer part
+    latency_s = min(max(t1 - s1 * slope, 0.0), 0.99 * min(t for _, t in points))
     rates = {size: size / (t - latency_s) for size, t in points}
     best = max(rates.values())
     return latency_s, {str(size): round(min(1.0, rate / best), 4) for size, rate in rates.items()}

@@ -21,7 +21,7 @@ import threading
 from typing import Callable
 
 from .. import config, schedules
-from ..errors import ConfigError
+from ..errors import ConfigError, InvalidArgumentError
 from ..problem import Problem
 from . import profiles
 from .decision import SELECTORS, Decision, decision_inputs
@@ -48,6 +48,9 @@ def choose(problem: Problem, *, transport: str = "dma", target: str = "cpu",
     >>> choose(Problem(8, 8, (8,), "float32", 2), forced="ring", forced_by="argument").reason
     'forced by argument'
     """
+    if transport not in ("dma", "ccl"):
+        raise InvalidArgumentError(f"choose() needs a resolved transport, dma or ccl; got "
+                                   f"{transport!r}")
     profile = profiles.resolve(target)
     topology = config.topology() or profile.topology
     inputs = decision_inputs(problem, profile.name, topology)
@@ -57,6 +60,11 @@ def choose(problem: Problem, *, transport: str = "dma", target: str = "cpu",
                             f"forced by {forced_by or 'argument'}")
         return _logged_once(problem, decision)
     selector = selector or config.selector()
+    if problem.world == 1:
+        # Nothing to gather: every schedule is the same plain GEMM; don't simulate or time.
+        decision = Decision("serial", transport, selector, inputs, {},
+                            "one rank: nothing to gather, a plain GEMM")
+        return _logged_once(problem, decision)
     if selector == "paper":
         low, high = config.paper_thresholds()
         if not low < high:
