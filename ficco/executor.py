@@ -97,12 +97,16 @@ def _all_gather(src, dsts, group):
 
 
 def _send_recv(send, send_to, recv, recv_from, group):
+    # gloo's point-to-point takes host tensors only (its all-gather accepts device ones).
+    via_host = dist.get_backend(group) == "gloo"
     ops, landing = [], None
     if send is not None:
-        ops.append(dist.P2POp(dist.isend, send.contiguous(), _global(group, send_to), group))
+        payload = send.contiguous().cpu() if via_host else send.contiguous()
+        ops.append(dist.P2POp(dist.isend, payload, _global(group, send_to), group))
     if recv is not None:
-        landing = recv if recv.is_contiguous() else torch.empty(recv.shape, dtype=recv.dtype,
-                                                                  device=recv.device)
+        on_host = via_host and recv.device.type != "cpu"
+        landing = recv if recv.is_contiguous() and not on_host else torch.empty(
+            recv.shape, dtype=recv.dtype, device="cpu" if on_host else recv.device)
         ops.append(dist.P2POp(dist.irecv, landing, _global(group, recv_from), group))
     for work in dist.batch_isend_irecv(ops):
         work.wait()

@@ -20,13 +20,14 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from .. import config
-from ..errors import CommTimeoutError, FiccoError, InvalidArgumentError
+from ..errors import (BackendUnavailableError, CommTimeoutError, FiccoError,
+                      InvalidArgumentError)
 from ..symm_mem import SIGNAL_CHANNELS, Provider, SymmHandle, aligned
 from .base import Backend
 
@@ -407,8 +408,6 @@ class GpuBackend(Backend):
     make_vendor: Callable[[], Vendor]
 
     def __init__(self, device=None):
-        from ..errors import BackendUnavailableError
-
         reason = type(self).unavailable_reason()
         if reason is not None:
             raise BackendUnavailableError(f"the {self.name} backend cannot run here: {reason}")

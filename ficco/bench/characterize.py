@@ -96,6 +96,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--name", default=None, help="name of the written profile")
     parser.add_argument("--out", default=None,
                         help="directory (default bench/results/characterize-<target>-<date>)")
+    parser.add_argument("--refit", default=None, metavar="DIR",
+                        help="measure nothing: refit DIR/characterize.jsonl into a profile and "
+                             "plots (written to --out, default DIR)")
 
 
 # -- timing on backend queues ----------------------------------------------------------------
@@ -392,7 +395,7 @@ def measure_cil(timer: Timer, st: Settings, dtype: torch.dtype, device, progress
 
 
 # -- profile ----------------------------------------------------------------------------------
-def fit_profile(base, recs: list[dict], dtype: str, name: str, device_name: str):
+def fit_profile(base, recs: list[dict], dtype: str, name: str, measured_on: str):
     """The base profile with the measured numbers put in; ``sources`` notes each one.
 
     - ``copy_efficiency`` and ``copy_latency_s``: see :func:`fit_copy_curve`.
@@ -402,8 +405,7 @@ def fit_profile(base, recs: list[dict], dtype: str, name: str, device_name: str)
       raised to the measurement when the measurement beats it).
     - ``cil``: see :func:`fit_cil`.
     """
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    note = f"measured by ficco bench characterize on {device_name}, {stamp}"
+    note = f"measured by ficco bench characterize on {measured_on}"
     changes, sources = {}, dict(base.sources)
     one_d = sorted((r for r in recs if r["kind"] == "copy" and r["shape"] == "1d"),
                    key=lambda r: r["bytes"])
@@ -440,22 +442,23 @@ def fit_profile(base, recs: list[dict], dtype: str, name: str, device_name: str)
 
 def fit_copy_curve(points: list[tuple[int, float]]) -> tuple[float, dict]:
     """Split measured 1D copies ``(bytes, seconds)`` into the simulator's terms, time =
-    latency + bytes / (bandwidth x fraction(bytes)): the latency is the intercept of the line
-    through the two smallest copies (kept below 99% of every measured time), and each size's
-    fraction is its latency-free bandwidth over the best one.
+    latency + bytes / (bandwidth x fraction(bytes)), so that the model gives back every
+    measured time. The bandwidth is the largest copy's; the latency is the smallest time any
+    other copy has left over beyond that bandwidth (robust to noisy launch costs, which vary
+    more than the small copies' transfer time); each fraction follows from its point.
 
     >>> lat, frac = fit_copy_curve([(1000, 2e-6), (2000, 3e-6), (10**6, 1.001e-3)])
-    >>> round(lat * 1e6, 3), frac["1000000"]
-    (1.0, 1.0)
+    >>> round(lat * 1e6, 2), frac["1000000"], round(frac["1000"], 2)
+    (1.0, 1.0, 1.0)
     """
     points = sorted(points)
-    (s1, t1), (s2, t2) = points[0], points[1]
-    slope = (t2 - t1) / (s2 - s1) if s2 != s1 else 0.0
-    # below every measured time, so each size keeps a positive transfer part
-    latency_s = min(max(t1 - s1 * slope, 0.0), 0.99 * min(t for _, t in points))
-    rates = {size: size / (t - latency_s) for size, t in points}
-    best = max(rates.values())
-    return latency_s, {str(size): round(min(1.0, rate / best), 4) for size, rate in rates.items()}
+    big_bytes, big_s = points[-1]
+    bandwidth = big_bytes / big_s
+    spare = [t - size / bandwidth for size, t in points[:-1]]
+    latency_s = max(0.0, min(spare, default=0.0))
+    fractions = {str(size): round(min(1.0, size / ((t - latency_s) * bandwidth)), 4)
+                 for size, t in points}
+    return latency_s, fractions
 
 
 def fit_cil(cil_recs: list[dict]) -> dict:
@@ -492,9 +495,9 @@ def fit_cil(cil_recs: list[dict]) -> dict:
 
 
 def main(args) -> int:
+    if args.refit:
+        return refit(args)
     from tqdm import tqdm
-
-    from ..heuristics import profiles
 
     backend = _backend(args.queues)
     device = backend.device()
@@ -504,7 +507,7 @@ def main(args) -> int:
     st = settings_for(args, device)
     target = backend.target()
     env = results.environment(1, target, device)
-    env["env_queues"] = getattr(backend, "name", "?")
+    env["env_queues"] = getattr(backend, "name", "?") + (", copies to host" if st.copy_to_host else "")
     timer = Timer(backend, st.copy_queues)
     steps = 2 * len(st.gemms) + 2 * len(st.copy_sizes) + len(st.widths_2d)
     torch.manual_seed(0)
@@ -514,16 +517,37 @@ def main(args) -> int:
         recs += measure_cil(timer, st, getattr(torch, dtype), device, progress)
     for r in recs:
         r["env"] = env
-    base = profiles.load(args.base or profiles.detect(target))
+        r["dtype"] = dtype
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     safe_target = "".join(c if c.isalnum() or c in "_." else "-" for c in target)
     out_dir = Path(args.out or Path("bench") / "results" / f"characterize-{safe_target}-{stamp}")
-    profile = fit_profile(base, recs, dtype, args.name or f"{base.name}-measured",
-                          env["env_device"])
-    profile.to_json(out_dir / "profile.json")
-    results.write_jsonl(out_dir / "characterize.jsonl", recs)
+    return _write(args, recs, out_dir)
+
+
+def refit(args) -> int:
+    """``--refit DIR``: fit the profile and draw the plots again from DIR/characterize.jsonl
+    (after a change to the fits, or with another ``--base``), measuring nothing."""
+    recs = results.read_jsonl(Path(args.refit) / "characterize.jsonl")
+    if not recs:
+        raise InvalidArgumentError(f"{args.refit}/characterize.jsonl holds no records")
+    return _write(args, recs, Path(args.out or args.refit))
+
+
+def _write(args, recs: list[dict], out_dir: Path) -> int:
+    from ..heuristics import profiles
     from . import plots
 
+    env = recs[0]["env"]
+    target = env["env_backend"]
+    gpu = target.startswith(("cuda", "rocm"))
+    dtype = next((r["dtype"] for r in recs if "dtype" in r), None) \
+        or args.dtype or ("bfloat16" if gpu else "float32")
+    base = profiles.load(args.base or profiles.detect(target, env["env_device"] if gpu else None))
+    profile = fit_profile(base, recs, dtype, args.name or f"{base.name}-measured",
+                          f"{env['env_device']} ({env.get('env_queues', '?')}), "
+                          f"{env['env_time'][:10]}")
+    profile.to_json(out_dir / "profile.json")
+    results.write_jsonl(out_dir / "characterize.jsonl", recs)
     pngs = [plots.plot_dil([r for r in recs if r["kind"] == "dil"], out_dir / "dil.png"),
             plots.plot_copy_efficiency([r for r in recs if r["kind"] == "copy"],
                                        out_dir / "copy_efficiency.png"),
