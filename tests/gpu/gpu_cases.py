@@ -111,3 +111,31 @@ def schedule_case(rank, world, schedule, transport, dtype_name, seed):
         if world > 1 and api.last_run() != (schedule, transport):
             failures.append(f"ran {api.last_run()}, not {(schedule, transport)}")
     return failures
+
+
+def capture_refused(rank, world):
+    """Capturing a multi-rank dma call in a CUDA graph raises (replay would reuse barrier
+    generations); the same call runs eagerly right after, and matches float64."""
+    import ficco
+    from ficco.errors import FiccoError
+
+    device = torch.device("cuda", 0)
+    gen = torch.Generator().manual_seed(11)
+    full = torch.randn(world * 8, 16, generator=gen)
+    b = torch.randn(16, 4, generator=gen)
+    shard, b_dev = full[rank * 8:(rank + 1) * 8].to(device), b.to(device)
+    with ficco.config.scope(transport="dma"):
+        ficco.all_gather_matmul(shard, b_dev, schedule="serial")  # warm: agree, workspace
+        torch.cuda.synchronize()
+        graph, message = torch.cuda.CUDAGraph(), "captured"
+        try:
+            with torch.cuda.graph(graph):
+                ficco.all_gather_matmul(shard, b_dev, schedule="serial")
+        except FiccoError as exc:
+            message = str(exc)
+        except RuntimeError as exc:  # torch may wrap the error when ending the capture
+            message = str(exc)
+        out = ficco.all_gather_matmul(shard, b_dev, schedule="serial")
+    ref = full.double() @ b.double()
+    err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
+    return message, err

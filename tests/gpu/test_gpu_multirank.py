@@ -39,3 +39,9 @@ def test_schedule_on_gpu(world, schedule, transport, dtype):
     failures = harness.pool(world, GPU_ENV).run(gpu_cases.schedule_case, schedule, transport,
                                                 dtype, seed, timeout_s=120)
     assert failures == [[]] * world
+
+
+def test_graph_capture_of_multi_rank_dma_call_is_refused_clearly():
+    for message, err in harness.pool(2, GPU_ENV).run(gpu_cases.capture_refused, timeout_s=120):
+        assert "graph capture" in message and "FICCO_TRANSPORT=ccl" in message, message
+        assert err < 1e-5
