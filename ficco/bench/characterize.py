@@ -54,7 +54,8 @@ def settings_for(args, device: torch.device) -> Settings:
     """``--quick``: a few tiny GEMMs and copies (CPU seconds). Otherwise the paper's GEMMs as
     one GPU of eight runs them, M divided by ``--scale``, and copies from 4 KiB to 256 MiB."""
     if args.quick:
-        gemms = (Scenario("tall", 1024, 128, 256, "quick"), Scenario("wide", 256, 128, 1024, "quick"),
+        gemms = (Scenario("tall", 1024, 128, 256, "quick"),
+                 Scenario("wide", 256, 128, 1024, "quick"),
                  Scenario("square", 512, 256, 512, "quick"))
         return Settings(gemms, tuple(2 ** p for p in range(12, 21, 2)), (64, 256, 1024, 4096),
                         1 << 20, 1 << 20, args.copy_queues or 2, 1, args.repeat or 3,
@@ -218,7 +219,8 @@ class TorchCudaQueues:
                 operand.type = rt.cudaMemcpy3DOperandType.cudaMemcpyOperandTypePointer
                 operand.op.ptr.ptr = t.data_ptr()
                 operand.op.ptr.rowLength = t.stride(0) * size   # pointer copies count bytes
-            op.extent.width, op.extent.height, op.extent.depth = dst.shape[1] * size, dst.shape[0], 1
+            op.extent.width = dst.shape[1] * size
+            op.extent.height, op.extent.depth = dst.shape[0], 1
             op.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
             op.flags = rt.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute
             self._check("cudaMemcpy3DBatchAsync",
@@ -249,8 +251,8 @@ class TorchCudaQueues:
 
 def _backend(queues: str = "auto"):
     """The active ficco backend (``queues="backend"``), :class:`TorchCudaQueues`
-    (``"torch"``, ``"torch-ce"``), or for ``"auto"`` the backend unless a GPU is visible and no ficco GPU
-    backend can be created here."""
+    (``"torch"``, ``"torch-ce"``), or for ``"auto"`` the backend unless a GPU is visible and
+    no ficco GPU backend can be created here."""
     from ..backends import get_backend
 
     if queues in ("torch", "torch-ce"):
@@ -507,7 +509,8 @@ def main(args) -> int:
     st = settings_for(args, device)
     target = backend.target()
     env = results.environment(1, target, device)
-    env["env_queues"] = getattr(backend, "name", "?") + (", copies to host" if st.copy_to_host else "")
+    env["env_queues"] = getattr(backend, "name", "?") \
+        + (", copies to host" if st.copy_to_host else "")
     timer = Timer(backend, st.copy_queues)
     steps = 2 * len(st.gemms) + 2 * len(st.copy_sizes) + len(st.widths_2d)
     torch.manual_seed(0)
@@ -571,7 +574,8 @@ def summary(recs: list[dict], profile) -> str:
         for ways in DIL_WAYS:
             vals = [r["dil"] for r in recs if r["kind"] == "dil" and r["split"] == split
                     and r["ways"] == ways]
-            lines.append(f"DIL {split} {ways}-way: geomean {geomean(vals):.3f}x over {len(vals)} GEMMs")
+            lines.append(f"DIL {split} {ways}-way: geomean {geomean(vals):.3f}x "
+                         f"over {len(vals)} GEMMs")
     for victim in ("gemm", "copy"):
         vals = [r["cil"] for r in recs if r["kind"] == "cil" and r["victim"] == victim]
         lines.append(f"CIL {victim}: geomean {geomean(vals):.3f}x")

@@ -128,7 +128,8 @@ def plot_selector_accuracy(records: list[dict], path) -> Path:
     left.bar(names, [100 * acc[s]["accuracy"] for s in names],
              color=[SELECTOR_MARKERS[s][1] for s in names])
     for i, s in enumerate(names):
-        left.annotate(f"{acc[s]['hits']}/{acc[s]['scenarios']}\nloss {100 * acc[s]['mean_loss_when_missed']:.0f}%",
+        loss = 100 * acc[s]["mean_loss_when_missed"]
+        left.annotate(f"{acc[s]['hits']}/{acc[s]['scenarios']}\nloss {loss:.0f}%",
                       (i, 100 * acc[s]["accuracy"]), ha="center", va="bottom", fontsize=7)
     left.set_ylim(0, 119)
     left.set_ylabel(f"picks within {PICK_TOLERANCE:.0%} of best (%)")
@@ -140,7 +141,8 @@ def plot_selector_accuracy(records: list[dict], path) -> Path:
         ys = []
         for sc in scenarios:
             rec = next(r for r in records if r["scenario"] == sc)
-            value = rec.get("best_speedup") if key == "best" else rec.get("pick_speedups", {}).get(key)
+            value = rec.get("best_speedup") if key == "best" \
+                else rec.get("pick_speedups", {}).get(key)
             ys.append(value or 0.0)
         color = "tab:blue" if key == "best" else SELECTOR_MARKERS[key][1]
         right.bar([j - 0.4 + width * (i + 0.5) for j in range(len(scenarios))], ys, width=width,

@@ -32,7 +32,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--transport", default="dma", choices=("dma", "ccl"))
     parser.add_argument("--dtype", default=None,
                         help="element type (default bfloat16 on GPU, float32 on CPU)")
-    parser.add_argument("--warmup", type=int, default=2, help="untraced calls before the traced one")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untraced calls before the traced one")
     parser.add_argument("--profile", default=None,
                         help="profile for the prediction (name or JSON; default: FICCO_PROFILE "
                              "or the one detected for this device)")
@@ -42,7 +43,9 @@ def add_arguments(parser) -> None:
 
 
 def _makespan(rows: list[dict]) -> float:
-    return max((r["end_s"] for r in rows), default=0.0) - min((r["start_s"] for r in rows), default=0.0)
+    if not rows:
+        return 0.0
+    return max(r["end_s"] for r in rows) - min(r["start_s"] for r in rows)
 
 
 def main(args) -> int:
@@ -129,7 +132,8 @@ def _write(args, scenario, plan, everyone, backend, device, world) -> None:
     (out_dir / "timeline.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
     written.append(out_dir / "timeline.json")
     print(f"{args.schedule} over {args.transport} on {shape}: measured "
-          + ", ".join(f"rank {r} {1e3 * v:.3f} ms" for r, v in record["measured_makespan_s"].items())
+          + ", ".join(f"rank {r} {1e3 * v:.3f} ms"
+                      for r, v in record["measured_makespan_s"].items())
           + f"; predicted {1e3 * predicted.makespan_s:.3f} ms on profile {profile_name}; "
           f"max |C - ref| {record['max_abs_err']:.2e}")
     print("wrote " + ", ".join(str(p) for p in written))
