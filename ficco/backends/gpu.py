@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .. import config
-from ..errors import (BackendUnavailableError, CommTimeoutError, FiccoError,
+from ..errors import (BackendCallError, BackendUnavailableError, CommTimeoutError, FiccoError,
                       InvalidArgumentError)
 from ..symm_mem import SIGNAL_CHANNELS, Provider, SymmHandle, aligned
 from .base import Backend
@@ -43,6 +43,21 @@ class Vendor(ABC):
     ``torch.cuda.Stream``'s ``cuda_stream``); every call goes through the vendor's ``check``."""
 
     name: str
+
+    def check(self, call: str, result):
+        """Raise :class:`BackendCallError` naming ``call``, the status code and its meaning;
+        return the call's outputs (one value, a tuple, or None)."""
+        status, *values = result if isinstance(result, tuple) else (result,)
+        if int(status) != 0:
+            raise BackendCallError(f"{call} failed with status {int(status)} "
+                                   f"({self._describe(status)})")
+        if not values:
+            return None
+        return values[0] if len(values) == 1 else tuple(values)
+
+    @abstractmethod
+    def _describe(self, status) -> str:
+        """The status code's name and meaning, as the vendor's runtime words them."""
 
     @abstractmethod
     def bind_device(self, index: int) -> None:

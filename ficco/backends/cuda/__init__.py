@@ -16,7 +16,6 @@ import ctypes
 
 import torch
 
-from ...errors import BackendCallError
 from ..gpu import Copy2D, GpuBackend, Vendor, handle_bytes
 
 IPC_HANDLE_BYTES = 64
@@ -39,17 +38,6 @@ class CudaVendor(Vendor):
         self._write_flags = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
         self._wait_geq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
         self._keep_handles: list = []
-
-    def check(self, call: str, result):
-        """Raise :class:`BackendCallError` naming ``call``, the status code and its meaning;
-        return the call's outputs (one value, a tuple, or None)."""
-        status, *values = result if isinstance(result, tuple) else (result,)
-        if int(status) != 0:
-            raise BackendCallError(f"{call} failed with status {int(status)} "
-                                   f"({self._describe(status)})")
-        if not values:
-            return None
-        return values[0] if len(values) == 1 else tuple(values)
 
     def _describe(self, status) -> str:
         try:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import BackendCallError
 from ..gpu import Copy2D, GpuBackend, Vendor, handle_bytes
 
 IPC_HANDLE_BYTES = 64
@@ -50,17 +49,6 @@ class RocmVendor(Vendor):
         self.hip = hip
         self._copy_kind = hip.hipMemcpyKind.hipMemcpyDeviceToDeviceNoCU
         self._copy_2d_kind = hip.hipMemcpyKind.hipMemcpyDeviceToDeviceNoCU
-
-    def check(self, call: str, result):
-        """Raise :class:`BackendCallError` naming ``call``, the status code and its meaning;
-        return the call's outputs (one value, a tuple, or None)."""
-        status, *values = result if isinstance(result, tuple) else (result,)
-        if int(status) != 0:
-            raise BackendCallError(f"{call} failed with status {int(status)} "
-                                   f"({self._describe(status)})")
-        if not values:
-            return None
-        return values[0] if len(values) == 1 else tuple(values)
 
     def _describe(self, status) -> str:
         try:
