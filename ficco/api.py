@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from . import config, schedules
 from .backends import close_all, get_backend
-from .errors import FiccoError, InvalidArgumentError, MismatchError
+from .errors import InvalidArgumentError, MismatchError
 from .executor import Buffers, execute
 from .problem import Problem, dtype_name
 
@@ -245,13 +245,6 @@ def _execute(call: Call, name: str, transport: str, trace: bool = False):
     if p.world == 1:
         outs = [call.a @ bj for bj in call.bs]
         return outs, call.a, None, None
-    if transport == "dma" and dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        # Barrier generations are written from the host: a replayed graph would reuse them and
-        # let peers race ahead. Refuse rather than compute garbage.
-        raise FiccoError(
-            "CUDA-graph capture of a multi-rank all_gather_matmul over the dma transport is not "
-            "supported yet (barrier generations would be baked into the graph); capture with "
-            "FICCO_TRANSPORT=ccl, or run this call eagerly")
     plan = plan_for(name, transport, p)
     _last.run = (name, transport)
     outs = [torch.empty(p.big_m, n, dtype=call.a.dtype, device=dev) for n in p.ns]

@@ -31,6 +31,8 @@ from ..errors import (BackendCallError, BackendUnavailableError, CommTimeoutErro
 from ..symm_mem import SIGNAL_CHANNELS, Provider, SymmHandle, aligned
 from .base import Backend
 
+#: channels of the plans' stream-ordered barriers (constant flags, safe to capture in graphs)
+PLAN_CHANNELS = (0, 1)
 #: barrier channel used by SymmHandle.close(); plans use the low channels
 CLOSE_CHANNEL = SIGNAL_CHANNELS - 1
 #: how long close() waits for peers before it leaks its allocation rather than free it early
@@ -216,7 +218,11 @@ class GpuSymmHandle(SymmHandle):
         self._generation[channel] += 1
         return self._generation[channel]
 
-    def barrier(self, channel=0, timeout_s=None, step=None):
+    def barrier(self, channel=2, timeout_s=None, step=None):
+        if channel in PLAN_CHANNELS:
+            raise InvalidArgumentError(
+                f"barrier channels {PLAN_CHANNELS} belong to ficco's plans (flag scheme); use a "
+                f"channel in [2, {SIGNAL_CHANNELS - 1}) for host barriers")
         timeout_s = config.timeout_s() if timeout_s is None else timeout_s
         self.backend.host_barrier(self, channel, timeout_s, -1 if step is None else step)
 
@@ -535,11 +541,22 @@ class GpuBackend(Backend):
 
     # -- cross-rank ---------------------------------------------------------------------------
     def barrier(self, symm, channel, queue, timeout_s, step):
+        """A plan's barrier, capture-safe: every value it writes is a constant, so a CUDA graph
+        holding it replays correctly. Each rank sets its flag (1) in every peer's slot, waits
+        for all its own slots to hold 1, then clears its own slots (0). Clearing cannot erase a
+        peer's next flag because plans alternate channels 0 and 1 with a dependency between
+        them (pulls wait on barrier 0, barrier 1 waits on the pulls, and the next call's
+        barrier 0 comes after this call's barrier 1 on every stream of the rank): a peer can
+        only set a slot again after this rank has passed the other channel's barrier."""
         self.raise_pending()
-        self._enqueue_barrier(symm, channel, queue, timeout_s, step)
+        if channel not in PLAN_CHANNELS:
+            raise InvalidArgumentError(f"plan barriers use channels {PLAN_CHANNELS}; got "
+                                       f"{channel}")
+        self._enqueue_barrier(symm, channel, queue, timeout_s, step, target=1, clear=True)
 
-    def _enqueue_barrier(self, symm, channel, queue, timeout_s, step) -> _PendingBarrier:
-        generation = symm.next_generation(channel)
+    def _enqueue_barrier(self, symm, channel, queue, timeout_s, step, *, target=None,
+                         clear=False) -> _PendingBarrier:
+        generation = symm.next_generation(channel) if target is None else target
         stream = queue.cuda_stream
         for peer in range(symm.world):
             self.vendor.write_value32(stream, symm.slot_address(peer, channel, symm.rank),
@@ -547,6 +564,9 @@ class GpuBackend(Backend):
         for peer in range(symm.world):
             self.vendor.wait_value32_geq(stream, symm.slot_address(symm.rank, channel, peer),
                                          generation)
+        if clear:
+            for peer in range(symm.world):
+                self.vendor.write_value32(stream, symm.slot_address(symm.rank, channel, peer), 0)
         item = _PendingBarrier(torch.cuda.Event(), time.monotonic() + timeout_s, symm, channel,
                                generation, step, timeout_s)
         if not torch.cuda.is_current_stream_capturing():

@@ -41,7 +41,10 @@ def test_schedule_on_gpu(world, schedule, transport, dtype):
     assert failures == [[]] * world
 
 
-def test_graph_capture_of_multi_rank_dma_call_is_refused_clearly():
-    for message, err in harness.pool(2, GPU_ENV).run(gpu_cases.capture_refused, timeout_s=120):
-        assert "graph capture" in message and "FICCO_TRANSPORT=ccl" in message, message
-        assert err < 1e-5
+@pytest.mark.parametrize("schedule", ("serial", "ring", "uniform-fused-1d", "hetero-fused-2d"))
+@pytest.mark.parametrize("world", (2, 4))
+def test_graph_captured_call_replays_correctly(world, schedule):
+    seed = hash((world, schedule)) % 10_000
+    failures = harness.pool(world, GPU_ENV).run(gpu_cases.capture_replay, schedule, seed,
+                                                timeout_s=180)
+    assert failures == [[]] * world
