@@ -9,7 +9,7 @@ $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[bench,test]'
+	$(BIN)/pip install -q -e '.[bench,test,cuda,rocm]'
 	touch $@
 
 .PHONY: install demo test test-gpu clean

@@ -7,11 +7,13 @@ The API mirrors torch's::
     t = ficco.symm_mem.empty((m, k), dtype=torch.bfloat16)   # this rank's part
     h = ficco.symm_mem.rendezvous(t, group)                   # collective
     peer = h.get_buffer(1, (m, k), torch.bfloat16)            # rank 1's part, as a tensor
-    h.barrier(channel=0, timeout_s=60)
+    h.barrier(channel=2, timeout_s=60)
 
 Each handle also carries one signal pad per rank: ``SIGNAL_CHANNELS x world`` int32 counters
 used for cross-rank barriers (rank r writes generation g into slot ``[channel, r]`` of every
-peer's pad, then waits until its own pad holds >= g in every slot of that channel).
+peer's pad, then waits until its own pad holds >= g in every slot of that channel). Channels 0
+and 1 belong to ficco's plans (on GPUs they hold constant flags so graphs can replay them);
+host barriers use channels 2 and up.
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ class SymmHandle(ABC):
         """``rank``'s signal pad: an int32 tensor of shape ``(SIGNAL_CHANNELS, world)``."""
 
     @abstractmethod
-    def barrier(self, channel: int = 0, timeout_s: float | None = None) -> None:
+    def barrier(self, channel: int = 2, timeout_s: float | None = None) -> None:
         """Host-side barrier over the signal pads: blocks until every rank called it for this
         channel as often as this rank has; raises CommTimeoutError naming the late peers."""
 

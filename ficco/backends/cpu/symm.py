@@ -76,7 +76,7 @@ class CpuSymmHandle(SymmHandle):
     def signal_pad(self, rank):
         return torch.from_numpy(self._pads_np[rank])
 
-    def barrier(self, channel=0, timeout_s=None, step=None):
+    def barrier(self, channel=2, timeout_s=None, step=None):
         from ... import config
 
         timeout_s = config.timeout_s() if timeout_s is None else timeout_s
