@@ -182,7 +182,17 @@ def _decide(call: Call, schedule: str | None, transport: str | None = None, sele
     resolved = _resolve_transport(call, forced, transport)
     return choose(call.problem, transport=resolved, target=call.backend.target(),
                   selector=selector, forced=forced, forced_by=forced_by,
-                  measure=lambda name: _measure(call, name, resolved))
+                  measure=lambda name: _measure(call, name, resolved),
+                  agree=lambda flag: _all_ranks(call, flag))
+
+
+def _all_ranks(call: Call, flag: bool) -> bool:
+    """Collective: True when ``flag`` is True on every rank of the call's group."""
+    if call.group is None:
+        return flag
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=call.backend.device())
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=call.group)
+    return bool(value.item())
 
 
 _plans: dict = {}

@@ -66,3 +66,36 @@ def _disabled(rank, world, seed):
 def test_ficco_disable_runs_plain_all_gather_then_matmul():
     for same, err in harness.pool(2).run(_disabled, random.randrange(1 << 30)):
         assert same and err <= ROW_TOL[torch.float32]
+
+
+def _tune_with_uneven_caches(rank, world, seed, root):
+    """Rank 0 finds a (planted) winner in its cache file, rank 1 has none: instead of one rank
+    measuring while the other skips (a deadlock), both measure and agree."""
+    import os
+
+    from ficco.heuristics import tune
+    from ficco.heuristics.profiles import resolve
+
+    cache = os.path.join(root, f"rank{rank}")
+    os.makedirs(cache, exist_ok=True)
+    shards, bs, full, refs = make_inputs(seed, world, (8, 16), (6,), torch.float32)
+    with ficco.config.scope(cache_dir=cache, selector="tune"):
+        if rank == 0:
+            problem = api._prepare(shards[rank], bs[0], None, 0).problem
+            profile = resolve("cpu")
+            key = tune.cache_key(problem, "dma", "cpu", profile.topology)
+            tune._write_file(tune.cache_path(), key,
+                             {"schedule": "ring-bidir", "scores": {"ring-bidir": 1e-9}})
+        decision = ficco.explain(shards[rank], bs[0])
+        out = ficco.all_gather_matmul(shards[rank], bs[0])
+    tune.clear_memory()
+    return decision.schedule, decision.reason, len(decision.scores), max_row_rel_err(out, refs[0])
+
+
+def test_tune_agrees_when_only_some_ranks_have_a_cache_file(tmp_path):
+    results = harness.pool(2).run(_tune_with_uneven_caches, random.randrange(1 << 30),
+                                  str(tmp_path))
+    assert results[0][0] == results[1][0], results
+    for schedule, reason, n_scores, err in results:
+        assert "tuned earlier" not in reason and n_scores == len(ficco.schedules.names())
+        assert err <= ROW_TOL[torch.float32]

@@ -37,12 +37,15 @@ _logged_lock = threading.Lock()
 def choose(problem: Problem, *, transport: str = "dma", target: str = "cpu",
            selector: str | None = None, forced: str | None = None,
            forced_by: str | None = None,
-           measure: Callable[[str], float] | None = None) -> Decision:
+           measure: Callable[[str], float] | None = None,
+           agree: Callable[[bool], bool] | None = None) -> Decision:
     """The Decision for ``problem``: which schedule runs, chosen by whom, and why.
 
     ``target`` ("cpu", "cuda:sm_90", "rocm:gfx942", …) picks the built-in profile when
     ``FICCO_PROFILE`` is unset; ``FICCO_TOPOLOGY`` overrides the profile's topology.
-    ``measure(name) -> seconds`` is required by the ``tune`` selector only.
+    ``measure(name) -> seconds`` is required by the ``tune`` selector only; ``agree(flag)``
+    (collective: True when every rank passes True) lets it trust a cache file only when every
+    rank has the entry.
 
     >>> from ficco.problem import Problem
     >>> choose(Problem(8, 8, (8,), "float32", 2), forced="ring", forced_by="argument").reason
@@ -78,7 +81,7 @@ def choose(problem: Problem, *, transport: str = "dma", target: str = "cpu",
         decision = Decision(name, transport, "model", inputs, scores, reason)
     elif selector == "tune":
         name, scores, reason = tune_choice(problem, transport=transport, target=target,
-                                           topology=topology, measure=measure)
+                                           topology=topology, measure=measure, agree=agree)
         decision = Decision(name, transport, "tune", inputs, scores, reason)
     else:
         raise ConfigError(f"selector {selector!r} is not valid; use one of: "

@@ -95,11 +95,24 @@ def lookup(key: str, persist: bool = True) -> dict | None:
 
 
 def tune_choice(problem: Problem, *, transport: str, target: str, topology: str,
-                measure: Callable[[str], float] | None, persist: bool = True
+                measure: Callable[[str], float] | None, persist: bool = True,
+                agree: Callable[[bool], bool] | None = None
                 ) -> tuple[str, dict[str, float], str]:
-    """(schedule, measured seconds per candidate, reason); measures only at first sight."""
+    """(schedule, measured seconds per candidate, reason); measures only at first sight.
+
+    ``agree(found_in_file) -> bool`` (collective, given by the API on a live group) says
+    whether *every* rank found the key in its cache file: ranks on other hosts may not share
+    the file, and one rank measuring while another reads its cache would deadlock, so a file
+    entry is used only when all ranks have it. Memory hits need no agreement: every rank fills
+    its memory at the same call."""
     key = cache_key(problem, transport, target, topology)
-    entry = lookup(key, persist)
+    entry = lookup(key, persist=False)
+    if entry is None and persist:
+        entry = lookup(key, persist=True)
+        if agree is not None and not agree(entry is not None):
+            with _lock:
+                _memory.pop(key, None)
+            entry = None
     if entry is not None:
         scores = {k: float(v) for k, v in entry["scores"].items()}
         return entry["schedule"], scores, f"tuned earlier (cache {key})"
