@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ficco.bench import characterize, results, scenarios
+from ficco.bench import fit as profile_fit, results, scenarios
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -128,7 +128,7 @@ def test_validate_names_each_problem():
 def test_fits_recover_the_simulator_parameters():
     latency_s, bandwidth = 5e-6, 2e10
     points = [(s, latency_s + s / bandwidth) for s in (4096, 65536, 1 << 20, 1 << 24)]
-    fit_latency, fractions = characterize.fit_copy_curve(points)
+    fit_latency, fractions = profile_fit.fit_copy_curve(points)
     # a latency no larger than the true one (it must leave every copy a transfer part) ...
     assert 0.9 * latency_s <= fit_latency <= latency_s
     assert fractions[str(1 << 20)] == pytest.approx(1.0, rel=0.01)
@@ -138,7 +138,7 @@ def test_fits_recover_the_simulator_parameters():
             == pytest.approx(seconds, rel=1e-3)
     recs = [dict(victim=v, mt_bytes=mt, cil=1 + coef * mt / (mt + 3e8))
             for v, coef in (("gemm", 0.3), ("copy", 0.1)) for mt in (1e7, 1e8, 1e9, 1e10)]
-    fit = characterize.fit_cil(recs)
+    fit = profile_fit.fit_cil(recs)
     assert fit["dma_gemm"] == pytest.approx(0.3, rel=0.1)
     assert fit["dma_copy"] == pytest.approx(0.1, rel=0.1)
     assert 1e8 < fit["mt_half_bytes"] < 1e9

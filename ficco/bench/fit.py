@@ -1,0 +1,106 @@
+"""Fitting ``characterize`` records into a :class:`~ficco.heuristics.profiles.Profile`:
+GEMM efficiency and K-tile overhead (DIL), the copy efficiency curve and latency, and the
+contention factors (CIL)."""
+from __future__ import annotations
+
+import dataclasses
+from statistics import median
+
+
+def fit_profile(base, recs: list[dict], dtype: str, name: str, measured_on: str):
+    """The base profile with the measured numbers put in; ``sources`` notes each one.
+
+    - ``copy_efficiency`` and ``copy_latency_s``: see :func:`fit_copy_curve`.
+    - ``copy_2d_half_row_bytes``: ``w * (1/r - 1)`` (median over row widths ``w``), fitting
+      ``r = w / (w + half)`` to the 2D/1D bandwidth ratio ``r``.
+    - ``dil.gemm_efficiency``: best whole-GEMM FLOP/s over the profile's peak (the peak is
+      raised to the measurement when the measurement beats it).
+    - ``cil``: see :func:`fit_cil`.
+    """
+    note = f"measured by ficco bench characterize on {measured_on}"
+    changes, sources = {}, dict(base.sources)
+    one_d = sorted((r for r in recs if r["kind"] == "copy" and r["shape"] == "1d"),
+                   key=lambda r: r["bytes"])
+    if len(one_d) >= 2:
+        latency_s, fractions = fit_copy_curve([(r["bytes"], r["time_s"]) for r in one_d])
+        changes["copy_efficiency"] = fractions
+        changes["copy_latency_s"] = latency_s
+        sources["copy_efficiency"] = sources["copy_latency_s"] = note
+    halves = [r["width_bytes"] * (1 / r["ratio_to_1d"] - 1) for r in recs
+              if r["kind"] == "copy_width" and 0 < r["ratio_to_1d"] < 1]
+    if halves:
+        changes["copy_2d_half_row_bytes"] = float(median(halves))
+        sources["copy_2d_half_row_bytes"] = note
+    dil = dict(base.dil)
+    flops = [r["flops_per_s"] for r in recs if r["kind"] == "dil"]
+    if flops:
+        peak = dict(base.peak_flops)
+        best = max(flops)
+        if best > base.flops(dtype):
+            peak[dtype] = best
+            changes["peak_flops"] = peak
+            sources["peak_flops"] = f"{dtype}: {note} (beat the built-in peak)"
+        dil["gemm_efficiency"] = round(min(1.0, best / max(best, base.flops(dtype))), 4)
+        changes["dil"] = dil
+        sources["dil.gemm_efficiency"] = note
+    cil_fit = fit_cil([r for r in recs if r["kind"] == "cil"])
+    if cil_fit:
+        cil = {**base.cil, **cil_fit}
+        changes["cil"] = cil
+        for key in cil_fit:
+            sources[f"cil.{key}"] = note
+    return dataclasses.replace(base, name=name, sources=sources, **changes)
+
+
+def fit_copy_curve(points: list[tuple[int, float]]) -> tuple[float, dict]:
+    """Split measured 1D copies ``(bytes, seconds)`` into the simulator's terms, time =
+    latency + bytes / (bandwidth x fraction(bytes)), so that the model gives back every
+    measured time. The bandwidth is the largest copy's; the latency is the smallest time any
+    other copy has left over beyond that bandwidth (robust to noisy launch costs, which vary
+    more than the small copies' transfer time); each fraction follows from its point.
+
+    >>> lat, frac = fit_copy_curve([(1000, 2e-6), (2000, 3e-6), (10**6, 1.001e-3)])
+    >>> round(lat * 1e6, 2), frac["1000000"], round(frac["1000"], 2)
+    (1.0, 1.0, 1.0)
+    """
+    points = sorted(points)
+    big_bytes, big_s = points[-1]
+    bandwidth = big_bytes / big_s
+    spare = [t - size / bandwidth for size, t in points[:-1]]
+    latency_s = max(0.0, min(spare, default=0.0))
+    fractions = {str(size): round(min(1.0, size / ((t - latency_s) * bandwidth)), 4)
+                 for size, t in points}
+    return latency_s, fractions
+
+
+def fit_cil(cil_recs: list[dict]) -> dict:
+    """Fit the profile's contention model, slowdown = 1 + coef * MT / (MT + mt_half_bytes), to
+    the measured CILs: ``dma_gemm`` (GEMM beside copies), ``dma_copy`` (copies beside a GEMM)
+    and one shared ``mt_half_bytes``. Least squares over a log grid of ``mt_half_bytes``; each
+    coefficient is capped at twice the largest slowdown seen, so points far below
+    ``mt_half_bytes`` cannot extrapolate to absurd asymptotes.
+
+    >>> recs = [dict(victim=v, mt_bytes=mt, cil=1 + 0.2 * mt / (mt + 1e6))
+    ...         for v in ("gemm", "copy") for mt in (1e5, 1e6, 1e7)]
+    >>> fit = fit_cil(recs); round(fit["dma_gemm"], 2), fit["mt_half_bytes"]
+    (0.2, 1000000.0)
+    """
+    series = {key: [(r["mt_bytes"], r["cil"] - 1) for r in cil_recs if r["victim"] == victim]
+              for victim, key in (("gemm", "dma_gemm"), ("copy", "dma_copy"))}
+    series = {k: pts for k, pts in series.items() if pts}
+    if not series:
+        return {}
+    best = None
+    for exponent in range(8 * 4, 11 * 8 + 1):     # 1e4 .. 1e11 bytes, 8 steps per decade
+        half = 10 ** (exponent / 8)
+        fit, sse = {"mt_half_bytes": half}, 0.0
+        for key, pts in series.items():
+            xs = [mt / (mt + half) for mt, _ in pts]
+            cap = 2 * max(max(excess for _, excess in pts), 0.0)
+            coef = sum(x * y for x, (_, y) in zip(xs, pts)) / max(sum(x * x for x in xs), 1e-30)
+            coef = min(max(coef, 0.0), cap)
+            sse += sum((coef * x - y) ** 2 for x, (_, y) in zip(xs, pts))
+            fit[key] = round(coef, 4)
+        if best is None or sse < best[0] - 1e-12:
+            best = (sse, fit)
+    return best[1]
