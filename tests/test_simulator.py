@@ -132,7 +132,8 @@ def test_a_wait_without_record_is_reported():
         simulator.simulate(plan, MI300X)
     ok = Plan("fine", "dma", p, (COMPUTE, "copy0"),
               (Wait(COMPUTE, 0), Record("copy0", 0)), (), 1)
-    assert simulator.simulate(ok, MI300X).makespan_s == 0.0
+    # Nothing to do but the host enqueueing the two event ops.
+    assert simulator.simulate(ok, MI300X).makespan_s == pytest.approx(2 * MI300X.host_op_s)
 
 
 def test_every_schedule_simulates_over_ccl_and_pcie():
@@ -142,3 +143,18 @@ def test_every_schedule_simulates_over_ccl_and_pcie():
     # PCIe gives each GPU far less than NVSwitch: the all-gather-bound serial run slows down.
     assert model.predict("serial", problem, H100, "pcie") > \
         1.5 * model.predict("serial", problem, H100, "switch")
+
+
+def test_host_enqueue_cost_bounds_plans_of_many_small_ops():
+    """Each op waits for the host to enqueue it: a many-op plan of a tiny GEMM is launch
+    bound, and the simulator ranks it behind serial; with free launches it is not."""
+    import dataclasses
+
+    p = Problem(64, 256, (256,), "bfloat16", 8)
+    for profile in (MI300X, dataclasses.replace(MI300X, host_op_s=0.0)):
+        plans = {n: schedules.get(n).plan(p, "dma") for n in ("serial", "uniform-unfused-1d")}
+        times = {n: simulator.simulate(plan, profile).makespan_s for n, plan in plans.items()}
+        many = plans["uniform-unfused-1d"]
+        assert times["uniform-unfused-1d"] >= len(many.ops) * profile.host_op_s
+        if profile.host_op_s:
+            assert times["uniform-unfused-1d"] > times["serial"], times

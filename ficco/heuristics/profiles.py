@@ -24,6 +24,7 @@ JSON schema (every key at top level; units in the names)::
       "copy_efficiency": {"65536": 0.3, ...},  # copy size in bytes -> fraction of bandwidth
       "copy_2d_half_row_bytes": 256,           # 2D copy row width at which efficiency halves
       "barrier_latency_s": 1e-05,              # cross-rank barrier over symmetric memory
+      "host_op_s": 1.4e-05,                    # host time to enqueue one plan op (eager)
       "dil": {"tile_m": 256, "tile_n": 256,    # GEMM output tile; one tile per CU per wave
               "tile_k_overhead": 256,          # per-tile prologue/epilogue, in K elements
               "gemm_efficiency": 0.7,          # best fraction of peak a large GEMM reaches
@@ -77,6 +78,10 @@ DEFAULTS = {
                         "268435456": 0.97},
     "copy_2d_half_row_bytes": 256.0,
     "barrier_latency_s": 10e-6,
+    # Eager enqueue cost per plan op, fitted on one H100 (bench/results/h100/enqueue.jsonl:
+    # enqueue ~ 0.25 ms + 14 us x ops over the eleven W=8 plans, 32 to 248 ops each). It is
+    # host (CPU + Python) time, so the same default serves every GPU profile.
+    "host_op_s": 14e-6,
     "dil": {"tile_m": 256, "tile_n": 256, "tile_k_overhead": 256, "gemm_efficiency": 0.7,
             "memory_efficiency": 0.8, "launch_s": 5e-6},
     "cil": {"dma_gemm": 0.2, "dma_copy": 0.25, "ccl_gemm": 0.35, "ccl_copy": 0.3,
@@ -107,6 +112,7 @@ class Profile:
     copy_efficiency: dict = field(default_factory=lambda: dict(DEFAULTS["copy_efficiency"]))
     copy_2d_half_row_bytes: float = DEFAULTS["copy_2d_half_row_bytes"]
     barrier_latency_s: float = DEFAULTS["barrier_latency_s"]
+    host_op_s: float = DEFAULTS["host_op_s"]
     dil: dict = field(default_factory=lambda: dict(DEFAULTS["dil"]))
     cil: dict = field(default_factory=lambda: dict(DEFAULTS["cil"]))
     ccl: dict = field(default_factory=lambda: dict(DEFAULTS["ccl"]))

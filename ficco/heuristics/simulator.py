@@ -24,6 +24,9 @@ Cost model (every number from :class:`~ficco.heuristics.profiles.Profile`):
   ``1 + cil.dma_copy x s(MT)``. Collectives (``ccl``) run on compute units: they take
   ``ccl.compute_unit_fraction`` of the GEMM's CUs and use the larger ``ccl_*`` factors.
 - Gather/scatter and local copies: memory-bound moves (read + write) on the compute engines.
+- Host launch: op i of the plan (events included) is enqueued at ``(i + 1) x host_op_s``
+  and cannot start earlier; eager calls of plans with hundreds of ops are launch bound when
+  the GEMM is small (set ``host_op_s`` to 0 in a profile for CUDA-graph replays).
 
 Example::
 
@@ -84,6 +87,9 @@ class _Simulation:
         self.link_bytes_per_s = profile.link_for(topology)
         peers = max(self.problem.world - 1, 1)
         self.ingress_bytes_per_s = self.link_bytes_per_s * (peers if topology == "mesh" else 1)
+        # The host enqueues ops one after another (``host_op_s`` each): op i cannot start on
+        # its queue before the host has issued it. A plan of many small ops pays this.
+        self.issue_s = [(i + 1) * profile.host_op_s for i in range(len(plan.ops))]
 
     # -- event loop --------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -99,6 +105,13 @@ class _Simulation:
         now = 0.0
         while True:
             self._issue(order, next_op, recorded, busy, active, start, end, now)
+            # Ops the host has not enqueued yet (eager launch cost) hold their queue until then.
+            not_issued = [self.issue_s[order[q][k]] for q, k in next_op.items()
+                          if k < len(order[q]) and q not in busy
+                          and self.issue_s[order[q][k]] > now + _EPS]
+            if not active and not_issued:
+                now = min(not_issued)
+                continue
             if not active:
                 stuck = {q: ops[order[q][k]] for q, k in next_op.items() if k < len(order[q])}
                 if stuck:
@@ -109,7 +122,7 @@ class _Simulation:
             rates = self._rates(active)
             left = {i: (t.fixed_s if t.fixed_s > 0 else t.work_s / rates[i])
                     for i, t in active.items()}
-            step = min(left.values())
+            step = min(list(left.values()) + [t - now for t in not_issued])
             now += step
             for i, task in list(active.items()):
                 if left[i] <= step * (1 + 1e-9) + _EPS:
@@ -139,6 +152,8 @@ class _Simulation:
                 while queue not in busy and next_op[queue] < len(indices):
                     i = indices[next_op[queue]]
                     op = self.plan.ops[i]
+                    if self.issue_s[i] > now + _EPS:
+                        break
                     if isinstance(op, Wait) and op.event not in recorded:
                         break
                     next_op[queue] += 1
