@@ -6,6 +6,7 @@ Plan (schedule, cached) -> executor on the active backend -> outputs in the call
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import socket
 import statistics
 import threading
@@ -180,10 +181,26 @@ def _decide(call: Call, schedule: str | None, transport: str | None = None, sele
 
     forced, forced_by = _forced(schedule)
     resolved = _resolve_transport(call, forced, transport)
-    return choose(call.problem, transport=resolved, target=call.backend.target(),
-                  selector=selector, forced=forced, forced_by=forced_by,
-                  measure=lambda name: _measure(call, name, resolved),
-                  agree=lambda flag: _all_ranks(call, flag))
+
+    def decide(via: str):
+        return choose(call.problem, transport=via, target=call.backend.target(),
+                      selector=selector, forced=forced, forced_by=forced_by,
+                      measure=lambda name: _measure(call, name, via),
+                      agree=lambda flag: _all_ranks(call, flag))
+
+    decision = decide(resolved)
+    if (decision.selector == "model" and resolved == "dma" and call.problem.world > 1
+            and (transport or config.transport()) == "auto"):
+        # With the transport left to ficco, the model also weighs the process group's
+        # collectives: few ops, so for small GEMMs they beat a plan of many DMA copies whose
+        # launches alone outlast the work.
+        alternative = decide("ccl")
+        dma_s, ccl_s = min(decision.scores.values()), min(alternative.scores.values())
+        if ccl_s < dma_s:
+            decision = dataclasses.replace(
+                alternative, reason=f"{alternative.reason}; ccl predicted faster than dma "
+                                    f"({ccl_s * 1e3:.3f} vs {dma_s * 1e3:.3f} ms)")
+    return decision
 
 
 def _all_ranks(call: Call, flag: bool) -> bool:

@@ -99,3 +99,29 @@ def test_tune_agrees_when_only_some_ranks_have_a_cache_file(tmp_path):
     for schedule, reason, n_scores, err in results:
         assert "tuned earlier" not in reason and n_scores == len(ficco.schedules.names())
         assert err <= ROW_TOL[torch.float32]
+
+
+def _auto_transport(rank, world, seed):
+    """With FICCO_TRANSPORT=auto the model weighs both transports and the call runs the one
+    it predicts faster (here across a tiny and a larger GEMM)."""
+    from ficco.heuristics import choose
+
+    out = []
+    for case, (m, k, n) in enumerate([(2, 8, 8), (96, 192, 160)]):
+        shards, bs, full, refs = make_inputs(seed + case, world, (m, k), (n,), torch.float32)
+        with ficco.config.scope(transport="auto", selector="model"):
+            decision = ficco.explain(shards[rank], bs[0])
+            result = ficco.all_gather_matmul(shards[rank], bs[0])
+            problem = api._prepare(shards[rank], bs[0], None, 0).problem
+            best = {via: min(choose(problem, transport=via, target="cpu").scores.values())
+                    for via in ("dma", "ccl")}
+        out.append((decision.transport, min(best, key=best.get), api.last_run(),
+                    (decision.schedule, decision.transport), max_row_rel_err(result, refs[0])))
+    return out
+
+
+def test_auto_transport_runs_the_transport_the_model_predicts_faster():
+    for per_rank in harness.pool(3).run(_auto_transport, random.randrange(1 << 30)):
+        for chosen, predicted_best, ran, decided, err in per_rank:
+            assert chosen == predicted_best and ran == decided, per_rank
+            assert err <= ROW_TOL[torch.float32]
