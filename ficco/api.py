@@ -11,6 +11,7 @@ import socket
 import statistics
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -240,16 +241,24 @@ def _workspace(call: Call, nbytes: int):
         if handle is not None:
             handle.close()
         grown = max(nbytes, 2 * handle.nbytes if handle is not None else 0)
+        first = handle is None
         handle = _workspaces[key] = call.backend.symm_provider().allocate(
             grown, call.group, call.backend.device())
-        return handle
+    if first and call.group is not None:
+        # Destroying the group (and dropping it) releases its workspace, not only shutdown().
+        weakref.finalize(call.group, _release_workspace, key)
+    return handle
+
+
+def _release_workspace(key) -> None:
+    with _lock:
+        handle = _workspaces.pop(key, None)
+    if handle is not None:
+        handle.close()
 
 
 def _drop_workspace(call: Call) -> None:
-    with _lock:
-        handle = _workspaces.pop((_group_id(call.group), call.backend.name), None)
-    if handle is not None:
-        handle.close()
+    _release_workspace((_group_id(call.group), call.backend.name))
 
 
 def _restore(call: Call, canon: torch.Tensor) -> torch.Tensor:

@@ -107,3 +107,26 @@ def test_no_shared_memory_file_exists_even_while_ranks_hold_workspaces():
         pool.close()
     assert during == [before, before]
     assert _shm_files() == before
+
+
+def _group_lifetime(rank, world, seed):
+    import gc
+
+    import torch.distributed as dist
+
+    from ficco import api
+
+    group = dist.new_group(list(range(world)))
+    shards, bs, full, refs = make_inputs(seed, world, (6, 8), (3,), torch.float32)
+    ficco.all_gather_matmul(shards[rank], bs[0], group, schedule="serial")
+    key = (group.group_name, "cpu")
+    held = key in api._workspaces
+    dist.destroy_process_group(group)
+    del group
+    gc.collect()
+    return held, key in api._workspaces
+
+
+def test_destroying_a_group_releases_its_workspace():
+    for held, still_held in harness.pool(2).run(_group_lifetime, random.randrange(1000)):
+        assert held and not still_held
