@@ -101,6 +101,8 @@ KNOBS: dict[str, Knob] = {k.env: k for k in [
     Knob("FICCO_LOG", "warning", str, "log level of ficco's decisions",
          choices=("debug", "info", "warning", "error")),
     Knob("FICCO_COPY_ENGINES", None, _positive_int, "copy queues per rank (default: one per peer)"),
+    Knob("FICCO_SYMM", "ipc", str, "GPU symmetric memory provider",
+         choices=("ipc", "auto", "torch")),
     Knob("FICCO_POISON", False, _flag,
          "1 fills outputs and workspaces with NaN before each call (debugging, tests)"),
     Knob("FICCO_PAPER_LOW", 1.0, _positive_float,

@@ -204,8 +204,15 @@ class TorchSymmProvider(Provider):
 
 
 class AutoSymmProvider(Provider):
-    """torch's provider when every rank has its own GPU on one host (its intended setting),
-    our IPC provider otherwise (several ranks per GPU, world size 1, torch without it)."""
+    """Which symmetric memory a GPU group gets, by ``FICCO_SYMM``:
+
+    - ``ipc`` (default): our provider over IPC handles. It is the one verified on hardware
+      (several ranks sharing an H100), and CUDA IPC with lazy peer access is the standard way
+      for one-rank-per-GPU processes of a node too.
+    - ``auto``: torch's ``_symmetric_memory`` when every rank has its own GPU on one host
+      (its intended setting), IPC otherwise. Not yet run on a multi-GPU node, hence opt-in.
+    - ``torch``: torch's provider always (fails where torch cannot serve the group).
+    """
 
     def __init__(self, backend: "GpuBackend"):
         self.ipc = IpcSymmProvider(backend)
@@ -214,7 +221,10 @@ class AutoSymmProvider(Provider):
     def allocate(self, nbytes, group, device):
         group = _group_of(group)
         world = dist.get_world_size(group) if group is not None else 1
-        if world == 1 or not _torch_symm_usable():
+        choice = config.get("FICCO_SYMM")
+        if choice == "torch":
+            return self.torch.allocate(nbytes, group, device)
+        if choice == "ipc" or world == 1 or not _torch_symm_usable():
             return self.ipc.allocate(nbytes, group, device)
         props = torch.cuda.get_device_properties(device)
         placement = (socket.gethostname(), str(getattr(props, "uuid", "")) or props.name +
