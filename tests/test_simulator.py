@@ -28,7 +28,7 @@ def test_ideal_overlap_of_a_balanced_gemm_approaches_two():
     # Sweep n so GEMM time crosses all-gather time; the best balance must come close to 2x.
     best = max((ideal(gemm_problem(262144, n * 8, 8192, 8), MI300X), n)
                for n in range(256, 4096, 128))
-    assert 1.9 < best[0] < 2.0
+    assert best[0] > 1.9 and best[0] < 2.0
 
 
 @pytest.mark.parametrize("profile", [MI300X, H100], ids=["mi300x", "h100"])

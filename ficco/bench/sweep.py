@@ -276,17 +276,25 @@ def default_out_dir(target: str) -> Path:
     return Path("bench") / "results" / f"sweep-{safe}-{stamp}"
 
 
-def main(args) -> int:
-    import ficco
-    from .. import config
+def start_run(dtype_arg: str | None):
+    """Shared start of the multi-rank verbs: join the group, the active backend, its device,
+    and the dtype (bf16 on GPUs, fp32 on CPU unless asked), validated."""
     from ..backends import get_backend
 
     rank, world = init_distributed()
     backend = get_backend()
     device = backend.device()
-    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = dtype_arg or ("bfloat16" if device.type == "cuda" else "float32")
     if dtype not in RELATIVE_TOLERANCE:
         raise InvalidArgumentError(f"--dtype {dtype!r}; use one of {list(RELATIVE_TOLERANCE)}")
+    return rank, world, backend, device, dtype
+
+
+def main(args) -> int:
+    import ficco
+    from .. import config
+
+    rank, world, backend, device, dtype = start_run(args.dtype)
     names = ficco.schedules.names()
     schedules = [s for s in args.schedules.split(",") if s] if args.schedules else names
     for s in schedules:

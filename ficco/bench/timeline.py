@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ..errors import InvalidArgumentError
 from . import results, scenarios
-from .sweep import RELATIVE_TOLERANCE, all_gather_rows, init_distributed, synchronize
+from .sweep import all_gather_rows, start_run, synchronize
 
 
 def add_arguments(parser) -> None:
@@ -51,14 +51,8 @@ def _makespan(rows: list[dict]) -> float:
 def main(args) -> int:
     import ficco
     from .. import api
-    from ..backends import get_backend
 
-    rank, world = init_distributed()
-    backend = get_backend()
-    device = backend.device()
-    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    if dtype not in RELATIVE_TOLERANCE:
-        raise InvalidArgumentError(f"--dtype {dtype!r}; use one of {list(RELATIVE_TOLERANCE)}")
+    rank, world, backend, device, dtype = start_run(args.dtype)
     if args.rank != "all" and not (args.rank.isdigit() and int(args.rank) < world):
         raise InvalidArgumentError(f"--rank {args.rank!r}: use 'all' or a rank below {world}")
     ficco.schedules.get(args.schedule)
