@@ -1,9 +1,18 @@
 """Runs a :class:`~ficco.plan.Plan` on a backend: resolves blocks to tensor views, turns each
 op into backend calls on the op's queue, and joins the queues at the end. Shared by every
 backend; nothing here is vendor specific.
+
+Host time per call matters (an eager W=8 FiCCO call enqueues 32-250 ops), so a plan is compiled
+once (:func:`compile_plan`, cached per Plan object) into flat steps that name views by slot
+number. A call then only builds the views of tensors that are new each call (the caller's
+input and weights, fresh outputs and stages); views of the symmetric workspace (this rank's
+gathered buffer and every peer's) are kept per compiled plan while the workspace handle and
+the gathered tensor's address stay the same.
 """
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,36 +48,280 @@ class Buffers:
             return self.stages[block.index]
         if block.peer is None:
             return self.gathered
+        return self.peer(block.peer)
+
+    def peer(self, peer: int) -> torch.Tensor:
+        """Rank ``peer``'s gathered buffer, through the symmetric handle."""
         if self.symm is None:
-            raise InvalidArgumentError(f"plan reads peer {block.peer}'s buffer but the call has "
+            raise InvalidArgumentError(f"plan reads peer {peer}'s buffer but the call has "
                                        f"no symmetric memory (transport ccl)")
-        if block.peer not in self._peers:
+        if peer not in self._peers:
             g = self.gathered
-            self._peers[block.peer] = self.symm.get_buffer(block.peer, tuple(g.shape), g.dtype)
-        return self._peers[block.peer]
+            self._peers[peer] = self.symm.get_buffer(peer, tuple(g.shape), g.dtype)
+        return self._peers[peer]
 
     def view(self, block: Block) -> torch.Tensor:
         t = self.base(block)
         return t[block.row0: block.row0 + block.rows, block.col0: block.col0 + block.cols]
 
-    def batched_view(self, blocks: tuple[Block, ...]) -> torch.Tensor:
-        """Equally spaced same-shape blocks of one buffer as one ``(n, rows, cols)`` view."""
-        if len(blocks) == 1:
-            return self.view(blocks[0])
-        first = blocks[0]
-        spacing = blocks[1].row0 - first.row0
-        for i, blk in enumerate(blocks):
-            if (blk.buf, blk.peer, blk.index, blk.rows, blk.col0, blk.cols) != \
-                    (first.buf, first.peer, first.index, first.rows, first.col0, first.cols) \
-                    or blk.row0 != first.row0 + i * spacing or spacing < first.rows:
-                raise InvalidArgumentError(
-                    f"a fused Gemm needs same-shape, equally spaced blocks; got {blocks}")
-        t = self.base(first)
-        ld = t.stride(0)
-        return t.as_strided((len(blocks), first.rows, first.cols), (spacing * ld, ld, 1),
-                            t.storage_offset() + first.row0 * ld + first.col0)
+
+# -- compiling a plan ----------------------------------------------------------------------------
+# Step codes; a step is (code, queue index, x, y, z, w) with slot / event numbers in x..w.
+_COPY, _COPY_2D, _GEMM, _RECORD, _WAIT, _BARRIER, _LAUNCH = range(7)
 
 
+def _source_of(blk: Block) -> tuple:
+    if blk.buf == "gathered":
+        return ("gathered", blk.peer)
+    if blk.buf == "input":
+        return ("input",)
+    return (blk.buf, blk.index)
+
+
+def _batched_spec(blocks: tuple[Block, ...]):
+    """(n, rows, cols, row0, col0, spacing) of equally spaced same-shape row blocks."""
+    first = blocks[0]
+    spacing = blocks[1].row0 - first.row0
+    for i, blk in enumerate(blocks):
+        if (blk.buf, blk.peer, blk.index, blk.rows, blk.col0, blk.cols) != \
+                (first.buf, first.peer, first.index, first.rows, first.col0, first.cols) \
+                or blk.row0 != first.row0 + i * spacing or spacing < first.rows:
+            raise InvalidArgumentError(
+                f"a fused Gemm needs same-shape, equally spaced blocks; got {blocks}")
+    return (len(blocks), first.rows, first.cols, first.row0, first.col0, spacing)
+
+
+class CompiledPlan:
+    """A plan lowered once to flat steps. ``slots`` lists every distinct view the plan
+    touches as ``(source, spec)``: source ``("input",)``, ``("gathered", peer)``,
+    ``("out", j)``, ``("stage", i)`` or ``("b", j)``; spec ``("rect", row0, rows, col0, cols)``
+    (what ``t[row0:row0+rows, col0:col0+cols]`` gives), ``("batched", n, rows, cols, row0,
+    col0, spacing)`` or ``("krows", k0, kc)`` (``b[k0:k0+kc]``)."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.queue_names = plan.queues
+        queue_index = {name: i for i, name in enumerate(plan.queues)}
+        self.compute = queue_index[COMPUTE]
+        self.side_queues = tuple(i for n, i in queue_index.items() if n != COMPUTE)
+        self.slots: list[tuple] = []
+        slot_of: dict[tuple, int] = {}
+
+        def slot(source, spec) -> int:
+            key = (source, spec)
+            if key not in slot_of:
+                slot_of[key] = len(self.slots)
+                self.slots.append(key)
+            return slot_of[key]
+
+        def block_slot(blk: Block) -> int:
+            return slot(_source_of(blk), ("rect", blk.row0, blk.rows, blk.col0, blk.cols))
+
+        def blocks_slot(blocks: tuple[Block, ...]) -> int:
+            if len(blocks) == 1:
+                return block_slot(blocks[0])
+            return slot(_source_of(blocks[0]), ("batched",) + _batched_spec(blocks))
+
+        steps, work = [], []   # work: (step number, op index) of every traced op
+        for index, op in enumerate(plan.ops):
+            q = queue_index[op.queue]
+            if isinstance(op, Record):
+                steps.append((_RECORD, q, op.event, 0, 0, 0))
+                continue
+            if isinstance(op, Wait):
+                steps.append((_WAIT, q, op.event, 0, 0, 0))
+                continue
+            work.append((len(steps), index))
+            if isinstance(op, Copy):
+                steps.append((_COPY_2D if op.two_d else _COPY, q, block_slot(op.dst),
+                               block_slot(op.src), 0, 0))
+            elif isinstance(op, Gemm):
+                b = slot(("b", op.b), ("krows", op.k0, op.kc))
+                steps.append((_GEMM, q, blocks_slot(op.a), b, blocks_slot(op.out),
+                              op.accumulate))
+            elif isinstance(op, Barrier):
+                steps.append((_BARRIER, q, op.channel, op.step, 0, 0))
+            elif isinstance(op, Gather):
+                steps.append((_LAUNCH, q, _gather_task,
+                              (tuple(block_slot(s) for s in op.srcs), block_slot(op.dst)), 0, 0))
+            elif isinstance(op, Scatter):
+                steps.append((_LAUNCH, q, _scatter_task,
+                              (block_slot(op.src), tuple(block_slot(d) for d in op.dsts)), 0, 0))
+            elif isinstance(op, AllGather):
+                steps.append((_LAUNCH, q, _all_gather_task,
+                              (block_slot(op.src), tuple(block_slot(d) for d in op.dsts)), 0, 0))
+            elif isinstance(op, SendRecv):
+                send = block_slot(op.send) if op.send is not None else None
+                recv = block_slot(op.recv) if op.recv is not None else None
+                steps.append((_LAUNCH, q, _send_recv_task,
+                              (send, op.send_to, recv, op.recv_from), 0, 0))
+            else:
+                raise InvalidArgumentError(f"the executor does not know op {type(op).__name__}")
+        self.steps = tuple(steps)
+        self.work = tuple(work)
+        # Workspace views (this rank's gathered buffer and the peers') vs per-call views.
+        self.workspace_slots = tuple(i for i, (src, _) in enumerate(self.slots)
+                                     if src[0] == "gathered")
+        self.splits, split_slots = self._plan_splits(plan)
+        self.call_slots = tuple(i for i, (src, _) in enumerate(self.slots)
+                                if src[0] != "gathered" and i not in split_slots)
+        self._cached = None   # (handle weakref, gathered key, views by slot)
+
+    def _plan_splits(self, plan: Plan):
+        """Full-width row blocks of a per-call buffer (an output's row chunks, the input's) come
+        from ONE ``split_with_sizes`` per buffer: about a third of the host time of making
+        each view on its own. Returns [(source, expected shape, sizes, ((slot, piece), ...))]
+        and the set of slots so covered."""
+        p = plan.problem
+        shapes = {("input",): (p.m, p.k)}
+        shapes.update({("out", j): (p.big_m, n) for j, n in enumerate(p.ns)})
+        shapes.update({("stage", i): tuple(rc) for i, rc in enumerate(plan.stages)})
+        rows_of: dict[tuple, list] = {}
+        for i, (source, spec) in enumerate(self.slots):
+            shape = shapes.get(source)
+            if shape is None or spec[0] != "rect":
+                continue
+            _, row0, rows, col0, cols = spec
+            if col0 == 0 and cols == shape[1] and rows > 0 and row0 + rows <= shape[0]:
+                rows_of.setdefault(source, []).append((row0, rows, i))
+        splits, covered = [], set()
+        for source, blocks in rows_of.items():
+            if len(blocks) < 2:
+                continue
+            total = shapes[source][0]
+            cuts = sorted({0, total} | {r for r0, n, _ in blocks for r in (r0, r0 + n)})
+            piece = {start: k for k, start in enumerate(cuts[:-1])}
+            nxt = dict(zip(cuts[:-1], cuts[1:]))
+            # A block must be exactly one piece: no cut strictly inside it.
+            pieces = tuple((i, piece[r0]) for r0, n, i in blocks if nxt[r0] == r0 + n)
+            if len(pieces) < 2:
+                continue
+            sizes = [b - a for a, b in zip(cuts[:-1], cuts[1:])]
+            splits.append((source, shapes[source], sizes, pieces))
+            covered.update(i for i, _ in pieces)
+        return tuple(splits), covered
+
+    # -- views ----------------------------------------------------------------------------------
+    def views(self, buffers: Buffers) -> list:
+        """Every slot's view for this call: the workspace's from the cache when it still
+        holds, the rest made now."""
+        views = list(self.workspace_views(buffers))
+        self._make_views(self.call_slots, buffers, views)
+        for source, shape, sizes, pieces in self.splits:
+            t = _source_tensor(source, buffers)
+            if t.shape != shape:   # not the canonical shape: one view at a time
+                self._make_views([i for i, _ in pieces], buffers, views)
+                continue
+            parts = t.split_with_sizes(sizes)
+            for i, k in pieces:
+                views[i] = parts[k]
+        return views
+
+    def workspace_views(self, buffers: Buffers) -> list:
+        """A list by slot with the views of the gathered buffers filled in (None elsewhere),
+        reused while the symmetric handle and the ``gathered`` tensor's address are."""
+        g = buffers.gathered
+        symm = buffers.symm
+        if symm is None:   # ccl: ``gathered`` is a fresh tensor every call
+            return self._make_views(self.workspace_slots, buffers, [None] * len(self.slots))
+        key = (g.data_ptr(), g.shape, g.stride(), g.storage_offset(), g.dtype, g.device)
+        cached = self._cached
+        if cached is not None and cached[0]() is symm and cached[1] == key:
+            return cached[2]
+        views = self._make_views(self.workspace_slots, buffers, [None] * len(self.slots))
+        try:
+            # A weak reference: the views must not outlive the workspace they point into;
+            # when api.py drops a grown-out-of handle, the callback frees them.
+            ref = weakref.ref(symm, self._forget)
+        except TypeError:
+            return views
+        self._cached = (ref, key, views)
+        return views
+
+    def _forget(self, ref) -> None:
+        cached = self._cached
+        if cached is not None and cached[0] is ref:
+            self._cached = None
+
+    def _make_views(self, slots, buffers: Buffers, out: list) -> list:
+        bases: dict[tuple, tuple] = {}
+        for i in slots:
+            source, spec = self.slots[i]
+            base = bases.get(source)
+            if base is None:
+                t = _source_tensor(source, buffers)
+                base = bases[source] = (t, t.shape, t.stride(), t.storage_offset())
+            out[i] = _make_view(base, spec)
+        return out
+
+
+def _source_tensor(source, buffers: Buffers) -> torch.Tensor:
+    kind = source[0]
+    if kind == "gathered":
+        return buffers.gathered if source[1] is None else buffers.peer(source[1])
+    if kind == "input":
+        return buffers.a
+    if kind == "out":
+        return buffers.outs[source[1]]
+    if kind == "stage":
+        return buffers.stages[source[1]]
+    return buffers.bs[source[1]]
+
+
+def _clamp(start: int, length: int, size: int) -> tuple[int, int]:
+    """(start, length) of Python slicing ``[start:start+length]`` on a dimension of ``size``."""
+    lo = min(start, size)
+    return lo, max(min(start + length, size) - lo, 0)
+
+
+def _make_view(base, spec) -> torch.Tensor:
+    t, shape, stride, offset = base
+    kind = spec[0]
+    if kind == "rect":
+        _, row0, rows, col0, cols = spec
+        r0, nr = _clamp(row0, rows, shape[0])
+        c0, nc = _clamp(col0, cols, shape[1])
+        if nr == shape[0] and nc == shape[1]:
+            return t   # the whole buffer (serial's input and output): no view to make
+        return t.as_strided((nr, nc), stride, offset + r0 * stride[0] + c0 * stride[1])
+    if kind == "krows":
+        _, k0, kc = spec
+        if k0 == 0 and kc >= shape[0]:
+            return t   # b[0:K] is b itself: skip making a view per call
+        r0, nr = _clamp(k0, kc, shape[0])
+        return t.as_strided((nr,) + tuple(shape[1:]), stride, offset + r0 * stride[0])
+    _, n, rows, cols, row0, col0, spacing = spec
+    ld = stride[0]
+    return t.as_strided((n, rows, cols), (spacing * ld, ld, 1), offset + row0 * ld + col0)
+
+
+_compiled: dict[int, CompiledPlan] = {}
+_compiled_lock = threading.Lock()
+_MAX_COMPILED = 512
+
+
+def compile_plan(plan: Plan) -> CompiledPlan:
+    """The compiled form of ``plan``, made once per Plan object (api.plan_for caches Plans, so
+    the same object comes back for the same call).
+
+    >>> from ficco import schedules
+    >>> from ficco.problem import Problem
+    >>> plan = schedules.get("ring").plan(Problem(4, 8, (3,), "float32", 2, 0), "dma")
+    >>> compile_plan(plan) is compile_plan(plan)
+    True
+    """
+    compiled = _compiled.get(id(plan))
+    if compiled is not None and compiled.plan is plan:
+        return compiled
+    compiled = CompiledPlan(plan)
+    with _compiled_lock:
+        if len(_compiled) >= _MAX_COMPILED:   # plans built outside api.plan_for: stay bounded
+            _compiled.clear()
+        _compiled[id(plan)] = compiled
+    return compiled
+
+
+# -- host tasks for launch() ---------------------------------------------------------------------
 def _gather(srcs, dst):
     row = 0
     for s in srcs:
@@ -114,80 +367,108 @@ def _send_recv(send, send_to, recv, recv_from, group):
         recv.copy_(landing)
 
 
+# Each takes (views, group, slot arguments) and returns the host function to launch.
+def _gather_task(v, group, args):
+    srcs, dst = [v[s] for s in args[0]], v[args[1]]
+    return lambda: _gather(srcs, dst)
+
+
+def _scatter_task(v, group, args):
+    src, dsts = v[args[0]], [v[d] for d in args[1]]
+    return lambda: _scatter(src, dsts)
+
+
+def _all_gather_task(v, group, args):
+    src, dsts = v[args[0]], [v[d] for d in args[1]]
+    return lambda: _all_gather(src, dsts, group)
+
+
+def _send_recv_task(v, group, args):
+    send_slot, send_to, recv_slot, recv_from = args
+    send = v[send_slot] if send_slot is not None else None
+    recv = v[recv_slot] if recv_slot is not None else None
+    return lambda: _send_recv(send, send_to, recv, recv_from, group)
+
+
+# -- running -------------------------------------------------------------------------------------
 def execute(plan: Plan, backend, buffers: Buffers, *, timeout_s: float,
             trace: bool = False) -> list[dict] | None:
     """Enqueue every op of ``plan`` and join the queues (``backend.finish``). With ``trace``,
-    returns per-op rows {op_index, queue, start_s, end_s, kind, label} of this rank."""
+    returns per-op rows {op_index, queue, start_s, end_s, kind, label} of this rank.
+
+    >>> import torch
+    >>> from ficco import schedules
+    >>> from ficco.backends.cpu import CpuBackend
+    >>> from ficco.problem import Problem
+    >>> p = Problem(m=4, k=8, ns=(3,), dtype="float32", world=1, rank=0)
+    >>> plan = schedules.get("serial").plan(p, "ccl")
+    >>> a, b = torch.randn(4, 8), torch.randn(8, 3)
+    >>> out, g = torch.empty(4, 3), torch.empty(4, 8)
+    >>> execute(plan, CpuBackend(), Buffers(a, [b], [out], g), timeout_s=10.0)
+    >>> torch.allclose(out, a @ b)
+    True
+    """
+    compiled = compile_plan(plan)
     p = plan.problem
-    queues = {name: backend.queue(name) for name in plan.queues}
+    queues = [backend.queue(name) for name in compiled.queue_names]
     events = [backend.new_event() for _ in range(plan.num_events)]
     buffers.stages = [torch.empty(rows, cols, dtype=p.torch_dtype, device=buffers.gathered.device)
                       for rows, cols in plan.stages]
+    views = compiled.views(buffers)
     # Side queues start after everything the caller queued before this call (the input may
     # still be being written on the caller's stream).
     entry = backend.new_event()
-    backend.record(entry, queues[COMPUTE])
-    for name, q in queues.items():
-        if name != COMPUTE:
-            backend.wait(entry, q)
-    marks = []
-    for index, op in enumerate(plan.ops):
-        q = queues[op.queue]
-        if isinstance(op, Record):
-            backend.record(events[op.event], q)
+    backend.record(entry, queues[compiled.compute])
+    for i in compiled.side_queues:
+        backend.wait(entry, queues[i])
+    if trace:
+        return _run_traced(compiled, backend, buffers, queues, events, views, timeout_s)
+    _run(compiled.steps, backend, buffers, queues, events, views, timeout_s)
+    backend.finish(queues)
+    return None
+
+
+def _run(steps, backend, buffers, queues, events, v, timeout_s) -> None:
+    # The hot loop: locals only, one integer compare chain per step.
+    copy, copy_2d, gemm = backend.copy, backend.copy_2d, backend.gemm
+    record, wait = backend.record, backend.wait
+    for code, q, x, y, z, w in steps:
+        if code == _COPY:
+            copy(v[x], v[y], queues[q])
+        elif code == _GEMM:
+            gemm(v[x], v[y], v[z], w, queues[q])
+        elif code == _WAIT:
+            wait(events[x], queues[q])
+        elif code == _RECORD:
+            record(events[x], queues[q])
+        elif code == _COPY_2D:
+            copy_2d(v[x], v[y], queues[q])
+        elif code == _BARRIER:
+            backend.barrier(buffers.symm, x, queues[q], timeout_s, y)
+        else:
+            backend.launch(queues[q], x(v, buffers.group, y))
+
+
+def _run_traced(compiled, backend, buffers, queues, events, views, timeout_s) -> list[dict]:
+    steps, ops, marks = compiled.steps, compiled.plan.ops, []
+    work = dict(compiled.work)
+    for number, step in enumerate(steps):
+        index = work.get(number)
+        if index is None:
+            _run((step,), backend, buffers, queues, events, views, timeout_s)
             continue
-        if isinstance(op, Wait):
-            backend.wait(events[op.event], q)
-            continue
-        if trace:
-            start = backend.new_event()
-            backend.record(start, q)
-        _enqueue(op, q, backend, buffers, timeout_s)
-        if trace:
-            end = backend.new_event()
-            backend.record(end, q)
-            marks.append((index, op, start, end))
-    backend.finish(list(queues.values()))
-    if not trace:
-        return None
+        q = queues[step[1]]
+        start = backend.new_event()
+        backend.record(start, q)
+        _run((step,), backend, buffers, queues, events, views, timeout_s)
+        end = backend.new_event()
+        backend.record(end, q)
+        marks.append((index, ops[index], start, end))
+    backend.finish(queues)
     origin = marks[0][2] if marks else None
     return [{"op_index": i, "queue": op.queue, "kind": op.kind, "label": _label(op),
              "start_s": backend.elapsed_s(origin, s), "end_s": backend.elapsed_s(origin, e)}
             for i, op, s, e in marks]
-
-
-def _enqueue(op, q, backend, buffers: Buffers, timeout_s: float) -> None:
-    if isinstance(op, Copy):
-        dst, src = buffers.view(op.dst), buffers.view(op.src)
-        if op.src.buf == "input" and not op.two_d:
-            backend.copy(dst, src, q)
-        elif op.two_d:
-            backend.copy_2d(dst, src, q)
-        else:
-            backend.copy(dst, src, q)
-    elif isinstance(op, Gemm):
-        a = buffers.batched_view(op.a)
-        out = buffers.batched_view(op.out)
-        b = buffers.bs[op.b][op.k0: op.k0 + op.kc]
-        backend.gemm(a, b, out, op.accumulate, q)
-    elif isinstance(op, Gather):
-        srcs, dst = [buffers.view(s) for s in op.srcs], buffers.view(op.dst)
-        backend.launch(q, lambda: _gather(srcs, dst))
-    elif isinstance(op, Scatter):
-        src, dsts = buffers.view(op.src), [buffers.view(d) for d in op.dsts]
-        backend.launch(q, lambda: _scatter(src, dsts))
-    elif isinstance(op, AllGather):
-        src, dsts, group = buffers.view(op.src), [buffers.view(d) for d in op.dsts], buffers.group
-        backend.launch(q, lambda: _all_gather(src, dsts, group))
-    elif isinstance(op, SendRecv):
-        send = buffers.view(op.send) if op.send is not None else None
-        recv = buffers.view(op.recv) if op.recv is not None else None
-        group = buffers.group
-        backend.launch(q, lambda: _send_recv(send, op.send_to, recv, op.recv_from, group))
-    elif isinstance(op, Barrier):
-        backend.barrier(buffers.symm, op.channel, q, timeout_s, op.step)
-    else:
-        raise InvalidArgumentError(f"the executor does not know op {type(op).__name__}")
 
 
 def _label(op) -> str:

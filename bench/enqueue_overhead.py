@@ -1,0 +1,176 @@
+"""Host time the executor alone spends enqueueing one call, per schedule, at W = 8.
+
+The backend does nothing (every method returns at once) and the symmetric handle hands out
+plain CPU tensors, so what is timed is ficco/executor.py: resolving blocks to views, events,
+the op loop. Problem: rank 3 of 8, m=1024, K=8192, n=8192, bfloat16 (the GEMM of the GPU
+enqueue table in docs/gpu.md); the gathered buffer comes from the handle every call, as in
+ficco/api.py.
+
+Usage::
+
+    python bench/enqueue_overhead.py [--calls N] [--label TEXT] [--out FILE] [--cpu-e2e]
+
+prints one row per schedule (ops, median us per call and per op). ``--out`` appends the
+table to FILE. ``--cpu-e2e`` also times the real CPU backend end to end on 8 spawned ranks
+(slow to start; small GEMMs so the enqueue shows).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ficco import schedules  # noqa: E402
+from ficco.backends.base import Backend  # noqa: E402
+from ficco.executor import Buffers, execute  # noqa: E402
+from ficco.problem import Problem  # noqa: E402
+
+WORLD, RANK, M, K, N, DTYPE = 8, 3, 1024, 8192, 8192, torch.bfloat16
+
+
+class NullBackend(Backend):
+    """Every call returns at once: only the executor's own host time remains."""
+
+    name = "null"
+
+    @classmethod
+    def unavailable_reason(cls):
+        return None
+
+    def target(self):
+        return "null"
+
+    def device(self):
+        return torch.device("cpu")
+
+    def queue(self, name):
+        return name
+
+    def new_event(self):
+        return object()
+
+    def record(self, event, queue):
+        pass
+
+    def wait(self, event, queue):
+        pass
+
+    def copy(self, dst, src, queue):
+        pass
+
+    def copy_2d(self, dst, src, queue):
+        pass
+
+    def gemm(self, a, b, out, accumulate, queue):
+        pass
+
+    def launch(self, queue, fn):
+        pass
+
+    def barrier(self, symm, channel, queue, timeout_s, step):
+        pass
+
+    def finish(self, queues):
+        pass
+
+    def symm_provider(self):
+        return None
+
+
+class StubHandle:
+    """A symmetric handle whose peers are plain (untouched, so unbacked) CPU tensors."""
+
+    def __init__(self, world: int, numel: int):
+        self.rank, self.world, self.nbytes = RANK, world, numel * 2
+        self._data = [torch.empty(numel, dtype=DTYPE) for _ in range(world)]
+
+    def get_buffer(self, rank, shape, dtype, offset=0):
+        numel = shape[0] * shape[1]
+        return self._data[rank][:numel].view(dtype).view(tuple(shape))
+
+
+def time_schedule(name: str, calls: int) -> tuple[int, float]:
+    problem = Problem(m=M, k=K, ns=(N,), dtype="bfloat16", world=WORLD, rank=RANK)
+    plan = schedules.get(name).plan(problem, "dma", None)
+    backend, handle = NullBackend(), StubHandle(WORLD, WORLD * M * K)
+    a, b = torch.empty(M, K, dtype=DTYPE), torch.empty(K, N, dtype=DTYPE)
+
+    def call() -> float:
+        # Fresh outputs and gathered tensor each call, as in api.py; only execute() is timed.
+        out = torch.empty(WORLD * M, N, dtype=DTYPE)
+        gathered = handle.get_buffer(RANK, (WORLD * M, K), DTYPE)
+        buffers = Buffers(a, [b], [out], gathered, handle, None)
+        t0 = time.perf_counter()
+        execute(plan, backend, buffers, timeout_s=60.0)
+        return time.perf_counter() - t0
+
+    for _ in range(5):
+        call()
+    times = [call() for _ in range(calls)]
+    return len(plan.ops), statistics.median(times)
+
+
+def cpu_end_to_end(rank, world, names, calls):
+    """On each of 8 spawned ranks: median seconds of ficco's real CPU path per schedule."""
+    import ficco
+
+    torch.manual_seed(rank)
+    a = torch.randn(64, 256)
+    b = torch.randn(256, 64)
+    out = {}
+    for name in names:
+        for _ in range(3):
+            ficco.all_gather_matmul(a, b, schedule=name)
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            ficco.all_gather_matmul(a, b, schedule=name)
+            times.append(time.perf_counter() - t0)
+        out[name] = statistics.median(times)
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--label", default="")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--cpu-e2e", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    lines = [f"# executor enqueue overhead, null backend, W={WORLD} rank {RANK}, "
+             f"m={M} K={K} n={N} bf16, median of {args.calls} calls {args.label}".rstrip(),
+             f"{'schedule':<20} {'ops':>4} {'us/call':>9} {'us/op':>7}"]
+    for name in schedules.names():
+        ops, seconds = time_schedule(name, args.calls)
+        lines.append(f"{name:<20} {ops:>4} {seconds * 1e6:>9.1f} {seconds * 1e6 / ops:>7.2f}")
+        print(lines[-1] if len(lines) > 3 else "\n".join(lines), flush=True)
+    if args.cpu_e2e:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))), "tests"))
+        from harness import RankPool
+
+        pool = RankPool(WORLD, {"FICCO_POISON": "0", "FICCO_BACKEND": "cpu"})
+        try:
+            results = pool.run(cpu_end_to_end, schedules.names(), 20)
+        finally:
+            pool.close()
+        lines.append("# real CPU backend end to end, 8 ranks, 64x256 @ 256x64 fp32, "
+                     "median of 20 calls, slowest rank")
+        for name in schedules.names():
+            worst = max(r[name] for r in results)
+            lines.append(f"{name:<20} {'':>4} {worst * 1e6:>9.1f}")
+            print(lines[-1], flush=True)
+    if args.out:
+        with open(args.out, "a") as fh:
+            fh.write("\n".join(lines) + "\n\n")
+
+
+if __name__ == "__main__":
+    main()

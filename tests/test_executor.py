@@ -1,0 +1,200 @@
+"""The compiled executor: views equal to what plain slicing gives, results equal to a float64
+reference through the real CPU backend on fresh data every call, cached workspace views that
+follow the handle, and tracing that still times every work op.
+
+One process plays rank ``RANK`` of a ``WORLD``-rank group: its "peers" are tensors of a stub
+symmetric handle pre-filled with the other ranks' shards, and barriers pass at once, so every
+dma schedule moves real bytes and multiplies real numbers without spawning ranks.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ficco import schedules
+from ficco.backends.cpu import CpuBackend
+from ficco.errors import InvalidArgumentError
+from ficco.executor import Buffers, compile_plan, execute
+from ficco.plan import WORK_OPS
+from ficco.problem import Problem
+
+WORLD, RANK = 4, 1
+M_SHARD, K, NS = 5, 12, (7, 3)     # uneven chunks on purpose (5 rows over 4 peers)
+
+
+class StubHandle:
+    """Symmetric memory of a pretend group: one tensor per rank, barriers that pass."""
+
+    def __init__(self, world: int, numel: int, dtype=torch.float32):
+        self.rank, self.world, self.nbytes = RANK, world, numel * 4
+        self.data = [torch.full((numel,), float("nan"), dtype=dtype) for _ in range(world)]
+
+    def get_buffer(self, rank, shape, dtype, offset=0):
+        return self.data[rank][: shape[0] * shape[1]].view(tuple(shape))
+
+    def barrier(self, channel=2, timeout_s=None, step=None):
+        pass
+
+
+def _problem(m=M_SHARD):
+    return Problem(m=m, k=K, ns=NS, dtype="float32", world=WORLD, rank=RANK)
+
+
+def _dma_plan(name, problem):
+    return schedules.get(name).plan(problem, "dma", None)
+
+
+def _run_once(plan, backend, handle, *, trace=False):
+    """Fresh random shards for every rank, placed as the peers would have published them; one
+    call; returns (outputs, float64 reference, trace rows)."""
+    p = plan.problem
+    shards = [torch.randn(p.m, p.k) for _ in range(p.world)]
+    for r, shard in enumerate(shards):
+        if r != p.rank:
+            handle.get_buffer(r, (p.big_m, p.k), torch.float32)[r * p.m:(r + 1) * p.m] = shard
+    bs = [torch.randn(p.k, n) for n in p.ns]
+    outs = [torch.full((p.big_m, n), float("nan")) for n in p.ns]
+    gathered = handle.get_buffer(p.rank, (p.big_m, p.k), torch.float32)
+    a = shards[p.rank].clone()
+    rows = execute(plan, backend, Buffers(a, bs, outs, gathered, handle, None), timeout_s=10.0,
+                   trace=trace)
+    full = torch.cat(shards).double()
+    return outs, [full @ b.double() for b in bs], rows
+
+
+def _assert_close(outs, refs):
+    for out, ref in zip(outs, refs):
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def backend():
+    b = CpuBackend()
+    yield b
+    b.close()
+
+
+def _reference_view(buffers: Buffers, source, spec):
+    """What the first executor did for a slot: two-level slicing / its as_strided formula."""
+    if source[0] == "b":
+        t = buffers.bs[source[1]]
+        return t[spec[1]: spec[1] + spec[2]]
+    if source[0] == "gathered":
+        t = buffers.gathered if source[1] is None else buffers.peer(source[1])
+    elif source[0] == "input":
+        t = buffers.a
+    elif source[0] == "out":
+        t = buffers.outs[source[1]]
+    else:
+        t = buffers.stages[source[1]]
+    if spec[0] == "rect":
+        _, r0, rows, c0, cols = spec
+        return t[r0: r0 + rows, c0: c0 + cols]
+    _, n, rows, cols, r0, c0, spacing = spec
+    ld = t.stride(0)
+    return t.as_strided((n, rows, cols), (spacing * ld, ld, 1), t.storage_offset() + r0 * ld + c0)
+
+
+@pytest.mark.parametrize("name", schedules.names())
+def test_every_view_is_what_slicing_gives(name):
+    p = _problem()
+    plan = _dma_plan(name, p)
+    compiled = compile_plan(plan)
+    handle = StubHandle(WORLD, p.big_m * p.k)
+    # A transposed weight and an input with a row pitch: views must keep their strides.
+    bs = [torch.randn(n, p.k).t() for n in p.ns]
+    a = torch.randn(p.m, p.k + 3)[:, 2:2 + p.k]
+    buffers = Buffers(a, bs, [torch.empty(p.big_m, n) for n in p.ns],
+                      handle.get_buffer(RANK, (p.big_m, p.k), torch.float32), handle, None)
+    buffers.stages = [torch.empty(r, c) for r, c in plan.stages]
+    views = compiled.views(buffers)
+    assert len(views) == len(compiled.slots)
+    for (source, spec), got in zip(compiled.slots, views):
+        want = _reference_view(buffers, source, spec)
+        assert (got.shape, got.stride(), got.data_ptr()) == \
+            (want.shape, want.stride(), want.data_ptr()), (source, spec)
+
+
+@pytest.mark.parametrize("name", schedules.names())
+def test_repeated_calls_with_fresh_data_match_float64(name, backend):
+    plan = _dma_plan(name, _problem())
+    handle = StubHandle(WORLD, plan.problem.big_m * K)
+    for _ in range(3):   # new input, weights and outputs each time; same workspace handle
+        outs, refs, _ = _run_once(plan, backend, handle)
+        _assert_close(outs, refs)
+    assert compile_plan(plan)._cached is not None   # the workspace views were kept
+
+
+@pytest.mark.parametrize("name", ["serial", "uniform-fused-1d", "hetero-fused-2d"])
+def test_new_workspace_handle_drops_cached_views(name, backend):
+    plan = _dma_plan(name, _problem())
+    numel = plan.problem.big_m * K
+    old = StubHandle(WORLD, numel)
+    _assert_close(*_run_once(plan, backend, old)[:2])
+    # The workspace grew: a new handle. The old one stays alive (its views are still valid
+    # memory) but holds NaN, so a plan that kept reading it would fail the comparison.
+    new = StubHandle(WORLD, 2 * numel)
+    for t in old.data:
+        t.fill_(float("nan"))
+    for _ in range(2):
+        _assert_close(*_run_once(plan, backend, new)[:2])
+
+
+def test_dropped_handle_frees_cached_views(backend):
+    plan = _dma_plan("ring", _problem())
+    handle = StubHandle(WORLD, plan.problem.big_m * K)
+    _run_once(plan, backend, handle)
+    assert compile_plan(plan)._cached is not None
+    del handle
+    assert compile_plan(plan)._cached is None
+
+
+def test_same_gathered_elsewhere_in_the_handle_is_not_reused(backend):
+    # Same handle, but this call's gathered tensor starts at another offset: new views.
+    plan = _dma_plan("uniform-unfused-1d", _problem())
+    p = plan.problem
+    handle = StubHandle(WORLD, 2 * p.big_m * K)
+    _assert_close(*_run_once(plan, backend, handle)[:2])
+    shifted = handle.data[RANK][p.big_m * K:].view(p.big_m, K)
+    shards = [torch.randn(p.m, p.k) for _ in range(WORLD)]
+    for r in range(WORLD):
+        handle.get_buffer(r, (p.big_m, K), torch.float32)[r * p.m:(r + 1) * p.m] = shards[r]
+    handle.data[RANK][: p.big_m * K].fill_(float("nan"))   # the old spot must not be used
+    outs = [torch.empty(p.big_m, n) for n in p.ns]
+    bs = [torch.randn(K, n) for n in p.ns]
+    execute(plan, backend, Buffers(shards[RANK], bs, outs, shifted, handle, None), timeout_s=10.0)
+    full = torch.cat(shards).double()
+    _assert_close(outs, [full @ b.double() for b in bs])
+
+
+@pytest.mark.parametrize("name", ["ring", "hetero-unfused-1d", "uniform-fused-2d"])
+def test_trace_has_one_row_per_work_op(name, backend):
+    plan = _dma_plan(name, _problem())
+    handle = StubHandle(WORLD, plan.problem.big_m * K)
+    outs, refs, rows = _run_once(plan, backend, handle, trace=True)
+    _assert_close(outs, refs)
+    work = [i for i, op in enumerate(plan.ops) if isinstance(op, WORK_OPS)]
+    assert [r["op_index"] for r in rows] == work
+    for r in rows:
+        op = plan.ops[r["op_index"]]
+        assert (r["queue"], r["kind"]) == (op.queue, op.kind)
+        assert r["start_s"] <= r["end_s"]   # origin: the first op's start, on its own queue
+
+
+def test_world_one_ccl_plan_runs_without_a_handle(backend):
+    p = Problem(m=6, k=K, ns=(5,), dtype="float32", world=1, rank=0)
+    plan = schedules.get("serial").plan(p, "ccl", None)
+    for _ in range(2):
+        a, b = torch.randn(6, K), torch.randn(K, 5)
+        out = torch.full((6, 5), float("nan"))
+        execute(plan, backend, Buffers(a, [b], [out], torch.empty(6, K)), timeout_s=10.0)
+        torch.testing.assert_close(out.double(), a.double() @ b.double(), rtol=1e-5, atol=1e-4)
+
+
+def test_peer_read_without_symmetric_memory_is_refused(backend):
+    p = _problem()
+    plan = _dma_plan("ring", p)
+    buffers = Buffers(torch.randn(p.m, K), [torch.randn(K, n) for n in p.ns],
+                      [torch.empty(p.big_m, n) for n in p.ns], torch.empty(p.big_m, K))
+    with pytest.raises(InvalidArgumentError, match="no symmetric memory"):
+        execute(plan, backend, buffers, timeout_s=10.0)
