@@ -80,7 +80,8 @@ DEFAULTS = {
     "barrier_latency_s": 10e-6,
     # Eager enqueue cost per plan op, fitted on one H100 (bench/results/h100/enqueue.jsonl:
     # enqueue ~ 0.25 ms + 14 us x ops over the eleven W=8 plans, 32 to 248 ops each). It is
-    # host (CPU + Python) time, so the same default serves every GPU profile.
+    # host (CPU + Python) time, so the same default serves every GPU profile. Measured before
+    # the executor compiled plans (its share fell ~10x on CPU since): an upper bound for now.
     "host_op_s": 14e-6,
     "dil": {"tile_m": 256, "tile_n": 256, "tile_k_overhead": 256, "gemm_efficiency": 0.7,
             "memory_efficiency": 0.8, "launch_s": 5e-6},
