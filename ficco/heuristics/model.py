@@ -1,8 +1,8 @@
 """The ``model`` selector: simulate every candidate schedule's Plan and pick the fastest.
 
-Ranks can differ in their plans (a ``hetero-fused`` middle rank gathers, rank 0 does not), and
-the call takes as long as its slowest rank, so each candidate is simulated for rank 0 and for
-a middle rank (W // 2) and scored by the slower of the two. That makes the scores depend only
+Ranks can differ in their plans (a ``hetero-fused`` middle rank runs two GEMMs a step, rank 0
+one), and the call takes as long as its slowest rank, so each candidate is simulated for rank
+0 and for a middle rank (W // 2) and scored by the slower of the two. That makes the scores depend only
 on (problem, profile, topology, transport): every rank computes the same decision.
 
 Example::

@@ -33,17 +33,17 @@ all-gathers ``AG0 AG1 AG2 AG3``)::
                 compute  |           |G0 |G1 |G2 |G3 |     unfused: G0's local piece at t=0
     hetero-*    copy0..2 |pub|bar|c0 |c1 |c2 |c3 |bar|
                 compute  |===== L =====|G0 |G1 |G2 |G3 |   L starts at t=0, hides c0
-    hetero-fused on ranks 1..W-2:   1d: Gn = gather | GEMM | scatter
-                                    2d: Gn = gather | GEMM (into a stage); one scatter after G3
+    hetero-fused on ranks 1..W-2:   Gn = two GEMM launches, peers below r and peers above r
 
-Gathers and scatters still needed: none, except ``hetero-fused`` on ranks 1 … W-2, whose
-remote chunks surround the local shard and so are not equally spaced. There each step
-gathers the remote chunks into a stage (compute engine) and GEMMs the stage; ``1d`` scatters
-the stage's rows to ``out`` after every step, ``2d`` accumulates every step into one stage per
-``b`` and scatters it once at the end. Ranks 0 and W-1 (and every rank when W = 2) GEMM in
-place. Moved per middle rank: (W-1)·m·K elements gathered, (W-1)·m·sum(n) scattered.
-Recomputing the local chunk would avoid the moves in 1d, but hetero steps hold remote chunks
-only (DESIGN §3), and in 2d it would count the local product twice.
+Gathers and scatters still needed: none. ``uniform-fused`` chunks are m rows apart (1d) or
+one strided view (2d). In ``hetero-fused`` the local shard sits between the remote chunks on
+ranks 1 … W-2, so their step is two in-place GEMMs (peers below r, peers above r; each run
+equally spaced in 1d, contiguous in 2d) instead of one; ranks 0 and W-1 (and every rank when
+W = 2) have one run. An earlier version stacked the remote chunks in a stage (a gather of
+(W-1)·m·K elements and a scatter of (W-1)·m·sum(n) per middle rank); the simulator predicts
+the two launches faster for most Table I shapes on MI300X and H100 (g14 1d on MI300X is the
+exception: two smaller GEMMs fill fewer waves). Recomputing the local chunk instead would break
+"hetero steps hold remote chunks only" and, in 2d, count the local product twice.
 
 Coinciding variants: W = 1: all eight are one GEMM per b on the input, no copy, no barrier
 (the caller's shard is the gathered matrix). W = 2: hetero-fused-Xd and hetero-unfused-Xd
@@ -55,7 +55,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import InvalidArgumentError
-from ..plan import COMPUTE, Block, Gather, Gemm, Plan, PlanBuilder, Scatter
+from ..plan import COMPUTE, Block, Gemm, Plan, PlanBuilder
 from ..problem import Problem
 from . import common
 
@@ -98,14 +98,6 @@ def coalesce(blocks: list[Block]) -> list[Block]:
         else:
             merged.append(blk)
     return merged
-
-
-def equally_spaced(blocks: list[Block]) -> bool:
-    """True when ``blocks`` can be one strided-batched GEMM operand: same buffer and shape,
-    rows starting at a constant positive stride."""
-    shape = {(b.buf, b.peer, b.index, b.rows, b.col0, b.cols) for b in blocks}
-    gaps = {b2.row0 - b1.row0 for b1, b2 in zip(blocks, blocks[1:])}
-    return len(shape) == 1 and len(gaps) <= 1 and all(g >= blocks[0].rows for g in gaps)
 
 
 @dataclass(frozen=True)
@@ -163,8 +155,6 @@ class _Planner:
     engines: int
     ready: int | None = None                  # what every transfer waits for
     last_pull: dict = field(default_factory=dict)   # copy queue -> its latest transfer
-    stage_a: int | None = None
-    stage_out: list = field(default_factory=list)
 
     @property
     def peers(self) -> list[int]:
@@ -194,8 +184,6 @@ class _Planner:
                 self.hetero_fused(chunk, arrived, step)
             else:
                 self.per_chunk(chunk, arrived, step, self.peers)
-        if self.stage_out and s.two_d:
-            self.scatter_stage(rows=(p.world - 1) * p.m, step=step)
         # The closing barrier needs only the last pull of each copy queue: queues run in order.
         common.close(self.b, self.transport, list(self.last_pull.values()))
 
@@ -261,52 +249,20 @@ class _Planner:
         self.gemm(a, outs, chunk, step, list(arrived.values()))
 
     def hetero_fused(self, chunk: Chunk, arrived: dict, step: int) -> None:
-        """The remote chunks of a step, fused; in place where they are equally spaced (ranks
-        0 and W-1), else through a stage."""
+        """The remote chunks of a step, fused in place: one GEMM over the peers below this
+        rank and one over the peers above it. Each run is equally spaced (1d: m rows apart;
+        2d: one contiguous block), so no gather or scatter is needed; ranks 0 and W-1 have a
+        single run."""
         p = self.b.problem
-        remote = sorted(self.peers)
-        a = coalesce([self.shard_block(q, chunk) for q in remote])
-        outs = [coalesce([self.out_block(j, q, chunk) for q in remote])
-                for j in range(len(p.ns))]
-        after = list(arrived.values())
-        if equally_spaced(a):
-            self.gemm(a, outs, chunk, step, after)
-            return
-        # The local shard splits the remote chunks into two runs: stack them in a stage.
-        rows = sum(blk.rows for blk in a)
-        if self.stage_a is None:
-            self.declare_stages()
-        staged_a = Block("stage", 0, rows, 0, chunk.cols, index=self.stage_a)
-        self.b.add(Gather(COMPUTE, tuple(a), staged_a, step=step), after=after)
-        staged_out = [[Block("stage", 0, rows, 0, n, index=self.stage_out[j])]
-                      for j, n in enumerate(p.ns)]
-        self.gemm([staged_a], staged_out, chunk, step, after=[])
-        if not self.schedule.two_d:
-            self.scatter_stage(rows, step, outs)
-
-    def declare_stages(self) -> None:
-        """One stage for the stacked A chunks (reused every step: the compute queue orders
-        its uses) and one per ``b`` for their products, sized for the largest chunk."""
-        p = self.b.problem
-        if self.schedule.two_d:
-            rows, cols = (p.world - 1) * p.m, p.col_chunks()[0][1]
-        else:
-            rows, cols = (p.world - 1) * p.row_chunks()[0][1], p.k
-        self.stage_a = self.b.stage(rows, cols)
-        self.stage_out = [self.b.stage(rows, n) for n in p.ns]
-
-    def scatter_stage(self, rows: int, step: int,
-                      dsts_by_b: list[list[Block]] | None = None) -> None:
-        """Put stage rows back in ``out``; by default (2d, once at the end) every remote row."""
-        p = self.b.problem
-        for j, n in enumerate(p.ns):
-            if dsts_by_b is None:
-                dsts = coalesce([common.out_rows(p, j, p.shard_row0(q), p.m)
-                                 for q in sorted(self.peers)])
-            else:
-                dsts = dsts_by_b[j]
-            src = Block("stage", 0, rows, 0, n, index=self.stage_out[j])
-            self.b.add(Scatter(COMPUTE, src, tuple(dsts), step=step))
+        below = [q for q in sorted(self.peers) if q < p.rank]
+        above = [q for q in sorted(self.peers) if q > p.rank]
+        for run in (below, above):
+            if not run:
+                continue
+            a = coalesce([self.shard_block(q, chunk) for q in run])
+            outs = [coalesce([self.out_block(j, q, chunk) for q in run])
+                    for j in range(len(p.ns))]
+            self.gemm(a, outs, chunk, step, [arrived[q] for q in run])
 
 
 FICCO_SCHEDULES = tuple(Ficco(u, f, t) for t in (False, True) for u in (True, False)
