@@ -20,7 +20,7 @@ def _exchange(rank, world, seed):
     handle.barrier(channel=3, timeout_s=20)
     seen = [torch.equal(handle.get_buffer(p, (5, 7), torch.float32), values[p])
             for p in range(world)]
-    handle.barrier(channel=3, timeout_s=20)
+    handle.barrier(channel=3, timeout=20)      # DESIGN's keyword; timeout_s is the same
     pads = [tuple(handle.signal_pad(p).shape) for p in range(world)]
     try:
         handle.get_buffer(0, (100, 100), torch.float32)

@@ -96,7 +96,8 @@ class GpuSymmHandle(SymmHandle):
         self._generation[channel] += 1
         return self._generation[channel]
 
-    def barrier(self, channel=2, timeout_s=None, step=None):
+    def barrier(self, channel=2, timeout_s=None, step=None, *, timeout=None):
+        timeout_s = timeout if timeout is not None else timeout_s
         if channel in PLAN_CHANNELS:
             raise InvalidArgumentError(
                 f"barrier channels {PLAN_CHANNELS} belong to ficco's plans (flag scheme); use a "

@@ -48,9 +48,12 @@ class SymmHandle(ABC):
         """``rank``'s signal pad: an int32 tensor of shape ``(SIGNAL_CHANNELS, world)``."""
 
     @abstractmethod
-    def barrier(self, channel: int = 2, timeout_s: float | None = None) -> None:
+    def barrier(self, channel: int = 2, timeout_s: float | None = None, step: int | None = None,
+                *, timeout: float | None = None) -> None:
         """Host-side barrier over the signal pads: blocks until every rank called it for this
-        channel as often as this rank has; raises CommTimeoutError naming the late peers."""
+        channel as often as this rank has; raises CommTimeoutError naming the late peers.
+        ``timeout`` (DESIGN's name) and ``timeout_s`` are the same seconds; default
+        FICCO_TIMEOUT."""
 
     @abstractmethod
     def close(self) -> None:

@@ -76,7 +76,8 @@ class CpuSymmHandle(SymmHandle):
     def signal_pad(self, rank):
         return torch.from_numpy(self._pads_np[rank])
 
-    def barrier(self, channel=2, timeout_s=None, step=None):
+    def barrier(self, channel=2, timeout_s=None, step=None, *, timeout=None):
+        timeout_s = timeout if timeout is not None else timeout_s
         from ... import config
 
         timeout_s = config.timeout_s() if timeout_s is None else timeout_s
