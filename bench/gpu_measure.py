@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ficco import schedules  # noqa: E402
 from ficco.backends import get_backend  # noqa: E402
-from ficco.backends.gpu import GpuSymmHandle, pad_bytes, tensor_at  # noqa: E402
+from ficco.backends.gpu_symm import GpuSymmHandle, pad_bytes, tensor_at  # noqa: E402
 from ficco.executor import Buffers, execute  # noqa: E402
 from ficco.problem import Problem  # noqa: E402
 from ficco.symm_mem import SIGNAL_CHANNELS, aligned  # noqa: E402
@@ -40,6 +40,14 @@ TABLE_I = {"g1": (16384, 16384, 131072), "g2": (131072, 16384, 16384),
            "g5": (8192, 8192, 262144), "g6": (262144, 8192, 8192),
            "g11": (1048576, 10240, 8192), "g14": (147456, 28672, 4096)}
 MAX_FLOP = 4.4e12
+
+
+def gemm_operands(shape, dev):
+    """The scaled (m, n, k) of a Table I shape and fresh random bf16 A, B and an output."""
+    m, n, k = scaled(shape)
+    a = torch.randn(m, k, device=dev).to(DTYPE)
+    b = torch.randn(k, n, device=dev).to(DTYPE)
+    return (m, n, k), (a, b, torch.empty(m, n, device=dev, dtype=DTYPE))
 
 
 def scaled(shape):
@@ -120,10 +128,7 @@ def cil(backend, quick):
     streams = [backend.queue(f"copy{i}") for i in range(7)]
     compute = torch.cuda.current_stream()
     for name, shape in list(TABLE_I.items())[: 2 if quick else None]:
-        m, n, k = scaled(shape)
-        a = torch.randn(m, k, device=dev).to(DTYPE)
-        b = torch.randn(k, n, device=dev).to(DTYPE)
-        out = torch.empty(m, n, device=dev, dtype=DTYPE)
+        (m, n, k), (a, b, out) = gemm_operands(shape, dev)
         alone, _, _ = time_ms(gemm_fn(a, b, out), compute, reps=10)
         result = {"what": "cil", "gemm": name, "shape": [m, n, k], "alone_ms": alone,
                   "tflops_alone": 2 * m * n * k / alone / 1e9}
@@ -158,10 +163,7 @@ def dil(backend, quick):
     dev, rows = backend.device(), []
     compute = torch.cuda.current_stream()
     for name, shape in list(TABLE_I.items())[: 2 if quick else None]:
-        m, n, k = scaled(shape)
-        a = torch.randn(m, k, device=dev).to(DTYPE)
-        b = torch.randn(k, n, device=dev).to(DTYPE)
-        out = torch.empty(m, n, device=dev, dtype=DTYPE)
+        (m, n, k), (a, b, out) = gemm_operands(shape, dev)
         full, _, _ = time_ms(gemm_fn(a, b, out), compute, reps=10)
         result = {"what": "dil", "gemm": name, "shape": [m, n, k], "full_ms": full}
         for ways in (8, 64):

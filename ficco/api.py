@@ -120,7 +120,7 @@ def _prepare(a_shard, b, group, gather_dim) -> Call:
 
 
 # -- cross-rank agreement ----------------------------------------------------------------------
-_agreed: set = set()
+_agreed: dict = {}     # agreement key -> whether all ranks share a host
 
 
 def _group_id(group) -> str:
@@ -133,9 +133,8 @@ def _agree(call: Call, forced: str | None, transport: str) -> bool:
     all ranks share this host."""
     key = (_group_id(call.group), call.problem.key(), call.moved_shape[1:], call.gather_dim,
            forced, transport)
-    hit = [k for k in _agreed if k[0] == key]
-    if hit:
-        return hit[0][1]
+    if key in _agreed:
+        return _agreed[key]
     mine = {"m": call.problem.m, "k": call.problem.k, "ns": call.problem.ns,
             "dtype": call.problem.dtype, "gather_dim": call.gather_dim,
             "shard_shape": call.moved_shape, "schedule": forced, "transport": transport,
@@ -152,7 +151,7 @@ def _agree(call: Call, forced: str | None, transport: str) -> bool:
                             f"{', '.join(differ)} ({detail}); every rank must pass the same "
                             f"shapes, dtypes and settings")
     same_host = len({host for _, host in everyone}) == 1
-    _agreed.add((key, same_host))
+    _agreed[key] = same_host
     return same_host
 
 

@@ -39,17 +39,6 @@ class Buffers:
     stages: list[torch.Tensor] = field(default_factory=list)
     _peers: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def base(self, block: Block) -> torch.Tensor:
-        if block.buf == "input":
-            return self.a
-        if block.buf == "out":
-            return self.outs[block.index]
-        if block.buf == "stage":
-            return self.stages[block.index]
-        if block.peer is None:
-            return self.gathered
-        return self.peer(block.peer)
-
     def peer(self, peer: int) -> torch.Tensor:
         """Rank ``peer``'s gathered buffer, through the symmetric handle."""
         if self.symm is None:
@@ -59,10 +48,6 @@ class Buffers:
             g = self.gathered
             self._peers[peer] = self.symm.get_buffer(peer, tuple(g.shape), g.dtype)
         return self._peers[peer]
-
-    def view(self, block: Block) -> torch.Tensor:
-        t = self.base(block)
-        return t[block.row0: block.row0 + block.rows, block.col0: block.col0 + block.cols]
 
 
 # -- compiling a plan ----------------------------------------------------------------------------

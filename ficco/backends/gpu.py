@@ -27,9 +27,7 @@ from .. import config
 from ..errors import (BackendCallError, BackendUnavailableError, CommTimeoutError, FiccoError,
                       InvalidArgumentError)
 from .base import Backend
-from .gpu_symm import (CLOSE_CHANNEL, CLOSE_TIMEOUT_S, PLAN_CHANNELS,  # noqa: F401 (re-exported)
-                       AutoSymmProvider, GpuSymmHandle, IpcSymmProvider, TorchSymmProvider,
-                       pad_bytes, tensor_at)
+from .gpu_symm import PLAN_CHANNELS, AutoSymmProvider, GpuSymmHandle
 
 
 

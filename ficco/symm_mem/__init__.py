@@ -18,7 +18,6 @@ host barriers use channels 2 and up.
 from __future__ import annotations
 
 import math
-import threading
 import weakref
 from abc import ABC, abstractmethod
 from typing import Any
@@ -82,9 +81,7 @@ class Provider(ABC):
 
 
 # -- tensors allocated through empty(), waiting for rendezvous ---------------------------------
-_pending: dict[int, tuple[int, int]] = {}        # data_ptr -> (nbytes, id of pending record)
 _owned: "weakref.WeakValueDictionary[int, SymmHandle]" = weakref.WeakValueDictionary()
-_lock = threading.Lock()
 
 
 def _owner_of(tensor: torch.Tensor) -> SymmHandle | None:

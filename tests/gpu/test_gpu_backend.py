@@ -107,7 +107,7 @@ def test_compute_queue_is_callers_current_stream(backend):
 def test_host_barrier_deadline_names_the_missing_peer(backend):
     """A handle of world 2 whose 'peer' never signals: the host barrier raises after the
     deadline naming rank 1, and the stream is released (synchronize returns)."""
-    from ficco.backends.gpu import GpuSymmHandle, pad_bytes, tensor_at
+    from ficco.backends.gpu_symm import GpuSymmHandle, pad_bytes, tensor_at
 
     dev = backend.device()
     v = backend.vendor
