@@ -25,15 +25,24 @@ JSON schema (every key at top level; units in the names)::
       "copy_2d_half_row_bytes": 256,           # 2D copy row width at which efficiency halves
       "barrier_latency_s": 1e-05,              # cross-rank barrier over symmetric memory
       "host_op_s": 1.4e-05,                    # host time to enqueue one plan op (eager)
-      "dil": {"tile_m": 256, "tile_n": 256,    # GEMM output tile; one tile per CU per wave
+      "pcie_aggregate_bytes_per_s": 6e10,      # all GPUs' peer traffic through the host, total
+      "dil": {"tiles": [[256, 256, 1.0], ...], # the GEMM library's tiles: (m, n, sustained
+                                               # fraction); the fastest is used (heuristics/gemm.py)
+              "tile_m": 256, "tile_n": 256,    # the tile when "tiles" is empty
               "tile_k_overhead": 256,          # per-tile prologue/epilogue, in K elements
-              "gemm_efficiency": 0.7,          # best fraction of peak a large GEMM reaches
+              "gemm_efficiency": 0.7,          # fraction of peak a full machine sustains
+              "partial_wave_speedup": 1.25,    # how much faster a partial last wave's tiles run
+              "split_k_below_waves": 0.5,      # split-K only below this many waves of tiles
+              "split_k_min_k": 1024,           # ... and while each K part keeps this many
               "memory_efficiency": 0.8,        # fraction of HBM bandwidth a copy kernel gets
               "launch_s": 5e-06},              # fixed cost of one kernel
-      "cil": {"dma_gemm": 0.2,                 # GEMM slowdown under full DMA traffic (x MT factor)
-              "dma_copy": 0.25,                # DMA slowdown under a concurrent GEMM (x MT factor)
+      "cil": {"dma_gemm": 0.2,                 # GEMM slowdown beside copy_engines copies (x s(MT))
+              "dma_copy": 0.25,                # copy slowdown beside a GEMM (x s(MT))
+              "gemm_copies_exp": 0.25,         # GEMM slowdown ~ (copies / copy_engines)^exp
+              "copy_copies_exp": 0.7,          # copy slowdown ~ (copies / copy_engines)^exp
               "ccl_gemm": 0.35, "ccl_copy": 0.3,   # the same with collectives on compute units
-              "mt_half_bytes": 2e9},           # GEMM memory traffic at which the factor is 1/2
+              "mt_half_bytes": 2e9,            # GEMM memory traffic at which s(MT) is 1/2
+              "mt_exp": 1.0},                  # steepness of s(MT) = MT^e / (MT^e + half^e)
       "ccl": {"efficiency": 0.8,               # fraction of link bandwidth a collective reaches
               "latency_s": 2e-05,
               "compute_unit_fraction": 0.1},   # share of CUs a collective kernel occupies
@@ -83,10 +92,15 @@ DEFAULTS = {
     # host (CPU + Python) time, so the same default serves every GPU profile. Measured before
     # the executor compiled plans (its share fell ~10x on CPU since): an upper bound for now.
     "host_op_s": 14e-6,
-    "dil": {"tile_m": 256, "tile_n": 256, "tile_k_overhead": 256, "gemm_efficiency": 0.7,
-            "memory_efficiency": 0.8, "launch_s": 5e-6},
-    "cil": {"dma_gemm": 0.2, "dma_copy": 0.25, "ccl_gemm": 0.35, "ccl_copy": 0.3,
-            "mt_half_bytes": 2e9},
+    # The whole box's GPU-to-GPU bandwidth through PCIe and the host: an 8-GPU NCCL
+    # all-gather without NVLink reached 8.37 GB/s algbw, 7.3 GB/s into each GPU
+    # (github.com/NVIDIA/nccl/issues/644, 256 MiB), i.e. ~60 GB/s for all eight together.
+    "pcie_aggregate_bytes_per_s": 60e9,
+    "dil": {"tiles": [], "tile_m": 256, "tile_n": 256, "tile_k_overhead": 256,
+            "gemm_efficiency": 0.7, "partial_wave_speedup": 1.25, "split_k_below_waves": 0.5,
+            "split_k_min_k": 1024, "memory_efficiency": 0.8, "launch_s": 5e-6},
+    "cil": {"dma_gemm": 0.2, "dma_copy": 0.25, "gemm_copies_exp": 0.25, "copy_copies_exp": 0.7,
+            "ccl_gemm": 0.35, "ccl_copy": 0.3, "mt_half_bytes": 2e9, "mt_exp": 1.0},
     "ccl": {"efficiency": 0.8, "latency_s": 20e-6, "compute_unit_fraction": 0.1},
 }
 _NESTED = ("dil", "cil", "ccl")
@@ -109,6 +123,7 @@ class Profile:
     copy_engine_bytes_per_s: float | None = None
     gpus_per_node: int = DEFAULTS["gpus_per_node"]
     pcie_bytes_per_s: float = DEFAULTS["pcie_bytes_per_s"]
+    pcie_aggregate_bytes_per_s: float = DEFAULTS["pcie_aggregate_bytes_per_s"]
     copy_latency_s: float = DEFAULTS["copy_latency_s"]
     copy_efficiency: dict = field(default_factory=lambda: dict(DEFAULTS["copy_efficiency"]))
     copy_2d_half_row_bytes: float = DEFAULTS["copy_2d_half_row_bytes"]
@@ -168,12 +183,18 @@ class Profile:
         t = (math.log(size_bytes) - math.log(s0)) / (math.log(s1) - math.log(s0))
         return f0 + t * (f1 - f0)
 
-    def link_for(self, topology: str) -> float:
+    def link_for(self, topology: str, world: int | None = None) -> float:
         """Bandwidth per link (mesh) or per GPU (switch, pcie) when the profile is used with
-        ``topology``: an override converts mesh links to a GPU total and back."""
+        ``topology``: an override converts mesh links to a GPU total and back. Over PCIe the
+        ``world`` GPUs moving data at once share the host's aggregate bandwidth.
+
+        >>> load("h100").link_for("pcie", world=8) / 1e9
+        7.5
+        """
         peers = max(self.gpus_per_node - 1, 1)
         if topology == "pcie":
-            return self.pcie_bytes_per_s
+            sharing = world or self.gpus_per_node
+            return min(self.pcie_bytes_per_s, self.pcie_aggregate_bytes_per_s / sharing)
         if topology == self.topology:
             return self.link_bytes_per_s
         if topology == "switch":

@@ -8,25 +8,30 @@ same moment; rank 0's plan stands for all). Work is fluid: each running op has a
 
 Cost model (every number from :class:`~ficco.heuristics.profiles.Profile`):
 
-- GEMM: output tiles ``tile_m x tile_n`` are dealt to the compute units in waves; time =
-  waves x one tile's time (its K extent plus a fixed per-tile overhead, at the CU's share of
-  ``gemm_efficiency x peak``), or the memory time when that is longer (roofline), plus a
-  launch. With fewer tiles than CUs, K may be split (as GEMM libraries do) at the cost of
-  reducing the partial sums. Small pieces waste CUs and short K wastes tiles: that is the
-  DIL of decomposition.
+- GEMM (DIL): priced as GEMM libraries run it (:mod:`ficco.heuristics.gemm`): the fastest of
+  the profile's tile shapes, waves over the compute units with a fractional last wave, split-K
+  only for too few tiles and a long K, a per-tile and a per-launch cost, and the HBM roofline.
+  Small pieces waste compute units and short K wastes tiles: the DIL of decomposition.
 - DMA copy: latency + bytes / (bandwidth x size-dependent efficiency, lower for narrow 2D
   rows). On a ``mesh`` each peer has its own link, so one busy peer uses 1 of W-1 links; on a
-  ``switch`` or ``pcie`` all concurrent copies share the GPU's bandwidth. At most
-  ``copy_engines`` copies progress at full speed at once.
-- Contention (CIL): while a GEMM runs next to DMA traffic it slows by
-  ``1 + cil.dma_gemm x s(MT) x u`` (u: fraction of the GPU's link bandwidth in use,
-  s(MT) = MT / (MT + mt_half_bytes), the GEMM's memory traffic), and the copies slow by
-  ``1 + cil.dma_copy x s(MT)``. Collectives (``ccl``) run on compute units: they take
+  ``switch`` all concurrent copies share the GPU's bandwidth; over ``pcie`` every GPU's copies
+  also share the host's aggregate bandwidth with the other W-1 GPUs. At most
+  ``copy_engines`` copies progress at once.
+- Contention (CIL, paper Fig. 8): a GEMM next to ``c`` flowing copies slows by
+  ``1 + cil.dma_gemm x s(MT) x (c / copy_engines)^cil.gemm_copies_exp`` and each copy by
+  ``1 + cil.dma_copy x s(MT) x (c / copy_engines)^cil.copy_copies_exp``, where
+  ``s(MT) = MT^e / (MT^e + mt_half^e)`` rises with the GEMM's memory traffic (a GEMM whose
+  working set spills the last-level cache contends more). It depends on how many copies run,
+  not only on link utilisation: one shard-sized copy beside a GEMM (shard-level overlap)
+  already costs most of what seven do. Collectives (``ccl``) run on compute units: they take
   ``ccl.compute_unit_fraction`` of the GEMM's CUs and use the larger ``ccl_*`` factors.
-- Gather/scatter and local copies: memory-bound moves (read + write) on the compute engines.
+- Local copies: memory-bound moves (read + write) on the compute engines.
 - Host launch: op i of the plan (events included) is enqueued at ``(i + 1) x host_op_s``
   and cannot start earlier; eager calls of plans with hundreds of ops are launch bound when
   the GEMM is small (set ``host_op_s`` to 0 in a profile for CUDA-graph replays).
+
+Ops are priced by ``op.kind``: kind ``"x"`` is priced by ``_Simulation._price_x`` (a new op
+kind adds one such method).
 
 Example::
 
@@ -43,12 +48,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .. import plan as plan_module
 from ..errors import InvalidArgumentError
-from ..plan import (AllGather, Barrier, Copy, Gather, Gemm, Plan, Record, Scatter, SendRecv,
-                    Wait, WORK_OPS)
+from ..plan import Plan, Record, Wait
+from . import gemm as gemm_cost
 from .profiles import Profile
 
 _EPS = 1e-12
+#: Plan ops that only order queues: they take no time and are not drawn.
+_EVENT_KINDS = ("record", "wait")
 
 
 @dataclass(frozen=True)
@@ -84,7 +92,7 @@ class _Simulation:
         self.plan, self.profile, self.topology = plan, profile, topology
         self.problem = plan.problem
         self.itemsize = self.problem.itemsize
-        self.link_bytes_per_s = profile.link_for(topology)
+        self.link_bytes_per_s = profile.link_for(topology, self.problem.world)
         peers = max(self.problem.world - 1, 1)
         self.ingress_bytes_per_s = self.link_bytes_per_s * (peers if topology == "mesh" else 1)
         # The host enqueues ops one after another (``host_op_s`` each): op i cannot start on
@@ -140,7 +148,7 @@ class _Simulation:
                     busy.discard(ops[i].queue)
         rows = [{"op_index": i, "queue": op.queue, "start_s": start[i], "end_s": end[i],
                  "kind": op.kind, "label": self._label(op)}
-                for i, op in enumerate(ops) if isinstance(op, WORK_OPS)]
+                for i, op in enumerate(ops) if op.kind not in _EVENT_KINDS]
         return SimResult(max(end, default=0.0), rows)
 
     def _issue(self, order, next_op, recorded, busy, active, start, end, now):
@@ -168,11 +176,11 @@ class _Simulation:
     # -- rates -------------------------------------------------------------------------------
     def _rates(self, active: dict[int, _Task]) -> dict[int, float]:
         """Speed of every running op (1 = as fast as when alone) given who else runs."""
-        cil = self.profile.cil
+        prof, cil = self.profile, self.profile.cil
         flowing = {i: t for i, t in active.items() if t.fixed_s <= 0}
         copies = [t for t in flowing.values() if t.category == "dma"]
         # Only copy_engines copies move at once; the engines are then shared over the links.
-        engine_share = min(1.0, self.profile.copy_engines / len(copies)) if copies else 1.0
+        engine_share = min(1.0, prof.copy_engines / len(copies)) if copies else 1.0
         demand_by_link: dict[tuple, float] = {}
         for t in copies:
             demand_by_link[t.resource] = demand_by_link.get(t.resource, 0.0) \
@@ -180,8 +188,8 @@ class _Simulation:
         link_cap = self.link_bytes_per_s
         share = {link: (min(1.0, link_cap / d) if d > 0 else 1.0) * engine_share
                  for link, d in demand_by_link.items()}
-        moved = sum(t.demand * share[t.resource] for t in copies)
-        used = min(1.0, moved / self.ingress_bytes_per_s)
+        # Contention grows with how many copies stream beside the GEMM (paper Fig. 8).
+        streams = min(len(copies), prof.copy_engines) / prof.copy_engines
         gemm_mt = max((t.mt_factor for t in flowing.values() if t.category == "gemm"), default=None)
         ccl_running = any(t.category == "ccl" for t in flowing.values())
         rates = {}
@@ -192,70 +200,69 @@ class _Simulation:
             elif t.category == "dma":
                 rate = share[t.resource]
                 if gemm_mt is not None:
-                    rate /= 1 + cil["dma_copy"] * gemm_mt
+                    rate /= 1 + cil["dma_copy"] * gemm_mt * streams ** cil["copy_copies_exp"]
             elif t.category == "ccl" and gemm_mt is not None:
                 rate /= 1 + cil["ccl_copy"] * gemm_mt
             elif t.category == "gemm":
-                slowdown = 1 + cil["dma_gemm"] * t.mt_factor * used
+                slowdown = 1.0
+                if copies:
+                    slowdown += cil["dma_gemm"] * t.mt_factor * streams ** cil["gemm_copies_exp"]
                 if ccl_running:
                     slowdown += cil["ccl_gemm"] * t.mt_factor
-                    slowdown /= 1 - self.profile.ccl["compute_unit_fraction"]
+                    slowdown /= 1 - prof.ccl["compute_unit_fraction"]
                 rate = 1 / slowdown
-            elif t.category == "mem":
-                rate = 1 / (1 + cil["dma_gemm"] * used)
+            elif t.category == "mem" and copies:
+                rate = 1 / (1 + cil["dma_gemm"] * streams ** cil["gemm_copies_exp"])
             rates[i] = rate
         return rates
 
-    # -- solo costs --------------------------------------------------------------------------
+    # -- solo costs, one method per op kind -------------------------------------------------
     def _task(self, op) -> _Task:
-        prof, p = self.profile, self.problem
-        if isinstance(op, Gemm):
-            return self._gemm(op)
-        if isinstance(op, Copy):
-            peer = op.src.peer if op.src.peer is not None else op.dst.peer
-            nbytes = op.src.numel * self.itemsize
-            if peer is None or peer == p.rank:
-                return self._memory_move(nbytes)
-            return self._dma(peer, nbytes, op.src.cols * self.itemsize if op.two_d else None)
-        if isinstance(op, (Gather, Scatter)):
-            block = op.dst if isinstance(op, Gather) else op.src
-            return self._memory_move(block.numel * self.itemsize)
-        if isinstance(op, AllGather):
-            return self._collective(op.src.numel * self.itemsize, len(op.dsts) - 1)
-        if isinstance(op, SendRecv):
-            block = op.recv if op.recv is not None else op.send
-            return self._collective(block.numel * self.itemsize if block else 0, 1)
-        if isinstance(op, Barrier):
-            return _Task("sync", prof.barrier_latency_s if p.world > 1 else 0.0, 0.0)
-        raise InvalidArgumentError(f"simulator does not know op {type(op).__name__}")
+        price = getattr(self, f"_price_{op.kind}", None)
+        if price is None:
+            raise InvalidArgumentError(
+                f"simulator does not know op kind {op.kind!r} ({type(op).__name__}); give "
+                f"ficco.heuristics.simulator._Simulation a _price_{op.kind} method")
+        return price(op)
 
-    def _gemm(self, op: Gemm) -> _Task:
-        prof, p, dil = self.profile, self.problem, self.profile.dil
+    def _price_gemm(self, op) -> _Task:
+        p = self.problem
         n = p.ns[op.b]
-        rows = sum(block.rows for block in op.a)
-        if rows == 0 or op.kc == 0:
+        block_rows = [block.rows for block in op.a]
+        seconds = gemm_cost.gemm_seconds(self.profile, p.dtype, block_rows, n, op.kc,
+                                         self.itemsize, op.accumulate)
+        if seconds == 0:
             return _Task("gemm", 0.0, 0.0)
-        tiles = sum(math.ceil(block.rows / dil["tile_m"]) for block in op.a) \
-            * math.ceil(n / dil["tile_n"])
-        cu_flops = prof.flops(p.dtype) * dil["gemm_efficiency"] / prof.compute_units
-        compute_s = min(self._split_k_s(tiles, op.kc, split, cu_flops, rows * n)
-                        for split in (1, 2, 4, 8, 16) if split == 1 or op.kc // split >= 256)
-        traffic = (rows * op.kc + op.kc * n + rows * n * (2 if op.accumulate else 1)) \
-            * self.itemsize
-        memory_s = traffic / (prof.hbm_bytes_per_s * dil["memory_efficiency"])
-        mt_factor = traffic / (traffic + prof.cil["mt_half_bytes"])
-        return _Task("gemm", dil["launch_s"], max(compute_s, memory_s), mt_factor=mt_factor)
+        launch_s = self.profile.dil["launch_s"]
+        traffic = gemm_cost.traffic_bytes(sum(block_rows), n, op.kc, self.itemsize,
+                                          op.accumulate)
+        return _Task("gemm", launch_s, seconds - launch_s, mt_factor=self._mt_factor(traffic))
 
-    def _split_k_s(self, tiles: int, kc: int, split: int, cu_flops: float, outputs: int) -> float:
-        """Compute time with K cut in ``split`` parts per tile (what GEMM libraries do when
-        there are fewer tiles than compute units), plus the partial sums' reduction."""
-        dil, prof = self.profile.dil, self.profile
-        waves = math.ceil(tiles * split / prof.compute_units)
-        tile_s = 2 * dil["tile_m"] * dil["tile_n"] * (kc / split + dil["tile_k_overhead"]) \
-            / cu_flops
-        reduce_s = 0.0 if split == 1 else \
-            2 * split * outputs * 4 / (prof.hbm_bytes_per_s * dil["memory_efficiency"])
-        return waves * tile_s + reduce_s
+    def _mt_factor(self, traffic_bytes: float) -> float:
+        """s(MT) in [0, 1): how exposed a GEMM of this memory traffic is to contention."""
+        cil = self.profile.cil
+        e = cil["mt_exp"]
+        return traffic_bytes ** e / (traffic_bytes ** e + cil["mt_half_bytes"] ** e)
+
+    def _price_copy_1d(self, op) -> _Task:
+        peer = op.src.peer if op.src.peer is not None else op.dst.peer
+        nbytes = op.src.numel * self.itemsize
+        if peer is None or peer == self.problem.rank:
+            return self._memory_move(nbytes)
+        return self._dma(peer, nbytes, op.src.cols * self.itemsize if op.two_d else None)
+
+    _price_copy_2d = _price_copy_1d
+
+    def _price_all_gather(self, op) -> _Task:
+        return self._collective(op.src.numel * self.itemsize, len(op.dsts) - 1)
+
+    def _price_send_recv(self, op) -> _Task:
+        block = op.recv if op.recv is not None else op.send
+        return self._collective(block.numel * self.itemsize if block else 0, 1)
+
+    def _price_barrier(self, op) -> _Task:
+        world = self.problem.world
+        return _Task("sync", self.profile.barrier_latency_s if world > 1 else 0.0, 0.0)
 
     def _dma(self, peer: int, nbytes: int, row_bytes: int | None) -> _Task:
         prof = self.profile
@@ -272,6 +279,7 @@ class _Simulation:
         return _Task("dma", prof.copy_latency_s, nbytes / demand, link, demand)
 
     def _memory_move(self, nbytes: int) -> _Task:
+        """A memory-bound local move (read + write) on the compute engines."""
         dil = self.profile.dil
         bandwidth = self.profile.hbm_bytes_per_s * dil["memory_efficiency"]
         return _Task("mem", dil["launch_s"] if nbytes else 0.0, 2 * nbytes / bandwidth)
@@ -289,18 +297,23 @@ class _Simulation:
 
     # -- labels ------------------------------------------------------------------------------
     def _label(self, op) -> str:
+        """The executor's label for ``op`` (one definition in ``ficco.plan`` once it exists),
+        so measured and predicted timelines name ops alike."""
+        shared = getattr(plan_module, "op_label", None)
+        if shared is not None:
+            return shared(op, self.problem.rank)
         step = getattr(op, "step", 0)
-        if isinstance(op, Copy):
+        if op.kind in ("copy_1d", "copy_2d"):
             peer = op.src.peer if op.src.peer is not None else op.dst.peer
             if peer is None or peer == self.problem.rank:
                 return "publish" if op.src.buf == "input" else f"local c{step}"
             return f"peer {peer} c{step}"
-        if isinstance(op, Gemm):
+        if op.kind == "gemm":
             rows = sum(block.rows for block in op.a)
             return f"gemm {rows}r s{step}" + (f" x{len(op.a)}" if len(op.a) > 1 else "")
-        if isinstance(op, Barrier):
+        if op.kind == "barrier":
             return f"barrier {op.channel}"
-        if isinstance(op, SendRecv):
+        if op.kind == "send_recv":
             return f"recv {op.recv_from} s{step}"
         return f"{op.kind.replace('_', '-')} s{step}"
 

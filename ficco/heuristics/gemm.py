@@ -1,0 +1,108 @@
+"""GEMM time on a device profile, priced the way vendor GEMM libraries run a GEMM.
+
+cuBLAS and hipBLASLt do not use one tile for every shape: for each call their heuristics pick
+a kernel (output tile ``tile_m x tile_n``, and split-K when the output alone cannot fill the
+machine). This model does the same, cheaply:
+
+- **Tiles.** ``dil["tiles"]`` lists the tile shapes the library has, each with the fraction of
+  the compute unit's peak it sustains (small tiles reuse operands less, so run slower). The
+  model prices every tile and keeps the fastest, as a library's heuristic would.
+- **Waves, with a fractional last wave.** Output tiles are dealt to ``compute_units`` in waves.
+  A full machine runs at ``gemm_efficiency`` of peak (clocks drop under full load, memory is
+  shared); a partial wave runs its fewer tiles faster, up to ``partial_wave_speedup`` times.
+  So 2.05 waves cost max(2.05, 3 / speedup) wave-times rather than 3.
+- **Split-K, only where the library would.** When the tiles fill less than
+  ``split_k_below_waves`` of one wave and K is long (each part keeps at least
+  ``split_k_min_k``), K is cut in 2, 4, 8 or 16 parts, paying the float32 partial sums'
+  reduction through HBM.
+- **Per tile and per launch.** Each tile pays ``tile_k_overhead`` extra K steps (prologue,
+  epilogue); each launch pays ``launch_s``.
+- **Roofline.** Never faster than its memory traffic (A, B, and C, read too when the GEMM
+  accumulates) at ``memory_efficiency`` of HBM bandwidth.
+
+Example::
+
+    >>> from ficco.heuristics import profiles
+    >>> p = profiles.load("h100")
+    >>> whole = gemm_seconds(p, "bfloat16", [8192], 8192, 8192, 2)
+    >>> 8 * gemm_seconds(p, "bfloat16", [1024], 8192, 8192, 2) > whole
+    True
+"""
+from __future__ import annotations
+
+import math
+
+#: Split-K factors a library considers, as hipBLASLt's GSU and cuBLAS's split-K kernels do.
+SPLITS = (2, 4, 8, 16)
+
+
+def gemm_seconds(profile, dtype: str, block_rows: list[int], n: int, k: int, itemsize: int,
+                 accumulate: bool = False) -> float:
+    """Seconds of ONE GEMM launch computing ``block_rows`` row blocks (a strided batch, all
+    with the same ``n`` columns and ``k`` inner extent) on ``profile``.
+
+    >>> from ficco.heuristics import profiles
+    >>> round(gemm_seconds(profiles.load("mi300x"), "bfloat16", [0], 128, 128, 2), 9)
+    0.0
+    """
+    rows = sum(block_rows)
+    if rows == 0 or n == 0 or k == 0:
+        return 0.0
+    dil = profile.dil
+    compute_s = min(_tile_seconds(profile, dtype, block_rows, n, k, tile)
+                    for tile in tiles(profile))
+    return dil["launch_s"] + max(compute_s, memory_seconds(profile, rows, n, k, itemsize,
+                                                           accumulate))
+
+
+def memory_seconds(profile, rows: int, n: int, k: int, itemsize: int,
+                   accumulate: bool = False) -> float:
+    """The roofline's memory side: A, B and C (twice when accumulating) once through HBM."""
+    return traffic_bytes(rows, n, k, itemsize, accumulate) \
+        / (profile.hbm_bytes_per_s * profile.dil["memory_efficiency"])
+
+
+def traffic_bytes(rows: int, n: int, k: int, itemsize: int, accumulate: bool = False) -> int:
+    """The GEMM's static memory traffic MT = (MK + KN + MN) x itemsize (paper §IV-D), with C
+    read as well when it accumulates."""
+    return (rows * k + k * n + rows * n * (2 if accumulate else 1)) * itemsize
+
+
+def tiles(profile) -> list[tuple[int, int, float]]:
+    """The profile's tile menu as (tile_m, tile_n, sustained fraction) triples; a profile that
+    names one tile (``tile_m``/``tile_n``) has a menu of one."""
+    dil = profile.dil
+    menu = dil.get("tiles")
+    if not menu:
+        return [(int(dil["tile_m"]), int(dil["tile_n"]), 1.0)]
+    return [(int(tm), int(tn), float(eff)) for tm, tn, eff in menu]
+
+
+def _tile_seconds(profile, dtype, block_rows, n, k, tile) -> float:
+    tile_m, tile_n, tile_eff = tile
+    dil, units = profile.dil, profile.compute_units
+    count = sum(math.ceil(r / tile_m) for r in block_rows if r) * math.ceil(n / tile_n)
+    # One compute unit's sustained FLOP/s with this tile when the whole machine is busy.
+    unit_flops = profile.flops(dtype) * dil["gemm_efficiency"] * tile_eff / units
+    best = math.inf
+    for split in (1,) + SPLITS:
+        if split > 1 and not _library_splits(profile, count, k, split):
+            continue
+        tile_s = 2 * tile_m * tile_n * (k / split + dil["tile_k_overhead"]) / unit_flops
+        waves = count * split / units
+        wave_s = tile_s * max(waves, math.ceil(waves) / dil["partial_wave_speedup"])
+        reduce_s = 0.0
+        if split > 1:   # float32 partial sums written and read back once
+            outputs = sum(block_rows) * n
+            reduce_s = 2 * split * outputs * 4 / (profile.hbm_bytes_per_s
+                                                    * dil["memory_efficiency"])
+        best = min(best, wave_s + reduce_s)
+    return best
+
+
+def _library_splits(profile, tile_count: int, k: int, split: int) -> bool:
+    """Split-K is a library's answer to too few output tiles and a long K, nothing else."""
+    dil = profile.dil
+    return (tile_count < dil["split_k_below_waves"] * profile.compute_units
+            and k / split >= dil["split_k_min_k"]
+            and tile_count * split <= 2 * profile.compute_units)
