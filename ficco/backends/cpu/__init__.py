@@ -34,18 +34,46 @@ class CpuEvent:
         self.flag.set()
 
 
+class _Tasks:
+    """A worker's FIFO. Each task remembers whether its caller was in inference mode: a worker
+    thread starts with torch's default modes, not its caller's (H3, issue 12)."""
+
+    __slots__ = ("_fifo",)
+
+    def __init__(self):
+        self._fifo = queue_mod.SimpleQueue()
+
+    def put(self, task):
+        self._fifo.put((task, torch.is_inference_mode_enabled()))
+
+    def get(self):
+        return self._fifo.get()
+
+
 class _Worker:
     def __init__(self, name: str, backend: "CpuBackend"):
         self.name = name
         self.backend = backend
-        self.tasks: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
+        self.tasks = _Tasks()
         self.thread = threading.Thread(target=self._loop, name=f"ficco-{name}", daemon=True)
         self.thread.start()
 
     def _loop(self):
         torch.set_num_threads(1)
+        # ficco's work sits below autograd (the ops' autograd is registered on the ops), as on
+        # the caller's thread inside the op: recording here would refuse out= GEMMs on weights
+        # that require grad.
+        torch.set_grad_enabled(False)
+        inference = None            # the entered inference_mode while tasks ask for it
         while True:
-            task = self.tasks.get()
+            task, in_inference = self.tasks.get()
+            if in_inference != (inference is not None):
+                if inference is not None:
+                    inference.__exit__(None, None, None)
+                    inference = None
+                else:
+                    inference = torch.inference_mode()
+                    inference.__enter__()
             if task is None:
                 return
             if isinstance(task, CpuEvent):  # finish() marker: always delivered
