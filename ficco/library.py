@@ -1,0 +1,495 @@
+"""ficco's two ops as torch custom ops: ``torch.ops.ficco.all_gather_matmul`` and
+``torch.ops.ficco.matmul_reduce_scatter``, with fake kernels, autograd and autocast.
+
+Why custom ops: the dispatcher then treats a ficco call as one opaque op. Autograd records it
+(the backward of each op is the other op, overlapped too), ``torch.compile(fullgraph=True)``
+and ``torch.export`` put it in the graph as one node whose shapes come from the fake kernel,
+and the host work a call does (validation, cross-rank agreement, schedule selection, plan
+execution on worker threads) runs only in the op's real kernel, at run time, never traced.
+
+The ops take a group *name* (a string), so a traced graph carries no ProcessGroup object;
+:func:`group_name` turns what the public functions accept (None, a name, a ProcessGroup, a 1-D
+DeviceMesh) into it.
+
+Backward of ``c_j = all_gather(a) @ b_j`` needs the gathered ``a`` for ``grad_b_j``. Two ways,
+chosen by ``FICCO_BACKWARD_GATHER`` (see :mod:`ficco.config`):
+
+- ``save`` (default): the forward keeps its gathered ``a`` (``W*m x K`` per call, the same
+  activation a plain non-sequence-parallel linear keeps); the backward moves no extra bytes.
+- ``regather``: the forward keeps only the local shard (W times less activation memory); the
+  backward gathers ``a`` again, launched before the input-gradient reduce-scatter and waited
+  for only after it, so the two overlap (Megatron's choice for sequence parallelism).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import config
+from .errors import FiccoError, InvalidArgumentError
+
+# -- groups ------------------------------------------------------------------------------------
+SINGLE = ""   # the group name of a process without torch.distributed: world size 1
+
+
+def group_name(group) -> str:
+    """The name the ops take for ``group``: None (default group), a group name, a ProcessGroup
+    or a 1-D DeviceMesh. Plain Python, cheap; run at trace time under ``torch.compile``."""
+    if group is None:
+        if dist.is_available() and dist.is_initialized():
+            return dist.group.WORLD.group_name
+        return SINGLE
+    if isinstance(group, str):
+        return group
+    if dist.is_available() and isinstance(group, dist.ProcessGroup):
+        return group.group_name
+    mesh_type = _device_mesh_type()
+    if mesh_type is not None and isinstance(group, mesh_type):
+        if group.ndim != 1:
+            raise InvalidArgumentError(
+                f"group is a {group.ndim}-D DeviceMesh {tuple(group.shape)} with dims "
+                f"{group.mesh_dim_names}; pass the 1-D mesh of the tensor-parallel dimension, "
+                f"e.g. mesh['tp']")
+        return group.get_group().group_name
+    raise InvalidArgumentError(
+        f"group must be a torch.distributed ProcessGroup, a group name, a 1-D DeviceMesh or "
+        f"None; got {type(group).__name__}")
+
+
+def _device_mesh_type():
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # torch built without distributed
+        return None
+    return DeviceMesh
+
+
+@functools.lru_cache(maxsize=None)
+def _world_rank(name: str) -> tuple[int, int]:
+    if name == SINGLE:
+        return 1, 0
+    group = resolve(name)
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def resolve(name: str):
+    """The ProcessGroup named ``name`` (None for :data:`SINGLE`)."""
+    if name == SINGLE:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+# -- layouts -----------------------------------------------------------------------------------
+def restored_layout(moved_shape: Sequence[int], dim: int, rows: int, cols: int):
+    """(shape, stride) of a canonical contiguous ``(rows * prod(moved_shape[1:-1]), cols)``
+    matrix viewed as ``(rows, *moved_shape[1:-1], cols)`` with dim 0 moved to ``dim``: the
+    layout both ops return (the fake kernels promise it; the real ones are held to it)."""
+    shape = [rows, *moved_shape[1:-1], cols]
+    stride = [0] * len(shape)
+    step = 1
+    for i in range(len(shape) - 1, -1, -1):
+        stride[i] = step
+        step *= max(shape[i], 1)
+    order = list(range(1, len(shape)))
+    order.insert(dim, 0)
+    return [shape[i] for i in order], [stride[i] for i in order]
+
+
+def _moved_shape(a: Tensor, dim: int) -> list[int]:
+    shape = list(a.shape)
+    return [shape[dim], *shape[:dim], *shape[dim + 1:]]
+
+
+def _held_to(t: Tensor, shape, stride, inputs: Sequence[Tensor]) -> Tensor:
+    """``t`` in exactly ``(shape, stride)`` and sharing no memory with ``inputs`` (custom ops
+    must return fresh tensors); copies only when it is not already so."""
+    fresh = all(t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+                for x in inputs if x.numel())
+    if fresh and list(t.shape) == list(shape) and (t.numel() == 0 or list(t.stride()) == list(stride)):
+        return t
+    out = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
+    return out.copy_(t)
+
+
+def _check_dim(a: Tensor, dim: int, what: str) -> int:
+    nd = a.dim()
+    if nd < 2 or not isinstance(dim, int) or not -nd <= dim < nd or dim % nd == nd - 1:
+        raise InvalidArgumentError(
+            f"{what}={dim!r} does not name a row dimension of a tensor of shape "
+            f"{tuple(a.shape)}; use 0 … {max(nd - 2, 0)} (the last dimension is K)")
+    return dim % nd
+
+
+# -- the real kernels: host work, run at call time -----------------------------------------------
+def _eager_all_gather_matmul(a, bs, name, gather_dim, schedule, return_gathered):
+    from . import api
+
+    impl = getattr(api, "all_gather_matmul_eager", None) or api.all_gather_matmul
+    out = impl(a, list(bs), resolve(name), gather_dim=gather_dim, schedule=schedule,
+               return_gathered=return_gathered)
+    return out if return_gathered else (None, out)
+
+
+def _eager_matmul_reduce_scatter(a, bs, name, scatter_dim, reduce_op, schedule):
+    from . import api
+
+    impl = getattr(api, "matmul_reduce_scatter_eager", None)
+    if impl is None:
+        return _reference_matmul_reduce_scatter(a, bs, name, scatter_dim, reduce_op)
+    return impl(a, list(bs), resolve(name), scatter_dim=scatter_dim, reduce_op=reduce_op,
+                schedule=schedule)
+
+
+def _reference_matmul_reduce_scatter(a, bs, name, scatter_dim, reduce_op):
+    """Unoverlapped matmul + reduce-scatter (until ficco's own op is importable)."""
+    group = resolve(name)
+    world, _ = _world_rank(name)
+    outs = []
+    for b in bs:
+        full = (a @ b).movedim(scatter_dim, 0).contiguous()
+        if world == 1:
+            mine = full
+        else:
+            mine = full.new_empty((full.shape[0] // world, *full.shape[1:]))
+            dist.reduce_scatter_tensor(mine, full, group=group)
+            if reduce_op == "avg":
+                mine /= world
+        outs.append(mine.movedim(0, scatter_dim))
+    return outs
+
+
+# -- the ops ------------------------------------------------------------------------------------
+@torch.library.custom_op("ficco::all_gather_matmul", mutates_args=())
+def all_gather_matmul_op(a: Tensor, bs: list[Tensor], group: str, gather_dim: int,
+                         schedule: Optional[str], return_gathered: bool
+                         ) -> tuple[Tensor, list[Tensor]]:
+    """``(all_gather(a, gather_dim) or an empty tensor, [gathered @ b for b in bs])``."""
+    gathered, outs = _eager_all_gather_matmul(a, bs, group, gather_dim, schedule,
+                                              return_gathered)
+    world, _ = _world_rank(group)
+    moved = _moved_shape(a, gather_dim)
+    rows = world * moved[0]
+    inputs = [a, *bs]
+    outs = [_held_to(o, *restored_layout(moved, gather_dim, rows, b.shape[1]), inputs)
+            for o, b in zip(outs, bs)]
+    if return_gathered:
+        gathered = _held_to(gathered, *restored_layout(moved, gather_dim, rows, a.shape[-1]),
+                            [*inputs, *outs])
+    else:
+        gathered = a.new_empty(0)
+    return gathered, outs
+
+
+@all_gather_matmul_op.register_fake
+def _(a, bs, group, gather_dim, schedule, return_gathered):
+    gather_dim = _check_dim(a, gather_dim, "gather_dim")
+    _check_weights(a, bs, "a_shard")
+    world, _ = _world_rank(group)
+    moved = _moved_shape(a, gather_dim)
+    rows = world * moved[0]
+
+    def new(cols, dtype):
+        shape, stride = restored_layout(moved, gather_dim, rows, cols)
+        return a.new_empty_strided(shape, stride, dtype=dtype)
+
+    gathered = new(a.shape[-1], a.dtype) if return_gathered else a.new_empty(0)
+    return gathered, [new(b.shape[1], a.dtype) for b in bs]
+
+
+@torch.library.custom_op("ficco::matmul_reduce_scatter", mutates_args=())
+def matmul_reduce_scatter_op(a: Tensor, bs: list[Tensor], group: str, scatter_dim: int,
+                             reduce_op: str, schedule: Optional[str]) -> list[Tensor]:
+    """``[reduce_scatter(a @ b, scatter_dim, reduce_op) for b in bs]``."""
+    outs = _eager_matmul_reduce_scatter(a, bs, group, scatter_dim, reduce_op, schedule)
+    moved = _moved_shape(a, scatter_dim)
+    rows = _scattered_rows(moved[0], group)
+    return [_held_to(o, *restored_layout(moved, scatter_dim, rows, b.shape[1]), [a, *bs])
+            for o, b in zip(outs, bs)]
+
+
+@matmul_reduce_scatter_op.register_fake
+def _(a, bs, group, scatter_dim, reduce_op, schedule):
+    scatter_dim = _check_dim(a, scatter_dim, "scatter_dim")
+    _check_weights(a, bs, "a")
+    moved = _moved_shape(a, scatter_dim)
+    rows = _scattered_rows(moved[0], group)
+    return [a.new_empty_strided(*restored_layout(moved, scatter_dim, rows, b.shape[1]))
+            for b in bs]
+
+
+def _scattered_rows(total: int, group: str) -> int:
+    """This rank's rows of ``total``: the chunk rule both ops share (longer pieces first)."""
+    world, rank = _world_rank(group)
+    # problem.even_split's rule, written so a symbolic (dynamic-shape) total works too
+    return total // world + (1 if rank < total % world else 0)
+
+
+def _check_weights(a: Tensor, bs: Sequence[Tensor], a_name: str) -> None:
+    if not bs:
+        raise InvalidArgumentError("b is an empty list; pass a (K, n) tensor or a list of them")
+    for j, b in enumerate(bs):
+        if b.dim() != 2 or b.shape[0] != a.shape[-1]:
+            raise InvalidArgumentError(
+                f"b[{j}] has shape {tuple(b.shape)} but {a_name} {tuple(a.shape)} needs "
+                f"({a.shape[-1]}, n)")
+
+
+
+# -- the public functions' front end -------------------------------------------------------------
+def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
+                      return_gathered=False):
+    """``ficco.all_gather_matmul`` through the ``ficco::all_gather_matmul`` op (see that
+    function for the arguments). ``a_shard`` may be a DTensor sharded along ``gather_dim`` on
+    a 1-D mesh: its local shard is used and the mesh is the group."""
+    a_shard, group = _local_shard(a_shard, group, gather_dim, "a_shard")
+    b_is_list = isinstance(b, (list, tuple))
+    bs = list(b) if b_is_list else [b]
+    if _eager_suffices(a_shard, bs):
+        # No autograd, autocast, tracing or tensor subclass involved: the dispatcher would
+        # add ~100 us of Python per call and change nothing.
+        return _eager_public(a_shard, b, group, gather_dim, schedule, return_gathered)
+    name = group_name(group)
+    keep = return_gathered or (torch.is_grad_enabled() and any(x.requires_grad for x in bs)
+                               and _backward_gather() == "save")
+    gathered, outs = torch.ops.ficco.all_gather_matmul(a_shard, bs, name, gather_dim, schedule,
+                                                       keep)
+    out = outs if b_is_list else outs[0]
+    return (gathered, out) if return_gathered else out
+
+
+def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", schedule=None):
+    """``ficco.matmul_reduce_scatter`` through the ``ficco::matmul_reduce_scatter`` op."""
+    b_is_list = isinstance(b, (list, tuple))
+    bs = list(b) if b_is_list else [b]
+    if _eager_suffices(a, bs) or not isinstance(reduce_op, str):
+        return _eager_rs_public(a, b, group, scatter_dim, reduce_op, schedule)
+    outs = torch.ops.ficco.matmul_reduce_scatter(a, bs, group_name(group), scatter_dim,
+                                                 reduce_op, schedule)
+    return outs if b_is_list else outs[0]
+
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _eager_suffices(a, bs) -> bool:
+    if torch.compiler.is_compiling():
+        return False
+    if type(a) not in _PLAIN or any(type(x) not in _PLAIN for x in bs):
+        # subclasses (FakeTensor, FunctionalTensor, ...) need the op; non-tensors get the
+        # eager path's argument errors
+        return not isinstance(a, Tensor) or not all(isinstance(x, Tensor) for x in bs)
+    if torch.is_grad_enabled() and (a.requires_grad or any(x.requires_grad for x in bs)):
+        return False
+    return not (torch.is_autocast_enabled(a.device.type)
+                or torch._C._len_torch_dispatch_stack()
+                or torch._C._is_torch_function_mode_enabled())
+
+
+def _eager_public(a, b, group, gather_dim, schedule, return_gathered):
+    from . import api
+
+    impl = getattr(api, "all_gather_matmul_eager", None) or api.all_gather_matmul
+    return impl(a, b, group, gather_dim=gather_dim, schedule=schedule,
+                return_gathered=return_gathered)
+
+
+def _eager_rs_public(a, b, group, scatter_dim, reduce_op, schedule):
+    from . import api
+
+    impl = getattr(api, "matmul_reduce_scatter_eager", None)
+    if impl is None:
+        bs = list(b) if isinstance(b, (list, tuple)) else [b]
+        outs = _reference_matmul_reduce_scatter(a, bs, group_name(group), scatter_dim, reduce_op)
+        return outs if isinstance(b, (list, tuple)) else outs[0]
+    return impl(a, b, group, scatter_dim=scatter_dim, reduce_op=reduce_op, schedule=schedule)
+
+
+@torch.compiler.assume_constant_result
+def _backward_gather() -> str:
+    """FICCO_BACKWARD_GATHER, read when a graph is traced (a compiled graph keeps its value)."""
+    try:
+        return config.get("FICCO_BACKWARD_GATHER")
+    except FiccoError:   # knob not registered yet
+        return "save"
+
+
+def _local_shard(t, group, dim, name):
+    """(local tensor, group) for a DTensor sharded along ``dim`` on a 1-D mesh; else as given."""
+    if not _is_dtensor(t):
+        return t, group
+    from torch.distributed.tensor import Shard
+
+    mesh, placements = t.device_mesh, t.placements
+    nd = t.dim()
+    wanted = dim % nd if isinstance(dim, int) and -nd <= dim < nd else dim
+    if mesh.ndim != 1 or len(placements) != 1 or not (
+            isinstance(placements[0], Shard) and placements[0].dim == wanted):
+        raise InvalidArgumentError(
+            f"{name} is a DTensor with placements {tuple(placements)} on a {mesh.ndim}-D mesh; "
+            f"ficco takes a DTensor sharded along the gathered dimension (Shard({wanted})) on a "
+            f"1-D mesh, or a plain tensor: pass {name}.to_local() and group=<the 1-D mesh>")
+    if group is not None and group_name(group) != group_name(mesh):
+        raise InvalidArgumentError(
+            f"{name} is a DTensor on mesh {mesh} but group names another group; leave group "
+            f"as None to use the mesh's")
+    return t.to_local(), mesh
+
+
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(t, DTensor)
+
+
+# -- autograd: the backward of each op is the other op ------------------------------------------
+def _refuse_double_backward(*tensors) -> None:
+    if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad
+                                       for t in tensors):
+        raise FiccoError(
+            "ficco's ops have first-order gradients only: backward through "
+            "all_gather_matmul / matmul_reduce_scatter with create_graph=True (double backward) "
+            "is not supported; compute the higher-order term without ficco")
+
+
+def _rows(t: Tensor, dim: int) -> Tensor:
+    """``t`` as a matrix of rows, ``dim`` first (the row order both ops use)."""
+    return t.movedim(dim, 0).reshape(-1, t.shape[-1])
+
+
+def _gather(t: Tensor, group: str, dim: int) -> Tensor:
+    """all_gather(t, dim) as a functional collective: traceable, and in eager mode it waits only
+    where the result is first used, so work issued in between overlaps it."""
+    if group == SINGLE:
+        return t
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.all_gather_tensor(t.contiguous(), dim, group)
+
+
+def _reduce_scatter(t: Tensor, group: str, dim: int) -> Tensor:
+    if group == SINGLE:
+        return t
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.reduce_scatter_tensor(t.contiguous(), "sum", dim, group)
+
+
+def _ag_setup_context(ctx, inputs, output):
+    a, bs, group, gather_dim, _schedule, return_gathered = inputs
+    gathered, _outs = output
+    ctx.group, ctx.dim = group, gather_dim % a.dim()
+    ctx.a_needs = a.requires_grad
+    ctx.b_needs = [b.requires_grad for b in bs]
+    # grad_b needs the gathered a: kept from the forward when it returned it, else the
+    # backward gathers the saved shard again (FICCO_BACKWARD_GATHER=regather).
+    keep_gathered = return_gathered and any(ctx.b_needs)
+    keep_shard = any(ctx.b_needs) and not keep_gathered
+    ctx.save_for_backward(gathered if keep_gathered else None, a if keep_shard else None,
+                          *(bs if ctx.a_needs else ()))
+
+
+def _ag_backward(ctx, grad_gathered, grad_outs):
+    gathered, shard, *bs = ctx.saved_tensors
+    _refuse_double_backward(grad_gathered, *grad_outs)
+    if shard is not None:
+        gathered = _gather(shard, ctx.group, ctx.dim)   # in flight during the reduce-scatter
+    grad_a = None
+    if ctx.a_needs:
+        pairs = [(g, b) for g, b in zip(grad_outs, bs) if g is not None]
+        if pairs:
+            # sum_j grad_c_j @ b_j^T as one GEMM: [grad_c_1 | grad_c_2 ...] @ [b_1^T; b_2^T ...]
+            grad_c = pairs[0][0] if len(pairs) == 1 else torch.cat([g for g, _ in pairs], -1)
+            b_t = pairs[0][1].t() if len(pairs) == 1 else torch.cat([b.t() for _, b in pairs])
+            grad_a = torch.ops.ficco.matmul_reduce_scatter(grad_c, [b_t], ctx.group, ctx.dim,
+                                                           "sum", None)[0]
+        if grad_gathered is not None and grad_gathered.numel():
+            # The caller used the gathered a itself: its gradient is reduce-scattered too.
+            extra = _reduce_scatter(grad_gathered, ctx.group, ctx.dim)
+            grad_a = extra if grad_a is None else grad_a + extra
+    grad_bs = []
+    for g, needs in zip(grad_outs, ctx.b_needs):
+        grad_bs.append(_rows(gathered, ctx.dim).t() @ _rows(g, ctx.dim)
+                       if needs and g is not None else None)
+    return grad_a, grad_bs, None, None, None, None
+
+
+def _rs_setup_context(ctx, inputs, output):
+    a, bs, group, scatter_dim, reduce_op, _schedule = inputs
+    ctx.group, ctx.dim, ctx.reduce_op = group, scatter_dim % a.dim(), reduce_op
+    ctx.a_needs = a.requires_grad
+    ctx.b_needs = [b.requires_grad for b in bs]
+    world, _ = _world_rank(group)
+    rows = a.shape[ctx.dim]
+    if rows % world:
+        raise InvalidArgumentError(
+            f"the backward of matmul_reduce_scatter gathers the output gradient, which needs "
+            f"equal shards: {rows} rows along scatter_dim={scatter_dim} do not split evenly "
+            f"over {world} ranks; pad the rows to a multiple of {world} to train through it")
+    ctx.world = world
+    ctx.save_for_backward(a if any(ctx.b_needs) else None, *(bs if ctx.a_needs else ()))
+
+
+def _rs_backward(ctx, grad_outs):
+    a, *bs = ctx.saved_tensors
+    _refuse_double_backward(*grad_outs)
+    grad_a, grad_bs = None, []
+    for j, (g, b_needs) in enumerate(zip(grad_outs, ctx.b_needs)):
+        if g is None:
+            grad_bs.append(None)
+            continue
+        if ctx.reduce_op == "avg":
+            g = g / ctx.world
+        if ctx.a_needs:
+            # grad_a = all_gather(grad_d) @ b^T, the gathered grad_d reused for grad_b.
+            gathered, (part,) = torch.ops.ficco.all_gather_matmul(
+                g, [bs[j].t()], ctx.group, ctx.dim, None, b_needs)
+            grad_a = part if grad_a is None else grad_a + part
+        elif b_needs:
+            gathered = _gather(g, ctx.group, ctx.dim)
+        grad_bs.append(_rows(a, ctx.dim).t() @ _rows(gathered, ctx.dim) if b_needs else None)
+    return grad_a, grad_bs, None, None, None, None
+
+
+all_gather_matmul_op.register_autograd(_ag_backward, setup_context=_ag_setup_context)
+matmul_reduce_scatter_op.register_autograd(_rs_backward, setup_context=_rs_setup_context)
+
+
+# -- autocast: the GEMMs run in the autocast dtype, as torch.matmul would -------------------------
+_impls = torch.library.Library("ficco", "IMPL")
+
+
+def _register_autocast(op, device_type: str) -> None:
+    key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+    excluded = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+    overload = op._opoverload
+
+    def cast(value, dtype):
+        if isinstance(value, Tensor):
+            eligible = (value.is_floating_point() and value.device.type == device_type
+                        and value.dtype is not torch.float64)
+            return value.to(dtype) if eligible else value
+        if isinstance(value, (list, tuple)):
+            return type(value)(cast(v, dtype) for v in value)
+        return value
+
+    def kernel(_keyset, *args):
+        # Unlike torch.library.register_autocast (one fixed dtype), read the dtype the
+        # caller's autocast region asks for.
+        dtype = torch.get_autocast_dtype(device_type)
+        with torch._C._ExcludeDispatchKeyGuard(excluded):
+            return overload(*(cast(x, dtype) for x in args))
+
+    _impls.impl(overload._name.split("::")[1], kernel, key, with_keyset=True)
+
+
+for _op in (all_gather_matmul_op, matmul_reduce_scatter_op):
+    for _device in ("cpu", "cuda"):
+        _register_autocast(_op, _device)
