@@ -1,5 +1,5 @@
 """Where the host time of one eager W=8 call goes: cProfile of repeated enqueues of one
-schedule (rank 0 of a simulated 8-rank group on one GPU, as in gpu_measure.enqueue_cost).
+schedule (rank 0 of a simulated 8-rank group on one GPU, as in ficco.bench.gpu_probes.measure_enqueue).
 
 Usage: ``python bench/gpu_enqueue_profile.py [schedule] [calls]``; prints the top functions.
 """
@@ -12,9 +12,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gpu_measure import DTYPE, fake_group_handle  # noqa: E402
+from ficco.bench.gpu_probes import DTYPE, fake_group_handle  # noqa: E402
 
 from ficco import schedules  # noqa: E402
 from ficco.backends import get_backend  # noqa: E402

@@ -198,9 +198,15 @@ def test_characterize_quick_writes_a_loadable_profile(tmp_path):
 def test_timeline_two_ranks_draws_measured_and_predicted(tmp_path):
     out = tmp_path / "tl"
     _run(["timeline", "--shape", "64,32,48", "--schedule", "uniform-fused-1d", "--warmup", "1",
-          "--out", str(out)], tmp_path, ranks=2)
-    assert _is_png(out / "timeline-uniform-fused-1d-measured-rank0.png")
-    assert _is_png(out / "timeline-uniform-fused-1d-predicted.png")
+          "--rank", "all", "--out", str(out)], tmp_path, ranks=2)
+    assert _is_png(out / "timeline-uniform-fused-1d.png")
+    trace = json.loads((out / "timeline-uniform-fused-1d.trace.json").read_text())
+    processes = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
+                 if e["ph"] == "M" and e["name"] == "process_name"}
+    assert [name.split(":")[0] for name in processes.values()] == \
+        ["measured, rank 0", "measured, rank 1", "predicted on profile cpu"]
+    ops = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert ops and all(e["dur"] >= 0 and e["ts"] >= 0 for e in ops)
     record = json.loads((out / "timeline.json").read_text())
     assert record["schema"] == results.TIMELINE_SCHEMA and record["world"] == 2
     assert record["max_abs_err"] < 1e-3
@@ -208,6 +214,10 @@ def test_timeline_two_ranks_draws_measured_and_predicted(tmp_path):
         assert rows and all({"queue", "start_s", "end_s", "kind"} <= set(r) for r in rows)
         assert all(r["end_s"] >= r["start_s"] for r in rows)
     assert {r["queue"] for r in record["measured_rows"]["1"]} >= {"compute", "copy0"}
+    # the trace holds exactly the bars of the record, per rank, in microseconds
+    by_pid = {pid: sorted(e["ts"] for e in ops if e["pid"] == pid) for pid in processes}
+    assert by_pid[0] == sorted(r["start_s"] * 1e6 for r in record["measured_rows"]["0"])
+    assert len(by_pid[2]) == len(record["predicted_rows"])
 
 
 def test_docs_list_every_sweep_field():

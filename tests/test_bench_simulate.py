@@ -37,9 +37,14 @@ def test_simulate_shape_draws_a_png_per_scenario(tmp_path):
     assert pngs[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_simulate_rejects_a_bad_shape(tmp_path):
+def test_simulate_rejects_a_bad_shape(tmp_path, capsys):
+    assert bench_main(["simulate", "--scenarios", "none", "--shape", "1,2",
+                       "--out", str(tmp_path)]) == 2
+    assert "M,N,K" in capsys.readouterr().err
     with pytest.raises(InvalidArgumentError, match="M,N,K"):
-        bench_main(["simulate", "--scenarios", "none", "--shape", "1,2", "--out", str(tmp_path)])
+        from ficco.bench import simulate
+        simulate.scenarios(type("Args", (), {"scenarios": "none", "shape": ["1,2"],
+                                             "scale": 1, "world": 8})())
 
 
 def test_draw_gantt_lanes_and_file(tmp_path):

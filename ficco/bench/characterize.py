@@ -4,9 +4,9 @@ Figs. 7-9) and write a profile JSON that ``FICCO_PROFILE`` accepts.
 Everything runs through the active backend's queues (streams on GPUs, worker threads on CPU),
 so the copies measured are the copies ficco makes (DMA on GPUs, ``cudaMemcpy2DAsync`` for 2D)::
 
-    python -m ficco.bench characterize --quick            # CPU: seconds
-    python -m ficco.bench characterize                    # one GPU: a few minutes
-    FICCO_PROFILE=bench/results/characterize-.../profile.json python my_model.py
+    python -m ficco.bench characterize                    # CPU: quick sizes, seconds
+    python -m ficco.bench characterize                    # one GPU: Table I sizes, minutes
+    FICCO_PROFILE=bench/runs/characterize-.../profile.json python my_model.py
 
 Measured:
 - DIL: each GEMM whole vs. as 8 and 64 row (M) pieces and 8 and 64 column (K) pieces that
@@ -15,13 +15,14 @@ Measured:
   size, as a fraction of the best 1D bandwidth seen, plus 2D efficiency by row width (Fig. 9).
 - CIL: an 8-way M piece of each GEMM alone vs. beside copies saturating the copy queues, and
   a copy alone vs. beside back-to-back GEMMs (Fig. 8).
+- GPU only (``--parts paths,enqueue``, :mod:`ficco.bench.gpu_probes`): which device activity
+  each copy path produces, and the host time to enqueue a W = 8 plan.
 The profile starts from the built-in one for this target and replaces what was measured;
 ``sources`` in the JSON says which numbers came from where.
 """
 from __future__ import annotations
 
 import dataclasses
-import datetime
 from pathlib import Path
 
 import torch
@@ -29,10 +30,19 @@ import torch
 from ..errors import InvalidArgumentError
 from . import results
 from .fit import fit_profile
-from .timing import Timer, _backend, _cover
+from .cli import progress_bar, require_plots, run_dir
+from .timing import Timer, _cover, backend_for_characterize
 from .scenarios import Scenario, paper
 
+EXAMPLES = """\
+  python -m ficco.bench characterize                 # sizes that fit the device (CPU: quick)
+  CUDA_VISIBLE_DEVICES=0 python -m ficco.bench characterize --only g1,g2,g14
+  python -m ficco.bench characterize --parts copy,dil,cil,paths,enqueue   # GPU extras
+  python -m ficco.bench characterize --refit bench/runs/characterize-cpu-<date>"""
+
 DIL_WAYS = (8, 64)
+PARTS = ("copy", "dil", "cil")
+GPU_PARTS = ("paths", "enqueue")
 ROW_WIDTH_2D = 2048          # bytes per row of a 2D copy in the by-size curve (K/8 of bf16 K=8192)
 
 
@@ -49,10 +59,20 @@ class Settings:
     copy_to_host: bool = False
 
 
-def settings_for(args, device: torch.device) -> Settings:
-    """``--quick``: a few tiny GEMMs and copies (CPU seconds). Otherwise the paper's GEMMs as
-    one GPU of eight runs them, M divided by ``--scale``, and copies from 4 KiB to 256 MiB."""
+def size_for(args, device: torch.device) -> str:
+    """``quick`` or ``full``: ``--size`` (``--quick`` = quick); ``auto`` is quick on a CPU,
+    where Table I GEMMs at M/4 take many minutes and gigabytes, and full on a GPU."""
     if args.quick:
+        return "quick"
+    if args.size != "auto":
+        return args.size
+    return "quick" if device.type == "cpu" else "full"
+
+
+def settings_for(args, device: torch.device) -> Settings:
+    """``quick``: a few tiny GEMMs and copies (CPU seconds). ``full``: the paper's GEMMs as
+    one GPU of eight runs them, M divided by ``--scale``, and copies from 4 KiB to 256 MiB."""
+    if size_for(args, device) == "quick":
         gemms = (Scenario("tall", 1024, 128, 256, "quick"),
                  Scenario("wide", 256, 128, 1024, "quick"),
                  Scenario("square", 512, 256, 512, "quick"))
@@ -73,29 +93,36 @@ def settings_for(args, device: torch.device) -> Settings:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU, CI)")
+    parser.add_argument("--size", default="auto", choices=("auto", "quick", "full"),
+                        help="quick: tiny GEMMs and copies (seconds); full: Table I GEMMs and "
+                             "copies up to 256 MiB (minutes on a GPU); auto: quick on CPU, "
+                             "full on a GPU")
+    parser.add_argument("--quick", action="store_true", help="same as --size quick")
+    parser.add_argument("--parts", default="copy,dil,cil",
+                        help="what to measure: copy, dil, cil; on a GPU also paths (copy "
+                             "paths and their device activities) and enqueue (host time per "
+                             "W=8 plan)")
     parser.add_argument("--scale", type=int, default=4,
-                        help="divide the paper GEMMs' M by this (default 4)")
+                        help="full size: divide the paper GEMMs' M by this")
     parser.add_argument("--only", default=None, help="comma list of paper GEMMs, e.g. g1,g2")
     parser.add_argument("--dtype", default=None,
                         help="GEMM dtype (default bfloat16 on GPU, float32 on CPU)")
-    parser.add_argument("--repeat", type=int, default=None, help="timed runs per point")
+    parser.add_argument("--repeat", type=int, default=None,
+                        help="timed runs per point (default 3 quick, 5 full)")
     parser.add_argument("--copy-queues", type=int, default=None,
-                        help="copy queues kept busy in the CIL runs (default 7 on GPU)")
-    parser.add_argument("--queues", default="auto",
-                        choices=("auto", "backend", "torch", "torch-ce"),
-                        help="time on ficco's backend queues; on torch.cuda streams (torch-ce: "
-                             "copies hinted onto copy engines); auto (default): the backend, "
-                             "else torch streams on a GPU")
+                        help="copy queues kept busy in the CIL runs (default 7 on a GPU, one "
+                             "per peer of an 8-GPU node; 2 on CPU)")
     parser.add_argument("--copy-to", default="device", choices=("device", "host"),
                         help="copy destination: device (a copy inside the GPU, which CUDA runs "
-                             "on the SMs) or host (pinned memory: surely a copy engine, at PCIe "
-                             "speed; needs --queues torch on GPUs)")
+                             "on the SMs) or host (pinned memory, torch's copy_ on the "
+                             "backend's queue: surely a copy engine, at PCIe speed)")
     parser.add_argument("--base", default=None,
                         help="built-in profile to start from (default: detected for the target)")
     parser.add_argument("--name", default=None, help="name of the written profile")
     parser.add_argument("--out", default=None,
-                        help="directory (default bench/results/characterize-<target>-<date>)")
+                        help="directory (default bench/runs/characterize-<target>-<date>)")
+    parser.add_argument("--no-plots", action="store_true",
+                        help="write the profile and records only (no matplotlib needed)")
     parser.add_argument("--refit", default=None, metavar="DIR",
                         help="measure nothing: refit DIR/characterize.jsonl into a profile and "
                              "plots (written to --out, default DIR)")
@@ -141,7 +168,7 @@ def measure_dil(timer: Timer, st: Settings, dtype: torch.dtype, device, progress
                     schema=results.CHARACTERIZE_SCHEMA, kind="dil", gemm=g.name, M=g.big_m,
                     N=g.n, K=g.k, split=split, ways=ways, whole_s=whole_s, sharded_s=sharded_s,
                     dil=sharded_s / whole_s, flops_per_s=2 * g.big_m * g.n * g.k / whole_s))
-        progress.update(1)
+        progress.dil(g)
         del a, b, out
     return out_records
 
@@ -161,6 +188,67 @@ def _copy_pair(nbytes: int, width: int | None, device, to_host: bool = False):
     return dst[:, :width], src[:, :width]
 
 
+def _mover(backend, st: Settings, two_d: bool):
+    """The copy measured: the backend's DMA copy (1D or 2D), or for ``--copy-to host`` torch's
+    ``copy_`` into pinned memory issued on the backend's queue (a copy engine on a GPU)."""
+    if st.copy_to_host:
+        return lambda dst, src, q: backend.launch(q, lambda: dst.copy_(src, non_blocking=True))
+    return backend.copy_2d if two_d else backend.copy
+
+
+class Work:
+    """Estimated seconds of each measured point, from the base profile's peak FLOP/s and
+    memory bandwidth, so the bar and its ETA move with the work rather than the point count
+    (one Table I GEMM costs as much as thousands of small copies)."""
+
+    def __init__(self, st: Settings, profile, dtype: str, bar):
+        self.st, self.bar = st, bar
+        self.flops_per_s = 0.5 * profile.flops(dtype)
+        self.bytes_per_s = 0.5 * profile.hbm_bytes_per_s
+        self.latency_s = profile.copy_latency_s
+        self.element = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+    def _gemm_s(self, g: Scenario, rows: int) -> float:
+        flops_s = 2 * rows * g.n * g.k / self.flops_per_s
+        return max(flops_s, (rows * g.k + g.k * g.n + rows * g.n) * self.element / self.bytes_per_s)
+
+    def _copy_s(self, nbytes: int) -> float:
+        return self.latency_s + 2 * nbytes / self.bytes_per_s
+
+    def dil_s(self, g: Scenario) -> float:
+        # the whole GEMM and four splits of it, each warmed up and repeated
+        return 5 * (self.st.warmup + self.st.repeat) * self._gemm_s(g, g.big_m)
+
+    def copy_s(self, nbytes: int) -> float:
+        return (self.st.warmup + self.st.repeat) * self._copy_s(nbytes)
+
+    def cil_s(self, g: Scenario) -> float:
+        piece_s = self._gemm_s(g, max(1, g.big_m // 8))
+        noise_s = self._copy_s(self.st.noise_copy_bytes)
+        return (self.st.warmup + self.st.repeat) * piece_s \
+            + 2 * self.st.repeat * 2.5 * max(piece_s, noise_s)
+
+    def total_s(self, parts) -> float:
+        st, total = self.st, 0.0
+        if "copy" in parts:
+            total += sum(self.copy_s(n) for n in st.copy_sizes) * 2 \
+                + self.copy_s(st.width_probe_bytes) * len(st.widths_2d)
+        if "dil" in parts:
+            total += sum(self.dil_s(g) for g in st.gemms)
+        if "cil" in parts:
+            total += sum(self.cil_s(g) for g in st.gemms)
+        return total
+
+    def dil(self, g):
+        self.bar.update(self.dil_s(g))
+
+    def copy(self, nbytes):
+        self.bar.update(self.copy_s(nbytes))
+
+    def cil(self, g):
+        self.bar.update(self.cil_s(g))
+
+
 def measure_copies(timer: Timer, st: Settings, device, progress) -> list[dict]:
     backend, q = timer.backend, timer.copies[0]
     recs = []
@@ -168,32 +256,34 @@ def measure_copies(timer: Timer, st: Settings, device, progress) -> list[dict]:
         for nbytes in st.copy_sizes:
             width = None if shape == "1d" else min(ROW_WIDTH_2D, nbytes)
             dst, src = _copy_pair(nbytes, width, device, st.copy_to_host)
-            move = backend.copy if width is None else backend.copy_2d
+            move = _mover(backend, st, two_d=width is not None)
             seconds = timer.alone(q, lambda qq: move(dst, src, qq), st.warmup, st.repeat)
             recs.append(dict(schema=results.CHARACTERIZE_SCHEMA, kind="copy", shape=shape,
                              bytes=dst.numel(), width_bytes=width or nbytes, time_s=seconds,
                              bytes_per_s=dst.numel() / seconds))
-            progress.update(1)
+            progress.copy(nbytes)
     best = max(r["bytes_per_s"] for r in recs if r["shape"] == "1d")
     for r in recs:
         r["efficiency"] = r["bytes_per_s"] / best
     flat_dst, flat_src = _copy_pair(st.width_probe_bytes, None, device, st.copy_to_host)
-    flat_s = timer.alone(q, lambda qq: backend.copy(flat_dst, flat_src, qq), st.warmup, st.repeat)
+    flat, two_d = _mover(backend, st, two_d=False), _mover(backend, st, two_d=True)
+    flat_s = timer.alone(q, lambda qq: flat(flat_dst, flat_src, qq), st.warmup, st.repeat)
     for width in st.widths_2d:
         dst, src = _copy_pair(st.width_probe_bytes, width, device, st.copy_to_host)
-        seconds = timer.alone(q, lambda qq: backend.copy_2d(dst, src, qq), st.warmup, st.repeat)
+        seconds = timer.alone(q, lambda qq: two_d(dst, src, qq), st.warmup, st.repeat)
         recs.append(dict(schema=results.CHARACTERIZE_SCHEMA, kind="copy_width", shape="2d",
                          bytes=dst.numel(), width_bytes=width, time_s=seconds,
                          bytes_per_s=dst.numel() / seconds,
                          ratio_to_1d=(dst.numel() / seconds) / (flat_dst.numel() / flat_s)))
-        progress.update(1)
+        progress.copy(st.width_probe_bytes)
     return recs
 
 
 def measure_cil(timer: Timer, st: Settings, dtype: torch.dtype, device, progress) -> list[dict]:
     backend = timer.backend
     noise_dst, noise_src = _copy_pair(st.noise_copy_bytes, None, device, st.copy_to_host)
-    noise_copy = lambda q: backend.copy(noise_dst, noise_src, q)  # noqa: E731
+    move = _mover(backend, st, two_d=False)
+    noise_copy = lambda q: move(noise_dst, noise_src, q)  # noqa: E731
     copy_s = timer.alone(timer.copies[0], noise_copy, st.warmup, st.repeat)
     recs = []
     for g in st.gemms:
@@ -213,40 +303,65 @@ def measure_cil(timer: Timer, st: Settings, dtype: torch.dtype, device, progress
                          cil=gemm_beside / gemm_alone))
         recs.append(dict(common, victim="copy", alone_s=copy_s, beside_s=copy_beside,
                          cil=copy_beside / copy_s))
-        progress.update(1)
+        progress.cil(g)
         del a, b, out
     return recs
 
 
 def main(args) -> int:
+    require_plots("characterize", not args.no_plots, "--no-plots")
     if args.refit:
         return refit(args)
-    from tqdm import tqdm
+    from ..heuristics import profiles
 
-    backend = _backend(args.queues)
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = [p for p in parts if p not in PARTS + GPU_PARTS]
+    if unknown or not parts:
+        raise InvalidArgumentError(f"--parts {args.parts!r}: use a comma list of "
+                                   f"{', '.join(PARTS + GPU_PARTS)}")
+    backend = backend_for_characterize()
     device = backend.device()
+    gpu_parts = [p for p in parts if p in GPU_PARTS]
+    if gpu_parts and device.type == "cpu":
+        raise InvalidArgumentError(f"--parts {','.join(gpu_parts)} measure a GPU; the active "
+                                   f"backend runs on cpu")
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     if dtype not in ("float32", "bfloat16", "float16", "float64"):
         raise InvalidArgumentError(f"--dtype {dtype!r}; use float32, bfloat16, float16 or float64")
     st = settings_for(args, device)
     target = backend.target()
     env = results.environment(1, target, device)
-    env["env_queues"] = getattr(backend, "name", "?") \
-        + (", copies to host" if st.copy_to_host else "")
+    env["env_queues"] = f"ficco {target} backend" \
+        + (", copies to pinned host memory" if st.copy_to_host else "")
     timer = Timer(backend, st.copy_queues)
-    steps = 2 * len(st.gemms) + 2 * len(st.copy_sizes) + len(st.widths_2d)
+    base = profiles.load(args.base or profiles.detect(
+        target, env["env_device"] if device.type != "cpu" else None))
     torch.manual_seed(0)
-    with tqdm(total=steps, desc="characterize", unit="point", dynamic_ncols=True) as progress:
-        recs = measure_copies(timer, st, device, progress)
-        recs += measure_dil(timer, st, getattr(torch, dtype), device, progress)
-        recs += measure_cil(timer, st, getattr(torch, dtype), device, progress)
+    size = size_for(args, device)
+    print(f"characterize: {size} sizes ({len(st.gemms)} GEMMs, {len(st.copy_sizes)} copy sizes) "
+          f"on {env['env_device']}, parts {','.join(parts)}"
+          + ("; --size full for Table I GEMMs" if size == "quick" else ""))
+    recs = []
+    with progress_bar("characterize", 1.0, "point", weighted=True) as bar:
+        work = Work(st, base, dtype, bar)
+        bar.total = work.total_s(parts) or 1.0
+        if "copy" in parts:
+            recs += measure_copies(timer, st, device, work)
+        if "dil" in parts:
+            recs += measure_dil(timer, st, getattr(torch, dtype), device, work)
+        if "cil" in parts:
+            recs += measure_cil(timer, st, getattr(torch, dtype), device, work)
+        if gpu_parts:
+            from . import gpu_probes
+
+            if "paths" in gpu_parts:
+                recs += gpu_probes.measure_copy_paths(backend, size == "quick")
+            if "enqueue" in gpu_parts:
+                recs += gpu_probes.measure_enqueue(backend, size == "quick")
     for r in recs:
         r["env"] = env
         r["dtype"] = dtype
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    safe_target = "".join(c if c.isalnum() or c in "_." else "-" for c in target)
-    out_dir = Path(args.out or Path("bench") / "results" / f"characterize-{safe_target}-{stamp}")
-    return _write(args, recs, out_dir)
+    return _write(args, recs, run_dir("characterize", target, args.out))
 
 
 def refit(args) -> int:
@@ -260,7 +375,9 @@ def refit(args) -> int:
 
 def _write(args, recs: list[dict], out_dir: Path) -> int:
     from ..heuristics import profiles
-    from . import plots
+
+    if not getattr(args, "no_plots", False):
+        from . import plots
 
     env = recs[0]["env"]
     target = env["env_backend"]
@@ -273,10 +390,15 @@ def _write(args, recs: list[dict], out_dir: Path) -> int:
                           f"{env['env_time'][:10]}")
     profile.to_json(out_dir / "profile.json")
     results.write_jsonl(out_dir / "characterize.jsonl", recs)
-    pngs = [plots.plot_dil([r for r in recs if r["kind"] == "dil"], out_dir / "dil.png"),
-            plots.plot_copy_efficiency([r for r in recs if r["kind"] == "copy"],
-                                       out_dir / "copy_efficiency.png"),
-            plots.plot_cil([r for r in recs if r["kind"] == "cil"], out_dir / "cil.png")]
+    pngs = []
+    drawers = () if getattr(args, "no_plots", False) else (
+        ("dil", plots.plot_dil, "dil.png"), ("copy", plots.plot_copy_efficiency,
+                                             "copy_efficiency.png"),
+        ("cil", plots.plot_cil, "cil.png"))
+    for kind, draw, name in drawers:
+        kept = [r for r in recs if r["kind"] == kind]
+        if kept:
+            pngs.append(draw(kept, out_dir / name))
     print(summary(recs, profile))
     print(f"wrote {out_dir / 'profile.json'}, {out_dir / 'characterize.jsonl'}, "
           + ", ".join(str(p) for p in pngs))

@@ -36,6 +36,13 @@ def draw_gantt(rows: list[dict], path, title: str) -> Path:
     >>> out.stat().st_size > 0
     True
     """
+    return draw_panels([(title, rows)], path)
+
+
+def draw_panels(panels: list[tuple[str, list[dict]]], path, title: str | None = None) -> Path:
+    """Several timelines one above the other on one shared time axis (e.g. a measured call
+    above the simulator's prediction of the same Plan), each ``(title, rows)`` in its own
+    lanes. One scale makes the two comparable at a glance; two files never were."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -44,30 +51,66 @@ def draw_gantt(rows: list[dict], path, title: str) -> Path:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    queues = sorted({r["queue"] for r in rows}, key=_queue_order)
-    lane = {q: i for i, q in enumerate(queues)}
-    end_s = max((r["end_s"] for r in rows), default=0.0)
+    all_rows = [r for _, rows in panels for r in rows]
+    end_s = max((r["end_s"] for r in all_rows), default=0.0)
     scale, unit = (1e3, "ms") if end_s >= 1e-3 else (1e6, "us")
-    fig, ax = plt.subplots(figsize=(11, 0.45 * max(len(queues), 2) + 1.4))
-    for r in rows:
-        width = (r["end_s"] - r["start_s"]) * scale
-        colour = KIND_COLOURS.get(r["kind"], "#999999")
-        ax.barh(lane[r["queue"]], max(width, end_s * scale * 1e-4), left=r["start_s"] * scale,
-                height=0.7, color=colour, edgecolor="black", linewidth=0.2)
-        # Label only bars wide enough to hold text; narrow ones would be unreadable clutter.
-        if width > end_s * scale * 0.06 and r.get("label"):
-            ax.text((r["start_s"] * scale) + width / 2, lane[r["queue"]], r["label"],
-                    ha="center", va="center", fontsize=6, clip_on=True)
-    ax.set_yticks(range(len(queues)))
-    ax.set_yticklabels(queues, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel(f"time ({unit})")
-    ax.set_title(title, fontsize=9)
-    kinds = sorted({r["kind"] for r in rows})
-    ax.legend(handles=[Patch(color=KIND_COLOURS.get(k, "#999999"), label=k) for k in kinds],
-              fontsize=7, loc="upper right", ncol=min(len(kinds), 6))
-    ax.grid(axis="x", alpha=0.3)
+    lanes = [sorted({r["queue"] for r in rows}, key=_queue_order) for _, rows in panels]
+    heights = [max(len(q), 2) for q in lanes]
+    fig, axes = plt.subplots(len(panels), 1, sharex=True, squeeze=False,
+                             figsize=(11, 0.45 * sum(heights) + 1.2 * len(panels) + 0.4),
+                             gridspec_kw={"height_ratios": heights})
+    for ax, (panel_title, rows), queues in zip(axes[:, 0], panels, lanes):
+        lane = {q: i for i, q in enumerate(queues)}
+        for r in rows:
+            width = (r["end_s"] - r["start_s"]) * scale
+            colour = KIND_COLOURS.get(r["kind"], "#999999")
+            ax.barh(lane[r["queue"]], max(width, end_s * scale * 1e-4),
+                    left=r["start_s"] * scale, height=0.7, color=colour, edgecolor="black",
+                    linewidth=0.2)
+            # Label only bars wide enough to hold text; narrow ones would be unreadable clutter.
+            if width > end_s * scale * 0.06 and r.get("label"):
+                ax.text((r["start_s"] * scale) + width / 2, lane[r["queue"]], r["label"],
+                        ha="center", va="center", fontsize=6, clip_on=True)
+        ax.set_yticks(range(len(queues)))
+        ax.set_yticklabels(queues, fontsize=8)
+        ax.set_ylim(len(queues) - 0.5, -0.5)
+        ax.set_title(panel_title, fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel(f"time ({unit})")
+    axes[-1, 0].set_xlim(0, end_s * scale * 1.01 or 1)
+    kinds = sorted({r["kind"] for r in all_rows})
+    axes[0, 0].legend(handles=[Patch(color=KIND_COLOURS.get(k, "#999999"), label=k)
+                               for k in kinds],
+                      fontsize=7, loc="upper right", ncol=min(max(len(kinds), 1), 6))
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def chrome_trace(panels: list[tuple[str, list[dict]]]) -> dict:
+    """The same timelines as a Chrome trace (open in chrome://tracing or ui.perfetto.dev): one
+    process per panel, one thread per queue, one complete event per op, times in us.
+
+    >>> t = chrome_trace([("measured rank 0", [{"queue": "compute", "start_s": 0.0,
+    ...                    "end_s": 2e-6, "kind": "gemm", "label": "gemm 0"}])])
+    >>> [e["ph"] for e in t["traceEvents"]], t["traceEvents"][-1]["dur"]
+    (['M', 'M', 'X'], 2.0)
+    """
+    events = []
+    for pid, (name, rows) in enumerate(panels):
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
+                       "args": {"name": name}})
+        queues = sorted({r["queue"] for r in rows}, key=_queue_order)
+        tids = {q: i for i, q in enumerate(queues)}
+        events += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tids[q],
+                    "args": {"name": q}} for q in queues]
+        for r in rows:
+            events.append({"ph": "X", "name": r.get("label") or r["kind"], "cat": r["kind"],
+                           "pid": pid, "tid": tids[r["queue"]], "ts": r["start_s"] * 1e6,
+                           "dur": (r["end_s"] - r["start_s"]) * 1e6,
+                           "args": {k: v for k, v in r.items()
+                                    if k not in ("start_s", "end_s", "queue")}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}

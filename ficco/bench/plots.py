@@ -4,8 +4,8 @@ Sweep plots take the records of :mod:`ficco.bench.results`; characterize plots t
 ``dil`` / ``copy`` / ``cil`` records that ``characterize`` writes. Example::
 
     from ficco.bench import plots, results
-    recs = results.read_jsonl("bench/results/sweep-cpu-20261122/results.jsonl")
-    plots.sweep_plots(recs, "bench/results/sweep-cpu-20261122")   # -> list of PNG paths
+    recs = results.read_jsonl("bench/results/sweep-cpu-20261122-191934/results.jsonl")
+    plots.sweep_plots(recs, "/tmp/replot")   # -> list of PNG paths
 """
 from __future__ import annotations
 
@@ -46,39 +46,60 @@ def ideal_speedup(ratio: float) -> float:
     return (1 + ratio) / max(1.0, ratio)
 
 
+#: widest figure drawn, inches (x 110 dpi: 1320 px, readable on a screen and in a doc)
+MAX_WIDTH_IN = 12.0
+#: bars per subplot row of ``speedup.png``; more scenarios wrap onto further rows
+BARS_PER_ROW = 56
+
+
 def plot_speedups(records: list[dict], path) -> Path:
     """Fig. 12b: speedup over serial (ccl) of every schedule per scenario; each selector's
-    pick marked above its bar."""
+    pick marked above its bar. Scenarios wrap onto rows of at most :data:`BARS_PER_ROW` bars,
+    so the figure keeps a readable width however many scenarios a sweep has."""
     plt = _pyplot()
     ok = [r for r in records if r.get("status") == "ok" and r.get("speedup")]
     scenarios = _scenarios(ok)
     labels = list(dict.fromkeys(_label(r) for r in ok))
+    per_row = max(1, min(len(scenarios), BARS_PER_ROW // max(len(labels), 1)))
+    chunks = [scenarios[i:i + per_row] for i in range(0, len(scenarios), per_row)] or [[]]
     width = 0.8 / max(len(labels), 1)
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(scenarios) * max(len(labels), 4) / 4), 4.5))
+    fig_w = min(MAX_WIDTH_IN, max(6.0, 0.2 * per_row * max(len(labels), 4)))
+    fig, axes = plt.subplots(len(chunks), 1, squeeze=False,
+                             figsize=(fig_w, 2.8 * len(chunks) + 1.4))
     cmap = plt.get_cmap("tab20")
-    for i, label in enumerate(labels):
-        xs, ys = [], []
-        for j, sc in enumerate(scenarios):
-            rec = next((r for r in ok if r["scenario"] == sc and _label(r) == label), None)
-            if rec is None:
-                continue
-            x = j - 0.4 + width * (i + 0.5)
-            xs.append(x)
-            ys.append(rec["speedup"])
-            for sel in rec.get("picked_by", []):
-                marker, color = SELECTOR_MARKERS.get(sel, ("x", "black"))
-                offset = 0.04 * (1 + list(SELECTORS).index(sel)) if sel in SELECTORS else 0.04
-                ax.plot(x, rec["speedup"] + offset * max(ys), marker=marker, color=color,
-                        markersize=6, linestyle="none")
-        ax.bar(xs, ys, width=width, label=label, color=cmap(i % 20))
+    top = max((r["speedup"] for r in ok), default=1.0)
+    for ax, chunk in zip(axes[:, 0], chunks):
+        for i, label in enumerate(labels):
+            xs, ys = [], []
+            for j, sc in enumerate(chunk):
+                rec = next((r for r in ok if r["scenario"] == sc and _label(r) == label), None)
+                if rec is None:
+                    continue
+                x = j - 0.4 + width * (i + 0.5)
+                xs.append(x)
+                ys.append(rec["speedup"])
+                for sel in rec.get("picked_by", []):
+                    marker, color = SELECTOR_MARKERS.get(sel, ("x", "black"))
+                    offset = 0.04 * (1 + list(SELECTORS).index(sel)) if sel in SELECTORS \
+                        else 0.04
+                    ax.plot(x, rec["speedup"] + offset * top, marker=marker, color=color,
+                            markersize=5, linestyle="none")
+            ax.bar(xs, ys, width=width, label=label, color=cmap(i % 20))
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(chunk)), chunk)
+        ax.set_xlim(-0.5, per_row - 0.5)
+        ax.set_ylim(0, top * 1.15)
+        ax.set_ylabel("speedup over serial (ccl)", fontsize=8)
     for sel, (marker, color) in SELECTOR_MARKERS.items():
-        ax.plot([], [], marker=marker, color=color, linestyle="none", label=f"{sel} selector pick")
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(range(len(scenarios)), scenarios, rotation=45, ha="right")
-    ax.set_ylabel("speedup over serial (ccl)")
-    ax.set_title("Schedules per scenario (cf. FiCCO Fig. 12b)")
-    _legend(ax, fontsize=6, ncol=2, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return _save(fig, path)
+        axes[0, 0].plot([], [], marker=marker, color=color, linestyle="none",
+                        label=f"{sel} selector pick")
+    axes[0, 0].set_title("Schedules per scenario (cf. FiCCO Fig. 12b)")
+    handles, names = axes[0, 0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, names, fontsize=7, ncol=min(5, len(names)), loc="lower center")
+    legend_in = 0.2 * math.ceil(len(names) / 5) + 0.25
+    fig.tight_layout(rect=(0, legend_in / fig.get_figheight(), 1, 1))
+    return _save(fig, path, tight=False)
 
 
 def plot_ratio(records: list[dict], path) -> Path:
@@ -226,10 +247,11 @@ def _legend(ax, **kwargs) -> None:
         ax.legend(**kwargs)
 
 
-def _save(fig, path) -> Path:
+def _save(fig, path, tight: bool = True) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
+    if tight:
+        fig.tight_layout()
     fig.savefig(path, dpi=110)
     import matplotlib.pyplot as plt
 

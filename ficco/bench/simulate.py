@@ -21,6 +21,11 @@ from ..heuristics import model, profiles, simulator
 from ..heuristics.paper import paper_choice
 from ..heuristics.scenarios import PAPER_TABLE_I, gemm_problem
 
+EXAMPLES = """\
+  python -m ficco.bench simulate --profile mi300x --scenarios paper --world 8
+  python -m ficco.bench simulate --profile h100 --shape 65536,8192,8192 --out /tmp/sim
+  python -m ficco.bench simulate --profile my_profile.json --no-png"""
+
 SHORT = {"serial": "serial", "ring": "ring", "ring-bidir": "ring-bi"}
 
 
@@ -33,13 +38,13 @@ def short_name(name: str) -> str:
 def add_arguments(parser) -> None:
     parser.add_argument("--profile", default="mi300x",
                         help=f"built-in profile ({', '.join(profiles.builtin_names())}) or a "
-                             f"profile JSON path (default mi300x)")
+                             f"profile JSON path")
     parser.add_argument("--scenarios", default="paper", choices=["paper", "none"],
-                        help="scenario set: paper = Table I g1-g16 (default)")
+                        help="scenario set: paper = Table I g1-g16, none = only --shape")
     parser.add_argument("--shape", action="append", default=[], metavar="M,N,K",
                         help="an extra layer GEMM (M rows gathered, N weight columns split "
                              "over the world, K); repeatable")
-    parser.add_argument("--world", type=int, default=8, help="group size W (default 8)")
+    parser.add_argument("--world", type=int, default=8, help="group size W")
     parser.add_argument("--dtype", default="bfloat16",
                         choices=["bfloat16", "float16", "float32", "float64"])
     parser.add_argument("--scale", type=int, default=1, help="divide every M by this")
@@ -47,7 +52,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--topology", default=None, choices=list(profiles.TOPOLOGIES),
                         help="override the profile's topology")
     parser.add_argument("--out", default=None,
-                        help="output folder (default bench/results/simulate-<profile>)")
+                        help="output folder (default bench/runs/simulate-<profile>, overwritten)")
     parser.add_argument("--no-png", action="store_true", help="skip the timeline PNGs")
 
 
@@ -130,9 +135,12 @@ def draw(report: dict, args, out_dir: Path) -> list[Path]:
 
 
 def main(args) -> int:
+    from .cli import require_plots, run_dir
+
+    require_plots("simulate", not args.no_png, "--no-png")
     started = time.perf_counter()
     report = run(args)
-    out_dir = Path(args.out or Path("bench") / "results" / f"simulate-{report['profile']}")
+    out_dir = run_dir("simulate", report["profile"], args.out, stamp=False)
     out_dir.mkdir(parents=True, exist_ok=True)
     text = table(report)
     print(text)

@@ -13,11 +13,9 @@ would pick, and the measured speedup of that pick.
 """
 from __future__ import annotations
 
-import datetime
 import os
 import socket
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -29,6 +27,15 @@ from . import results, scenarios
 RELATIVE_TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "float16": 1e-2, "bfloat16": 2e-2}
 TORCH_FUSED = "torch-fused"
 CHECKED_ROWS = 8192
+#: share of the free memory a sweep may plan to use (the rest: allocator slack, other tenants)
+MEMORY_HEADROOM = 0.8
+
+EXAMPLES = """\
+  torchrun --nproc-per-node 8 -m ficco.bench sweep --scenarios paper
+  torchrun --nproc-per-node 8 -m ficco.bench sweep --shape 65536,8192,8192 --transports dma,ccl
+  # CPU: Table I shrunk to fit (M / 256; N and K / 32), 2 ranks
+  torchrun --nproc-per-node 2 -m ficco.bench sweep --scenarios paper --scale 256 \\
+      --scale-nk 32 --warmup 2 --repeat 5"""
 
 
 def add_arguments(parser) -> None:
@@ -44,10 +51,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeat", type=int, default=10, help="timed calls per schedule")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="FICCO_TIMEOUT for the sweep's calls, seconds")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random operands")
     parser.add_argument("--out", default=None,
-                        help="result directory (default bench/results/sweep-<target>-<date>)")
-    parser.add_argument("--no-plots", action="store_true", help="write results only")
+                        help="result directory (default bench/runs/sweep-<target>-<date>)")
+    parser.add_argument("--no-plots", action="store_true",
+                        help="write results only (no matplotlib needed)")
+    parser.add_argument("--single-rank", action="store_true",
+                        help="allow a plain `python` run: one rank, nothing gathered (checks "
+                             "the GEMM path and the baselines only)")
 
 
 # -- process group and timing, shared with ``timeline`` --------------------------------------
@@ -109,6 +120,67 @@ def agree_on_failure(error: str | None) -> str | None:
     return next((f"rank {r}: {e}" for r, e in enumerate(everyone) if e), None)
 
 
+def memory_bytes(sc, world: int, dtype: str) -> int:
+    """Peak bytes one rank allocates for scenario ``sc`` in :func:`run_scenario`: its shard and
+    B (each also made in float32 first), the gathered A, the float64/32 reference rows, and a
+    call's output plus the workspace ficco gathers into (also what torch's op holds)."""
+    import torch
+
+    size = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    problem = sc.problem(world, 0, dtype)
+    m, big_m, n, k = problem.m, problem.big_m, problem.ns[0], sc.k
+    rows = min(big_m, CHECKED_ROWS)
+    operands = (m * k + k * n) * (size + 4)
+    gathered = big_m * k * size
+    reference = 8 * (rows * k + k * n + 2 * rows * n)
+    call = 2 * big_m * n * size + big_m * k * size
+    return operands + gathered + reference + call
+
+
+def free_memory_bytes(device) -> tuple[int, int]:
+    """(bytes free to this rank, ranks sharing them): the device's free memory on a GPU; on
+    CPU the host's available memory, shared by every local rank."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], 1
+    sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info.get("MemAvailable", info["MemFree"]), sharing
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), sharing
+
+
+def check_memory(scenario_list, world: int, dtype: str, device, verb: str = "sweep") -> None:
+    """Refuse, before any allocation, a scenario that cannot fit, naming its size and the
+    flag that shrinks it (the kernel's OOM killer says neither)."""
+    free, sharing = free_memory_bytes(device)
+    budget = MEMORY_HEADROOM * free / sharing
+    for sc in scenario_list:
+        need = memory_bytes(sc, world, dtype)
+        if need <= budget:
+            continue
+        factor = next((f for f in (2 ** p for p in range(1, 16))
+                       if memory_bytes(_shrunk(sc, f), world, dtype) <= budget), None)
+        where = (f"{sharing} ranks share {free / 2**30:.1f} GiB available" if sharing > 1
+                 else f"{free / 2**30:.1f} GiB is free on {device}")
+        fix = (f"divide N and K with --scale-nk {factor}" if factor
+               else "pick a smaller --shape or --only")
+        raise InvalidArgumentError(
+            f"{verb}: scenario {sc.name} (M={sc.big_m}, N={sc.n}, K={sc.k}, {dtype}, W={world}) "
+            f"needs about {need / 2**30:.1f} GiB per rank, but {where} (use at most "
+            f"{MEMORY_HEADROOM:.0%}: {budget / 2**30:.1f} GiB per rank): {fix}, or M with "
+            f"--scale, or leave it out with --only")
+
+
+def _shrunk(sc, factor: int):
+    import dataclasses
+
+    return dataclasses.replace(sc, n=max(1, sc.n // factor), k=max(1, sc.k // factor))
+
+
 # -- what gets timed -------------------------------------------------------------------------
 def _entries(schedules: list[str], transports: list[str]) -> list[tuple[str, str, str]]:
     """(schedule, transport, kind) in timing order: baseline serial over ccl first."""
@@ -159,6 +231,11 @@ def _picks(problem, target: str) -> dict[str, str]:
         except Exception:  # noqa: BLE001 - a selector that cannot decide just has no pick
             continue
     return picks
+
+
+def _work(sc, world: int) -> float:
+    """Relative cost of one timed entry of ``sc`` (its GEMM's FLOPs), for an honest bar."""
+    return 2.0 * sc.big_m * sc.k * max(1, sc.n // world if sc.split_n else sc.n)
 
 
 def run_scenario(sc, entries, args, dtype: str, device, rank: int, world: int, env: dict,
@@ -220,7 +297,7 @@ def run_scenario(sc, entries, args, dtype: str, device, rank: int, world: int, e
                 rec["times_s"] = time_calls(fn, args.warmup, args.repeat, device)
                 rec.update(results.timing_summary(rec["times_s"]))
         records.append(rec)
-        progress.update(1)
+        progress.update(_work(sc, world))
     results.finalize_scenario(records, _picks(problem, env["env_backend"]))
     return records
 
@@ -270,12 +347,6 @@ def _picks_line(rec: dict) -> str:
         for sel, name in picks.items())
 
 
-def default_out_dir(target: str) -> Path:
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    safe = "".join(c if c.isalnum() or c in "_." else "-" for c in target)
-    return Path("bench") / "results" / f"sweep-{safe}-{stamp}"
-
-
 def start_run(dtype_arg: str | None):
     """Shared start of the multi-rank verbs: join the group, the active backend, its device,
     and the dtype (bf16 on GPUs, fp32 on CPU unless asked), validated."""
@@ -293,7 +364,11 @@ def start_run(dtype_arg: str | None):
 def main(args) -> int:
     import ficco
     from .. import config
+    from .cli import progress_bar, require_plots, require_torchrun, run_dir
 
+    require_plots("sweep", not args.no_plots, "--no-plots")
+    if not args.single_rank:
+        require_torchrun("sweep", "--shape 2048,1024,1024", single_rank_ok=True)
     rank, world, backend, device, dtype = start_run(args.dtype)
     names = ficco.schedules.names()
     schedules = [s for s in args.schedules.split(",") if s] if args.schedules else names
@@ -306,12 +381,18 @@ def main(args) -> int:
         raise InvalidArgumentError(f"need --warmup >= 0 and --repeat >= 1; got "
                                    f"{args.warmup}, {args.repeat}")
     scenario_list = scenarios.from_args(args, world)
+    try:
+        check_memory(scenario_list, world, dtype, device)
+        too_big = None
+    except InvalidArgumentError as exc:
+        too_big = str(exc)
+    too_big = agree_on_failure(too_big)   # every rank refuses together, none waits on a peer
+    if too_big:
+        raise InvalidArgumentError(too_big)
     entries = _entries(schedules, transports)
     env = results.environment(world, backend.target(), device)
-    from tqdm import tqdm
-
-    progress = tqdm(total=len(scenario_list) * len(entries), disable=rank != 0,
-                    desc="sweep", unit="run", dynamic_ncols=True)
+    progress = progress_bar("sweep", sum(_work(sc, world) for sc in scenario_list) * len(entries),
+                            "run", disable=rank != 0, weighted=True)
     records = []
     with config.scope(timeout=args.timeout):
         for sc in scenario_list:
@@ -319,7 +400,7 @@ def main(args) -> int:
             records += run_scenario(sc, entries, args, dtype, device, rank, world, env, progress)
     progress.close()
     if rank == 0:
-        out_dir = Path(args.out) if args.out else default_out_dir(backend.target())
+        out_dir = run_dir("sweep", backend.target(), args.out)
         written = [results.write_jsonl(out_dir / "results.jsonl", records),
                    results.write_csv(out_dir / "results.csv", records)]
         table = format_table(records)

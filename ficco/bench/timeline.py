@@ -5,16 +5,17 @@ Run under torchrun; rank 0 writes the files::
 
     torchrun --nproc-per-node 8 -m ficco.bench timeline --shape 16384,8192,8192 \\
         --schedule hetero-fused-1d
-    # -> timeline-<schedule>-measured-rank0.png, timeline-<schedule>-predicted.png, timeline.json
+    # -> timeline-<schedule>.png, timeline-<schedule>.trace.json, timeline.json
 
-The measured chart is one rank's view (``--rank``, or ``--rank all`` for one file per rank):
-each bar is an op's start and end event on its queue, relative to the first op of the call.
-The predicted chart is :func:`ficco.heuristics.simulator.simulate` of the very Plan that ran,
-on the profile in force (``--profile`` or ``FICCO_PROFILE`` or the detected one).
+The PNG stacks the measured view of one rank (``--rank``, or ``--rank all`` for every rank)
+above the prediction, on one time axis: each measured bar is an op's start and end event on
+its queue, relative to the first op of the call; the predicted one is
+:func:`ficco.heuristics.simulator.simulate` of the very Plan that ran, on the profile in force
+(``--profile`` or ``FICCO_PROFILE`` or the detected one). The ``.trace.json`` holds the same
+bars as a Chrome trace (chrome://tracing, ui.perfetto.dev).
 """
 from __future__ import annotations
 
-import datetime
 import json
 from pathlib import Path
 
@@ -23,12 +24,20 @@ import torch.distributed as dist
 
 from ..errors import InvalidArgumentError
 from . import results, scenarios
-from .sweep import all_gather_rows, start_run, synchronize
+from .cli import require_plots, require_torchrun, run_dir
+from .sweep import agree_on_failure, all_gather_rows, check_memory, start_run, synchronize
+
+EXAMPLES = """\
+  torchrun --nproc-per-node 8 -m ficco.bench timeline --shape 16384,8192,8192 \\
+      --schedule hetero-fused-1d --rank all
+  torchrun --nproc-per-node 2 -m ficco.bench timeline      # CPU: 2048,1024,1024, fp32"""
 
 
 def add_arguments(parser) -> None:
     scenarios.add_arguments(parser)
     parser.add_argument("--schedule", default="uniform-fused-1d", help="schedule to draw")
+    parser.add_argument("--no-plots", action="store_true",
+                        help="write the JSON and the trace only (no matplotlib needed)")
     parser.add_argument("--transport", default="dma", choices=("dma", "ccl"))
     parser.add_argument("--dtype", default=None,
                         help="element type (default bfloat16 on GPU, float32 on CPU)")
@@ -39,7 +48,7 @@ def add_arguments(parser) -> None:
                              "or the one detected for this device)")
     parser.add_argument("--rank", default="0", help="whose measured timeline to draw, or 'all'")
     parser.add_argument("--out", default=None,
-                        help="directory (default bench/results/timeline-<target>-<date>)")
+                        help="directory (default bench/runs/timeline-<target>-<date>)")
 
 
 def _makespan(rows: list[dict]) -> float:
@@ -52,6 +61,8 @@ def main(args) -> int:
     import ficco
     from .. import api
 
+    require_plots("timeline", not args.no_plots, "--no-plots")
+    require_torchrun("timeline", "--shape 2048,1024,1024")
     rank, world, backend, device, dtype = start_run(args.dtype)
     if args.rank != "all" and not (args.rank.isdigit() and int(args.rank) < world):
         raise InvalidArgumentError(f"--rank {args.rank!r}: use 'all' or a rank below {world}")
@@ -59,6 +70,14 @@ def main(args) -> int:
     if not args.shape and not args.scenarios:
         args.shape = ["2048,1024,1024"]
     scenario = scenarios.from_args(args, world)[0]
+    try:
+        check_memory([scenario], world, dtype, device, verb="timeline")
+        too_big = None
+    except InvalidArgumentError as exc:
+        too_big = str(exc)
+    too_big = agree_on_failure(too_big)
+    if too_big:
+        raise InvalidArgumentError(too_big)
     problem = scenario.problem(world, rank, dtype)
     torch.manual_seed(rank + 1)
     a = torch.randn(problem.m, scenario.k, device=device).to(problem.torch_dtype)
@@ -89,30 +108,27 @@ def main(args) -> int:
 
 def _write(args, scenario, plan, everyone, backend, device, world) -> None:
     from ..heuristics import profiles, simulator
-    from .gantt import draw_gantt
+    from .gantt import chrome_trace, draw_panels
 
     target = backend.target()
     profile_name = args.profile or profiles.resolve(target).name
     profile = profiles.load(args.profile) if args.profile else profiles.resolve(target)
     predicted = simulator.simulate(plan, profile)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    safe_target = "".join(c if c.isalnum() or c in "_." else "-" for c in target)
-    out_dir = Path(args.out or Path("bench") / "results" / f"timeline-{safe_target}-{stamp}")
+    out_dir = run_dir("timeline", target, args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     shape = f"{plan.problem.big_m}x{plan.problem.ns[0]}x{scenario.k} {plan.problem.dtype} W={world}"
     ranks = range(world) if args.rank == "all" else [int(args.rank)]
+    panels = [(f"measured, rank {r}: {1e3 * _makespan(everyone[r]['rows']):.3f} ms",
+               everyone[r]["rows"]) for r in ranks]
+    panels.append((f"predicted on profile {profile_name}: {1e3 * predicted.makespan_s:.3f} ms",
+                   predicted.rows))
     written = []
-    for r in ranks:
-        rows = everyone[r]["rows"]
-        path = out_dir / f"timeline-{args.schedule}-measured-rank{r}.png"
-        draw_gantt(rows, path, f"measured: {args.schedule} over {args.transport}, rank {r}, "
-                               f"{shape}, {1e3 * _makespan(rows):.3f} ms")
-        written.append(path)
-    path = out_dir / f"timeline-{args.schedule}-predicted.png"
-    draw_gantt(predicted.rows, path, f"predicted ({profile_name}): {args.schedule} over "
-                                     f"{args.transport}, {shape}, "
-                                     f"{1e3 * predicted.makespan_s:.3f} ms")
-    written.append(path)
+    trace = out_dir / f"timeline-{args.schedule}.trace.json"
+    trace.write_text(json.dumps(chrome_trace(panels), default=str) + "\n")
+    written.append(trace)
+    if not args.no_plots:
+        written.append(draw_panels(panels, out_dir / f"timeline-{args.schedule}.png",
+                                   f"{args.schedule} over {args.transport}, {shape}"))
     record = {"schema": results.TIMELINE_SCHEMA, "scenario": scenario.name,
               "big_m": plan.problem.big_m, "n": plan.problem.ns[0], "k": scenario.k,
               "dtype": plan.problem.dtype, "world": world, "schedule": args.schedule,
