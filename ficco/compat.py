@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 
 from . import api
+from .call import resolve_group
 from .errors import InvalidArgumentError
+from .ops.all_gather_matmul import all_gather_flat
 
 
 def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: list[torch.Tensor], gather_dim: int,
@@ -35,11 +37,11 @@ def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: list[torch.Tensor], gathe
 
 
 def _gather_last_dim(A_shard, Bs, group_name, return_A):
-    group = api._resolve_group(group_name)
+    group = resolve_group(group_name)
     world = dist.get_world_size(group)
     flat = torch.empty((world * A_shard.shape[0], *A_shard.shape[1:]), dtype=A_shard.dtype,
                        device=A_shard.device)
-    api.all_gather_flat(flat, A_shard.contiguous(), group)
+    all_gather_flat(flat, A_shard.contiguous(), group)
     A = torch.cat(flat.view(world, *A_shard.shape).unbind(0), dim=-1)
     outs = [torch.matmul(A, B) for B in Bs]
     return (A if return_A else None), outs

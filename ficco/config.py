@@ -46,6 +46,10 @@ class Knob:
         return value
 
 
+#: How bytes may cross ranks (DESIGN §2), and what FICCO_TRANSPORT accepts.
+TRANSPORTS = ("dma", "ccl")
+TRANSPORT_SETTINGS = ("auto", *TRANSPORTS)
+
 _UNSET = object()
 _local = threading.local()
 
@@ -79,26 +83,21 @@ def _flag(raw: str) -> bool:
     raise ValueError("must be 0 or 1")
 
 
-def _schedule_name(raw: str) -> str:
-    from . import schedules
-
-    schedules.get(raw)  # raises with the valid list
-    return raw
-
-
 KNOBS: dict[str, Knob] = {k.env: k for k in [
     Knob("FICCO_BACKEND", None, str, "cpu, cuda or rocm", choices=(None, "cpu", "cuda", "rocm")),
-    Knob("FICCO_SCHEDULE", None, _schedule_name, "a name from ficco.schedules.names()"),
-    Knob("FICCO_SELECTOR", "model", str, "which selector picks a schedule",
+    # Checked against the op's schedules when a call reads it (names depend on the op).
+    Knob("FICCO_SCHEDULE", None, str, "a name from ficco.schedules.names()"),
+    Knob("FICCO_SELECTOR", "model", str.lower, "which selector picks a schedule",
          choices=("paper", "model", "tune")),
-    Knob("FICCO_TRANSPORT", "auto", str, "how bytes cross ranks", choices=("auto", "dma", "ccl")),
+    Knob("FICCO_TRANSPORT", "auto", str.lower, "how bytes cross ranks",
+         choices=TRANSPORT_SETTINGS),
     Knob("FICCO_DISABLE", False, _flag, "1 runs plain all_gather + matmul"),
     Knob("FICCO_PROFILE", None, str, "a built-in profile name or a JSON file path"),
     Knob("FICCO_TOPOLOGY", None, str, "mesh, switch or pcie",
          choices=(None, "mesh", "switch", "pcie")),
     Knob("FICCO_CACHE_DIR", None, str, "a directory for the tune selector's JSON cache"),
     Knob("FICCO_TIMEOUT", 300.0, _positive_float, "seconds before a cross-rank wait fails"),
-    Knob("FICCO_LOG", "warning", str, "log level of ficco's decisions",
+    Knob("FICCO_LOG", "warning", str.lower, "log level of ficco's decisions",
          choices=("debug", "info", "warning", "error")),
     Knob("FICCO_COPY_ENGINES", None, _positive_int, "copy queues per rank (default: one per peer)"),
     Knob("FICCO_SYMM", "ipc", str, "GPU symmetric memory provider",

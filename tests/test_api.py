@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ficco
-from ficco import api
+from ficco import ops, runtime
 
 from . import harness
 from .cases import DTYPES, SHAPES, run_matrix
@@ -45,7 +45,7 @@ def _selector_picks(rank, world, seed):
     shards, bs, full, refs = make_inputs(seed, world, (24, 32), (40,), torch.float32)
     decision = ficco.explain(shards[rank], bs[0])
     out = ficco.all_gather_matmul(shards[rank], bs[0])
-    return decision.schedule, decision.transport, api.last_run(), max_row_rel_err(out, refs[0])
+    return decision.schedule, decision.transport, runtime.last_run(), max_row_rel_err(out, refs[0])
 
 
 def test_selector_choice_runs_and_agrees():
@@ -81,7 +81,7 @@ def _tune_with_uneven_caches(rank, world, seed, root):
     shards, bs, full, refs = make_inputs(seed, world, (8, 16), (6,), torch.float32)
     with ficco.config.scope(cache_dir=cache, selector="tune"):
         if rank == 0:
-            problem = api._prepare(shards[rank], bs[0], None, 0).problem
+            problem = ops.get("all_gather_matmul").prepare(shards[rank], bs[0]).problem
             profile = resolve("cpu")
             key = tune.cache_key(problem, "dma", "cpu", profile.topology)
             tune._write_file(tune.cache_path(), key,
@@ -112,10 +112,10 @@ def _auto_transport(rank, world, seed):
         with ficco.config.scope(transport="auto", selector="model"):
             decision = ficco.explain(shards[rank], bs[0])
             result = ficco.all_gather_matmul(shards[rank], bs[0])
-            problem = api._prepare(shards[rank], bs[0], None, 0).problem
+            problem = ops.get("all_gather_matmul").prepare(shards[rank], bs[0]).problem
             best = {via: min(choose(problem, transport=via, target="cpu").scores.values())
                     for via in ("dma", "ccl")}
-        out.append((decision.transport, min(best, key=best.get), api.last_run(),
+        out.append((decision.transport, min(best, key=best.get), runtime.last_run(),
                     (decision.schedule, decision.transport), max_row_rel_err(result, refs[0])))
     return out
 

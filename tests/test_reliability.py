@@ -114,17 +114,19 @@ def _group_lifetime(rank, world, seed):
 
     import torch.distributed as dist
 
-    from ficco import api
+    from ficco.backends import get_backend
+    from ficco.symm_mem import workspace
 
     group = dist.new_group(list(range(world)))
     shards, bs, full, refs = make_inputs(seed, world, (6, 8), (3,), torch.float32)
-    ficco.all_gather_matmul(shards[rank], bs[0], group, schedule="serial")
-    key = (group.group_name, "cpu")
-    held = key in api._workspaces
+    with ficco.config.scope(transport="dma"):
+        ficco.all_gather_matmul(shards[rank], bs[0], group, schedule="serial")
+    key = workspace.key_of(group, get_backend())
+    held = key in workspace._workspaces
     dist.destroy_process_group(group)
     del group
     gc.collect()
-    return held, key in api._workspaces
+    return held, key in workspace._workspaces
 
 
 def test_destroying_a_group_releases_its_workspace():

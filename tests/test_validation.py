@@ -28,7 +28,6 @@ def _a(*shape, dtype=torch.float32):
     ((_a(4, 8), _a(8, 3)), {"group": 3}, r"group must be a torch.distributed ProcessGroup"),
     ((_a(4, 8).to(torch.int32), _a(8, 3).to(torch.int32)), {}, r"dtype torch.int32 is not supported"),
     ((_a(4, 0), _a(0, 3)), {}, r"K=0"),
-    ((_a(4, 8), _a(8, 0)), {}, r"no columns"),
 ])
 def test_bad_arguments_raise_clear_errors(args, kwargs, match):
     with pytest.raises(InvalidArgumentError, match=match):
@@ -44,9 +43,10 @@ def test_bad_env_values_list_the_valid_ones(monkeypatch):
     monkeypatch.setenv("FICCO_TRANSPORT", "carrier-pigeon")
     with pytest.raises(ConfigError, match="auto, dma, ccl"):
         ficco.config.transport()
-    monkeypatch.setenv("FICCO_SCHEDULE", "nope")
+    monkeypatch.setenv("FICCO_TRANSPORT", "auto")
+    monkeypatch.setenv("FICCO_SCHEDULE", "nope")   # schedule names depend on the op: at call
     with pytest.raises(ConfigError, match="FICCO_SCHEDULE='nope'.*valid schedules: serial"):
-        ficco.config.schedule()
+        ficco.all_gather_matmul(_a(4, 8), _a(8, 3))
     monkeypatch.setenv("FICCO_TIMEOUT", "-3")
     with pytest.raises(ConfigError, match="FICCO_TIMEOUT"):
         ficco.config.timeout_s()

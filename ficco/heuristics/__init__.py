@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from .. import config, schedules
+from ..config import TRANSPORTS
 from ..errors import ConfigError, InvalidArgumentError
 from ..problem import Problem
 from . import profiles
@@ -34,13 +36,69 @@ _logged: set = set()
 _logged_lock = threading.Lock()
 
 
-def choose(problem: Problem, *, transport: str = "dma", target: str = "cpu",
+@dataclass(frozen=True)
+class Context:
+    """What a selector may look at besides the problem: the same on every rank."""
+
+    profile: profiles.Profile
+    topology: str
+    transports: tuple[str, ...]          # candidates, preferred first
+    target: str
+    inputs: dict
+    copy_engines: int | None = None
+    paper_thresholds: tuple[float, float] = (1.0, 5.0)
+    measure: Callable[[str], float] | None = None
+    agree: Callable[[bool], bool] | None = None
+
+
+def _paper(problem: Problem, ctx: Context) -> Decision:
+    low, high = ctx.paper_thresholds
+    name, score, reason = paper_choice(problem, ctx.profile, low, high)
+    return Decision(name, ctx.transports[0], "paper", {**ctx.inputs, "paper_score": score},
+                    {name: score}, reason)
+
+
+def _model(problem: Problem, ctx: Context) -> Decision:
+    """The model weighs every candidate transport: with the transport left to ficco, the
+    process group's collectives (few ops) beat a plan of many DMA copies for small GEMMs whose
+    launches alone outlast the work."""
+    best = None
+    for via in ctx.transports:
+        name, scores, reason = model_choice(problem, ctx.profile, ctx.topology, via,
+                                            ctx.copy_engines)
+        decision = Decision(name, via, "model", ctx.inputs, scores, reason)
+        if best is None:
+            best = decision
+        elif scores[name] < best.scores[best.schedule]:
+            best = replace(decision, reason=(
+                f"{reason}; {via} predicted faster than {best.transport} "
+                f"({scores[name] * 1e3:.3f} vs {best.scores[best.schedule] * 1e3:.3f} ms)"))
+    return best
+
+
+def _tune(problem: Problem, ctx: Context) -> Decision:
+    name, scores, reason = tune_choice(problem, transport=ctx.transports[0], target=ctx.target,
+                                       topology=ctx.topology, measure=ctx.measure,
+                                       agree=ctx.agree)
+    return Decision(name, ctx.transports[0], "tune", ctx.inputs, scores, reason)
+
+
+#: Selector name -> pure function (problem, Context) -> Decision (``tune`` measures through
+#: ``Context.measure``, which the runtime provides on a live group).
+SELECTOR_FUNCTIONS: dict[str, Callable[[Problem, Context], Decision]] = {
+    "paper": _paper, "model": _model, "tune": _tune}
+
+
+def choose(problem: Problem, *, transport: str | tuple[str, ...] = "dma", target: str = "cpu",
            selector: str | None = None, forced: str | None = None,
            forced_by: str | None = None,
            measure: Callable[[str], float] | None = None,
            agree: Callable[[bool], bool] | None = None) -> Decision:
-    """The Decision for ``problem``: which schedule runs, chosen by whom, and why.
+    """The Decision for ``problem``: which schedule runs, over which transport, chosen by whom,
+    and why.
 
+    ``transport`` is a resolved transport (``"dma"`` or ``"ccl"``) or a tuple of candidates,
+    preferred first: the ``model`` selector weighs them all, the others take the first.
     ``target`` ("cpu", "cuda:sm_90", "rocm:gfx942", …) picks the built-in profile when
     ``FICCO_PROFILE`` is unset; ``FICCO_TOPOLOGY`` overrides the profile's topology.
     ``measure(name) -> seconds`` is required by the ``tune`` selector only; ``agree(flag)``
@@ -51,50 +109,44 @@ def choose(problem: Problem, *, transport: str = "dma", target: str = "cpu",
     >>> choose(Problem(8, 8, (8,), "float32", 2), forced="ring", forced_by="argument").reason
     'forced by argument'
     """
-    if transport not in ("dma", "ccl"):
-        raise InvalidArgumentError(f"choose() needs a resolved transport, dma or ccl; got "
+    transports = (transport,) if isinstance(transport, str) else tuple(transport)
+    if not transports or any(t not in TRANSPORTS for t in transports):
+        raise InvalidArgumentError(f"choose() needs resolved transports from {TRANSPORTS}; got "
                                    f"{transport!r}")
     profile = profiles.resolve(target)
     topology = config.topology() or profile.topology
     inputs = decision_inputs(problem, profile.name, topology)
     if forced is not None:
         schedules.get(forced)   # an unknown name raises with the valid list
-        decision = Decision(forced, transport, "forced", inputs, {},
+        decision = Decision(forced, transports[0], "forced", inputs, {},
                             f"forced by {forced_by or 'argument'}")
         return _logged_once(problem, decision)
     selector = selector or config.selector()
-    if problem.world == 1:
-        # Nothing to gather: every schedule is the same plain GEMM; don't simulate or time.
-        decision = Decision("serial", transport, selector, inputs, {},
-                            "one rank: nothing to gather, a plain GEMM")
-        return _logged_once(problem, decision)
-    if selector == "paper":
-        low, high = config.paper_thresholds()
-        if not low < high:
-            raise ConfigError(f"FICCO_PAPER_LOW={low} must be below FICCO_PAPER_HIGH={high}")
-        name, score, reason = paper_choice(problem, profile, low, high)
-        decision = Decision(name, transport, "paper", {**inputs, "paper_score": score},
-                            {name: score}, reason)
-    elif selector == "model":
-        name, scores, reason = model_choice(problem, profile, topology, transport,
-                                            config.copy_engines())
-        decision = Decision(name, transport, "model", inputs, scores, reason)
-    elif selector == "tune":
-        name, scores, reason = tune_choice(problem, transport=transport, target=target,
-                                           topology=topology, measure=measure, agree=agree)
-        decision = Decision(name, transport, "tune", inputs, scores, reason)
-    else:
+    if selector not in SELECTOR_FUNCTIONS:
         raise ConfigError(f"selector {selector!r} is not valid; use one of: "
                           f"{', '.join(SELECTORS)}")
-    return _logged_once(problem, decision)
+    if problem.world == 1:
+        # Nothing to gather: every schedule is the same plain GEMM; don't simulate or time.
+        decision = Decision("serial", transports[0], selector, inputs, {},
+                            "one rank: nothing to gather, a plain GEMM")
+        return _logged_once(problem, decision)
+    low, high = config.paper_thresholds()
+    if not low < high:
+        raise ConfigError(f"FICCO_PAPER_LOW={low} must be below FICCO_PAPER_HIGH={high}")
+    ctx = Context(profile, topology, transports, target, inputs, config.copy_engines(),
+                  (low, high), measure, agree)
+    return _logged_once(problem, SELECTOR_FUNCTIONS[selector](problem, ctx))
 
 
 def _logged_once(problem: Problem, decision: Decision) -> Decision:
-    """``FICCO_LOG=info`` (or debug) logs each decision once per problem key and selector."""
+    """``FICCO_LOG=info`` (or debug) logs each decision once: rank, op, shape, schedule,
+    transport and selector."""
     level = config.log_level()
     if level not in ("info", "debug"):
         return decision
-    key = (problem.key(), decision.selector, decision.transport, decision.inputs.get("profile"))
+    op = getattr(problem, "op", "all_gather_matmul")
+    key = (op, problem.key(), problem.rank, decision.selector, decision.schedule,
+           decision.transport, decision.inputs.get("profile"))
     with _logged_lock:
         if key in _logged:
             return decision
@@ -104,9 +156,10 @@ def _logged_once(problem: Problem, decision: Decision) -> Decision:
     if not log.handlers and not logging.getLogger().handlers:
         # Nobody configured logging: without a handler Python would drop INFO records.
         log.addHandler(logging.StreamHandler())
-    log.info("ficco decision for M=%d n=%d K=%d %s W=%d: %s (%s) - %s",
-             problem.big_m, problem.n_total, problem.k, problem.dtype, problem.world,
-             decision.schedule, decision.selector, decision.reason)
+    log.info("ficco decision rank %d: %s M=%d n=%d K=%d %s W=%d -> schedule %s, transport %s, "
+             "selector %s - %s", problem.rank, op, problem.big_m, problem.n_total, problem.k,
+             problem.dtype, problem.world, decision.schedule, decision.transport,
+             decision.selector, decision.reason)
     return decision
 
 

@@ -75,10 +75,6 @@ class Provider(ABC):
     def allocate(self, nbytes: int, group: Any, device: torch.device) -> SymmHandle:
         """Collective over ``group``: every rank allocates ``nbytes`` and maps all peers."""
 
-    def handle_for(self, tensor: torch.Tensor) -> SymmHandle | None:
-        """The handle whose local allocation ``tensor`` lives in, or None."""
-        return _owner_of(tensor)
-
 
 # -- tensors allocated through empty(), waiting for rendezvous ---------------------------------
 _owned: "weakref.WeakValueDictionary[int, SymmHandle]" = weakref.WeakValueDictionary()
@@ -91,16 +87,17 @@ def _owner_of(tensor: torch.Tensor) -> SymmHandle | None:
 
 def register_local(handle: SymmHandle, local: torch.Tensor) -> None:
     """Remember that ``local`` (this rank's part of ``handle``) lives in symmetric memory, so
-    a tensor allocated there is used in place by ``all_gather_matmul``."""
+    :func:`rendezvous` finds its handle. (``all_gather_matmul`` still publishes such a tensor
+    into its workspace with one copy: using it in place needs plans that read peers' inputs.)"""
     _owned[local.untyped_storage().data_ptr()] = handle
 
 
 def empty(shape, dtype: torch.dtype = torch.float32, device=None, group=None) -> torch.Tensor:
     """Allocate a tensor in symmetric memory (collective over ``group``) and return this
     rank's part; ``rendezvous(t, group)`` returns its handle."""
-    from .. import api  # late: api imports us
+    from .workspace import allocate_symmetric
 
-    handle, tensor = api.allocate_symmetric(shape, dtype, device, group)
+    handle, tensor = allocate_symmetric(shape, dtype, device, group)
     return tensor
 
 

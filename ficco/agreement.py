@@ -1,0 +1,162 @@
+"""Cross-rank agreement: every rank of a group must call with the same shapes, dtypes and
+settings, or every rank raises :class:`~ficco.errors.MismatchError` (never a hang, never
+garbage). Every exchange here is bounded by ``FICCO_TIMEOUT`` and names the ranks that did
+not arrive.
+
+The first call of a new signature on a group runs a full exchange through the group's store
+(what each rank called with, and its host). Later calls repeat only a 64-bit digest of the
+signature, carried by the cheapest channel the call has (see :func:`check_digest`).
+
+>>> digest({"m": 4, "k": 8}) == digest({"k": 8, "m": 4})
+True
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import pickle
+import socket
+import threading
+from collections import OrderedDict
+
+from . import config
+from .call import group_id
+from .errors import CommTimeoutError, FiccoError, MismatchError
+
+_AGREED_LIMIT = 1024                     # distinct (group, signature) entries kept (LRU)
+_agreed: "OrderedDict[tuple, bool]" = OrderedDict()   # -> whether all ranks share a host
+_sequence: dict = {}                     # group id -> number of exchanges so far
+_lock = threading.Lock()
+
+
+def digest(signature: dict) -> int:
+    """A 63-bit digest of a signature dict (key order does not matter)."""
+    text = json.dumps(signature, sort_keys=True, default=str)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def agree(group, world: int, rank: int, signature: dict, op: str) -> bool:
+    """Every rank of ``group`` called with ``signature``: returns whether all ranks share this
+    host. The first sight of a signature exchanges it in full (bounded); later sights are a
+    dictionary lookup here and a digest check in the call (:func:`check_digest`)."""
+    key = (group_id(group), digest(signature))
+    with _lock:
+        if key in _agreed:
+            _agreed.move_to_end(key)
+            return _agreed[key]
+    everyone = exchange(group, world, rank, (signature, socket.gethostname()),
+                        what=f"{op} agreement")
+    differ = sorted({f for info, _ in everyone for f in set(info) | set(signature)
+                     if info.get(f) != signature.get(f)})
+    if differ:
+        detail = "; ".join(f"rank {r}: " + ", ".join(f"{f}={info.get(f)}" for f in differ)
+                           for r, (info, _) in enumerate(everyone))
+        raise MismatchError(f"ranks of one group called {op} with different "
+                            f"{', '.join(differ)} ({detail}); every rank must pass the same "
+                            f"shapes, dtypes and settings")
+    same_host = len({host for _, host in everyone}) == 1
+    with _lock:
+        _agreed[key] = same_host
+        while len(_agreed) > _AGREED_LIMIT:
+            _agreed.popitem(last=False)
+    return same_host
+
+
+def known(group, signature: dict) -> bool | None:
+    """What :func:`agree` found for this signature before (same host?), or None: no
+    communication."""
+    with _lock:
+        return _agreed.get((group_id(group), digest(signature)))
+
+
+def exchange(group, world: int, rank: int, payload, *, what: str) -> list:
+    """Every rank's ``payload`` in rank order, through the group's store, bounded by
+    FICCO_TIMEOUT: ranks that do not arrive in time are named in a CommTimeoutError."""
+    if group is None or world == 1:
+        return [payload]
+    store = _store(group)
+    gid = group_id(group)
+    with _lock:
+        seq = _sequence[gid] = _sequence.get(gid, 0) + 1
+    prefix = f"ficco/{seq}/"
+    store.set(f"{prefix}{rank}", pickle.dumps((what, payload)))
+    keys = [f"{prefix}{r}" for r in range(world)]
+    timeout_s = config.timeout_s()
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except Exception as exc:  # noqa: BLE001 - torch raises DistStoreError or RuntimeError
+        missing = [r for r, k in enumerate(keys) if not _has(store, k)]
+        raise CommTimeoutError(
+            f"rank {rank}: {what} (exchange {seq} on group {gid}) waited {timeout_s:.1f}s for "
+            f"rank(s) {missing}; they are dead, stuck, or skipped this call. Raise "
+            f"FICCO_TIMEOUT if they are only slow") from exc
+    tagged = [pickle.loads(store.get(k)) for k in keys]
+    if seq > 2:
+        # Every rank finished reading exchange seq-2 before it could write exchange seq-1.
+        _delete(store, f"ficco/{seq - 2}/{rank}")
+    doing = {r: tag for r, (tag, _) in enumerate(tagged) if tag != what}
+    if doing:
+        raise MismatchError(f"rank {rank} was in {what} while rank(s) {sorted(doing)} were in "
+                            f"{sorted(set(doing.values()))}: the ranks of group {gid} are out "
+                            f"of step (one skipped or added a call)")
+    return [payload for _, payload in tagged]
+
+
+def all_ranks(group, world: int, rank: int, flag: bool, *, what: str) -> bool:
+    """True when ``flag`` is True on every rank (bounded)."""
+    return all(exchange(group, world, rank, bool(flag), what=what))
+
+
+def max_over_ranks(group, world: int, rank: int, value: float, *, what: str) -> float:
+    """The largest ``value`` over the ranks (bounded)."""
+    return max(exchange(group, world, rank, float(value), what=what))
+
+
+def wait_bounded(work, *, rank: int, what: str) -> None:
+    """Wait for an async collective's ``work`` at most FICCO_TIMEOUT."""
+    timeout_s = config.timeout_s()
+    try:
+        ok = work.wait(datetime.timedelta(seconds=timeout_s))
+    except Exception as exc:  # noqa: BLE001 - gloo/nccl raise RuntimeError subclasses
+        raise CommTimeoutError(f"rank {rank}: {what} failed or passed FICCO_TIMEOUT "
+                               f"({timeout_s:.1f}s): {exc}") from exc
+    if ok is False:
+        raise CommTimeoutError(f"rank {rank}: {what} did not finish within FICCO_TIMEOUT "
+                               f"({timeout_s:.1f}s)")
+
+
+def forget(group=None) -> None:
+    """Drop what was agreed (all groups, or one): ``ficco.shutdown`` and group destruction.
+    The exchange counters stay: the store may still hold keys of earlier exchanges."""
+    with _lock:
+        if group is None:
+            _agreed.clear()
+            return
+        gid = group_id(group)
+        for key in [k for k in _agreed if k[0] == gid]:
+            del _agreed[key]
+
+
+def _store(group):
+    from torch.distributed.distributed_c10d import _get_process_group_store
+
+    try:
+        return _get_process_group_store(group)
+    except Exception as exc:  # noqa: BLE001
+        raise FiccoError(f"the process group {group_id(group)} has no store ficco can use to "
+                         f"agree across ranks: {exc}") from exc
+
+
+def _has(store, key: str) -> bool:
+    try:
+        return bool(store.check([key]))
+    except Exception:  # noqa: BLE001 - a dead store: nobody arrived
+        return False
+
+
+def _delete(store, key: str) -> None:
+    try:
+        store.delete_key(key)
+    except Exception:  # noqa: BLE001 - stores without delete keep a few bytes per exchange
+        pass

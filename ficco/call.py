@@ -1,0 +1,158 @@
+"""From the caller's arguments to one canonical :class:`Call`: checks shared by every op.
+
+Nothing here communicates: a bad argument raises :class:`~ficco.errors.InvalidArgumentError`
+on the rank that made it, before any rank waits for another. Op-specific checks live in the
+op spec (``ficco/ops/``); this module holds what every op needs: the group (a ProcessGroup,
+a group name, None or a 1-D DeviceMesh), dimension arguments, dtypes, the backend and the
+settings every rank must share.
+
+>>> import torch
+>>> resolve_group(None) is None          # no process group: a world of one
+True
+>>> normalize_dim(-2, 3, "gather_dim")
+1
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import config
+from .backends import get_backend
+from .errors import InvalidArgumentError
+from .problem import Problem, dtype_name
+
+#: The dtypes every op accepts (float64 is for references and tests).
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclass
+class Call:
+    """One validated call in canonical form; an op spec subclasses it with its tensors."""
+
+    op: Any                 # the op spec (ficco.ops.base.OpSpec)
+    problem: Problem
+    group: Any              # a ProcessGroup, or None for a world of one
+    backend: Any
+    #: nothing to overlap (e.g. an output with no columns): agreed, then the op's plain path
+    plain_only: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.problem.world
+
+    @property
+    def rank(self) -> int:
+        return self.problem.rank
+
+
+def resolve_group(group):
+    """The ProcessGroup for ``group``: None (the default group, or no group when
+    torch.distributed is not initialised), a group name, a ProcessGroup or a 1-D DeviceMesh."""
+    if group is None:
+        if dist.is_available() and dist.is_initialized():
+            return dist.group.WORLD
+        return None
+    if isinstance(group, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        try:
+            return _resolve_process_group(group)
+        except Exception as exc:  # noqa: BLE001 - torch raises several kinds here
+            raise InvalidArgumentError(f"group name {group!r} names no process group: {exc}") from None
+    if dist.is_available() and isinstance(group, dist.ProcessGroup):
+        return group
+    if type(group).__name__ == "DeviceMesh":
+        if group.ndim != 1:
+            raise InvalidArgumentError(
+                f"group is a {group.ndim}-D DeviceMesh {tuple(group.shape)}; pass the 1-D mesh "
+                f"of the dimension to gather over, e.g. mesh['tp']")
+        return group.get_group()
+    raise InvalidArgumentError(
+        f"group must be a torch.distributed ProcessGroup, a group name, a 1-D DeviceMesh or "
+        f"None; got {type(group).__name__}")
+
+
+def group_rank_world(group) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def group_id(group) -> str:
+    """A name for ``group`` that every rank computes alike (cache and agreement keys)."""
+    return "single" if group is None else getattr(group, "group_name", str(id(group)))
+
+
+def normalize_dim(value, ndim: int, name: str) -> int:
+    """``value`` as a dimension index in ``[0, ndim)``; accepts Python and NumPy integers
+    (anything with ``__index__``) but not bools."""
+    if isinstance(value, bool) or (hasattr(value, "dtype") and str(value.dtype) == "bool"):
+        raise InvalidArgumentError(f"{name}={value!r} is a bool; pass a dimension index")
+    try:
+        index = operator.index(value)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"{name} must be an integer dimension; got {type(value).__name__} {value!r}") from None
+    if not -ndim <= index < ndim:
+        raise InvalidArgumentError(f"{name}={index} is out of range for a tensor of {ndim} dims")
+    return index % ndim
+
+
+def check_tensor(t, name: str, *, min_dim: int = 2) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgumentError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.dim() < min_dim:
+        raise InvalidArgumentError(
+            f"{name} must have at least {min_dim} dims; got shape {tuple(t.shape)}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise InvalidArgumentError(f"{name} dtype {t.dtype} is not supported; use one of "
+                                   f"{[dtype_name(d) for d in SUPPORTED_DTYPES]}")
+
+
+def check_like(t, ref: torch.Tensor, name: str, ref_name: str) -> None:
+    """``t`` has the dtype and device of ``ref``."""
+    if t.dtype != ref.dtype:
+        raise InvalidArgumentError(f"{name} is {t.dtype} but {ref_name} is {ref.dtype}; "
+                                   f"cast one so both match")
+    if t.device != ref.device:
+        raise InvalidArgumentError(f"{name} is on {t.device} but {ref_name} is on {ref.device}; "
+                                   f"move them to one device")
+
+
+def backend_for(t: torch.Tensor, name: str):
+    """The active backend, checked to run where ``t`` lives."""
+    backend = get_backend()
+    if t.device.type != backend.device().type:
+        raise InvalidArgumentError(
+            f"{name} is on {t.device} but the active backend {backend.name!r} runs on "
+            f"{backend.device().type}; move the tensors or set FICCO_BACKEND")
+    return backend
+
+
+def settings(schedule: str | None = None, transport: str | None = None,
+             selector: str | None = None) -> dict:
+    """Every setting that changes what a rank does, read and validated now (before any
+    communication) so a bad value fails on its own rank, and so ranks can agree on them.
+    Settings that only change how long or how loudly a rank works (timeout, log, poison,
+    cache directory) are validated here but not agreed."""
+    for read in (config.timeout_s, config.log_level, config.cache_dir, config.backend,
+                 lambda: config.get("FICCO_POISON"), lambda: config.get("FICCO_SYMM")):
+        read()
+    low, high = config.paper_thresholds()
+    return {
+        "disable": config.disabled(),
+        "schedule": schedule if schedule is not None else config.schedule(),
+        "schedule_by": "argument" if schedule is not None else (
+            "FICCO_SCHEDULE" if config.schedule() else None),
+        "transport": transport or config.transport(),
+        "selector": selector or config.selector(),
+        "profile": config.profile(),
+        "topology": config.topology(),
+        "copy_engines": config.copy_engines(),
+        "paper": (low, high),
+    }

@@ -1,0 +1,44 @@
+"""Op specs: one module per op, each defining ``SPEC`` (an :class:`~ficco.ops.base.OpSpec`).
+
+Modules in this package are found by name, so adding an op adds a file and nothing else::
+
+    >>> from ficco import ops
+    >>> ops.get("all_gather_matmul").name
+    'all_gather_matmul'
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from ..errors import InvalidArgumentError
+from .base import OpSpec
+
+_specs: dict[str, OpSpec] = {}
+
+
+def _discover() -> dict[str, OpSpec]:
+    if not _specs:
+        for info in pkgutil.iter_modules(__path__):
+            if info.name == "base" or info.name.startswith("_"):
+                continue
+            spec = getattr(importlib.import_module(f"{__name__}.{info.name}"), "SPEC", None)
+            if isinstance(spec, OpSpec):
+                _specs[spec.name] = spec
+    return _specs
+
+
+def names() -> list[str]:
+    """Every op ficco runs."""
+    return sorted(_discover())
+
+
+def get(name: str) -> OpSpec:
+    """The op spec called ``name``; an unknown name raises with the valid list."""
+    specs = _discover()
+    if name not in specs:
+        raise InvalidArgumentError(f"unknown op {name!r}; ficco runs: {', '.join(sorted(specs))}")
+    return specs[name]
+
+
+__all__ = ["OpSpec", "get", "names"]

@@ -1,0 +1,134 @@
+"""``all_gather(a_shard, gather_dim) @ b``: the op spec.
+
+Canonical form: rank r's shard with ``gather_dim`` moved first and leading dims flattened,
+``m x K``; the gathered matrix ``M x K`` (M = W*m); each ``b_j`` is ``(K, n_j)``. The dma
+workspace holds the gathered matrix (every rank's copy addressable by its peers).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..call import (Call, backend_for, check_like, check_tensor, group_rank_world,
+                    normalize_dim, resolve_group)
+from ..errors import InvalidArgumentError
+from ..executor import Buffers
+from ..problem import Problem, dtype_name
+from .base import OpSpec
+
+
+@dataclass
+class AllGatherMatmulCall(Call):
+    a: torch.Tensor = None                  # m x K, this rank's shard with gather_dim first
+    bs: list = None
+    b_is_list: bool = False
+    moved_shape: tuple = ()                 # a_shard.movedim(gather_dim, 0).shape
+    gather_dim: int = 0
+    return_gathered: bool = False
+
+
+class AllGatherMatmul(OpSpec):
+    name = "all_gather_matmul"
+
+    def prepare(self, a_shard, b, group=None, gather_dim=0, return_gathered=False
+                ) -> AllGatherMatmulCall:
+        check_tensor(a_shard, "a_shard")
+        nd = a_shard.dim()
+        try:
+            gather_dim = normalize_dim(gather_dim, nd, "gather_dim")
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"{exc}; use 0 … {nd - 2}") from None
+        if gather_dim == nd - 1:
+            raise InvalidArgumentError(
+                f"gather_dim={gather_dim} is the last (K) dimension of a_shard "
+                f"{tuple(a_shard.shape)}; ficco gathers along a row dimension (0 … {nd - 2})")
+        b_is_list = isinstance(b, (list, tuple))
+        bs = list(b) if b_is_list else [b]
+        if not bs:
+            raise InvalidArgumentError("b is an empty list; pass a (K, n) tensor or a list of them")
+        k = a_shard.shape[-1]
+        for j, bj in enumerate(bs):
+            name = f"b[{j}]" if b_is_list else "b"
+            if not isinstance(bj, torch.Tensor) or bj.dim() != 2:
+                raise InvalidArgumentError(
+                    f"{name} must be a 2-D (K, n) tensor; got "
+                    f"{tuple(bj.shape) if isinstance(bj, torch.Tensor) else type(bj).__name__}")
+            if bj.shape[0] != k:
+                raise InvalidArgumentError(
+                    f"{name} has {bj.shape[0]} rows but a_shard has K={k} columns "
+                    f"(a_shard {tuple(a_shard.shape)}, {name} {tuple(bj.shape)}); they must match")
+            check_like(bj, a_shard, name, "a_shard")
+        if k == 0:
+            raise InvalidArgumentError(f"a_shard has K=0 columns: {tuple(a_shard.shape)}")
+        backend = backend_for(a_shard, "a_shard")
+        group = resolve_group(group)
+        rank, world = group_rank_world(group)
+        moved = a_shard.movedim(gather_dim, 0)
+        m = moved.numel() // k
+        ns = tuple(int(bj.shape[1]) for bj in bs)
+        # torch accepts b with no columns (an empty result); no plan has work then.
+        problem = Problem(m=m, k=k, ns=tuple(max(n, 1) for n in ns),
+                          dtype=dtype_name(a_shard.dtype), world=world, rank=rank)
+        return AllGatherMatmulCall(self, problem, group, backend, min(ns) == 0,
+                                   a=moved.reshape(m, k), bs=bs,
+                                   b_is_list=b_is_list, moved_shape=tuple(moved.shape),
+                                   gather_dim=gather_dim, return_gathered=bool(return_gathered))
+
+    def signature(self, call: AllGatherMatmulCall) -> dict:
+        return {**super().signature(call), "gather_dim": call.gather_dim,
+                "shard_shape": call.moved_shape, "ns": [int(bj.shape[1]) for bj in call.bs]}
+
+    # -- running ------------------------------------------------------------------------------
+    def plain(self, call: AllGatherMatmulCall):
+        p = call.problem
+        gathered = torch.empty(p.big_m, p.k, dtype=call.a.dtype, device=call.a.device)
+        if p.world > 1:
+            all_gather_flat(gathered, call.a.contiguous(), call.group)
+        else:
+            gathered.copy_(call.a)
+        outs = [gathered @ bj for bj in call.bs]
+        return self._finish(call, outs, gathered, owned=True)
+
+    def workspace_bytes(self, call: AllGatherMatmulCall) -> int:
+        p = call.problem
+        return p.big_m * p.k * p.itemsize
+
+    def buffers(self, call: AllGatherMatmulCall, transport: str, symm) -> Buffers:
+        p = call.problem
+        dev = call.a.device
+        outs = [torch.empty(p.big_m, n, dtype=call.a.dtype, device=dev) for n in p.ns]
+        if symm is not None:
+            gathered = symm.get_buffer(p.rank, (p.big_m, p.k), call.a.dtype)
+        else:
+            gathered = torch.empty(p.big_m, p.k, dtype=call.a.dtype, device=dev)
+        return Buffers(call.a, call.bs, outs, gathered, symm, call.group)
+
+    def result(self, call: AllGatherMatmulCall, buffers: Buffers, transport: str):
+        # The symmetric workspace is reused by the next call: the caller gets its own copy.
+        return self._finish(call, buffers.outs, buffers.gathered, owned=buffers.symm is None)
+
+    def _finish(self, call: AllGatherMatmulCall, outs, gathered, owned: bool):
+        results = [_restore(call, o) for o in outs]
+        out = results if call.b_is_list else results[0]
+        if not call.return_gathered:
+            return out
+        if call.problem.world == 1:
+            return call.a.view(call.moved_shape).movedim(0, call.gather_dim), out
+        return _restore(call, gathered if owned else gathered.clone()), out
+
+
+def _restore(call: AllGatherMatmulCall, canon: torch.Tensor) -> torch.Tensor:
+    """Canonical ``(M, x)`` back to the caller's layout: gathered dim at ``gather_dim``."""
+    lead = (call.problem.world * call.moved_shape[0], *call.moved_shape[1:-1])
+    return canon.view(*lead, canon.shape[-1]).movedim(0, call.gather_dim)
+
+
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """``out`` (W*rows, ...) <- every rank's ``inp`` (rows, ...), stacked along dim 0."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, inp, group=group)
+
+
+SPEC = AllGatherMatmul()

@@ -1,0 +1,91 @@
+"""What an op is to the shared runtime: the op spec contract.
+
+An op (``all_gather_matmul``, ``matmul_reduce_scatter``) is one small object that knows its
+own arguments and layouts; everything else (agreement across ranks, choosing a schedule,
+plans, workspaces, executing, measuring) is shared and lives in :mod:`ficco.runtime`::
+
+    call = spec.prepare(*args, **kwargs)        # validate -> canonical Call, no communication
+    spec.signature(call)                        # fields every rank must share
+    spec.plain(call)                            # FICCO_DISABLE and a world of one
+    spec.workspace_bytes(call)                  # symmetric bytes a dma plan needs
+    buffers = spec.buffers(call, transport, symm)   # the tensors the plan names
+    spec.result(call, buffers, transport)       # canonical outputs -> the caller's layout
+
+Adding an op adds one module to ``ficco/ops/`` defining ``SPEC`` (see ``ops/__init__.py``).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+
+from .. import schedules
+from ..call import Call
+
+
+class OpSpec(ABC):
+    #: the op's public name, also the ``op`` of its Problems and cache keys
+    name: ClassVar[str]
+
+    # -- schedules ----------------------------------------------------------------------------
+    def schedule_names(self) -> list[str]:
+        """Every schedule this op can run."""
+        return _names(self.name)
+
+    def schedule(self, name: str):
+        """The schedule called ``name``; an unknown name raises with the valid list."""
+        return _get(name, self.name)
+
+    # -- the call -----------------------------------------------------------------------------
+    @abstractmethod
+    def prepare(self, *args, **kwargs) -> Call:
+        """Validate the caller's arguments and return the canonical Call. Never communicates."""
+
+    def signature(self, call: Call) -> dict:
+        """Small, comparable fields every rank must pass alike (shapes, dtypes, layout).
+        The runtime adds the settings; a difference raises MismatchError on every rank."""
+        return {"op": self.name, "problem": call.problem.key(),
+                "backend": call.backend.target()}
+
+    @abstractmethod
+    def plain(self, call: Call) -> Any:
+        """The unoverlapped result (collective + matmul, or a plain matmul for one rank)."""
+
+    @abstractmethod
+    def workspace_bytes(self, call: Call) -> int:
+        """Bytes of symmetric memory per rank a ``dma`` plan needs."""
+
+    @abstractmethod
+    def buffers(self, call: Call, transport: str, symm) -> Any:
+        """The executor's Buffers for one run; ``symm`` is the workspace handle (dma) or None."""
+
+    def poison(self, buffers) -> None:
+        """FICCO_POISON: fill what the plan must write with NaN so unwritten values show."""
+        for t in (*buffers.outs, buffers.gathered):
+            t.fill_(float("nan"))
+
+    @abstractmethod
+    def result(self, call: Call, buffers, transport: str) -> Any:
+        """The caller's result from the canonical buffers of a finished run."""
+
+    def __repr__(self) -> str:
+        return f"<op {self.name}>"
+
+
+def _names(op: str) -> list[str]:
+    try:
+        return schedules.names(op=op)
+    except TypeError:   # a schedule registry that knows one op only
+        return schedules.names()
+
+
+def _get(name: str, op: str):
+    try:
+        return schedules.get(name, op=op)
+    except TypeError:
+        return schedules.get(name)
+
+
+def empty_like_rows(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(rows, cols, dtype=like.dtype, device=like.device)

@@ -1,0 +1,190 @@
+"""The shared call path of every op: settings -> agreement -> decision -> plan -> execute.
+
+An op spec (``ficco/ops/``) turns the caller's arguments into a canonical Call; from there
+this module does the rest, the same way for every op::
+
+    call = ops.get("all_gather_matmul").prepare(a_shard, b, group)
+    out = runtime.run(call)                # what ficco.all_gather_matmul returns
+
+A world of one never communicates: :func:`run` hands it to the op's plain path, here and
+nowhere else.
+"""
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections import OrderedDict
+
+from . import agreement, config
+from .backends import close_all
+from .call import Call, settings as read_settings
+from .config import TRANSPORT_SETTINGS
+from .errors import ConfigError, InvalidArgumentError
+from .executor import execute as execute_plan
+from .symm_mem import workspace
+
+_PLAN_LIMIT = 256                      # plans kept (LRU); each is a few KB
+_plans: "OrderedDict[tuple, object]" = OrderedDict()
+_plans_lock = threading.Lock()
+_last = threading.local()
+
+
+# -- settings and agreement -----------------------------------------------------------------------
+def settings(call: Call, schedule: str | None = None, transport: str | None = None,
+             selector: str | None = None) -> dict:
+    """Every setting of this call, validated before any communication: env values, the forced
+    schedule (against the op's schedules), the transport, the device profile."""
+    if transport is not None and transport not in TRANSPORT_SETTINGS:
+        raise InvalidArgumentError(f"transport must be one of {', '.join(TRANSPORT_SETTINGS)}; "
+                                   f"got {transport!r}")
+    s = read_settings(schedule, transport, selector)
+    if s["schedule"] is not None:
+        try:
+            call.op.schedule(s["schedule"])
+        except InvalidArgumentError as exc:
+            if s["schedule_by"] != "FICCO_SCHEDULE":
+                raise
+            raise ConfigError(f"FICCO_SCHEDULE={s['schedule']!r} is not valid: {exc}") from None
+    from .heuristics import profiles
+
+    profiles.resolve(call.backend.target())   # a bad FICCO_PROFILE fails here, alone
+    return s
+
+
+def signature(call: Call, s: dict) -> dict:
+    """What every rank must share for this call: the op's fields and the settings."""
+    agreed = {k: v for k, v in s.items() if k != "schedule_by"}
+    return {**call.op.signature(call), **agreed}
+
+
+def agree(call: Call, s: dict) -> bool:
+    """Bounded agreement of this call across the group; returns whether all ranks share a host."""
+    return agreement.agree(call.group, call.world, call.rank, signature(call, s), call.op.name)
+
+
+# -- running ----------------------------------------------------------------------------------------
+def run(call: Call, schedule: str | None = None, transport: str | None = None,
+        selector: str | None = None):
+    """The eager implementation of every op: the caller's result for ``call``.
+
+    ``schedule``/``transport``/``selector`` override the settings (argument > env > selector).
+    """
+    s = settings(call, schedule, transport, selector)
+    if call.world == 1:
+        return call.op.plain(call)
+    same_host = agree(call, s)
+    if s["disable"] or call.plain_only:
+        return call.op.plain(call)
+    decision = decide(call, s, same_host)
+    buffers, _, _ = execute(call, decision.schedule, decision.transport)
+    return call.op.result(call, buffers, decision.transport)
+
+
+def candidate_transports(setting: str, same_host: bool) -> tuple[str, ...]:
+    """The transports a call may use, preferred first: ``auto`` offers dma when every rank
+    shares this host (the model selector then weighs dma against ccl)."""
+    if setting != "auto":
+        return (setting,)
+    return ("dma", "ccl") if same_host else ("ccl",)
+
+
+def decide(call: Call, s: dict, same_host: bool):
+    """The Decision for ``call`` (identical on every rank: selectors see no rank)."""
+    from .heuristics import choose
+
+    transports = candidate_transports(s["transport"], same_host)
+    return choose(call.problem, transport=transports, target=call.backend.target(),
+                  selector=s["selector"], forced=s["schedule"], forced_by=s["schedule_by"],
+                  measure=lambda name: measure(call, name, transports[0]),
+                  agree=lambda flag: agreement.all_ranks(call.group, call.world, call.rank,
+                                                         flag, what="tune cache check"))
+
+
+def plan_for(call_or_op, name: str, transport: str, problem):
+    """The (cached, LRU) Plan of schedule ``name`` for ``problem``."""
+    op = getattr(call_or_op, "op", call_or_op)
+    engines = config.copy_engines()
+    key = (op.name, name, transport, problem, engines)
+    with _plans_lock:
+        plan = _plans.get(key)
+        if plan is not None:
+            _plans.move_to_end(key)
+            return plan
+    plan = op.schedule(name).plan(problem, transport, engines)
+    with _plans_lock:
+        _plans[key] = plan
+        while len(_plans) > _PLAN_LIMIT:
+            _plans.popitem(last=False)
+    return plan
+
+
+def execute(call: Call, name: str, transport: str, trace: bool = False):
+    """Run schedule ``name`` over ``transport`` once: returns (buffers, plan, trace rows)."""
+    p = call.problem
+    plan = plan_for(call, name, transport, p)
+    _last.run = (name, transport)
+    symm = None
+    if transport == "dma":
+        symm = workspace.get(call.group, call.backend, call.op.workspace_bytes(call))
+    buffers = call.op.buffers(call, transport, symm)
+    if config.get("FICCO_POISON"):
+        call.op.poison(buffers)
+    try:
+        rows = execute_plan(plan, call.backend, buffers, timeout_s=config.timeout_s(),
+                            trace=trace)
+    except BaseException:
+        # The barrier generations of this workspace may now differ across ranks.
+        workspace.drop(call.group, call.backend)
+        raise
+    return buffers, plan, rows
+
+
+def measure(call: Call, name: str, transport: str, warmup: int = 2, repeat: int = 5) -> float:
+    """Median seconds of schedule ``name`` on this call, slowest rank (identical everywhere)."""
+    for _ in range(warmup):
+        execute(call, name, transport)
+    times = []
+    for _ in range(repeat):
+        call.backend.synchronize()
+        start = time.perf_counter()
+        execute(call, name, transport)
+        call.backend.synchronize()
+        times.append(time.perf_counter() - start)
+    return agreement.max_over_ranks(call.group, call.world, call.rank,
+                                    statistics.median(times), what=f"tune timing of {name}")
+
+
+def traced(call: Call, schedule: str, transport: str | None = None):
+    """One run with a forced schedule: ``(result, plan, rows)``, rows being this rank's
+    measured per-op ``{op_index, queue, kind, label, start_s, end_s}`` (for timelines)."""
+    s = settings(call, schedule, transport)
+    same_host = agree(call, s) if call.world > 1 else True
+    via = candidate_transports(s["transport"], same_host)[0]
+    buffers, plan, rows = execute(call, call.op.schedule(schedule).name, via, trace=True)
+    return call.op.result(call, buffers, via), plan, rows or []
+
+
+def explain(call: Call, schedule: str | None = None):
+    """The Decision ``run`` would take for ``call``."""
+    s = settings(call, schedule)
+    same_host = agree(call, s) if call.world > 1 else True
+    return decide(call, s, same_host)
+
+
+def last_run() -> tuple[str, str] | None:
+    """(schedule, transport) of this thread's last multi-rank run, for tests and logs."""
+    return getattr(_last, "run", None)
+
+
+def shutdown() -> None:
+    """Release workspaces, symmetric allocations, queues, cached plans and agreements."""
+    from .backends import _active
+
+    for backend in list(_active.values()):
+        workspace.release_all(backend)
+    workspace.release_all()
+    with _plans_lock:
+        _plans.clear()
+    agreement.forget()
+    close_all()

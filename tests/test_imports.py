@@ -1,0 +1,123 @@
+"""The import graph of ficco has no cycles: each concept has one home and data flows one way.
+
+Every import statement counts, also those inside functions (a late import hides a cycle
+from Python, not from a reader), except under ``if TYPE_CHECKING:``. A package importing its
+own submodules is not a cycle of concepts. Imports by name through ``importlib`` (backend
+selection) are not edges.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import ficco
+
+ROOT = Path(ficco.__file__).resolve().parent
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _targets(module: str, is_package: bool, node) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    if node.level:
+        base = base[:len(base) - (node.level - 1)]
+        prefix = ".".join(base + ([node.module] if node.module else []))
+    else:
+        prefix = node.module or ""
+    return [prefix] + [f"{prefix}.{alias.name}" for alias in node.names]
+
+
+def _imports(tree: ast.AST):
+    """Import nodes, skipping ``if TYPE_CHECKING:`` bodies."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                stack.extend(child.orelse)
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                yield child
+            stack.append(child)
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    modules = {_module_name(p, root): p for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        is_package = path.name == "__init__.py"
+        for node in _imports(ast.parse(path.read_text())):
+            for target in _targets(module, is_package, node):
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                nested = module.startswith(target + ".") or target.startswith(module + ".")
+                if target and target != module and not nested:
+                    graph[module].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (iterative Tarjan)."""
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+    counter = 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_import_graph_has_no_cycles():
+    graph = import_graph()
+    assert len(graph) > 30 and sum(map(len, graph.values())) > 100   # it really walked ficco/
+    assert cycles(graph) == [], "import cycles: " + "; ".join(
+        " <-> ".join(c) for c in cycles(graph))
+
+
+def test_the_checker_finds_a_cycle(tmp_path):
+    """The walker itself: a two-module cycle through a late import is reported."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from . import b\n")
+    (pkg / "b.py").write_text("def f():\n    from .a import x\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                              "    from . import a\n")
+    graph = import_graph(pkg)
+    assert cycles(graph) == [["pkg.a", "pkg.b"]]
+    assert graph["pkg.c"] == set()
