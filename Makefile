@@ -1,27 +1,35 @@
 # `make demo` and `make test` work on a fresh machine: they make .venv, install a CPU torch
 # (pinned here only, for this set-up path; the library itself takes any torch >= 2.4) and ficco.
+# demo installs only what the CPU demo runs; test adds pytest, the bench extra and the GPU
+# bindings whose calls the CPU-side backend tests check against their real signatures.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
+# e.g. TORCH_INDEX=<PyTorch's CPU wheel index> for a CPU-only torch where the default is CUDA's
+TORCH_INDEX ?=
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.demo-installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[bench,test,cuda,rocm]'
+	$(BIN)/pip install -q $(TORCH) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(BIN)/.test-installed: $(BIN)/.demo-installed
+	$(BIN)/pip install -q -e '.[bench,test,cuda13]' 'hip-python==10.*'
 	touch $@
 
 .PHONY: install demo test test-gpu clean
-install: $(BIN)/.installed
+install: $(BIN)/.test-installed
 
-demo: install
+demo: $(BIN)/.demo-installed
 	$(BIN)/python -m ficco demo
 
-test: install
+test: $(BIN)/.test-installed
 	$(BIN)/python -m pytest -q -rs --durations=15
 
-test-gpu: install
+test-gpu: $(BIN)/.test-installed
 	$(BIN)/python -m pytest -q -m gpu tests/gpu
 
 clean:

@@ -128,9 +128,13 @@ def backend_for(t: torch.Tensor, name: str):
     """The active backend, checked to run where ``t`` lives."""
     backend = get_backend()
     if t.device.type != backend.device().type:
+        from .backends import unavailable_note
+
+        why = unavailable_note() if backend.name == "cpu" else ""
         raise InvalidArgumentError(
             f"{name} is on {t.device} but the active backend {backend.name!r} runs on "
-            f"{backend.device().type}; move the tensors or set FICCO_BACKEND")
+            f"{backend.device().type}; move the tensors or set FICCO_BACKEND"
+            + (f"; {why}" if why else ""))
     return backend
 
 

@@ -30,17 +30,36 @@ def backend_class(name: str) -> type[Backend]:
         raise BackendUnavailableError(f"the {name} backend cannot be imported: {exc}") from exc
 
 
-def _auto_name() -> str:
-    reasons = []
+def gpu_reasons() -> dict[str, str]:
+    """Why each GPU backend cannot run here (empty for one that can), so an error about a
+    tensor on a GPU under the cpu backend can say what is missing (a binding, a device)."""
+    reasons = {}
     for name in ("rocm", "cuda"):
         try:
             reason = backend_class(name).unavailable_reason()
         except BackendUnavailableError as exc:
             reason = str(exc)
-        if reason is None:
-            return name
-        reasons.append(f"{name}: {reason}")
-    return "cpu"
+        if reason is not None:
+            reasons[name] = reason
+    return reasons
+
+
+def unavailable_note() -> str:
+    """One sentence naming why each GPU backend is unavailable ("" when one is available).
+
+    >>> "cuda:" in unavailable_note() or unavailable_note() == ""
+    True
+    """
+    reasons = gpu_reasons()
+    if len(reasons) < 2:
+        return ""
+    return "no GPU backend can run here (" + "; ".join(f"{n}: {r}" for n, r in reasons.items()) \
+        + ")"
+
+
+def _auto_name() -> str:
+    reasons = gpu_reasons()
+    return next((name for name in ("rocm", "cuda") if name not in reasons), "cpu")
 
 
 def get_backend(name: str | None = None) -> Backend:
@@ -63,4 +82,5 @@ def close_all() -> None:
         _active.clear()
 
 
-__all__ = ["Backend", "get_backend", "backend_class", "close_all"]
+__all__ = ["Backend", "get_backend", "backend_class", "close_all", "gpu_reasons",
+           "unavailable_note"]

@@ -102,6 +102,31 @@ def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _bindings_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("cuda-bindings", "cuda-python"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def cuda_python_mismatch(torch_cuda: str, bindings_version: str | None) -> str | None:
+    """None when cuda-python's major equals torch's CUDA major (or is unknown), else the fix.
+
+    >>> cuda_python_mismatch("13.0", "13.4.4")
+    >>> cuda_python_mismatch("12.8", "13.4.4")[:44]
+    'cuda-python 13.4.4 does not match torch buil'
+    """
+    want = torch_cuda.split(".")[0]
+    if not bindings_version or bindings_version.split(".")[0] == want:
+        return None
+    return (f"cuda-python {bindings_version} does not match torch built for CUDA {torch_cuda}; "
+            f"install the matching one: pip install 'ficco[cuda{want}]'")
+
+
 class CudaBackend(GpuBackend):
     """ficco on NVIDIA GPUs. ``CudaBackend(device=None)`` uses the current CUDA device."""
 
@@ -123,7 +148,10 @@ class CudaBackend(GpuBackend):
         except ImportError as exc:
             major = torch.version.cuda.split(".")[0]
             return (f"cuda-python is missing ({exc}); install the one matching torch's CUDA "
-                    f"{torch.version.cuda}: pip install 'cuda-python=={major}.*'")
+                    f"{torch.version.cuda}: pip install 'ficco[cuda{major}]'")
+        mismatch = cuda_python_mismatch(torch.version.cuda, _bindings_version())
+        if mismatch:
+            return mismatch
         if not torch.cuda.is_available():
             return ("no CUDA device is visible (torch.cuda.is_available() is False); check the "
                     "driver with nvidia-smi and CUDA_VISIBLE_DEVICES")
