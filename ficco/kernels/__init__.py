@@ -1,0 +1,71 @@
+"""Triton kernels of ficco (optional: ``pip install ficco[triton]``).
+
+Today one kernel: the signal-gated GEMM (:mod:`ficco.kernels.gated_gemm`) the ``gated-1d`` /
+``gated-2d`` schedules launch once per call. Importing this package never imports Triton;
+:func:`unavailable_reason` says whether the kernel can run for a backend target::
+
+    >>> from ficco import kernels
+    >>> kernels.unavailable_reason("cuda:sm_70") is not None      # too old, or no Triton
+    True
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+#: Triton's oldest version these kernels were written against (acquire atomics, interpreter
+#: atomics on host memory).
+MIN_TRITON = (3, 2)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_reason() -> str | None:
+    """None when a usable Triton imports, else why not and how to fix it."""
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed: pip install 'ficco[triton]' (or the triton wheel " \
+               "matching your torch build)"
+    try:
+        import triton
+    except Exception as exc:  # noqa: BLE001 - a broken install is reported, not raised
+        return f"Triton is installed but does not import ({type(exc).__name__}: {exc})"
+    version = tuple(int(x) for x in triton.__version__.split(".")[:2] if x.isdigit())
+    if version < MIN_TRITON:
+        return f"Triton {triton.__version__} is too old; the gated GEMM needs >= " \
+               f"{'.'.join(map(str, MIN_TRITON))}"
+    return None
+
+
+def unavailable_reason(target: str) -> str | None:
+    """None when the gated GEMM can run on backend ``target`` ("cpu", "cuda:sm_90",
+    "rocm:gfx942", ...), else one sentence why not. CPU runs it in Triton's interpreter
+    (correctness only); NVIDIA needs sm_80 or newer, AMD a CDNA (gfx9xx) or RDNA3+ GPU."""
+    reason = triton_reason()
+    if reason is not None:
+        return reason
+    kind, _, arch = target.partition(":")
+    if kind == "cuda":
+        digits = "".join(ch for ch in arch if ch.isdigit())
+        if digits and int(digits) < 80:
+            return f"the gated GEMM needs an NVIDIA GPU of sm_80 or newer; this is {arch}"
+        return None
+    if kind in ("rocm", "hip"):
+        if arch and not arch.startswith(("gfx9", "gfx11", "gfx12")):
+            return f"the gated GEMM is not built for AMD {arch}; it needs gfx9xx/gfx11xx/gfx12xx"
+        return None
+    if kind == "cpu":
+        return None
+    return f"no Triton backend for target {target!r}"
+
+
+def selectable_reason(target: str) -> str | None:
+    """Like :func:`unavailable_reason`, but for selectors: on CPU the kernel runs in the
+    interpreter, far slower than a torch GEMM, so selectors never pick it there (a forced
+    ``schedule="gated-1d"`` still runs)."""
+    reason = unavailable_reason(target)
+    if reason is None and target.partition(":")[0] == "cpu":
+        return "the CPU backend runs Triton kernels in the interpreter (correctness only), " \
+               "so selectors do not offer gated schedules on CPU; force one to run it"
+    return reason
+
+
+__all__ = ["unavailable_reason", "selectable_reason", "triton_reason", "MIN_TRITON"]

@@ -1,0 +1,53 @@
+"""Tile configurations the gated GEMM's autotuner tries, per device family.
+
+A few configs per family, not a sweep: the autotuner times each once per (N, K, M, dtype)
+key on the first call of a shape (with every arrival flag preset, so waiting never enters a
+timing) and remembers the winner for the process, as Triton does. The families differ where
+the hardware does: NVIDIA Hopper/Ampere like 128x128/128x256 tiles with 3-4 pipeline stages;
+AMD CDNA3 (MI300-class) wants larger 256-wide tiles, 2 stages (LDS is the limit) and the 16x16
+MFMA shape.
+
+>>> family("cuda:sm_90"), family("rocm:gfx942"), family("cpu")
+('nvidia', 'amd', 'cpu')
+"""
+from __future__ import annotations
+
+#: the one tile shape the interpreter runs (CPU correctness runs; speed means nothing there)
+INTERPRETER = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32}
+
+_NVIDIA = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+    (128, 128, 64, 4, 4),
+    (128, 256, 64, 8, 3),
+    (256, 128, 64, 8, 3),
+    (64, 128, 64, 4, 4),     # small M per segment (decode-like shards, 1d chunks of few rows)
+]
+_AMD = [
+    (256, 256, 64, 8, 2),
+    (128, 256, 64, 8, 2),
+    (128, 128, 64, 4, 2),
+    (64, 128, 64, 4, 2),
+]
+
+
+def family(target: str) -> str:
+    """The config family of a backend target string ("cuda:sm_90" -> "nvidia")."""
+    if target.startswith("cuda"):
+        return "nvidia"
+    if target.startswith(("rocm", "hip")):
+        return "amd"
+    return "cpu"
+
+
+def for_family(name: str) -> list:
+    """``triton.Config`` list for family ``name`` (imports Triton: call only where it is)."""
+    import triton
+
+    if name == "nvidia":
+        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w,
+                              num_stages=s) for m, n, k, w, s in _NVIDIA]
+    if name == "amd":
+        # matrix_instr_nonkdim / waves_per_eu are AMD backend options of triton.Config kwargs.
+        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k,
+                               "matrix_instr_nonkdim": 16, "waves_per_eu": 0},
+                              num_warps=w, num_stages=s) for m, n, k, w, s in _AMD]
+    return [triton.Config(dict(INTERPRETER), num_warps=4, num_stages=1)]

@@ -1,0 +1,225 @@
+"""One signal-gated Triton GEMM, ``c = a_gathered @ b``, for NVIDIA and AMD (and the Triton
+interpreter on CPU).
+
+The rows of the gathered A arrive in pieces, each copied by a copy engine that then raises a
+local int32 *arrival flag*. The kernel's programs walk output tiles in arrival order and wait
+for a piece's flag (an acquire read) before loading its rows, so the whole GEMM is ONE launch
+whose tiles start as their rows land: no per-chunk GEMMs (no decomposition loss), and no
+compute units spent on communication (the copy engines move the bytes)::
+
+    segments (rows of C, in arrival order)   parts (K ranges accumulated into each tile)
+    own shard   rows [r*m, (r+1)*m)          (0, K, no flag)          read from the input
+    1d: chunk c of peer q                    (0, K, flag(q, c))
+    2d: shard of peer q                      (k_c, kc_c, flag(q, c)) for every chunk c
+
+    program(pid):  segment, tile = arrival_order[pid]
+                   acc = 0 (fp32)
+                   for part in segment.parts:
+                       spin until flags[part.flag] != 0 (acquire), at most spin_budget polls
+                       acc += A[tile rows, part K] @ B[part K, tile cols]
+                   C[tile] = round(acc)                                  # rounded once
+
+A wait that outlives its budget records ``1 + flag`` in the error word, skips its tile and
+exits; :func:`check_error` turns the word into :class:`~ficco.errors.CommTimeoutError` naming
+the piece. A kernel never spins forever.
+
+Example (interpreter on CPU, all flags already raised)::
+
+    >>> import torch
+    >>> from ficco.kernels.gated_gemm import Segment, gated_gemm
+    >>> a = torch.randn(6, 8); b = torch.randn(8, 5); c = torch.empty(6, 5)
+    >>> segs = (Segment(0, 2, ((0, 8, -1),)), Segment(2, 4, ((0, 4, 0), (4, 4, 1))))
+    >>> flags = torch.ones(2, dtype=torch.int32)
+    >>> gated_gemm(a[:2], a, b, c, segs, flags, local_row0=0, device_kind="cpu")
+    >>> torch.allclose(c, a @ b, atol=1e-5)
+    True
+"""
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import CommTimeoutError, InvalidArgumentError
+from . import configs
+
+# Triton is an optional extra: only ficco.kernels.available() and the gated schedules' launch
+# import this module, and only after checking that Triton imports.
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows ``[row0, row0+rows)`` of C (and of the gathered A) and the K ``parts`` accumulated
+    into them in order: ``(k0, kc, flag)``, ``flag`` -1 when the part needs no wait."""
+
+    row0: int
+    rows: int
+    parts: tuple[tuple[int, int, int], ...]
+
+
+def tables(segments: tuple[Segment, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int32 segment table ``(row0, rows, first part, parts)`` and part table
+    ``(k0, kc, flag)`` the kernel walks."""
+    seg_rows, part_rows = [], []
+    for s in segments:
+        seg_rows.append((s.row0, s.rows, len(part_rows), len(s.parts)))
+        part_rows.extend(s.parts)
+    seg = torch.tensor(seg_rows or [(0, 0, 0, 0)], dtype=torch.int32)
+    part = torch.tensor(part_rows or [(0, 0, -1)], dtype=torch.int32)
+    return seg.to(device), part.to(device)
+
+
+def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err,
+                 N, K_total, M_total, local_row0, local_rows, num_segs, spin_budget,
+                 stride_al, stride_ag, stride_bk, stride_bn, stride_cm,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    pid = tl.program_id(0)
+    tiles_n = (N + BLOCK_N - 1) // BLOCK_N   # not tl.cdiv: a jit helper the interpreter cannot call
+    tile_m = pid // tiles_n
+    tile_n = pid % tiles_n
+    # Which segment holds M-tile ``tile_m``: segments are few (<= W*W+1), walk them.
+    seg = 0
+    first_tile = 0
+    seen = 0
+    for s in range(0, num_segs):
+        tiles_s = (tl.load(seg_table + s * 4 + 1) + BLOCK_M - 1) // BLOCK_M
+        hit = (tile_m >= seen) & (tile_m < seen + tiles_s)
+        seg = tl.where(hit, s, seg)
+        first_tile = tl.where(hit, seen, first_tile)
+        seen += tiles_s
+    row0 = tl.load(seg_table + seg * 4)
+    rows = tl.load(seg_table + seg * 4 + 1)
+    part0 = tl.load(seg_table + seg * 4 + 2)
+    parts = tl.load(seg_table + seg * 4 + 3)
+    offs_m = (tile_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < rows
+    mask_n = offs_n < N
+    # This rank's own rows come straight from the caller's input: they wait for nothing.
+    if (row0 >= local_row0) & (row0 < local_row0 + local_rows):
+        a_rows = a_local + (row0 - local_row0 + offs_m).to(tl.int64) * stride_al
+    else:
+        a_rows = a_gathered + (row0 + offs_m).to(tl.int64) * stride_ag
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)   # tl.zeros is a jit helper too
+    ok = 1
+    for p in range(part0, part0 + parts):
+        k0 = tl.load(part_table + p * 3)
+        kc = tl.load(part_table + p * 3 + 1)
+        flag = tl.load(part_table + p * 3 + 2)
+        if (flag >= 0) & (ok != 0):
+            # Acquire: the rows the copy engine wrote before raising the flag are visible.
+            seen_flag = tl.atomic_add(flags + flag, 0, sem="acquire")
+            spins = 0
+            while (seen_flag == 0) & (spins < spin_budget):
+                seen_flag = tl.atomic_add(flags + flag, 0, sem="acquire")
+                spins += 1
+            if seen_flag == 0:
+                tl.atomic_cas(err, 0, flag + 1)
+                ok = 0
+        if ok != 0:
+            for k in range(k0, k0 + kc, BLOCK_K):
+                offs_k = k + tl.arange(0, BLOCK_K)
+                mask_k = offs_k < k0 + kc
+                a_tile = tl.load(a_rows[:, None] + offs_k[None, :],
+                                 mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                b_tile = tl.load(b + offs_k[:, None].to(tl.int64) * stride_bk
+                                 + offs_n[None, :] * stride_bn,
+                                 mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+                if UPCAST:
+                    # The interpreter keeps bf16 as raw uint16 and its dot multiplies those
+                    # integers (triton 3.9): multiply exact fp32 copies instead.
+                    acc = tl.dot(a_tile.to(tl.float32), b_tile.to(tl.float32), acc,
+                                 input_precision="ieee")
+                elif IEEE:
+                    acc = tl.dot(a_tile, b_tile, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a_tile, b_tile, acc)
+    if ok != 0:
+        c_ptrs = c + (row0 + offs_m)[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(device_kind: str, family: str):
+    """The kernel for one device kind: the interpreter on CPU, else triton.jit wrapped in the
+    autotuner with this family's configs (one Autotuner per family, so its per-key cache is
+    keyed by shape, dtype and target)."""
+    if device_kind == "cpu":
+        # Built directly (not through TRITON_INTERPRET): ficco's CPU backend runs the kernel in
+        # the interpreter whatever the environment says, and GPU kernels stay compiled.
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return InterpretedFunction(_kernel_body), configs.INTERPRETER
+    jitted = triton.jit(_kernel_body)
+    return triton.autotune(configs.for_family(family), key=["N", "K_total", "M_total"])(jitted), None
+
+
+def polls_per_s(device_kind: str) -> float:
+    """Rough flag polls per second: turns FICCO_TIMEOUT into a spin budget. An acquire
+    atomic costs about a microsecond on a GPU; the interpreter takes ~0.3 ms per poll on a
+    busy CPU. The budget is an approximate deadline: it only has to be finite."""
+    return 3.0e3 if device_kind == "cpu" else 1.0e6
+
+
+def gated_gemm(a_local: torch.Tensor, a_gathered: torch.Tensor, b: torch.Tensor,
+               c: torch.Tensor, segments: tuple[Segment, ...], flags: torch.Tensor, *,
+               local_row0: int, err: torch.Tensor | None = None, timeout_s: float = 300.0,
+               family: str = "cpu", device_kind: str | None = None) -> torch.Tensor:
+    """Launch the gated GEMM on the current stream: ``c[rows of s] = A[rows of s] @ b`` for
+    every segment, A's rows read from ``a_local`` (this rank's shard, rows ``[local_row0,
+    local_row0 + a_local.shape[0])``) or ``a_gathered``. Returns the error word (int32, 0
+    when every wait succeeded); pass it to :func:`check_error` once the kernel finished.
+    ``flags`` is int32, one word per flag index named in ``segments``.
+    """
+    _check_operands(a_local, a_gathered, b, c, flags)
+    device_kind = device_kind or c.device.type
+    kernel, fixed = _compiled(device_kind, family)
+    seg, part = tables(segments, c.device)
+    err = torch.zeros(1, dtype=torch.int32, device=c.device) if err is None else err
+    n, k_total = b.shape[1], b.shape[0]
+    budget = max(1, int(timeout_s * polls_per_s(device_kind)))
+    args = (a_local, a_gathered, b, c, seg, part, flags, err, n, k_total, a_gathered.shape[0],
+            local_row0, a_local.shape[0], len(segments), budget, a_local.stride(0),
+            a_gathered.stride(0), b.stride(0), b.stride(1), c.stride(0))
+
+    def grid(meta):
+        tiles_m = sum(triton.cdiv(s.rows, meta["BLOCK_M"]) for s in segments)
+        return (tiles_m * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    ieee = c.dtype == torch.float32 or a_gathered.dtype == torch.float32
+    if fixed is not None:
+        kernel[grid(fixed)](*args, **fixed, IEEE=ieee, UPCAST=True)
+    else:
+        kernel[grid](*args, IEEE=ieee, UPCAST=False)
+    return err
+
+
+def _check_operands(a_local, a_gathered, b, c, flags) -> None:
+    if a_local.stride(-1) != 1 or a_gathered.stride(-1) != 1 or c.stride(-1) != 1:
+        raise InvalidArgumentError("gated_gemm needs row-major A and C (unit column stride)")
+    if flags.dtype != torch.int32:
+        raise InvalidArgumentError(f"gated_gemm flags must be int32; got {flags.dtype}")
+    if b.shape[0] != a_gathered.shape[1] or c.shape[1] != b.shape[1]:
+        raise InvalidArgumentError(
+            f"gated_gemm shapes do not chain: A {tuple(a_gathered.shape)}, B {tuple(b.shape)}, "
+            f"C {tuple(c.shape)}")
+
+
+def check_error(err: torch.Tensor, describe=None, timeout_s: float | None = None) -> None:
+    """Raise :class:`CommTimeoutError` when the kernel recorded a wait that timed out.
+    ``describe(flag) -> str`` names the piece (e.g. "chunk 1 of peer 2").
+
+    >>> check_error(torch.zeros(1, dtype=torch.int32))     # nothing recorded: returns
+    """
+    code = int(err.reshape(-1)[0])
+    if code == 0:
+        return
+    flag = code - 1
+    what = describe(flag) if describe is not None else f"arrival flag {flag}"
+    budget = f" (about {timeout_s:.1f}s)" if timeout_s is not None else ""
+    raise CommTimeoutError(
+        f"gated GEMM: {what} never arrived: its flag stayed 0 past the spin budget{budget}; "
+        f"the copy that should raise it is stuck or its peer is dead. Raise FICCO_TIMEOUT if "
+        f"the peer is only slow")

@@ -1,0 +1,214 @@
+"""Gated schedules ``gated-1d`` and ``gated-2d``: the FiCCO copy pattern on the copy engines,
+consumed by ONE signal-gated Triton GEMM launch per ``b_j`` (:mod:`ficco.kernels`).
+
+FiCCO trades decomposition (many smaller GEMMs, each a launch, each filling the machine worse:
+DIL) against overlap. Here the GEMM is never cut: its tiles walk the output in arrival order
+and wait, inside the kernel, for a per-copy arrival flag that the copy queue raises right
+after the copy (a stream-ordered write). The copies stay on the copy engines, so no compute
+unit moves bytes::
+
+    publish  : input -> my rows of gathered (copy0), barrier 0 there
+    for c    : for each peer q (queue (q - r - 1) % E): gathered[q, chunk c] <- peer q
+                                                        then flag[c*W + q] = 1   (Signal)
+    compute  : G = ONE gated GEMM per b_j, launched at t=0:
+               1d  tiles: my shard (no wait), then chunk 0 of every peer, chunk 1, ...
+               2d  tiles: my shard (all K, no wait), then each peer's shard, accumulating
+                   its K chunks c = 0, 1, ... as they land (fp32, rounded once)
+    close    : barrier 1 after the last pull of each copy queue (copy0)
+
+Timeline for W = 4 (``cN`` = chunk N's three copies, ``|`` = a flag raised)::
+
+    copy0..2 |pub|bar|c0||c1||c2||c3||bar|
+    compute  |==== G: my rows | c0 rows | c1 rows | c2 rows | c3 rows ====|
+
+Only ``dma``: with ``ccl`` the collectives need compute units that the waiting tiles may hold,
+so a gated GEMM could starve its own producer. The kernel needs Triton (``ficco[triton]``) and
+a supported GPU; on CPU it runs in Triton's interpreter (tests). Where it cannot run the
+schedules are not offered to selectors, and forcing one raises with the reason.
+
+>>> from ficco.problem import Problem
+>>> plan = Gated(two_d=False).plan(Problem(m=8, k=16, ns=(32,), dtype="float32", world=4))
+>>> plan.schedule, dict(plan.count())
+('gated-1d', {'copy_1d': 13, 'barrier': 2, 'signal': 12, 'gated_gemm': 1})
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..errors import InvalidArgumentError
+from ..plan import COMPUTE, GatedGemm, Plan, PlanBuilder, Record, Signal, Wait, copy_queue
+from ..problem import Problem
+from . import common
+from .ficco import chunks
+
+NO_FLAG = -1
+
+
+def flag_index(problem: Problem, peer: int, chunk: int) -> int:
+    """Arrival flag of chunk ``chunk`` of ``peer``'s shard: ``chunk * W + peer``."""
+    return chunk * problem.world + peer
+
+
+def describe_flag(problem: Problem, flag: int) -> str:
+    """What arrival flag ``flag`` stands for, in error messages.
+
+    >>> describe_flag(Problem(m=8, k=8, ns=(4,), dtype="float32", world=4, rank=0), 6)
+    'chunk 1 of peer 2 (rank 0 waiting)'
+    """
+    chunk, peer = divmod(flag, problem.world)
+    return f"chunk {chunk} of peer {peer} (rank {problem.rank} waiting)"
+
+
+@dataclass(frozen=True)
+class Gated:
+    """A gated schedule: ``two_d`` cuts shards by columns (the GEMM accumulates K chunks as
+    they land) instead of rows. See the module docstring."""
+
+    two_d: bool = False
+    optional = True   # offered only where the kernel runs (see unavailable_reason)
+
+    @property
+    def name(self) -> str:
+        return "gated-2d" if self.two_d else "gated-1d"
+
+    def unavailable_reason(self, target: str, transport: str = "dma") -> str | None:
+        """None when this schedule can run on backend ``target`` over ``transport``."""
+        if transport != "dma":
+            return (f"{self.name} needs transport dma (copy engines): with {transport} the "
+                    f"collectives need compute units that waiting tiles may hold")
+        from .. import kernels
+
+        return kernels.unavailable_reason(target)
+
+    def selectable_reason(self, target: str, transport: str = "dma") -> str | None:
+        """Why selectors must not pick this schedule here (None: they may)."""
+        reason = self.unavailable_reason(target, transport)
+        if reason is None:
+            from .. import kernels
+
+            reason = kernels.selectable_reason(target)
+        return reason
+
+    def plan(self, problem: Problem, transport: str = "dma",
+             copy_engines: int | None = None) -> Plan:
+        common.check_transport(transport)
+        if getattr(problem, "op", "all_gather_matmul") != "all_gather_matmul":
+            raise InvalidArgumentError(f"{self.name} is an all_gather_matmul schedule; got a "
+                                       f"{problem.op} problem")
+        if transport != "dma" and problem.world > 1:
+            raise InvalidArgumentError(self.unavailable_reason("any", transport))
+        if copy_engines is not None and copy_engines < 1:
+            raise InvalidArgumentError(
+                f"copy_engines must be >= 1 or None (one per peer); got {copy_engines}")
+        b = PlanBuilder(self.name, transport, problem)
+        p = problem
+        if p.m == 0:
+            return b.build()
+        local = (p.shard_row0(p.rank), p.m, ((0, p.k, NO_FLAG),))
+        if p.world == 1:
+            _gated_gemms(b, (local,))
+            return b.build()
+        engines = copy_engines or p.world - 1
+        peers = [(p.rank + i) % p.world for i in range(1, p.world)]
+        _, ready = common.publish_on_copy_engine(b)
+        todo = chunks(p, self.two_d)
+        if self.two_d:
+            remote = tuple((p.shard_row0(q), p.m,
+                            tuple((c.col0, c.cols, flag_index(p, q, c.index)) for c in todo))
+                           for q in peers)
+        else:
+            remote = tuple((p.shard_row0(q) + c.row0, c.rows,
+                            ((0, p.k, flag_index(p, q, c.index)),))
+                           for c in todo for q in peers)
+        # Enqueued before the copies: its own rows start at once and the host's time to issue
+        # the copies (and flags) overlaps them; the flags, not the queue order, gate the rest.
+        _gated_gemms(b, (local,) + remote)
+        last_pull = {}
+        for chunk in todo:
+            for lane, q in enumerate(peers):
+                queue = lane % engines
+                common.pull(b, queue, q, chunk.row0, chunk.rows, col0=chunk.col0,
+                            cols=chunk.cols, step=chunk.index, after=[ready])
+                # Same queue, right after the copy: queue order is the whole dependency.
+                last_pull[queue] = b.add(Signal(copy_queue(queue),
+                                                flag_index(p, q, chunk.index), step=chunk.index))
+        common.close(b, transport, list(last_pull.values()))
+        return b.build()
+
+
+def _gated_gemms(b: PlanBuilder, segments) -> None:
+    for j in range(len(b.problem.ns)):
+        b.add(GatedGemm(COMPUTE, segments, j))
+
+
+GATED_SCHEDULES = (Gated(two_d=False), Gated(two_d=True))
+
+
+# -- simulation -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GatedPiece:
+    """The simulator's view of one stretch of a :class:`~ficco.plan.GatedGemm`: the tiles of
+    ``rows`` rows over ``kc`` of K (kind ``gated_gemm``, so it is priced and drawn as the
+    gated GEMM it is part of). ``first`` pays the launch."""
+
+    queue: str
+    b: int
+    rows: int
+    kc: int
+    first: bool
+    step: int = 0
+    label: str = ""
+    kind = "gated_gemm"
+
+
+def lower_for_simulation(plan: Plan) -> tuple[Plan, list[int]]:
+    """``plan`` with every GatedGemm split into :class:`GatedPiece` s in the kernel's tile
+    order, each behind a Wait for the flags it reads, and every Signal turned into a Record of
+    one event per flag; plus, per op of the result, the index of the op it came from (the host
+    enqueues a gated GEMM once, so all its pieces share its issue time). A plan without gated
+    ops comes back unchanged.
+
+    2d pieces advance in K-lockstep: part c of every peer's tiles waits for chunk c of every
+    peer, which the copies deliver at about the same time.
+    """
+    if not any(op.kind == "gated_gemm" for op in plan.ops):
+        return plan, list(range(len(plan.ops)))
+    flags = max((op.num_flags for op in plan.ops if op.kind == "gated_gemm"), default=0)
+    base = plan.num_events
+    ops, origin = [], []
+    for i, op in enumerate(plan.ops):
+        if op.kind == "signal":
+            ops.append(Record(op.queue, base + op.flag))
+            origin.append(i)
+        elif op.kind == "gated_gemm":
+            for piece, waits in _pieces(op):
+                for flag in waits:
+                    ops.append(Wait(op.queue, base + flag))
+                    origin.append(i)
+                ops.append(piece)
+                origin.append(i)
+        else:
+            ops.append(op)
+            origin.append(i)
+    return replace(plan, ops=tuple(ops), num_events=base + flags), origin
+
+
+def _pieces(op: GatedGemm):
+    """(piece, flags it waits for) in tile order."""
+    out, first = [], True
+    plain = [s for s in op.segments if len(s[2]) == 1]
+    accumulating = [s for s in op.segments if len(s[2]) > 1]
+    for row0, rows, ((k0, kc, flag),) in plain:
+        waits = () if flag == NO_FLAG else (flag,)
+        out.append((GatedPiece(op.queue, op.b, rows, kc, first, op.step,
+                               f"gated r{row0}+{rows}"), waits))
+        first = False
+    if accumulating:   # 2d: all peers' tiles take part c together
+        rows = sum(s[1] for s in accumulating)
+        for c in range(max(len(s[2]) for s in accumulating)):
+            parts = [s[2][c] for s in accumulating if c < len(s[2])]
+            waits = tuple(f for _, _, f in parts if f != NO_FLAG)
+            out.append((GatedPiece(op.queue, op.b, rows, parts[0][1], first, op.step,
+                                   f"gated k{parts[0][0]}+{parts[0][1]}"), waits))
+            first = False
+    return out
