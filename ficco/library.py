@@ -157,7 +157,8 @@ def _reference_matmul_reduce_scatter(a, bs, name, scatter_dim, reduce_op):
             mine = full
         else:
             mine = full.new_empty((full.shape[0] // world, *full.shape[1:]))
-            dist.reduce_scatter_tensor(mine, full, group=group)
+            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            scatter(mine, full, group=group)
             if reduce_op == "avg":
                 mine /= world
         outs.append(mine.movedim(0, scatter_dim))
@@ -371,7 +372,8 @@ def _gather(t: Tensor, group: str, dim: int) -> Tensor:
         return t
     from torch.distributed import _functional_collectives as funcol
 
-    return funcol.all_gather_tensor(t.contiguous(), dim, group)
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    return gather(t.contiguous(), dim, group)
 
 
 def _reduce_scatter(t: Tensor, group: str, dim: int) -> Tensor:
@@ -379,12 +381,14 @@ def _reduce_scatter(t: Tensor, group: str, dim: int) -> Tensor:
         return t
     from torch.distributed import _functional_collectives as funcol
 
-    return funcol.reduce_scatter_tensor(t.contiguous(), "sum", dim, group)
+    scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+    return scatter(t.contiguous(), "sum", dim, group)
 
 
 def _ag_setup_context(ctx, inputs, output):
     a, bs, group, gather_dim, _schedule, return_gathered = inputs
     gathered, _outs = output
+    ctx.set_materialize_grads(False)   # an unused output (the gathered a) gets no zero gradient
     ctx.group, ctx.dim = group, gather_dim % a.dim()
     ctx.a_needs = a.requires_grad
     ctx.b_needs = [b.requires_grad for b in bs]
@@ -423,6 +427,7 @@ def _ag_backward(ctx, grad_gathered, grad_outs):
 
 def _rs_setup_context(ctx, inputs, output):
     a, bs, group, scatter_dim, reduce_op, _schedule = inputs
+    ctx.set_materialize_grads(False)
     ctx.group, ctx.dim, ctx.reduce_op = group, scatter_dim % a.dim(), reduce_op
     ctx.a_needs = a.requires_grad
     ctx.b_needs = [b.requires_grad for b in bs]

@@ -1,0 +1,174 @@
+"""Tensor/sequence-parallel linear layers built on ficco's two ops.
+
+A sequence-parallel (SP) + tensor-parallel (TP) block keeps activations sharded along the
+sequence between blocks. Its column-parallel layers gather the sequence in front of their GEMM
+(:class:`ColumnParallelLinear`, ``ficco.all_gather_matmul``); its row-parallel layers
+reduce-scatter back to sequence shards after theirs (:class:`RowParallelLinear`,
+``ficco.matmul_reduce_scatter``). Parameters in the SP region (norm weights, the row layer's
+bias) see only this rank's rows, so their gradient is summed over the group by
+:func:`replicated`.
+
+Why modules and not ``ParallelStyle``\\ s for ``parallelize_module``: torch's styles turn the
+parameters into DTensors and let DTensor's sharding propagation run the matmul and choose its
+collectives, so ficco could only take over by replacing the module's forward and unwrapping
+every DTensor on every call. These modules hold plain local shards instead: any optimizer,
+``torch.compile(fullgraph=True)`` and state dicts work unchanged, and ``from_linear`` shards an
+existing ``nn.Linear``.
+
+>>> # under torchrun, x_shard: (batch, seq / W, hidden)          # doctest: +SKIP
+>>> up = ColumnParallelLinear.from_linear(nn.Linear(512, 2048), seq_dim=1)
+>>> down = RowParallelLinear.from_linear(nn.Linear(2048, 512), seq_dim=1)
+>>> y_shard = down(torch.relu(up(x_shard)))                       # (batch, seq / W, hidden)
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from . import library
+from .problem import even_split
+
+
+def _world_rank(group) -> tuple[int, int]:
+    return library._world_rank(library.group_name(group))
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = all_gather(x_shard, seq_dim) @ W_r^T + b_r``: this rank's output features of one or
+    several linears (one gather feeds them all, e.g. Q/K/V or SwiGLU's gate and up).
+
+    ``out_features`` is the full (unsharded) size or a list of them; each is split over the
+    group's ranks (longer pieces first). With a list, ``forward`` returns a tuple.
+    """
+
+    def __init__(self, in_features: int, out_features: int | Sequence[int], bias: bool = True,
+                 *, group=None, seq_dim: int = 0, device=None, dtype=None):
+        super().__init__()
+        self.group, self.seq_dim = group, seq_dim
+        self.fused = not isinstance(out_features, int)
+        world, rank = _world_rank(group)
+        sizes = list(out_features) if self.fused else [out_features]
+        self.in_features, self.out_features = in_features, tuple(sizes)
+        self.weights = nn.ParameterList(
+            nn.Parameter(torch.empty(even_split(n, world)[rank][1], in_features, device=device,
+                                     dtype=dtype)) for n in sizes)
+        self.biases = nn.ParameterList(
+            nn.Parameter(torch.empty(w.shape[0], device=device, dtype=dtype))
+            for w in self.weights) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for j, w in enumerate(self.weights):
+            nn.init.kaiming_uniform_(w, a=5 ** 0.5)
+            if self.biases is not None:
+                bound = 1 / self.in_features ** 0.5
+                nn.init.uniform_(self.biases[j], -bound, bound)
+
+    @classmethod
+    def from_linear(cls, linears: nn.Linear | Sequence[nn.Linear], *, group=None,
+                    seq_dim: int = 0) -> "ColumnParallelLinear":
+        """This rank's shard of ``linears`` (an ``nn.Linear`` or several with one input)."""
+        many = not isinstance(linears, nn.Linear)
+        linears = list(linears) if many else [linears]
+        first = linears[0]
+        sizes = [lin.out_features for lin in linears]
+        layer = cls(first.in_features, sizes if many else sizes[0], first.bias is not None,
+                    group=group, seq_dim=seq_dim, device=first.weight.device,
+                    dtype=first.weight.dtype)
+        world, rank = _world_rank(group)
+        with torch.no_grad():
+            for j, lin in enumerate(linears):
+                start, rows = even_split(lin.out_features, world)[rank]
+                layer.weights[j].copy_(lin.weight[start:start + rows])
+                if layer.biases is not None:
+                    layer.biases[j].copy_(lin.bias[start:start + rows])
+        return layer
+
+    def forward(self, x_shard: Tensor):
+        outs = library.all_gather_matmul(x_shard, [w.t() for w in self.weights], self.group,
+                                         gather_dim=self.seq_dim)
+        if self.biases is not None:
+            outs = [o + b for o, b in zip(outs, self.biases)]
+        return tuple(outs) if self.fused else outs[0]
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} (sharded), "
+                f"seq_dim={self.seq_dim}, bias={self.biases is not None}")
+
+
+class RowParallelLinear(nn.Module):
+    """``y_shard = reduce_scatter(x @ W_r^T, seq_dim) + b``: ``x`` holds this rank's input
+    features (a column-parallel layer's output) for the full sequence; the result is this
+    rank's sequence shard of the full linear's output. The bias is replicated and added after
+    the reduction (once, not once per rank)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None,
+                 seq_dim: int = 0, device=None, dtype=None):
+        super().__init__()
+        self.group, self.seq_dim = group, seq_dim
+        world, rank = _world_rank(group)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, even_split(in_features, world)[rank][1],
+                                               device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) \
+            if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+        if self.bias is not None:
+            bound = 1 / self.in_features ** 0.5
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, group=None, seq_dim: int = 0) -> "RowParallelLinear":
+        """This rank's shard of ``linear``: its slice of input features, the whole bias."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                    group=group, seq_dim=seq_dim, device=linear.weight.device,
+                    dtype=linear.weight.dtype)
+        world, rank = _world_rank(group)
+        start, cols = even_split(linear.in_features, world)[rank]
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[:, start:start + cols])
+            if layer.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = library.matmul_reduce_scatter(x, self.weight.t(), self.group,
+                                          scatter_dim=self.seq_dim)
+        return y if self.bias is None else y + replicated(self.bias, self.group)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (sharded), out_features={self.out_features}, "
+                f"seq_dim={self.seq_dim}, bias={self.bias is not None}")
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, name):
+        ctx.name = name
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.name == library.SINGLE:
+            return grad, None
+        from torch.distributed import _functional_collectives as funcol
+
+        return funcol.all_reduce(grad.contiguous(), "sum", ctx.name), None
+
+
+def replicated(param: Tensor, group=None) -> Tensor:
+    """``param`` for use inside the sequence-parallel region: identity forward; the backward
+    sums its gradient over ``group``, since each rank's rows contribute only part of it (norm
+    weights, a row-parallel bias). Without it such parameters drift apart across ranks.
+
+    >>> h = F.rms_norm(x_shard, (d,), replicated(norm.weight))   # doctest: +SKIP
+    """
+    return _SumGradOverGroup.apply(param, library.group_name(group))
+
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "replicated"]
