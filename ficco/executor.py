@@ -1,13 +1,14 @@
-"""Runs a :class:`~ficco.plan.Plan` on a backend: resolves blocks to tensor views, turns each
-op into backend calls on the op's queue, and joins the queues at the end. Shared by every
-backend; nothing here is vendor specific.
+"""Runs a :class:`~ficco.plan.Plan` (either op) on a backend: resolves blocks to tensor views,
+turns each op into backend calls on the op's queue, and joins the queues at the end. Shared by
+every backend; nothing here is vendor specific. Reductions and collectives are host tasks
+launched in their queue's order (on GPUs they enqueue torch kernels on that stream).
 
 Host time per call matters (an eager W=8 FiCCO call enqueues 32-250 ops), so a plan is compiled
 once (:func:`compile_plan`, cached per Plan object) into flat steps that name views by slot
 number. A call then only builds the views of tensors that are new each call (the caller's
-input and weights, fresh outputs and stages); views of the symmetric workspace (this rank's
-gathered buffer and every peer's) are kept per compiled plan while the workspace handle and
-the gathered tensor's address stay the same.
+input and weights, fresh outputs and landing buffers); views of the symmetric workspace (this
+rank's gathered or partial buffers and every peer's) are kept per compiled plan while the
+workspace handle and those tensors' addresses stay the same.
 """
 from __future__ import annotations
 
@@ -20,34 +21,47 @@ import torch
 import torch.distributed as dist
 
 from .errors import InvalidArgumentError
-from .plan import (COMPUTE, AllGather, Barrier, Block, Copy, Gather, Gemm, Plan, Record, Scatter,
-                   SendRecv, Wait)
+from . import profiling
+from .plan import (COMPUTE, SYMMETRIC_BUFFERS, AllGather, AllToAll, Barrier, Block, Copy, Gemm,
+                   Plan, Record, Reduce, ReduceScatter, SendRecv, Wait, buffer_shapes, op_label)
 
 
 @dataclass
 class Buffers:
-    """The tensors one call's plan refers to. ``a`` is the caller's shard in canonical
-    ``m x K`` form; ``gathered`` this rank's ``M x K`` buffer; ``symm`` the symmetric handle
-    whose buffers hold every peer's ``gathered`` (None with ``ccl``)."""
+    """The tensors one call's plan refers to. ``a`` is the caller's A operand in canonical
+    ``m x K`` form. All-gather: ``gathered`` is this rank's ``M x K`` buffer. Reduce-scatter:
+    ``partials[j]`` this rank's ``M x n_j`` partial products (at byte ``partial_offsets[j]``
+    of the workspace with ``dma``) and ``recvs[j]`` the landing buffer of the peers' partials.
+    ``symm`` is the symmetric handle whose buffers hold every peer's ``gathered`` or
+    ``partials`` (None with ``ccl``)."""
 
     a: torch.Tensor
     bs: list[torch.Tensor]
     outs: list[torch.Tensor]
-    gathered: torch.Tensor
+    gathered: torch.Tensor | None = None
     symm: Any = None
     group: Any = None
-    stages: list[torch.Tensor] = field(default_factory=list)
-    _peers: dict[int, torch.Tensor] = field(default_factory=dict)
+    partials: list[torch.Tensor] = field(default_factory=list)
+    recvs: list[torch.Tensor] = field(default_factory=list)
+    partial_offsets: tuple[int, ...] = ()
+    _peers: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
-    def peer(self, peer: int) -> torch.Tensor:
-        """Rank ``peer``'s gathered buffer, through the symmetric handle."""
+    def peer(self, peer: int, buf: str = "gathered", index: int = 0) -> torch.Tensor:
+        """Rank ``peer``'s copy of a symmetric buffer, through the symmetric handle."""
         if self.symm is None:
             raise InvalidArgumentError(f"plan reads peer {peer}'s buffer but the call has "
                                        f"no symmetric memory (transport ccl)")
-        if peer not in self._peers:
-            g = self.gathered
-            self._peers[peer] = self.symm.get_buffer(peer, tuple(g.shape), g.dtype)
-        return self._peers[peer]
+        key = (buf, index, peer)
+        if key not in self._peers:
+            mine, offset = self.local(buf, index), 0
+            if buf == "partial":
+                offset = self.partial_offsets[index] if self.partial_offsets else 0
+            self._peers[key] = self.symm.get_buffer(peer, tuple(mine.shape), mine.dtype, offset)
+        return self._peers[key]
+
+    def local(self, buf: str, index: int = 0) -> torch.Tensor:
+        """This rank's copy of symmetric buffer ``buf``."""
+        return self.gathered if buf == "gathered" else self.partials[index]
 
 
 # -- compiling a plan ----------------------------------------------------------------------------
@@ -56,8 +70,9 @@ _COPY, _COPY_2D, _GEMM, _RECORD, _WAIT, _BARRIER, _LAUNCH = range(7)
 
 
 def _source_of(blk: Block) -> tuple:
-    if blk.buf == "gathered":
-        return ("gathered", blk.peer)
+    """The slot source of ``blk``: symmetric buffers carry the peer (None: this rank's)."""
+    if blk.buf in SYMMETRIC_BUFFERS:
+        return (blk.buf, blk.index, blk.peer)
     if blk.buf == "input":
         return ("input",)
     return (blk.buf, blk.index)
@@ -79,9 +94,10 @@ def _batched_spec(blocks: tuple[Block, ...]):
 class CompiledPlan:
     """A plan lowered once to flat steps. ``slots`` lists every distinct view the plan
     touches as ``(source, spec)``: source ``("input",)``, ``("gathered", peer)``,
-    ``("out", j)``, ``("stage", i)`` or ``("b", j)``; spec ``("rect", row0, rows, col0, cols)``
-    (what ``t[row0:row0+rows, col0:col0+cols]`` gives), ``("batched", n, rows, cols, row0,
-    col0, spacing)`` or ``("krows", k0, kc)`` (``b[k0:k0+kc]``)."""
+    ``("gathered", 0, peer)``, ``("partial", j, peer)``, ``("out", j)``, ``("recv", j)`` or
+    ``("b", j)``; spec ``("rect", row0, rows, col0, cols)`` (what ``t[row0:row0+rows,
+    col0:col0+cols]`` gives), ``("batched", n, rows, cols, row0, col0, spacing)`` or
+    ``("krows", k0, kc, c0, nc)`` (``b[k0:k0+kc, c0:c0+nc]``)."""
 
     def __init__(self, plan: Plan):
         self.plan = plan
@@ -107,6 +123,13 @@ class CompiledPlan:
                 return block_slot(blocks[0])
             return slot(_source_of(blocks[0]), ("batched",) + _batched_spec(blocks))
 
+        def maybe_slot(blocks) -> tuple:
+            return tuple(None if blk is None else block_slot(blk) for blk in blocks)
+
+        def like() -> int:
+            # An empty view of the input: dtype and device for a collective's empty pieces.
+            return slot(("input",), ("rect", 0, 0, 0, 0))
+
         steps, work = [], []   # work: (step number, op index) of every traced op
         for index, op in enumerate(plan.ops):
             q = queue_index[op.queue]
@@ -121,17 +144,23 @@ class CompiledPlan:
                 steps.append((_COPY_2D if op.two_d else _COPY, q, block_slot(op.dst),
                                block_slot(op.src), 0, 0))
             elif isinstance(op, Gemm):
-                b = slot(("b", op.b), ("krows", op.k0, op.kc))
-                steps.append((_GEMM, q, blocks_slot(op.a), b, blocks_slot(op.out),
+                out0 = op.out[0]
+                weight = slot(("b", op.b), ("krows", op.k0, op.kc, out0.col0, out0.cols))
+                steps.append((_GEMM, q, blocks_slot(op.a), weight, blocks_slot(op.out),
                               op.accumulate))
             elif isinstance(op, Barrier):
                 steps.append((_BARRIER, q, op.channel, op.step, 0, 0))
-            elif isinstance(op, Gather):
-                steps.append((_LAUNCH, q, _gather_task,
-                              (tuple(block_slot(s) for s in op.srcs), block_slot(op.dst)), 0, 0))
-            elif isinstance(op, Scatter):
-                steps.append((_LAUNCH, q, _scatter_task,
-                              (block_slot(op.src), tuple(block_slot(d) for d in op.dsts)), 0, 0))
+            elif isinstance(op, Reduce):
+                steps.append((_LAUNCH, q, _reduce_task,
+                              (block_slot(op.dst), tuple(block_slot(s) for s in op.srcs),
+                               op.accumulate, op.scale), 0, 0))
+            elif isinstance(op, AllToAll):
+                steps.append((_LAUNCH, q, _all_to_all_task,
+                              (maybe_slot(op.srcs), maybe_slot(op.dsts), like()), 0, 0))
+            elif isinstance(op, ReduceScatter):
+                steps.append((_LAUNCH, q, _reduce_scatter_task,
+                              (maybe_slot(op.srcs), maybe_slot((op.dst,))[0], op.scale, like()),
+                              0, 0))
             elif isinstance(op, AllGather):
                 steps.append((_LAUNCH, q, _all_gather_task,
                               (block_slot(op.src), tuple(block_slot(d) for d in op.dsts)), 0, 0))
@@ -144,12 +173,12 @@ class CompiledPlan:
                 raise InvalidArgumentError(f"the executor does not know op {type(op).__name__}")
         self.steps = tuple(steps)
         self.work = tuple(work)
-        # Workspace views (this rank's gathered buffer and the peers') vs per-call views.
+        # Workspace views (this rank's symmetric buffers and the peers') vs per-call views.
         self.workspace_slots = tuple(i for i, (src, _) in enumerate(self.slots)
-                                     if src[0] == "gathered")
+                                     if src[0] in SYMMETRIC_BUFFERS)
         self.splits, split_slots = self._plan_splits(plan)
         self.call_slots = tuple(i for i, (src, _) in enumerate(self.slots)
-                                if src[0] != "gathered" and i not in split_slots)
+                                if src[0] not in SYMMETRIC_BUFFERS and i not in split_slots)
         self._cached = None   # (handle weakref, gathered key, views by slot)
 
     def _plan_splits(self, plan: Plan):
@@ -157,10 +186,8 @@ class CompiledPlan:
         from ONE ``split_with_sizes`` per buffer: about a third of the host time of making
         each view on its own. Returns [(source, expected shape, sizes, ((slot, piece), ...))]
         and the set of slots so covered."""
-        p = plan.problem
-        shapes = {("input",): (p.m, p.k)}
-        shapes.update({("out", j): (p.big_m, n) for j, n in enumerate(p.ns)})
-        shapes.update({("stage", i): tuple(rc) for i, rc in enumerate(plan.stages)})
+        shapes = {source: shape for source, shape in buffer_shapes(plan.problem).items()
+                  if source[0] not in SYMMETRIC_BUFFERS}
         rows_of: dict[tuple, list] = {}
         for i, (source, spec) in enumerate(self.slots):
             shape = shapes.get(source)
@@ -203,20 +230,21 @@ class CompiledPlan:
         return views
 
     def workspace_views(self, buffers: Buffers) -> list:
-        """A list by slot with the views of the gathered buffers filled in (None elsewhere),
-        reused while the symmetric handle and the ``gathered`` tensor's address are."""
-        g = buffers.gathered
+        """A list by slot with the views of the symmetric buffers filled in (None elsewhere),
+        reused while the symmetric handle and this rank's symmetric tensors' addresses are."""
         symm = buffers.symm
-        if symm is None:   # ccl: ``gathered`` is a fresh tensor every call
+        if symm is None:   # ccl: the buffers are fresh tensors every call
             return self._make_views(self.workspace_slots, buffers, [None] * len(self.slots))
-        key = (g.data_ptr(), g.shape, g.stride(), g.storage_offset(), g.dtype, g.device)
+        key = tuple((t.data_ptr(), t.shape, t.stride(), t.storage_offset(), t.dtype, t.device)
+                    for t in ([buffers.gathered] if buffers.gathered is not None else [])
+                    + list(buffers.partials))
         cached = self._cached
         if cached is not None and cached[0]() is symm and cached[1] == key:
             return cached[2]
         views = self._make_views(self.workspace_slots, buffers, [None] * len(self.slots))
         try:
             # A weak reference: the views must not outlive the workspace they point into;
-            # when api.py drops a grown-out-of handle, the callback frees them.
+            # when the runtime drops a grown-out-of handle, the callback frees them.
             ref = weakref.ref(symm, self._forget)
         except TypeError:
             return views
@@ -242,14 +270,15 @@ class CompiledPlan:
 
 def _source_tensor(source, buffers: Buffers) -> torch.Tensor:
     kind = source[0]
-    if kind == "gathered":
-        return buffers.gathered if source[1] is None else buffers.peer(source[1])
+    if kind in SYMMETRIC_BUFFERS:
+        _, index, peer = source
+        return buffers.local(kind, index) if peer is None else buffers.peer(peer, kind, index)
     if kind == "input":
         return buffers.a
     if kind == "out":
         return buffers.outs[source[1]]
-    if kind == "stage":
-        return buffers.stages[source[1]]
+    if kind == "recv":
+        return buffers.recvs[source[1]]
     return buffers.bs[source[1]]
 
 
@@ -270,11 +299,13 @@ def _make_view(base, spec) -> torch.Tensor:
             return t   # the whole buffer (serial's input and output): no view to make
         return t.as_strided((nr, nc), stride, offset + r0 * stride[0] + c0 * stride[1])
     if kind == "krows":
-        _, k0, kc = spec
-        if k0 == 0 and kc >= shape[0]:
+        _, k0, kc, c0, nc = spec
+        whole_rows, whole_cols = k0 == 0 and kc >= shape[0], c0 == 0 and nc >= shape[1]
+        if whole_rows and whole_cols:
             return t   # b[0:K] is b itself: skip making a view per call
         r0, nr = _clamp(k0, kc, shape[0])
-        return t.as_strided((nr,) + tuple(shape[1:]), stride, offset + r0 * stride[0])
+        c0, nc = _clamp(c0, nc, shape[1])
+        return t.as_strided((nr, nc), stride, offset + r0 * stride[0] + c0 * stride[1])
     _, n, rows, cols, row0, col0, spacing = spec
     ld = stride[0]
     return t.as_strided((n, rows, cols), (spacing * ld, ld, 1), offset + row0 * ld + col0)
@@ -307,18 +338,45 @@ def compile_plan(plan: Plan) -> CompiledPlan:
 
 
 # -- host tasks for launch() ---------------------------------------------------------------------
-def _gather(srcs, dst):
-    row = 0
-    for s in srcs:
-        dst[row: row + s.shape[0]].copy_(s)
-        row += s.shape[0]
+def _reduce(dst, srcs, accumulate, scale):
+    """``dst = ((dst if accumulate else 0) + sum(srcs)) * scale``, summed in float32 (float64
+    for float64) and rounded once into ``dst``. Never writes a source."""
+    wide = torch.float64 if dst.dtype == torch.float64 else torch.float32
+    parts = ([dst] if accumulate else []) + list(srcs)
+    total = parts[0].to(wide, copy=True)
+    for part in parts[1:]:
+        total.add_(part)
+    if scale is not None:
+        total.mul_(scale)
+    dst.copy_(total)
 
 
-def _scatter(src, dsts):
-    row = 0
-    for d in dsts:
-        d.copy_(src[row: row + d.shape[0]])
-        row += d.shape[0]
+def _flat(views, like):
+    return [v.reshape(-1) if v is not None else like.new_empty(0) for v in views]
+
+
+def _all_to_all(srcs, dsts, group, like):
+    """``srcs[q]`` to rank q, ``dsts[p]`` from rank p; pieces of any size (None: nothing), in
+    one all_to_all_single over packed buffers (gloo's list form needs equal sizes)."""
+    sends = _flat(srcs, like)
+    inp = torch.cat([s.contiguous() for s in sends]) if sends else like.new_empty(0)
+    out_sizes = [0 if d is None else d.numel() for d in dsts]
+    out = like.new_empty(sum(out_sizes))
+    dist.all_to_all_single(out, inp, out_sizes, [s.numel() for s in sends], group=group)
+    for d, piece in zip(dsts, out.split(out_sizes)):
+        if d is not None:
+            d.copy_(piece.view(d.shape))
+
+
+def _reduce_scatter(srcs, dst, scale, group, like):
+    """Rank q's ``dst`` <- sum over ranks of ``srcs[q]`` (None: an empty block)."""
+    inputs = [s.contiguous() for s in _flat(srcs, like)]
+    out = like.new_empty(0 if dst is None else dst.numel())
+    dist.reduce_scatter(out, inputs, op=dist.ReduceOp.SUM, group=group)
+    if dst is not None:
+        if scale is not None:
+            out.mul_(scale)
+        dst.copy_(out.view(dst.shape))
 
 
 def _global(group, rank):
@@ -346,21 +404,30 @@ def _send_recv(send, send_to, recv, recv_from, group):
         landing = recv if recv.is_contiguous() and not on_host else torch.empty(
             recv.shape, dtype=recv.dtype, device="cpu" if on_host else recv.device)
         ops.append(dist.P2POp(dist.irecv, landing, _global(group, recv_from), group))
-    for work in dist.batch_isend_irecv(ops):
+    for work in dist.batch_isend_irecv(ops) if ops else ():
         work.wait()
     if landing is not None and landing is not recv:
         recv.copy_(landing)
 
 
 # Each takes (views, group, slot arguments) and returns the host function to launch.
-def _gather_task(v, group, args):
-    srcs, dst = [v[s] for s in args[0]], v[args[1]]
-    return lambda: _gather(srcs, dst)
+def _reduce_task(v, group, args):
+    dst, srcs, accumulate, scale = v[args[0]], [v[s] for s in args[1]], args[2], args[3]
+    return lambda: _reduce(dst, srcs, accumulate, scale)
 
 
-def _scatter_task(v, group, args):
-    src, dsts = v[args[0]], [v[d] for d in args[1]]
-    return lambda: _scatter(src, dsts)
+def _pick(v, slots):
+    return [None if s is None else v[s] for s in slots]
+
+
+def _all_to_all_task(v, group, args):
+    srcs, dsts, like = _pick(v, args[0]), _pick(v, args[1]), v[args[2]]
+    return lambda: _all_to_all(srcs, dsts, group, like)
+
+
+def _reduce_scatter_task(v, group, args):
+    srcs, dst, scale, like = _pick(v, args[0]), _pick(v, (args[1],))[0], args[2], v[args[3]]
+    return lambda: _reduce_scatter(srcs, dst, scale, group, like)
 
 
 def _all_gather_task(v, group, args):
@@ -394,11 +461,8 @@ def execute(plan: Plan, backend, buffers: Buffers, *, timeout_s: float,
     True
     """
     compiled = compile_plan(plan)
-    p = plan.problem
     queues = [backend.queue(name) for name in compiled.queue_names]
     events = [backend.new_event() for _ in range(plan.num_events)]
-    buffers.stages = [torch.empty(rows, cols, dtype=p.torch_dtype, device=buffers.gathered.device)
-                      for rows, cols in plan.stages]
     views = compiled.views(buffers)
     # Side queues start after everything the caller queued before this call (the input may
     # still be being written on the caller's stream).
@@ -408,7 +472,11 @@ def execute(plan: Plan, backend, buffers: Buffers, *, timeout_s: float,
         backend.wait(entry, queues[i])
     if trace:
         return _run_traced(compiled, backend, buffers, queues, events, views, timeout_s)
-    _run(compiled.steps, backend, buffers, queues, events, views, timeout_s)
+    if profiling.recording():   # named ranges for torch.profiler traces; off: one flag read
+        profiling.run_with_ranges(compiled, lambda steps: _run(
+            steps, backend, buffers, queues, events, views, timeout_s), _label)
+    else:
+        _run(compiled.steps, backend, buffers, queues, events, views, timeout_s)
     backend.finish(queues)
     return None
 
@@ -451,17 +519,8 @@ def _run_traced(compiled, backend, buffers, queues, events, views, timeout_s) ->
         marks.append((index, ops[index], start, end))
     backend.finish(queues)
     origin = marks[0][2] if marks else None
-    return [{"op_index": i, "queue": op.queue, "kind": op.kind, "label": _label(op),
+    rank = compiled.plan.problem.rank
+    return [{"op_index": i, "queue": op.queue, "kind": op.kind, "label": op_label(op, rank),
              "start_s": backend.elapsed_s(origin, s), "end_s": backend.elapsed_s(origin, e)}
             for i, op, s, e in marks]
 
-
-def _label(op) -> str:
-    if isinstance(op, Copy):
-        who = f"peer {op.src.peer}" if op.src.peer is not None else op.src.buf
-        return f"{who} r{op.src.row0}+{op.src.rows} c{op.src.col0}+{op.src.cols}"
-    if isinstance(op, Gemm):
-        return f"b{op.b} {len(op.a)}x{op.a[0].rows}x{op.kc}{' +=' if op.accumulate else ''}"
-    if isinstance(op, Barrier):
-        return f"barrier {op.channel}"
-    return op.kind

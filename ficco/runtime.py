@@ -16,7 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 
-from . import agreement, config
+from . import agreement, config, profiling
 from .backends import close_all
 from .call import Call, settings as read_settings
 from .config import TRANSPORT_SETTINGS
@@ -70,15 +70,16 @@ def run(call: Call, schedule: str | None = None, transport: str | None = None,
 
     ``schedule``/``transport``/``selector`` override the settings (argument > env > selector).
     """
-    s = settings(call, schedule, transport, selector)
-    if call.world == 1:
-        return call.op.plain(call)
-    same_host = agree(call, s)
-    if s["disable"] or call.plain_only:
-        return call.op.plain(call)
-    decision = decide(call, s, same_host)
-    buffers, _, _ = execute(call, decision.schedule, decision.transport)
-    return call.op.result(call, buffers, decision.transport)
+    with profiling.call_range(call.op.name, getattr(call, "problem", None)):
+        s = settings(call, schedule, transport, selector)
+        if call.world == 1:
+            return call.op.plain(call)
+        same_host = agree(call, s)
+        if s["disable"] or call.plain_only:
+            return call.op.plain(call)
+        decision = decide(call, s, same_host)
+        buffers, _, _ = execute(call, decision.schedule, decision.transport)
+        return call.op.result(call, buffers, decision.transport)
 
 
 def candidate_transports(setting: str, same_host: bool) -> tuple[str, ...]:
