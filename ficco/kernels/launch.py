@@ -1,0 +1,82 @@
+"""What the executor calls for the gated schedules' two plan ops: raising an arrival flag on a
+copy queue (``Signal``) and launching the gated GEMM on the compute queue (``GatedGemm``).
+
+Flags are one int32 word per (peer, chunk) of this call, zeroed on the compute queue before
+any side queue starts (the executor allocates them), so a call never sees the previous call's
+flags. A flag is raised *stream-ordered* after its copy: on GPUs with a stream memory write
+(``cuStreamWriteValue32`` / ``hipStreamWriteValue32``, no compute unit involved), on CPU by the
+copy queue's worker thread right after the copy.
+
+Errors: on CPU the kernel runs synchronously on the compute worker, so a timed-out wait raises
+:class:`~ficco.errors.CommTimeoutError` at once and the call fails. On GPUs the launch is
+asynchronous: the error word is copied to pinned host memory behind the kernel and checked
+when the next gated call starts (or :func:`raise_pending` is called), as GPU barrier timeouts
+are; the kernel itself never spins past its budget.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ..schedules.gated import describe_flag
+
+
+def raise_flag(backend, queue, flags: torch.Tensor, index: int) -> None:
+    """Enqueue ``flags[index] = 1`` on ``queue`` after the work already there."""
+    vendor = getattr(backend, "vendor", None)
+    if flags.device.type != "cpu" and vendor is not None:
+        vendor.write_value32(queue.cuda_stream, flags.data_ptr() + 4 * index, 1)
+        return
+    word = flags[index: index + 1]
+    backend.launch(queue, lambda: word.fill_(1))
+
+
+_pending: list = []
+_pending_lock = threading.Lock()
+
+
+def raise_pending() -> None:
+    """Raise the first recorded timeout of an earlier asynchronous (GPU) gated launch."""
+    with _pending_lock:
+        done = [item for item in _pending if item[0].query()]
+        for item in done:
+            _pending.remove(item)
+    for _, word, describe, timeout_s in done:
+        from .gated_gemm import check_error
+
+        check_error(word, describe, timeout_s)
+
+
+def gated_task(backend, problem, op, a_local, gathered, b, out, flags, timeout_s: float):
+    """The host function that launches ``op`` (a :class:`~ficco.plan.GatedGemm`) when the
+    compute queue runs it: at once on GPUs (the launch is stream-ordered), in order on the CPU
+    worker (which then runs the interpreter)."""
+    from . import configs
+    from .gated_gemm import Segment, check_error, gated_gemm
+
+    segments = tuple(Segment(*s) for s in op.segments)
+    local_row0 = problem.shard_row0(problem.rank)
+    family = configs.family(backend.target())
+
+    def describe(flag: int) -> str:
+        return describe_flag(problem, flag)
+
+    def run() -> None:
+        if out.numel() == 0:
+            return
+        if out.device.type == "cpu":
+            err = gated_gemm(a_local, gathered, b, out, segments, flags, local_row0=local_row0,
+                             timeout_s=timeout_s, family=family)
+            check_error(err, describe, timeout_s)
+            return
+        raise_pending()
+        err = gated_gemm(a_local, gathered, b, out, segments, flags, local_row0=local_row0,
+                         timeout_s=timeout_s, family=family)
+        word = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        word.copy_(err, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        with _pending_lock:
+            _pending.append((done, word, describe, timeout_s))
+    return run

@@ -1,0 +1,147 @@
+"""The signal-gated Triton GEMM alone, in Triton's interpreter on CPU, against float64.
+
+Tiny shapes: the interpreter runs each program in Python (about a millisecond per tile-step).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import time
+import uuid
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="Triton is an optional extra (pip install 'ficco[triton]')")
+
+from ficco.errors import CommTimeoutError  # noqa: E402
+from ficco.kernels.gated_gemm import Segment, check_error, gated_gemm  # noqa: E402
+
+from .reference import ROW_TOL, max_row_rel_err  # noqa: E402
+
+
+def _reference(a, b):
+    ref = a.to(torch.float64) @ b.to(torch.float64)
+    ref.scale = a.to(torch.float64).abs() @ b.to(torch.float64).abs()
+    return ref
+
+
+def _segments_1d(world, rank, m, k, row_chunks):
+    """Own shard first, then chunk c of every peer: flag c*W + q."""
+    peers = [(rank + i) % world for i in range(1, world)]
+    segs = [Segment(rank * m, m, ((0, k, -1),))]
+    for c, (r0, rows) in enumerate(row_chunks):
+        segs += [Segment(q * m + r0, rows, ((0, k, c * world + q),)) for q in peers if rows]
+    return tuple(segs)
+
+
+def _segments_2d(world, rank, m, col_chunks):
+    peers = [(rank + i) % world for i in range(1, world)]
+    k = sum(kc for _, kc in col_chunks)
+    segs = [Segment(rank * m, m, ((0, k, -1),))]
+    segs += [Segment(q * m, m, tuple((k0, kc, c * world + q)
+                                     for c, (k0, kc) in enumerate(col_chunks) if kc))
+             for q in peers]
+    return tuple(segs)
+
+
+def _split(total, parts):
+    base, extra = divmod(total, parts)
+    out, start = [], 0
+    for i in range(parts):
+        n = base + (i < extra)
+        out.append((start, n))
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("two_d,world", [(False, 3), (True, 4)])
+def test_gated_gemm_matches_float64(dtype, two_d, world):
+    """Uneven chunks (m=7 rows over W chunks, K=37 over W columns), n not a tile multiple,
+    outputs poisoned with NaN so a tile left unwritten fails."""
+    seed = random.randrange(1 << 30)
+    gen = torch.Generator().manual_seed(seed)
+    m, k, n, rank = 7, 37, 45, 1
+    a = torch.randn(world * m, k, generator=gen).to(dtype)
+    b = torch.randn(k, n, generator=gen).to(dtype)
+    c = torch.full((world * m, n), float("nan"), dtype=dtype)
+    segs = (_segments_2d(world, rank, m, _split(k, world)) if two_d
+            else _segments_1d(world, rank, m, k, _split(m, world)))
+    flags = torch.ones(world * world, dtype=torch.int32)
+    local = a[rank * m:(rank + 1) * m].clone()
+    a_gathered = a.clone()
+    a_gathered[rank * m:(rank + 1) * m] = float("nan")   # own rows must come from `local`
+    check_error(gated_gemm(local, a_gathered, b, c, segs, flags, local_row0=rank * m))
+    assert max_row_rel_err(c, _reference(a, b)) <= ROW_TOL[dtype], f"seed {seed}"
+
+
+def test_wait_past_budget_raises_naming_the_chunk():
+    """A flag that never comes: the kernel gives up after its spin budget (it never hangs),
+    skips only the tiles that needed it, and the host error names the chunk."""
+    seed = random.randrange(1 << 30)
+    gen = torch.Generator().manual_seed(seed)
+    world, rank, m, k, n = 3, 0, 4, 8, 8
+    a = torch.randn(world * m, k, generator=gen)
+    b = torch.randn(k, n, generator=gen)
+    c = torch.full((world * m, n), float("nan"))
+    segs = _segments_1d(world, rank, m, k, _split(m, world))
+    flags = torch.ones(world * world, dtype=torch.int32)
+    missing = 1 * world + 2            # chunk 1 of peer 2
+    flags[missing] = 0
+    start = time.monotonic()
+    err = gated_gemm(a[:m].clone(), a, b, c, segs, flags, local_row0=0, timeout_s=0.2)
+    assert time.monotonic() - start < 60
+    with pytest.raises(CommTimeoutError, match="chunk 1 of peer 2"):
+        check_error(err, lambda f: f"chunk {f // world} of peer {f % world}", 0.2)
+    ref = _reference(a, b)
+    chunk_rows = slice(2 * m + 2, 2 * m + 3)   # peer 2's chunk 1: row 2 of its 4 rows
+    assert torch.isnan(c[chunk_rows]).all()
+    keep = torch.ones(world * m, dtype=torch.bool)
+    keep[chunk_rows] = False
+    assert max_row_rel_err(c[keep], ref[keep]) <= ROW_TOL[torch.float32], f"seed {seed}"
+
+
+def _late_writer(path, numel, rows_slice, values, flag_offset, delay_s):
+    """Another process: wait, write the peer rows into the shared file, then raise the flag."""
+    shared = torch.from_file(path, shared=True, size=numel, dtype=torch.float32)
+    time.sleep(delay_s)
+    shared[rows_slice[0]:rows_slice[1]] = values.reshape(-1)
+    flag = torch.from_file(path + ".flags", shared=True, size=4, dtype=torch.int32)
+    flag[flag_offset] = 1
+
+
+def test_interpreted_kernel_waits_for_a_flag_raised_by_another_process():
+    """The CPU backend's symmetric memory lives in /dev/shm: a kernel in this process spins on
+    a flag that another process raises after writing the rows; the result must hold the rows
+    written after the launch (NaN before), so the wait is real."""
+    seed = random.randrange(1 << 30)
+    gen = torch.Generator().manual_seed(seed)
+    world, rank, m, k, n = 2, 0, 3, 8, 5
+    a = torch.randn(world * m, k, generator=gen)
+    b = torch.randn(k, n, generator=gen)
+    path = f"/dev/shm/ficco-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        shared = torch.from_file(path, shared=True, size=a.numel(), dtype=torch.float32)
+        flags_all = torch.from_file(path + ".flags", shared=True, size=4, dtype=torch.int32)
+        flags_all.zero_()
+        gathered = shared.view(world * m, k)
+        gathered.fill_(float("nan"))
+        gathered[:m] = a[:m]
+        segs = (Segment(0, m, ((0, k, -1),)), Segment(m, m, ((0, k, 2),)))
+        ctx = mp.get_context("spawn")
+        writer = ctx.Process(target=_late_writer, args=(
+            path, a.numel(), (m * k, 2 * m * k), a[m:].clone(), 2, 1.0))
+        writer.start()
+        c = torch.full((world * m, n), float("nan"))
+        err = gated_gemm(a[:m].clone(), gathered, b, c, segs, flags_all, local_row0=0,
+                         timeout_s=120.0)
+        writer.join(60)
+        assert writer.exitcode == 0
+        check_error(err)
+        assert max_row_rel_err(c, _reference(a, b)) <= ROW_TOL[torch.float32], f"seed {seed}"
+    finally:
+        for p in (path, path + ".flags"):
+            if os.path.exists(p):
+                os.unlink(p)
