@@ -1,7 +1,8 @@
 # `make demo` and `make test` work on a fresh machine: they make .venv, install a CPU torch
 # (pinned here only, for this set-up path; the library itself takes any torch >= 2.4) and ficco.
 # demo installs only what the CPU demo runs; test adds pytest, the bench extra and the GPU
-# bindings whose calls the CPU-side backend tests check against their real signatures.
+# bindings whose calls the CPU-side backend tests check against their real signatures, and
+# Triton, whose interpreter runs the gated GEMM on CPU (tests/test_kernels.py, test_gated.py).
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -17,7 +18,7 @@ $(BIN)/.demo-installed: pyproject.toml
 	touch $@
 
 $(BIN)/.test-installed: $(BIN)/.demo-installed
-	$(BIN)/pip install -q -e '.[bench,test,cuda13]' 'hip-python==10.*'
+	$(BIN)/pip install -q -e '.[bench,test,triton,cuda13]' 'hip-python==10.*'
 	touch $@
 
 .PHONY: install demo test test-gpu clean
