@@ -474,7 +474,8 @@ def execute(plan: Plan, backend, buffers: Buffers, *, timeout_s: float,
         return _run_traced(compiled, backend, buffers, queues, events, views, timeout_s)
     if profiling.recording():   # named ranges for torch.profiler traces; off: one flag read
         profiling.run_with_ranges(compiled, lambda steps: _run(
-            steps, backend, buffers, queues, events, views, timeout_s), _label)
+            steps, backend, buffers, queues, events, views, timeout_s),
+            lambda op: op_label(op, plan.problem.rank))
     else:
         _run(compiled.steps, backend, buffers, queues, events, views, timeout_s)
     backend.finish(queues)

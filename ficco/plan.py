@@ -1,16 +1,22 @@
-"""Plans: plain data describing one all-gather + matmul as ops on queues.
+"""Plans: plain data describing one call (either op) as ops on queues.
 
 A schedule's ``plan(problem)`` returns a :class:`Plan`. The executor runs it on a backend, the
 simulator times it on a device profile, the timeline drawer draws it. Nothing here calls a
 vendor API.
 
-Buffers an op may name (``Block.buf``), all 2-D, row-major:
+Buffers an op may name (``Block.buf``), all 2-D, row-major (shapes: :func:`buffer_shapes`):
 
-- ``"input"``: the caller's shard in canonical form, ``m x K`` (read only).
-- ``"gathered"``: the symmetric all-gather buffer, ``M x K``; rank p's shard lives at rows
-  ``[p*m, (p+1)*m)`` of every rank's copy. ``Block.peer`` picks whose copy (None: this rank's).
-- ``"out"``: output ``Block.index``, ``M x n_j``.
-- ``"stage"``: scratch ``Block.index`` declared in :attr:`Plan.stages`, for gathers/scatters.
+- ``"input"``: the caller's A operand in canonical form, ``m x K`` (read only).
+- ``"gathered"`` (all-gather): the symmetric all-gather buffer, ``M x K``; rank p's shard
+  lives at rows ``[p*m, (p+1)*m)`` of every rank's copy. ``Block.peer`` picks whose copy
+  (None: this rank's).
+- ``"partial"`` (reduce-scatter): ``Block.index`` j's partial products ``a @ b_j`` of this
+  rank, ``M x n_j``; symmetric with ``dma`` (``Block.peer`` names a peer's copy, the source
+  of a pull).
+- ``"recv"`` (reduce-scatter): where the peers' partials of this rank's block land before they
+  are reduced, ``W*R x n_j`` for a block of R rows: peer p's at rows ``[p*R, (p+1)*R)``.
+- ``"out"``: output ``Block.index`` j: ``M x n_j`` (all-gather) or this rank's block,
+  ``R x n_j`` (reduce-scatter).
 
 Queues: ``"compute"`` (the caller's stream), ``"copy0"`` … ``"copy{E-1}"`` (copy engines),
 ``"comm"`` (the process group's collectives). Ops on one queue run in list order; a dependency
@@ -28,11 +34,43 @@ from .problem import Problem
 
 COMPUTE = "compute"
 COMM = "comm"
-BUFFERS = ("input", "gathered", "out", "stage")
+BUFFERS = ("input", "gathered", "partial", "recv", "out")
+#: buffers other ranks may read (symmetric memory with ``dma``)
+SYMMETRIC_BUFFERS = ("gathered", "partial")
 
 
 def copy_queue(i: int) -> str:
     return f"copy{i}"
+
+
+def buffer_shapes(problem: Problem) -> dict[tuple, tuple[int, int]]:
+    """(rows, cols) of every buffer a plan of ``problem`` may name, keyed like the executor's
+    sources: ``("input",)``, ``("gathered",)``, ``("partial", j)``, ``("recv", j)``,
+    ``("out", j)``.
+
+    >>> p = Problem(m=10, k=4, ns=(3,), dtype="float32", world=4, op="matmul_reduce_scatter")
+    >>> buffer_shapes(p)[("recv", 0)], buffer_shapes(p)[("out", 0)]
+    ((12, 3), (3, 3))
+    """
+    p = problem
+    shapes = {("input",): (p.m, p.k)}
+    if p.reduces:
+        rows = p.block_rows
+        for j, n in enumerate(p.ns):
+            shapes[("partial", j)] = (p.m, n)
+            shapes[("recv", j)] = (p.world * rows, n)
+            shapes[("out", j)] = (rows, n)
+    else:
+        shapes[("gathered",)] = (p.big_m, p.k)
+        shapes.update({("out", j): (p.big_m, n) for j, n in enumerate(p.ns)})
+    return shapes
+
+
+def source_of(blk: "Block") -> tuple:
+    """The :func:`buffer_shapes` key of the buffer ``blk`` lies in (peer not included)."""
+    if blk.buf in ("input", "gathered"):
+        return (blk.buf,)
+    return (blk.buf, blk.index)
 
 
 @dataclass(frozen=True)
@@ -76,10 +114,11 @@ class Copy:
 
 @dataclass(frozen=True)
 class Gemm:
-    """``out[i] (+)= a[i] @ b_j[k0:k0+kc, :]`` for every i, as ONE GEMM launch.
+    """``out[i] (+)= a[i] @ b_j[k0:k0+kc, c0:c0+nc]`` for every i, as ONE GEMM launch, where
+    ``c0, nc`` are the output blocks' columns (all of ``n_j`` except in 2-D reduce-scatter).
 
     With several blocks they must be the same shape and equally spaced in rows in the same
-    buffer (one strided-batched GEMM); otherwise a schedule emits a :class:`Gather` first."""
+    buffer (one strided-batched GEMM)."""
 
     queue: str
     a: tuple[Block, ...]
@@ -93,25 +132,18 @@ class Gemm:
 
 
 @dataclass(frozen=True)
-class Gather:
-    """Local compute-engine move: stack ``srcs`` by rows into ``dst`` (a stage block)."""
+class Reduce:
+    """``dst = (dst if accumulate else 0) + sum(srcs)``, then ``*= scale`` when set (``avg``):
+    local, memory-bound, on a compute queue. Summed in float32 and rounded once into ``dst``'s
+    dtype. DMA engines cannot add, so this is where reduce-scatter's partials meet."""
 
     queue: str
     srcs: tuple[Block, ...]
     dst: Block
+    accumulate: bool = False
     step: int = 0
-    kind = "gather"
-
-
-@dataclass(frozen=True)
-class Scatter:
-    """Local compute-engine move: split ``src`` by rows into ``dsts``."""
-
-    queue: str
-    src: Block
-    dsts: tuple[Block, ...]
-    step: int = 0
-    kind = "scatter"
+    scale: float | None = None
+    kind = "reduce"
 
 
 @dataclass(frozen=True)
@@ -123,6 +155,33 @@ class AllGather:
     dsts: tuple[Block, ...]
     step: int = 0
     kind = "all_gather"
+
+
+@dataclass(frozen=True)
+class AllToAll:
+    """Collective over the process group: ``srcs[q]`` goes to rank q, ``dsts[p]`` receives rank
+    p's block for this rank. Entries may be None (nothing to or from that rank; this rank's
+    own entries always are)."""
+
+    queue: str
+    srcs: tuple[Block | None, ...]
+    dsts: tuple[Block | None, ...]
+    step: int = 0
+    kind = "all_to_all"
+
+
+@dataclass(frozen=True)
+class ReduceScatter:
+    """Collective over the process group: rank q's ``dst`` <- the sum over ranks of their
+    ``srcs[q]`` (then ``*= scale``). The reduction runs inside the collective (NCCL/RCCL's
+    kernels): the ``ccl`` baseline of ``serial``."""
+
+    queue: str
+    srcs: tuple[Block, ...]
+    dst: Block
+    step: int = 0
+    scale: float | None = None
+    kind = "reduce_scatter"
 
 
 @dataclass(frozen=True)
@@ -142,7 +201,8 @@ class SendRecv:
 @dataclass(frozen=True)
 class Barrier:
     """Every rank of the group reaches this point on ``queue`` before any goes on.
-    ``channel`` numbers the barriers of one plan (0, 1, …) so a late peer is named exactly."""
+    ``channel`` is 0 or 1: a plan's barriers alternate 0, 1, 0, … and end on 1 (the flag
+    protocol of :mod:`ficco.symm_mem.barrier` relies on it)."""
 
     queue: str
     channel: int
@@ -164,8 +224,71 @@ class Wait:
     kind = "wait"
 
 
-Op = Union[Copy, Gemm, Gather, Scatter, AllGather, SendRecv, Barrier, Record, Wait]
-WORK_OPS = (Copy, Gemm, Gather, Scatter, AllGather, SendRecv, Barrier)
+@dataclass(frozen=True)
+class Signal:
+    """Stream-ordered write of 1 into arrival flag ``flag`` (a local int32 word of this call),
+    after everything before it on ``queue``: a copy queue raises it right after a copy so a
+    :class:`GatedGemm` may read the rows (ficco.kernels)."""
+
+    queue: str
+    flag: int
+    step: int = 0
+    kind = "signal"
+
+
+@dataclass(frozen=True)
+class GatedGemm:
+    """ONE launch of the signal-gated GEMM ``out[b] = gathered @ b_b`` (ficco.kernels). Its
+    tiles walk ``segments`` in order; a segment ``(row0, rows, parts)`` covers rows
+    ``[row0, row0+rows)`` of ``gathered`` and ``out[b]`` (this rank's own rows are read from
+    ``input``) and accumulates each part ``(k0, kc, flag)`` once arrival flag ``flag`` is
+    raised (-1: no wait). It waits on flags, not events: the copies it reads run alongside."""
+
+    queue: str
+    segments: tuple[tuple[int, int, tuple[tuple[int, int, int], ...]], ...]
+    b: int
+    step: int = 0
+    kind = "gated_gemm"
+
+    @property
+    def num_flags(self) -> int:
+        return 1 + max((f for _, _, parts in self.segments for _, _, f in parts), default=-1)
+
+
+Op = Union[Copy, Gemm, Reduce, AllGather, AllToAll, ReduceScatter, SendRecv, Barrier, Record,
+           Wait, Signal, GatedGemm]
+WORK_OPS = (Copy, Gemm, Reduce, AllGather, AllToAll, ReduceScatter, SendRecv, Barrier, Signal,
+            GatedGemm)
+
+
+def op_label(op, rank: int) -> str:
+    """The short name of ``op`` on ``rank``'s timelines, measured (executor) and predicted
+    (simulator) alike.
+
+    >>> op_label(Barrier("copy0", 1), rank=0)
+    'barrier 1'
+    """
+    step = getattr(op, "step", 0)
+    kind = op.kind
+    if kind in ("copy_1d", "copy_2d"):
+        peer = op.src.peer if op.src.peer is not None else op.dst.peer
+        if peer is None or peer == rank:
+            return "publish" if op.src.buf == "input" else f"local c{step}"
+        return f"peer {peer} c{step}"
+    if kind == "gemm":
+        rows = sum(block.rows for block in op.a)
+        return f"gemm {rows}r s{step}" + (f" x{len(op.a)}" if len(op.a) > 1 else "")
+    if kind == "reduce":
+        return f"reduce {len(op.srcs)}x{op.dst.rows}r s{step}"
+    if kind == "barrier":
+        return f"barrier {op.channel}"
+    if kind == "gated_gemm":   # a GatedGemm, or one of its pieces in the simulator
+        return getattr(op, "label", "") or f"gated b{op.b} {len(op.segments)} segments"
+    if kind == "signal":
+        return f"flag {op.flag} s{step}"
+    if kind == "send_recv":
+        return f"recv {op.recv_from} s{step}"
+    return f"{kind.replace('_', '-')} s{step}"
 
 
 @dataclass(frozen=True)
@@ -177,29 +300,11 @@ class Plan:
     problem: Problem
     queues: tuple[str, ...]
     ops: tuple[Op, ...]
-    stages: tuple[tuple[int, int], ...] = ()
     num_events: int = 0
-
-    def steps(self) -> int:
-        return 1 + max((getattr(op, "step", 0) for op in self.ops), default=0)
 
     def count(self) -> Counter:
         """How many ops of each kind the plan holds, e.g. ``{'copy_1d': 56, 'gemm': 8}``."""
         return Counter(op.kind for op in self.ops if isinstance(op, WORK_OPS))
-
-    def count_by_step(self) -> dict[int, Counter]:
-        out: dict[int, Counter] = {}
-        for op in self.ops:
-            if isinstance(op, WORK_OPS):
-                out.setdefault(op.step, Counter())[op.kind] += 1
-        return out
-
-    def describe(self) -> str:
-        """A short human summary: one line per step with its op counts."""
-        lines = [f"{self.schedule} over {self.transport}: {dict(self.count())}"]
-        for step, counts in sorted(self.count_by_step().items()):
-            lines.append(f"  step {step}: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
-        return "\n".join(lines)
 
 
 @dataclass
@@ -213,7 +318,6 @@ class PlanBuilder:
     problem: Problem
     _ops: list = field(default_factory=list)
     _deps: list = field(default_factory=list)
-    _stages: list = field(default_factory=list)
 
     def add(self, op: Op, after=()) -> int:
         if not isinstance(op, WORK_OPS):
@@ -225,10 +329,9 @@ class PlanBuilder:
         self._deps.append(deps)
         return len(self._ops) - 1
 
-    def stage(self, rows: int, cols: int) -> int:
-        """Declare a scratch buffer of the plan's dtype; returns its index."""
-        self._stages.append((rows, cols))
-        return len(self._stages) - 1
+    def barriers(self) -> int:
+        """How many barriers were added so far (the next one's channel is this mod 2)."""
+        return sum(isinstance(op, Barrier) for op in self._ops)
 
     def build(self) -> Plan:
         queue_of = [op.queue for op in self._ops]
@@ -252,4 +355,4 @@ class PlanBuilder:
                 ops.append(Record(op.queue, event_of[i]))
         queues = tuple(dict.fromkeys([COMPUTE] + queue_of))
         return Plan(self.schedule, self.transport, self.problem, queues, tuple(ops),
-                    tuple(self._stages), len(event_of))
+                    len(event_of))

@@ -32,8 +32,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ficco.plan import (AllGather, Barrier, Block, Copy, Gather, Gemm, Plan, Record, Scatter,
-                        SendRecv, Wait)
+from ficco.plan import AllGather, Barrier, Block, Copy, Gemm, Plan, Record, SendRecv, Wait
 
 # Fields of a cell: its symbolic value (the first VALUE), then bookkeeping.
 A_ROW, A_COL, P_ROW, P_B, P_K, P_PARTS = range(6)
@@ -106,10 +105,6 @@ class _Checker:
         inp[..., WRITER] = PRECONDITION
         for j, n in enumerate(p.ns):
             bufs[("out", j)] = _Buffer.empty(p.big_m, n)
-        for i, (rows, cols) in enumerate(plan.stages):
-            if rows <= 0 or cols <= 0:
-                self.fail(f"rank {p.rank}: stage {i} is declared empty ({rows} x {cols})")
-            bufs[("stage", i)] = _Buffer.empty(rows, cols)
         return bufs
 
     # -- reporting ----------------------------------------------------------------------------
@@ -254,28 +249,6 @@ class _Checker:
                 out[..., P_K], out[..., P_PARTS] = mask, 1
             self.write(rank, o_blk, node, out, init=not op.accumulate)
 
-    def run_gather(self, rank: int, op: Gather, node: int) -> None:
-        if not op.srcs or op.dst.buf != "stage":
-            self.fail(f"{self.label(node)}: a gather stacks blocks into a stage")
-        value = np.concatenate([self.read(rank, s, node) for s in op.srcs])
-        if value.shape[:2] != (op.dst.rows, op.dst.cols):
-            self.fail(f"{self.label(node)}: sources stack to {value.shape[:2]}, "
-                      f"destination is {op.dst.rows} x {op.dst.cols}")
-        self.write(rank, op.dst, node, value, init=True)
-
-    def run_scatter(self, rank: int, op: Scatter, node: int) -> None:
-        if not op.dsts or op.src.buf != "stage":
-            self.fail(f"{self.label(node)}: a scatter splits a stage into blocks")
-        value = self.read(rank, op.src, node).copy()
-        row = 0
-        for d in op.dsts:
-            if d.cols != op.src.cols:
-                self.fail(f"{self.label(node)}: {d} is not as wide as its source")
-            self.write(rank, d, node, value[row: row + d.rows], init=True)
-            row += d.rows
-        if row != op.src.rows:
-            self.fail(f"{self.label(node)}: destinations hold {row} rows, source {op.src.rows}")
-
     # -- joint ops ----------------------------------------------------------------------------
     def run_all_gather(self, heads: list[tuple[AllGather, int]]) -> None:
         first = heads[0][0]
@@ -355,10 +328,6 @@ class _Checker:
                             self.run_copy(r, op, node)
                         elif isinstance(op, Gemm):
                             self.run_gemm(r, op, node)
-                        elif isinstance(op, Gather):
-                            self.run_gather(r, op, node)
-                        elif isinstance(op, Scatter):
-                            self.run_scatter(r, op, node)
                         advance(r, q, node)
                         progress = True
             progress |= self.joint_step(queues, head, last, advance)

@@ -78,15 +78,18 @@ def _reference_view(buffers: Buffers, source, spec):
     """What the first executor did for a slot: two-level slicing / its as_strided formula."""
     if source[0] == "b":
         t = buffers.bs[source[1]]
-        return t[spec[1]: spec[1] + spec[2]]
-    if source[0] == "gathered":
-        t = buffers.gathered if source[1] is None else buffers.peer(source[1])
+        _, k0, kc, c0, nc = spec
+        return t[k0: k0 + kc, c0: c0 + nc]
+    if source[0] in ("gathered", "partial"):
+        _, index, peer = source
+        t = buffers.local(source[0], index) if peer is None else \
+            buffers.peer(peer, source[0], index)
     elif source[0] == "input":
         t = buffers.a
     elif source[0] == "out":
         t = buffers.outs[source[1]]
     else:
-        t = buffers.stages[source[1]]
+        t = buffers.recvs[source[1]]
     if spec[0] == "rect":
         _, r0, rows, c0, cols = spec
         return t[r0: r0 + rows, c0: c0 + cols]
@@ -106,7 +109,6 @@ def test_every_view_is_what_slicing_gives(name):
     a = torch.randn(p.m, p.k + 3)[:, 2:2 + p.k]
     buffers = Buffers(a, bs, [torch.empty(p.big_m, n) for n in p.ns],
                       handle.get_buffer(RANK, (p.big_m, p.k), torch.float32), handle, None)
-    buffers.stages = [torch.empty(r, c) for r, c in plan.stages]
     views = compiled.views(buffers)
     assert len(views) == len(compiled.slots)
     for (source, spec), got in zip(compiled.slots, views):

@@ -2,11 +2,10 @@
 constructors. Schedules build Plans only from these and :mod:`ficco.plan`."""
 from __future__ import annotations
 
+from ..config import TRANSPORTS
 from ..errors import InvalidArgumentError
 from ..plan import COMM, COMPUTE, AllGather, Barrier, Block, Copy, Gemm, PlanBuilder, copy_queue
 from ..problem import Problem
-
-TRANSPORTS = ("dma", "ccl")
 
 
 def check_transport(transport: str) -> None:
@@ -29,63 +28,63 @@ def out_rows(p: Problem, j: int, row0: int, rows: int) -> Block:
     return Block("out", row0, rows, 0, p.ns[j], index=j)
 
 
-def publish(b: PlanBuilder, transport: str) -> int:
+def publish(builder: PlanBuilder, transport: str) -> int:
     """Put the local shard in place in the gathered buffer; with ``dma`` every rank then
     waits for all peers to have published (barrier channel 0). Returns the handle copies and
     collectives wait on."""
-    p = b.problem
-    h = b.add(Copy(COMPUTE, Block("input", 0, p.m, 0, p.k), shard_rows(p, p.rank)))
+    p = builder.problem
+    h = builder.add(Copy(COMPUTE, Block("input", 0, p.m, 0, p.k), shard_rows(p, p.rank)))
     if transport == "dma" and p.world > 1:
-        h = b.add(Barrier(COMPUTE, channel=0), after=[h])
+        h = builder.add(Barrier(COMPUTE, channel=0), after=[h])
     return h
 
 
-def pull(b: PlanBuilder, queue_index: int, peer: int, row0: int, rows: int, *, col0: int = 0,
+def pull(builder: PlanBuilder, queue_index: int, peer: int, row0: int, rows: int, *, col0: int = 0,
          cols: int | None = None, step: int = 0, after=()) -> int | None:
     """DMA-pull a rectangle of ``peer``'s shard into the same place of this rank's buffer.
     Empty rectangles are skipped (returns None)."""
-    p = b.problem
+    p = builder.problem
     cols = p.k - col0 if cols is None else cols
     if rows == 0 or cols == 0:
         return None
     src = shard_rows(p, peer, row0, rows, col0=col0, cols=cols, remote=True)
     dst = shard_rows(p, peer, row0, rows, col0=col0, cols=cols)
-    return b.add(Copy(copy_queue(queue_index), src, dst, two_d=cols != p.k, step=step),
+    return builder.add(Copy(copy_queue(queue_index), src, dst, two_d=cols != p.k, step=step),
                  after=after)
 
 
-def all_gather_rows(b: PlanBuilder, row0: int, rows: int, *, col0: int = 0,
+def all_gather_rows(builder: PlanBuilder, row0: int, rows: int, *, col0: int = 0,
                     cols: int | None = None, step: int = 0, after=()) -> int | None:
     """``ccl``: one all-gather of the same rectangle of every rank's shard, landing in place."""
-    p = b.problem
+    p = builder.problem
     cols = p.k - col0 if cols is None else cols
     if rows == 0 or cols == 0:
         return None
     src = shard_rows(p, p.rank, row0, rows, col0=col0, cols=cols)
     dsts = tuple(shard_rows(p, q, row0, rows, col0=col0, cols=cols) for q in range(p.world))
-    return b.add(AllGather(COMM, src, dsts, step=step), after=after)
+    return builder.add(AllGather(COMM, src, dsts, step=step), after=after)
 
 
-def gemm_rows(b: PlanBuilder, row0: int, rows: int, *, step: int = 0, after=()) -> list[int]:
+def gemm_rows(builder: PlanBuilder, row0: int, rows: int, *, step: int = 0, after=()) -> list[int]:
     """One GEMM per ``b_j`` over gathered rows ``[row0, row0+rows)`` written in place."""
-    p = b.problem
+    p = builder.problem
     if rows == 0:
         return []
     a = Block("gathered", row0, rows, 0, p.k)
-    return [b.add(Gemm(COMPUTE, (a,), (out_rows(p, j, row0, rows),), j, 0, p.k, step=step),
+    return [builder.add(Gemm(COMPUTE, (a,), (out_rows(p, j, row0, rows),), j, 0, p.k, step=step),
                   after=after)
             for j in range(len(p.ns))]
 
 
-def close(b: PlanBuilder, transport: str, copies: list[int | None]) -> None:
+def close(builder: PlanBuilder, transport: str, copies: list[int | None]) -> None:
     """With ``dma``: once this rank's pulls are done, tell peers they may reuse their buffers
     (barrier channel 1, on the first copy queue so compute never waits for it)."""
-    if transport == "dma" and b.problem.world > 1:
-        b.add(Barrier(copy_queue(0), channel=1, step=b.problem.world),
+    if transport == "dma" and builder.problem.world > 1:
+        builder.add(Barrier(copy_queue(0), channel=1, step=builder.problem.world),
               after=[h for h in copies if h is not None])
 
 
-def publish_on_copy_engine(b: PlanBuilder) -> tuple[int, int]:
+def publish_on_copy_engine(builder: PlanBuilder) -> tuple[int, int]:
     """``dma`` prologue that leaves the compute queue free: the local shard is copied into
     place on copy0 and the cross-rank barrier (channel 0) waits there too, so a GEMM that
     reads the caller's ``input`` can start at once. Returns ``(published, ready)``: the
@@ -94,8 +93,8 @@ def publish_on_copy_engine(b: PlanBuilder) -> tuple[int, int]:
 
     >>> published, ready = publish_on_copy_engine(builder)   # doctest: +SKIP
     """
-    p = b.problem
-    published = b.add(Copy(copy_queue(0), Block("input", 0, p.m, 0, p.k),
+    p = builder.problem
+    published = builder.add(Copy(copy_queue(0), Block("input", 0, p.m, 0, p.k),
                            shard_rows(p, p.rank)))
-    ready = b.add(Barrier(copy_queue(0), channel=0), after=[published])
+    ready = builder.add(Barrier(copy_queue(0), channel=0), after=[published])
     return published, ready

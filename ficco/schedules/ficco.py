@@ -127,21 +127,21 @@ class Ficco:
         if copy_engines is not None and copy_engines < 1:
             raise InvalidArgumentError(
                 f"copy_engines must be >= 1 or None (one per peer); got {copy_engines}")
-        b = PlanBuilder(self.name, transport, problem)
+        builder = PlanBuilder(self.name, transport, problem)
         if problem.m == 0:
-            return b.build()
+            return builder.build()
         if problem.world == 1:
-            _local_shard_gemms(b, step=0)
-            return b.build()
-        _Planner(self, b, transport, copy_engines or problem.world - 1).run()
-        return b.build()
+            _local_shard_gemms(builder, step=0)
+            return builder.build()
+        _Planner(self, builder, transport, copy_engines or problem.world - 1).run()
+        return builder.build()
 
 
-def _local_shard_gemms(b: PlanBuilder, step: int) -> None:
+def _local_shard_gemms(builder: PlanBuilder, step: int) -> None:
     """GEMM the caller's whole shard straight from ``input``: it needs no copy at all."""
-    p = b.problem
+    p = builder.problem
     for j, n in enumerate(p.ns):
-        b.add(Gemm(COMPUTE, (Block("input", 0, p.m, 0, p.k),),
+        builder.add(Gemm(COMPUTE, (Block("input", 0, p.m, 0, p.k),),
                    (common.out_rows(p, j, p.shard_row0(p.rank), p.m),), j, 0, p.k, step=step))
 
 
@@ -150,7 +150,7 @@ class _Planner:
     """Builds one FiCCO plan for W >= 2; one method per compute pattern."""
 
     schedule: Ficco
-    b: PlanBuilder
+    builder: PlanBuilder
     transport: str
     engines: int
     ready: int | None = None                  # what every transfer waits for
@@ -160,19 +160,19 @@ class _Planner:
     def peers(self) -> list[int]:
         """Remote ranks in pull order r+1, r+2, …: at any moment the ranks pull from
         different peers, so no shard is read by everyone at once."""
-        p = self.b.problem
+        p = self.builder.problem
         return [(p.rank + i) % p.world for i in range(1, p.world)]
 
     def run(self) -> None:
-        p, s = self.b.problem, self.schedule
+        p, s = self.builder.problem, self.schedule
         if self.transport == "dma":
-            _, self.ready = common.publish_on_copy_engine(self.b)
+            _, self.ready = common.publish_on_copy_engine(self.builder)
         else:
-            self.ready = common.publish(self.b, self.transport)
+            self.ready = common.publish(self.builder, self.transport)
         todo = chunks(p, s.two_d)
         self.first_index = todo[0].index
         if not s.uniform:
-            _local_shard_gemms(self.b, step=0)
+            _local_shard_gemms(self.builder, step=0)
         for chunk in todo:
             step = chunk.index + (0 if s.uniform else 1)
             arrived = self.move(chunk, step)
@@ -185,15 +185,15 @@ class _Planner:
             else:
                 self.per_chunk(chunk, arrived, step, self.peers)
         # The closing barrier needs only the last pull of each copy queue: queues run in order.
-        common.close(self.b, self.transport, list(self.last_pull.values()))
+        common.close(self.builder, self.transport, list(self.last_pull.values()))
 
     # -- blocks -------------------------------------------------------------------------------
     def shard_block(self, q: int, chunk: Chunk) -> Block:
-        return common.shard_rows(self.b.problem, q, chunk.row0, chunk.rows, col0=chunk.col0,
+        return common.shard_rows(self.builder.problem, q, chunk.row0, chunk.rows, col0=chunk.col0,
                                  cols=chunk.cols)
 
     def out_block(self, j: int, q: int, chunk: Chunk) -> Block:
-        p = self.b.problem
+        p = self.builder.problem
         return common.out_rows(p, j, p.shard_row0(q) + chunk.row0, chunk.rows)
 
     def accumulate(self, chunk: Chunk) -> bool:
@@ -204,13 +204,13 @@ class _Planner:
     def move(self, chunk: Chunk, step: int) -> dict[int, int]:
         """Bring chunk ``chunk`` of every peer; returns peer -> handle of the op that wrote it."""
         if self.transport == "ccl":
-            h = common.all_gather_rows(self.b, chunk.row0, chunk.rows, col0=chunk.col0,
+            h = common.all_gather_rows(self.builder, chunk.row0, chunk.rows, col0=chunk.col0,
                                        cols=chunk.cols, step=step, after=[self.ready])
             self.last_pull["comm"] = h
-            return {q: h for q in range(self.b.problem.world)}
+            return {q: h for q in range(self.builder.problem.world)}
         arrived = {}
         for lane, q in enumerate(self.peers):
-            arrived[q] = common.pull(self.b, lane % self.engines, q, chunk.row0, chunk.rows,
+            arrived[q] = common.pull(self.builder, lane % self.engines, q, chunk.row0, chunk.rows,
                                      col0=chunk.col0, cols=chunk.cols, step=step,
                                      after=[self.ready])
             self.last_pull[lane % self.engines] = arrived[q]
@@ -221,13 +221,13 @@ class _Planner:
              after) -> None:
         """One GEMM launch per ``b_j`` over the columns of ``chunk`` (all of K in 1d)."""
         for j, outs in enumerate(outs_by_b):
-            self.b.add(Gemm(COMPUTE, tuple(a), tuple(outs), j, chunk.col0, chunk.cols,
+            self.builder.add(Gemm(COMPUTE, tuple(a), tuple(outs), j, chunk.col0, chunk.cols,
                             self.accumulate(chunk), step=step), after=after)
 
     def per_chunk(self, chunk: Chunk, arrived: dict, step: int, owners: list[int]) -> None:
         """Unfused: one GEMM per received chunk, in arrival order, written in place; the local
         chunk reads ``input`` so it never waits."""
-        p = self.b.problem
+        p = self.builder.problem
         for q in owners:
             if q == p.rank:
                 a = Block("input", chunk.row0, chunk.rows, chunk.col0, chunk.cols)
@@ -240,7 +240,7 @@ class _Planner:
     def uniform_fused(self, chunk: Chunk, arrived: dict, step: int) -> None:
         """Chunk c of all W shards is m rows apart in ``gathered`` and in ``out``: one
         strided-batched GEMM (2d: one strided view of all M rows)."""
-        p = self.b.problem
+        p = self.builder.problem
         owners = range(p.world)
         a = coalesce([self.shard_block(q, chunk) for q in owners])
         outs = [coalesce([self.out_block(j, q, chunk) for q in owners]) for j in range(len(p.ns))]
@@ -253,7 +253,7 @@ class _Planner:
         rank and one over the peers above it. Each run is equally spaced (1d: m rows apart;
         2d: one contiguous block), so no gather or scatter is needed; ranks 0 and W-1 have a
         single run."""
-        p = self.b.problem
+        p = self.builder.problem
         below = [q for q in sorted(self.peers) if q < p.rank]
         above = [q for q in sorted(self.peers) if q > p.rank]
         for run in (below, above):

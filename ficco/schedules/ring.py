@@ -46,31 +46,31 @@ class Ring:
 
     def plan(self, problem: Problem, transport: str = "dma", copy_engines: int | None = None) -> Plan:
         common.check_transport(transport)
-        p, b = problem, PlanBuilder(self.name, transport, problem)
+        p, builder = problem, PlanBuilder(self.name, transport, problem)
         if transport == "dma" and p.world > 1:
             # Publish and barrier on copy0, so the local GEMM (reading the caller's input)
             # starts at once, as in Async-TP.
-            _, ready = common.publish_on_copy_engine(b)
+            _, ready = common.publish_on_copy_engine(builder)
         else:
-            ready = common.publish(b, transport)
+            ready = common.publish(builder, transport)
         local = Block("input", 0, p.m, 0, p.k)
         for j in range(len(p.ns)):
             if p.m:
-                b.add(Gemm(COMPUTE, (local,), (common.out_rows(p, j, p.shard_row0(p.rank), p.m),),
+                builder.add(Gemm(COMPUTE, (local,), (common.out_rows(p, j, p.shard_row0(p.rank), p.m),),
                            j, 0, p.k, step=0))
         copies: list[int | None] = []
         for s, peers in enumerate(self.peers_by_step(p.world, p.rank), start=1):
             for lane, q in enumerate(peers):
                 if transport == "dma":
-                    h = common.pull(b, lane % (copy_engines or 2), q, 0, p.m, step=s,
+                    h = common.pull(builder, lane % (copy_engines or 2), q, 0, p.m, step=s,
                                     after=[ready])
                 else:
                     # Rank q pulls from us at the step where we pull from it in the mirrored
                     # direction: send to r-s while receiving from r+s.
                     to = (2 * p.rank - q) % p.world
-                    h = b.add(SendRecv(COMM, common.shard_rows(p, p.rank), to,
+                    h = builder.add(SendRecv(COMM, common.shard_rows(p, p.rank), to,
                                        common.shard_rows(p, q), q, step=s), after=[ready])
                 copies.append(h)
-                common.gemm_rows(b, p.shard_row0(q), p.m, step=s, after=[h])
-        common.close(b, transport, copies)
-        return b.build()
+                common.gemm_rows(builder, p.shard_row0(q), p.m, step=s, after=[h])
+        common.close(builder, transport, copies)
+        return builder.build()

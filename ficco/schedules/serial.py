@@ -27,16 +27,16 @@ class Serial:
 
     def plan(self, problem: Problem, transport: str = "dma", copy_engines: int | None = None) -> Plan:
         common.check_transport(transport)
-        p, b = problem, PlanBuilder(self.name, transport, problem)
+        p, builder = problem, PlanBuilder(self.name, transport, problem)
         engines = copy_engines or max(p.world - 1, 1)
-        ready = common.publish(b, transport)
+        ready = common.publish(builder, transport)
         copies: list[int | None] = []
         if transport == "dma":
             peers = [q for q in range(p.world) if q != p.rank]
-            copies = [common.pull(b, i % engines, q, 0, p.m, after=[ready])
+            copies = [common.pull(builder, i % engines, q, 0, p.m, after=[ready])
                       for i, q in enumerate(peers)]
         elif p.world > 1:
-            copies = [common.all_gather_rows(b, 0, p.m, after=[ready])]
-        common.gemm_rows(b, 0, p.big_m, after=copies)
-        common.close(b, transport, copies)
-        return b.build()
+            copies = [common.all_gather_rows(builder, 0, p.m, after=[ready])]
+        common.gemm_rows(builder, 0, p.big_m, after=copies)
+        common.close(builder, transport, copies)
+        return builder.build()
