@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import atexit
 
-from . import runtime
+from . import library, runtime
 from .ops.all_gather_matmul import SPEC as _ALL_GATHER_MATMUL
 
 last_run = runtime.last_run
@@ -28,6 +28,15 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
     >>> torch.allclose(ficco.all_gather_matmul(a, w), a @ w)   # world size 1: a plain matmul
     True
     """
+    # Through the torch custom op (autograd, autocast, torch.compile); ficco/library.py.
+    return library.all_gather_matmul(a_shard, b, group, gather_dim=gather_dim,
+                                     schedule=schedule, return_gathered=return_gathered)
+
+
+def all_gather_matmul_eager(a_shard, b, group=None, *, gather_dim=0, schedule=None,
+                            return_gathered=False):
+    """``all_gather_matmul`` run directly, without the dispatcher: the real kernel of
+    ``torch.ops.ficco.all_gather_matmul`` (no autograd, autocast or tracing)."""
     call = _ALL_GATHER_MATMUL.prepare(a_shard, b, group, gather_dim, return_gathered)
     return runtime.run(call, schedule)
 

@@ -39,33 +39,12 @@ SINGLE = ""   # the group name of a process without torch.distributed: world siz
 def group_name(group) -> str:
     """The name the ops take for ``group``: None (default group), a group name, a ProcessGroup
     or a 1-D DeviceMesh. Plain Python, cheap; run at trace time under ``torch.compile``."""
-    if group is None:
-        if dist.is_available() and dist.is_initialized():
-            return dist.group.WORLD.group_name
-        return SINGLE
     if isinstance(group, str):
         return group
-    if dist.is_available() and isinstance(group, dist.ProcessGroup):
-        return group.group_name
-    mesh_type = _device_mesh_type()
-    if mesh_type is not None and isinstance(group, mesh_type):
-        if group.ndim != 1:
-            raise InvalidArgumentError(
-                f"group is a {group.ndim}-D DeviceMesh {tuple(group.shape)} with dims "
-                f"{group.mesh_dim_names}; pass the 1-D mesh of the tensor-parallel dimension, "
-                f"e.g. mesh['tp']")
-        return group.get_group().group_name
-    raise InvalidArgumentError(
-        f"group must be a torch.distributed ProcessGroup, a group name, a 1-D DeviceMesh or "
-        f"None; got {type(group).__name__}")
+    from .call import resolve_group
 
-
-def _device_mesh_type():
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-    except ImportError:  # torch built without distributed
-        return None
-    return DeviceMesh
+    resolved = resolve_group(group)
+    return SINGLE if resolved is None else resolved.group_name
 
 
 @functools.lru_cache(maxsize=None)
