@@ -92,3 +92,19 @@ def test_gpu_reasons_are_real_on_this_machine():
     else:
         assert set(reasons) == {"rocm", "cuda"} and all(reasons.values())
         assert backends.unavailable_note().startswith("no GPU backend can run here (rocm: ")
+
+
+def test_readme_starts_with_the_two_commands_ci_runs_and_links_stay_in_the_repo():
+    import re
+
+    text = (REPO / "README.md").read_text()
+    first_block = text.split("```bash\n", 1)[1].split("```", 1)[0]
+    assert [line.split()[:2] for line in first_block.splitlines()] == \
+        [["make", "demo"], ["make", "test"]]
+    assert "make test" in (REPO / ".ci/run").read_text()
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        body = page.read_text()
+        assert "../shared" not in body and "seeds/" not in body, page
+        for path in re.findall(r"`((?:docs|bench/results|examples)/[\w./-]+)`", body):
+            if "<" not in path and "*" not in path and "…" not in path:
+                assert (REPO / path).exists(), f"{page.name} cites {path}, which is not here"
