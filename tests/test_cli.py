@@ -52,6 +52,16 @@ def test_each_verb_help_lists_options_defaults_and_an_example(verb, capsys):
     assert "examples:" in text and f"ficco.bench {verb}" in text.split("examples:")[1]
 
 
+def test_every_registered_verb_has_help_with_an_example(capsys):
+    for verb in bench_cli.verbs():
+        with pytest.raises(SystemExit) as exit_info:
+            bench_cli.main([verb, "--help"])
+        assert exit_info.value.code == 0
+        text = capsys.readouterr().out
+        assert text.count("examples:") == 1 and f"ficco.bench {verb}" in text, verb
+        assert "--" in text.split("options:")[1].split("examples:")[0].replace("--help", ""), verb
+
+
 def test_top_level_help_lists_the_verbs(capsys):
     with pytest.raises(SystemExit):
         bench_cli.main(["--help"])

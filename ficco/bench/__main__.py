@@ -61,6 +61,8 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
             module = importlib.import_module(f"ficco.bench.{name}")
             module.add_arguments(sub_parser)
             examples = getattr(module, "EXAMPLES", "").strip("\n")
+            if examples.startswith("examples:"):
+                examples = examples[len("examples:"):].strip("\n")
             if examples:
                 sub_parser.epilog = "examples:\n" + examples
             sub_parser.set_defaults(_main=module.main)
