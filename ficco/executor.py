@@ -22,8 +22,10 @@ import torch.distributed as dist
 
 from .errors import InvalidArgumentError
 from . import profiling
+from .kernels.launch import gated_task, raise_flag
 from .plan import (COMPUTE, SYMMETRIC_BUFFERS, AllGather, AllToAll, Barrier, Block, Copy, Gemm,
-                   Plan, Record, Reduce, ReduceScatter, SendRecv, Wait, buffer_shapes, op_label)
+                   GatedGemm, Plan, Record, Reduce, ReduceScatter, SendRecv, Signal, Wait,
+                   buffer_shapes, op_label)
 
 
 @dataclass
@@ -44,6 +46,7 @@ class Buffers:
     partials: list[torch.Tensor] = field(default_factory=list)
     recvs: list[torch.Tensor] = field(default_factory=list)
     partial_offsets: tuple[int, ...] = ()
+    flags: torch.Tensor | None = None   # arrival flags of gated plans (execute() zeroes them)
     _peers: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
     def peer(self, peer: int, buf: str = "gathered", index: int = 0) -> torch.Tensor:
@@ -66,7 +69,7 @@ class Buffers:
 
 # -- compiling a plan ----------------------------------------------------------------------------
 # Step codes; a step is (code, queue index, x, y, z, w) with slot / event numbers in x..w.
-_COPY, _COPY_2D, _GEMM, _RECORD, _WAIT, _BARRIER, _LAUNCH = range(7)
+_COPY, _COPY_2D, _GEMM, _RECORD, _WAIT, _BARRIER, _LAUNCH, _SIGNAL, _GATED = range(9)
 
 
 def _source_of(blk: Block) -> tuple:
@@ -169,9 +172,20 @@ class CompiledPlan:
                 recv = block_slot(op.recv) if op.recv is not None else None
                 steps.append((_LAUNCH, q, _send_recv_task,
                               (send, op.send_to, recv, op.recv_from), 0, 0))
+            elif isinstance(op, Signal):
+                steps.append((_SIGNAL, q, op.flag, 0, 0, 0))
+            elif isinstance(op, GatedGemm):
+                p, n = plan.problem, plan.problem.ns[op.b]
+                views = (block_slot(Block("input", 0, p.m, 0, p.k)),
+                         block_slot(Block("gathered", 0, p.big_m, 0, p.k)),
+                         slot(("b", op.b), ("krows", 0, p.k, 0, n)),
+                         block_slot(Block("out", 0, p.big_m, 0, n, index=op.b)))
+                steps.append((_GATED, q, views, (p, op), 0, 0))
             else:
                 raise InvalidArgumentError(f"the executor does not know op {type(op).__name__}")
         self.steps = tuple(steps)
+        self.num_flags = max((op.num_flags for op in plan.ops if isinstance(op, GatedGemm)),
+                             default=0)
         self.work = tuple(work)
         # Workspace views (this rank's symmetric buffers and the peers') vs per-call views.
         self.workspace_slots = tuple(i for i, (src, _) in enumerate(self.slots)
@@ -464,6 +478,9 @@ def execute(plan: Plan, backend, buffers: Buffers, *, timeout_s: float,
     queues = [backend.queue(name) for name in compiled.queue_names]
     events = [backend.new_event() for _ in range(plan.num_events)]
     views = compiled.views(buffers)
+    if compiled.num_flags:   # zeroed on the compute queue, before the side queues start
+        buffers.flags = torch.zeros(compiled.num_flags, dtype=torch.int32,
+                                    device=buffers.a.device)
     # Side queues start after everything the caller queued before this call (the input may
     # still be being written on the caller's stream).
     entry = backend.new_event()
@@ -499,6 +516,11 @@ def _run(steps, backend, buffers, queues, events, v, timeout_s) -> None:
             copy_2d(v[x], v[y], queues[q])
         elif code == _BARRIER:
             backend.barrier(buffers.symm, x, queues[q], timeout_s, y)
+        elif code == _SIGNAL:
+            raise_flag(backend, queues[q], buffers.flags, x)
+        elif code == _GATED:
+            backend.launch(queues[q], gated_task(backend, y[0], y[1], v[x[0]], v[x[1]],
+                                                 v[x[2]], v[x[3]], buffers.flags, timeout_s))
         else:
             backend.launch(queues[q], x(v, buffers.group, y))
 

@@ -41,11 +41,16 @@ def settings(call: Call, schedule: str | None = None, transport: str | None = No
     s = read_settings(schedule, transport, selector)
     if s["schedule"] is not None:
         try:
-            call.op.schedule(s["schedule"])
+            chosen = call.op.schedule(s["schedule"])
         except InvalidArgumentError as exc:
             if s["schedule_by"] != "FICCO_SCHEDULE":
                 raise
             raise ConfigError(f"FICCO_SCHEDULE={s['schedule']!r} is not valid: {exc}") from None
+        # Optional schedules (gated-*: Triton) say here, before any communication, why not.
+        why = getattr(chosen, "unavailable_reason", None)
+        why = why and why(call.backend.target(), "ccl" if s["transport"] == "ccl" else "dma")
+        if why and call.world > 1:
+            raise InvalidArgumentError(f"schedule {s['schedule']!r} cannot run here: {why}")
     from .heuristics import profiles
 
     profiles.resolve(call.backend.target())   # a bad FICCO_PROFILE fails here, alone

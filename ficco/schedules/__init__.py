@@ -11,6 +11,7 @@ from ..errors import InvalidArgumentError
 from ..problem import ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER
 from . import reduce_scatter
 from .ficco import FICCO_SCHEDULES, Ficco
+from .gated import GATED_SCHEDULES, Gated
 from .ring import Ring
 from .serial import Serial
 
@@ -19,6 +20,10 @@ _REGISTRY = {
                                             *FICCO_SCHEDULES)},
     MATMUL_REDUCE_SCATTER: {s.name: s for s in reduce_scatter.SCHEDULES},
 }
+#: Schedules that need an optional extra (Triton), per op: get() knows them and they plan and
+#: simulate anywhere, but names() leaves them out and selectors see them only where they run
+#: (offered()).
+_OPTIONAL = {ALL_GATHER_MATMUL: {s.name: s for s in GATED_SCHEDULES}, MATMUL_REDUCE_SCATTER: {}}
 
 
 def _registry(op: str) -> dict:
@@ -38,11 +43,46 @@ def names(op: str = ALL_GATHER_MATMUL) -> list[str]:
 def get(name: str, op: str = ALL_GATHER_MATMUL):
     """The schedule of ``op`` called ``name``; an unknown name raises with the valid ones."""
     registry = _registry(op)
+    optional = _OPTIONAL[op]
     try:
-        return registry[name]
+        return registry[name] if name in registry else optional[name]
     except KeyError:
+        extra = f" (with Triton also {', '.join(optional)})" if optional else ""
         raise InvalidArgumentError(
-            f"unknown {op} schedule {name!r}; valid schedules: {', '.join(registry)}") from None
+            f"unknown {op} schedule {name!r}; valid schedules: {', '.join(registry)}"
+            f"{extra}") from None
 
 
-__all__ = ["names", "get", "Serial", "Ring", "Ficco"]
+def optional_names(op: str = ALL_GATHER_MATMUL) -> list[str]:
+    """Schedules of ``op`` that need an optional extra: ``gated-1d``, ``gated-2d`` (Triton)."""
+    _registry(op)
+    return list(_OPTIONAL[op])
+
+
+def unavailable(target: str, transport: str = "dma", op: str = ALL_GATHER_MATMUL
+                ) -> dict[str, str]:
+    """Optional schedule name -> why selectors do not offer it on backend ``target`` over
+    ``transport``; names that are offered are absent.
+
+    >>> sorted(unavailable("cpu"))      # CPU runs Triton only in its interpreter
+    ['gated-1d', 'gated-2d']
+    """
+    _registry(op)
+    out = {}
+    for name, schedule in _OPTIONAL[op].items():
+        reason = schedule.selectable_reason(target, transport)
+        if reason is not None:
+            out[name] = reason
+    return out
+
+
+def offered(target: str, transport: str = "dma", op: str = ALL_GATHER_MATMUL) -> list[str]:
+    """The schedules a selector may pick for ``op`` on backend ``target`` over ``transport``:
+    :func:`names` plus the optional ones that run there (e.g. ``gated-1d`` on "cuda:sm_90"
+    with Triton installed)."""
+    missing = unavailable(target, transport, op)
+    return names(op) + [name for name in _OPTIONAL[op] if name not in missing]
+
+
+__all__ = ["names", "get", "offered", "optional_names", "unavailable", "Serial", "Ring", "Ficco",
+           "Gated"]

@@ -1,0 +1,165 @@
+"""The gated schedules (ficco/schedules/gated.py): plans, simulation, who offers them, and end
+to end on the CPU backend (the gated GEMM in Triton's interpreter) against float64."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import ficco
+from ficco import kernels, schedules
+from ficco.errors import InvalidArgumentError
+from ficco.heuristics import choose, profiles, simulator
+from ficco.plan import Copy, GatedGemm, Signal
+from ficco.problem import Problem, even_split
+from ficco.schedules.gated import Gated, flag_index
+
+from . import harness
+from .reference import ROW_TOL, make_inputs, max_row_rel_err
+
+GATED = ("gated-1d", "gated-2d")
+
+
+def _queue_order(plan, queue):
+    return [op for op in plan.ops if op.queue == queue and op.kind not in ("record", "wait")]
+
+
+@pytest.mark.parametrize("name", GATED)
+@pytest.mark.parametrize("world,m,k", [(2, 5, 7), (3, 7, 10), (4, 2, 9)])
+def test_plan_covers_every_row_once_behind_the_flag_of_its_copy(name, world, m, k):
+    """Every row of C is computed once, in arrival order (own shard first); each part a tile
+    waits for is raised by a Signal right after the copy of exactly those rows/columns, on
+    the copy's own queue; the gated GEMM is enqueued before any pull."""
+    for rank in range(world):
+        p = Problem(m=m, k=k, ns=(6, 3), dtype="float32", world=world, rank=rank)
+        plan = schedules.get(name).plan(p, "dma")
+        gated = [op for op in plan.ops if isinstance(op, GatedGemm)]
+        assert [op.b for op in gated] == [0, 1]
+        first_pull = min(i for i, op in enumerate(plan.ops)
+                         if isinstance(op, Copy) and op.src.peer is not None)
+        assert plan.ops.index(gated[-1]) < first_pull
+        segments = gated[0].segments
+        assert segments[0] == (rank * m, m, ((0, k, -1),))
+        covered = torch.zeros(p.big_m, k, dtype=torch.int32)
+        for row0, rows, parts in segments:
+            for k0, kc, _ in parts:
+                covered[row0:row0 + rows, k0:k0 + kc] += 1
+        assert torch.equal(covered, torch.ones_like(covered))
+        # Each flag: exactly one Signal, right after the copy of those rows and columns.
+        signals = {op.flag: op for op in plan.ops if isinstance(op, Signal)}
+        for row0, rows, parts in segments[1:]:
+            for k0, kc, flag in parts:
+                sig = signals[flag]
+                order = _queue_order(plan, sig.queue)
+                copy = order[order.index(sig) - 1]
+                peer = flag % world
+                assert isinstance(copy, Copy) and copy.src.peer == peer
+                assert (copy.dst.row0, copy.dst.rows, copy.dst.col0, copy.dst.cols) == \
+                    (row0, rows, k0, kc)
+                assert flag == flag_index(p, peer, flag // world)
+
+
+def test_gated_needs_dma_and_the_all_gather_op():
+    p = Problem(m=4, k=8, ns=(4,), dtype="float32", world=2)
+    with pytest.raises(InvalidArgumentError, match="dma"):
+        Gated().plan(p, "ccl")
+    assert "gated-1d" not in schedules.names() and "gated-2d" not in schedules.names()
+    assert schedules.optional_names() == list(GATED)
+
+
+@pytest.mark.parametrize("name", GATED)
+def test_simulated_tiles_start_only_after_their_chunk_lands(name):
+    """The simulator prices ONE gated GEMM: its pieces run in arrival order and none starts
+    before the copies it reads have ended; the first piece (own rows) starts at once."""
+    p = Problem(m=4096, k=8192, ns=(8192,), dtype="bfloat16", world=8, rank=3)
+    plan = schedules.get(name).plan(p, "dma")
+    result = simulator.simulate(plan, profiles.load("mi300x"))
+    copies = {}
+    for row in result.rows:
+        if row["label"].startswith("peer "):
+            step = int(row["label"].rsplit("c", 1)[1])
+            copies.setdefault(step, []).append(row["end_s"])
+    pieces = [r for r in result.rows if r["kind"] == "gated_gemm"]
+    assert len(pieces) == (1 + 7 * 8 if name == "gated-1d" else 1 + 8)
+    assert pieces[0]["start_s"] < min(min(v) for v in copies.values())
+    landed = sorted(max(v) for v in copies.values())
+    if name == "gated-2d":   # piece c+1 reads K chunk c of every peer
+        for piece, chunk_end in zip(pieces[1:], landed):
+            assert piece["start_s"] >= chunk_end - 1e-12
+    else:                     # pieces 1 + 7c .. 7c+7 read chunk c of the seven peers
+        for c, chunk_end in enumerate(landed):
+            for piece in pieces[1 + 7 * c: 8 + 7 * c]:
+                assert piece["start_s"] >= min(copies[c]) - 1e-12
+        assert pieces[-1]["start_s"] >= landed[-1] - result.makespan_s  # ordered, sane
+    assert result.makespan_s >= pieces[-1]["end_s"] - 1e-12
+
+
+def test_selectors_offer_gated_only_where_it_runs(monkeypatch):
+    p = Problem(m=4096, k=8192, ns=(8192,), dtype="bfloat16", world=8)
+    assert set(GATED) <= set(schedules.unavailable("cpu"))          # interpreter only
+    assert set(GATED) <= set(schedules.unavailable("cuda:sm_70"))   # too old
+    d = choose(p, target="cpu", selector="model")
+    assert not set(GATED) & set(d.scores)
+    monkeypatch.setattr(kernels, "triton_reason", lambda: "Triton is not installed: pip ...")
+    reasons = schedules.unavailable("rocm:gfx942")
+    assert set(reasons) == set(GATED) and "not installed" in reasons["gated-1d"]
+    assert not set(GATED) & set(choose(p, target="rocm:gfx942", selector="model").scores)
+    monkeypatch.setattr(kernels, "triton_reason", lambda: None)
+    assert schedules.offered("rocm:gfx942")[-2:] == list(GATED)
+    scores = choose(p, target="cuda:sm_90", selector="model").scores
+    assert set(GATED) <= set(scores)
+    assert not set(GATED) & set(choose(p, transport="ccl", target="cuda:sm_90",
+                                       selector="model").scores)
+
+
+# -- end to end on the CPU backend -------------------------------------------------------------
+SHAPES = [("uneven", (7, 10), (9,)), ("rows<W", (2, 9), (5,)), ("several-b", (5, 12), (6, 3))]
+
+
+def _run_gated(rank, world, seed):
+    failures = []
+    for case, (label, shape, ns) in enumerate(SHAPES):
+        for dtype in (torch.float32, torch.bfloat16):
+            for name in GATED:
+                shards, bs, full, refs = make_inputs(seed + case, world, shape, ns, dtype)
+                outs = ficco.all_gather_matmul(shards[rank], bs, schedule=name)
+                for j, (out, ref) in enumerate(zip(outs, refs)):
+                    err = max_row_rel_err(out, ref)
+                    if not err <= ROW_TOL[dtype]:
+                        failures.append(f"{name}/{label}/{dtype}/b{j}: err {err:.3g}")
+                if ficco.runtime.last_run() != (name, "dma"):
+                    failures.append(f"{label}: ran {ficco.runtime.last_run()}")
+    return failures
+
+
+@pytest.mark.skipif(kernels.triton_reason() is not None, reason="Triton is not installed")
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_gated_schedules_match_float64(world):
+    seed = random.randrange(1 << 30)
+    failures = harness.pool(world).run(_run_gated, seed, timeout_s=600)
+    assert failures == [[]] * world, f"seed {seed}: {failures}"
+
+
+def _forced_without_triton(rank, world):
+    from ficco import kernels as k
+
+    saved = k.triton_reason
+    k.triton_reason = lambda: "Triton is not installed: pip install 'ficco[triton]'"
+    try:
+        a, b = torch.randn(4, 8), torch.randn(8, 3)
+        ficco.all_gather_matmul(a, b, schedule="gated-1d")
+    except InvalidArgumentError as exc:
+        return str(exc)
+    finally:
+        k.triton_reason = saved
+    return "no error"
+
+
+def test_forcing_gated_without_triton_says_why_before_any_communication():
+    for message in harness.pool(2).run(_forced_without_triton):
+        assert "gated-1d" in message and "Triton is not installed" in message
+
+
+def test_even_split_is_the_chunk_rule_the_kernel_tests_use():
+    assert even_split(7, 3) == [(0, 3), (3, 2), (5, 2)]
