@@ -158,21 +158,24 @@ def check_memory(scenario_list, world: int, dtype: str, device, verb: str = "swe
     flag that shrinks it (the kernel's OOM killer says neither)."""
     free, sharing = free_memory_bytes(device)
     budget = MEMORY_HEADROOM * free / sharing
-    for sc in scenario_list:
-        need = memory_bytes(sc, world, dtype)
-        if need <= budget:
-            continue
-        factor = next((f for f in (2 ** p for p in range(1, 16))
-                       if memory_bytes(_shrunk(sc, f), world, dtype) <= budget), None)
-        where = (f"{sharing} ranks share {free / 2**30:.1f} GiB available" if sharing > 1
-                 else f"{free / 2**30:.1f} GiB is free on {device}")
-        fix = (f"divide N and K with --scale-nk {factor}" if factor
-               else "pick a smaller --shape or --only")
-        raise InvalidArgumentError(
-            f"{verb}: scenario {sc.name} (M={sc.big_m}, N={sc.n}, K={sc.k}, {dtype}, W={world}) "
-            f"needs about {need / 2**30:.1f} GiB per rank, but {where} (use at most "
-            f"{MEMORY_HEADROOM:.0%}: {budget / 2**30:.1f} GiB per rank): {fix}, or M with "
-            f"--scale, or leave it out with --only")
+    too_big = [sc for sc in scenario_list if memory_bytes(sc, world, dtype) > budget]
+    if not too_big:
+        return
+    sc = max(too_big, key=lambda s: memory_bytes(s, world, dtype))
+    need = memory_bytes(sc, world, dtype)
+    # one --scale-nk for the whole run: the one that makes its largest scenario fit
+    factor = next((f for f in (2 ** p for p in range(1, 16))
+                   if memory_bytes(_shrunk(sc, f), world, dtype) <= budget), None)
+    where = (f"{sharing} ranks share {free / 2**30:.1f} GiB available" if sharing > 1
+             else f"{free / 2**30:.1f} GiB is free on {device}")
+    fix = (f"divide N and K with --scale-nk {factor}" if factor
+           else "pick a smaller --shape or --only")
+    others = f" ({len(too_big)} scenarios do not fit)" if len(too_big) > 1 else ""
+    raise InvalidArgumentError(
+        f"{verb}: scenario {sc.name} (M={sc.big_m}, N={sc.n}, K={sc.k}, {dtype}, W={world}) "
+        f"needs about {need / 2**30:.1f} GiB per rank{others}, but {where} (use at most "
+        f"{MEMORY_HEADROOM:.0%}: {budget / 2**30:.1f} GiB per rank): {fix}, or M with "
+        f"--scale, or leave it out with --only")
 
 
 def _shrunk(sc, factor: int):
