@@ -13,12 +13,13 @@ machine). This model does the same, cheaply:
   So 2.05 waves cost max(2.05, 3 / speedup) wave-times rather than 3.
 - **Split-K, only where the library would.** When the tiles fill less than
   ``split_k_below_waves`` of one wave and K is long (each part keeps at least
-  ``split_k_min_k``), K is cut in 2, 4, 8 or 16 parts, paying the float32 partial sums'
+  ``split_k_min_k``), K is cut in 2 to 64 parts, paying the float32 partial sums'
   reduction through HBM.
 - **Per tile and per launch.** Each tile pays ``tile_k_overhead`` extra K steps (prologue,
   epilogue); each launch pays ``launch_s``.
 - **Roofline.** Never faster than its memory traffic (A, B, and C, read too when the GEMM
-  accumulates) at ``memory_efficiency`` of HBM bandwidth.
+  accumulates) at ``gemm_memory_efficiency`` of HBM bandwidth (GEMM epilogues stream C
+  slower than a copy kernel moves memory; ``memory_efficiency`` when not given).
 
 Example::
 
@@ -33,7 +34,7 @@ from __future__ import annotations
 import math
 
 #: Split-K factors a library considers, as hipBLASLt's GSU and cuBLAS's split-K kernels do.
-SPLITS = (2, 4, 8, 16)
+SPLITS = (2, 4, 8, 16, 32, 64)
 
 
 def gemm_seconds(profile, dtype: str, block_rows: list[int], n: int, k: int, itemsize: int,
@@ -58,8 +59,9 @@ def gemm_seconds(profile, dtype: str, block_rows: list[int], n: int, k: int, ite
 def memory_seconds(profile, rows: int, n: int, k: int, itemsize: int,
                    accumulate: bool = False) -> float:
     """The roofline's memory side: A, B and C (twice when accumulating) once through HBM."""
-    return traffic_bytes(rows, n, k, itemsize, accumulate) \
-        / (profile.hbm_bytes_per_s * profile.dil["memory_efficiency"])
+    dil = profile.dil
+    efficiency = dil.get("gemm_memory_efficiency") or dil["memory_efficiency"]
+    return traffic_bytes(rows, n, k, itemsize, accumulate) / (profile.hbm_bytes_per_s * efficiency)
 
 
 def traffic_bytes(rows: int, n: int, k: int, itemsize: int, accumulate: bool = False) -> int:

@@ -25,7 +25,7 @@ JSON schema (every key at top level; units in the names)::
       "copy_2d_half_row_bytes": 256,           # 2D copy row width at which efficiency halves
       "barrier_latency_s": 1e-05,              # cross-rank barrier over symmetric memory
       "host_op_s": 1.4e-05,                    # host time to enqueue one plan op (eager)
-      "pcie_aggregate_bytes_per_s": 6e10,      # all GPUs' peer traffic through the host, total
+      "pcie_aggregate_bytes_per_s": 7.9e10,    # all GPUs' peer traffic through the host, total
       "dil": {"tiles": [[256, 256, 1.0], ...], # the GEMM library's tiles: (m, n, sustained
                                                # fraction); the fastest is used (heuristics/gemm.py)
               "tile_m": 256, "tile_n": 256,    # the tile when "tiles" is empty
@@ -93,9 +93,10 @@ DEFAULTS = {
     # the executor compiled plans (its share fell ~10x on CPU since): an upper bound for now.
     "host_op_s": 14e-6,
     # The whole box's GPU-to-GPU bandwidth through PCIe and the host: an 8-GPU NCCL
-    # all-gather without NVLink reached 8.37 GB/s algbw, 7.3 GB/s into each GPU
-    # (github.com/NVIDIA/nccl/issues/644, 256 MiB), i.e. ~60 GB/s for all eight together.
-    "pcie_aggregate_bytes_per_s": 60e9,
+    # all-gather without NVLink reached 7.32 GB/s bus bandwidth into each GPU
+    # (github.com/NVIDIA/nccl/issues/644, 256 MiB); with ccl.efficiency 0.8 and the copy
+    # curve that is ~79 GB/s for all eight together (bench/validation/published.csv, E5).
+    "pcie_aggregate_bytes_per_s": 79e9,
     "dil": {"tiles": [], "tile_m": 256, "tile_n": 256, "tile_k_overhead": 256,
             "gemm_efficiency": 0.7, "partial_wave_speedup": 1.25, "split_k_below_waves": 0.5,
             "split_k_min_k": 1024, "memory_efficiency": 0.8, "launch_s": 5e-6},
@@ -189,7 +190,7 @@ class Profile:
         ``world`` GPUs moving data at once share the host's aggregate bandwidth.
 
         >>> load("h100").link_for("pcie", world=8) / 1e9
-        7.5
+        9.875
         """
         peers = max(self.gpus_per_node - 1, 1)
         if topology == "pcie":

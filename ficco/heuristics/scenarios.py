@@ -8,8 +8,9 @@ so its local GEMM is ``(M x N/W x K)`` after the all-gather. That is the reading
 
 Example::
 
-    >>> table_i_problem("g2", world=8).key()
-    (16384, 16384, (2048,), 'bfloat16', 8)
+    >>> p = table_i_problem("g2", world=8)
+    >>> p.m, p.k, p.ns, p.world
+    (16384, 16384, (2048,), 8)
 """
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ def gemm_problem(big_m: int, n: int, k: int, world: int, dtype: str = "bfloat16"
     """The Problem of one rank for a layer GEMM ``(M, N, K)`` split over ``world`` ranks:
     ``m = M // world`` rows per shard and ``N // world`` weight columns per rank.
 
-    >>> gemm_problem(1024, 512, 256, world=4).key()
-    (256, 256, (128,), 'bfloat16', 4)
+    >>> p = gemm_problem(1024, 512, 256, world=4)
+    >>> p.m, p.k, p.ns
+    (256, 256, (128,))
     """
     if big_m < world or n < world:
         raise InvalidArgumentError(

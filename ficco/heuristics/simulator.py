@@ -25,7 +25,8 @@ Cost model (every number from :class:`~ficco.heuristics.profiles.Profile`):
   not only on link utilisation: one shard-sized copy beside a GEMM (shard-level overlap)
   already costs most of what seven do. Collectives (``ccl``) run on compute units: they take
   ``ccl.compute_unit_fraction`` of the GEMM's CUs and use the larger ``ccl_*`` factors.
-- Local copies: memory-bound moves (read + write) on the compute engines.
+- Local copies: memory-bound moves (read + write) on the compute engines; beside a GEMM each
+  slows the other as the full set of copy engines would.
 - Host launch: op i of the plan (events included) is enqueued at ``(i + 1) x host_op_s``
   and cannot start earlier; eager calls of plans with hundreds of ops are launch bound when
   the GEMM is small (set ``host_op_s`` to 0 in a profile for CUDA-graph replays).
@@ -89,15 +90,20 @@ def simulate(plan: Plan, profile: Profile, topology: str | None = None) -> SimRe
 
 class _Simulation:
     def __init__(self, plan: Plan, profile: Profile, topology: str):
+        plan, origin = _lower_gated(plan)
         self.plan, self.profile, self.topology = plan, profile, topology
         self.problem = plan.problem
         self.itemsize = self.problem.itemsize
         self.link_bytes_per_s = profile.link_for(topology, self.problem.world)
         peers = max(self.problem.world - 1, 1)
         self.ingress_bytes_per_s = self.link_bytes_per_s * (peers if topology == "mesh" else 1)
+        # A copy reaches its bandwidth once it outlasts its latency: on a slower link (PCIe
+        # instead of the profile's own) the same efficiency comes at proportionally fewer bytes.
+        native = profile.link_for(profile.topology, self.problem.world)
+        self.size_scale = max(1.0, native / self.link_bytes_per_s)
         # The host enqueues ops one after another (``host_op_s`` each): op i cannot start on
         # its queue before the host has issued it. A plan of many small ops pays this.
-        self.issue_s = [(i + 1) * profile.host_op_s for i in range(len(plan.ops))]
+        self.issue_s = [(origin[i] + 1) * profile.host_op_s for i in range(len(plan.ops))]
 
     # -- event loop --------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -188,10 +194,11 @@ class _Simulation:
         link_cap = self.link_bytes_per_s
         share = {link: (min(1.0, link_cap / d) if d > 0 else 1.0) * engine_share
                  for link, d in demand_by_link.items()}
-        # Contention grows with how many copies stream beside the GEMM (paper Fig. 8).
-        streams = min(len(copies), prof.copy_engines) / prof.copy_engines
         gemm_mt = max((t.mt_factor for t in flowing.values() if t.category == "gemm"), default=None)
         ccl_running = any(t.category == "ccl" for t in flowing.values())
+        # A memory-bound kernel beside the GEMM (a gather, a reduction) takes compute units
+        # and HBM bandwidth from it: priced like the full set of copy engines streaming.
+        mem_running = any(t.category == "mem" for t in flowing.values())
         rates = {}
         for i, t in active.items():
             rate = 1.0   # latency phases and barriers are never slowed
@@ -200,19 +207,22 @@ class _Simulation:
             elif t.category == "dma":
                 rate = share[t.resource]
                 if gemm_mt is not None:
-                    rate /= 1 + cil["dma_copy"] * gemm_mt * streams ** cil["copy_copies_exp"]
+                    rate /= dma_contention(prof, gemm_mt, len(copies))[1]
             elif t.category == "ccl" and gemm_mt is not None:
                 rate /= 1 + cil["ccl_copy"] * gemm_mt
             elif t.category == "gemm":
-                slowdown = 1.0
-                if copies:
-                    slowdown += cil["dma_gemm"] * t.mt_factor * streams ** cil["gemm_copies_exp"]
+                slowdown = dma_contention(prof, t.mt_factor, len(copies))[0] if copies else 1.0
+                if mem_running:
+                    slowdown += dma_contention(prof, t.mt_factor, prof.copy_engines)[0] - 1
                 if ccl_running:
                     slowdown += cil["ccl_gemm"] * t.mt_factor
                     slowdown /= 1 - prof.ccl["compute_unit_fraction"]
                 rate = 1 / slowdown
-            elif t.category == "mem" and copies:
-                rate = 1 / (1 + cil["dma_gemm"] * streams ** cil["gemm_copies_exp"])
+            elif t.category == "mem":
+                slowdown = dma_contention(prof, 1.0, len(copies))[0]
+                if gemm_mt is not None:
+                    slowdown += dma_contention(prof, gemm_mt, prof.copy_engines)[1] - 1
+                rate = 1 / slowdown
             rates[i] = rate
         return rates
 
@@ -238,11 +248,22 @@ class _Simulation:
                                           op.accumulate)
         return _Task("gemm", launch_s, seconds - launch_s, mt_factor=self._mt_factor(traffic))
 
+    def _price_gated_gemm(self, op) -> _Task:
+        """A piece of a gated GEMM (:func:`_lower_gated`): its share of ONE full-size GEMM at
+        ``dil["gated_gemm_efficiency"]`` of the library GEMM's speed (0.9 until measured), so
+        no piece pays decomposition loss; the first piece pays the launch."""
+        p = self.problem
+        n = p.ns[op.b]
+        whole = gemm_cost.gemm_seconds(self.profile, p.dtype, [p.big_m], n, p.k, self.itemsize)
+        launch_s = self.profile.dil["launch_s"]
+        share = op.rows * op.kc / max(p.big_m * p.k, 1)
+        seconds = (whole - launch_s) * share / self.profile.dil.get("gated_gemm_efficiency", 0.9)
+        traffic = gemm_cost.traffic_bytes(p.big_m, n, p.k, self.itemsize)
+        return _Task("gemm", launch_s if op.first else 0.0, seconds,
+                     mt_factor=self._mt_factor(traffic))
+
     def _mt_factor(self, traffic_bytes: float) -> float:
-        """s(MT) in [0, 1): how exposed a GEMM of this memory traffic is to contention."""
-        cil = self.profile.cil
-        e = cil["mt_exp"]
-        return traffic_bytes ** e / (traffic_bytes ** e + cil["mt_half_bytes"] ** e)
+        return mt_factor(self.profile, traffic_bytes)
 
     def _price_copy_1d(self, op) -> _Task:
         peer = op.src.peer if op.src.peer is not None else op.dst.peer
@@ -268,7 +289,7 @@ class _Simulation:
         prof = self.profile
         if nbytes == 0:
             return _Task("dma", 0.0, 0.0, ("link", peer), 0.0)
-        fraction = prof.copy_fraction(nbytes)
+        fraction = prof.copy_fraction(nbytes * self.size_scale)
         if row_bytes is not None:
             fraction *= row_bytes / (row_bytes + prof.copy_2d_half_row_bytes)
         bandwidth = self.link_bytes_per_s
@@ -291,7 +312,7 @@ class _Simulation:
         if bytes_per_peer == 0 or peers <= 0:
             return _Task("ccl", 0.0, 0.0)
         bandwidth = self.link_bytes_per_s * prof.ccl["efficiency"] \
-            * prof.copy_fraction(bytes_per_peer)
+            * prof.copy_fraction(bytes_per_peer * self.size_scale)
         volume = bytes_per_peer * (1 if self.topology == "mesh" else peers)
         return _Task("ccl", prof.ccl["latency_s"], volume / bandwidth)
 
@@ -316,6 +337,49 @@ class _Simulation:
         if op.kind == "send_recv":
             return f"recv {op.recv_from} s{step}"
         return f"{op.kind.replace('_', '-')} s{step}"
+
+
+def _lower_gated(plan: Plan):
+    """(plan, origin): gated GEMMs split into pieces gated on their flags' Signals, and per op
+    the index of the op the host enqueued for it (see ficco.schedules.gated)."""
+    if not any(op.kind == "gated_gemm" for op in plan.ops):
+        return plan, range(len(plan.ops))
+    from ..schedules.gated import lower_for_simulation
+
+    return lower_for_simulation(plan)
+
+
+def mt_factor(profile: Profile, traffic_bytes: float) -> float:
+    """s(MT) in [0, 1): how exposed a GEMM of this memory traffic is to contention; it rises
+    steeply (``cil.mt_exp``) around ``cil.mt_half_bytes``, about the last-level cache size.
+
+    >>> from ficco.heuristics import profiles
+    >>> prof = profiles.load("mi300x")
+    >>> mt_factor(prof, prof.cil["mt_half_bytes"])
+    0.5
+    """
+    cil = profile.cil
+    e = cil["mt_exp"]
+    return traffic_bytes ** e / (traffic_bytes ** e + cil["mt_half_bytes"] ** e)
+
+
+def dma_contention(profile: Profile, gemm_mt_factor: float, copies: int) -> tuple[float, float]:
+    """(GEMM slowdown, copy slowdown) while a GEMM of contention factor ``gemm_mt_factor``
+    (:func:`mt_factor`) runs beside ``copies`` DMA copies (paper §IV-D, Fig. 8). Both grow with
+    the number of copies in flight, up to ``copy_engines``, each with its own exponent.
+
+    >>> from ficco.heuristics import profiles
+    >>> prof = profiles.load("mi300x")
+    >>> one, seven = dma_contention(prof, 0.8, 1), dma_contention(prof, 0.8, 7)
+    >>> 1 < one[0] < seven[0] and 1 < one[1] < seven[1]
+    True
+    """
+    if copies <= 0:
+        return 1.0, 1.0
+    cil = profile.cil
+    streams = min(copies, profile.copy_engines) / profile.copy_engines
+    return (1 + cil["dma_gemm"] * gemm_mt_factor * streams ** cil["gemm_copies_exp"],
+            1 + cil["dma_copy"] * gemm_mt_factor * streams ** cil["copy_copies_exp"])
 
 
 def ideal_speedup(serial: SimResult) -> float:
