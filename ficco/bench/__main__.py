@@ -23,7 +23,7 @@ VERBS = {
     "simulate": "predict every schedule's time on a device profile, no GPU needed",
     "timeline": "draw one measured call per queue above the simulator's prediction "
                 "(run under torchrun)",
-    "validate": "compare the simulator's predictions with measured timelines",
+    "validate": "hold the simulator against the paper's Table I picks and published results",
 }
 
 
