@@ -108,6 +108,11 @@ KNOBS: dict[str, Knob] = {k.env: k for k in [
          "paper selector: below this multiple of the machine's OTB*MT pick uniform-fused-1d"),
     Knob("FICCO_PAPER_HIGH", 5.0, _positive_float,
          "paper selector: above this multiple of the machine's OTB*MT pick hetero-unfused-1d"),
+    Knob("FICCO_BACKWARD_GATHER", "save", str.lower,
+         "how all_gather_matmul's backward gets the gathered input for the weight gradient: "
+         "save (keep it from the forward: W x more activation memory, no extra communication) "
+         "or regather (gather it again in the backward, overlapped with the input-gradient "
+         "reduce-scatter)", choices=("save", "regather")),
 ]}
 
 _NAMES = {env.removeprefix("FICCO_").lower(): env for env in KNOBS}
@@ -164,3 +169,4 @@ def timeout_s() -> float: return get("FICCO_TIMEOUT")
 def log_level() -> str: return get("FICCO_LOG")
 def copy_engines() -> int | None: return get("FICCO_COPY_ENGINES")
 def paper_thresholds() -> tuple[float, float]: return get("FICCO_PAPER_LOW"), get("FICCO_PAPER_HIGH")
+def backward_gather() -> str: return get("FICCO_BACKWARD_GATHER")

@@ -106,19 +106,29 @@ def _check_dim(a: Tensor, dim: int, what: str) -> int:
 
 
 # -- the real kernels: host work, run at call time -----------------------------------------------
-def _eager_all_gather_matmul(a, bs, name, gather_dim, schedule, return_gathered):
-    from . import api
+def _eager(op: str):
+    """The op's eager implementation (``ficco.runtime.run`` on its op spec), or None when
+    the op spec is not there. Straight to the runtime: ``api`` sits above this module."""
+    from . import ops, runtime
 
-    impl = getattr(api, "all_gather_matmul_eager", None) or api.all_gather_matmul
+    if op not in ops.names():
+        return None
+    spec = ops.get(op)
+
+    def impl(*args, schedule=None, **kwargs):
+        return runtime.run(spec.prepare(*args, **kwargs), schedule)
+    return impl
+
+
+def _eager_all_gather_matmul(a, bs, name, gather_dim, schedule, return_gathered):
+    impl = _eager("all_gather_matmul")
     out = impl(a, list(bs), resolve(name), gather_dim=gather_dim, schedule=schedule,
                return_gathered=return_gathered)
     return out if return_gathered else (None, out)
 
 
 def _eager_matmul_reduce_scatter(a, bs, name, scatter_dim, reduce_op, schedule):
-    from . import api
-
-    impl = getattr(api, "matmul_reduce_scatter_eager", None)
+    impl = _eager("matmul_reduce_scatter")
     if impl is None:
         return _reference_matmul_reduce_scatter(a, bs, name, scatter_dim, reduce_op)
     return impl(a, list(bs), resolve(name), scatter_dim=scatter_dim, reduce_op=reduce_op,
@@ -272,17 +282,13 @@ def _eager_suffices(a, bs) -> bool:
 
 
 def _eager_public(a, b, group, gather_dim, schedule, return_gathered):
-    from . import api
-
-    impl = getattr(api, "all_gather_matmul_eager", None) or api.all_gather_matmul
+    impl = _eager("all_gather_matmul")
     return impl(a, b, group, gather_dim=gather_dim, schedule=schedule,
                 return_gathered=return_gathered)
 
 
 def _eager_rs_public(a, b, group, scatter_dim, reduce_op, schedule):
-    from . import api
-
-    impl = getattr(api, "matmul_reduce_scatter_eager", None)
+    impl = _eager("matmul_reduce_scatter")
     if impl is None:
         bs = list(b) if isinstance(b, (list, tuple)) else [b]
         outs = _reference_matmul_reduce_scatter(a, bs, group_name(group), scatter_dim, reduce_op)
@@ -293,10 +299,7 @@ def _eager_rs_public(a, b, group, scatter_dim, reduce_op, schedule):
 @torch.compiler.assume_constant_result
 def _backward_gather() -> str:
     """FICCO_BACKWARD_GATHER, read when a graph is traced (a compiled graph keeps its value)."""
-    try:
-        return config.get("FICCO_BACKWARD_GATHER")
-    except FiccoError:   # knob not registered yet
-        return "save"
+    return config.backward_gather()
 
 
 def _local_shard(t, group, dim, name):
