@@ -61,7 +61,13 @@ def main(args) -> int:
         mark = "=" if r["agree"] else f"x  paper's pick {r['margin']:+.1%} slower (predicted)"
         print(f"  {r['gemm']:4} paper {r['paper']:18} model {r['model']:18} {mark}")
     worst_margin = max((r["margin"] for r in picks if not r["agree"]), default=0.0)
-    print(f"agreement {agree}/{len(picks)}; worst losing margin {worst_margin:.1%}\n")
+    print(f"agreement {agree}/{len(picks)}; worst losing margin {worst_margin:.1%}")
+    own = paper_picks(as_paper_ran=False)
+    print(f"(ficco's own plans, no gathers, real 2D copies: "
+          f"{sum(r['agree'] for r in own)}/{len(own)} agree)")
+    held, total, missed = fig7_orderings()
+    print(f"Fig. 7 DIL orderings held on MI300X: {held}/{total}"
+          + (f" (missed: {', '.join(missed)})" if missed else "") + "\n")
 
     rows = evaluate(read_table(args.table))
     print(f"published results ({args.table}):")
@@ -150,6 +156,34 @@ def as_paper_implemented(plan: Plan) -> Plan:
             event += 1
     queues = tuple(dict.fromkeys(plan.queues + ("gather", "scatter")))
     return dataclasses.replace(plan, ops=tuple(ops + waits), queues=queues, num_events=event)
+
+
+def fig7_orderings(profile_name: str = "mi300x") -> tuple[int, int, list[str]]:
+    """The orderings the paper's Fig. 7 text states for the GEMM DIL of Table I: 64-way
+    pieces lose more than 8-way ones (rows and columns), and row pieces lose more than column
+    pieces exactly for g1, g3, g5, g7 (M < K) at 8-way. (held, total, missed)."""
+    prof = profiles.load(profile_name)
+    held, missed = 0, []
+    for name, p in _table_i():
+        dil = {(split, ways): _dil(prof, p, split, ways) for split in ("row", "col")
+               for ways in (8, 64)}
+        checks = {f"{name} row64>row8": dil["row", 64] > dil["row", 8],
+                  f"{name} col64>col8": dil["col", 64] > dil["col", 8],
+                  f"{name} row-vs-col": (dil["row", 8] > dil["col", 8]) == (p.big_m < p.k)}
+        held += sum(checks.values())
+        missed += [label for label, ok in checks.items() if not ok]
+    return held, 3 * len(PAPER_TABLE_I), missed
+
+
+def _dil(prof, p: Problem, split: str, ways: int) -> float:
+    """Time of ``ways`` pieces of the local GEMM over its time whole (paper §IV-C1)."""
+    rows, n, k = p.big_m, p.n_total, p.k
+    whole = gemm.gemm_seconds(prof, p.dtype, [rows], n, k, p.itemsize)
+    if split == "row":
+        return ways * gemm.gemm_seconds(prof, p.dtype, [rows // ways], n, k, p.itemsize) / whole
+    first = gemm.gemm_seconds(prof, p.dtype, [rows], n, k // ways, p.itemsize)
+    rest = gemm.gemm_seconds(prof, p.dtype, [rows], n, k // ways, p.itemsize, True)
+    return (first + (ways - 1) * rest) / whole
 
 
 # -- 2. published rows ---------------------------------------------------------------------------

@@ -42,7 +42,8 @@ JSON schema (every key at top level; units in the names)::
               "copy_copies_exp": 0.7,          # copy slowdown ~ (copies / copy_engines)^exp
               "ccl_gemm": 0.35, "ccl_copy": 0.3,   # the same with collectives on compute units
               "mt_half_bytes": 2e9,            # GEMM memory traffic at which s(MT) is 1/2
-              "mt_exp": 1.0},                  # steepness of s(MT) = MT^e / (MT^e + half^e)
+              "mt_exp": 1.0,                   # steepness of s(MT) = MT^e / (MT^e + half^e)
+              "copy_mt_power": 1.0},           # copies feel s(MT)^power of the GEMM beside them
       "ccl": {"efficiency": 0.8,               # fraction of link bandwidth a collective reaches
               "latency_s": 2e-05,
               "compute_unit_fraction": 0.1},   # share of CUs a collective kernel occupies
@@ -101,7 +102,8 @@ DEFAULTS = {
             "gemm_efficiency": 0.7, "partial_wave_speedup": 1.25, "split_k_below_waves": 0.5,
             "split_k_min_k": 1024, "memory_efficiency": 0.8, "launch_s": 5e-6},
     "cil": {"dma_gemm": 0.2, "dma_copy": 0.25, "gemm_copies_exp": 0.25, "copy_copies_exp": 0.7,
-            "ccl_gemm": 0.35, "ccl_copy": 0.3, "mt_half_bytes": 2e9, "mt_exp": 1.0},
+            "ccl_gemm": 0.35, "ccl_copy": 0.3, "mt_half_bytes": 2e9, "mt_exp": 1.0,
+            "copy_mt_power": 1.0},
     "ccl": {"efficiency": 0.8, "latency_s": 20e-6, "compute_unit_fraction": 0.1},
 }
 _NESTED = ("dil", "cil", "ccl")

@@ -366,7 +366,8 @@ def mt_factor(profile: Profile, traffic_bytes: float) -> float:
 def dma_contention(profile: Profile, gemm_mt_factor: float, copies: int) -> tuple[float, float]:
     """(GEMM slowdown, copy slowdown) while a GEMM of contention factor ``gemm_mt_factor``
     (:func:`mt_factor`) runs beside ``copies`` DMA copies (paper §IV-D, Fig. 8). Both grow with
-    the number of copies in flight, up to ``copy_engines``, each with its own exponent.
+    the number of copies in flight, up to ``copy_engines``, each with its own exponent; the
+    copies feel the GEMM's traffic as ``s(MT) ** cil.copy_mt_power`` (0: not at all).
 
     >>> from ficco.heuristics import profiles
     >>> prof = profiles.load("mi300x")
@@ -378,8 +379,9 @@ def dma_contention(profile: Profile, gemm_mt_factor: float, copies: int) -> tupl
         return 1.0, 1.0
     cil = profile.cil
     streams = min(copies, profile.copy_engines) / profile.copy_engines
+    copy_side = gemm_mt_factor ** cil["copy_mt_power"]
     return (1 + cil["dma_gemm"] * gemm_mt_factor * streams ** cil["gemm_copies_exp"],
-            1 + cil["dma_copy"] * gemm_mt_factor * streams ** cil["copy_copies_exp"])
+            1 + cil["dma_copy"] * copy_side * streams ** cil["copy_copies_exp"])
 
 
 def ideal_speedup(serial: SimResult) -> float:
