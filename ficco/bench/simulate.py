@@ -26,7 +26,8 @@ EXAMPLES = """\
   python -m ficco.bench simulate --profile h100 --shape 65536,8192,8192 --out /tmp/sim
   python -m ficco.bench simulate --profile my_profile.json --no-png"""
 
-SHORT = {"serial": "serial", "ring": "ring", "ring-bidir": "ring-bi"}
+SHORT = {"serial": "serial", "ring": "ring", "ring-bidir": "ring-bi", "gated-1d": "gated1d",
+         "gated-2d": "gated2d"}
 
 
 def short_name(name: str) -> str:
@@ -54,6 +55,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", default=None,
                         help="output folder (default bench/runs/simulate-<profile>, overwritten)")
     parser.add_argument("--no-png", action="store_true", help="skip the timeline PNGs")
+    parser.add_argument("--optional", action="store_true",
+                        help="also simulate the optional schedules (gated-1d, gated-2d: need "
+                             "Triton on the device) and let the model pick among them")
 
 
 def scenarios(args) -> list[tuple[str, tuple[int, int, int]]]:
@@ -80,12 +84,15 @@ def run(args) -> dict:
     engines = config.copy_engines()
     report = {"profile": profile.name, "world": args.world, "dtype": args.dtype,
               "transport": args.transport, "topology": topology, "scenarios": []}
+    names = schedules.names() + (schedules.optional_names() if getattr(args, "optional", False)
+                                 else [])
+    report["schedules"] = names
     for name, (big_m, n, k) in scenarios(args):
         problem = gemm_problem(big_m, n, k, args.world, args.dtype)
-        times = model.predict_all(problem, profile, topology, args.transport, engines)
+        times = model.predict_all(problem, profile, topology, args.transport, engines, names)
         serial_s = times["serial"]
         pick_model, _, _ = model.model_choice(problem, profile, topology, args.transport,
-                                              engines)
+                                              engines, names)
         pick_paper, score, _ = paper_choice(problem, profile, low, high)
         serial_run = model.simulate_schedule("serial", problem, profile, topology,
                                              args.transport, engines)
@@ -99,7 +106,7 @@ def run(args) -> dict:
 
 
 def table(report: dict) -> str:
-    names = schedules.names()
+    names = report.get("schedules") or schedules.names()
     head = f"{'scenario':<10} {'serial ms':>10} {'ideal':>6} " \
         + " ".join(f"{short_name(s):>7}" for s in names) + f"  {'paper':<18} {'model':<18}"
     lines = [f"profile {report['profile']} ({report['topology']}), W={report['world']}, "
