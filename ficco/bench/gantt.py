@@ -10,6 +10,7 @@ KIND_COLOURS = {
     "gemm": "#4c72b0", "copy_1d": "#dd8452", "copy_2d": "#c44e52", "gather": "#8172b3",
     "scatter": "#937860", "all_gather": "#55a868", "send_recv": "#64b5cd",
     "barrier": "#7f7f7f", "record": "#cccccc", "wait": "#cccccc",
+    "gated_gemm": "#2a9d8f", "signal": "#e9c46a",
 }
 
 
