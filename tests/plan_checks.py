@@ -21,6 +21,14 @@ built alongside (queue order, events, barriers, collectives). The checks:
 6. with ``dma``, every pull from a peer happens before the plan's last barrier, so no peer
    reuses a buffer still being read.
 
+For ``matmul_reduce_scatter`` a product cell also carries the set of ranks whose partials it
+sums, and rules 2 and 3 become: every ``out`` cell of rank r ends as row ``block(r)`` of
+``sum over all W ranks of a_q @ b_j`` at its own column, each rank's partial added exactly
+once (sets added must be disjoint), initialised once and, for ``avg``, scaled exactly once
+after the last partial arrived; a pull takes a rectangle of this rank's block from a peer's
+``partial`` into that peer's slot of ``recv``. Rule 1 then also says that no partial is read
+before it landed and none is overwritten before it was reduced.
+
 Usage::
 
     check_plans([schedule.plan(replace(problem, rank=r), "dma") for r in range(world)])
@@ -32,11 +40,13 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ficco.plan import AllGather, Barrier, Block, Copy, Gemm, Plan, Record, SendRecv, Wait
+from ficco.plan import (SYMMETRIC_BUFFERS, AllGather, AllToAll, Barrier, Block, Copy, Gemm, Plan,
+                        Record, Reduce, ReduceScatter, SendRecv, Wait, buffer_shapes, source_of)
 
-# Fields of a cell: its symbolic value (the first VALUE), then bookkeeping.
-A_ROW, A_COL, P_ROW, P_B, P_K, P_PARTS = range(6)
-VALUE = 6
+# Fields of a cell: its symbolic value (the first VALUE), then bookkeeping. P_RANKS: bit q set
+# when rank q's partial is in the sum (reduce-scatter); P_SCALED: times ``avg`` scaled it.
+A_ROW, A_COL, P_ROW, P_B, P_K, P_PARTS, P_COL, P_RANKS, P_SCALED = range(9)
+VALUE = 9
 WRITER, INITS, RECEIVED, READS = range(VALUE, VALUE + 4)
 PRECONDITION = -2   # writer id of the caller's input: valid before every op
 
@@ -57,7 +67,7 @@ class _Buffer:
     @classmethod
     def empty(cls, rows: int, cols: int) -> "_Buffer":
         cells = np.zeros((rows, cols, VALUE + 4), dtype=np.int64)
-        cells[..., [A_ROW, A_COL, P_ROW, P_B, WRITER]] = -1
+        cells[..., [A_ROW, A_COL, P_ROW, P_B, P_COL, WRITER]] = -1
         return cls(cells)
 
 
@@ -98,13 +108,11 @@ class _Checker:
 
     def _rank_buffers(self, plan: Plan) -> dict:
         p = plan.problem
-        bufs = {("input", 0): _Buffer.empty(p.m, p.k), ("gathered", 0): _Buffer.empty(p.big_m, p.k)}
-        inp = bufs[("input", 0)].cells
-        inp[..., A_ROW] = p.shard_row0(p.rank) + np.arange(p.m)[:, None]
+        bufs = {source: _Buffer.empty(*shape) for source, shape in buffer_shapes(p).items()}
+        inp = bufs[("input",)].cells
+        inp[..., A_ROW] = (0 if p.reduces else p.shard_row0(p.rank)) + np.arange(p.m)[:, None]
         inp[..., A_COL] = np.arange(p.k)[None, :]
         inp[..., WRITER] = PRECONDITION
-        for j, n in enumerate(p.ns):
-            bufs[("out", j)] = _Buffer.empty(p.big_m, n)
         return bufs
 
     # -- reporting ----------------------------------------------------------------------------
@@ -134,10 +142,10 @@ class _Checker:
         owner = rank if blk.peer is None else blk.peer
         if not 0 <= owner < self.p.world:
             self.fail(f"block names peer {blk.peer}, outside the group: {blk}")
-        if blk.peer is not None and blk.buf != "gathered":
-            self.fail(f"only 'gathered' is symmetric; a peer's {blk.buf!r} cannot be read: {blk}")
-        key = (blk.buf, blk.index if blk.buf in ("out", "stage") else 0)
-        buf = self.buffers[owner].get(key)
+        if blk.peer is not None and blk.buf not in SYMMETRIC_BUFFERS:
+            self.fail(f"only {SYMMETRIC_BUFFERS} are symmetric; a peer's {blk.buf!r} cannot be "
+                      f"read: {blk}")
+        buf = self.buffers[owner].get(source_of(blk))
         if buf is None:
             self.fail(f"rank {rank}: block names a buffer that does not exist: {blk}")
         rows, cols = buf.cells.shape[:2]
@@ -194,6 +202,8 @@ class _Checker:
     # -- ops ----------------------------------------------------------------------------------
     def run_copy(self, rank: int, op: Copy, node: int) -> None:
         p, src, dst = self.p, op.src, op.dst
+        if p.reduces:
+            return self.run_pull_partial(rank, op, node)
         if src.buf == "input":
             expect = Block("gathered", p.shard_row0(rank) + src.row0, src.rows, src.col0, src.cols)
         elif src.buf == "gathered" and src.peer is not None and src.peer != rank:
@@ -213,8 +223,95 @@ class _Checker:
         value = self.read(rank, src, node).copy()   # src may be dst's own buffer
         self.write(rank, dst, node, value, init=True, received=src.buf != "input")
 
+    def run_pull_partial(self, rank: int, op: Copy, node: int) -> None:
+        p, src = self.p, op.src
+        row0, rows = p.block(rank)
+        if src.buf != "partial" or src.peer in (None, rank) \
+                or not row0 <= src.row0 <= src.row0 + src.rows <= row0 + rows:
+            self.fail(f"{self.label(node)}: a copy must pull rows of this rank's block from a "
+                      f"peer's partial; got {src}")
+        expect = Block("recv", src.peer * rows + src.row0 - row0, src.rows, src.col0, src.cols,
+                       index=src.index)
+        if op.dst != expect:
+            self.fail(f"{self.label(node)} lands in {op.dst}, expected {expect}")
+        if op.two_d != (src.cols != p.ns[src.index]):
+            self.fail(f"{self.label(node)}: two_d={op.two_d} but it moves {src.cols} of "
+                      f"{p.ns[src.index]} columns")
+        self.write(rank, op.dst, node, self.read(rank, src, node).copy(), init=True,
+                   received=True)
+
+    def run_gemm_rs(self, rank: int, op: Gemm, node: int) -> None:
+        """Reduce-scatter GEMM: rows of this rank's ``a`` (all of K) times columns of b_j,
+        into ``partial`` or (this rank's own block) ``out``; accumulating adds its rank."""
+        p, label = self.p, self.label(node)
+        if not op.a or len(op.a) != len(op.out) or (op.k0, op.kc) != (0, p.k) \
+                or not 0 <= op.b < len(p.ns):
+            self.fail(f"{label}: malformed GEMM (reduce-scatter GEMMs take all of K)")
+        if not (_equally_spaced(op.a) and _equally_spaced(op.out)):
+            self.fail(f"{label}: a fused GEMM needs same-shape, equally spaced blocks")
+        row0 = p.block(rank)[0]
+        for a_blk, o_blk in zip(op.a, op.out):
+            if a_blk.buf != "input" or (a_blk.col0, a_blk.cols) != (0, p.k) \
+                    or a_blk.rows != o_blk.rows or o_blk.index != op.b \
+                    or o_blk.buf not in ("partial", "out") or o_blk.peer is not None:
+                self.fail(f"{label}: block shapes do not match ({a_blk} -> {o_blk})")
+            rows = self.read(rank, a_blk, node)[:, :1, A_ROW]
+            # The output row a GEMM writes must be the row of a it multiplies.
+            where = o_blk.row0 + (row0 if o_blk.buf == "out" else 0)
+            if not np.array_equal(rows[:, 0], np.arange(where, where + o_blk.rows)):
+                self.fail(f"{label} writes the product of a rows {rows[0, 0]}.. into {o_blk}")
+            value = np.full((o_blk.rows, o_blk.cols, VALUE), -1, dtype=np.int64)
+            value[..., P_ROW], value[..., P_B] = rows, op.b
+            value[..., P_COL] = o_blk.col0 + np.arange(o_blk.cols)[None, :]
+            value[..., P_K], value[..., P_PARTS] = (1 << p.k) - 1, 1
+            value[..., P_RANKS], value[..., P_SCALED] = 1 << rank, 0
+            if op.accumulate:
+                value = self.add(label, [self.read(rank, o_blk, node).copy(), value])
+            self.write(rank, o_blk, node, value, init=not op.accumulate)
+
+    def add(self, label: str, values: list[np.ndarray]) -> np.ndarray:
+        """The symbolic sum of partial products: same row, b and column everywhere, disjoint
+        rank sets, nothing scaled yet."""
+        first = values[0]
+        for v in values:
+            if not ((v[..., P_ROW] == first[..., P_ROW]).all() and (v[..., P_B] == first[..., P_B]).all()
+                    and (v[..., P_COL] == first[..., P_COL]).all() and (v[..., P_ROW] >= 0).all()):
+                self.fail(f"{label} adds partials of different rows, b or columns")
+            if (v[..., P_K] != (1 << self.p.k) - 1).any() or v[..., P_SCALED].any():
+                self.fail(f"{label} adds a partial that is incomplete in K or already scaled")
+        total = first.copy()
+        for v in values[1:]:
+            if (total[..., P_RANKS] & v[..., P_RANKS]).any():
+                self.fail(f"{label} adds some rank's partial twice")
+            total[..., P_RANKS] |= v[..., P_RANKS]
+            total[..., P_PARTS] += v[..., P_PARTS]
+        return total
+
+    def scaled(self, label: str, value: np.ndarray, scale) -> np.ndarray:
+        if scale is not None:
+            if scale != 1.0 / self.p.world or self.p.reduce_op != "avg" \
+                    or (value[..., P_RANKS] != (1 << self.p.world) - 1).any():
+                self.fail(f"{label} scales by {scale} before every partial is in, or not for "
+                          f"avg over W={self.p.world}")
+            value = value.copy()
+            value[..., P_SCALED] += 1
+        return value
+
+    def run_reduce(self, rank: int, op: Reduce, node: int) -> None:
+        label = self.label(node)
+        if op.dst.buf != "out" or (not op.srcs and not op.accumulate) \
+                or any((s.rows, s.cols) != (op.dst.rows, op.dst.cols) for s in op.srcs):
+            self.fail(f"{label}: a Reduce sums same-shape blocks into out")
+        values = [self.read(rank, s, node).copy() for s in op.srcs]
+        if op.accumulate:
+            values.insert(0, self.read(rank, op.dst, node).copy())
+        self.write(rank, op.dst, node, self.scaled(label, self.add(label, values), op.scale),
+                   init=not op.accumulate)
+
     def run_gemm(self, rank: int, op: Gemm, node: int) -> None:
         p = self.p
+        if p.reduces:
+            return self.run_gemm_rs(rank, op, node)
         label = self.label(node)
         if not op.a or len(op.a) != len(op.out) or op.kc <= 0 or op.k0 < 0 \
                 or op.k0 + op.kc > p.k or not 0 <= op.b < len(p.ns):
@@ -244,7 +341,7 @@ class _Checker:
                 out[..., P_K] |= mask
                 out[..., P_PARTS] += 1
             else:
-                out = np.full((o_blk.rows, o_blk.cols, 6), -1, dtype=np.int64)
+                out = np.full((o_blk.rows, o_blk.cols, VALUE), -1, dtype=np.int64)
                 out[..., P_ROW], out[..., P_B] = rows, op.b
                 out[..., P_K], out[..., P_PARTS] = mask, 1
             self.write(rank, o_blk, node, out, init=not op.accumulate)
@@ -266,6 +363,45 @@ class _Checker:
                     self.fail(f"{self.label(node)}: destination {q} is {d}, not the "
                               f"same rectangle of shard {q}")
                 self.write(r, d, node, values[q], init=True, received=q != r)
+
+    def run_all_to_all(self, heads: list[tuple[AllToAll, int]]) -> None:
+        world = self.p.world
+        for r, (op, node) in enumerate(heads):
+            if len(op.srcs) != world or len(op.dsts) != world or op.srcs[r] or op.dsts[r]:
+                self.fail(f"{self.label(node)}: an all-to-all has W entries and none to itself")
+            for q in range(world):
+                other = heads[q][0].dsts[r]
+                mine = op.srcs[q]
+                if (mine is None) != (other is None) or (mine is not None and (
+                        mine.rows, mine.cols) != (other.rows, other.cols)):
+                    self.fail(f"{self.label(node)} sends {mine} to rank {q}, which expects "
+                              f"{other}")
+        values = {(r, q): self.read(r, op.srcs[q], node).copy()
+                  for r, (op, node) in enumerate(heads) for q in range(world) if op.srcs[q]}
+        for r, (op, node) in enumerate(heads):
+            for q, d in enumerate(op.dsts):
+                if d is not None:
+                    self.write(r, d, node, values[(q, r)], init=True, received=True)
+
+    def run_reduce_scatter(self, heads: list[tuple[ReduceScatter, int]]) -> None:
+        world = self.p.world
+        for r, (op, node) in enumerate(heads):
+            for q in range(world):
+                mine, theirs = op.srcs[q], heads[q][0].dst
+                if (mine is None) != (theirs is None) or (mine is not None and (
+                        mine.rows, mine.cols) != (theirs.rows, theirs.cols)):
+                    self.fail(f"{self.label(node)}: its piece for rank {q} is {mine}, rank "
+                              f"{q} receives {theirs}")
+        sums = {}
+        for q in range(world):
+            if heads[q][0].dst is not None:
+                label = self.label(heads[q][1])
+                parts = [self.read(r, op.srcs[q], node).copy() for r, (op, node) in
+                         enumerate(heads)]
+                sums[q] = self.scaled(label, self.add(label, parts), heads[q][0].scale)
+        for q, (op, node) in enumerate(heads):
+            if op.dst is not None:
+                self.write(q, op.dst, node, sums[q], init=True, received=True)
 
     def run_send_recv(self, heads: list[tuple[SendRecv, int]]) -> None:
         for r, (op, node) in enumerate(heads):
@@ -312,7 +448,8 @@ class _Checker:
                 for q in queues[r]:
                     while True:
                         i, op = head(r, q)
-                        if op is None or isinstance(op, (Barrier, AllGather, SendRecv)):
+                        if op is None or isinstance(op, (Barrier, AllGather, AllToAll,
+                                                         ReduceScatter, SendRecv)):
                             break
                         if isinstance(op, Wait) and op.event not in recorded[r]:
                             break
@@ -328,6 +465,8 @@ class _Checker:
                             self.run_copy(r, op, node)
                         elif isinstance(op, Gemm):
                             self.run_gemm(r, op, node)
+                        elif isinstance(op, Reduce):
+                            self.run_reduce(r, op, node)
                         advance(r, q, node)
                         progress = True
             progress |= self.joint_step(queues, head, last, advance)
@@ -361,18 +500,48 @@ class _Checker:
             preds = [last[r]["comm"] for r in range(world)]
             heads = [(op, self.new_node((r, i, op), preds))
                      for r, (i, op) in enumerate(comm_heads)]
-            if kinds == {AllGather}:
-                self.run_all_gather(heads)
-            else:
-                self.run_send_recv(heads)
+            run = {AllGather: self.run_all_gather, AllToAll: self.run_all_to_all,
+                   ReduceScatter: self.run_reduce_scatter}.get(next(iter(kinds)),
+                                                               self.run_send_recv)
+            run(heads)
             for r, (_, node) in enumerate(heads):
                 advance(r, "comm", node)
             return True
         return False
 
     # -- final state --------------------------------------------------------------------------
+    def check_results_rs(self) -> None:
+        p = self.p
+        everyone = (1 << p.world) - 1
+        scaled = 1 if p.reduce_op == "avg" and p.world > 1 else 0
+        for r, bufs in enumerate(self.buffers):
+            row0, rows = p.block(r)
+            for j, n in enumerate(p.ns):
+                v = bufs[("out", j)].cells
+                inits = v[..., INITS]
+                if not (inits == 1).all():
+                    self.fail(f"rank {r}: out[{j}] cells are initialised "
+                              f"{sorted(set(inits.ravel().tolist()))} times, expected once")
+                good = ((v[..., P_ROW] == row0 + np.arange(rows)[:, None]) & (v[..., P_B] == j)
+                        & (v[..., P_COL] == np.arange(n)[None, :]))
+                if not good.all():
+                    bad = np.argwhere(~good)[0]
+                    self.fail(f"rank {r}: out[{j}] cell {tuple(bad)} holds row "
+                              f"{v[tuple(bad) + (P_ROW,)]} col {v[tuple(bad) + (P_COL,)]}")
+                if not (v[..., P_RANKS] == everyone).all():
+                    missing = sorted(set(v[..., P_RANKS].ravel().tolist()))
+                    self.fail(f"rank {r}: out[{j}] is not reduced over all {p.world} partials "
+                              f"(rank sets {missing})")
+                if not (v[..., P_SCALED] == scaled).all():
+                    self.fail(f"rank {r}: out[{j}] scaled {sorted(set(v[..., P_SCALED].ravel()))}"
+                              f" times for {p.reduce_op}, expected {scaled}")
+
     def check_results(self) -> None:
         p, name = self.p, self.plans[0].schedule
+        if p.reduces:
+            self.check_results_rs()
+            self.check_closing_barrier()
+            return
         chunks_k = sum(1 for _, kc in p.col_chunks() if kc)
         full = (1 << p.k) - 1
         for r, bufs in enumerate(self.buffers):
@@ -399,7 +568,7 @@ class _Checker:
                               f"{sorted(set(v[..., P_PARTS].ravel().tolist()))} K blocks, "
                               f"expected {sorted(set(expect.tolist()))}")
             if p.world > 1:
-                g = bufs[("gathered", 0)]
+                g = bufs[("gathered",)]
                 if not ((g.cells[..., A_ROW] == rows).all()
                         and (g.cells[..., A_COL] == np.arange(p.k)[None, :]).all()):
                     self.fail(f"rank {r}: gathered does not end as the full A")
@@ -410,6 +579,9 @@ class _Checker:
                     self.fail(f"rank {r}: remote cells of gathered are received "
                               f"{sorted(set(received.ravel().tolist()))} times, "
                               "expected exactly once")
+        self.check_closing_barrier()
+
+    def check_closing_barrier(self) -> None:
         if self.remote_reads:
             closing = self.barrier_nodes.get(max(self.barrier_nodes, default=-1))
             if closing is None or not all(self.before(n, closing[0]) for n in self.remote_reads):
@@ -438,6 +610,13 @@ def check_plans(plans: list[Plan]) -> None:
     checker = _Checker(list(plans))
     checker.simulate()
     checker.check_results()
+    for plan in plans:
+        channels = [op.channel for op in plan.ops if isinstance(op, Barrier)]
+        if channels != [i % 2 for i in range(len(channels))] or len(channels) % 2:
+            raise PlanCheckError(
+                f"{plan.schedule} over {plan.transport}, rank {plan.problem.rank}: barrier "
+                f"channels {channels} must alternate 0, 1, … and end on 1 (flag protocol)")
+
 
 
 def check_plan(plan: Plan) -> None:
@@ -447,7 +626,7 @@ def check_plan(plan: Plan) -> None:
 
     p = plan.problem
     engines = len([q for q in plan.queues if q.startswith("copy")]) or None
-    schedule = get(plan.schedule)
+    schedule = get(plan.schedule, op=p.op)
     plans = [plan if r == p.rank else
              schedule.plan(replace(p, rank=r), plan.transport, copy_engines=engines)
              for r in range(p.world)]

@@ -52,6 +52,10 @@ class Context:
 
 
 def _paper(problem: Problem, ctx: Context) -> Decision:
+    if problem.op != "all_gather_matmul":   # the paper's rule covers the all-gather only
+        decision = _model(problem, ctx)
+        return replace(decision, reason=f"the paper's rule covers all_gather_matmul only, so "
+                                        f"the model chose: {decision.reason}")
     low, high = ctx.paper_thresholds
     name, score, reason = paper_choice(problem, ctx.profile, low, high)
     return Decision(name, ctx.transports[0], "paper", {**ctx.inputs, "paper_score": score},
@@ -64,8 +68,10 @@ def _model(problem: Problem, ctx: Context) -> Decision:
     launches alone outlast the work."""
     best = None
     for via in ctx.transports:
+        # Optional schedules (gated-*: Triton) only where they run on this target.
         name, scores, reason = model_choice(problem, ctx.profile, ctx.topology, via,
-                                            ctx.copy_engines)
+                                            ctx.copy_engines,
+                                            schedules.offered(ctx.target, via, problem.op))
         decision = Decision(name, via, "model", ctx.inputs, scores, reason)
         if best is None:
             best = decision
@@ -117,7 +123,7 @@ def choose(problem: Problem, *, transport: str | tuple[str, ...] = "dma", target
     topology = config.topology() or profile.topology
     inputs = decision_inputs(problem, profile.name, topology)
     if forced is not None:
-        schedules.get(forced)   # an unknown name raises with the valid list
+        schedules.get(forced, op=problem.op)   # an unknown name raises with the valid list
         decision = Decision(forced, transports[0], "forced", inputs, {},
                             f"forced by {forced_by or 'argument'}")
         return _logged_once(problem, decision)

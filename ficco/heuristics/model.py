@@ -40,7 +40,8 @@ def simulate_schedule(name: str, problem: Problem, profile: Profile, topology: s
                       transport: str = "dma", copy_engines: int | None = None,
                       rank: int = 0) -> SimResult:
     """Simulate schedule ``name`` for ``problem`` as seen by ``rank``."""
-    plan = schedules.get(name).plan(replace(problem, rank=rank), transport, copy_engines)
+    plan = schedules.get(name, op=problem.op).plan(replace(problem, rank=rank), transport,
+                                                  copy_engines)
     return simulate(plan, profile, topology)
 
 
@@ -59,18 +60,20 @@ def predict(name: str, problem: Problem, profile: Profile, topology: str | None 
 
 
 def predict_all(problem: Problem, profile: Profile, topology: str | None = None,
-                transport: str = "dma", copy_engines: int | None = None) -> dict[str, float]:
-    """Predicted seconds of every schedule in ``ficco.schedules.names()``."""
+                transport: str = "dma", copy_engines: int | None = None,
+                names: list[str] | None = None) -> dict[str, float]:
+    """Predicted seconds of every schedule in ``names`` (default ``ficco.schedules.names()``;
+    ``schedules.offered(target)`` adds the optional ones that run on ``target``)."""
     return {name: predict(name, problem, profile, topology, transport, copy_engines)
-            for name in schedules.names()}
+            for name in (schedules.names(op=problem.op) if names is None else names)}
 
 
 def model_choice(problem: Problem, profile: Profile, topology: str | None = None,
-                 transport: str = "dma", copy_engines: int | None = None
-                 ) -> tuple[str, dict[str, float], str]:
-    """(schedule, scores, reason): the fastest predicted schedule; ties go to the name first
-    in alphabetical order."""
-    scores = predict_all(problem, profile, topology, transport, copy_engines)
+                 transport: str = "dma", copy_engines: int | None = None,
+                 names: list[str] | None = None) -> tuple[str, dict[str, float], str]:
+    """(schedule, scores, reason): the fastest predicted schedule of ``names`` (default
+    ``ficco.schedules.names()``); ties go to the name first in alphabetical order."""
+    scores = predict_all(problem, profile, topology, transport, copy_engines, names)
     best = min(scores, key=lambda name: (scores[name], name))
     speedup = scores.get("serial", scores[best]) / scores[best] if scores[best] > 0 else 1.0
     reason = (f"fastest of {len(scores)} simulated on {profile.name}/"

@@ -48,7 +48,7 @@ def cache_key(problem: Problem, transport: str, target: str, topology: str) -> s
     ['all_gather_matmul/dma', 'M=8', 'n=8', 'K=8']
     """
     ns = ",".join(map(str, problem.ns))
-    return "|".join([f"all_gather_matmul/{transport}", f"M={problem.big_m}", f"n={ns}",
+    return "|".join([f"{problem.op}/{transport}", f"M={problem.big_m}", f"n={ns}",
                      f"K={problem.k}", problem.dtype, f"W={problem.world}", target, topology,
                      f"ficco={ficco_version()}"])
 
@@ -121,7 +121,7 @@ def tune_choice(problem: Problem, *, transport: str, target: str, topology: str,
             "selector 'tune' needs a measure(schedule) callable; it is given by "
             "ficco.all_gather_matmul/explain on a live group. Use selector 'model' or 'paper' "
             "offline, or set FICCO_SELECTOR=model")
-    scores = {name: float(measure(name)) for name in schedules.names()}
+    scores = {name: float(measure(name)) for name in schedules.names(op=problem.op)}
     best = min(scores, key=lambda name: (scores[name], name))
     entry = {"schedule": best, "scores": scores}
     with _lock:

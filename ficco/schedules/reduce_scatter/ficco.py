@@ -72,7 +72,7 @@ class Ficco:
     >>> from ficco.problem import Problem
     >>> p = Problem(16, 8, (12,), "float32", 4, 1, op="matmul_reduce_scatter")
     >>> dict(Ficco(uniform=True, fused=True).plan(p, "dma").count())
-    {'gemm': 4, 'barrier': 6, 'copy_1d': 12, 'reduce': 4}
+    {'barrier': 6, 'gemm': 4, 'copy_1d': 12, 'reduce': 4}
     """
 
     uniform: bool = True

@@ -1,0 +1,161 @@
+"""``reduce_scatter(a @ b, scatter_dim)``: the op spec.
+
+Canonical form: ``a`` with ``scatter_dim`` moved first and leading dims flattened, ``M x K``
+(every rank holds all M rows and its own K columns); each ``b_j`` is this rank's ``(K, n_j)``
+shard of the weight. Rank r receives rows :meth:`Problem.block` ``(r)`` of
+``sum over ranks of a_q @ b_j``: whole indices of ``scatter_dim``, split by the all-gather's
+chunk rule (``even_split``, longer blocks first), so with W dividing that dimension
+``all_gather_matmul`` undoes the layout exactly. The ``dma`` workspace holds the partial
+products ``a @ b_j`` (every rank's addressable by its peers, who pull their blocks).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..call import (Call, backend_for, check_like, check_tensor, group_rank_world,
+                    normalize_dim, resolve_group)
+from ..errors import InvalidArgumentError
+from ..executor import Buffers
+from ..problem import MATMUL_REDUCE_SCATTER, REDUCE_OPS, Problem, dtype_name
+from ..symm_mem import aligned
+from .base import OpSpec
+
+
+@dataclass
+class MatmulReduceScatterCall(Call):
+    a: torch.Tensor = None          # M x K, scatter_dim moved first, leading dims flattened
+    bs: list = None
+    b_is_list: bool = False
+    moved_shape: tuple = ()         # a.movedim(scatter_dim, 0).shape
+    scatter_dim: int = 0
+    ns: tuple = ()                  # the caller's n_j (0 allowed: an empty result)
+
+
+class MatmulReduceScatter(OpSpec):
+    name = MATMUL_REDUCE_SCATTER
+
+    def prepare(self, a, b, group=None, scatter_dim=0, reduce_op="sum"
+                ) -> MatmulReduceScatterCall:
+        check_tensor(a, "a")
+        nd = a.dim()
+        try:
+            scatter_dim = normalize_dim(scatter_dim, nd, "scatter_dim")
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"{exc}; use 0 … {nd - 2}") from None
+        if scatter_dim == nd - 1:
+            raise InvalidArgumentError(
+                f"scatter_dim={scatter_dim} is the last (K) dimension of a {tuple(a.shape)}; "
+                f"ficco scatters a row dimension of a @ b (0 … {nd - 2})")
+        if reduce_op not in REDUCE_OPS:
+            raise InvalidArgumentError(f"reduce_op={reduce_op!r} is not supported; use one of "
+                                       f"{', '.join(REDUCE_OPS)}")
+        b_is_list = isinstance(b, (list, tuple))
+        bs = list(b) if b_is_list else [b]
+        if not bs:
+            raise InvalidArgumentError("b is an empty list; pass a (K, n) tensor or a list of them")
+        k = a.shape[-1]
+        for j, bj in enumerate(bs):
+            name = f"b[{j}]" if b_is_list else "b"
+            if not isinstance(bj, torch.Tensor) or bj.dim() != 2:
+                raise InvalidArgumentError(
+                    f"{name} must be a 2-D (K, n) tensor (this rank's K rows of the weight); got "
+                    f"{tuple(bj.shape) if isinstance(bj, torch.Tensor) else type(bj).__name__}")
+            if bj.shape[0] != k:
+                raise InvalidArgumentError(
+                    f"{name} has {bj.shape[0]} rows but a has K={k} columns (a {tuple(a.shape)}, "
+                    f"{name} {tuple(bj.shape)}); each rank passes its K-shard of both")
+            check_like(bj, a, name, "a")
+        if k == 0:
+            raise InvalidArgumentError(f"a has K=0 columns: {tuple(a.shape)}")
+        backend = backend_for(a, "a")
+        group = resolve_group(group)
+        rank, world = group_rank_world(group)
+        moved = a.movedim(scatter_dim, 0)
+        unit = math.prod(moved.shape[1:-1])
+        m = moved.shape[0] * unit
+        ns = tuple(int(bj.shape[1]) for bj in bs)
+        problem = Problem(m=m, k=k, ns=tuple(max(n, 1) for n in ns), dtype=dtype_name(a.dtype),
+                          world=world, rank=rank, op=MATMUL_REDUCE_SCATTER, unit=max(unit, 1),
+                          reduce_op=reduce_op)
+        # Nothing to overlap without rows or columns: agreed, then the plain path.
+        return MatmulReduceScatterCall(self, problem, group, backend, m == 0 or min(ns) == 0,
+                                       a=moved.reshape(m, k), bs=bs, b_is_list=b_is_list,
+                                       moved_shape=tuple(moved.shape), scatter_dim=scatter_dim,
+                                       ns=ns)
+
+    def signature(self, call: MatmulReduceScatterCall) -> dict:
+        return {**super().signature(call), "scatter_dim": call.scatter_dim,
+                "a_shape": call.moved_shape, "ns": call.ns}
+
+    # -- running ------------------------------------------------------------------------------
+    def plain(self, call: MatmulReduceScatterCall):
+        """matmul, then one reduce-scatter of the whole product (FICCO_DISABLE, one rank)."""
+        p = call.problem
+        row0, rows = p.block(p.rank)
+        outs = []
+        for bj in call.bs:
+            full = call.a @ bj
+            if p.world == 1:
+                outs.append(full)
+                continue
+            pieces = [full[r0: r0 + n].contiguous() for r0, n in map(p.block, range(p.world))]
+            out = full.new_empty(rows, bj.shape[1])
+            dist.reduce_scatter(out, pieces, op=dist.ReduceOp.SUM, group=call.group)
+            if p.reduce_op == "avg":
+                out.div_(p.world)
+            outs.append(out)
+        return self._finish(call, outs)
+
+    def offsets(self, call: MatmulReduceScatterCall) -> list[int]:
+        """Byte offset of each partial buffer in the workspace (aligned)."""
+        p, out, at = call.problem, [], 0
+        for n in p.ns:
+            out.append(at)
+            at += aligned(p.m * n * p.itemsize)
+        return out + [at]
+
+    def workspace_bytes(self, call: MatmulReduceScatterCall) -> int:
+        return self.offsets(call)[-1]
+
+    def buffers(self, call: MatmulReduceScatterCall, transport: str, symm, *,
+                wide: bool = False) -> Buffers:
+        p = call.problem
+        dtype, dev = call.a.dtype, call.a.device
+        rows = p.block_rows
+        # wide: partial sums land in a float32 output, rounded once by result()
+        outs = [torch.empty(rows, n, dtype=torch.float32 if wide else dtype, device=dev)
+                for n in p.ns]
+        recvs = [torch.empty(p.world * rows, n, dtype=dtype, device=dev) for n in p.ns]
+        offsets = self.offsets(call)[:-1]
+        if symm is not None:
+            partials = [symm.get_buffer(p.rank, (p.m, n), dtype, off)
+                        for n, off in zip(p.ns, offsets)]
+        else:
+            partials = [torch.empty(p.m, n, dtype=dtype, device=dev) for n in p.ns]
+        return Buffers(call.a, call.bs, outs, None, symm, call.group, partials=partials,
+                       recvs=recvs, partial_offsets=tuple(offsets))
+
+    def poison(self, buffers: Buffers) -> None:
+        for t in (*buffers.outs, *buffers.recvs, *buffers.partials):
+            t.fill_(float("nan"))
+
+    def result(self, call: MatmulReduceScatterCall, buffers: Buffers, transport: str):
+        dtype = call.a.dtype
+        return self._finish(call, [o if o.dtype == dtype else o.to(dtype) for o in buffers.outs])
+
+    def _finish(self, call: MatmulReduceScatterCall, outs):
+        p = call.problem
+        units = p.block_rows // p.unit
+        results = []
+        for canon, n in zip(outs, call.ns):
+            canon = canon[:, :n]   # b with no columns ran as one column: cut it back off
+            shaped = canon.reshape(units, *call.moved_shape[1:-1], n)
+            results.append(shaped.movedim(0, call.scatter_dim))
+        return results if call.b_is_list else results[0]
+
+
+SPEC = MatmulReduceScatter()

@@ -1,0 +1,192 @@
+"""matmul_reduce_scatter: its schedules' plans through the symbolic checker, then end to end
+(every schedule x transport x world size against float64, poisoned buffers), bad inputs,
+ranks that disagree, a dead peer."""
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+import ficco
+from ficco import schedules
+from ficco.errors import InvalidArgumentError
+from ficco.plan import AllToAll, Barrier, Copy, Gemm, Reduce
+from ficco.problem import Problem
+from ficco.schedules.reduce_scatter import Ficco, Ring
+
+from . import harness
+from .plan_checks import PlanCheckError, check_plans
+from .rs_cases import DTYPES, SHAPES, make_inputs, run_matrix
+from .reference import ROW_TOL, max_row_rel_err
+
+OP = "matmul_reduce_scatter"
+NAMES = schedules.names(op=OP)
+
+
+def rs_problem(m, k, ns, world, rank=0, **kw):
+    return Problem(m, k, ns, "float32", world, rank, op=OP, **kw)
+
+
+def all_ranks(schedule, problem, transport, copy_engines=None):
+    return [schedule.plan(replace(problem, rank=r), transport, copy_engines)
+            for r in range(problem.world)]
+
+
+def plan_shapes(world):
+    """(m, ns, unit) per case: divisible, uneven blocks, fewer rows than ranks, whole units
+    of a 3-D scatter_dim (uneven), several b of which one is narrower than W (2d chunks)."""
+    cases = {"divisible": (4 * world, (5,), 1), "uneven": (2 * world + 3, (3,), 1),
+             "m<W": (max(world - 1, 1), (4,), 1), "units": (3 * (world + 1), (2,), 3),
+             "several-b": (13, (world + 2, max(world - 1, 1)), 1)}
+    return cases if world < 8 else {k: cases[k] for k in ("uneven", "m<W", "several-b")}
+
+
+# -- the registry ---------------------------------------------------------------------------------
+def test_names_per_op_and_unknown_names():
+    assert NAMES == schedules.names()   # the same eleven names, one registry per op
+    assert all(schedules.get(n, op=OP).op == OP for n in NAMES)
+    with pytest.raises(InvalidArgumentError) as err:
+        schedules.get("uniform-fused-3d", op=OP)
+    assert OP in str(err.value) and all(n in str(err.value) for n in NAMES)
+    with pytest.raises(InvalidArgumentError, match="unknown op"):
+        schedules.names(op="matmul_all_reduce")
+    with pytest.raises(InvalidArgumentError, match="op='matmul_reduce_scatter'"):
+        schedules.get("ring", op=OP).plan(Problem(4, 8, (3,), "float32", 2))
+
+
+# -- plans through the checker --------------------------------------------------------------------
+VARIANTS = [schedules.get(n, op=OP) for n in NAMES] + \
+    [replace(schedules.get(n, op=OP), reduce_each_step=False) for n in NAMES if n != "serial"]
+
+
+@pytest.mark.parametrize("transport", ["dma", "ccl"])
+@pytest.mark.parametrize("schedule", VARIANTS,
+                         ids=lambda s: s.name + ("" if s.reduce_each_step else "/at-end")
+                         if hasattr(s, "reduce_each_step") else s.name)
+def test_every_plan_passes_the_checker(schedule, transport):
+    for world in (1, 2, 3, 4, 8):
+        for label, (m, ns, unit) in plan_shapes(world).items():
+            for reduce_op in ("sum", "avg"):
+                problem = rs_problem(m, 6, ns, world, unit=unit, reduce_op=reduce_op)
+                try:
+                    check_plans(all_ranks(schedule, problem, transport))
+                except PlanCheckError as err:
+                    pytest.fail(f"W={world} {label} {reduce_op}: {err}")
+
+
+@pytest.mark.parametrize("engines", [1, 2, 16])
+def test_fewer_or_more_copy_engines_than_peers(engines):
+    for name in NAMES:
+        check_plans(all_ranks(schedules.get(name, op=OP), rs_problem(11, 5, (4,), 4), "dma",
+                              engines))
+
+
+def test_ficco_steps_move_one_chunk_of_every_peer_at_once():
+    p = rs_problem(16, 8, (12,), 4, rank=1)
+    for two_d in (False, True):
+        plan = Ficco(two_d=two_d).plan(p, "dma")
+        pulls = [op for op in plan.ops if isinstance(op, Copy)]
+        assert len(pulls) == 4 * 3 and all(op.two_d == two_d for op in pulls)
+        for step in range(4):
+            here = [op for op in pulls if op.step == step]
+            assert sorted(op.src.peer for op in here) == [0, 2, 3]
+            assert len({op.queue for op in here}) == 3          # all links busy
+        ccl = Ficco(two_d=two_d).plan(p, "ccl")
+        assert sum(isinstance(op, AllToAll) for op in ccl.ops) == 4
+        assert not any(isinstance(op, Barrier) for op in ccl.ops)
+
+
+def test_hetero_computes_its_own_block_last_and_reduces_per_step():
+    p = rs_problem(16, 8, (12,), 4, rank=2)
+    for schedule in (Ficco(uniform=False, fused=True), Ring()):
+        compute = [op for op in schedule.plan(p, "dma").ops if op.queue == "compute"]
+        kinds = [op.kind for op in compute]
+        own = [i for i, op in enumerate(compute) if isinstance(op, Gemm) and op.out[0].buf == "out"]
+        assert own and all(isinstance(compute[i], Gemm) for i in own)
+        # every remote GEMM comes before the own block, and reductions start before it
+        assert max(i for i, op in enumerate(compute) if isinstance(op, Gemm)
+                   and op.out[0].buf == "partial") < own[0]
+        assert kinds.index("reduce") < own[0] and kinds[-1] == "reduce"
+
+
+def test_uniform_fused_is_one_gemm_per_step_when_blocks_are_equal():
+    for two_d in (False, True):
+        plan = Ficco(two_d=two_d).plan(rs_problem(16, 8, (12,), 4, rank=0), "dma")
+        gemms = [op for op in plan.ops if isinstance(op, Gemm)]
+        assert len(gemms) == 4 and len({op.step for op in gemms}) == 4
+
+
+def _drop(plans, rank, pick):
+    ops = list(plans[rank].ops)
+    i = next(i for i, op in enumerate(ops) if pick(op))
+    broken = list(plans)
+    broken[rank] = replace(plans[rank], ops=tuple(ops[:i] + ops[i + 1:]))
+    return broken
+
+
+def test_checker_catches_broken_reductions():
+    p = rs_problem(12, 6, (5,), 3, reduce_op="avg")
+    plans = all_ranks(Ficco(), p, "dma")
+    with pytest.raises(PlanCheckError, match="not reduced over all|nothing wrote|initialised"):
+        check_plans(_drop(plans, 1, lambda op: isinstance(op, Reduce)))
+    twice = [replace(pl, ops=pl.ops + tuple(op for op in pl.ops if isinstance(op, Reduce))[:1])
+             for pl in plans]
+    with pytest.raises(PlanCheckError, match=r"twice|scales|already scaled|initialised \[1, 2\]"):
+        check_plans(twice)
+    unscaled = [replace(pl, ops=tuple(replace(op, scale=None) if isinstance(op, Reduce) else op
+                                      for op in pl.ops)) for pl in plans]
+    with pytest.raises(PlanCheckError, match="scaled"):
+        check_plans(unscaled)
+    # a reduction that no longer waits for its pulls reads partials before they land
+    no_wait = [replace(pl, ops=tuple(op for op in pl.ops if not (
+        op.kind == "wait" and op.queue == "compute"))) for pl in plans]
+    with pytest.raises(PlanCheckError, match="no dependency|nothing wrote"):
+        check_plans(no_wait)
+    # a pull that does not wait for the step's barrier reads a partial not yet computed
+    early = [replace(pl, ops=tuple(op for op in pl.ops if not (
+        op.kind == "barrier" and op.step == 1))) for pl in plans]
+    with pytest.raises(PlanCheckError):
+        check_plans(early)
+
+
+# -- end to end -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("transport", ["dma", "ccl"])
+@pytest.mark.parametrize("schedule", NAMES)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_schedule_matches_reference(world, schedule, transport):
+    seed = random.randrange(1 << 30)
+    failures = harness.pool(world).run(run_matrix, schedule, transport, seed)
+    assert failures == [[]] * world, f"seed {seed}: {failures}"
+
+
+@pytest.mark.parametrize("transport", ["dma", "ccl"])
+def test_world_eight_every_schedule_reduced_shapes(transport):
+    """W = 8 is the slow pool: every schedule on the uneven and several-b shapes."""
+    seed = random.randrange(1 << 30)
+    shapes = [s for s in SHAPES if s[0] in ("uneven", "several-b")]
+    pool = harness.pool(8)
+    for schedule in NAMES:
+        failures = pool.run(run_matrix, schedule, transport, seed, "sum", shapes)
+        assert failures == [[]] * 8, f"{schedule} seed {seed}: {failures}"
+
+
+@pytest.mark.parametrize("schedule", ["serial", "ring", "hetero-fused-1d", "uniform-unfused-2d"])
+def test_avg_matches_reference(schedule):
+    seed = random.randrange(1 << 30)
+    for transport in ("dma", "ccl"):
+        failures = harness.pool(3).run(run_matrix, schedule, transport, seed, "avg")
+        assert failures == [[]] * 3, f"{transport} seed {seed}: {failures}"
+
+
+@pytest.mark.parametrize("schedule", NAMES)
+def test_world_size_one_is_a_plain_matmul(schedule):
+    seed = random.randrange(1 << 30)
+    for case, (label, shape, ns, sdim) in enumerate(SHAPES):
+        for dtype in DTYPES:
+            a_s, b_s, refs = make_inputs(seed + case, 1, shape, ns, dtype, sdim)
+            outs = ficco.matmul_reduce_scatter(a_s[0], b_s[0], scatter_dim=sdim,
+                                               schedule=schedule)
+            for out, ref in zip(outs, refs):
+                assert max_row_rel_err(out, ref[0]) <= ROW_TOL[dtype], (label, dtype, seed)
