@@ -89,7 +89,7 @@ def _held_to(t: Tensor, shape, stride, inputs: Sequence[Tensor]) -> Tensor:
     """``t`` in exactly ``(shape, stride)`` and sharing no memory with ``inputs`` (custom ops
     must return fresh tensors); copies only when it is not already so."""
     fresh = all(t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
-                for x in inputs if x.numel())
+                for x in inputs)
     if fresh and list(t.shape) == list(shape) and (t.numel() == 0 or list(t.stride()) == list(stride)):
         return t
     out = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
@@ -162,6 +162,7 @@ def all_gather_matmul_op(a: Tensor, bs: list[Tensor], group: str, gather_dim: in
     """``(all_gather(a, gather_dim) or an empty tensor, [gathered @ b for b in bs])``."""
     gathered, outs = _eager_all_gather_matmul(a, bs, group, gather_dim, schedule,
                                               return_gathered)
+    gather_dim %= a.dim()
     world, _ = _world_rank(group)
     moved = _moved_shape(a, gather_dim)
     rows = world * moved[0]
@@ -197,6 +198,7 @@ def matmul_reduce_scatter_op(a: Tensor, bs: list[Tensor], group: str, scatter_di
                              reduce_op: str, schedule: Optional[str]) -> list[Tensor]:
     """``[reduce_scatter(a @ b, scatter_dim, reduce_op) for b in bs]``."""
     outs = _eager_matmul_reduce_scatter(a, bs, group, scatter_dim, reduce_op, schedule)
+    scatter_dim %= a.dim()
     moved = _moved_shape(a, scatter_dim)
     rows = _scattered_rows(moved[0], group)
     return [_held_to(o, *restored_layout(moved, scatter_dim, rows, b.shape[1]), [a, *bs])
@@ -333,13 +335,46 @@ def _is_dtensor(t) -> bool:
 
 
 # -- autograd: the backward of each op is the other op ------------------------------------------
-def _refuse_double_backward(*tensors) -> None:
-    if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad
-                                       for t in tensors):
+class _FirstOrderOnly(torch.autograd.Function):
+    """Identity on a gradient computed by a ficco backward; differentiating it again raises.
+    ``anchor`` (a tensor that requires grad) makes the result part of the graph."""
+
+    @staticmethod
+    def forward(ctx, t, anchor):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
         raise FiccoError(
-            "ficco's ops have first-order gradients only: backward through "
-            "all_gather_matmul / matmul_reduce_scatter with create_graph=True (double backward) "
-            "is not supported; compute the higher-order term without ficco")
+            "ficco's ops have first-order gradients only: differentiating a gradient of "
+            "all_gather_matmul / matmul_reduce_scatter again (double backward) is not "
+            "supported; compute the higher-order term without ficco")
+
+
+def _first_order(backward):
+    """Run ``backward``; under create_graph=True its results get a node that refuses a second
+    differentiation, instead of a silently wrong higher-order gradient."""
+
+    @functools.wraps(backward)
+    def wrapped(ctx, *grads):
+        if not torch.is_grad_enabled():
+            return backward(ctx, *grads)
+        flat = [g for x in grads for g in (x if isinstance(x, (list, tuple)) else [x])]
+        anchors = [t for t in (*flat, *ctx.saved_tensors)
+                   if isinstance(t, Tensor) and t.requires_grad]
+        with torch.no_grad():
+            result = backward(ctx, *grads)
+        if not anchors:
+            return result
+
+        def mark(x):
+            if isinstance(x, Tensor):
+                return _FirstOrderOnly.apply(x, anchors[0])
+            if isinstance(x, list):
+                return [mark(v) for v in x]
+            return x
+        return tuple(mark(x) for x in result)
+    return wrapped
 
 
 def _rows(t: Tensor, dim: int) -> Tensor:
@@ -384,7 +419,6 @@ def _ag_setup_context(ctx, inputs, output):
 
 def _ag_backward(ctx, grad_gathered, grad_outs):
     gathered, shard, *bs = ctx.saved_tensors
-    _refuse_double_backward(grad_gathered, *grad_outs)
     if shard is not None:
         gathered = _gather(shard, ctx.group, ctx.dim)   # in flight during the reduce-scatter
     grad_a = None
@@ -426,7 +460,6 @@ def _rs_setup_context(ctx, inputs, output):
 
 def _rs_backward(ctx, grad_outs):
     a, *bs = ctx.saved_tensors
-    _refuse_double_backward(*grad_outs)
     grad_a, grad_bs = None, []
     for j, (g, b_needs) in enumerate(zip(grad_outs, ctx.b_needs)):
         if g is None:
@@ -445,8 +478,8 @@ def _rs_backward(ctx, grad_outs):
     return grad_a, grad_bs, None, None, None, None
 
 
-all_gather_matmul_op.register_autograd(_ag_backward, setup_context=_ag_setup_context)
-matmul_reduce_scatter_op.register_autograd(_rs_backward, setup_context=_rs_setup_context)
+all_gather_matmul_op.register_autograd(_first_order(_ag_backward), setup_context=_ag_setup_context)
+matmul_reduce_scatter_op.register_autograd(_first_order(_rs_backward), setup_context=_rs_setup_context)
 
 
 # -- autocast: the GEMMs run in the autocast dtype, as torch.matmul would -------------------------
