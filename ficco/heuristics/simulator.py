@@ -277,6 +277,26 @@ class _Simulation:
     def _price_all_gather(self, op) -> _Task:
         return self._collective(op.src.numel * self.itemsize, len(op.dsts) - 1)
 
+    def _price_reduce(self, op) -> _Task:
+        """``Reduce`` (reduce-scatter's partial sums): memory-bound on the compute engines,
+        reading every source (and the destination when accumulating) and writing it once;
+        slowed like any memory-bound op while copies stream beside it."""
+        dil = self.profile.dil
+        blocks = len(op.srcs) + (1 if op.accumulate else 0) + 1
+        nbytes = blocks * op.dst.numel * self.itemsize
+        bandwidth = self.profile.hbm_bytes_per_s * dil["memory_efficiency"]
+        return _Task("mem", dil["launch_s"] if op.dst.numel else 0.0, nbytes / bandwidth)
+
+    def _price_all_to_all(self, op) -> _Task:
+        sizes = [b.numel * self.itemsize for b in op.dsts if b is not None]
+        return self._collective(max(sizes, default=0), len(sizes))
+
+    def _price_reduce_scatter(self, op) -> _Task:
+        # W-1 peers' pieces of this rank's block cross the links; the collective's own
+        # reduction runs on the compute units it holds.
+        block = op.dst.numel * self.itemsize if op.dst is not None else 0
+        return self._collective(block, self.problem.world - 1)
+
     def _price_send_recv(self, op) -> _Task:
         block = op.recv if op.recv is not None else op.send
         return self._collective(block.numel * self.itemsize if block else 0, 1)

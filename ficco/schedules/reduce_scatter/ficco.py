@@ -124,9 +124,13 @@ class _Planner:
             common.pad_barriers(self.builder, len(steps) + 1)
         last_mine = {j: max((c for c in steps if self.chunk(p.rank, c, j)), default=None)
                      for j in range(len(p.ns))}
-        for c in steps:
-            gemms = self.compute(c)
+        # The host enqueues in plan order: step c+1's GEMMs go before step c's copies, so the
+        # compute queue never waits behind the host issuing W-1 copies (eager launch cost).
+        gemms = self.compute(steps[0])
+        for i, c in enumerate(steps):
+            ahead = self.compute(steps[i + 1]) if i + 1 < len(steps) else []
             self.move(c, gemms)
+            gemms = ahead
             if s.reduce_each_step:
                 # Reduce what was pulled a step ago; hetero keeps each b's last chunk for
                 # after the own block.
