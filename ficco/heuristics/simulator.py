@@ -49,9 +49,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .. import plan as plan_module
 from ..errors import InvalidArgumentError
-from ..plan import Plan, Record, Wait
+from ..plan import Plan, Record, Wait, op_label
 from . import gemm as gemm_cost
 from .profiles import Profile
 
@@ -153,7 +152,7 @@ class _Simulation:
                     del active[i]
                     busy.discard(ops[i].queue)
         rows = [{"op_index": i, "queue": op.queue, "start_s": start[i], "end_s": end[i],
-                 "kind": op.kind, "label": self._label(op)}
+                 "kind": op.kind, "label": op_label(op, self.problem.rank)}
                 for i, op in enumerate(ops) if op.kind not in _EVENT_KINDS]
         return SimResult(max(end, default=0.0), rows)
 
@@ -335,28 +334,6 @@ class _Simulation:
             * prof.copy_fraction(bytes_per_peer * self.size_scale)
         volume = bytes_per_peer * (1 if self.topology == "mesh" else peers)
         return _Task("ccl", prof.ccl["latency_s"], volume / bandwidth)
-
-    # -- labels ------------------------------------------------------------------------------
-    def _label(self, op) -> str:
-        """The executor's label for ``op`` (one definition in ``ficco.plan`` once it exists),
-        so measured and predicted timelines name ops alike."""
-        shared = getattr(plan_module, "op_label", None)
-        if shared is not None:
-            return shared(op, self.problem.rank)
-        step = getattr(op, "step", 0)
-        if op.kind in ("copy_1d", "copy_2d"):
-            peer = op.src.peer if op.src.peer is not None else op.dst.peer
-            if peer is None or peer == self.problem.rank:
-                return "publish" if op.src.buf == "input" else f"local c{step}"
-            return f"peer {peer} c{step}"
-        if op.kind == "gemm":
-            rows = sum(block.rows for block in op.a)
-            return f"gemm {rows}r s{step}" + (f" x{len(op.a)}" if len(op.a) > 1 else "")
-        if op.kind == "barrier":
-            return f"barrier {op.channel}"
-        if op.kind == "send_recv":
-            return f"recv {op.recv_from} s{step}"
-        return f"{op.kind.replace('_', '-')} s{step}"
 
 
 def _lower_gated(plan: Plan):
