@@ -24,9 +24,11 @@ class Block(nn.Module):
         super().__init__()
         self.heads = heads
         self.norm1, self.norm2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
-        self.q, self.k, self.v = (nn.Linear(dim, dim) for _ in range(3))
+        # No Q/K/V bias: a key bias has an exactly zero gradient (softmax ignores a constant
+        # per query), on which AdamW steps by the sign of rounding noise.
+        self.q, self.k, self.v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
         self.o = nn.Linear(dim, dim)
-        self.gate, self.up = nn.Linear(dim, ffn, bias=False), nn.Linear(dim, ffn, bias=False)
+        self.gate, self.up = nn.Linear(dim, ffn), nn.Linear(dim, ffn)
         self.down = nn.Linear(ffn, dim)
 
     def forward(self, x):                               # x: (batch, seq, dim)
@@ -88,11 +90,13 @@ class SPTPBlock(nn.Module):
                  ("down.weight", self.down.weight, cols(r.down.weight, r.down.in_features)),
                  ("down.bias", self.down.bias, r.down.bias)]
         for j, lin in enumerate((r.q, r.k, r.v)):
-            pairs.append((f"qkv.weights.{j}", self.qkv.weights[j], rows(lin.weight, lin.out_features)))
-            pairs.append((f"qkv.biases.{j}", self.qkv.biases[j], rows(lin.bias, lin.out_features)))
+            pairs.append((f"qkv.weights.{j}", self.qkv.weights[j],
+                          rows(lin.weight, lin.out_features)))
         for j, lin in enumerate((r.gate, r.up)):
             pairs.append((f"gate_up.weights.{j}", self.gate_up.weights[j],
                           rows(lin.weight, lin.out_features)))
+            pairs.append((f"gate_up.biases.{j}", self.gate_up.biases[j],
+                          rows(lin.bias, lin.out_features)))
         return pairs
 
 
