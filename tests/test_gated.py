@@ -163,3 +163,40 @@ def test_forcing_gated_without_triton_says_why_before_any_communication():
 
 def test_even_split_is_the_chunk_rule_the_kernel_tests_use():
     assert even_split(7, 3) == [(0, 3), (3, 2), (5, 2)]
+
+
+def _stuck_peer_gated(rank, world, seed):
+    import time
+
+    from ficco.errors import CommTimeoutError
+
+    shards, bs, _, refs = make_inputs(seed, world, (6, 8), (5,), torch.float32)
+    ficco.all_gather_matmul(shards[rank], bs[0], schedule="gated-1d")   # agree on the shape
+    outcome = "returned"
+    if rank != world - 1:   # the last rank never comes to the second call
+        start = time.monotonic()
+        try:
+            with ficco.config.scope(timeout=2):
+                ficco.all_gather_matmul(shards[rank], bs[0], schedule="gated-1d")
+        except CommTimeoutError as exc:
+            outcome = f"{time.monotonic() - start:.1f}s {exc}"
+    ficco.shutdown()
+    # The compute queue is free again (the kernel stopped waiting): a plain call still works.
+    out = ficco.all_gather_matmul(shards[rank], bs[0], schedule="serial")
+    return outcome, max_row_rel_err(out, refs[0])
+
+
+@pytest.mark.skipif(kernels.triton_reason() is not None, reason="Triton is not installed")
+def test_stuck_peer_ends_the_gated_kernel_wait_within_the_deadline():
+    """A peer that never comes: the barrier before the copies times out and the call raises
+    within the deadline naming the late rank, while the interpreted kernel that was spinning
+    on the flags stops (halted by the abort, else by its budget), so the compute queue of the
+    next call is free."""
+    world = 3
+    results = harness.pool(world).run(_stuck_peer_gated, random.randrange(1 << 30))
+    for rank, (msg, _) in enumerate(results[:-1]):
+        seconds = float(msg.split("s ", 1)[0])
+        assert seconds < 15, msg
+        assert f"rank {rank}" in msg and f"[{world - 1}]" in msg, msg
+    assert results[-1][0] == "returned"
+    assert all(err <= ROW_TOL[torch.float32] for _, err in results)

@@ -70,7 +70,7 @@ def tables(segments: tuple[Segment, ...], device) -> tuple[torch.Tensor, torch.T
     return seg.to(device), part.to(device)
 
 
-def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err,
+def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, halt,
                  N, K_total, M_total, local_row0, local_rows, num_segs, spin_budget,
                  stride_al, stride_ag, stride_bk, stride_bn, stride_cm,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -112,8 +112,10 @@ def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err,
             # Acquire: the rows the copy engine wrote before raising the flag are visible.
             seen_flag = tl.atomic_add(flags + flag, 0, sem="acquire")
             spins = 0
-            while (seen_flag == 0) & (spins < spin_budget):
+            stop = 0
+            while (seen_flag == 0) & (spins < spin_budget) & (stop == 0):
                 seen_flag = tl.atomic_add(flags + flag, 0, sem="acquire")
+                stop = tl.load(halt, volatile=True)   # the host gave up: deadline or abort
                 spins += 1
             if seen_flag == 0:
                 tl.atomic_cas(err, 0, flag + 1)
@@ -165,13 +167,16 @@ def polls_per_s(device_kind: str) -> float:
 
 def gated_gemm(a_local: torch.Tensor, a_gathered: torch.Tensor, b: torch.Tensor,
                c: torch.Tensor, segments: tuple[Segment, ...], flags: torch.Tensor, *,
-               local_row0: int, err: torch.Tensor | None = None, timeout_s: float = 300.0,
+               local_row0: int, err: torch.Tensor | None = None,
+               halt: torch.Tensor | None = None, timeout_s: float = 300.0,
                family: str = "cpu", device_kind: str | None = None) -> torch.Tensor:
     """Launch the gated GEMM on the current stream: ``c[rows of s] = A[rows of s] @ b`` for
     every segment, A's rows read from ``a_local`` (this rank's shard, rows ``[local_row0,
     local_row0 + a_local.shape[0])``) or ``a_gathered``. Returns the error word (int32, 0
     when every wait succeeded); pass it to :func:`check_error` once the kernel finished.
-    ``flags`` is int32, one word per flag index named in ``segments``.
+    ``flags`` is int32, one word per flag index named in ``segments``. A nonzero ``halt``
+    word (int32, written by another thread or process) ends every wait at once: the host's
+    deadline or abort, exactly timed where the poll count is not.
     """
     _check_operands(a_local, a_gathered, b, c, flags)
     device_kind = device_kind or c.device.type
@@ -180,7 +185,8 @@ def gated_gemm(a_local: torch.Tensor, a_gathered: torch.Tensor, b: torch.Tensor,
     err = torch.zeros(1, dtype=torch.int32, device=c.device) if err is None else err
     n, k_total = b.shape[1], b.shape[0]
     budget = max(1, int(timeout_s * polls_per_s(device_kind)))
-    args = (a_local, a_gathered, b, c, seg, part, flags, err, n, k_total, a_gathered.shape[0],
+    halt = torch.zeros(1, dtype=torch.int32, device=c.device) if halt is None else halt
+    args = (a_local, a_gathered, b, c, seg, part, flags, err, halt, n, k_total, a_gathered.shape[0],
             local_row0, a_local.shape[0], len(segments), budget, a_local.stride(0),
             a_gathered.stride(0), b.stride(0), b.stride(1), c.stride(0))
 
@@ -258,7 +264,7 @@ def compile_offline(target: str, dtype: str = "bf16", block=(128, 128, 64), num_
     jitted = triton.jit(_kernel_body)
     pointers = {"a_local": f"*{dtype}", "a_gathered": f"*{dtype}", "b": f"*{dtype}",
                 "c": f"*{dtype}", "seg_table": "*i32", "part_table": "*i32", "flags": "*i32",
-                "err": "*i32"}
+                "err": "*i32", "halt": "*i32"}
     constexprs = {"BLOCK_M": block[0], "BLOCK_N": block[1], "BLOCK_K": block[2],
                   "IEEE": dtype == "fp32", "UPCAST": False}
     signature = {name: pointers.get(name, "constexpr" if name in constexprs else "i32")

@@ -16,6 +16,7 @@ are; the kernel itself never spins past its budget.
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -66,8 +67,11 @@ def gated_task(backend, problem, op, a_local, gathered, b, out, flags, timeout_s
         if out.numel() == 0:
             return
         if out.device.type == "cpu":
-            err = gated_gemm(a_local, gathered, b, out, segments, flags, local_row0=local_row0,
-                             timeout_s=timeout_s, family=family)
+            halt = torch.zeros(1, dtype=torch.int32)
+            with _Watch(halt, getattr(backend, "abort", None), timeout_s):
+                err = gated_gemm(a_local, gathered, b, out, segments, flags,
+                                 local_row0=local_row0, halt=halt, timeout_s=timeout_s,
+                                 family=family)
             check_error(err, describe, timeout_s)
             return
         raise_pending()
@@ -80,3 +84,29 @@ def gated_task(backend, problem, op, a_local, gathered, b, out, flags, timeout_s
         with _pending_lock:
             _pending.append((done, word, describe, timeout_s))
     return run
+
+
+class _Watch:
+    """CPU only: while the interpreted kernel runs, a thread raises its ``halt`` word at the
+    call's deadline or when another queue of this rank failed (the backend's abort event), so
+    a wait ends on time and never outlives a failed call; the poll budget stays as backstop."""
+
+    def __init__(self, halt: torch.Tensor, abort, timeout_s: float):
+        self.halt, self.abort, self.timeout_s = halt, abort, timeout_s
+        self.done = threading.Event()
+
+    def _loop(self, deadline: float) -> None:
+        while not self.done.wait(0.01):
+            if time.monotonic() > deadline or (self.abort is not None and self.abort.is_set()):
+                self.halt.fill_(1)
+                return
+
+    def __enter__(self):
+        self.thread = threading.Thread(target=self._loop, name="ficco-gated-watch",
+                                       args=(time.monotonic() + self.timeout_s,), daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
