@@ -24,7 +24,14 @@ from ..schedules.gated import describe_flag
 
 
 def raise_flag(backend, queue, flags: torch.Tensor, index: int) -> None:
-    """Enqueue ``flags[index] = 1`` on ``queue`` after the work already there."""
+    """Enqueue ``flags[index] = 1`` on ``queue`` after the work already there, through the
+    backend's ``signal_write`` (the barrier protocol's primitive: slots are (array, index)
+    pairs on CPU, device addresses on GPUs)."""
+    signal_write = getattr(backend, "signal_write", None)
+    if signal_write is not None:
+        slot = (flags, index) if flags.device.type == "cpu" else flags.data_ptr() + 4 * index
+        signal_write(queue, slot, 1)
+        return
     vendor = getattr(backend, "vendor", None)
     if flags.device.type != "cpu" and vendor is not None:
         vendor.write_value32(queue.cuda_stream, flags.data_ptr() + 4 * index, 1)
