@@ -1,4 +1,5 @@
-"""Drop-in twin of ``torch.ops.symm_mem.fused_all_gather_matmul``.
+"""Drop-in twins of ``torch.ops.symm_mem.fused_all_gather_matmul`` and
+``fused_matmul_reduce_scatter`` (the latter in ``ficco/ops/matmul_reduce_scatter.py``).
 
 Same signature, return values, shapes and strides, so swapping one line is enough::
 
@@ -14,6 +15,7 @@ from . import api
 from .call import resolve_group
 from .errors import InvalidArgumentError
 from .ops.all_gather_matmul import all_gather_flat
+from .ops.matmul_reduce_scatter import fused_matmul_reduce_scatter  # noqa: F401 (H2's op)
 
 
 def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: list[torch.Tensor], gather_dim: int,

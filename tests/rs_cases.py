@@ -64,3 +64,98 @@ def run_matrix(rank, world, schedule, transport, seed, reduce_op="sum", shapes=N
                 if world > 1 and min(shape) > 0 and runtime.last_run() != (schedule, transport):
                     failures.append(f"{label}: ran {runtime.last_run()}")
     return failures
+
+
+COMPAT_CASES = [((8, 12), 0, 6), ((3, 4, 12), 1, 5), ((4, 6, 12), 0, 3), ((6, 10), -1, 4),
+                ((2, 3, 4, 8), 2, 3)]
+
+
+def compat_compare(rank, world, seed):
+    """ficco.compat.fused_matmul_reduce_scatter against torch's fallback: values, shapes,
+    strides, for sum and avg."""
+    import torch.distributed as dist
+    from torch.distributed._symmetric_memory import _fused_matmul_reduce_scatter_fallback
+
+    group_name = dist.group.WORLD.group_name
+    problems = []
+    for case, (shape, sdim, n) in enumerate(COMPAT_CASES):
+        gen = torch.Generator().manual_seed(seed + case)
+        a_s = [torch.randn(*shape, generator=gen) for _ in range(world)]
+        b_s = [torch.randn(shape[-1], n * world, generator=gen) for _ in range(world)]
+        for reduce_op in ("sum", "avg"):
+            want = _fused_matmul_reduce_scatter_fallback(a_s[rank], b_s[rank], reduce_op, sdim,
+                                                         group_name)
+            got = ficco.compat.fused_matmul_reduce_scatter(a_s[rank], b_s[rank], reduce_op,
+                                                           sdim, group_name)
+            label = f"shape {shape} scatter_dim {sdim} {reduce_op}"
+            if got.shape != want.shape or got.stride() != want.stride():
+                problems.append(f"{label}: shape/stride {tuple(got.shape)}/{got.stride()} vs "
+                                f"{tuple(want.shape)}/{want.stride()}")
+            elif not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+                problems.append(f"{label}: values differ by {(got - want).abs().max()}")
+    return problems
+
+
+def bad_inputs(rank, world):
+    """Every bad argument raises InvalidArgumentError on the rank that made it, before any
+    communication (a rank that then waited on its peers would hang this test)."""
+    from ficco.errors import InvalidArgumentError
+
+    a, b = torch.randn(8, 6), torch.randn(6, 4)
+    cases = {
+        "K mismatch": lambda: ficco.matmul_reduce_scatter(a, torch.randn(5, 4)),
+        "scatter K": lambda: ficco.matmul_reduce_scatter(a, b, scatter_dim=1),
+        "scatter range": lambda: ficco.matmul_reduce_scatter(a, b, scatter_dim=3),
+        "reduce_op": lambda: ficco.matmul_reduce_scatter(a, b, reduce_op="max"),
+        "dtype": lambda: ficco.matmul_reduce_scatter(a, b.double()),
+        "1-D a": lambda: ficco.matmul_reduce_scatter(torch.randn(6), b),
+        "empty b list": lambda: ficco.matmul_reduce_scatter(a, []),
+        "schedule": lambda: ficco.matmul_reduce_scatter(a, b, schedule="uniform-fused-3d"),
+        "compat divisibility": lambda: ficco.compat.fused_matmul_reduce_scatter(
+            torch.randn(world * 2 + 1, 6), b, "sum", 0, "0"),
+    }
+    out = {}
+    for label, fn in cases.items():
+        try:
+            fn()
+            out[label] = "no error"
+        except InvalidArgumentError as exc:
+            out[label] = "ok" if str(exc) else "empty message"
+        except Exception as exc:  # noqa: BLE001 - report the wrong kind
+            out[label] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def disagree(rank, world):
+    """Rank 0 passes another shape: every rank gets MismatchError, none hangs."""
+    from ficco.errors import MismatchError
+
+    rows = 8 if rank else 12
+    try:
+        ficco.matmul_reduce_scatter(torch.randn(rows, 6), torch.randn(6, 4), schedule="ring")
+    except MismatchError as exc:
+        return "mismatch" if "differ" in str(exc) or "different" in str(exc) else str(exc)
+    return "no error"
+
+
+def survivors_fail(rank, world, dead):
+    """Rank ``dead`` exits mid-way; the others raise (timeout or comm error), never hang."""
+    import os
+
+    from ficco.errors import FiccoError
+
+    if rank == dead:
+        os._exit(3)
+    try:
+        with config.scope(transport="dma"):
+            ficco.matmul_reduce_scatter(torch.randn(8, 6), torch.randn(6, 4),
+                                        schedule="uniform-fused-1d")
+    except (FiccoError, RuntimeError) as exc:
+        return type(exc).__name__
+    return "no error"
+
+
+def shm_files(rank, world):
+    import os
+
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("ficco-"))

@@ -190,3 +190,47 @@ def test_world_size_one_is_a_plain_matmul(schedule):
                                                schedule=schedule)
             for out, ref in zip(outs, refs):
                 assert max_row_rel_err(out, ref[0]) <= ROW_TOL[dtype], (label, dtype, seed)
+
+
+# -- compat, bad inputs, disagreement, a dead peer --------------------------------------------------
+def test_compat_matches_torch_fallback():
+    from .rs_cases import compat_compare
+
+    seed = random.randrange(1 << 30)
+    for world in (2, 4):
+        assert harness.pool(world).run(compat_compare, seed) == [[]] * world, seed
+
+
+def test_bad_inputs_raise_before_any_communication():
+    from .rs_cases import bad_inputs
+
+    for per_rank in harness.pool(2).run(bad_inputs):
+        assert set(per_rank.values()) == {"ok"}, per_rank
+
+
+def test_ranks_that_disagree_all_get_mismatch():
+    from .rs_cases import disagree
+
+    assert harness.pool(2).run(disagree) == ["mismatch", "mismatch"]
+
+
+def test_dead_peer_makes_the_others_fail_not_hang():
+    from .rs_cases import survivors_fail
+
+    pool = harness.RankPool(3, {**harness.DEFAULT_ENV, "FICCO_TIMEOUT": "5"})
+    try:
+        with pytest.raises(harness.RankError) as err:
+            pool.run(survivors_fail, 1, timeout_s=90)
+        text = str(err.value)
+        assert "rank 1 died" in text and "did not answer" not in text, text
+    finally:
+        pool.close()
+
+
+def test_no_shared_memory_file_outlives_the_calls():
+    from .rs_cases import shm_files
+
+    pool = harness.pool(2)
+    pool.run(run_matrix, "hetero-fused-2d", "dma", random.randrange(1 << 30), "sum",
+             SHAPES[:1])
+    assert pool.run(shm_files) == [[], []]
