@@ -31,7 +31,7 @@ test: $(BIN)/.test-installed
 	$(BIN)/python -m pytest -q -rs --durations=15
 
 test-gpu: $(BIN)/.test-installed
-	$(BIN)/python -m pytest -q -m gpu tests/gpu
+	$(BIN)/python -m pytest -q -m gpu tests/gpu tests/test_kernels.py tests/test_gated.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

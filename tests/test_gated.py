@@ -200,3 +200,19 @@ def test_stuck_peer_ends_the_gated_kernel_wait_within_the_deadline():
         assert f"rank {rank}" in msg and f"[{world - 1}]" in msg, msg
     assert results[-1][0] == "returned"
     assert all(err <= ROW_TOL[torch.float32] for _, err in results)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+@pytest.mark.parametrize("dtype", ("bfloat16", "float32"))
+@pytest.mark.parametrize("name", GATED)
+@pytest.mark.parametrize("world", (2, 4))
+def test_gated_on_one_gpu_shared_by_several_ranks(world, name, dtype):
+    """Several ranks as processes on one GPU (IPC symmetric memory, copy engines, stream
+    writes raising the flags) against float64. Correctness only."""
+    from .gpu import gpu_cases
+
+    seed = random.randrange(1 << 30)
+    failures = harness.pool(world, {"FICCO_TIMEOUT": "60"}).run(
+        gpu_cases.schedule_case, name, "dma", dtype, seed, timeout_s=300)
+    assert failures == [[]] * world, f"seed {seed}: {failures}"

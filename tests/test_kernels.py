@@ -165,3 +165,54 @@ def test_compiled_kernel_builds_for_gpus_and_polls_with_acquire_loads(target, dt
     else:
         assert asm["hsaco"]
         assert "mfma" in asm["amdgcn"]
+
+
+# -- on a GPU (skipped without one) --------------------------------------------------------------
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("two_d,world", [(False, 4), (True, 4), (False, 8)])
+def test_compiled_kernel_on_the_gpu_matches_float64(dtype, two_d, world):
+    """The autotuned, compiled kernel (not the interpreter) with every flag preset."""
+    from ficco.kernels import configs
+
+    seed = random.randrange(1 << 30)
+    gen = torch.Generator().manual_seed(seed)
+    m, k, n, rank = 300, 520, 260, 1       # several tiles, uneven chunks and K tail
+    a = torch.randn(world * m, k, generator=gen).to(dtype)
+    b = torch.randn(k, n, generator=gen).to(dtype)
+    segs = (_segments_2d(world, rank, m, _split(k, world)) if two_d
+            else _segments_1d(world, rank, m, k, _split(m, world)))
+    dev = torch.device("cuda")
+    c = torch.full((world * m, n), float("nan"), dtype=dtype, device=dev)
+    flags = torch.ones(world * world, dtype=torch.int32, device=dev)
+    a_dev = a.to(dev)
+    err = gated_gemm(a_dev[rank * m:(rank + 1) * m], a_dev, b.to(dev), c, segs, flags,
+                     local_row0=rank * m, family=configs.family(configs.current_target()))
+    torch.cuda.synchronize()
+    check_error(err)
+    tol = {torch.bfloat16: 3e-2, torch.float16: 6e-3, torch.float32: 1e-4}[dtype]
+    assert max_row_rel_err(c.cpu(), _reference(a, b)) <= tol, f"seed {seed}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_compiled_kernel_gives_up_on_a_flag_that_never_comes():
+    """On the GPU too the wait is bounded: the kernel finishes, the error word names the flag."""
+    from ficco.kernels import configs
+
+    world, m, k, n = 2, 128, 64, 64
+    dev = torch.device("cuda")
+    a = torch.randn(world * m, k, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(k, n, device=dev, dtype=torch.bfloat16)
+    c = torch.empty(world * m, n, device=dev, dtype=torch.bfloat16)
+    flags = torch.zeros(world * world, dtype=torch.int32, device=dev)
+    segs = (Segment(0, m, ((0, k, -1),)), Segment(m, m, ((0, k, 3),)))
+    err = gated_gemm(a[:m], a, b, c, segs, flags, local_row0=0, timeout_s=0.2,
+                     family=configs.family(configs.current_target()))
+    torch.cuda.synchronize()    # returns: the kernel did not spin forever
+    with pytest.raises(CommTimeoutError, match="flag 3"):
+        check_error(err)

@@ -37,9 +37,7 @@ def kernel(args) -> list[dict]:
 
     if not torch.cuda.is_available():
         raise BackendUnavailableError("the kernel benchmark needs a CUDA or ROCm GPU")
-    target = ("rocm:" + torch.cuda.get_device_properties(0).gcnArchName.split(":")[0]
-              if torch.version.hip else
-              "cuda:sm_%d%d" % torch.cuda.get_device_capability())
+    target = configs.current_target()
     reason = unavailable_reason(target)
     if reason:
         raise BackendUnavailableError(reason)

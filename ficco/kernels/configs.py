@@ -51,3 +51,14 @@ def for_family(name: str) -> list:
                                "matrix_instr_nonkdim": 16, "waves_per_eu": 0},
                               num_warps=w, num_stages=s) for m, n, k, w, s in _AMD]
     return [triton.Config(dict(INTERPRETER), num_warps=4, num_stages=1)]
+
+
+def current_target() -> str:
+    """The target string of torch's current GPU ("cuda:sm_90", "rocm:gfx942"), else "cpu"."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    if torch.version.hip:
+        return "rocm:" + torch.cuda.get_device_properties(0).gcnArchName.split(":")[0]
+    return "cuda:sm_%d%d" % torch.cuda.get_device_capability()
