@@ -13,8 +13,8 @@ machine). This model does the same, cheaply:
   So 2.05 waves cost max(2.05, 3 / speedup) wave-times rather than 3.
 - **Split-K, only where the library would.** When the tiles fill less than
   ``split_k_below_waves`` of one wave and K is long (each part keeps at least
-  ``split_k_min_k``), K is cut in 2 to 64 parts, paying the float32 partial sums'
-  reduction through HBM.
+  ``split_k_min_k``), K is cut in 2 to ``split_k_max`` (at most 64) parts, paying the float32
+  partial sums' reduction through HBM.
 - **Per tile and per launch.** Each tile pays ``tile_k_overhead`` extra K steps (prologue,
   epilogue); each launch pays ``launch_s``.
 - **Roofline.** Never faster than its memory traffic (A, B, and C, read too when the GEMM
@@ -107,4 +107,5 @@ def _library_splits(profile, tile_count: int, k: int, split: int) -> bool:
     dil = profile.dil
     return (tile_count < dil["split_k_below_waves"] * profile.compute_units
             and k / split >= dil["split_k_min_k"]
+            and split <= dil["split_k_max"]
             and tile_count * split <= 2 * profile.compute_units)

@@ -34,6 +34,7 @@ JSON schema (every key at top level; units in the names)::
               "partial_wave_speedup": 1.25,    # how much faster a partial last wave's tiles run
               "split_k_below_waves": 0.5,      # split-K only below this many waves of tiles
               "split_k_min_k": 1024,           # ... and while each K part keeps this many
+              "split_k_max": 64,               # ... in at most this many parts
               "memory_efficiency": 0.8,        # fraction of HBM bandwidth a copy kernel gets
               "launch_s": 5e-06},              # fixed cost of one kernel
       "cil": {"dma_gemm": 0.2,                 # GEMM slowdown beside copy_engines copies (x s(MT))
@@ -100,7 +101,7 @@ DEFAULTS = {
     "pcie_aggregate_bytes_per_s": 79e9,
     "dil": {"tiles": [], "tile_m": 256, "tile_n": 256, "tile_k_overhead": 256,
             "gemm_efficiency": 0.7, "partial_wave_speedup": 1.25, "split_k_below_waves": 0.5,
-            "split_k_min_k": 1024, "memory_efficiency": 0.8, "launch_s": 5e-6},
+            "split_k_min_k": 1024, "split_k_max": 64, "memory_efficiency": 0.8, "launch_s": 5e-6},
     "cil": {"dma_gemm": 0.2, "dma_copy": 0.25, "gemm_copies_exp": 0.25, "copy_copies_exp": 0.7,
             "ccl_gemm": 0.35, "ccl_copy": 0.3, "mt_half_bytes": 2e9, "mt_exp": 1.0,
             "copy_mt_power": 1.0},
