@@ -73,7 +73,18 @@ class NullBackend(Backend):
     def launch(self, queue, fn):
         pass
 
-    def barrier(self, symm, channel, queue, timeout_s, step):
+    # The barrier itself is the real protocol (ficco.symm_mem.barrier: cached program, one
+    # signal_batch call); only the primitives do nothing.
+    def signal_write(self, queue, slot, value):
+        pass
+
+    def signal_wait_geq(self, queue, slot, value, deadline):
+        pass
+
+    def signal_batch(self, queue, ops, deadline):
+        pass
+
+    def signal_now(self, ops, deadline):
         pass
 
     def finish(self, queues):
@@ -89,6 +100,10 @@ class StubHandle:
     def __init__(self, world: int, numel: int):
         self.rank, self.world, self.nbytes = RANK, world, numel * 2
         self._data = [torch.empty(numel, dtype=DTYPE) for _ in range(world)]
+        self._programs = {}
+
+    def slot(self, owner, channel, writer):
+        return 0x1000 * owner + 4 * (channel * self.world + writer)   # an address, as on GPUs
 
     def get_buffer(self, rank, shape, dtype, offset=0):
         numel = shape[0] * shape[1]

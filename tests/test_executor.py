@@ -28,12 +28,29 @@ class StubHandle:
     def __init__(self, world: int, numel: int, dtype=torch.float32):
         self.rank, self.world, self.nbytes = RANK, world, numel * 4
         self.data = [torch.full((numel,), float("nan"), dtype=dtype) for _ in range(world)]
+        self._programs = {}   # barrier programs, cached by ficco.symm_mem.barrier
 
     def get_buffer(self, rank, shape, dtype, offset=0):
         return self.data[rank][: shape[0] * shape[1]].view(tuple(shape))
 
+    def slot(self, owner, channel, writer):
+        return (_RAISED, 0)   # the peers are pretend: every flag reads as raised
+
     def barrier(self, channel=2, timeout_s=None, step=None):
         pass
+
+
+class _AlwaysRaised:
+    """A signal pad whose slots always read 1 and ignore writes (CPU slots are (pad, index))."""
+
+    def __getitem__(self, index):
+        return 1
+
+    def __setitem__(self, index, value):
+        pass
+
+
+_RAISED = _AlwaysRaised()
 
 
 def _problem(m=M_SHARD):

@@ -12,6 +12,8 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
+from ..symm_mem.barrier import WRITE, plan_barrier
+
 
 class Backend(ABC):
     #: short name used by FICCO_BACKEND: "cpu", "cuda", "rocm"
@@ -23,10 +25,6 @@ class Backend(ABC):
     def unavailable_reason(cls) -> str | None:
         """None when this backend can run here, else one sentence saying why not and how to
         fix it (install what, set what)."""
-
-    @classmethod
-    def is_available(cls) -> bool:
-        return cls.unavailable_reason() is None
 
     @abstractmethod
     def target(self) -> str:
@@ -70,11 +68,36 @@ class Backend(ABC):
     def launch(self, queue: Any, fn: Callable[[], None]) -> None:
         """Run host code ``fn`` in ``queue``'s order (collectives, local moves)."""
 
+    # -- signals: the two primitives of the one barrier protocol (ficco.symm_mem.barrier) ----
     @abstractmethod
+    def signal_write(self, queue: Any, slot: Any, value: int) -> None:
+        """Store int32 ``value`` at pad ``slot`` (a handle's ``slot()``) in ``queue``'s order,
+        after all earlier work of ``queue`` is complete and visible to peers."""
+
+    @abstractmethod
+    def signal_wait_geq(self, queue: Any, slot: Any, value: int, deadline: Any) -> None:
+        """Later work of ``queue`` waits until the int32 at ``slot`` is >= ``value``. Past
+        ``deadline`` (a :class:`ficco.symm_mem.barrier.Deadline`, counted from when the queue
+        reaches the wait) the call that owns the wait raises ``deadline.error(...)``."""
+
+    @abstractmethod
+    def signal_now(self, ops: tuple, deadline: Any) -> None:
+        """Run a barrier program on the host's behalf and block until it completed (host
+        barriers); raises the deadline's error on expiry."""
+
+    def signal_batch(self, queue: Any, ops: tuple, deadline: Any) -> None:
+        """Enqueue a whole barrier program (``SignalOp`` s in order). GPU backends override
+        it with one driver call where the API has a batch form."""
+        for op in ops:
+            if op.kind == WRITE:
+                self.signal_write(queue, op.slot, op.value)
+            else:
+                self.signal_wait_geq(queue, op.slot, op.value, deadline)
+
     def barrier(self, symm: Any, channel: int, queue: Any, timeout_s: float, step: int) -> None:
-        """Cross-rank barrier ordered on ``queue`` over the signal pads of symmetric handle
-        ``symm``. Must raise :class:`~ficco.errors.CommTimeoutError` naming the rank, step and
-        late peer once ``timeout_s`` passes, never hang."""
+        """A plan's cross-rank barrier ordered on ``queue`` over the signal pads of symmetric
+        handle ``symm``: the one protocol of :func:`ficco.symm_mem.barrier.plan_barrier`."""
+        plan_barrier(self, symm, channel, queue, timeout_s, step)
 
     @abstractmethod
     def finish(self, queues: list[Any]) -> None:

@@ -24,11 +24,13 @@ from typing import Callable
 import torch
 
 from .. import config
-from ..errors import (BackendCallError, BackendUnavailableError, CommTimeoutError, FiccoError,
+from ..errors import (BackendCallError, BackendUnavailableError, FiccoError,
                       InvalidArgumentError)
+from ..symm_mem.barrier import WAIT, WRITE, Deadline, SignalOp
+from ..symm_mem.device import tensor_at
+from ..symm_mem.torch_symm import AutoSymmProvider
 from .base import Backend
-from .gpu_symm import PLAN_CHANNELS, AutoSymmProvider, GpuSymmHandle
-
+from .gpu_watchdog import PendingBarrier, Watchdog
 
 
 # -- the vendor layer ----------------------------------------------------------------------------
@@ -76,8 +78,25 @@ class Vendor(ABC):
     def wait_value32_geq(self, stream: int, address: int, value: int) -> None:
         """Later work on ``stream`` waits until the int32 at ``address`` is >= ``value``."""
 
+    def mem_ops(self, stream: int, ops: tuple, capturing: bool) -> None:
+        """Enqueue a barrier program (:class:`~ficco.symm_mem.barrier.SignalOp` s, in order).
+        Vendors with a batch call override it; this one makes one call per op."""
+        for op in ops:
+            if op.kind == WRITE:
+                self.write_value32(stream, op.slot, op.value)
+            else:
+                self.wait_value32_geq(stream, op.slot, op.value)
+
     @abstractmethod
     def malloc(self, nbytes: int) -> int: ...
+
+    def malloc_signal(self, nbytes: int) -> int:
+        """Memory for signal pads, polled by stream waits (plain device memory unless the
+        vendor documents a better kind)."""
+        return self.malloc(nbytes)
+
+    def free_signal(self, address: int) -> None:
+        self.free(address)
 
     @abstractmethod
     def free(self, address: int) -> None: ...
@@ -140,77 +159,15 @@ def copy_2d_args(dst: torch.Tensor, src: torch.Tensor) -> Copy2D | None:
                   width=dst.shape[1] * dst.element_size(), height=dst.shape[0])
 
 
-# -- barrier deadline ----------------------------------------------------------------------------
-@dataclass(eq=False)
-class _PendingBarrier:
-    event: torch.cuda.Event
-    deadline: float
-    symm: GpuSymmHandle
-    channel: int
-    generation: int
-    step: int
-    timeout_s: float
-
-
-class Watchdog:
-    """A stream wait cannot time out, so a host thread watches every barrier still pending.
-    Past its deadline it names the peers whose slots are short, releases the stream by writing
-    the awaited value into those slots itself, and leaves the error for the next ficco call."""
-
-    POLL_S = 0.002
-
-    def __init__(self, backend: "GpuBackend"):
-        self.backend = backend
-        self._pending: list[_PendingBarrier] = []
-        self._cv = threading.Condition()
-        self._stop = False
-        self._thread: threading.Thread | None = None
-
-    def watch(self, item: _PendingBarrier) -> None:
-        with self._cv:
-            self._pending.append(item)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="ficco-watchdog",
-                                                daemon=True)
-                self._thread.start()
-            self._cv.notify()
-
-    def _loop(self):
-        self.backend.bind_thread()
-        self.backend.vendor.relax_capture_mode()
-        while True:
-            with self._cv:
-                while not self._pending and not self._stop:
-                    self._cv.wait()
-                if self._stop:
-                    return
-                items = list(self._pending)
-            now = time.monotonic()
-            done = []
-            for item in items:
-                if item.event.query():
-                    done.append(item)
-                elif now > item.deadline:
-                    self.backend.expire(item)
-                    done.append(item)
-            with self._cv:
-                self._pending = [i for i in self._pending if i not in done]
-            time.sleep(self.POLL_S)
-
-    def stop(self):
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-
-
 # -- the backend ---------------------------------------------------------------------------------
 class GpuBackend(Backend):
     """Everything of a GPU backend but the vendor calls; subclasses set ``name`` and
     ``make_vendor`` and answer ``unavailable_reason``."""
 
     make_vendor: Callable[[], Vendor]
+    #: whether stream memory operations can be captured into graphs (HIP cannot: CLR has no
+    #: capture path for hipStreamWaitValue32/WriteValue32, so a replay would skip barriers)
+    captures_signals = True
 
     def __init__(self, device=None):
         reason = type(self).unavailable_reason()
@@ -237,21 +194,29 @@ class GpuBackend(Backend):
         torch.cuda.set_device(self._device)
         self.vendor.bind_device(self._device.index)
 
+    def check_device(self, t: torch.Tensor, name: str) -> None:
+        """Clear error when ``t`` lives on another GPU than the one this backend drives (every
+        rank would otherwise bind GPU 0 when nobody called torch.cuda.set_device)."""
+        if t.device.type != "cuda" or t.device.index != self._device.index:
+            raise InvalidArgumentError(
+                f"{name} is on {t.device} but ficco's {self.name} backend of this process drives "
+                f"{self._device}; call torch.cuda.set_device(local_rank) before the first ficco "
+                f"call (or move {name} to {self._device})")
+
     # -- queues and events --------------------------------------------------------------------
     def queue(self, name):
-        """The stream for plan queue ``name``. A side stream (copy, comm) is returned ordered
-        after everything already enqueued on the caller's current stream: the executor fetches
-        its queues when a call starts, so work there never overtakes the caller's producers
-        of the inputs, and under CUDA graph capture the side streams join the capture."""
+        """The stream for plan queue ``name``. The executor orders side streams after the
+        caller's current stream with one entry event per call (so work there never overtakes
+        the caller's producers of the inputs, and under graph capture the side streams join
+        the capture)."""
         self.raise_pending()
-        compute = torch.cuda.current_stream(self._device)
         if name == "compute":
-            return compute
+            return torch.cuda.current_stream(self._device)
         if name == "comm":
             if self._comm_stream is None:
                 self._comm_stream = torch.cuda.Stream(self._device)
-            stream = self._comm_stream
-        elif name.startswith("copy") and name[4:].isdigit():
+            return self._comm_stream
+        if name.startswith("copy") and name[4:].isdigit():
             index = int(name[4:])
             engines = config.copy_engines()
             if engines is not None:
@@ -259,13 +224,11 @@ class GpuBackend(Backend):
             stream = self._copy_streams.get(index)
             if stream is None:
                 stream = self._copy_streams[index] = torch.cuda.Stream(self._device)
-        else:
-            raise InvalidArgumentError(f"unknown queue {name!r}; use compute, comm or copy<i>")
-        stream.wait_stream(compute)
-        return stream
+            return stream
+        raise InvalidArgumentError(f"unknown queue {name!r}; use compute, comm or copy<i>")
 
     def new_event(self):
-        # Timing on (the executor's trace reads elapsed times from the same events), except
+        # Timing on (traces and benchmarks read elapsed times from these events), except
         # while a CUDA graph is being captured, where only plain events may be recorded.
         return torch.cuda.Event(enable_timing=not torch.cuda.is_current_stream_capturing())
 
@@ -306,6 +269,13 @@ class GpuBackend(Backend):
             return
         beta = 1 if accumulate else 0  # beta 0 never reads ``out`` (NaN poison stays out)
         with self._on(queue):
+            if out.dtype != a.dtype:
+                # A wider (fp32) output for bf16/fp16 inputs: the GEMM writes its fp32 result
+                # unrounded and partial sums add up in fp32; the caller rounds once.
+                prod = torch.mm(a, b, out_dtype=out.dtype) if a.dim() == 2 else \
+                    torch.bmm(a, b.expand(a.shape[0], *b.shape), out_dtype=out.dtype)
+                out.add_(prod) if accumulate else out.copy_(prod)
+                return
             if a.dim() == 2:
                 out.addmm_(a, b, beta=beta)
             else:
@@ -323,73 +293,72 @@ class GpuBackend(Backend):
             return contextlib.nullcontext()
         return torch.cuda.stream(queue)
 
-    # -- cross-rank ---------------------------------------------------------------------------
-    def barrier(self, symm, channel, queue, timeout_s, step):
-        """A plan's barrier, capture-safe: every value it writes is a constant, so a CUDA graph
-        holding it replays correctly. Each rank sets its flag (1) in every peer's slot, waits
-        for all its own slots to hold 1, then clears its own slots (0). Clearing cannot erase a
-        peer's next flag because plans alternate channels 0 and 1 with a dependency between
-        them (pulls wait on barrier 0, barrier 1 waits on the pulls, and the next call's
-        barrier 0 comes after this call's barrier 1 on every stream of the rank): a peer can
-        only set a slot again after this rank has passed the other channel's barrier."""
-        self.raise_pending()
-        if channel not in PLAN_CHANNELS:
-            raise InvalidArgumentError(f"plan barriers use channels {PLAN_CHANNELS}; got "
-                                       f"{channel}")
-        self._enqueue_barrier(symm, channel, queue, timeout_s, step, target=1, clear=True)
+    # -- signals: the primitives of ficco.symm_mem.barrier ---------------------------------
+    def signal_write(self, queue, slot, value):
+        self.signal_batch(queue, (SignalOp(WRITE, slot, value, -1),), None)
 
-    def _enqueue_barrier(self, symm, channel, queue, timeout_s, step, *, target=None,
-                         clear=False) -> _PendingBarrier:
-        generation = symm.next_generation(channel) if target is None else target
-        stream = queue.cuda_stream
-        for peer in range(symm.world):
-            self.vendor.write_value32(stream, symm.slot_address(peer, channel, symm.rank),
-                                      generation)
-        for peer in range(symm.world):
-            self.vendor.wait_value32_geq(stream, symm.slot_address(symm.rank, channel, peer),
-                                         generation)
-        if clear:
-            for peer in range(symm.world):
-                self.vendor.write_value32(stream, symm.slot_address(symm.rank, channel, peer), 0)
-        item = _PendingBarrier(torch.cuda.Event(), time.monotonic() + timeout_s, symm, channel,
-                               generation, step, timeout_s)
-        if not torch.cuda.is_current_stream_capturing():
-            item.event.record(queue)
-            self._watchdog.watch(item)
+    def signal_wait_geq(self, queue, slot, value, deadline):
+        self.signal_batch(queue, (SignalOp(WAIT, slot, value, -1),), deadline)
+
+    def signal_batch(self, queue, ops, deadline):
+        self._enqueue_signals(queue, ops, deadline)
+
+    def _enqueue_signals(self, queue, ops, deadline: Deadline | None):
+        self.raise_pending()
+        capturing = torch.cuda.is_current_stream_capturing()
+        if capturing and not self.captures_signals:
+            raise InvalidArgumentError(
+                f"the {self.name} backend cannot capture cross-rank barriers into a graph (its "
+                f"stream memory operations are not captured, so a replay would run without "
+                f"barriers and race); run multi-rank calls eagerly or with FICCO_TRANSPORT=ccl "
+                f"under graph capture")
+        if capturing:
+            # Graphs are replayed without a host watching them; the runtime must keep this
+            # memory alive while such a graph exists.
+            owner = getattr(deadline, "handle", None)
+            if owner is not None:
+                owner.captured = True
+            self.vendor.mem_ops(queue.cuda_stream, ops, True)
+            return None
+        watched = deadline is not None and any(op.kind == WAIT for op in ops)
+        if not watched:
+            self.vendor.mem_ops(queue.cuda_stream, ops, False)
+            return None
+        arrived, done = self._watchdog.event(), self._watchdog.event()
+        arrived.record(queue)
+        self.vendor.mem_ops(queue.cuda_stream, ops, False)
+        done.record(queue)
+        item = PendingBarrier(arrived, done, deadline, queue)
+        self._watchdog.watch(item)
         return item
 
-    def host_barrier(self, symm, channel, timeout_s, step) -> None:
-        """Block the host until every rank reached this barrier (runs on a private stream)."""
-        self.raise_pending()
-        item = self._enqueue_barrier(symm, channel, self._side(), timeout_s, step)
-        while not item.event.query():
-            if time.monotonic() > item.deadline + 1.0:
-                break
-            time.sleep(0.0005)
-        item.event.synchronize()  # the watchdog released it if a peer never came
+    def signal_now(self, ops, deadline):
+        """Host barrier: the program runs on a private stream; the host waits for it."""
+        item = self._enqueue_signals(self._side(), ops, deadline)
+        if item is not None:
+            self._watchdog.wait_done(item)
         self.raise_pending()
 
-    def expire(self, item: _PendingBarrier) -> None:
-        """Called by the watchdog: a barrier's stream wait outlived its deadline."""
-        symm = item.symm
-        # Never the host-barrier stream: that one may be the stream stuck in this very wait.
+    def expire(self, item: PendingBarrier) -> None:
+        """Called by the watchdog: a barrier's stream wait outlived its deadline. Reads the
+        awaited slots and writes the awaited values into the short ones, so the stream moves
+        on, then leaves the one timeout error for the next call."""
+        deadline = item.deadline
         if self._rescue_stream is None:
             self._rescue_stream = torch.cuda.Stream(self._device)
         side = self._rescue_stream
         with torch.cuda.stream(side):
-            slots = symm.signal_pad(symm.rank)[item.channel].to("cpu", non_blocking=False)
-        late = [p for p in range(symm.world) if int(slots[p]) < item.generation]
-        for peer in late:  # release the stuck stream so the process can go on
-            self.vendor.write_value32(side.cuda_stream,
-                                      symm.slot_address(symm.rank, item.channel, peer),
-                                      item.generation)
+            late = deadline.late(lambda slot: int(
+                tensor_at(slot, 4, self._device).view(torch.int32).item()))
+        by_peer = {peer for peer, _ in late}
+        for op in deadline.waits:
+            if op.peer in by_peer:
+                self.vendor.write_value32(side.cuda_stream, op.slot, op.value)
         side.synchronize()
-        where = f" at step {item.step}" if item.step >= 0 else ""
-        error = CommTimeoutError(
-            f"rank {symm.rank}{where}: barrier channel {item.channel} (generation "
-            f"{item.generation}) waited {item.timeout_s:.1f}s for rank(s) {late or '?'} whose "
-            f"signal slots held {[int(slots[p]) for p in late]}; those peers are dead or stuck. "
-            f"Raise FICCO_TIMEOUT if they are only slow")
+        deadline.fired = True
+        self.set_error(deadline.error(late))
+
+    def set_error(self, error: FiccoError) -> None:
         with self._error_lock:
             if self._error is None:
                 self._error = error
@@ -412,9 +381,7 @@ class GpuBackend(Backend):
         compute = torch.cuda.current_stream(self._device)
         for q in queues:
             if q != compute:
-                done = torch.cuda.Event()
-                done.record(q)
-                compute.wait_event(done)
+                compute.wait_stream(q)
 
     def symm_provider(self):
         return self._provider

@@ -86,23 +86,11 @@ def measure_copy_paths(backend, quick: bool, progress=None) -> list[dict]:
 def fake_group_handle(backend, world: int, nbytes: int):
     """Rank 0 of a ``world``-rank group on this one GPU: every "peer" is another allocation
     here and every pad slot is pre-set high, so barriers pass and copies move real bytes.
-    Returns ``(handle, release)``. Built on the GPU symmetric-memory handle's constructor."""
-    from ..backends.gpu_symm import GpuSymmHandle, pad_bytes, tensor_at
-    from ..symm_mem import SIGNAL_CHANNELS, aligned
+    Returns ``(handle, release)``."""
+    from ..symm_mem.device import single_gpu_group
 
-    dev, vendor = backend.device(), backend.vendor
-    total = aligned(nbytes) + pad_bytes(world)
-    addresses = [vendor.malloc(total) for _ in range(world)]
-    spans = [tensor_at(a, total, dev) for a in addresses]
-    for span in spans:
-        span[aligned(nbytes):aligned(nbytes) + SIGNAL_CHANNELS * world * 4].view(torch.int32) \
-            .fill_(1 << 30)
-
-    def release():
-        for a in addresses:
-            vendor.free(a)
-
-    return GpuSymmHandle(backend, 0, world, nbytes, spans, release), release
+    handle = single_gpu_group(backend, world, nbytes, pad_value=1 << 30)
+    return handle, handle.close
 
 
 def measure_enqueue(backend, quick: bool, progress=None) -> list[dict]:

@@ -13,7 +13,12 @@ Each handle also carries one signal pad per rank: ``SIGNAL_CHANNELS x world`` in
 used for cross-rank barriers (rank r writes generation g into slot ``[channel, r]`` of every
 peer's pad, then waits until its own pad holds >= g in every slot of that channel). Channels 0
 and 1 belong to ficco's plans (on GPUs they hold constant flags so graphs can replay them);
-host barriers use channels 2 and up.
+host barriers use channels 2 and up. The barrier protocol itself lives in
+:mod:`ficco.symm_mem.barrier`, once for every backend.
+
+Modules: ``barrier`` (the protocol), ``cpu`` (/dev/shm files), ``device`` (GPU handles over raw
+device memory), ``ipc`` (our GPU provider over IPC handles), ``torch_symm`` (torch's provider
+and the ``FICCO_SYMM`` choice between the two).
 """
 from __future__ import annotations
 
@@ -31,11 +36,18 @@ _ALIGN = 256
 
 
 class SymmHandle(ABC):
-    """One symmetric allocation of ``nbytes`` bytes per rank, mapped on this rank."""
+    """One symmetric allocation of ``nbytes`` bytes per rank, mapped on this rank. Subclasses
+    call :meth:`_init_signals` once ``rank``/``world`` are known and provide :meth:`slot`."""
 
     rank: int
     world: int
     nbytes: int
+    backend: Any
+
+    def _init_signals(self, backend) -> None:
+        self.backend = backend
+        self._generation = [0] * SIGNAL_CHANNELS   # count-mode barriers, per channel
+        self._programs: dict = {}                  # barrier programs (slots never move)
 
     @abstractmethod
     def get_buffer(self, rank: int, shape, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
@@ -47,12 +59,25 @@ class SymmHandle(ABC):
         """``rank``'s signal pad: an int32 tensor of shape ``(SIGNAL_CHANNELS, world)``."""
 
     @abstractmethod
+    def slot(self, owner: int, channel: int, writer: int) -> Any:
+        """Where ``writer`` signals ``owner`` on ``channel``, in the form the backend's
+        ``signal_write``/``signal_wait_geq`` take (a device address on GPUs)."""
+
     def barrier(self, channel: int = 2, timeout_s: float | None = None, step: int | None = None,
                 *, timeout: float | None = None) -> None:
         """Host-side barrier over the signal pads: blocks until every rank called it for this
         channel as often as this rank has; raises CommTimeoutError naming the late peers.
         ``timeout`` (DESIGN's name) and ``timeout_s`` are the same seconds; default
-        FICCO_TIMEOUT."""
+        FICCO_TIMEOUT.
+
+        >>> # h = ficco.symm_mem.rendezvous(t); h.barrier(channel=2, timeout=30)
+        """
+        from .. import config
+        from .barrier import host_barrier
+
+        timeout_s = timeout if timeout is not None else timeout_s
+        timeout_s = config.timeout_s() if timeout_s is None else timeout_s
+        host_barrier(self.backend, self, channel, timeout_s, step)
 
     @abstractmethod
     def close(self) -> None:

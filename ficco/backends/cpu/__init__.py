@@ -4,6 +4,10 @@ A queue is a worker thread with a FIFO; an event is a flag; a copy queue is a th
 ``Tensor.copy_`` (which releases the GIL), so copies really overlap GEMMs on a multi-core host.
 If any queue fails during a call, every other queue of this rank is woken and skips the rest,
 and ``finish`` raises the first error.
+
+Signals are plain stores and polls of int32 slots in /dev/shm (:mod:`ficco.symm_mem.cpu`),
+run in queue order by the worker threads, so the CPU runs the barrier protocol of
+:mod:`ficco.symm_mem.barrier` exactly as GPUs run it on their streams.
 """
 from __future__ import annotations
 
@@ -14,8 +18,9 @@ import time
 import torch
 
 from ...errors import CommTimeoutError, FiccoError
+from ...symm_mem.barrier import run_on_host, wait_geq_on_host
+from ...symm_mem.cpu import CpuSymmProvider
 from ..base import Backend
-from .symm import CpuSymmProvider
 
 
 class _Aborted(Exception):
@@ -87,6 +92,22 @@ class _Worker:
                 self.backend._fail(self.name, exc)
 
 
+def gemm_into(a, b, out, accumulate):
+    """``out (+)= a @ b``; ``a`` and ``out`` may be 3-D batched views. A wider ``out`` (fp32
+    for bf16/fp16 inputs) takes unrounded partial sums: the caller rounds once at the end."""
+    if out.dtype != a.dtype:
+        a, b = a.to(out.dtype), b.to(out.dtype)
+    if a.dim() == 2:
+        if accumulate:
+            out.addmm_(a, b)
+        else:
+            torch.mm(a, b, out=out)
+    elif accumulate:
+        out.baddbmm_(a, b.expand(a.shape[0], *b.shape))
+    else:
+        out.copy_(torch.matmul(a, b))
+
+
 class CpuBackend(Backend):
     name = "cpu"
 
@@ -95,7 +116,7 @@ class CpuBackend(Backend):
         self._errors: list[tuple[str, BaseException]] = []
         self._lock = threading.Lock()
         self._workers: dict[str, _Worker] = {}
-        self._provider = CpuSymmProvider(self.abort)
+        self._provider = CpuSymmProvider(self)
 
     @classmethod
     def unavailable_reason(cls):
@@ -140,22 +161,24 @@ class CpuBackend(Backend):
 
     def gemm(self, a, b, out, accumulate, queue):
         def run():
-            if a.dim() == 2:
-                if accumulate:
-                    out.addmm_(a, b)
-                else:
-                    torch.mm(a, b, out=out)
-            elif accumulate:
-                out.baddbmm_(a, b.expand(a.shape[0], *b.shape))
-            else:
-                out.copy_(torch.matmul(a, b))
+            gemm_into(a, b, out, accumulate)
         queue.tasks.put(run)
 
     def launch(self, queue, fn):
         queue.tasks.put(fn)
 
-    def barrier(self, symm, channel, queue, timeout_s, step):
-        queue.tasks.put(lambda: symm.barrier(channel, timeout_s, step=step))
+    # -- signals (slots are (int32 array, index) pairs over /dev/shm, see symm_mem.cpu) ------
+    def signal_write(self, queue, slot, value):
+        pad, index = slot
+        queue.tasks.put(lambda: pad.__setitem__(index, value))
+
+    def signal_wait_geq(self, queue, slot, value, deadline):
+        def wait():
+            wait_geq_on_host(slot, value, deadline, _read, self.abort.is_set, _Aborted)
+        queue.tasks.put(wait)
+
+    def signal_now(self, ops, deadline):
+        run_on_host(ops, deadline, _read, _write)
 
     def finish(self, queues):
         from ... import config
@@ -189,7 +212,28 @@ class CpuBackend(Backend):
         return end.time_s - start.time_s
 
     def synchronize(self):
-        pass
+        """Block until every queue ran (or, after :meth:`cancel`, skipped) what it was given,
+        bounded by FICCO_TIMEOUT; then the queues take new work normally again."""
+        from ... import config
+
+        markers = []
+        for worker in list(self._workers.values()):
+            marker = CpuEvent()
+            worker.tasks.put(marker)
+            markers.append((worker, marker))
+        deadline = time.monotonic() + config.timeout_s()
+        for worker, marker in markers:
+            while not marker.flag.wait(0.05):
+                if time.monotonic() > deadline:
+                    raise CommTimeoutError(f"queue {worker.name} is still busy after "
+                                           f"FICCO_TIMEOUT; its memory stays mapped")
+        with self._lock:
+            self._errors = []
+        self.abort.clear()
+
+    def cancel(self):
+        """Make every queue skip what is left (a failed or interrupted call)."""
+        self.abort.set()
 
     def symm_provider(self):
         return self._provider
@@ -200,6 +244,16 @@ class CpuBackend(Backend):
         for worker in self._workers.values():
             worker.thread.join(timeout=5)
         self._workers.clear()
+
+
+def _read(slot) -> int:
+    pad, index = slot
+    return int(pad[index])
+
+
+def _write(slot, value) -> None:
+    pad, index = slot
+    pad[index] = value
 
 
 __all__ = ["CpuBackend"]

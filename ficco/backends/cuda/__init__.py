@@ -3,7 +3,9 @@ calls torch does not expose, made through cuda-python (``cuda.bindings``):
 
 - 1-D copies: ``cudaMemcpyAsync`` device-to-device on a copy stream (runs on a copy engine);
 - 2-D copies: ``cudaMemcpy2DAsync`` (column chunks of the gathered buffer);
-- signals: ``cuStreamWriteValue32`` / ``cuStreamWaitValue32`` (GEQ) on signal pads;
+- signals: a whole barrier program in one ``cuStreamBatchMemOp`` call (eager), or
+  ``cuStreamWriteValue32`` / ``cuStreamWaitValue32`` (GEQ) one by one under graph capture
+  (the path verified on H100 with captured graphs);
 - symmetric memory: ``cudaMalloc`` + ``cudaIpcGetMemHandle`` / ``cudaIpcOpenMemHandle``.
 
 >>> from ficco.backends.cuda import CudaBackend
@@ -16,9 +18,12 @@ import ctypes
 
 import torch
 
+from ...symm_mem.barrier import WRITE
 from ..gpu import Copy2D, GpuBackend, Vendor, handle_bytes
 
 IPC_HANDLE_BYTES = 64
+#: cuStreamBatchMemOp takes fewer than 256 operations per call
+BATCH_LIMIT = 255
 
 
 class CudaVendor(Vendor):
@@ -37,7 +42,7 @@ class CudaVendor(Vendor):
         self._d2d = runtime.cudaMemcpyKind.cudaMemcpyDeviceToDevice
         self._write_flags = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
         self._wait_geq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-        self._keep_handles: list = []
+        self._batches: dict[int, tuple] = {}   # id(program) -> (program, [params chunks])
 
     def _describe(self, status) -> str:
         try:
@@ -75,6 +80,41 @@ class CudaVendor(Vendor):
     def wait_value32_geq(self, stream, address, value):
         self.check("cuStreamWaitValue32",
                    self.drv.cuStreamWaitValue32(stream, address, value, self._wait_geq))
+
+    def mem_ops(self, stream, ops, capturing):
+        if capturing:
+            super().mem_ops(stream, ops, capturing)
+            return
+        for chunk in self.batch_params(ops):
+            self.check("cuStreamBatchMemOp",
+                       self.drv.cuStreamBatchMemOp(stream, len(chunk), chunk, 0))
+
+    def batch_params(self, ops) -> list[list]:
+        """``CUstreamBatchMemOpParams`` for a barrier program, built once per program (the
+        programs are cached per handle and channel, so this is a dict hit per barrier)."""
+        cached = self._batches.get(id(ops))
+        if cached is not None and cached[0] is ops:
+            return cached[1]
+        drv = self.drv
+        params = []
+        for op in ops:
+            p = drv.CUstreamBatchMemOpParams()
+            if op.kind == WRITE:
+                p.writeValue.operation = drv.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_32
+                p.writeValue.address = op.slot
+                p.writeValue.value = op.value
+                p.writeValue.flags = self._write_flags
+            else:
+                p.waitValue.operation = drv.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_32
+                p.waitValue.address = op.slot
+                p.waitValue.value = op.value
+                p.waitValue.flags = self._wait_geq
+            params.append(p)
+        chunks = [params[i: i + BATCH_LIMIT] for i in range(0, len(params), BATCH_LIMIT)]
+        if len(self._batches) > 4096:   # count-mode programs are per call: stay bounded
+            self._batches.clear()
+        self._batches[id(ops)] = (ops, chunks)
+        return chunks
 
     def malloc(self, nbytes):
         return int(self.check("cudaMalloc", self.rt.cudaMalloc(max(nbytes, 1))))

@@ -7,8 +7,20 @@ expose, made through hip-python (``from hip import hip``, imported only when use
 - 2-D copies: ``hipMemcpy2DAsync``, asked for NoCU as well and falling back to
   ``hipMemcpyDeviceToDevice`` once if this ROCm refuses that kind for 2-D copies;
 - signals: ``hipStreamWriteValue32`` / ``hipStreamWaitValue32`` with ``hipStreamWaitValueGte``
-  and an all-ones mask (the mask is ANDed with the slot before comparing: 0 would never wait);
-- symmetric memory: ``hipMalloc`` + ``hipIpcGetMemHandle`` / ``hipIpcOpenMemHandle``.
+  and an all-ones mask (the mask is ANDed with the slot before comparing: 0 would never wait),
+  one call per op (``hipStreamBatchMemOp`` is marked beta in HIP and hip-python takes it as
+  one pointer to a packed union array; not worth the risk untested);
+- signal pads in uncached device memory (``hipExtMallocWithFlags(..., hipDeviceMallocUncached)``),
+  the kind HIP documents for memory polled while peers write it; data spans in ``hipMalloc``;
+- symmetric memory: ``hipIpcGetMemHandle`` / ``hipIpcOpenMemHandle``.
+
+Graph capture: HIP does not capture stream memory operations (CLR has no capture path for
+them), so a captured multi-rank dma plan would replay without barriers and race; the backend
+refuses such a capture with a clear error (``captures_signals = False``). 2-D copies run on
+compute units on ROCm (``hipMemcpy2DAsync`` ignores the NoCU kind): ``copy_2d_on_dma`` is
+False so the selector need not price ``*-2d`` schedules as DMA. ROCm before 6.1 has no
+``hipMemcpyDeviceToDeviceNoCU``: 1-D copies then use ``hipMemcpyDeviceToDevice`` (the runtime
+picks the engine) and ``copy_1d_on_dma`` says so.
 
 ``hipMemcpyBatchAsync`` is not used: hip-python 10.0's generated binding drops its ``dsts``
 and ``sizes`` arguments (``hipMemcpyBatchAsync(srcs, count, attrs, numAttrs, stream)``).
@@ -27,6 +39,9 @@ from ..gpu import Copy2D, GpuBackend, Vendor, handle_bytes
 
 IPC_HANDLE_BYTES = 64
 ALL_BITS = 0xFFFFFFFF
+#: hipDeviceMallocUncached from hip_runtime_api.h (hip-python 10.0 does not export it; its
+#: hipExtMallocWithFlags docstring lists it among the accepted flags)
+DEVICE_MALLOC_UNCACHED = 0x3
 
 
 def address_of(value) -> int:
@@ -47,8 +62,11 @@ class RocmVendor(Vendor):
         if hip is None:
             from hip import hip
         self.hip = hip
-        self._copy_kind = hip.hipMemcpyKind.hipMemcpyDeviceToDeviceNoCU
-        self._copy_2d_kind = hip.hipMemcpyKind.hipMemcpyDeviceToDeviceNoCU
+        no_cu = getattr(hip.hipMemcpyKind, "hipMemcpyDeviceToDeviceNoCU", None)
+        #: False on ROCm < 6.1 (no NoCU kind): the runtime then picks the engine itself
+        self.copy_1d_on_dma = no_cu is not None
+        self._copy_kind = no_cu if no_cu is not None else hip.hipMemcpyKind.hipMemcpyDeviceToDevice
+        self._copy_2d_kind = self._copy_kind
 
     def _describe(self, status) -> str:
         try:
@@ -99,6 +117,11 @@ class RocmVendor(Vendor):
     def malloc(self, nbytes):
         return address_of(self.check("hipMalloc", self.hip.hipMalloc(max(nbytes, 1))))
 
+    def malloc_signal(self, nbytes):
+        flags = getattr(self.hip, "hipDeviceMallocUncached", DEVICE_MALLOC_UNCACHED)
+        return address_of(self.check("hipExtMallocWithFlags",
+                                     self.hip.hipExtMallocWithFlags(max(nbytes, 1), flags)))
+
     def free(self, address):
         self.check("hipFree", self.hip.hipFree(address))
 
@@ -142,6 +165,9 @@ class RocmBackend(GpuBackend):
 
     name = "rocm"
     make_vendor = RocmVendor
+    captures_signals = False
+    #: hipMemcpy2DAsync ignores the NoCU kind: 2-D copies take compute units on ROCm
+    copy_2d_on_dma = False
 
     @classmethod
     def unavailable_reason(cls):

@@ -1,0 +1,205 @@
+"""The one cross-rank barrier protocol of ficco, for every backend (CPU included), and its one
+timeout message.
+
+A barrier is a short program of two stream-ordered primitives every backend provides::
+
+    signal_write(queue, slot, value)             # store value into a pad slot, after earlier work
+    signal_wait_geq(queue, slot, value, deadline) # later work waits until slot >= value
+
+Slot ``[channel, writer]`` of rank ``owner``'s signal pad is where ``writer`` signals
+``owner``. Two modes share the program shape (set every peer's slot, wait for all of mine):
+
+- **flag** (plan channels 0 and 1, capture-safe): every value is a constant, so a CUDA graph
+  holding the barrier replays correctly. Each rank writes 1 into its slot of every peer's pad,
+  waits until all of its own slots hold 1, then clears its own slots to 0. Clearing cannot
+  erase a peer's *next* flag because plans alternate channels 0 and 1 with a dependency
+  between them (pulls wait on barrier 0, barrier 1 waits on the pulls, and the next call's
+  barrier 0 comes after this call's barrier 1 on every queue of the rank): a peer can only
+  set a slot again after this rank has passed the other channel's barrier.
+- **count** (host barriers, channels 2 and up): a rank may reach the same channel again at
+  once, so the value is a per-channel generation that only grows and nothing is cleared.
+
+Programs are built once per (handle, channel, mode) and cached on the handle: the slot
+addresses never change while the handle lives (a barrier costs no per-call lookups).
+
+The deadline counts from when the queue *reaches* the wait, not from when the host enqueued
+it: work queued before the barrier may legitimately take longer than FICCO_TIMEOUT.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import CommTimeoutError, InvalidArgumentError
+
+#: channels of the plans' stream-ordered barriers (flag mode, safe to capture in graphs)
+PLAN_CHANNELS = (0, 1)
+#: value of a raised flag in flag mode
+FLAG = 1
+WRITE, WAIT = "write", "wait"
+
+
+@dataclass(frozen=True)
+class SignalOp:
+    """One primitive of a barrier program: ``kind`` is WRITE or WAIT (>=); ``peer`` is the
+    rank the slot belongs to (WRITE) or signals from (WAIT), for error messages."""
+
+    kind: str
+    slot: Any
+    value: int
+    peer: int
+
+
+class Deadline:
+    """When a barrier's waits give up, and what to say then. ``waits`` are the program's WAIT
+    ops; ``started`` is set by the backend when its queue reaches the first wait. (A plain
+    class with slots: one is made per barrier per call, on the enqueue hot path.)"""
+
+    __slots__ = ("rank", "channel", "step", "timeout_s", "target", "waits", "started", "fired",
+                 "handle")
+
+    def __init__(self, rank: int, channel: int, step: int, timeout_s: float, target: int,
+                 waits: tuple = (), handle: Any = None):
+        self.rank, self.channel, self.step = rank, channel, step
+        self.timeout_s, self.target, self.waits = timeout_s, target, waits
+        self.started: float | None = None
+        self.fired = False
+        self.handle = handle   # the SymmHandle (GPU: marked when captured into a graph)
+
+    def start(self, now: float | None = None) -> float:
+        """Start the clock (first caller wins); returns the monotonic expiry time."""
+        if self.started is None:
+            self.started = time.monotonic() if now is None else now
+        return self.started + self.timeout_s
+
+    def expired(self, now: float | None = None) -> bool:
+        return self.started is not None and \
+            (time.monotonic() if now is None else now) > self.started + self.timeout_s
+
+    def late(self, read: Callable[[Any], int]) -> list[tuple[int, int]]:
+        """(peer, value seen) for each wait whose slot is still short of its value."""
+        seen = [(op.peer, int(read(op.slot))) for op in self.waits]
+        return [(peer, value) for (peer, value), op in zip(seen, self.waits) if value < op.value]
+
+    def error(self, late: list[tuple[int, int]]) -> CommTimeoutError:
+        """The one timeout message of every backend's barriers."""
+        where = f" at step {self.step}" if self.step is not None and self.step >= 0 else ""
+        peers = [p for p, _ in late]
+        values = [v for _, v in late]
+        return CommTimeoutError(
+            f"rank {self.rank}{where}: barrier channel {self.channel} (waiting for value "
+            f"{self.target}) waited {self.timeout_s:.1f}s for rank(s) {peers or '?'} whose "
+            f"signal slots held {values}; they are dead, stuck, or called with other arguments. "
+            f"Raise FICCO_TIMEOUT if they are only slow")
+
+
+def _check_channel(handle, channel: int) -> None:
+    from . import SIGNAL_CHANNELS
+
+    if not 0 <= channel < SIGNAL_CHANNELS:
+        raise InvalidArgumentError(f"barrier channel {channel} is outside [0, {SIGNAL_CHANNELS})")
+
+
+def flag_program(handle, channel: int) -> tuple[SignalOp, ...]:
+    """Set my flag in every peer's pad, wait for all my slots, clear my slots (cached)."""
+    return _flag_program(handle, channel)[0]
+
+
+def _flag_program(handle, channel: int) -> tuple[tuple, tuple]:
+    cached = handle._programs.get(channel)
+    if cached is None:
+        _check_channel(handle, channel)
+        r, w = handle.rank, handle.world
+        waits = tuple(SignalOp(WAIT, handle.slot(r, channel, p), FLAG, p) for p in range(w))
+        program = (tuple(SignalOp(WRITE, handle.slot(p, channel, r), FLAG, p) for p in range(w))
+                   + waits
+                   + tuple(SignalOp(WRITE, handle.slot(r, channel, p), 0, p) for p in range(w)))
+        cached = handle._programs[channel] = (program, waits)
+    return cached
+
+
+def count_program(handle, channel: int, generation: int) -> tuple[SignalOp, ...]:
+    """Write ``generation`` into my slot of every peer's pad, wait for all my slots >= it."""
+    key = ("count", channel)
+    slots = handle._programs.get(key)
+    if slots is None:
+        _check_channel(handle, channel)
+        r, w = handle.rank, handle.world
+        slots = handle._programs[key] = ([(handle.slot(p, channel, r), p) for p in range(w)],
+                                         [(handle.slot(r, channel, p), p) for p in range(w)])
+    writes, waits = slots
+    return (tuple(SignalOp(WRITE, s, generation, p) for s, p in writes)
+            + tuple(SignalOp(WAIT, s, generation, p) for s, p in waits))
+
+
+def _deadline(handle, channel, step, timeout_s, target, program) -> Deadline:
+    return Deadline(handle.rank, channel, -1 if step is None else step, timeout_s, target,
+                    tuple(op for op in program if op.kind == WAIT), handle=handle)
+
+
+def plan_barrier(backend, handle, channel: int, queue, timeout_s: float, step: int) -> None:
+    """A plan's barrier (flag mode), ordered on ``queue``. The executor calls it through
+    ``backend.barrier``.
+
+    >>> from ficco.backends.cpu import CpuBackend
+    >>> backend = CpuBackend()
+    >>> h = backend.symm_provider().allocate(64, None, backend.device())    # world 1
+    >>> q = backend.queue("copy0")
+    >>> plan_barrier(backend, h, 0, q, timeout_s=5.0, step=0); backend.finish([q])
+    >>> int(h.signal_pad(0)[0, 0])      # flag set, awaited, then cleared
+    0
+    """
+    if channel not in PLAN_CHANNELS:
+        raise InvalidArgumentError(f"plan barriers use channels {PLAN_CHANNELS}; got {channel}")
+    program, waits = _flag_program(handle, channel)
+    backend.signal_batch(queue, program, Deadline(handle.rank, channel, step, timeout_s, FLAG,
+                                                  waits, handle))
+
+
+def host_barrier(backend, handle, channel: int, timeout_s: float, step=None) -> None:
+    """Block the host until every rank reached this barrier as often as this rank (count
+    mode); raises the one CommTimeoutError naming the late peers."""
+    if channel in PLAN_CHANNELS:
+        raise InvalidArgumentError(
+            f"barrier channels {PLAN_CHANNELS} belong to ficco's plans (flag mode); use a "
+            f"channel in [2, {_signal_channels()}) for host barriers")
+    _check_channel(handle, channel)
+    generation = handle._generation[channel] + 1
+    handle._generation[channel] = generation
+    program = count_program(handle, channel, generation)
+    backend.signal_now(program, _deadline(handle, channel, step, timeout_s, generation,
+                                          program))
+
+
+def _signal_channels() -> int:
+    from . import SIGNAL_CHANNELS
+
+    return SIGNAL_CHANNELS
+
+
+def wait_geq_on_host(slot, value: int, deadline: Deadline, read: Callable[[Any], int],
+                     abandoned: Callable[[], bool] | None = None,
+                     abandon_error: type[BaseException] | None = None) -> None:
+    """Poll ``read(slot)`` from a host thread until it is >= ``value`` (growing nap), raising
+    the deadline's error once it passes (its clock starts at the first wait reached)."""
+    expiry = deadline.start()
+    nap = 2e-5
+    while read(slot) < value:
+        if abandoned is not None and abandoned():
+            raise abandon_error()
+        if time.monotonic() > expiry:
+            deadline.fired = True
+            raise deadline.error(deadline.late(read))
+        time.sleep(nap)
+        nap = min(nap * 2, 1e-3)
+
+
+def run_on_host(program, deadline: Deadline, read: Callable[[Any], int],
+                write: Callable[[Any, int], None]) -> None:
+    """Execute a barrier program from the calling host thread (CPU host barriers)."""
+    for op in program:
+        if op.kind == WRITE:
+            write(op.slot, op.value)
+        else:
+            wait_geq_on_host(op.slot, op.value, deadline, read)

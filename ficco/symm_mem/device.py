@@ -1,0 +1,153 @@
+"""GPU symmetric handles over raw device memory: the data spans of every rank and their signal
+pads, viewed as tensors, and slot addresses precomputed as plain ints (a barrier costs no
+tensor indexing). Providers (:mod:`.ipc`, :mod:`.torch_symm`) make them; nothing here imports
+a backend module, so ``backends.gpu`` → ``symm_mem`` is one-way.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..errors import BackendCallError, FiccoError, InvalidArgumentError
+from . import SIGNAL_CHANNELS, SymmHandle, aligned
+
+#: host barrier channel used by close(); plans use channels 0 and 1
+CLOSE_CHANNEL = SIGNAL_CHANNELS - 1
+#: how long close() waits for peers before it leaks its allocation rather than free it early
+CLOSE_TIMEOUT_S = 10.0
+
+
+class _DeviceSpan:
+    """A raw device range exposed through the CUDA Array Interface, which ``torch.as_tensor``
+    wraps without copying (supported public path; no stream sync requested)."""
+
+    def __init__(self, address: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                         "data": (address, False), "version": 3,
+                                         "strides": None, "stream": None}
+
+
+def _wrap_interface(address, nbytes, device):
+    return torch.as_tensor(_DeviceSpan(address, nbytes), device=device)
+
+
+def _wrap_storage(address, nbytes, device):
+    storage = torch._C._construct_storage_from_data_pointer(address, device, nbytes)
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+def tensor_at(address: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor of ``nbytes`` on ``device`` viewing memory this process did not get from
+    torch (our own allocation or a peer's IPC mapping). The caller keeps the memory alive.
+
+    Each way of wrapping is checked to be a *view*: torch builds that infer the device from a
+    peer-mapped pointer make ``as_tensor(..., device=local)`` an implicit device-to-device
+    copy, and flags written into a copy never reach the peer (every barrier would time out,
+    pulls would read a stale snapshot)."""
+    device = torch.device(device)
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    seen = []
+    for wrap in (_wrap_interface, _wrap_storage):
+        try:
+            t = wrap(address, nbytes, device)
+        except (TypeError, RuntimeError, AttributeError) as exc:
+            seen.append(f"{wrap.__name__}: {type(exc).__name__}: {exc}")
+            continue
+        if is_view_of(t, address, device):
+            return t
+        seen.append(f"{wrap.__name__}: made a copy at {t.data_ptr():#x} on {t.device}")
+    raise BackendCallError(
+        f"cannot view device memory {address:#x} (+{nbytes} bytes) on {device} without a copy "
+        f"with this torch {torch.__version__}: {'; '.join(seen)}")
+
+
+def is_view_of(t: torch.Tensor, address: int, device: torch.device) -> bool:
+    """True when ``t`` starts at ``address`` on exactly ``device`` (index included)."""
+    index = device.index if device.index is not None else t.device.index
+    return t.data_ptr() == address and t.device.type == device.type and t.device.index == index
+
+
+class GpuSymmHandle(SymmHandle):
+    """One symmetric allocation: per rank a uint8 data span of ``nbytes`` (``spans[p]``) and an
+    int32 ``(SIGNAL_CHANNELS, world)`` signal pad (``pads[p]``, separate signal memory or
+    carved from the same allocation, as the provider chose)."""
+
+    def __init__(self, backend, rank: int, world: int, nbytes: int, spans: list[torch.Tensor],
+                 pads: list[torch.Tensor], release: Callable[[bool], None]):
+        self.rank, self.world, self.nbytes = rank, world, nbytes
+        self._init_signals(backend)
+        self._spans, self._pads = spans, pads
+        self._release = release
+        self._pad_base = [int(p.data_ptr()) for p in pads]
+        self._closed = False
+        #: set when a barrier on this handle was captured into a graph (the runtime must keep
+        #: the memory alive as long as such a graph may replay)
+        self.captured = False
+        #: every "peer" is memory of this process (:func:`single_gpu_group`): no close barrier
+        self.local_peers = False
+
+    def get_buffer(self, rank, shape, dtype, offset=0):
+        numel = self._check_fits(shape, dtype, offset)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if offset % itemsize:
+            raise InvalidArgumentError(f"get_buffer offset {offset} is not a multiple of the "
+                                       f"{dtype} item size {itemsize}")
+        raw = self._spans[rank][offset: offset + numel * itemsize]
+        return raw.view(dtype).view(tuple(shape))
+
+    def signal_pad(self, rank):
+        return self._pads[rank]
+
+    def slot(self, owner, channel, writer):
+        return self._pad_base[owner] + (channel * self.world + writer) * 4
+
+    def close(self):
+        """Drain this rank's work, wait until every peer drained theirs (host barrier), then
+        release: imports are closed first and this rank's own export is freed only after
+        every peer closed its imports of it (the provider's release does that second step)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            torch.cuda.synchronize(self.backend.device())
+            if self.world > 1 and not self.local_peers:
+                self.barrier(CLOSE_CHANNEL, CLOSE_TIMEOUT_S)
+            peers_done = True
+        except FiccoError:
+            # A peer is gone or stuck: freeing now could corrupt its reads. Close our imports
+            # but leak our export until exit, when the driver reclaims everything.
+            peers_done = False
+        self._spans = self._pads = []
+        self._programs = {}
+        self._release(peers_done)
+
+
+def pad_bytes(world: int) -> int:
+    return aligned(SIGNAL_CHANNELS * world * 4)
+
+
+def single_gpu_group(backend, world: int, nbytes: int, pad_value: int = 0) -> GpuSymmHandle:
+    """Rank 0 of a pretend ``world``-rank group on this one GPU, for tests and enqueue
+    measurements: every "peer" is another allocation of this process, pads are filled with
+    ``pad_value`` (``1 << 30`` makes every barrier pass). ``close()`` frees it all."""
+    dev, vendor = backend.device(), backend.vendor
+    data = [vendor.malloc(aligned(nbytes)) for _ in range(world)]
+    pads = [vendor.malloc_signal(pad_bytes(world)) for _ in range(world)]
+    spans = [tensor_at(a, aligned(nbytes), dev) for a in data]
+    pad_views = [tensor_at(a, pad_bytes(world), dev)[: SIGNAL_CHANNELS * world * 4]
+                 .view(torch.int32).view(SIGNAL_CHANNELS, world) for a in pads]
+    for pad in pad_views:
+        pad.fill_(pad_value)
+    torch.cuda.synchronize(dev)
+
+    def release(peers_done=True):
+        for a in data:
+            vendor.free(a)
+        for a in pads:
+            vendor.free_signal(a)
+
+    handle = GpuSymmHandle(backend, 0, world, nbytes, spans, pad_views, release)
+    handle.local_peers = True
+    return handle

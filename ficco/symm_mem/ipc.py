@@ -1,0 +1,105 @@
+"""Our GPU symmetric memory over IPC handles: each rank allocates its data span and, separately,
+its signal pad (``vendor.malloc_signal``: memory the vendor documents for polled flags), the
+handles travel through ``all_gather_object``, every rank maps every peer. Works for any number
+of processes per GPU (how the GPU tests run) and one process per GPU alike.
+
+Every local step ends in an exchange of (result, failure) (:func:`.agree.agree`), so a rank
+that fails to allocate or map makes every rank raise instead of leaving them in a collective.
+Teardown closes this rank's imports first and frees its exports only after every peer said it
+closed its imports too (the cudaIpc contract: an export must outlive the peers' imports).
+"""
+from __future__ import annotations
+
+import socket
+
+import torch
+import torch.distributed as dist
+
+from ..errors import InvalidArgumentError
+from . import Provider, SIGNAL_CHANNELS, aligned
+from .agree import agree
+from .device import GpuSymmHandle, pad_bytes, tensor_at
+
+
+def group_of(group):
+    if group is None and dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return group
+
+
+def rank_world(group) -> tuple[int, int]:
+    return (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+
+
+class IpcSymmProvider(Provider):
+    """Symmetric memory over the vendor's IPC handles (see the module docstring)."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def allocate(self, nbytes, group, device):
+        group = group_of(group)
+        rank, world = rank_world(group)
+        vendor = self.backend.vendor
+        device = torch.device(device)
+        own: list[tuple[str, int]] = []       # ("data" | "pad", address) this rank allocated
+        opened: list[int] = []
+
+        def release(peers_done: bool = False):
+            for address in opened:
+                vendor.ipc_close(address)
+            opened.clear()
+            if world > 1 and not peers_done:
+                return   # a peer may still hold an import of ours: leak until exit
+            if world > 1:
+                # Every peer closed its imports of our exports before anything is freed.
+                try:
+                    agree(group, rank, world, True, None, "release symmetric memory")
+                except Exception:   # noqa: BLE001 - the group is gone: leak rather than free
+                    return
+            for kind, address in own:
+                (vendor.free_signal if kind == "pad" else vendor.free)(address)
+            own.clear()
+
+        where, failure = None, None
+        try:
+            data = vendor.malloc(aligned(nbytes))
+            own.append(("data", data))
+            pad = vendor.malloc_signal(pad_bytes(world))
+            own.append(("pad", pad))
+            data_span = tensor_at(data, aligned(nbytes), device)
+            pad_span = tensor_at(pad, pad_bytes(world), device)
+            pad_span.zero_()
+            torch.cuda.synchronize(device)  # pads are zero before any peer can write them
+            where = (socket.gethostname(), vendor.ipc_export(data), vendor.ipc_export(pad))
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by agree()
+            failure = f"{type(exc).__name__}: {exc}"
+        everyone = agree(group, rank, world, where, failure, "allocate GPU symmetric memory",
+                         on_failure=lambda: release(True))
+        hosts = sorted({host for host, _, _ in everyone})
+        if len(hosts) > 1:
+            release(True)
+            raise InvalidArgumentError(
+                f"symmetric memory over IPC needs every rank on one host; the group spans "
+                f"{hosts}. Set FICCO_TRANSPORT=ccl for multi-host groups")
+        spans, pads, failure = [], [], None
+        try:
+            for peer, (_, data_handle, pad_handle) in enumerate(everyone):
+                if peer == rank:
+                    spans.append(data_span)
+                    pads.append(pad_span)
+                    continue
+                address = vendor.ipc_open(data_handle)
+                opened.append(address)
+                spans.append(tensor_at(address, aligned(nbytes), device))
+                address = vendor.ipc_open(pad_handle)
+                opened.append(address)
+                pads.append(tensor_at(address, pad_bytes(world), device))
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by agree()
+            failure = f"mapping rank {peer}: {type(exc).__name__}: {exc}"
+        # Every rank mapped every peer before anyone signals; a failure raises everywhere.
+        agree(group, rank, world, True, failure, "map GPU symmetric memory",
+              on_failure=lambda: release(True))
+        pads = [p[: SIGNAL_CHANNELS * world * 4].view(torch.int32).view(SIGNAL_CHANNELS, world)
+                for p in pads]
+        return GpuSymmHandle(self.backend, rank, world, nbytes, spans, pads, release)

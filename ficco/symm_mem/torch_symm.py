@@ -1,0 +1,82 @@
+"""torch's ``_symmetric_memory`` as a GPU provider, and the ``FICCO_SYMM`` choice between it and
+ours (:mod:`.ipc`)."""
+from __future__ import annotations
+
+import socket
+
+import torch
+import torch.distributed as dist
+
+from .. import config
+from . import Provider, SIGNAL_CHANNELS, aligned
+from .device import GpuSymmHandle, pad_bytes
+from .ipc import IpcSymmProvider, group_of, rank_world
+
+
+class TorchSymmProvider(Provider):
+    """torch's ``_symmetric_memory`` (one rank per GPU, CUDA; ROCm where torch supports it).
+    The signal pad is carved out of the same allocation so barriers work as with IPC."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def allocate(self, nbytes, group, device):
+        from torch.distributed import _symmetric_memory as torch_symm
+
+        group = group_of(group)
+        rank, world = rank_world(group)
+        total = aligned(nbytes) + pad_bytes(world)
+        local = torch_symm.empty(total, dtype=torch.uint8, device=device)
+        local[aligned(nbytes):].zero_()
+        torch.cuda.synchronize(device)
+        handle = torch_symm.rendezvous(local, group)
+        whole = [local if p == rank else handle.get_buffer(p, (total,), torch.uint8)
+                 for p in range(world)]
+        dist.barrier(group=group)
+        keep = [local, handle]  # torch frees the allocation once these are dropped
+        pads = [w[aligned(nbytes): aligned(nbytes) + SIGNAL_CHANNELS * world * 4]
+                .view(torch.int32).view(SIGNAL_CHANNELS, world) for w in whole]
+        return GpuSymmHandle(self.backend, rank, world, nbytes,
+                             [w[: aligned(nbytes)] for w in whole], pads,
+                             release=lambda peers_done=True: keep.clear())
+
+
+class AutoSymmProvider(Provider):
+    """Which symmetric memory a GPU group gets, by ``FICCO_SYMM``:
+
+    - ``ipc`` (default): our provider over IPC handles. It is the one verified on hardware
+      (several ranks sharing an H100), and CUDA IPC with lazy peer access is the standard way
+      for one-rank-per-GPU processes of a node too.
+    - ``auto``: torch's ``_symmetric_memory`` when every rank has its own GPU on one host
+      (its intended setting), IPC otherwise. Not yet run on a multi-GPU node, hence opt-in.
+    - ``torch``: torch's provider always (fails where torch cannot serve the group).
+    """
+
+    def __init__(self, backend):
+        self.ipc = IpcSymmProvider(backend)
+        self.torch = TorchSymmProvider(backend)
+
+    def allocate(self, nbytes, group, device):
+        group = group_of(group)
+        _, world = rank_world(group)
+        choice = config.get("FICCO_SYMM")
+        if choice == "torch":
+            return self.torch.allocate(nbytes, group, device)
+        if choice == "ipc" or world == 1 or not _torch_symm_usable():
+            return self.ipc.allocate(nbytes, group, device)
+        props = torch.cuda.get_device_properties(device)
+        placement = (socket.gethostname(), str(getattr(props, "uuid", "")) or props.name +
+                     str(getattr(props, "pci_bus_id", device.index)))
+        everyone = [None] * world
+        dist.all_gather_object(everyone, placement, group=group)
+        if len(set(everyone)) == world and len({host for host, _ in everyone}) == 1:
+            return self.torch.allocate(nbytes, group, device)
+        return self.ipc.allocate(nbytes, group, device)
+
+
+def _torch_symm_usable() -> bool:
+    try:
+        from torch.distributed import _symmetric_memory as torch_symm
+    except ImportError:
+        return False
+    return hasattr(torch_symm, "empty") and hasattr(torch_symm, "rendezvous")
