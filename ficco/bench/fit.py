@@ -93,7 +93,8 @@ def fit_cil(cil_recs: list[dict]) -> dict:
     best = None
     for exponent in range(8 * 4, 11 * 8 + 1):     # 1e4 .. 1e11 bytes, 8 steps per decade
         half = 10 ** (exponent / 8)
-        fit, sse = {"mt_half_bytes": half}, 0.0
+        # The form fitted here: s(MT) with exponent 1, felt alike by GEMM and copies.
+        fit, sse = {"mt_half_bytes": half, "mt_exp": 1.0, "copy_mt_power": 1.0}, 0.0
         for key, pts in series.items():
             xs = [mt / (mt + half) for mt, _ in pts]
             cap = 2 * max(max(excess for _, excess in pts), 0.0)
