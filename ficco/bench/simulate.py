@@ -8,6 +8,7 @@ pick). No GPU needed::
 
     python -m ficco.bench simulate --profile mi300x --scenarios paper --world 8
     python -m ficco.bench simulate --profile h100 --shape 65536,8192,8192 --out /tmp/sim
+    python -m ficco.bench simulate --op matmul-reduce-scatter --scenarios llama --profile h100
 """
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ from ..errors import InvalidArgumentError
 from ..heuristics import model, profiles, simulator
 from ..heuristics.paper import paper_choice
 from ..heuristics.scenarios import PAPER_TABLE_I, gemm_problem
+from ..problem import Problem
 
 EXAMPLES = """\
   python -m ficco.bench simulate --profile mi300x --scenarios paper --world 8
   python -m ficco.bench simulate --profile h100 --shape 65536,8192,8192 --out /tmp/sim
-  python -m ficco.bench simulate --profile my_profile.json --no-png"""
+  python -m ficco.bench simulate --profile my_profile.json --no-png
+  python -m ficco.bench simulate --op matmul-reduce-scatter --scenarios llama --profile h100"""
 
 SHORT = {"serial": "serial", "ring": "ring", "ring-bidir": "ring-bi", "gated-1d": "gated1d",
          "gated-2d": "gated2d"}
@@ -40,8 +43,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--profile", default="mi300x",
                         help=f"built-in profile ({', '.join(profiles.builtin_names())}) or a "
                              f"profile JSON path")
-    parser.add_argument("--scenarios", default="paper", choices=["paper", "none"],
-                        help="scenario set: paper = Table I g1-g16, none = only --shape")
+    parser.add_argument("--op", default="all-gather-matmul",
+                        choices=["all-gather-matmul", "matmul-reduce-scatter"],
+                        help="which op's schedules: the all-gather in front of a column-"
+                             "parallel GEMM, or the reduce-scatter after a row-parallel one")
+    parser.add_argument("--scenarios", default="paper", choices=["paper", "llama", "none"],
+                        help="scenario set: paper = Table I g1-g16, llama = the llama 8B/70B/"
+                             "405B GEMMs at seq 8192, TP = --world (column-parallel qkv/upgate "
+                             "for all-gather, row-parallel o/down for reduce-scatter), none = "
+                             "only --shape")
     parser.add_argument("--shape", action="append", default=[], metavar="M,N,K",
                         help="an extra layer GEMM (M rows gathered, N weight columns split "
                              "over the world, K); repeatable")
@@ -60,8 +70,37 @@ def add_arguments(parser) -> None:
                              "Triton on the device) and let the model pick among them")
 
 
+def _op(args) -> str:
+    return getattr(args, "op", "all-gather-matmul").replace("-", "_")
+
+
+def _problem(args, big_m: int, n: int, k: int):
+    """The Problem of one layer GEMM (M, N, K) for the chosen op: all-gather splits N over the
+    world, reduce-scatter splits K (each rank holds its K-shard of the weight)."""
+    if _op(args) == "matmul_reduce_scatter":
+        return Problem(big_m, max(k // args.world, 1), (n,), args.dtype, args.world,
+                       op="matmul_reduce_scatter")
+    return gemm_problem(big_m, n, k, args.world, args.dtype)
+
+
+def _llama(args) -> list[tuple[str, tuple[int, int, int]]]:
+    from .scenarios import llama
+
+    row_parallel = _op(args) == "matmul_reduce_scatter"
+    out = []
+    for preset in ("8B", "70B", "405B"):
+        for sc in llama(preset, 8192, args.world):
+            if sc.name.endswith(("-o", "-down")) == row_parallel:
+                # presets are per rank: back to the layer GEMM the problem splits again
+                n, k = (sc.n, sc.k * args.world) if row_parallel else (sc.n * args.world, sc.k)
+                out.append((sc.name.removeprefix("llama-"), (sc.big_m, n, k)))
+    return out
+
+
 def scenarios(args) -> list[tuple[str, tuple[int, int, int]]]:
     chosen = list(PAPER_TABLE_I.items()) if args.scenarios == "paper" else []
+    if args.scenarios == "llama":
+        chosen = _llama(args)
     for text in args.shape:
         try:
             big_m, n, k = (int(v) for v in text.split(","))
@@ -82,18 +121,20 @@ def run(args) -> dict:
     topology = args.topology or profile.topology
     low, high = config.paper_thresholds()
     engines = config.copy_engines()
-    report = {"profile": profile.name, "world": args.world, "dtype": args.dtype,
+    op = _op(args)
+    report = {"profile": profile.name, "world": args.world, "dtype": args.dtype, "op": op,
               "transport": args.transport, "topology": topology, "scenarios": []}
-    names = schedules.names() + (schedules.optional_names() if getattr(args, "optional", False)
-                                 else [])
+    names = schedules.names(op=op) + (schedules.optional_names(op=op)
+                                      if getattr(args, "optional", False) else [])
     report["schedules"] = names
     for name, (big_m, n, k) in scenarios(args):
-        problem = gemm_problem(big_m, n, k, args.world, args.dtype)
+        problem = _problem(args, big_m, n, k)
         times = model.predict_all(problem, profile, topology, args.transport, engines, names)
         serial_s = times["serial"]
         pick_model, _, _ = model.model_choice(problem, profile, topology, args.transport,
                                               engines, names)
-        pick_paper, score, _ = paper_choice(problem, profile, low, high)
+        pick_paper, score = (paper_choice(problem, profile, low, high)[:2]
+                             if op == "all_gather_matmul" else ("(model)", 0.0))
         serial_run = model.simulate_schedule("serial", problem, profile, topology,
                                              args.transport, engines)
         report["scenarios"].append({
@@ -109,7 +150,8 @@ def table(report: dict) -> str:
     names = report.get("schedules") or schedules.names()
     head = f"{'scenario':<10} {'serial ms':>10} {'ideal':>6} " \
         + " ".join(f"{short_name(s):>7}" for s in names) + f"  {'paper':<18} {'model':<18}"
-    lines = [f"profile {report['profile']} ({report['topology']}), W={report['world']}, "
+    lines = [f"{report.get('op', 'all_gather_matmul')}: "
+             f"profile {report['profile']} ({report['topology']}), W={report['world']}, "
              f"{report['dtype']}, transport {report['transport']}; speedup over serial",
              head, "-" * len(head)]
     for sc in report["scenarios"]:
@@ -127,7 +169,7 @@ def draw(report: dict, args, out_dir: Path) -> list[Path]:
     profile = profiles.load(args.profile)
     paths = []
     for sc in report["scenarios"]:
-        problem = gemm_problem(sc["M"], sc["N"], sc["K"], args.world, args.dtype)
+        problem = _problem(args, sc["M"], sc["N"], sc["K"])
         rows = []
         for label in dict.fromkeys(["serial", sc["picks"]["model"]]):
             result = model.simulate_schedule(label, problem, profile, report["topology"],
