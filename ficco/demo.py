@@ -1,6 +1,7 @@
-"""``python -m ficco demo``: spawn 4 CPU ranks, run every schedule over both transports on a
+"""``python -m ficco demo``: spawn 4 CPU ranks, run every schedule of both ops
+(``all_gather_matmul`` and its inverse ``matmul_reduce_scatter``) over both transports on a
 few shapes (one scaled from the FiCCO paper's Table I), check each against a float64
-reference and print a table. No torchrun needed; finishes in well under a minute."""
+reference and print a table. No torchrun needed; finishes in about a minute."""
 from __future__ import annotations
 
 import os
@@ -17,6 +18,23 @@ SHAPES = [("g6 / 512 (Table I, scaled)", 128, 256, 256), ("uneven 37 x 96 x 200"
 TOL = 1e-4
 
 
+def _case(ficco, op, name, rank, world, case, shape):
+    """(call, float64 reference) of one demo case. The reduce-scatter case is the all-gather's
+    transpose: every rank holds all W*m rows of ``a`` and a K/W slice, and gets its m rows."""
+    _, m, n, k = shape
+    gen = torch.Generator().manual_seed(1000 + case)
+    full = torch.randn(world * m, k, generator=gen)
+    b = torch.randn(k, n, generator=gen)
+    if op == "all_gather_matmul":
+        shard = full[rank * m:(rank + 1) * m]
+        return (lambda: ficco.all_gather_matmul(shard, b, schedule=name),
+                full.double() @ b.double())
+    k0, k1 = rank * k // world, (rank + 1) * k // world
+    a_r, b_r = full[:, k0:k1], b[k0:k1]
+    ref = (full.double() @ b.double())[rank * m:(rank + 1) * m]
+    return lambda: ficco.matmul_reduce_scatter(a_r, b_r, schedule=name), ref
+
+
 def _rank(rank, world, init_file, results):
     os.environ.setdefault("FICCO_BACKEND", "cpu")
     torch.set_num_threads(1)
@@ -25,28 +43,25 @@ def _rank(rank, world, init_file, results):
     import ficco
 
     rows = []
-    for name in ficco.schedules.names():
-        for transport in ("dma", "ccl"):
-            worst, times = 0.0, []
-            for case, (_, m, n, k) in enumerate(SHAPES):
-                gen = torch.Generator().manual_seed(1000 + case)
-                full = torch.randn(world * m, k, generator=gen)
-                b = torch.randn(k, n, generator=gen)
-                ref = full.double() @ b.double()
-                shard = full[rank * m:(rank + 1) * m]
-                with ficco.config.scope(transport=transport):
-                    out = ficco.all_gather_matmul(shard, b, schedule=name)
-                    err = ((out.double() - ref).norm() / ref.norm()).item()
-                    worst = max(worst, err if err == err else float("inf"))
-                    if case == 0:
-                        for _ in range(3):
-                            dist.barrier()
-                            start = time.perf_counter()
-                            ficco.all_gather_matmul(shard, b, schedule=name)
-                            times.append(time.perf_counter() - start)
-            slowest = torch.tensor([statistics.median(times), worst], dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            rows.append((name, transport, slowest[1].item(), slowest[0].item()))
+    for op in ("all_gather_matmul", "matmul_reduce_scatter"):
+        for name in ficco.schedules.names(op=op):
+            for transport in ("dma", "ccl"):
+                worst, times = 0.0, []
+                for case, shape in enumerate(SHAPES):
+                    run, ref = _case(ficco, op, name, rank, world, case, shape)
+                    with ficco.config.scope(transport=transport):
+                        out = run()
+                        err = ((out.double() - ref).norm() / ref.norm()).item()
+                        worst = max(worst, err if err == err else float("inf"))
+                        if case == 0:
+                            for _ in range(3):
+                                dist.barrier()
+                                start = time.perf_counter()
+                                run()
+                                times.append(time.perf_counter() - start)
+                slowest = torch.tensor([statistics.median(times), worst], dtype=torch.float64)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                rows.append((op, name, transport, slowest[1].item(), slowest[0].item()))
     if rank == 0:
         results.extend(rows)
     ficco.shutdown()
@@ -64,12 +79,13 @@ def main(world: int = 4) -> int:
         rows = list(results)
     print(f"ficco demo: {world} CPU ranks, float32, shapes: " + "; ".join(
         f"{label} (m={m}, n={n}, K={k})" for label, m, n, k in SHAPES))
-    print(f"{'schedule':<20} {'transport':<9} {'max rel err':>12} {'median ms':>10}  ok")
+    print(f"{'op':<22} {'schedule':<20} {'transport':<9} {'max rel err':>12} {'median ms':>10}"
+          f"  ok")
     failed = 0
-    for name, transport, err, seconds in rows:
+    for op, name, transport, err, seconds in rows:
         ok = err <= TOL
         failed += not ok
-        print(f"{name:<20} {transport:<9} {err:>12.2e} {seconds * 1e3:>10.2f}  "
+        print(f"{op:<22} {name:<20} {transport:<9} {err:>12.2e} {seconds * 1e3:>10.2f}  "
               f"{'yes' if ok else 'NO'}")
     print(f"{len(rows) - failed}/{len(rows)} within tolerance {TOL:g}; "
           f"{time.perf_counter() - start:.1f}s in all. Timings on CPU threads say nothing "
