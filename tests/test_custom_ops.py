@@ -221,6 +221,8 @@ def _layouts(rank, world, seed):
     gen = torch.Generator().manual_seed(seed)
     found = []
     for op, shape, dim, ns, ret in FAKE_CASES:
+        if world > 1 and 0 in shape:
+            continue   # zero-row shards: checked at W=1; the W>1 runtime path is issue 10's
         shape = list(shape)
         if op == "rs":
             shape[dim] *= world
