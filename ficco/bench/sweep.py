@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InvalidArgumentError
+from . import rs_inputs
 from . import results, scenarios
 
 # max |C - ref| / max |ref| above which a schedule's result counts as wrong
@@ -40,6 +41,7 @@ EXAMPLES = """\
 
 def add_arguments(parser) -> None:
     scenarios.add_arguments(parser)
+    rs_inputs.add_op_argument(parser)
     parser.add_argument("--schedules", default=None,
                         help="comma list of schedule names (default: every schedule)")
     parser.add_argument("--transports", default="dma",
@@ -245,26 +247,36 @@ def run_scenario(sc, entries, args, dtype: str, device, rank: int, world: int, e
                  progress) -> list[dict]:
     """Time every entry on one scenario; returns this scenario's records (same on all ranks)."""
     torch.manual_seed(args.seed * 7919 + rank)
-    problem = sc.problem(world, rank, dtype)
-    tdtype = problem.torch_dtype
-    a = torch.randn(problem.m, sc.k, device=device).to(tdtype)
-    n = problem.ns[0]
-    b = (torch.randn(sc.k, n, device=device) / sc.k ** 0.5).to(tdtype)
-    gathered = torch.empty(problem.big_m, sc.k, device=device, dtype=tdtype)
-    all_gather_rows(gathered, a)
     # float64 reference on CPU, float32 on GPUs where float64 GEMMs crawl; at most
     # CHECKED_ROWS rows, spread over every rank's shard, so a full-size check fits in memory
     ref_dtype = torch.float64 if device.type == "cpu" else torch.float32
-    rows = torch.linspace(0, problem.big_m - 1, min(problem.big_m, CHECKED_ROWS),
-                          device=device).round().long().unique()
-    reference = gathered[rows].to(ref_dtype) @ b.to(ref_dtype)
-    ref_scale = max(reference.abs().max().item(), 1e-30)
-    gemm_times = time_calls(lambda: torch.matmul(gathered, b), args.warmup, args.repeat, device)
-    comm_times = time_calls(lambda: all_gather_rows(gathered, a), args.warmup,
-                            args.repeat, device)
+    if rs_inputs.wants(args):   # the row-parallel GEMM, reduce-scattered (ficco/bench/rs_inputs.py)
+        problem = rs_inputs.problem(sc, world, rank, dtype)
+        a, b = rs_inputs.operands(problem, device, args.seed * 7919 + rank)
+        n = problem.ns[0]
+        rows, reference = rs_inputs.block_reference(problem, a, b, CHECKED_ROWS, ref_dtype)
+        product = torch.matmul(a, b)
+        gemm_fn, comm_fn = (lambda: torch.matmul(a, b)), rs_inputs.comm_call(problem, product)
+    else:
+        problem = sc.problem(world, rank, dtype)
+        tdtype = problem.torch_dtype
+        a = torch.randn(problem.m, sc.k, device=device).to(tdtype)
+        n = problem.ns[0]
+        b = (torch.randn(sc.k, n, device=device) / sc.k ** 0.5).to(tdtype)
+        gathered = torch.empty(problem.big_m, sc.k, device=device, dtype=tdtype)
+        all_gather_rows(gathered, a)
+        rows = torch.linspace(0, problem.big_m - 1, min(problem.big_m, CHECKED_ROWS),
+                              device=device).round().long().unique()
+        reference = gathered[rows].to(ref_dtype) @ b.to(ref_dtype)
+        gemm_fn, comm_fn = (lambda: torch.matmul(gathered, b)), \
+            (lambda: all_gather_rows(gathered, a))
+    ref_scale = max(reference.abs().max().item(), 1e-30) if reference is not None else 1.0
+    gemm_times = time_calls(gemm_fn, args.warmup, args.repeat, device)
+    comm_times = time_calls(comm_fn, args.warmup, args.repeat, device)
     gemm_s = results.timing_summary(gemm_times)["median_s"]
     comm_s = results.timing_summary(comm_times)["median_s"]
     base = dict(schema=results.SWEEP_SCHEMA, scenario=sc.name, source=sc.source,
+                op=problem.op,
                 big_m=problem.big_m, n=n, n_layer=sc.n, k=sc.k, m=problem.m, dtype=dtype,
                 world=world,
                 warmup=args.warmup, repeat=args.repeat, gemm_s=gemm_s, comm_s=comm_s,
@@ -275,7 +287,10 @@ def run_scenario(sc, entries, args, dtype: str, device, rank: int, world: int, e
         rec = dict(base, schedule=name, transport=transport, kind=kind, status="ok", reason="",
                    times_s=[], median_s=None, p10_s=None, p90_s=None, max_abs_err=None)
         if name == TORCH_FUSED:
-            fn, skip = _torch_fused_call(a, b, device)
+            fn, skip = rs_inputs.torch_fused_call(a, b, device, world) if problem.reduces \
+                else _torch_fused_call(a, b, device)
+        elif problem.reduces:
+            fn, skip = rs_inputs.ficco_call(a, b, name, transport), None
         else:
             fn, skip = _ficco_call(a, b, name, transport), None
         if skip:
@@ -285,7 +300,8 @@ def run_scenario(sc, entries, args, dtype: str, device, rank: int, world: int, e
             try:
                 out = fn()
                 synchronize(device)
-                err = (out[rows].to(ref_dtype) - reference).abs().max().item()
+                err = (out[rows].to(ref_dtype) - reference).abs().max().item() \
+                    if len(rows) else 0.0
                 del out
                 rec["max_abs_err"] = err
                 if not err / ref_scale <= RELATIVE_TOLERANCE[dtype]:
@@ -373,10 +389,11 @@ def main(args) -> int:
     if not args.single_rank:
         require_torchrun("sweep", "--shape 2048,1024,1024", single_rank_ok=True)
     rank, world, backend, device, dtype = start_run(args.dtype)
-    names = ficco.schedules.names()
+    op = getattr(args, "op", "all-gather-matmul").replace("-", "_")
+    names = ficco.schedules.names(op=op)
     schedules = [s for s in args.schedules.split(",") if s] if args.schedules else names
     for s in schedules:
-        ficco.schedules.get(s)  # unknown names fail here, before any timing
+        ficco.schedules.get(s, op=op)  # unknown names fail here, before any timing
     transports = [t for t in args.transports.split(",") if t]
     if not transports or any(t not in ("dma", "ccl") for t in transports):
         raise InvalidArgumentError(f"--transports {args.transports!r}; use dma, ccl or dma,ccl")

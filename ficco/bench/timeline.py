@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InvalidArgumentError
+from . import rs_inputs
 from . import results, scenarios
 from .cli import require_plots, require_torchrun, run_dir
 from .sweep import agree_on_failure, all_gather_rows, check_memory, start_run, synchronize
@@ -35,6 +36,7 @@ EXAMPLES = """\
 
 def add_arguments(parser) -> None:
     scenarios.add_arguments(parser)
+    rs_inputs.add_op_argument(parser)
     parser.add_argument("--schedule", default="uniform-fused-1d", help="schedule to draw")
     parser.add_argument("--no-plots", action="store_true",
                         help="write the JSON and the trace only (no matplotlib needed)")
@@ -66,7 +68,7 @@ def main(args) -> int:
     rank, world, backend, device, dtype = start_run(args.dtype)
     if args.rank != "all" and not (args.rank.isdigit() and int(args.rank) < world):
         raise InvalidArgumentError(f"--rank {args.rank!r}: use 'all' or a rank below {world}")
-    ficco.schedules.get(args.schedule)
+    ficco.schedules.get(args.schedule, op=args.op.replace("-", "_"))
     if not args.shape and not args.scenarios:
         args.shape = ["2048,1024,1024"]
     scenario = scenarios.from_args(args, world)[0]
@@ -78,6 +80,15 @@ def main(args) -> int:
     too_big = agree_on_failure(too_big)
     if too_big:
         raise InvalidArgumentError(too_big)
+    if rs_inputs.wants(args):   # the row-parallel GEMM (ficco/bench/rs_inputs.py)
+        plan, rows, max_abs_err = rs_inputs.traced_run(scenario, args, world, rank, dtype,
+                                                       device)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, {"rows": rows, "max_abs_err": max_abs_err})
+        if rank == 0:
+            _write(args, scenario, plan, everyone, backend, device, world)
+        dist.barrier()
+        return 0
     problem = scenario.problem(world, rank, dtype)
     torch.manual_seed(rank + 1)
     a = torch.randn(problem.m, scenario.k, device=device).to(problem.torch_dtype)
