@@ -26,7 +26,8 @@ from .errors import CommTimeoutError, FiccoError, MismatchError
 
 _AGREED_LIMIT = 1024                     # distinct (group, signature) entries kept (LRU)
 _agreed: "OrderedDict[tuple, bool]" = OrderedDict()   # -> whether all ranks share a host
-_sequence: dict = {}                     # group id -> number of exchanges so far
+_sequence: dict = {}                     # group id -> number of exchanges in this epoch
+_epoch = [0]                             # ficco.shutdown() calls: a reset every rank makes
 _lock = threading.Lock()
 
 
@@ -36,11 +37,13 @@ def digest(signature: dict) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
-def agree(group, world: int, rank: int, signature: dict, op: str) -> bool:
-    """Every rank of ``group`` called with ``signature``: returns whether all ranks share this
-    host. The first sight of a signature exchanges it in full (bounded); later sights are a
-    dictionary lookup here and a digest check in the call (:func:`check_digest`)."""
-    key = (group_id(group), digest(signature))
+def agree(group, world: int, rank: int, signature: dict, op: str,
+          word: int | None = None) -> bool:
+    """Every rank of ``group`` called with ``signature`` (digest ``word``): returns whether
+    all ranks share this host. The first sight of a signature exchanges it in full (bounded);
+    later sights are a dictionary lookup here, and the runtime checks the digest of every
+    call (in the dma workspace's call header, or one tiny collective on ccl)."""
+    key = (group_id(group), digest(signature) if word is None else word)
     with _lock:
         if key in _agreed:
             _agreed.move_to_end(key)
@@ -52,9 +55,9 @@ def agree(group, world: int, rank: int, signature: dict, op: str) -> bool:
     if differ:
         detail = "; ".join(f"rank {r}: " + ", ".join(f"{f}={info.get(f)}" for f in differ)
                            for r, (info, _) in enumerate(everyone))
-        raise MismatchError(f"ranks of one group called {op} with different "
-                            f"{', '.join(differ)} ({detail}); every rank must pass the same "
-                            f"shapes, dtypes and settings")
+        raise consistent(MismatchError(
+            f"ranks of one group called {op} with different {', '.join(differ)} ({detail}); "
+            f"every rank must pass the same shapes, dtypes and settings"))
     same_host = len({host for _, host in everyone}) == 1
     with _lock:
         _agreed[key] = same_host
@@ -79,7 +82,7 @@ def exchange(group, world: int, rank: int, payload, *, what: str) -> list:
     gid = group_id(group)
     with _lock:
         seq = _sequence[gid] = _sequence.get(gid, 0) + 1
-    prefix = f"ficco/{seq}/"
+    prefix = f"ficco/{_epoch[0]}/{seq}/"
     store.set(f"{prefix}{rank}", pickle.dumps((what, payload)))
     keys = [f"{prefix}{r}" for r in range(world)]
     timeout_s = config.timeout_s()
@@ -87,14 +90,14 @@ def exchange(group, world: int, rank: int, payload, *, what: str) -> list:
         store.wait(keys, datetime.timedelta(seconds=timeout_s))
     except Exception as exc:  # noqa: BLE001 - torch raises DistStoreError or RuntimeError
         missing = [r for r, k in enumerate(keys) if not _has(store, k)]
-        raise CommTimeoutError(
+        raise _missing(missing, CommTimeoutError(
             f"rank {rank}: {what} (exchange {seq} on group {gid}) waited {timeout_s:.1f}s for "
             f"rank(s) {missing}; they are dead, stuck, or skipped this call. Raise "
-            f"FICCO_TIMEOUT if they are only slow") from exc
+            f"FICCO_TIMEOUT if they are only slow")) from exc
     tagged = [pickle.loads(store.get(k)) for k in keys]
     if seq > 2:
         # Every rank finished reading exchange seq-2 before it could write exchange seq-1.
-        _delete(store, f"ficco/{seq - 2}/{rank}")
+        _delete(store, f"ficco/{_epoch[0]}/{seq - 2}/{rank}")
     doing = {r: tag for r, (tag, _) in enumerate(tagged) if tag != what}
     if doing:
         raise MismatchError(f"rank {rank} was in {what} while rank(s) {sorted(doing)} were in "
@@ -128,14 +131,33 @@ def wait_bounded(work, *, rank: int, what: str) -> None:
 
 def forget(group=None) -> None:
     """Drop what was agreed (all groups, or one): ``ficco.shutdown`` and group destruction.
-    The exchange counters stay: the store may still hold keys of earlier exchanges."""
+    A full reset starts a new epoch of exchanges, so ranks that fell out of step (one timed
+    out in an exchange the others never entered) are in step again once every rank reset."""
     with _lock:
         if group is None:
             _agreed.clear()
+            _sequence.clear()
+            _epoch[0] += 1
             return
-        gid = group_id(group)
+    forget_id(group_id(group))
+
+
+def forget_id(gid: str) -> None:
+    with _lock:
         for key in [k for k in _agreed if k[0] == gid]:
             del _agreed[key]
+
+
+def _missing(ranks: list[int], exc: CommTimeoutError) -> CommTimeoutError:
+    exc.missing = ranks
+    return exc
+
+
+def consistent(exc: MismatchError) -> MismatchError:
+    """Mark a MismatchError that every rank raises from the same data: the ranks stay in step
+    and the group stays usable."""
+    exc.consistent = True
+    return exc
 
 
 def _store(group):

@@ -28,3 +28,13 @@ class BackendUnavailableError(FiccoError):
 
 class BackendCallError(FiccoError):
     """A vendor runtime call (CUDA driver/runtime, HIP) returned an error status."""
+
+
+class PoisonedGroupError(FiccoError):
+    """An earlier call on this group failed part-way, so ranks may be out of step; ficco
+    refuses to run on the group (rather than compute on leftovers) until it is reset."""
+
+
+class TransportError(FiccoError):
+    """Moving bytes between ranks failed (a collective, a peer's connection); the message
+    names the rank, op, schedule and peers, and the original error is the cause."""

@@ -11,16 +11,18 @@ nowhere else.
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import statistics
 import threading
 import time
 from collections import OrderedDict
 
-from . import agreement, config, profiling
+from . import agreement, config, guard, profiling
 from .backends import close_all
 from .call import Call, settings as read_settings
 from .config import TRANSPORT_SETTINGS
-from .errors import ConfigError, InvalidArgumentError
+from .errors import ConfigError, InvalidArgumentError, MismatchError
 from .executor import execute as execute_plan
 from .symm_mem import workspace
 
@@ -74,17 +76,40 @@ def run(call: Call, schedule: str | None = None, transport: str | None = None,
     """The eager implementation of every op: the caller's result for ``call``.
 
     ``schedule``/``transport``/``selector`` override the settings (argument > env > selector).
+    Calls on one group are serialised (one at a time per process); a call that fails after
+    communication began leaves the group refusing further calls until ``ficco.shutdown()``
+    on every rank (or, after a failed ``ccl`` collective, until the group is destroyed).
     """
     with profiling.call_range(call.op.name, getattr(call, "problem", None)):
-        s = settings(call, schedule, transport, selector)
-        if call.world == 1:
-            return call.op.plain(call)
-        same_host = agree(call, s)
-        if s["disable"] or call.plain_only:
-            return call.op.plain(call)
-        decision = decide(call, s, same_host)
-        buffers, _, _ = execute(call, decision.schedule, decision.transport)
-        return call.op.result(call, buffers, decision.transport)
+        return _run(call, schedule, transport, selector)
+
+
+def _run(call: Call, schedule, transport, selector):
+    s = settings(call, schedule, transport, selector)
+    if call.world == 1:
+        return call.op.plain(call)
+    with guard.serialised(call):
+        guard.refuse_if_poisoned(call)
+        sig = signature(call, s)
+        word = agreement.digest(sig)
+        stage = {"transport": None}
+        try:
+            same_host = agreement.agree(call.group, call.world, call.rank, sig, call.op.name,
+                                        word)
+            if s["disable"] or call.plain_only:
+                stage["transport"] = "ccl"      # the plain path is a process-group collective
+                return call.op.plain(call)
+            decision = decide(call, s, same_host)
+            stage["transport"] = decision.transport
+            if decision.transport == "ccl":
+                guard.check_word_ccl(call, word)
+            buffers, _, _ = execute(call, decision.schedule, decision.transport, word=word)
+            return call.op.result(call, buffers, decision.transport)
+        except BaseException as exc:
+            named = guard.failed(call, exc, stage["transport"])
+            if named is exc:
+                raise
+            raise named from exc
 
 
 def candidate_transports(setting: str, same_host: bool) -> tuple[str, ...]:
@@ -118,6 +143,13 @@ def plan_for(call_or_op, name: str, transport: str, problem):
             _plans.move_to_end(key)
             return plan
     plan = op.schedule(name).plan(problem, transport, engines)
+    if config.log_level() == "debug":
+        counts = {}
+        for item in plan.ops:
+            counts[item.kind] = counts.get(item.kind, 0) + 1
+        logging.getLogger("ficco").debug(
+            "ficco plan rank %d: %s %s over %s, %d ops %s", problem.rank, op.name, name,
+            transport, len(plan.ops), counts)
     with _plans_lock:
         _plans[key] = plan
         while len(_plans) > _PLAN_LIMIT:
@@ -125,25 +157,48 @@ def plan_for(call_or_op, name: str, transport: str, problem):
     return plan
 
 
-def execute(call: Call, name: str, transport: str, trace: bool = False):
-    """Run schedule ``name`` over ``transport`` once: returns (buffers, plan, trace rows)."""
+def execute(call: Call, name: str, transport: str, trace: bool = False,
+            word: int | None = None):
+    """Run schedule ``name`` over ``transport`` once: returns (buffers, plan, trace rows).
+    With ``word`` (the call's digest) a dma run checks afterwards that every peer ran a call
+    with the same digest, and raises MismatchError on every rank otherwise."""
     p = call.problem
     plan = plan_for(call, name, transport, p)
     _last.run = (name, transport)
-    symm = None
+    symm = token = None
     if transport == "dma":
         symm = workspace.get(call.group, call.backend, call.op.workspace_bytes(call))
-    buffers = call.op.buffers(call, transport, symm)
+        if word is not None:
+            token = workspace.stamp(symm, word)
+    buffers = call.op.buffers(call, transport, symm, wide=_accumulates_low_precision(plan))
     if config.get("FICCO_POISON"):
         call.op.poison(buffers)
     try:
         rows = execute_plan(plan, call.backend, buffers, timeout_s=config.timeout_s(),
                             trace=trace)
     except BaseException:
-        # The barrier generations of this workspace may now differ across ranks.
+        # Queues may still touch the workspace, and its barrier generations may now differ
+        # across ranks: stop the queues, then drop it (unmapped only once they drained).
+        workspace.drain(call.backend, cancel=True)
         workspace.drop(call.group, call.backend)
         raise
+    if token is not None:
+        differ = workspace.peers_differing(symm, token, word)
+        if differ:
+            raise agreement.consistent(MismatchError(
+                f"rank {call.rank}: rank(s) {differ} ran a different {call.op.name} call "
+                f"than this rank (other shapes, dtypes, settings or op; each was agreed at an "
+                f"earlier call); its result is discarded. Every rank must make the same calls "
+                f"in the same order"))
     return buffers, plan, rows
+
+
+def _accumulates_low_precision(plan) -> bool:
+    """The plan adds partial products into a bf16/fp16 output: accumulate in fp32 instead and
+    round once (DESIGN §7). Costs an fp32 output and one cast pass."""
+    if plan.problem.itemsize > 2:
+        return False
+    return any(getattr(op, "accumulate", False) for op in plan.ops)
 
 
 def measure(call: Call, name: str, transport: str, warmup: int = 2, repeat: int = 5) -> float:
@@ -165,17 +220,53 @@ def traced(call: Call, schedule: str, transport: str | None = None):
     """One run with a forced schedule: ``(result, plan, rows)``, rows being this rank's
     measured per-op ``{op_index, queue, kind, label, start_s, end_s}`` (for timelines)."""
     s = settings(call, schedule, transport)
-    same_host = agree(call, s) if call.world > 1 else True
-    via = candidate_transports(s["transport"], same_host)[0]
-    buffers, plan, rows = execute(call, call.op.schedule(schedule).name, via, trace=True)
+    with guard.serialised(call):
+        guard.refuse_if_poisoned(call)
+        try:
+            same_host = agree(call, s) if call.world > 1 else True
+            via = candidate_transports(s["transport"], same_host)[0]
+            buffers, plan, rows = execute(call, call.op.schedule(schedule).name, via, trace=True)
+        except BaseException as exc:
+            named = guard.failed(call, exc, None)
+            if named is exc:
+                raise
+            raise named from exc
     return call.op.result(call, buffers, via), plan, rows or []
 
 
+class _NotTunedYet(Exception):
+    pass
+
+
 def explain(call: Call, schedule: str | None = None):
-    """The Decision ``run`` would take for ``call``."""
+    """The Decision ``run`` would take for ``call``, made on this rank alone: no
+    communication, so one rank may explain while the others do something else. Before the
+    group agreed on this call, ``auto`` assumes every rank shares this host; before the
+    ``tune`` selector measured it, the decision is the ``model``'s prediction (and says so)."""
+    from .heuristics import choose
+
     s = settings(call, schedule)
-    same_host = agree(call, s) if call.world > 1 else True
-    return decide(call, s, same_host)
+    known = agreement.known(call.group, signature(call, s)) if call.world > 1 else True
+    transports = candidate_transports(s["transport"], True if known is None else known)
+
+    def not_measured(name):
+        raise _NotTunedYet(name)
+
+    kwargs = dict(transport=transports, target=call.backend.target(), forced=s["schedule"],
+                  forced_by=s["schedule_by"], agree=lambda flag: flag)
+    try:
+        decision = choose(call.problem, selector=s["selector"], measure=not_measured, **kwargs)
+    except _NotTunedYet:
+        model = choose(call.problem, selector="model", **kwargs)
+        decision = dataclasses.replace(
+            model, selector="tune", reason=f"not tuned yet: the first call measures every "
+                                           f"candidate; until then the model predicts: "
+                                           f"{model.reason}")
+    if known is None and s["transport"] == "auto" and call.world > 1:
+        decision = dataclasses.replace(
+            decision, reason=f"{decision.reason} (transport assumes one host: not yet agreed "
+                             f"with the other ranks)")
+    return decision
 
 
 def last_run() -> tuple[str, str] | None:
@@ -188,9 +279,11 @@ def shutdown() -> None:
     from .backends import _active
 
     for backend in list(_active.values()):
+        workspace.drain(backend, cancel=True)
         workspace.release_all(backend)
     workspace.release_all()
     with _plans_lock:
         _plans.clear()
     agreement.forget()
+    guard.reset()
     close_all()

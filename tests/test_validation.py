@@ -24,7 +24,7 @@ def _a(*shape, dtype=torch.float32):
     (("a", _a(8, 3)), {}, r"a_shard must be a torch.Tensor"),
     ((_a(4, 8), _a(8, 3)), {"gather_dim": 1}, r"last \(K\) dimension"),
     ((_a(2, 4, 8), _a(8, 3)), {"gather_dim": 5}, r"out of range.*use 0 … 1"),
-    ((_a(4, 8), _a(8, 3)), {"schedule": "fastest"}, r"unknown schedule 'fastest'.*serial"),
+    ((_a(4, 8), _a(8, 3)), {"schedule": "fastest"}, r"unknown (all_gather_matmul )?schedule 'fastest'.*serial"),
     ((_a(4, 8), _a(8, 3)), {"group": 3}, r"group must be a torch.distributed ProcessGroup"),
     ((_a(4, 8).to(torch.int32), _a(8, 3).to(torch.int32)), {}, r"dtype torch.int32 is not supported"),
     ((_a(4, 0), _a(0, 3)), {}, r"K=0"),

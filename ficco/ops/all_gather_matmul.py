@@ -95,10 +95,12 @@ class AllGatherMatmul(OpSpec):
         p = call.problem
         return p.big_m * p.k * p.itemsize
 
-    def buffers(self, call: AllGatherMatmulCall, transport: str, symm) -> Buffers:
+    def buffers(self, call: AllGatherMatmulCall, transport: str, symm, *,
+                wide: bool = False) -> Buffers:
         p = call.problem
         dev = call.a.device
-        outs = [torch.empty(p.big_m, n, dtype=call.a.dtype, device=dev) for n in p.ns]
+        out_dtype = torch.float32 if wide else call.a.dtype
+        outs = [torch.empty(p.big_m, n, dtype=out_dtype, device=dev) for n in p.ns]
         if symm is not None:
             gathered = symm.get_buffer(p.rank, (p.big_m, p.k), call.a.dtype)
         else:
@@ -107,7 +109,8 @@ class AllGatherMatmul(OpSpec):
 
     def result(self, call: AllGatherMatmulCall, buffers: Buffers, transport: str):
         # The symmetric workspace is reused by the next call: the caller gets its own copy.
-        return self._finish(call, buffers.outs, buffers.gathered, owned=buffers.symm is None)
+        outs = [o if o.dtype == call.a.dtype else o.to(call.a.dtype) for o in buffers.outs]
+        return self._finish(call, outs, buffers.gathered, owned=buffers.symm is None)
 
     def _finish(self, call: AllGatherMatmulCall, outs, gathered, owned: bool):
         results = [_restore(call, o) for o in outs]

@@ -8,7 +8,7 @@ plans, workspaces, executing, measuring) is shared and lives in :mod:`ficco.runt
     spec.signature(call)                        # fields every rank must share
     spec.plain(call)                            # FICCO_DISABLE and a world of one
     spec.workspace_bytes(call)                  # symmetric bytes a dma plan needs
-    buffers = spec.buffers(call, transport, symm)   # the tensors the plan names
+    buffers = spec.buffers(call, transport, symm, wide=...)   # the tensors the plan names
     spec.result(call, buffers, transport)       # canonical outputs -> the caller's layout
 
 Adding an op adds one module to ``ficco/ops/`` defining ``SPEC`` (see ``ops/__init__.py``).
@@ -57,8 +57,10 @@ class OpSpec(ABC):
         """Bytes of symmetric memory per rank a ``dma`` plan needs."""
 
     @abstractmethod
-    def buffers(self, call: Call, transport: str, symm) -> Any:
-        """The executor's Buffers for one run; ``symm`` is the workspace handle (dma) or None."""
+    def buffers(self, call: Call, transport: str, symm, *, wide: bool = False) -> Any:
+        """The executor's Buffers for one run; ``symm`` is the workspace handle (dma) or None.
+        ``wide``: the plan accumulates partial sums into a bf16/fp16 output, so make the
+        outputs float32 (rounded once by :meth:`result`), never rounded per partial sum."""
 
     def poison(self, buffers) -> None:
         """FICCO_POISON: fill what the plan must write with NaN so unwritten values show."""

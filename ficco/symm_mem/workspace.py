@@ -3,7 +3,15 @@ the allocations behind ``ficco.symm_mem.empty``.
 
 Lifetime rule: a mapping is closed only after the backend's queues drained (``drain``), since
 a copy or GEMM still queued may read it; a mapping whose queues cannot be drained in time is
-kept (the process exit frees it) rather than unmapped under a running queue.
+kept (the process exit frees it) rather than unmapped under a running queue. Allocations made
+by ``ficco.symm_mem.empty`` stay mapped until the process exits: their tensor, or any view of
+it, may be read after ``ficco.shutdown()``.
+
+Each workspace ends in a small *call header* per rank: two slots of (call count, call
+digest), written before each dma call and read from every peer after it (:func:`stamp`,
+:func:`peers_differing`), so ranks that disagree on a call raise instead of returning
+what a mismatched plan computed. Slot ``count % 2``: a peer cannot overwrite the slot of
+call c before this rank finished call c+1's first barrier.
 """
 from __future__ import annotations
 
@@ -12,12 +20,14 @@ import weakref
 
 import torch
 
+HEADER_BYTES = 64     # per rank: int64 [2 slots][count, digest], padded
+
 from ..call import group_id, group_rank_world, resolve_group
 from . import aligned, register_local
 
 _lock = threading.Lock()
 _workspaces: dict = {}          # (group id, backend name) -> handle
-_allocations: list = []         # handles made by ficco.symm_mem.empty
+_allocations: list = []         # handles made by ficco.symm_mem.empty (mapped until exit)
 _kept: list = []                # handles that could not be closed safely (queues busy)
 
 
@@ -26,9 +36,10 @@ def key_of(group, backend) -> tuple:
 
 
 def get(group, backend, nbytes: int):
-    """The workspace of (``group``, ``backend``) holding at least ``nbytes`` per rank.
-    Collective when it (re)allocates: every rank grows at the same call because every rank
-    agreed on the same problem first."""
+    """The workspace of (``group``, ``backend``) holding at least ``nbytes`` per rank (plus
+    the call header at its end). Collective when it (re)allocates: every rank grows at the
+    same call because every rank agreed on the same problem first."""
+    nbytes = aligned(nbytes) + HEADER_BYTES
     key = key_of(group, backend)
     with _lock:
         handle = _workspaces.get(key)
@@ -40,10 +51,38 @@ def get(group, backend, nbytes: int):
     handle = backend.symm_provider().allocate(grown, group, backend.device())
     with _lock:
         _workspaces[key] = handle
-    if handle is not None and group is not None:
-        # Destroying the group (and dropping it) releases its workspace, not only shutdown().
-        weakref.finalize(group, release, key, backend)
     return handle
+
+
+# -- the call header ---------------------------------------------------------------------------
+_headers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # handle -> [count, views]
+
+
+def stamp(handle, word: int):
+    """Write this call's (count, ``word``) into this rank's header; returns the token
+    :func:`peers_differing` needs, or None where headers are not host-readable (GPU memory:
+    there the check waits for a device-side digest in the barrier)."""
+    state = _headers.get(handle)
+    if state is None:
+        offset = handle.nbytes - HEADER_BYTES
+        views = [handle.get_buffer(r, (2, 2), torch.int64, offset) for r in range(handle.world)]
+        if views[0].device.type != "cpu":
+            return None
+        state = _headers[handle] = [0, views]
+    state[0] += 1
+    count, views = state
+    views[handle.rank][count % 2] = torch.tensor([count, word], dtype=torch.int64)
+    return count
+
+
+def peers_differing(handle, token, word: int) -> list[int]:
+    """Ranks whose header for this call holds another count or digest (after the call's
+    barriers: every peer stamped it before its first barrier)."""
+    if token is None:
+        return []
+    views = _headers[handle][1]
+    slot = token % 2
+    return [r for r, v in enumerate(views) if int(v[slot, 0]) != token or int(v[slot, 1]) != word]
 
 
 def held(group, backend) -> bool:
@@ -69,12 +108,15 @@ def _close(handle, backend) -> None:
     handle.close()
 
 
-def drain(backend) -> bool:
+def drain(backend, cancel: bool = False) -> bool:
     """True once every queue of ``backend`` finished what it was given (bounded by
-    FICCO_TIMEOUT); False when a queue is still busy."""
+    FICCO_TIMEOUT); False when a queue is still busy. ``cancel`` first tells the queues to
+    skip what is left (after a failure or an interrupt)."""
+    if cancel and hasattr(backend, "cancel"):
+        backend.cancel()
     try:
         backend.synchronize()
-    except Exception:  # noqa: BLE001 - a queue that fails to drain keeps its memory mapped
+    except BaseException:  # noqa: BLE001 - a queue that fails to drain keeps its memory mapped
         return False
     return True
 
@@ -92,16 +134,16 @@ def allocate_symmetric(shape, dtype, device, group):
     tensor = handle.get_buffer(rank, tuple(shape), dtype)
     register_local(handle, tensor)
     with _lock:
-        _allocations.append(handle)
+        _allocations.append(handle)   # never unmapped before exit: views may outlive anything
     return handle, tensor
 
 
 def release_all(backend=None) -> None:
-    """Close every workspace and symmetric allocation (``ficco.shutdown``)."""
+    """Close every workspace once the queues drained (``ficco.shutdown``). Allocations made
+    by ``ficco.symm_mem.empty`` close when their tensor is gone."""
     with _lock:
-        handles = list(_workspaces.values()) + _allocations
+        handles = list(_workspaces.values())
         _workspaces.clear()
-        _allocations.clear()
     if not handles:
         return
     if backend is not None and not drain(backend):

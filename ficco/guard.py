@@ -1,0 +1,155 @@
+"""The state of a group between calls: what keeps a failure, a disagreement or a second
+thread from turning into a wrong result.
+
+- **Serialised calls.** One call per group at a time in a process; a second thread waits its
+  turn (bounded by FICCO_TIMEOUT). Which thread's call a peer pairs with is not defined, so
+  threads sharing a group must make interchangeable calls (or each use its own group).
+- **Poisoned groups.** A call that fails after communication began may leave ranks out of
+  step (a peer still in a barrier, a collective still pending). The group then refuses every
+  call with :class:`~ficco.errors.PoisonedGroupError` until ``ficco.shutdown()`` ran on every
+  rank; after a failed process-group collective (``ccl``) until the group is destroyed, since
+  the collective itself may still be pending inside it.
+- **A digest per call on ccl**: one 16-byte all-reduce before the collectives (dma calls
+  carry it in the workspace's call header instead).
+- **Named failures**: a transport error becomes a :class:`~ficco.errors.TransportError`
+  naming rank, op, schedule and the peers that no longer answer, the original as its cause.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from . import agreement, config
+from .call import Call, group_id
+from .errors import (CommTimeoutError, FiccoError, InvalidArgumentError, MismatchError,
+                     PoisonedGroupError, TransportError)
+
+_lock = threading.Lock()
+_locks: dict = {}          # group id -> the lock serialising its calls
+_poisoned: dict = {}       # group id -> (reason, survives shutdown)
+_watched: set = set()      # group ids whose destruction we watch
+
+
+@contextlib.contextmanager
+def serialised(call: Call):
+    gid = group_id(call.group)
+    with _lock:
+        lock = _locks.setdefault(gid, threading.Lock())
+    _watch(call)
+    timeout_s = config.timeout_s()
+    if not lock.acquire(timeout=timeout_s):
+        raise CommTimeoutError(
+            f"rank {call.rank}: another thread's {call.op.name} call on group {gid} did not "
+            f"finish within FICCO_TIMEOUT ({timeout_s:.1f}s); calls on one group run one at "
+            f"a time")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def refuse_if_poisoned(call: Call) -> None:
+    entry = _poisoned.get(group_id(call.group))
+    if entry is None:
+        return
+    reason, sticky = entry
+    fix = ("destroy this process group (dist.destroy_process_group(group)) and create a new "
+           "one: a collective of the failed call may still be pending in it" if sticky else
+           "call ficco.shutdown() on every rank, then call again")
+    raise PoisonedGroupError(
+        f"rank {call.rank}: an earlier call on group {group_id(call.group)} failed part-way "
+        f"({reason}); ranks may be out of step, so ficco refuses to run on this group: {fix}")
+
+
+def failed(call: Call, exc: BaseException, transport: str | None) -> BaseException:
+    """Record a failure of ``call``; returns the exception to raise (``exc`` itself, or a
+    TransportError naming who, with ``exc`` as its cause)."""
+    if isinstance(exc, (InvalidArgumentError, PoisonedGroupError)) or \
+            getattr(exc, "consistent", False):
+        return exc      # raised alike on every rank, or before communicating: still in step
+    summary = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    with _lock:
+        _poisoned[group_id(call.group)] = (summary, transport == "ccl")
+    if isinstance(exc, (CommTimeoutError, MismatchError, KeyboardInterrupt, SystemExit)) or \
+            not _from_transport(exc):
+        return exc
+    peers = _unanswering(call)
+    who = f"rank(s) {peers} no longer answer" if peers else "every peer still answers"
+    return TransportError(
+        f"rank {call.rank}: {call.op.name} over {transport or 'the process group'} failed "
+        f"({summary}); {who}. The group is out of step: see the error-handling section of "
+        f"the README")
+
+
+def check_word_ccl(call: Call, word: int) -> None:
+    """Every rank is about to run a call with digest ``word`` (one small all-reduce)."""
+    values = torch.tensor([word, -word], dtype=torch.int64, device=call.backend.device())
+    work = dist.all_reduce(values, op=dist.ReduceOp.MAX, group=call.group, async_op=True)
+    agreement.wait_bounded(work, rank=call.rank, what=f"{call.op.name} call check")
+    high, low = int(values[0]), -int(values[1])
+    if high != low:
+        raise agreement.consistent(MismatchError(
+            f"rank {call.rank}: the ranks of group {group_id(call.group)} are making different "
+            f"{call.op.name} calls (other shapes, dtypes, settings or op; each was agreed at "
+            f"an earlier call); nothing was computed. Every rank must make the same calls in "
+            f"the same order"))
+
+
+def reset(keep_sticky: bool = True) -> None:
+    """``ficco.shutdown()``: forget failures, except a failed collective's (see module doc)."""
+    with _lock:
+        for gid in [g for g, (_, sticky) in _poisoned.items() if not (sticky and keep_sticky)]:
+            del _poisoned[gid]
+
+
+def _from_transport(exc: BaseException) -> bool:
+    """A failure of the process group's transport (gloo/nccl texts), not ficco's own."""
+    text = f"{exc} {exc.__cause__ or ''}".lower()
+    return isinstance(exc, RuntimeError) and not isinstance(exc, FiccoError) or any(
+        word in text for word in ("connection", "gloo", "nccl", "peer", "socket", "closed"))
+
+
+def _unanswering(call: Call) -> list[int]:
+    """Ranks that do not answer a short liveness exchange through the store."""
+    try:
+        with config.scope(timeout=min(config.timeout_s(), 3.0)):
+            agreement.exchange(call.group, call.world, call.rank, True,
+                               what="liveness check after a failure")
+    except CommTimeoutError as exc:
+        return getattr(exc, "missing", [])
+    except FiccoError:
+        return []
+    return []
+
+
+def _watch(call: Call) -> None:
+    """When the group is destroyed and dropped, its state goes with it: workspace (after its
+    queues drained), agreements, poison, and the backend's queue threads once no watched
+    group is left."""
+    gid = group_id(call.group)
+    if call.group is None or gid in _watched:
+        return
+    with _lock:
+        _watched.add(gid)
+    try:
+        weakref.finalize(call.group, _group_gone, gid, call.backend)
+    except TypeError:      # a group object that takes no weak references: shutdown() only
+        pass
+
+
+def _group_gone(gid: str, backend) -> None:
+    from .symm_mem import workspace
+
+    workspace.release((gid, backend.name), backend)
+    with _lock:
+        _poisoned.pop(gid, None)
+        _locks.pop(gid, None)
+        _watched.discard(gid)
+        last = not _watched
+    agreement.forget_id(gid)
+    if last and workspace.drain(backend):
+        backend.close()
