@@ -23,6 +23,7 @@ import torch.distributed as dist
 from .errors import InvalidArgumentError
 from . import profiling
 from .kernels.launch import gated_task, raise_flag
+from .kernels.launch import raise_pending as raise_pending_gated
 from .plan import (COMPUTE, SYMMETRIC_BUFFERS, AllGather, AllToAll, Barrier, Block, Copy, Gemm,
                    GatedGemm, Plan, Record, Reduce, ReduceScatter, SendRecv, Signal, Wait,
                    buffer_shapes, op_label)
@@ -479,6 +480,7 @@ def execute(plan: Plan, backend, buffers: Buffers, *, timeout_s: float,
     events = [backend.new_event() for _ in range(plan.num_events)]
     views = compiled.views(buffers)
     if compiled.num_flags:   # zeroed on the compute queue, before the side queues start
+        raise_pending_gated()
         buffers.flags = torch.zeros(compiled.num_flags, dtype=torch.int32,
                                     device=buffers.a.device)
     # Side queues start after everything the caller queued before this call (the input may

@@ -58,9 +58,11 @@ class Segment:
     parts: tuple[tuple[int, int, int], ...]
 
 
+@functools.lru_cache(maxsize=256)
 def tables(segments: tuple[Segment, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
     """The int32 segment table ``(row0, rows, first part, parts)`` and part table
-    ``(k0, kc, flag)`` the kernel walks."""
+    ``(k0, kc, flag)`` the kernel walks (cached: a plan's segments never change, and a copy
+    to the device per launch would cost more than the lookup)."""
     seg_rows, part_rows = [], []
     for s in segments:
         seg_rows.append((s.row0, s.rows, len(part_rows), len(s.parts)))
@@ -181,7 +183,7 @@ def gated_gemm(a_local: torch.Tensor, a_gathered: torch.Tensor, b: torch.Tensor,
     _check_operands(a_local, a_gathered, b, c, flags)
     device_kind = device_kind or c.device.type
     kernel, fixed = _compiled(device_kind, family)
-    seg, part = tables(segments, c.device)
+    seg, part = tables(tuple(segments), c.device)
     err = torch.zeros(1, dtype=torch.int32, device=c.device) if err is None else err
     n, k_total = b.shape[1], b.shape[0]
     budget = max(1, int(timeout_s * polls_per_s(device_kind)))

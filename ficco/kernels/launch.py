@@ -45,7 +45,9 @@ _pending_lock = threading.Lock()
 
 
 def raise_pending() -> None:
-    """Raise the first recorded timeout of an earlier asynchronous (GPU) gated launch."""
+    """Raise the first recorded timeout of an earlier asynchronous (GPU) gated launch; the
+    executor calls it before it enqueues anything of a gated plan, so a half-enqueued call
+    never leaves peers waiting at a barrier this rank will not reach."""
     with _pending_lock:
         done = [item for item in _pending if item[0].query()]
         for item in done:
@@ -73,16 +75,16 @@ def gated_task(backend, problem, op, a_local, gathered, b, out, flags, timeout_s
     def run() -> None:
         if out.numel() == 0:
             return
+        a = a_local if a_local.stride(-1) == 1 else a_local.contiguous()
         if out.device.type == "cpu":
             halt = torch.zeros(1, dtype=torch.int32)
             with _Watch(halt, getattr(backend, "abort", None), timeout_s):
-                err = gated_gemm(a_local, gathered, b, out, segments, flags,
+                err = gated_gemm(a, gathered, b, out, segments, flags,
                                  local_row0=local_row0, halt=halt, timeout_s=timeout_s,
                                  family=family)
             check_error(err, describe, timeout_s)
             return
-        raise_pending()
-        err = gated_gemm(a_local, gathered, b, out, segments, flags, local_row0=local_row0,
+        err = gated_gemm(a, gathered, b, out, segments, flags, local_row0=local_row0,
                          timeout_s=timeout_s, family=family)
         word = torch.empty(1, dtype=torch.int32, pin_memory=True)
         word.copy_(err, non_blocking=True)
