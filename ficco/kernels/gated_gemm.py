@@ -157,7 +157,11 @@ def _compiled(device_kind: str, family: str):
 
         return InterpretedFunction(_kernel_body), configs.INTERPRETER
     jitted = triton.jit(_kernel_body)
-    return triton.autotune(configs.for_family(family), key=["N", "K_total", "M_total"])(jitted), None
+    # cache_results: the winner per key also goes to Triton's on-disk cache (keyed by the
+    # kernel source, key values, dtypes and the GPU target), so a restart does not re-time.
+    tuner = triton.autotune(configs.for_family(family), key=["N", "K_total", "M_total"],
+                            cache_results=True)
+    return tuner(jitted), None
 
 
 def polls_per_s(device_kind: str) -> float:
