@@ -42,8 +42,8 @@ import torch
 from ..errors import CommTimeoutError, InvalidArgumentError
 from . import configs
 
-# Triton is an optional extra: only ficco.kernels.available() and the gated schedules' launch
-# import this module, and only after checking that Triton imports.
+# Triton is an optional extra: only the gated schedules' launch, the kernel benchmark and the
+# tests import this module, after ficco.kernels.unavailable_reason() found Triton.
 import triton
 import triton.language as tl
 
