@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import ficco
 from ficco.errors import InvalidArgumentError
@@ -41,3 +43,151 @@ def test_empty_rendezvous_get_buffer_barrier():
 def test_rendezvous_rejects_ordinary_tensors():
     with pytest.raises(InvalidArgumentError, match="ficco.symm_mem.empty"):
         ficco.symm_mem.rendezvous(torch.zeros(3))
+
+
+# -- issue 15 (6): failures during allocation are collective -----------------------------------
+def _allocation_with_a_failing_rank(rank, world, seed, failing, stage):
+    """``failing`` cannot create (stage "create") or map (stage "map") its shared memory: every
+    rank must raise the same SymmAllocationError instead of waiting in a collective; then a
+    healthy allocation exchanges fresh data correctly."""
+    import ficco.symm_mem.cpu as cpu_symm
+    from ficco.symm_mem.agree import SymmAllocationError
+
+    real = {"create": cpu_symm.os.ftruncate, "map": cpu_symm._map}
+    if rank == failing:
+        def broken(*args, **kwargs):
+            raise OSError(28, f"injected {stage} failure")
+        if stage == "create":
+            cpu_symm.os.ftruncate = broken
+        else:
+            cpu_symm._map = broken
+    try:
+        ficco.symm_mem.empty((4, 3), dtype=torch.float64)
+        outcome = "no error"
+    except SymmAllocationError as exc:
+        outcome = str(exc)
+    finally:
+        cpu_symm.os.ftruncate, cpu_symm._map = real["create"], real["map"]
+    ok = _exchange(rank, world, seed)[0]
+    return outcome, ok
+
+
+@pytest.mark.parametrize("stage", ["create", "map"])
+def test_a_rank_failing_to_allocate_makes_every_rank_raise(stage):
+    world, failing = 3, 1
+    results = harness.pool(world).run(_allocation_with_a_failing_rank, random.randrange(1 << 20),
+                                      failing, stage, timeout_s=60)
+    for rank, (outcome, ok) in enumerate(results):
+        assert f"rank {failing}: " in outcome and "injected" in outcome, (rank, outcome)
+        assert outcome.startswith(f"rank {rank}: could not"), outcome
+        assert ok   # the next allocation works and moves the right bytes
+
+
+# -- the one barrier protocol on CPU ranks -------------------------------------------------------
+def _plan_barriers(rank, world, seed, rounds):
+    """Alternating flag-mode barriers 0 and 1 on two queues of every rank (the plans' pattern),
+    each guarding a publish/pull of fresh random data: every pull sees the round's data."""
+    from ficco.backends import get_backend
+
+    backend = get_backend()
+    gen = torch.Generator().manual_seed(seed)
+    h = backend.symm_provider().allocate(world * 16 * 8, dist.group.WORLD, backend.device())
+    try:
+        mine = h.get_buffer(rank, (world, 16), torch.float64)
+        wrong = 0
+        for _ in range(rounds):
+            data = torch.randn(world, 16, generator=gen, dtype=torch.float64)
+            q = backend.queue("copy0")
+            backend.copy(mine[rank], data[rank], q)
+            backend.barrier(h, 0, q, 20.0, 0)
+            pulled = torch.full((world, 16), float("nan"), dtype=torch.float64)
+            for p in range(world):
+                backend.copy(pulled[p], h.get_buffer(p, (world, 16), torch.float64)[p], q)
+            backend.barrier(h, 1, q, 20.0, 1)
+            backend.finish([q])
+            wrong += int((pulled != data).sum())
+        pads = [h.signal_pad(p)[:2].clone() for p in range(world)]
+        return wrong, [int(p.abs().sum()) for p in pads]
+    finally:
+        h.close()
+
+
+def test_cpu_ranks_run_the_flag_protocol_and_leave_pads_clear():
+    results = harness.pool(3).run(_plan_barriers, random.randrange(1 << 20), 5)
+    for wrong, pads in results:
+        assert wrong == 0
+        assert pads == [0, 0, 0]   # every flag cleared by its owner after passing
+
+
+def _released_by_the_deadline(rank, world, seed):
+    """Rank ``world - 1`` never reaches barrier 0: the others' barrier is released by its
+    deadline, their queue raises the one timeout message, and nothing after the barrier
+    (the pull) ran: the destination keeps its poison."""
+    from ficco.backends import get_backend
+    from ficco.errors import CommTimeoutError
+
+    backend = get_backend()
+    h = backend.symm_provider().allocate(64, dist.group.WORLD, backend.device())
+    try:
+        if rank == world - 1:
+            h.barrier(channel=4, timeout_s=20)   # only after the others gave up
+            return "absent", True
+        q = backend.queue("copy0")
+        out = torch.full((4,), float("nan"), dtype=torch.float64)
+        src = h.get_buffer((rank + 1) % world, (4,), torch.float64)
+        start = time.monotonic()
+        backend.barrier(h, 0, q, 1.5, 7)
+        backend.copy(out, src, q)
+        try:
+            backend.finish([q])
+            message = "returned"
+        except CommTimeoutError as exc:
+            message = f"{time.monotonic() - start:.1f} {exc}"
+        h.barrier(channel=4, timeout_s=20)
+        return message, bool(torch.isnan(out).all())
+    finally:
+        h.close()
+
+
+def test_a_barrier_released_by_its_deadline_raises_and_runs_nothing_after_it():
+    world = 3
+    results = harness.pool(world).run(_released_by_the_deadline, random.randrange(1 << 20))
+    for rank, (message, untouched) in enumerate(results[:-1]):
+        seconds, text = message.split(" ", 1)
+        assert float(seconds) < 10, message
+        assert text.startswith(f"rank {rank} at step 7: barrier channel 0"), text
+        assert f"rank(s) [{world - 1}]" in text and "FICCO_TIMEOUT" in text, text
+        assert untouched
+    assert results[-1] == ("absent", True)
+
+
+# -- issue 13 (4): a tensor of ficco.symm_mem.empty outlives ficco.shutdown() ------------------
+def _read_after_shutdown(rank, world, seed):
+    t = ficco.symm_mem.empty((64, 32), dtype=torch.float32)
+    values = torch.randn(64, 32, generator=torch.Generator().manual_seed(seed + rank))
+    t.copy_(values)
+    view = t[3:9]
+    ficco.shutdown()
+    import gc
+    gc.collect()
+    return torch.equal(t, values) and torch.equal(view, values[3:9])
+
+
+def test_empty_tensor_stays_readable_after_shutdown():
+    assert all(harness.pool(2).run(_read_after_shutdown, random.randrange(1 << 20)))
+
+
+def test_closing_a_cpu_handle_never_unmaps_memory_a_view_holds():
+    """The handle's own close(): a view taken before it stays valid (no segfault)."""
+    from ficco.backends.cpu import CpuBackend
+
+    backend = CpuBackend()
+    h = backend.symm_provider().allocate(4096, None, backend.device())
+    t = h.get_buffer(0, (32, 32), torch.float32)
+    values = torch.randn(32, 32)
+    t.copy_(values)
+    h.close()
+    h.close()
+    import gc
+    gc.collect()
+    assert torch.equal(t, values)
