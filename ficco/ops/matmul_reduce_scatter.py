@@ -170,7 +170,7 @@ def fused_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str
     ``scatter_dim`` may be the last dimension (the output columns), as in torch's op: no
     overlapped schedule splits those, so ficco runs the plain matmul + reduce-scatter.
     """
-    from .. import api
+    from .. import runtime   # late: the runtime runs op specs; api sits above both
 
     if not isinstance(A, torch.Tensor) or not isinstance(B, torch.Tensor):
         raise InvalidArgumentError("A and B must be tensors")
@@ -199,8 +199,7 @@ def fused_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str
         else:
             mine.copy_(full)
         return _row_major(mine.movedim(0, -1))
-    out = api.matmul_reduce_scatter(A, B, group_name, scatter_dim=scatter_dim,
-                                    reduce_op=reduce_op)
+    out = runtime.run(SPEC.prepare(A, B, group_name, scatter_dim, reduce_op))
     return _row_major(out)
 
 

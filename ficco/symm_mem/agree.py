@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch.distributed as dist
-
+from ..agreement import exchange
 from ..errors import FiccoError
 
 
@@ -24,11 +23,9 @@ def agree(group, rank: int, world: int, payload: Any, failure: str | None, what:
     >>> agree(None, 0, 1, "handle", None, "map")
     ['handle']
     """
-    mine = (payload, failure)
-    everyone = [mine]
-    if world > 1:
-        everyone = [None] * world
-        dist.all_gather_object(everyone, mine, group=group)
+    # Through the group's store, bounded by FICCO_TIMEOUT (a raw collective would wait for
+    # the group's own timeout and stay pending after a peer is gone).
+    everyone = exchange(group, world, rank, (payload, failure), what=f"symmetric memory: {what}")
     failed = [(r, f) for r, (_, f) in enumerate(everyone) if f is not None]
     if failed:
         if on_failure is not None:
