@@ -221,3 +221,29 @@ def test_gated_on_one_gpu_shared_by_several_ranks(world, name, dtype):
     failures = harness.pool(world, {"FICCO_TIMEOUT": "60"}).run(
         gpu_cases.schedule_case, name, "dma", dtype, seed, timeout_s=300)
     assert failures == [[]] * world, f"seed {seed}: {failures}"
+
+
+def test_without_triton_ficco_imports_and_gated_schedules_say_why():
+    """A user without Triton: ficco imports, names() is the eleven, the gated schedules are
+    not offered and each says why; they still plan and simulate (plain data)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['triton'] = None\n"      # as if Triton were not installed
+        "import ficco\n"
+        "from ficco import schedules\n"
+        "from ficco.heuristics import profiles, simulator\n"
+        "from ficco.problem import Problem\n"
+        "assert len(schedules.names()) == 11, schedules.names()\n"
+        "why = schedules.unavailable('cuda:sm_90')\n"
+        "assert set(why) == {'gated-1d', 'gated-2d'} and 'not installed' in why['gated-1d']\n"
+        "assert 'gated-1d' not in schedules.offered('cuda:sm_90')\n"
+        "p = Problem(m=64, k=128, ns=(64,), dtype='bfloat16', world=4)\n"
+        "plan = schedules.get('gated-2d').plan(p, 'dma')\n"
+        "assert simulator.simulate(plan, profiles.load('h100')).makespan_s > 0\n"
+        "assert 'triton' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
+        "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
