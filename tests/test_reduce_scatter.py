@@ -58,12 +58,13 @@ def test_names_per_op_and_unknown_names():
 
 # -- plans through the checker --------------------------------------------------------------------
 VARIANTS = [schedules.get(n, op=OP) for n in NAMES] + \
-    [replace(schedules.get(n, op=OP), reduce_each_step=False) for n in NAMES if n != "serial"]
+    [replace(s, reduce_each_step=not s.reduce_each_step)
+     for s in (schedules.get(n, op=OP) for n in NAMES if n != "serial")]
 
 
 @pytest.mark.parametrize("transport", ["dma", "ccl"])
 @pytest.mark.parametrize("schedule", VARIANTS,
-                         ids=lambda s: s.name + ("" if s.reduce_each_step else "/at-end")
+                         ids=lambda s: s.name + ("/per-step" if s.reduce_each_step else "/at-end")
                          if hasattr(s, "reduce_each_step") else s.name)
 def test_every_plan_passes_the_checker(schedule, transport):
     for world in (1, 2, 3, 4, 8):
@@ -100,7 +101,7 @@ def test_ficco_steps_move_one_chunk_of_every_peer_at_once():
 
 def test_hetero_computes_its_own_block_last_and_reduces_per_step():
     p = rs_problem(16, 8, (12,), 4, rank=2)
-    for schedule in (Ficco(uniform=False, fused=True), Ring()):
+    for schedule in (Ficco(uniform=False, fused=True, reduce_each_step=True), Ring()):
         compute = [op for op in schedule.plan(p, "dma").ops if op.queue == "compute"]
         kinds = [op.kind for op in compute]
         own = [i for i, op in enumerate(compute) if isinstance(op, Gemm) and op.out[0].buf == "out"]

@@ -45,8 +45,9 @@ and its reduction (``R3``) adds the received partials last. ``avg`` scales in th
 of each element (one more scaling pass over the chunks an own GEMM finished, hetero only).
 
 Reductions (``reduce_each_step``): per chunk a step after it was pulled (above), or all at
-once at the end (one Reduce of the whole block). The simulator picks per-step: see
-docs/reduce_scatter.md for the numbers.
+once at the end (one Reduce of the whole block, after the last pull). The registered schedules
+take whichever the simulator predicts faster for them: per step for the fused 1d points, at
+the end for the unfused and 2d points (docs/reduce_scatter.md has the numbers).
 
 Coinciding variants: W = 1: all are one GEMM per b into out. W = 2: hetero-fused-Xd and
 hetero-unfused-Xd hold the same ops (one peer block per step). 2d with one destination run
