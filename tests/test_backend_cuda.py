@@ -190,3 +190,151 @@ def test_cuda_and_rocm_backends_expose_the_same_contract():
     for name, sig in public_methods(Backend).items():
         assert list(public_methods(CudaBackend)[name].parameters) == list(sig.parameters), name
     assert (CudaBackend.name, RocmBackend.name) == ("cuda", "rocm")
+
+
+# -- the barrier program as driver calls (issue 18: one cuStreamBatchMemOp per barrier) --------
+class _PadHandle:
+    """Slots of a pretend group: rank ``rank`` of ``world``, pads 4 KiB apart from 0x10000."""
+
+    def __init__(self, rank, world):
+        self.rank, self.world, self._programs = rank, world, {}
+
+    def slot(self, owner, channel, writer):
+        return 0x10000 + 0x1000 * owner + 4 * (channel * self.world + writer)
+
+
+def test_flag_barrier_is_one_batch_mem_op_with_the_protocols_fields():
+    from cuda.bindings import driver, runtime
+
+    from ficco.symm_mem.barrier import flag_program
+
+    drv = Recorder(driver)
+    vendor = CudaVendor(runtime=Recorder(runtime), driver=drv)
+    handle = _PadHandle(rank=2, world=4)
+    program = flag_program(handle, 1)
+    vendor.mem_ops(77, program, capturing=False)
+    assert [name for name, _ in drv.calls] == ["cuStreamBatchMemOp"]
+    name, args = drv.calls[0]
+    assert len(args) == len(signature_params(driver.cuStreamBatchMemOp))
+    stream, count, params, flags = args
+    assert (stream, count, flags) == (77, 12, 0) and len(params) == 12
+    write, wait = (driver.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_32,
+                   driver.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_32)
+    seen = []
+    for p in params:
+        if p.operation == write:
+            seen.append(("w", int(p.writeValue.address), int(p.writeValue.value),
+                         int(p.writeValue.flags)))
+        else:
+            assert p.operation == wait
+            seen.append(("g", int(p.waitValue.address), int(p.waitValue.value),
+                         int(p.waitValue.flags)))
+    geq = int(driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+    want = ([("w", handle.slot(p, 1, 2), 1, 0) for p in range(4)]       # my flag at every peer
+            + [("g", handle.slot(2, 1, p), 1, geq) for p in range(4)]   # all of mine raised
+            + [("w", handle.slot(2, 1, p), 0, 0) for p in range(4)])    # then cleared
+    assert seen == want
+    # built once: the same parameter objects come back for the same (cached) program
+    assert vendor.batch_params(flag_program(handle, 1))[0][0] is params[0]
+
+
+def test_large_groups_split_the_batch_and_capture_uses_single_calls():
+    from cuda.bindings import driver, runtime
+
+    from ficco.symm_mem.barrier import flag_program
+
+    drv = Recorder(driver)
+    vendor = CudaVendor(runtime=Recorder(runtime), driver=drv)
+    program = flag_program(_PadHandle(rank=0, world=100), 0)       # 300 ops
+    vendor.mem_ops(5, program, capturing=False)
+    assert [args[1] for _, args in drv.calls] == [255, 45]
+    drv.calls.clear()
+    vendor.mem_ops(5, program, capturing=True)    # the capture path verified on H100
+    names = [name for name, _ in drv.calls]
+    assert names == ["cuStreamWriteValue32"] * 100 + ["cuStreamWaitValue32"] * 100 + \
+        ["cuStreamWriteValue32"] * 100
+
+
+# -- issue 15 (1): peer views must be views, never copies ---------------------------------------
+def test_tensor_at_refuses_a_copy_and_falls_back_to_a_real_view(monkeypatch):
+    from ficco.symm_mem import device as dev
+
+    memory = torch.arange(64, dtype=torch.uint8)
+    address = memory.data_ptr()
+    # A torch that infers the device from the pointer: as_tensor copies.
+    monkeypatch.setattr(dev, "_wrap_interface", lambda a, n, d: memory.clone())
+    monkeypatch.setattr(dev, "_wrap_storage", lambda a, n, d: memory)
+    got = dev.tensor_at(address, 64, torch.device("cpu"))
+    assert got.data_ptr() == address
+    monkeypatch.setattr(dev, "_wrap_storage", lambda a, n, d: memory.clone())
+    with pytest.raises(BackendCallError, match="without a copy"):
+        dev.tensor_at(address, 64, torch.device("cpu"))
+    assert dev.is_view_of(memory, address, torch.device("cpu"))
+    assert not dev.is_view_of(memory[1:], address, torch.device("cpu"))
+
+
+# -- issue 15 (4, 5): the watchdog's deadline counts from arrival; its death is surfaced --------
+class _Event:
+    def __init__(self, done=False):
+        self.done = done
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        pass
+
+
+class _FakeGpu:
+    def __init__(self, fail_bind=False):
+        self.expired, self.errors, self.fail_bind = [], [], fail_bind
+        self.vendor = type("V", (), {"relax_capture_mode": lambda self: None})()
+
+    def bind_thread(self):
+        if self.fail_bind:
+            raise RuntimeError("no device")
+
+    def expire(self, item):
+        self.expired.append(item)
+
+    def set_error(self, error):
+        self.errors.append(error)
+
+
+def test_watchdog_deadline_starts_when_the_stream_reaches_the_barrier():
+    import time
+
+    from ficco.backends.gpu_watchdog import PendingBarrier, Watchdog
+    from ficco.symm_mem.barrier import Deadline
+
+    backend = _FakeGpu()
+    dog = Watchdog(backend)
+    arrived, done = _Event(False), _Event(False)
+    item = PendingBarrier(arrived, done, Deadline(0, 0, 3, 0.05, 1), None)
+    dog.watch(item)
+    time.sleep(0.3)               # long past 0.05 s since enqueue, but not yet arrived
+    assert backend.expired == [] and item.deadline.started is None
+    arrived.done = True
+    for _ in range(200):
+        if backend.expired:
+            break
+        time.sleep(0.01)
+    assert backend.expired == [item]
+    dog.stop()
+
+
+def test_a_dead_watchdog_thread_is_reported_not_swallowed():
+    import time
+
+    from ficco.backends.gpu_watchdog import PendingBarrier, Watchdog
+    from ficco.symm_mem.barrier import Deadline
+
+    backend = _FakeGpu(fail_bind=True)
+    dog = Watchdog(backend)
+    dog.watch(PendingBarrier(_Event(), _Event(), Deadline(0, 0, 0, 1.0, 1), None))
+    for _ in range(200):
+        if backend.errors:
+            break
+        time.sleep(0.01)
+    assert backend.errors and "watchdog thread died" in str(backend.errors[0])
+    assert "no device" in str(backend.errors[0])

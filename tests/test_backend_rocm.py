@@ -26,6 +26,7 @@ class HipRecorder:
 
     def __init__(self, results=None):
         self.calls: dict[str, dict] = {}
+        self.order: list[str] = []
         self.results = results or {}
 
     def __getattr__(self, name):
@@ -37,6 +38,7 @@ class HipRecorder:
             params = c_params(real)
             assert len(args) == len(params), f"{name}{tuple(params)} called with {args}"
             self.calls[name] = dict(zip(params, args))
+            self.order.append(name)
             result = self.results.get(name, (hip.hipError_t.hipSuccess,))
             return result.pop(0) if isinstance(result, list) else result
         return record
@@ -145,3 +147,76 @@ def test_mismatched_hip_python_says_what_to_install(monkeypatch):
     assert "hip-python 10.0.0 does not match ROCm 6.2" in reason
     assert "hip-python~=6.2.0" in reason
     assert hip_python_mismatch("6.4.1", "6.4.0.552") is None
+
+
+# -- issue 15 (7): signal pads in the memory HIP documents for polled flags -------------------
+def test_signal_pads_come_from_uncached_device_memory():
+    from rocm.bindings.util.types import Pointer
+
+    from ficco.backends.rocm import DEVICE_MALLOC_UNCACHED
+
+    rec = HipRecorder({"hipExtMallocWithFlags": (hip.hipError_t.hipSuccess,
+                                                 Pointer.fromObj(0x9000))})
+    vendor = RocmVendor(hip=rec)
+    assert vendor.malloc_signal(256) == 0x9000
+    assert rec.calls["hipExtMallocWithFlags"] == {"sizeBytes": 256,
+                                                  "flags": DEVICE_MALLOC_UNCACHED}
+    # the value HIP's header gives hipDeviceMallocUncached, beside the ones hip-python exports
+    assert (hip.hipDeviceMallocDefault, hip.hipDeviceMallocFinegrained,
+            hip.hipMallocSignalMemory, DEVICE_MALLOC_UNCACHED) == (0, 1, 2, 3)
+    assert "hipDeviceMallocUncached" in hip.hipExtMallocWithFlags.__doc__
+    vendor.free_signal(0x9000)
+    assert rec.calls["hipFree"] == {"ptr": 0x9000}
+
+
+# -- issue 15 (9): ROCm before 6.1 has no hipMemcpyDeviceToDeviceNoCU ---------------------------
+class _Rocm60Recorder(HipRecorder):
+    """hip-python for ROCm 6.0: hipMemcpyKind without the NoCU kind."""
+
+    class hipMemcpyKind:   # noqa: N801 - mirrors hip-python's enum name
+        hipMemcpyDeviceToDevice = hip.hipMemcpyKind.hipMemcpyDeviceToDevice
+
+
+def test_rocm_without_no_cu_copies_device_to_device_and_says_so():
+    rec = _Rocm60Recorder()
+    vendor = RocmVendor(hip=rec)
+    assert vendor.copy_1d_on_dma is False
+    vendor.copy_1d(0x1000, 0x2000, 64, 0x77)
+    assert rec.calls["hipMemcpyAsync"]["kind"] == hip.hipMemcpyKind.hipMemcpyDeviceToDevice
+    assert RocmVendor(hip=HipRecorder()).copy_1d_on_dma is True
+    assert RocmBackend.copy_2d_on_dma is False     # hipMemcpy2DAsync ignores NoCU
+
+
+# -- barriers: one call per op, in program order; never captured ---------------------------------
+def test_barrier_program_is_enqueued_op_by_op_in_order():
+    from ficco.symm_mem.barrier import flag_program
+
+    class Handle:
+        rank, world, _programs = 1, 3, {}
+
+        def slot(self, owner, channel, writer):
+            return 0x5000 + 0x100 * owner + 4 * (channel * 3 + writer)
+
+    rec = HipRecorder()
+    RocmVendor(hip=rec).mem_ops(0x33, flag_program(Handle(), 0), capturing=False)
+    assert rec.order == ["hipStreamWriteValue32"] * 3 + ["hipStreamWaitValue32"] * 3 + \
+        ["hipStreamWriteValue32"] * 3
+    # the last op clears this rank's own slot of peer 2
+    assert rec.calls["hipStreamWriteValue32"] == {"stream": 0x33, "ptr": 0x5000 + 0x100 + 8,
+                                                  "value": 0, "flags": 0}
+
+
+def test_rocm_refuses_to_capture_a_cross_rank_barrier(monkeypatch):
+    """HIP does not capture stream memory operations: a graph would replay without barriers."""
+    from ficco.errors import InvalidArgumentError
+    from ficco.symm_mem.barrier import Deadline
+
+    class Fake:
+        name, captures_signals = "rocm", False
+
+        def raise_pending(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(InvalidArgumentError, match="cannot capture cross-rank barriers"):
+        RocmBackend._enqueue_signals(Fake(), None, (), Deadline(0, 0, 0, 1.0, 1))
