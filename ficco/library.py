@@ -90,7 +90,9 @@ def _held_to(t: Tensor, shape, stride, inputs: Sequence[Tensor]) -> Tensor:
     must return fresh tensors); copies only when it is not already so."""
     fresh = all(t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
                 for x in inputs)
-    if fresh and list(t.shape) == list(shape) and (t.numel() == 0 or list(t.stride()) == list(stride)):
+    same_layout = list(t.shape) == list(shape) and (
+        t.numel() == 0 or list(t.stride()) == list(stride))
+    if fresh and same_layout:
         return t
     out = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
     return out.copy_(t)
@@ -242,15 +244,15 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
     a_shard, group = _local_shard(a_shard, group, gather_dim, "a_shard")
     b_is_list = isinstance(b, (list, tuple))
     bs = list(b) if b_is_list else [b]
-    if _eager_suffices(a_shard, bs):
+    dim = _plain_int(gather_dim)
+    if dim is None or not _plain_name(schedule) or _eager_suffices(a_shard, bs):
         # No autograd, autocast, tracing or tensor subclass involved: the dispatcher would
         # add ~100 us of Python per call and change nothing.
         return _eager_public(a_shard, b, group, gather_dim, schedule, return_gathered)
     name = group_name(group)
     keep = return_gathered or (torch.is_grad_enabled() and any(x.requires_grad for x in bs)
                                and _backward_gather() == "save")
-    gathered, outs = torch.ops.ficco.all_gather_matmul(a_shard, bs, name, gather_dim, schedule,
-                                                       keep)
+    gathered, outs = torch.ops.ficco.all_gather_matmul(a_shard, bs, name, dim, schedule, keep)
     out = outs if b_is_list else outs[0]
     return (gathered, out) if return_gathered else out
 
@@ -259,14 +261,28 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
     """``ficco.matmul_reduce_scatter`` through the ``ficco::matmul_reduce_scatter`` op."""
     b_is_list = isinstance(b, (list, tuple))
     bs = list(b) if b_is_list else [b]
-    if _eager_suffices(a, bs) or not isinstance(reduce_op, str):
+    dim = _plain_int(scatter_dim)
+    if (dim is None or not isinstance(reduce_op, str) or not _plain_name(schedule)
+            or _eager_suffices(a, bs)):
         return _eager_rs_public(a, b, group, scatter_dim, reduce_op, schedule)
-    outs = torch.ops.ficco.matmul_reduce_scatter(a, bs, group_name(group), scatter_dim,
-                                                 reduce_op, schedule)
+    outs = torch.ops.ficco.matmul_reduce_scatter(a, bs, group_name(group), dim, reduce_op,
+                                                 schedule)
     return outs if b_is_list else outs[0]
 
 
 _PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _plain_int(value):
+    """``value`` as an int for the op's schema (NumPy integers too), or None: arguments the op
+    cannot take go to the eager path, whose validation names the problem."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        return None
+    return int(value)
+
+
+def _plain_name(value) -> bool:
+    return value is None or isinstance(value, str)
 
 
 def _eager_suffices(a, bs) -> bool:
@@ -479,7 +495,8 @@ def _rs_backward(ctx, grad_outs):
 
 
 all_gather_matmul_op.register_autograd(_first_order(_ag_backward), setup_context=_ag_setup_context)
-matmul_reduce_scatter_op.register_autograd(_first_order(_rs_backward), setup_context=_rs_setup_context)
+matmul_reduce_scatter_op.register_autograd(_first_order(_rs_backward),
+                                           setup_context=_rs_setup_context)
 
 
 # -- autocast: the GEMMs run in the autocast dtype, as torch.matmul would -------------------------

@@ -110,8 +110,9 @@ class RowParallelLinear(nn.Module):
         self.group, self.seq_dim = group, seq_dim
         world, rank = _world_rank(group)
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, even_split(in_features, world)[rank][1],
-                                               device=device, dtype=dtype))
+        local_in = even_split(in_features, world)[rank][1]
+        self.weight = nn.Parameter(torch.empty(out_features, local_in, device=device,
+                                               dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) \
             if bias else None
         self.reset_parameters()

@@ -202,7 +202,7 @@ def test_regather_backward_matches_saved():
         assert max(diffs) < 1e-5, diffs
 
 
-# -- fake kernels -----------------------------------------------------------------------------------
+# -- fake kernels ------------------------------------------------------------------------------
 FAKE_CASES = [  # (op, a shape (per rank), gather/scatter dim, b widths, return_gathered)
     ("ag", (4, 6), 0, (5,), False), ("ag", (4, 6), 0, (5, 3), True),
     ("ag", (2, 3, 6), 1, (5,), True), ("ag", (3, 2, 6), -2, (1, 4), False),
@@ -322,3 +322,18 @@ def test_export_keeps_both_ops_as_nodes():
     targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
     assert {"ficco.all_gather_matmul.default", "ficco.matmul_reduce_scatter.default"} <= targets
     torch.testing.assert_close(program.module()(x), model(x))
+
+
+def test_bad_arguments_on_the_autograd_path_get_ficco_errors():
+    """Through the op (a weight that requires grad) a bad call still gets ficco's errors."""
+    from ficco.errors import InvalidArgumentError
+
+    w = torch.randn(8, 3, requires_grad=True)
+    with pytest.raises(InvalidArgumentError, match="K=6"):
+        ficco.all_gather_matmul(torch.randn(4, 6), w)
+    with pytest.raises(InvalidArgumentError, match="gather_dim"):
+        ficco.all_gather_matmul(torch.randn(4, 8), w, gather_dim="0")
+    with pytest.raises(InvalidArgumentError, match="gather_dim"):
+        ficco.all_gather_matmul(torch.randn(4, 8), w, gather_dim=1)
+    with pytest.raises(InvalidArgumentError):
+        ficco.matmul_reduce_scatter(torch.randn(4, 6), w)
