@@ -107,25 +107,28 @@ def test_compute_queue_is_callers_current_stream(backend):
 def test_host_barrier_deadline_names_the_missing_peer(backend):
     """A handle of world 2 whose 'peer' never signals: the host barrier raises after the
     deadline naming rank 1, and the stream is released (synchronize returns)."""
-    from ficco.backends.gpu_symm import GpuSymmHandle, pad_bytes, tensor_at
+    from ficco.symm_mem.device import single_gpu_group
 
-    dev = backend.device()
-    v = backend.vendor
-    total = 1024 + pad_bytes(2)
-    addresses = [v.malloc(total), v.malloc(total)]
-    spans = [tensor_at(a, total, dev) for a in addresses]
-    for s in spans:
-        s.zero_()
-
-    def release():
-        for a in addresses:
-            v.free(a)
-
-    symm = GpuSymmHandle(backend, 0, 2, 1024, spans, release)
+    symm = single_gpu_group(backend, 2, 1024, pad_value=0)
     start = time.monotonic()
     with pytest.raises(CommTimeoutError, match=r"rank 0 at step 7.*rank\(s\) \[1\]"):
-        backend.host_barrier(symm, 2, 0.5, 7)
+        symm.barrier(2, 0.5, 7)
     assert time.monotonic() - start < 10
-    torch.cuda.synchronize(dev)
-    symm._closed = True     # skip close()'s barrier with the imaginary peer
-    release()
+    torch.cuda.synchronize(backend.device())
+    symm.close()
+
+
+def test_plan_barrier_enqueues_fast_and_clears_its_flags(backend):
+    """A world-8 plan barrier whose peers are pre-raised: passes, clears this rank's slots."""
+    from ficco.symm_mem.device import single_gpu_group
+
+    symm = single_gpu_group(backend, 8, 1024, pad_value=1)
+    try:
+        q = backend.queue("copy0")
+        backend.barrier(symm, 0, q, 5.0, 0)
+        q.synchronize()
+        backend.synchronize()
+        assert int(symm.signal_pad(0)[0].abs().sum()) == 0
+        assert int(symm.signal_pad(0)[1].sum()) == 8          # channel 1 untouched
+    finally:
+        symm.close()

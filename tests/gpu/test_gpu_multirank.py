@@ -48,3 +48,46 @@ def test_graph_captured_call_replays_correctly(world, schedule):
     failures = harness.pool(world, GPU_ENV).run(gpu_cases.capture_replay, schedule, seed,
                                                 timeout_s=180)
     assert failures == [[]] * world
+
+
+# -- issue 15 --------------------------------------------------------------------------------------
+from . import gpu_fault_cases  # noqa: E402
+
+
+def test_peer_views_are_views_not_copies():
+    for bad, seen in harness.pool(2, GPU_ENV).run(gpu_fault_cases.peer_views_are_views):
+        assert bad == [] and seen
+
+
+def test_a_captured_graph_survives_workspace_growth():
+    failures = harness.pool(2, GPU_ENV).run(gpu_fault_cases.capture_then_grow_then_replay, 7,
+                                            timeout_s=180)
+    assert failures == [[]] * 2
+
+
+@pytest.mark.parametrize("env", [{}, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}],
+                         ids=["default", "one-hardware-queue"])
+def test_a_stalled_rank_makes_the_others_raise_within_the_deadline(env):
+    results = harness.pool(3, {**GPU_ENV, **env}).run(
+        gpu_fault_cases.stalled_rank_never_returns_data, 1.0, timeout_s=120)
+    for rank, outcome in enumerate(results[:-1]):
+        seconds, text = outcome.split(" ", 1)
+        assert float(seconds) < 10 and "CommTimeoutError" in text and "[2]" in text, outcome
+    assert results[-1] == "stalled"
+
+
+def test_a_failing_rank_makes_every_rank_raise():
+    results = harness.pool(2, GPU_ENV).run(gpu_fault_cases.failing_rank_makes_everyone_raise, 11,
+                                           timeout_s=120)
+    for failed, err in results:
+        assert failed != "returned" and err <= 1e-4, results
+    assert "injected GEMM failure" in results[1][0]
+
+
+def test_an_input_on_another_gpu_is_refused():
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two visible GPUs")
+    for message in harness.pool(1, GPU_ENV).run(gpu_fault_cases.wrong_device_is_refused):
+        assert "torch.cuda.set_device" in message, message

@@ -1,0 +1,137 @@
+"""Rank-side functions of the issue-15 GPU tests: peer views are views, captured graphs survive
+workspace growth, a stalled or failing rank makes the others raise (never return data), with
+CUDA_DEVICE_MAX_CONNECTIONS=1 as well. Several processes share one GPU."""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+import ficco
+from ficco.backends import get_backend
+from ficco.errors import FiccoError
+
+from ..reference import make_inputs, max_row_rel_err
+
+
+def peer_views_are_views(rank, world):
+    """Every span and pad of an IPC handle starts at the mapped address on this rank's device
+    (a copy would swallow flags and serve stale pulls)."""
+    from ficco.symm_mem.device import is_view_of
+
+    backend = get_backend()
+    h = backend.symm_provider().allocate(4096, dist.group.WORLD, backend.device())
+    try:
+        bad = [p for p in range(world)
+               if not is_view_of(h.signal_pad(p), h.slot(p, 0, 0), backend.device())]
+        # a value written into a peer's pad through our view is what the peer reads
+        h.signal_pad((rank + 1) % world)[5, rank].fill_(100 + rank)
+        torch.cuda.synchronize()
+        h.barrier(channel=3, timeout_s=30)
+        seen = int(h.signal_pad(rank)[5, (rank - 1) % world])
+        h.barrier(channel=3, timeout_s=30)
+        return bad, seen == 100 + (rank - 1) % world
+    finally:
+        h.close()
+
+
+def capture_then_grow_then_replay(rank, world, seed):
+    """Capture a small call, run a much larger one eagerly (the workspace grows), replay the
+    graph on fresh data: it must still be right (the memory it points at stayed alive)."""
+    device = get_backend().device()
+    m, k, n = 16, 32, 8
+    shard, b = torch.empty(m, k, device=device), torch.empty(k, n, device=device)
+    failures = []
+    with ficco.config.scope(transport="dma"):
+        shard.normal_()
+        b.normal_()
+        ficco.all_gather_matmul(shard, b, schedule="ring")
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ficco.all_gather_matmul(shard, b, schedule="ring")
+        shards, bs, _, refs = make_inputs(seed, world, (64 * m, k), (n,), torch.float32)
+        big = ficco.all_gather_matmul(shards[rank].to(device), bs[0].to(device), schedule="ring")
+        if not max_row_rel_err(big, refs[0]) <= 1e-4:
+            failures.append("the large eager call is wrong")
+        for replay in range(3):
+            gen = torch.Generator().manual_seed(seed + 1 + replay)
+            full, b_host = torch.randn(world * m, k, generator=gen), torch.randn(k, n, generator=gen)
+            shard.copy_(full[rank * m:(rank + 1) * m])
+            b.copy_(b_host)
+            graph.replay()
+            torch.cuda.synchronize()
+            ref = full.double() @ b_host.double()
+            err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
+            if not err < 1e-5:
+                failures.append(f"replay {replay} after growth: relative error {err:.3g}")
+    return failures
+
+
+def stalled_rank_never_returns_data(rank, world, timeout_s):
+    """The last rank skips a call: every other rank must raise CommTimeoutError naming it,
+    from the call itself or at the latest from the backend's synchronize right after it,
+    within a few deadlines; nobody hangs."""
+    backend = get_backend()
+    device = backend.device()
+    shards, bs, _, _ = make_inputs(1, world, (8, 16), (4,), torch.float32)
+    a, b = shards[rank].to(device), bs[0].to(device)
+    with ficco.config.scope(transport="dma"):
+        ficco.all_gather_matmul(a, b, schedule="ring")
+    torch.cuda.synchronize()
+    if rank == world - 1:
+        time.sleep(4 * timeout_s)
+        ficco.shutdown()
+        return "stalled"
+    start = time.monotonic()
+    outcome = "returned data"
+    try:
+        with ficco.config.scope(transport="dma", timeout=timeout_s):
+            ficco.all_gather_matmul(a, b, schedule="ring")
+            backend.synchronize()
+    except FiccoError as exc:
+        outcome = f"{time.monotonic() - start:.1f} {type(exc).__name__}: {exc}"
+    ficco.shutdown()
+    return outcome
+
+
+def failing_rank_makes_everyone_raise(rank, world, seed):
+    """Rank 1's GEMM raises once mid-call: every rank raises; after shutdown() on every rank
+    the next call is right."""
+    backend = get_backend()
+    device = backend.device()
+    shards, bs, _, refs = make_inputs(seed, world, (8, 16), (4,), torch.float32)
+    with ficco.config.scope(transport="dma"):
+        ficco.all_gather_matmul(shards[rank].to(device), bs[0].to(device), schedule="ring")
+    real = backend.gemm
+    if rank == 1:
+        def broken(*args, **kwargs):
+            backend.gemm = real
+            raise RuntimeError("injected GEMM failure")
+        backend.gemm = broken
+    try:
+        with ficco.config.scope(transport="dma", timeout=3):
+            ficco.all_gather_matmul(shards[rank].to(device), bs[0].to(device), schedule="ring")
+            backend.synchronize()
+        failed = "returned"
+    except FiccoError as exc:
+        failed = str(exc)
+    finally:
+        backend.gemm = real
+    ficco.shutdown()
+    shards, bs, _, refs = make_inputs(seed + 1, world, (8, 16), (4,), torch.float32)
+    with ficco.config.scope(transport="dma"):
+        out = ficco.all_gather_matmul(shards[rank].to(device), bs[0].to(device), schedule="ring")
+    return failed, max_row_rel_err(out, refs[0])
+
+
+def wrong_device_is_refused(rank, world):
+    """With two GPUs visible, an input on the other GPU than the backend's: a clear error."""
+    backend = get_backend()
+    other = torch.device("cuda", 1 - backend.device().index)
+    try:
+        backend.check_device(torch.zeros(2, device=other), "a_shard")
+    except FiccoError as exc:
+        return str(exc)
+    return "accepted"
