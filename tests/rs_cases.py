@@ -159,3 +159,17 @@ def shm_files(rank, world):
     import os
 
     return sorted(f for f in os.listdir("/dev/shm") if f.startswith("ficco-"))
+
+
+def selector_picks(rank, world, seed):
+    """explain(op=...) for the new op: the paper rule hands over to the model and says so;
+    with no schedule forced the model's pick runs, agrees on every rank, and is right."""
+    a_s, b_s, refs = make_inputs(seed, world, (24, 32), (40,), torch.float32)
+    a, b = a_s[rank], b_s[rank][0]
+    with config.scope(selector="paper"):
+        paper = ficco.explain(a, b, op="matmul_reduce_scatter")
+    with config.scope(selector="model"):
+        decision = ficco.explain(a, b, op="matmul_reduce_scatter")
+        out = ficco.matmul_reduce_scatter(a, b)
+    return (paper.selector, paper.reason, decision.schedule, decision.transport,
+            sorted(decision.scores), runtime.last_run(), max_row_rel_err(out, refs[0][rank]))
