@@ -338,3 +338,40 @@ def test_a_dead_watchdog_thread_is_reported_not_swallowed():
         time.sleep(0.01)
     assert backend.errors and "watchdog thread died" in str(backend.errors[0])
     assert "no device" in str(backend.errors[0])
+
+
+def test_an_input_on_another_gpu_than_the_backends_is_a_clear_error():
+    """Issue 15 (8): without torch.cuda.set_device(local_rank) every rank binds GPU 0."""
+    from ficco.backends.gpu import GpuBackend
+
+    class Bound:
+        name, _device = "cuda", torch.device("cuda", 0)
+
+
+    class OnGpu1:     # only .device is read
+        device = torch.device("cuda", 1)
+
+    with pytest.raises(InvalidArgumentError, match=r"a_shard is on cuda:1 .* drives cuda:0.*"
+                                                   r"torch.cuda.set_device\(local_rank\)"):
+        GpuBackend.check_device(Bound(), OnGpu1(), "a_shard")
+
+    class OnGpu0:
+        device = torch.device("cuda", 0)
+
+    GpuBackend.check_device(Bound(), OnGpu0(), "a_shard")
+
+
+def test_a_captured_workspace_is_never_closed():
+    """Issue 15 (2): growth after capture keeps the captured workspace mapped."""
+    from ficco.symm_mem import workspace
+
+    class Captured:
+        captured, closed = True, False
+
+        def close(self):
+            self.closed = True
+
+    handle = Captured()
+    workspace._close(handle, None)
+    assert not handle.closed and handle in workspace._kept
+    workspace._kept.remove(handle)

@@ -102,6 +102,11 @@ def drop(group, backend) -> None:
 
 
 def _close(handle, backend) -> None:
+    if getattr(handle, "captured", False):
+        # A CUDA graph captured a barrier on this workspace and may still replay it: its
+        # memory stays mapped until exit (issue 15 item 2: never free what a graph references).
+        _kept.append(handle)
+        return
     if backend is not None and not drain(backend):
         _kept.append(handle)
         return
