@@ -69,7 +69,9 @@ VARIANTS = [schedules.get(n, op=OP) for n in NAMES] + \
 def test_every_plan_passes_the_checker(schedule, transport):
     for world in (1, 2, 3, 4, 8):
         for label, (m, ns, unit) in plan_shapes(world).items():
-            for reduce_op in ("sum", "avg"):
+            # avg changes only where the scale goes: checked on the registered variants
+            registered = schedules.get(schedule.name, op=OP) == schedule
+            for reduce_op in ("sum", "avg") if registered else ("sum",):
                 problem = rs_problem(m, 6, ns, world, unit=unit, reduce_op=reduce_op)
                 try:
                     check_plans(all_ranks(schedule, problem, transport))
