@@ -47,8 +47,8 @@ def group_name(group) -> str:
     return SINGLE if resolved is None else resolved.group_name
 
 
-@functools.lru_cache(maxsize=None)
 def _world_rank(name: str) -> tuple[int, int]:
+    # Not cached: a name is reused when a process group is destroyed and created again.
     if name == SINGLE:
         return 1, 0
     group = resolve(name)
