@@ -477,7 +477,8 @@ def execute(plan: Plan, backend, buffers: Buffers, *, timeout_s: float,
     """
     compiled = compile_plan(plan)
     queues = [backend.queue(name) for name in compiled.queue_names]
-    events = [backend.new_event() for _ in range(plan.num_events)]
+    # plan.num_events events and the entry event; GPUs reuse theirs per compiled plan.
+    *events, entry = backend.plan_events(compiled, plan.num_events + 1)
     views = compiled.views(buffers)
     if compiled.num_flags:   # zeroed on the compute queue, before the side queues start
         raise_pending_gated()
@@ -485,7 +486,6 @@ def execute(plan: Plan, backend, buffers: Buffers, *, timeout_s: float,
                                     device=buffers.a.device)
     # Side queues start after everything the caller queued before this call (the input may
     # still be being written on the caller's stream).
-    entry = backend.new_event()
     backend.record(entry, queues[compiled.compute])
     for i in compiled.side_queues:
         backend.wait(entry, queues[i])

@@ -43,6 +43,12 @@ class Backend(ABC):
     @abstractmethod
     def new_event(self) -> Any: ...
 
+    def plan_events(self, compiled: Any, count: int) -> list:
+        """``count`` events for one call of compiled plan ``compiled`` (the executor's hook).
+        Fresh ones here; backends whose events can be re-recorded (GPUs) reuse one set per
+        compiled plan, without timing."""
+        return [self.new_event() for _ in range(count)]
+
     @abstractmethod
     def record(self, event: Any, queue: Any) -> None: ...
 

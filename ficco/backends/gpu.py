@@ -18,8 +18,7 @@ import ctypes
 import threading
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -119,8 +118,7 @@ def handle_bytes(address: int, size: int = 64) -> bytes:
 
 
 # -- argument construction, pure so it is tested without a GPU ----------------------------------
-@dataclass(frozen=True)
-class Copy2D:
+class Copy2D(NamedTuple):
     """cudaMemcpy2DAsync / hipMemcpy2DAsync arguments, all in bytes: ``height`` rows of
     ``width`` bytes from ``src`` (rows ``spitch`` apart) to ``dst`` (rows ``dpitch`` apart)."""
 
@@ -184,6 +182,7 @@ class GpuBackend(Backend):
         self._rescue_stream: torch.cuda.Stream | None = None
         self._provider = AutoSymmProvider(self)
         self._watchdog = Watchdog(self)
+        self._plan_events: dict = {}
         self._error: FiccoError | None = None
         self._error_lock = threading.Lock()
 
@@ -231,6 +230,20 @@ class GpuBackend(Backend):
         # Timing on (traces and benchmarks read elapsed times from these events), except
         # while a CUDA graph is being captured, where only plain events may be recorded.
         return torch.cuda.Event(enable_timing=not torch.cuda.is_current_stream_capturing())
+
+    def plan_events(self, compiled, count):
+        # Re-recording an event is how CUDA/HIP events are meant to be reused: a wait binds to
+        # the record made before it, and within one call every event is recorded before it is
+        # waited on. Timing off (cheaper records); traces make their own timed events. Calls
+        # on one group are serialised by the runtime, so one set per compiled plan suffices.
+        key = (id(compiled), torch.cuda.is_current_stream_capturing())
+        cached = self._plan_events.get(key)
+        if cached is None or cached[0] is not compiled or len(cached[1]) != count:
+            if len(self._plan_events) > 1024:
+                self._plan_events.clear()
+            cached = self._plan_events[key] = (compiled, [torch.cuda.Event()
+                                                          for _ in range(count)])
+        return cached[1]
 
     def record(self, event, queue):
         event.record(queue)
