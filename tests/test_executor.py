@@ -217,3 +217,57 @@ def test_peer_read_without_symmetric_memory_is_refused(backend):
                       [torch.empty(p.big_m, n) for n in p.ns], torch.empty(p.big_m, K))
     with pytest.raises(InvalidArgumentError, match="no symmetric memory"):
         execute(plan, backend, buffers, timeout_s=10.0)
+
+
+# -- reduce-scatter plans: partial buffers at offsets, Reduce ops, column-sliced weights ---------
+RS_NAMES = schedules.names(op="matmul_reduce_scatter")
+
+
+def _rs_run_once(plan, backend, handle):
+    """Rank RANK's reduce-scatter call with fresh data: the peers' partials (their a_q @ b_qj)
+    are placed in their symmetric buffers as they would have computed them; returns
+    (outputs, float64 references of this rank's block)."""
+    from ficco.ops.matmul_reduce_scatter import SPEC
+
+    p = plan.problem
+    a_s = [torch.randn(p.m, p.k) for _ in range(p.world)]
+    b_s = [[torch.randn(p.k, n) for n in p.ns] for _ in range(p.world)]
+    offsets, at = [], 0
+    for n in p.ns:
+        offsets.append(at)
+        at += p.m * n * 4
+    for q in range(p.world):
+        if q != p.rank:
+            for j, n in enumerate(p.ns):
+                handle.get_buffer(q, (p.m, n), torch.float32, offsets[j]).copy_(a_s[q] @ b_s[q][j])
+    outs = [torch.full((p.block_rows, n), float("nan")) for n in p.ns]
+    recvs = [torch.full((p.world * p.block_rows, n), float("nan")) for n in p.ns]
+    partials = [handle.get_buffer(p.rank, (p.m, n), torch.float32, off)
+                for n, off in zip(p.ns, offsets)]
+    for t in partials:
+        t.fill_(float("nan"))
+    buffers = Buffers(a_s[p.rank].clone(), b_s[p.rank], outs, None, handle, None,
+                      partials=partials, recvs=recvs, partial_offsets=tuple(offsets))
+    execute(plan, backend, buffers, timeout_s=10.0)
+    row0, rows = p.block(p.rank)
+    refs = [sum(a.double() @ b[j].double() for a, b in zip(a_s, b_s))[row0:row0 + rows]
+            for j in range(len(p.ns))]
+    assert SPEC.name == p.op
+    return outs, refs
+
+
+class _OffsetStub(StubHandle):
+    def get_buffer(self, rank, shape, dtype, offset=0):
+        start = offset // 4
+        return self.data[rank][start: start + shape[0] * shape[1]].view(tuple(shape))
+
+
+@pytest.mark.parametrize("name", RS_NAMES)
+def test_reduce_scatter_plans_match_float64(name, backend):
+    p = Problem(m=13, k=K, ns=NS, dtype="float32", world=WORLD, rank=RANK,
+                op="matmul_reduce_scatter", reduce_op="avg")
+    plan = schedules.get(name, op=p.op).plan(p, "dma", None)
+    handle = _OffsetStub(WORLD, p.m * sum(p.ns))
+    for _ in range(2):   # fresh data each time, same workspace handle
+        outs, refs = _rs_run_once(plan, backend, handle)
+        _assert_close(outs, [r / WORLD for r in refs])
