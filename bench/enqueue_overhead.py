@@ -8,11 +8,14 @@ ficco/api.py.
 
 Usage::
 
-    python bench/enqueue_overhead.py [--calls N] [--label TEXT] [--out FILE] [--cpu-e2e]
+    python bench/enqueue_overhead.py [--calls N] [--label TEXT] [--out FILE] [--cpu-e2e] [--gpu]
 
 prints one row per schedule (ops, median us per call and per op). ``--out`` appends the
 table to FILE. ``--cpu-e2e`` also times the real CPU backend end to end on 8 spawned ranks
-(slow to start; small GEMMs so the enqueue shows).
+(slow to start; small GEMMs so the enqueue shows). ``--gpu`` also times the real GPU backend
+(rank 0 of a simulated 8-rank group on one GPU, peers are other buffers there): host us per
+eager call and per op, and per CUDA-graph replay, for every schedule (issue 18's targets:
+eager <= 150 us for serial, ring and the fused schedules, graph replay <= 60 us).
 """
 from __future__ import annotations
 
@@ -158,12 +161,35 @@ def cpu_end_to_end(rank, world, names, calls):
     return out
 
 
+def gpu_rows() -> list[str]:
+    """The same table on the real GPU backend, eager and graph replay (needs a GPU)."""
+    from ficco.backends import get_backend
+    from ficco.bench.gpu_probes import measure_enqueue
+
+    backend = get_backend()
+    lines = [f"# real {backend.name} backend on {backend.target()}, W=8 rank 0 of a simulated "
+             f"group, m=1024 K=8192 n=8192 bf16, median of 20 eager calls",
+             f"{'schedule':<20} {'ops':>4} {'us/call':>9} {'us/op':>7} {'replay us':>10} "
+             f"{'wall ms':>8}"]
+    print("\n".join(lines), flush=True)
+    for rec in measure_enqueue(backend, quick=False):
+        replay = rec.get("graph_replay_enqueue_s")
+        replay_text = f"{replay * 1e6:>10.1f}" if replay is not None else \
+            f"{'n/a':>10} ({rec.get('graph_error', '')[:60]})"
+        lines.append(f"{rec['schedule']:<20} {rec['ops']:>4} {rec['enqueue_s'] * 1e6:>9.1f} "
+                     f"{rec['enqueue_s'] * 1e6 / rec['ops']:>7.2f} {replay_text} "
+                     f"{rec['call_wall_s'] * 1e3:>8.2f}")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--label", default="")
     parser.add_argument("--out", default=None)
     parser.add_argument("--cpu-e2e", action="store_true")
+    parser.add_argument("--gpu", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     lines = [f"# executor enqueue overhead, null backend, W={WORLD} rank {RANK}, "
@@ -189,6 +215,8 @@ def main():
             worst = max(r[name] for r in results)
             lines.append(f"{name:<20} {'':>4} {worst * 1e6:>9.1f}")
             print(lines[-1], flush=True)
+    if args.gpu:
+        lines += gpu_rows()
     if args.out:
         with open(args.out, "a") as fh:
             fh.write("\n".join(lines) + "\n\n")

@@ -148,7 +148,6 @@ def measure_enqueue(backend, quick: bool, progress=None) -> list[dict]:
                 progress.update(1)
     finally:
         backend.synchronize()
-        handle._closed = True
         release()
     return recs
 
