@@ -122,7 +122,9 @@ def wait_bounded(work, *, rank: int, what: str) -> None:
     try:
         ok = work.wait(datetime.timedelta(seconds=timeout_s))
     except Exception as exc:  # noqa: BLE001 - gloo/nccl raise RuntimeError subclasses
-        raise CommTimeoutError(f"rank {rank}: {what} failed or passed FICCO_TIMEOUT "
+        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+            raise      # a broken transport: the caller names the peers (guard.failed)
+        raise CommTimeoutError(f"rank {rank}: {what} passed FICCO_TIMEOUT "
                                f"({timeout_s:.1f}s): {exc}") from exc
     if ok is False:
         raise CommTimeoutError(f"rank {rank}: {what} did not finish within FICCO_TIMEOUT "

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import api
-from .call import resolve_group
+from . import agreement, api
+from .call import (backend_for, check_like, check_tensor, group_rank_world, normalize_dim,
+                   resolve_group)
 from .errors import InvalidArgumentError
 from .ops.all_gather_matmul import all_gather_flat
 from .ops.matmul_reduce_scatter import fused_matmul_reduce_scatter  # noqa: F401 (H2's op)
@@ -28,8 +29,9 @@ def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: list[torch.Tensor], gathe
     """
     if not isinstance(Bs, (list, tuple)) or not Bs:
         raise InvalidArgumentError("Bs must be a non-empty list of (K, n) tensors")
+    check_tensor(A_shard, "A_shard")
     nd = A_shard.dim()
-    if isinstance(gather_dim, int) and gather_dim % max(nd, 1) == nd - 1 and nd >= 2:
+    if normalize_dim(gather_dim, nd, "gather_dim") == nd - 1:
         return _gather_last_dim(A_shard, list(Bs), group_name, return_A)
     if return_A:
         A, outs = api.all_gather_matmul(A_shard, list(Bs), group_name, gather_dim=gather_dim,
@@ -39,11 +41,33 @@ def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: list[torch.Tensor], gathe
 
 
 def _gather_last_dim(A_shard, Bs, group_name, return_A):
+    """Shards concatenated along K: validated and agreed like every other path (bounded by
+    FICCO_TIMEOUT), then the plain all-gather + matmul."""
+    check_tensor(A_shard, "A_shard")
     group = resolve_group(group_name)
-    world = dist.get_world_size(group)
+    rank, world = group_rank_world(group)
+    k = world * A_shard.shape[-1]
+    for j, B in enumerate(Bs):
+        if not isinstance(B, torch.Tensor) or B.dim() != 2:
+            raise InvalidArgumentError(
+                f"Bs[{j}] must be a 2-D (K, n) tensor; got "
+                f"{tuple(B.shape) if isinstance(B, torch.Tensor) else type(B).__name__}")
+        if B.shape[0] != k:
+            raise InvalidArgumentError(
+                f"Bs[{j}] has {B.shape[0]} rows but gathering A_shard {tuple(A_shard.shape)} "
+                f"along its last dim over {world} ranks gives K={k}; they must match")
+        check_like(B, A_shard, f"Bs[{j}]", "A_shard")
+    backend_for(A_shard, "A_shard")
+    signature = {"op": "fused_all_gather_matmul(gather_dim=last)",
+                 "shard_shape": tuple(A_shard.shape), "dtype": str(A_shard.dtype),
+                 "ns": [int(B.shape[1]) for B in Bs], "return_A": bool(return_A)}
+    agreement.agree(group, world, rank, signature, "fused_all_gather_matmul")
     flat = torch.empty((world * A_shard.shape[0], *A_shard.shape[1:]), dtype=A_shard.dtype,
                        device=A_shard.device)
-    all_gather_flat(flat, A_shard.contiguous(), group)
+    if world > 1:
+        all_gather_flat(flat, A_shard.contiguous(), group)
+    else:
+        flat.copy_(A_shard)
     A = torch.cat(flat.view(world, *A_shard.shape).unbind(0), dim=-1)
     outs = [torch.matmul(A, B) for B in Bs]
     return (A if return_A else None), outs

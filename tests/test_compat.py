@@ -44,3 +44,42 @@ def _compare(rank, world, seed):
 
 def test_compat_matches_torch_fallback():
     assert harness.pool(2).run(_compare, random.randrange(1 << 30)) == [[], []]
+
+
+def _last_dim_bad_inputs(rank, world, seed):
+    """gather_dim = last: every bad input raises InvalidArgumentError before communicating;
+    ranks with different shards raise MismatchError on every rank."""
+    from ficco.errors import InvalidArgumentError, MismatchError
+
+    group_name = dist.group.WORLD.group_name
+    a = torch.randn(4, 6)
+    seen = []
+    for label, A, Bs in [("1-D B", a, [torch.randn(6 * world)]),
+                         ("int64", a.long(), [torch.randn(6 * world, 3).long()]),
+                         ("wrong K", a, [torch.randn(6, 3)]),
+                         ("fp8", a.to(torch.float8_e4m3fn),
+                          [torch.randn(6 * world, 3).to(torch.float8_e4m3fn)])]:
+        try:
+            ficco.compat.fused_all_gather_matmul(A, Bs, -1, group_name)
+            seen.append(f"{label}: no error")
+        except InvalidArgumentError:
+            seen.append(f"{label}: refused")
+        except Exception as exc:  # noqa: BLE001
+            seen.append(f"{label}: {type(exc).__name__}")
+    cols = 6 if rank == 0 else 5
+    try:
+        with ficco.config.scope(timeout=10):
+            ficco.compat.fused_all_gather_matmul(torch.randn(4, cols),
+                                                 [torch.randn(world * cols, 3)], 1, group_name)
+        seen.append("mismatch: no error")
+    except MismatchError:
+        seen.append("mismatch: MismatchError")
+    except Exception as exc:  # noqa: BLE001
+        seen.append(f"mismatch: {type(exc).__name__}")
+    return seen
+
+
+def test_compat_last_dim_path_is_validated_and_agreed():
+    for seen in harness.pool(2).run(_last_dim_bad_inputs, 0):
+        assert seen == ["1-D B: refused", "int64: refused", "wrong K: refused", "fp8: refused",
+                        "mismatch: MismatchError"], seen

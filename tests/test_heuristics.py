@@ -202,26 +202,30 @@ def test_table_i_is_the_papers():
 
 # -- explain on a live group -------------------------------------------------------------------
 def _explain_live(rank, world, seed, cache_dir):
+    from ficco import runtime
+
     shards, bs, _, refs = make_inputs(seed, world, (12, 16), (20,), torch.float32)
     with ficco.config.scope(selector="tune", cache_dir=cache_dir):
         tune.clear_memory()
-        decision = ficco.explain(shards[rank], bs[0])
-        again = ficco.explain(shards[rank], bs[0])   # cached: same answer, nothing measured
-        out = ficco.all_gather_matmul(shards[rank], bs[0])
+        before = ficco.explain(shards[rank], bs[0])     # local: nothing measured yet
+        out = ficco.all_gather_matmul(shards[rank], bs[0])   # measures every candidate
+        ran = runtime.last_run()
+        after = ficco.explain(shards[rank], bs[0])      # local: the measured winner
     picked_by = []
     for sel in ("paper", "model"):
         with ficco.config.scope(selector=sel):
             picked_by.append(ficco.explain(shards[rank], bs[0]).selector)
-    return (decision.schedule, decision.selector, tuple(sorted(decision.scores)),
-            again.schedule, max_row_rel_err(out, refs[0]), tuple(picked_by))
+    return (before.selector, "not tuned yet" in before.reason, after.schedule, after.reason,
+            tuple(sorted(after.scores)), ran[0], max_row_rel_err(out, refs[0]), tuple(picked_by))
 
 
-def test_explain_on_a_live_group_for_every_selector(tmp_path):
+def test_explain_is_local_and_reports_what_the_call_tuned(tmp_path):
     results = harness.pool(3).run(_explain_live, random.randrange(1 << 30), str(tmp_path))
-    assert len({r[:4] for r in results}) == 1, results
-    schedule, selector, scored, again, _, _ = results[0]
-    assert selector == "tune" and scored == tuple(sorted(schedules.names())) and again == schedule
-    assert all(r[4] <= ROW_TOL[torch.float32] for r in results)
-    assert all(r[5] == ("paper", "model") for r in results)
+    assert len({r[2] for r in results}) == 1, results
+    for selector, untuned, schedule, reason, scored, ran, err, picked in results:
+        assert selector == "tune" and untuned, results
+        assert schedule == ran and "tuned earlier" in reason, results
+        assert scored == tuple(sorted(schedules.names())), results
+        assert err <= ROW_TOL[torch.float32] and picked == ("paper", "model"), results
     entries = json.loads((tmp_path / tune.CACHE_FILE).read_text())
-    assert [e["schedule"] for e in entries.values()] == [schedule]
+    assert [e["schedule"] for e in entries.values()] == [results[0][2]]

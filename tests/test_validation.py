@@ -70,3 +70,50 @@ def test_cpu_tensors_with_a_forced_gpu_backend_fail_clearly(monkeypatch):
     monkeypatch.setenv("FICCO_BACKEND", "cuda")
     with pytest.raises(ficco.errors.BackendUnavailableError, match="cuda"):
         ficco.all_gather_matmul(_a(4, 8), _a(8, 3))
+
+
+# -- issue 14: small validation gaps ------------------------------------------------------------
+def test_gather_dim_must_be_an_integer_not_a_bool():
+    with pytest.raises(InvalidArgumentError, match="bool"):
+        ficco.all_gather_matmul(_a(4, 8), _a(8, 3), gather_dim=True)
+
+
+def test_numpy_integers_are_dimensions():
+    import numpy as np
+
+    a, b = _a(2, 3, 8), _a(8, 5)
+    out = ficco.all_gather_matmul(a, b, gather_dim=np.int64(1))
+    assert torch.allclose(out.double(), a.double() @ b.double(), atol=1e-4)
+
+
+def test_b_without_columns_gives_an_empty_result_like_torch():
+    a = _a(4, 8)
+    out = ficco.all_gather_matmul(a, torch.empty(8, 0))
+    assert out.shape == (4, 0)
+
+
+def test_plan_cache_is_bounded():
+    from ficco import ops, runtime
+    from ficco.problem import Problem
+
+    spec = ops.get("all_gather_matmul")
+    runtime._plans.clear()
+    for m in range(runtime._PLAN_LIMIT + 40):
+        runtime.plan_for(spec, "ring", "dma", Problem(m + 1, 8, (4,), "float32", 2))
+    assert len(runtime._plans) == runtime._PLAN_LIMIT
+
+
+def test_every_env_value_is_checked_before_any_communication(monkeypatch):
+    for name, bad in [("FICCO_TIMEOUT", "soon"), ("FICCO_COPY_ENGINES", "0"),
+                      ("FICCO_PROFILE", "no-such-gpu"), ("FICCO_SELECTOR", "fastest"),
+                      ("FICCO_TOPOLOGY", "ring"), ("FICCO_LOG", "loud"),
+                      ("FICCO_POISON", "maybe"), ("FICCO_PAPER_LOW", "-1")]:
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ConfigError, match=name if name != "FICCO_PROFILE" else "no-such-gpu"):
+            ficco.all_gather_matmul(_a(4, 8), _a(8, 3))
+        monkeypatch.delenv(name)
+
+
+def test_log_level_accepts_upper_case(monkeypatch):
+    monkeypatch.setenv("FICCO_LOG", "INFO")
+    assert ficco.config.log_level() == "info"

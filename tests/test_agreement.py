@@ -1,0 +1,165 @@
+"""Issue 14: every wait ficco starts is bounded by FICCO_TIMEOUT and names who did not come;
+every setting that changes what a rank does is agreed; bad settings fail before any
+communication; failures name the rank and peers; nothing crashes the exit after an error."""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import ficco
+
+from . import harness
+from .reference import make_inputs, max_row_rel_err
+
+
+def _outcome(fn):
+    start = time.monotonic()
+    try:
+        value = fn()
+        return ("ok", value if isinstance(value, float) else None, time.monotonic() - start)
+    except Exception as exc:  # noqa: BLE001 - the test judges every kind
+        return (type(exc).__name__, str(exc), time.monotonic() - start)
+
+
+def _skip_first_call(rank, world, seed):
+    shards, bs, _, refs = make_inputs(seed, world, (5, 8), (3,), torch.float32)
+    result = ("skipped", None, 0.0)
+    if rank != world - 1:            # the last rank never makes this first call
+        with ficco.config.scope(timeout=2):
+            result = _outcome(lambda: ficco.all_gather_matmul(shards[rank], bs[0]))
+    ficco.shutdown()                 # every rank resets: the group is usable again
+    again = _outcome(lambda: max_row_rel_err(ficco.all_gather_matmul(shards[rank], bs[0]),
+                                             refs[0]))
+    ficco.shutdown()
+    return result, again
+
+
+def test_a_peer_that_skips_the_first_call_is_named_within_the_deadline():
+    results = harness.pool(3).run(_skip_first_call, random.randrange(1 << 30))
+    for rank, (first, again) in enumerate(results[:-1]):
+        kind, message, seconds = first
+        assert kind == "CommTimeoutError" and "[2]" in message and f"rank {rank}" in message, first
+        assert seconds < 10, first
+    for _, again in results:
+        assert again[0] == "ok" and again[1] <= 1e-4, results
+
+
+def _bad_env_on_one_rank(rank, world, seed):
+    shards, bs, _, _ = make_inputs(seed, world, (4, 8), (3,), torch.float32)
+    name, value = ("FICCO_COPY_ENGINES", "-2") if rank == 1 else (None, None)
+    if name:
+        os.environ[name] = value
+    try:
+        with ficco.config.scope(timeout=2):
+            result = _outcome(lambda: ficco.all_gather_matmul(shards[rank], bs[0]))
+    finally:
+        if name:
+            del os.environ[name]
+    ficco.shutdown()
+    return result
+
+
+def test_a_bad_env_value_fails_on_its_rank_before_communicating_and_is_named_elsewhere():
+    results = harness.pool(2).run(_bad_env_on_one_rank, random.randrange(1 << 30))
+    assert results[1][0] == "ConfigError" and "FICCO_COPY_ENGINES" in results[1][1], results
+    assert results[1][2] < 1.0, results          # before any communication
+    assert results[0][0] == "CommTimeoutError" and "[1]" in results[0][1], results
+
+
+def _settings_differ(rank, world, seed, setting, values):
+    shards, bs, _, refs = make_inputs(seed, world, (6, 8), (3,), torch.float32)
+    with ficco.config.scope(**{setting: values[rank]}, timeout=5):
+        result = _outcome(lambda: ficco.all_gather_matmul(shards[rank], bs[0]))
+    ficco.shutdown()
+    return result
+
+
+@pytest.mark.parametrize("setting, values", [("disable", (True, False)),
+                                             ("selector", ("tune", "model")),
+                                             ("profile", ("h100", "mi300x")),
+                                             ("transport", ("dma", "ccl"))])
+def test_ranks_with_different_settings_all_raise_mismatch(setting, values):
+    results = harness.pool(2).run(_settings_differ, random.randrange(1 << 30), setting, values)
+    for kind, message, _ in results:
+        assert kind == "MismatchError" and setting in message, results
+
+
+def _killed_on_ccl(rank, world, seed):
+    shards, bs, _, _ = make_inputs(seed, world, (8, 16), (4,), torch.float32)
+    with ficco.config.scope(transport="ccl"):
+        ficco.all_gather_matmul(shards[rank], bs[0], schedule="ring")
+        if rank == 1:
+            os._exit(17)
+        with ficco.config.scope(timeout=3):
+            return _outcome(lambda: ficco.all_gather_matmul(shards[rank], bs[0], schedule="ring"))
+
+
+def test_a_killed_peer_on_ccl_is_named_in_a_ficco_error():
+    pool = harness.RankPool(3)
+    try:
+        for conn in pool.conns:
+            conn.send((_killed_on_ccl.__module__, _killed_on_ccl.__name__, (7,)))
+        results = pool._collect(90)
+    finally:
+        pool.close()
+    for rank in (0, 2):
+        status, (kind, message, _) = results[rank]
+        assert status == "ok" and kind in ficco.errors.__dict__, results[rank]
+        assert "[1]" in message and f"rank {rank}" in message, results[rank]
+
+
+def _explain_alone(rank, world, seed):
+    shards, bs, _, _ = make_inputs(seed, world, (7, 8), (3,), torch.float32)
+    if rank == 0:
+        with ficco.config.scope(timeout=30):
+            return _outcome(lambda: str(ficco.explain(shards[rank], bs[0])))
+    return ("idle", None, 0.0)
+
+
+def test_explain_on_one_rank_alone_does_not_communicate():
+    results = harness.pool(2).run(_explain_alone, random.randrange(1 << 30), timeout_s=60)
+    assert results[0][0] == "ok" and results[0][2] < 10, results
+
+
+def _destroyed_group_threads(rank, world, seed):
+    import gc
+    import threading
+
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world)))
+    shards, bs, _, refs = make_inputs(seed, world, (6, 8), (3,), torch.float32)
+    with ficco.config.scope(transport="dma"):
+        err = max_row_rel_err(ficco.all_gather_matmul(shards[rank], bs[0], group,
+                                                      schedule="ring"), refs[0])
+    before = sorted(t.name for t in threading.enumerate() if t.name.startswith("ficco-"))
+    dist.destroy_process_group(group)
+    del group
+    gc.collect()
+    after = sorted(t.name for t in threading.enumerate() if t.name.startswith("ficco-"))
+    return err, before, after
+
+
+def test_queue_threads_end_with_their_group():
+    pool = harness.RankPool(2)
+    try:
+        results = pool.run(_destroyed_group_threads, random.randrange(1 << 30))
+    finally:
+        pool.close()
+    for err, before, after in results:
+        assert err <= 1e-4 and before and after == [], results
+
+
+def test_exit_right_after_a_caught_error_never_crashes():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "tests.exit_after_error", "skip", "6"],
+                          capture_output=True, text=True, timeout=400, cwd=root)
+    codes = proc.stdout.split("exitcodes", 1)[-1].split()
+    assert proc.returncode == 0 and len(codes) == 12 and set(codes) == {"0"}, \
+        (proc.stdout[-1000:], proc.stderr[-3000:])
