@@ -375,3 +375,25 @@ def test_a_captured_workspace_is_never_closed():
     workspace._close(handle, None)
     assert not handle.closed and handle in workspace._kept
     workspace._kept.remove(handle)
+
+
+def test_host_pad_registration_calls_match_cuda_python_signatures():
+    from cuda.bindings import driver, runtime
+
+    class Runtime(Recorder):
+        def cudaHostGetDevicePointer(self, host, flags):
+            self.calls.append(("cudaHostGetDevicePointer", (host, flags)))
+            return (runtime.cudaError_t.cudaSuccess, host + 0x1000)
+
+    rt = Runtime(runtime)
+    vendor = CudaVendor(runtime=rt, driver=Recorder(driver))
+    vendor.host_register(0x5000, 4096)
+    assert vendor.host_device_pointer(0x5000) == 0x6000
+    vendor.host_unregister(0x5000)
+    calls = dict(rt.calls)
+    for name, args in calls.items():
+        assert len(args) == len(signature_params(getattr(runtime, name))), name
+    assert calls["cudaHostRegister"] == (0x5000, 4096, int(runtime.cudaHostRegisterMapped) |
+                                         int(runtime.cudaHostRegisterPortable))
+    assert calls["cudaHostGetDevicePointer"] == (0x5000, 0)
+    assert calls["cudaHostUnregister"] == (0x5000,)

@@ -220,3 +220,19 @@ def test_rocm_refuses_to_capture_a_cross_rank_barrier(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(InvalidArgumentError, match="cannot capture cross-rank barriers"):
         RocmBackend._enqueue_signals(Fake(), None, (), Deadline(0, 0, 0, 1.0, 1))
+
+
+def test_host_pad_registration_calls():
+    from rocm.bindings.util.types import Pointer
+
+    rec = HipRecorder({"hipHostGetDevicePointer": (hip.hipError_t.hipSuccess,
+                                                   Pointer.fromObj(0xA000))})
+    vendor = RocmVendor(hip=rec)
+    vendor.host_register(0x5000, 4096)
+    assert vendor.host_device_pointer(0x5000) == 0xA000
+    vendor.host_unregister(0x5000)
+    assert rec.calls["hipHostRegister"] == {
+        "hostPtr": 0x5000, "sizeBytes": 4096,
+        "flags": hip.hipHostRegisterMapped | hip.hipHostRegisterPortable}
+    assert rec.calls["hipHostGetDevicePointer"] == {"hstPtr": 0x5000, "flags": 0}
+    assert rec.calls["hipHostUnregister"] == {"hostPtr": 0x5000}

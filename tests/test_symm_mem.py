@@ -246,3 +246,83 @@ def test_a_rank_failing_mid_call_makes_every_rank_raise_then_calls_are_right(sch
             assert "injected GEMM failure" in failed, failed
         assert all(e is None or e <= 1e-4 for e in errors), (rank, results)
         assert errors[-1] is not None, (rank, results)   # runs again, and right
+
+
+# -- FICCO_SIGNAL_PADS=host: GPU pads in host memory, exercised on CPU ranks ----------------------
+class _HostVendor:
+    """The three driver calls HostPads makes, as a GPU-less stand-in: 'device' pointers are
+    the host addresses moved by a fixed offset (as a driver's mapping would be)."""
+
+    OFFSET = 0x7F00_0000_0000
+
+    def __init__(self):
+        self.registered = []
+
+    def host_register(self, address, nbytes):
+        self.registered.append((address, nbytes))
+
+    def host_device_pointer(self, address):
+        return address + self.OFFSET
+
+    def host_unregister(self, address):
+        self.registered = [r for r in self.registered if r[0] != address]
+
+
+def _host_pads(rank, world, seed):
+    """Every rank writes into its slot of every peer's pad by device address; every rank reads
+    all of its own slots back; a watchdog-style release is a host store, no stream."""
+    from ficco.symm_mem import SIGNAL_CHANNELS
+    from ficco.symm_mem.host_pads import HostPads
+
+    vendor = _HostVendor()
+    pads = HostPads(vendor, dist.group.WORLD, rank, world)
+    slot = lambda owner, ch, writer: pads.device[owner] + 4 * (ch * world + writer)  # noqa: E731
+    for peer in range(world):
+        pads.write(slot(peer, 3, rank), seed + rank)
+    dist.barrier()
+    seen = [pads.read(slot(rank, 3, p)) for p in range(world)]
+    registered = len(vendor.registered)
+    dist.barrier()
+    pads.close()
+    return seen, registered, len(vendor.registered), pads.count == SIGNAL_CHANNELS * world
+
+
+def test_host_signal_pads_are_shared_by_every_rank_through_device_addresses():
+    seed = random.randrange(1 << 20)
+    for seen, registered, left, sized in harness.pool(3).run(_host_pads, seed):
+        assert seen == [seed + p for p in range(3)]
+        assert registered == 3 and left == 0 and sized
+
+
+def test_watchdog_releases_host_pads_without_a_stream():
+    """GpuBackend.expire on a handle with host pads: late slots written by the host, the one
+    timeout message names the late peer; no stream or vendor call is made."""
+    from ficco.backends.gpu import GpuBackend
+    from ficco.backends.gpu_watchdog import PendingBarrier
+    from ficco.errors import CommTimeoutError
+    from ficco.symm_mem.barrier import Deadline, SignalOp, WAIT
+
+    memory = {0x100: 1, 0x104: 0, 0x108: 1}
+
+    class Host:
+        read = staticmethod(memory.__getitem__)
+        write = staticmethod(memory.__setitem__)
+
+    class Handle:
+        host_pads = Host()
+
+    class Fake:
+        errors = []
+        vendor = None     # any vendor call would fail
+
+        def set_error(self, error):
+            self.errors.append(error)
+
+    waits = tuple(SignalOp(WAIT, 0x100 + 4 * p, 1, p) for p in range(3))
+    item = PendingBarrier(None, None, Deadline(0, 1, 4, 2.0, 1, waits, Handle()), None)
+    fake = Fake()
+    GpuBackend.expire(fake, item)
+    assert memory == {0x100: 1, 0x104: 1, 0x108: 1}
+    (error,) = fake.errors
+    assert isinstance(error, CommTimeoutError)
+    assert str(error).startswith("rank 0 at step 4: barrier channel 1") and "[1]" in str(error)

@@ -111,6 +111,17 @@ class Vendor(ABC):
     @abstractmethod
     def ipc_close(self, address: int) -> None: ...
 
+    @abstractmethod
+    def host_register(self, address: int, nbytes: int) -> None:
+        """Page-lock host memory as mapped and portable (every context sees it)."""
+
+    @abstractmethod
+    def host_device_pointer(self, address: int) -> int:
+        """The device address of registered host memory at ``address``."""
+
+    @abstractmethod
+    def host_unregister(self, address: int) -> None: ...
+
 
 def handle_bytes(address: int, size: int = 64) -> bytes:
     """The ``size`` bytes of a C handle struct at ``address`` (IPC handles are 64 bytes)."""
@@ -357,17 +368,29 @@ class GpuBackend(Backend):
         awaited slots and writes the awaited values into the short ones, so the stream moves
         on, then leaves the one timeout error for the next call."""
         deadline = item.deadline
-        if self._rescue_stream is None:
-            self._rescue_stream = torch.cuda.Stream(self._device)
-        side = self._rescue_stream
-        with torch.cuda.stream(side):
-            late = deadline.late(lambda slot: int(
-                tensor_at(slot, 4, self._device).view(torch.int32).item()))
-        by_peer = {peer for peer, _ in late}
-        for op in deadline.waits:
-            if op.peer in by_peer:
-                self.vendor.write_value32(side.cuda_stream, op.slot, op.value)
-        side.synchronize()
+        host = getattr(deadline.handle, "host_pads", None)
+        if host is not None:
+            # Host-mapped pads: read and release with host loads/stores, never through a
+            # stream (which may sit behind the stuck wait on a shared hardware queue).
+            late = deadline.late(host.read)
+            by_peer = {peer for peer, _ in late}
+            for op in deadline.waits:
+                if op.peer in by_peer:
+                    host.write(op.slot, op.value)
+        else:
+            # Device pads: through a private stream. This can queue behind the stuck wait
+            # when streams share one hardware queue (FICCO_SIGNAL_PADS=host avoids that).
+            if self._rescue_stream is None:
+                self._rescue_stream = torch.cuda.Stream(self._device)
+            side = self._rescue_stream
+            with torch.cuda.stream(side):
+                late = deadline.late(lambda slot: int(
+                    tensor_at(slot, 4, self._device).view(torch.int32).item()))
+            by_peer = {peer for peer, _ in late}
+            for op in deadline.waits:
+                if op.peer in by_peer:
+                    self.vendor.write_value32(side.cuda_stream, op.slot, op.value)
+            side.synchronize()
         deadline.fired = True
         self.set_error(deadline.error(late))
 

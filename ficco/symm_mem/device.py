@@ -75,12 +75,16 @@ class GpuSymmHandle(SymmHandle):
     carved from the same allocation, as the provider chose)."""
 
     def __init__(self, backend, rank: int, world: int, nbytes: int, spans: list[torch.Tensor],
-                 pads: list[torch.Tensor], release: Callable[[bool], None]):
+                 pads: list[torch.Tensor], release: Callable[[bool], None], host_pads=None):
         self.rank, self.world, self.nbytes = rank, world, nbytes
         self._init_signals(backend)
         self._spans, self._pads = spans, pads
         self._release = release
-        self._pad_base = [int(p.data_ptr()) for p in pads]
+        #: :class:`~ficco.symm_mem.host_pads.HostPads` when the pads live in host memory (then
+        #: ``pads`` are host tensors and slots are the driver's device pointers to them)
+        self.host_pads = host_pads
+        self._pad_base = list(host_pads.device) if host_pads is not None else \
+            [int(p.data_ptr()) for p in pads]
         self._closed = False
         #: set when a barrier on this handle was captured into a graph (the runtime must keep
         #: the memory alive as long as such a graph may replay)

@@ -3,6 +3,8 @@ its signal pad (``vendor.malloc_signal``: memory the vendor documents for polled
 handles travel through ``all_gather_object``, every rank maps every peer. Works for any number
 of processes per GPU (how the GPU tests run) and one process per GPU alike.
 
+With ``FICCO_SIGNAL_PADS=host`` the pads are host memory instead (:mod:`.host_pads`).
+
 Every local step ends in an exchange of (result, failure) (:func:`.agree.agree`), so a rank
 that fails to allocate or map makes every rank raise instead of leaving them in a collective.
 Teardown closes this rank's imports first and frees its exports only after every peer said it
@@ -15,10 +17,12 @@ import socket
 import torch
 import torch.distributed as dist
 
+from .. import config
 from ..errors import InvalidArgumentError
 from . import Provider, SIGNAL_CHANNELS, aligned
 from .agree import agree
 from .device import GpuSymmHandle, pad_bytes, tensor_at
+from .host_pads import HostPads
 
 
 def group_of(group):
@@ -61,17 +65,21 @@ class IpcSymmProvider(Provider):
                 (vendor.free_signal if kind == "pad" else vendor.free)(address)
             own.clear()
 
+        on_host = config.get("FICCO_SIGNAL_PADS") == "host"
         where, failure = None, None
         try:
             data = vendor.malloc(aligned(nbytes))
             own.append(("data", data))
-            pad = vendor.malloc_signal(pad_bytes(world))
-            own.append(("pad", pad))
             data_span = tensor_at(data, aligned(nbytes), device)
-            pad_span = tensor_at(pad, pad_bytes(world), device)
-            pad_span.zero_()
+            pad_handle = None
+            if not on_host:
+                pad = vendor.malloc_signal(pad_bytes(world))
+                own.append(("pad", pad))
+                pad_span = tensor_at(pad, pad_bytes(world), device)
+                pad_span.zero_()
+                pad_handle = vendor.ipc_export(pad)
             torch.cuda.synchronize(device)  # pads are zero before any peer can write them
-            where = (socket.gethostname(), vendor.ipc_export(data), vendor.ipc_export(pad))
+            where = (socket.gethostname(), vendor.ipc_export(data), pad_handle)
         except Exception as exc:  # noqa: BLE001 - reported to every rank by agree()
             failure = f"{type(exc).__name__}: {exc}"
         everyone = agree(group, rank, world, where, failure, "allocate GPU symmetric memory",
@@ -87,19 +95,35 @@ class IpcSymmProvider(Provider):
             for peer, (_, data_handle, pad_handle) in enumerate(everyone):
                 if peer == rank:
                     spans.append(data_span)
-                    pads.append(pad_span)
+                    if not on_host:
+                        pads.append(pad_span)
                     continue
                 address = vendor.ipc_open(data_handle)
                 opened.append(address)
                 spans.append(tensor_at(address, aligned(nbytes), device))
-                address = vendor.ipc_open(pad_handle)
-                opened.append(address)
-                pads.append(tensor_at(address, pad_bytes(world), device))
+                if not on_host:
+                    address = vendor.ipc_open(pad_handle)
+                    opened.append(address)
+                    pads.append(tensor_at(address, pad_bytes(world), device))
         except Exception as exc:  # noqa: BLE001 - reported to every rank by agree()
             failure = f"mapping rank {peer}: {type(exc).__name__}: {exc}"
         # Every rank mapped every peer before anyone signals; a failure raises everywhere.
         agree(group, rank, world, True, failure, "map GPU symmetric memory",
               on_failure=lambda: release(True))
+        if on_host:
+            try:
+                host = HostPads(vendor, group, rank, world)   # collective: raises everywhere
+            except BaseException:
+                release(True)
+                raise
+            freeing = release
+
+            def release(peers_done: bool = False):   # noqa: F811 - the host pads go too
+                host.close()
+                freeing(peers_done)
+
+            pads = [torch.from_numpy(a).view(SIGNAL_CHANNELS, world) for a in host.arrays]
+            return GpuSymmHandle(self.backend, rank, world, nbytes, spans, pads, release, host)
         pads = [p[: SIGNAL_CHANNELS * world * 4].view(torch.int32).view(SIGNAL_CHANNELS, world)
                 for p in pads]
         return GpuSymmHandle(self.backend, rank, world, nbytes, spans, pads, release)

@@ -65,8 +65,9 @@ def test_a_captured_graph_survives_workspace_growth():
     assert failures == [[]] * 2
 
 
-@pytest.mark.parametrize("env", [{}, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}],
-                         ids=["default", "one-hardware-queue"])
+@pytest.mark.parametrize("env", [{}, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"},
+                                 {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "FICCO_SIGNAL_PADS": "host"}],
+                         ids=["default", "one-hardware-queue", "one-hardware-queue-host-pads"])
 def test_a_stalled_rank_makes_the_others_raise_within_the_deadline(env):
     results = harness.pool(3, {**GPU_ENV, **env}).run(
         gpu_fault_cases.stalled_rank_never_returns_data, 1.0, timeout_s=120)
@@ -91,3 +92,12 @@ def test_an_input_on_another_gpu_is_refused():
         pytest.skip("needs two visible GPUs")
     for message in harness.pool(1, GPU_ENV).run(gpu_fault_cases.wrong_device_is_refused):
         assert "torch.cuda.set_device" in message, message
+
+
+@pytest.mark.parametrize("schedule", ("serial", "ring", "uniform-fused-1d", "hetero-unfused-2d"))
+def test_schedules_with_host_signal_pads(schedule):
+    """FICCO_SIGNAL_PADS=host: barrier flags in host-mapped memory, results against float64."""
+    env = {**GPU_ENV, "FICCO_SIGNAL_PADS": "host"}
+    failures = harness.pool(2, env).run(gpu_cases.schedule_case, schedule, "dma", "bfloat16",
+                                        5, timeout_s=120)
+    assert failures == [[]] * 2

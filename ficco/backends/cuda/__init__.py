@@ -137,6 +137,17 @@ class CudaVendor(Vendor):
     def ipc_close(self, address):
         self.check("cudaIpcCloseMemHandle", self.rt.cudaIpcCloseMemHandle(address))
 
+    def host_register(self, address, nbytes):
+        flags = int(self.rt.cudaHostRegisterMapped) | int(self.rt.cudaHostRegisterPortable)
+        self.check("cudaHostRegister", self.rt.cudaHostRegister(address, nbytes, flags))
+
+    def host_device_pointer(self, address):
+        return int(self.check("cudaHostGetDevicePointer",
+                              self.rt.cudaHostGetDevicePointer(address, 0)))
+
+    def host_unregister(self, address):
+        self.check("cudaHostUnregister", self.rt.cudaHostUnregister(address))
+
 
 def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)

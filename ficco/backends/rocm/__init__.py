@@ -139,6 +139,17 @@ class RocmVendor(Vendor):
     def ipc_close(self, address):
         self.check("hipIpcCloseMemHandle", self.hip.hipIpcCloseMemHandle(address))
 
+    def host_register(self, address, nbytes):
+        flags = self.hip.hipHostRegisterMapped | self.hip.hipHostRegisterPortable
+        self.check("hipHostRegister", self.hip.hipHostRegister(address, nbytes, flags))
+
+    def host_device_pointer(self, address):
+        return address_of(self.check("hipHostGetDevicePointer",
+                                     self.hip.hipHostGetDevicePointer(address, 0)))
+
+    def host_unregister(self, address):
+        self.check("hipHostUnregister", self.hip.hipHostUnregister(address))
+
 
 def _status(result):
     return result[0] if isinstance(result, tuple) else result

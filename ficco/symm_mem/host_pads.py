@@ -1,0 +1,101 @@
+"""GPU signal pads in host memory (``FICCO_SIGNAL_PADS=host``): each rank's pad is a /dev/shm
+file (as on the CPU backend), every rank maps every pad and registers each mapping with the
+GPU driver as mapped, portable host memory; stream memory operations use the device pointers
+the driver gives for them.
+
+Why: a barrier's watchdog must release a stream stuck in a wait whose peer never came. With
+pads in device memory the release is a stream write (and the read for the error message a
+device-to-host copy), which queues behind the stuck wait when streams share one hardware queue
+(``CUDA_DEVICE_MAX_CONNECTIONS=1``, as Megatron's sequence parallelism requires; ROCm's few
+hardware queues). Here the watchdog reads and writes the slot with plain host loads and stores.
+It is also memory HIP documents as coherent for polled flags.
+
+Not yet run on a GPU (see docs/gpu.md): device pads stay the default until it is.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import uuid
+
+import numpy as np
+
+from . import SIGNAL_CHANNELS
+from .agree import agree
+
+SHM_DIR = "/dev/shm"
+
+
+class HostPads:
+    """Rank ``rank``'s view of the ``world`` host pads of one handle; ``device[p]`` is the
+    device address of pad ``p``, ``arrays[p]`` its int32 host view (flat,
+    ``SIGNAL_CHANNELS * world``)."""
+
+    def __init__(self, vendor, group, rank: int, world: int):
+        self.vendor, self.rank, self.world = vendor, rank, world
+        self.count = SIGNAL_CHANNELS * world
+        nbytes = max(mmap.PAGESIZE, self.count * 4)
+        self._registered: list[int] = []
+        self._fd = None
+        where, failure = None, None
+        try:
+            name = os.path.join(SHM_DIR, f"ficco-pad-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+            self._fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.unlink(name)   # only descriptors keep it: nothing outlives the processes
+            os.ftruncate(self._fd, nbytes)
+            where = (os.getpid(), self._fd)
+        except OSError as exc:
+            failure = f"could not create its host signal pad: {exc}"
+        wheres = agree(group, rank, world, where, failure, "create host signal pads",
+                       on_failure=self._close_fd)
+        self.arrays, self.device, failure = [], [], None
+        try:
+            for peer, (pid, fd) in enumerate(wheres):
+                path = f"/proc/self/fd/{fd}" if peer == rank else f"/proc/{pid}/fd/{fd}"
+                handle = os.open(path, os.O_RDWR)
+                try:
+                    mapping = mmap.mmap(handle, nbytes, mmap.MAP_SHARED,
+                                        mmap.PROT_READ | mmap.PROT_WRITE)
+                finally:
+                    os.close(handle)
+                array = np.frombuffer(mapping, dtype=np.int32, count=self.count)
+                host = array.ctypes.data
+                vendor.host_register(host, nbytes)
+                self._registered.append(host)
+                self.arrays.append(array)
+                self.device.append(vendor.host_device_pointer(host))
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by agree()
+            failure = f"mapping the host pad of rank {peer}: {type(exc).__name__}: {exc}"
+        agree(group, rank, world, True, failure, "map host signal pads", on_failure=self.close)
+        self._ends = [(base, base + self.count * 4, p) for p, base in enumerate(self.device)]
+
+    def _locate(self, slot: int) -> tuple[np.ndarray, int]:
+        for start, end, p in self._ends:
+            if start <= slot < end:
+                return self.arrays[p], (slot - start) // 4
+        raise KeyError(f"{slot:#x} is no slot of these host pads")
+
+    def read(self, slot: int) -> int:
+        """The int32 at device address ``slot``, read by the host (no stream involved)."""
+        array, index = self._locate(slot)
+        return int(array[index])
+
+    def write(self, slot: int, value: int) -> None:
+        array, index = self._locate(slot)
+        array[index] = value
+
+    def _close_fd(self):
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def close(self) -> None:
+        for host in self._registered:
+            try:
+                self.vendor.host_unregister(host)
+            except Exception:  # noqa: BLE001 - teardown continues; the mapping stays valid
+                pass
+        self._registered = []
+        self._close_fd()
+        # The mappings are dropped with the arrays (numpy keeps each mmap alive while used).
+        self.arrays = []
