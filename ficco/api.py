@@ -86,8 +86,10 @@ def explain(a_shard, b, group=None, *, gather_dim=0, schedule=None, op="all_gath
     """The Decision ``op`` (``all_gather_matmul``, or ``matmul_reduce_scatter`` with
     ``scatter_dim``/``reduce_op``; then ``a_shard`` is the full-row ``a``) would take for these
     arguments: schedule, transport, the selector that chose, its inputs and every candidate's
-    score. Moves no tensor data (the ``tune`` selector measures on first sight of a problem,
-    as the real call would).
+    score. Local: it never communicates, so one rank may call it alone (``if rank == 0:
+    print(ficco.explain(...))``). Before the ranks agreed on this call, ``auto`` transport
+    assumes they share a host; before ``tune`` measured it, the decision is the model's
+    prediction and its reason says "not tuned yet" (the first real call measures).
 
     >>> import torch, ficco
     >>> print(ficco.explain(torch.randn(4, 8), torch.randn(8, 3)).schedule)

@@ -146,20 +146,22 @@ def settings(schedule: str | None = None, transport: str | None = None,
     """Every setting that changes what a rank does, read and validated now (before any
     communication) so a bad value fails on its own rank, and so ranks can agree on them.
     Settings that only change how long or how loudly a rank works (timeout, log, poison,
-    cache directory) are validated here but not agreed."""
-    for read in (config.timeout_s, config.log_level, config.cache_dir, config.backend,
-                 lambda: config.get("FICCO_POISON"), lambda: config.get("FICCO_SYMM")):
-        read()
+    cache directory) are validated here but not agreed; the backend is agreed through the
+    op's signature (its target)."""
+    knobs = {env: knob.read() for env, knob in config.KNOBS.items()}   # every value checked
     low, high = config.paper_thresholds()
     return {
-        "disable": config.disabled(),
-        "schedule": schedule if schedule is not None else config.schedule(),
+        "disable": knobs["FICCO_DISABLE"],
+        "schedule": schedule if schedule is not None else knobs["FICCO_SCHEDULE"],
         "schedule_by": "argument" if schedule is not None else (
-            "FICCO_SCHEDULE" if config.schedule() else None),
-        "transport": transport or config.transport(),
-        "selector": selector or config.selector(),
-        "profile": config.profile(),
-        "topology": config.topology(),
-        "copy_engines": config.copy_engines(),
+            "FICCO_SCHEDULE" if knobs["FICCO_SCHEDULE"] else None),
+        "transport": transport or knobs["FICCO_TRANSPORT"],
+        "selector": selector or knobs["FICCO_SELECTOR"],
+        "profile": knobs["FICCO_PROFILE"],
+        "topology": knobs["FICCO_TOPOLOGY"],
+        "copy_engines": knobs["FICCO_COPY_ENGINES"],
+        "symm": knobs.get("FICCO_SYMM"),
+        "signal_pads": knobs.get("FICCO_SIGNAL_PADS"),
+        "backward_gather": knobs.get("FICCO_BACKWARD_GATHER"),
         "paper": (low, high),
     }
