@@ -1,5 +1,6 @@
 """ficco's two ops as torch custom ops: ``torch.ops.ficco.all_gather_matmul`` and
-``torch.ops.ficco.matmul_reduce_scatter``, with fake kernels, autograd and autocast.
+``torch.ops.ficco.matmul_reduce_scatter``, with fake kernels; their autograd and autocast are
+in :mod:`ficco.autograd`.
 
 Why custom ops: the dispatcher then treats a ficco call as one opaque op. Autograd records it
 (the backward of each op is the other op, overlapped too), ``torch.compile(fullgraph=True)``
@@ -22,18 +23,17 @@ chosen by ``FICCO_BACKWARD_GATHER`` (see :mod:`ficco.config`):
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import config
-from .errors import FiccoError, InvalidArgumentError
+from . import autograd, config
+from .autograd import SINGLE
+from .errors import InvalidArgumentError
 
 # -- groups ------------------------------------------------------------------------------------
-SINGLE = ""   # the group name of a process without torch.distributed: world size 1
 
 
 def group_name(group) -> str:
@@ -350,183 +350,4 @@ def _is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
-# -- autograd: the backward of each op is the other op ------------------------------------------
-class _FirstOrderOnly(torch.autograd.Function):
-    """Identity on a gradient computed by a ficco backward; differentiating it again raises.
-    ``anchor`` (a tensor that requires grad) makes the result part of the graph."""
-
-    @staticmethod
-    def forward(ctx, t, anchor):
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise FiccoError(
-            "ficco's ops have first-order gradients only: differentiating a gradient of "
-            "all_gather_matmul / matmul_reduce_scatter again (double backward) is not "
-            "supported; compute the higher-order term without ficco")
-
-
-def _first_order(backward):
-    """Run ``backward``; under create_graph=True its results get a node that refuses a second
-    differentiation, instead of a silently wrong higher-order gradient."""
-
-    @functools.wraps(backward)
-    def wrapped(ctx, *grads):
-        if not torch.is_grad_enabled():
-            return backward(ctx, *grads)
-        flat = [g for x in grads for g in (x if isinstance(x, (list, tuple)) else [x])]
-        anchors = [t for t in (*flat, *ctx.saved_tensors)
-                   if isinstance(t, Tensor) and t.requires_grad]
-        with torch.no_grad():
-            result = backward(ctx, *grads)
-        if not anchors:
-            return result
-
-        def mark(x):
-            if isinstance(x, Tensor):
-                return _FirstOrderOnly.apply(x, anchors[0])
-            if isinstance(x, list):
-                return [mark(v) for v in x]
-            return x
-        return tuple(mark(x) for x in result)
-    return wrapped
-
-
-def _rows(t: Tensor, dim: int) -> Tensor:
-    """``t`` as a matrix of rows, ``dim`` first (the row order both ops use)."""
-    return t.movedim(dim, 0).reshape(-1, t.shape[-1])
-
-
-def _gather(t: Tensor, group: str, dim: int) -> Tensor:
-    """all_gather(t, dim) as a functional collective: traceable, and in eager mode it waits only
-    where the result is first used, so work issued in between overlaps it."""
-    if group == SINGLE:
-        return t
-    from torch.distributed import _functional_collectives as funcol
-
-    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-    return gather(t.contiguous(), dim, group)
-
-
-def _reduce_scatter(t: Tensor, group: str, dim: int) -> Tensor:
-    if group == SINGLE:
-        return t
-    from torch.distributed import _functional_collectives as funcol
-
-    scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
-    return scatter(t.contiguous(), "sum", dim, group)
-
-
-def _ag_setup_context(ctx, inputs, output):
-    a, bs, group, gather_dim, _schedule, return_gathered = inputs
-    gathered, _outs = output
-    ctx.set_materialize_grads(False)   # an unused output (the gathered a) gets no zero gradient
-    ctx.group, ctx.dim = group, gather_dim % a.dim()
-    ctx.a_needs = a.requires_grad
-    ctx.b_needs = [b.requires_grad for b in bs]
-    # grad_b needs the gathered a: kept from the forward when it returned it, else the
-    # backward gathers the saved shard again (FICCO_BACKWARD_GATHER=regather).
-    keep_gathered = return_gathered and any(ctx.b_needs)
-    keep_shard = any(ctx.b_needs) and not keep_gathered
-    ctx.save_for_backward(gathered if keep_gathered else None, a if keep_shard else None,
-                          *(bs if ctx.a_needs else ()))
-
-
-def _ag_backward(ctx, grad_gathered, grad_outs):
-    gathered, shard, *bs = ctx.saved_tensors
-    if shard is not None:
-        gathered = _gather(shard, ctx.group, ctx.dim)   # in flight during the reduce-scatter
-    grad_a = None
-    if ctx.a_needs:
-        pairs = [(g, b) for g, b in zip(grad_outs, bs) if g is not None]
-        if pairs:
-            # sum_j grad_c_j @ b_j^T as one GEMM: [grad_c_1 | grad_c_2 ...] @ [b_1^T; b_2^T ...]
-            grad_c = pairs[0][0] if len(pairs) == 1 else torch.cat([g for g, _ in pairs], -1)
-            b_t = pairs[0][1].t() if len(pairs) == 1 else torch.cat([b.t() for _, b in pairs])
-            grad_a = torch.ops.ficco.matmul_reduce_scatter(grad_c, [b_t], ctx.group, ctx.dim,
-                                                           "sum", None)[0]
-        if grad_gathered is not None and grad_gathered.numel():
-            # The caller used the gathered a itself: its gradient is reduce-scattered too.
-            extra = _reduce_scatter(grad_gathered, ctx.group, ctx.dim)
-            grad_a = extra if grad_a is None else grad_a + extra
-    grad_bs = []
-    for g, needs in zip(grad_outs, ctx.b_needs):
-        grad_bs.append(_rows(gathered, ctx.dim).t() @ _rows(g, ctx.dim)
-                       if needs and g is not None else None)
-    return grad_a, grad_bs, None, None, None, None
-
-
-def _rs_setup_context(ctx, inputs, output):
-    a, bs, group, scatter_dim, reduce_op, _schedule = inputs
-    ctx.set_materialize_grads(False)
-    ctx.group, ctx.dim, ctx.reduce_op = group, scatter_dim % a.dim(), reduce_op
-    ctx.a_needs = a.requires_grad
-    ctx.b_needs = [b.requires_grad for b in bs]
-    world, _ = _world_rank(group)
-    rows = a.shape[ctx.dim]
-    if rows % world:
-        raise InvalidArgumentError(
-            f"the backward of matmul_reduce_scatter gathers the output gradient, which needs "
-            f"equal shards: {rows} rows along scatter_dim={scatter_dim} do not split evenly "
-            f"over {world} ranks; pad the rows to a multiple of {world} to train through it")
-    ctx.world = world
-    ctx.save_for_backward(a if any(ctx.b_needs) else None, *(bs if ctx.a_needs else ()))
-
-
-def _rs_backward(ctx, grad_outs):
-    a, *bs = ctx.saved_tensors
-    grad_a, grad_bs = None, []
-    for j, (g, b_needs) in enumerate(zip(grad_outs, ctx.b_needs)):
-        if g is None:
-            grad_bs.append(None)
-            continue
-        if ctx.reduce_op == "avg":
-            g = g / ctx.world
-        if ctx.a_needs:
-            # grad_a = all_gather(grad_d) @ b^T, the gathered grad_d reused for grad_b.
-            gathered, (part,) = torch.ops.ficco.all_gather_matmul(
-                g, [bs[j].t()], ctx.group, ctx.dim, None, b_needs)
-            grad_a = part if grad_a is None else grad_a + part
-        elif b_needs:
-            gathered = _gather(g, ctx.group, ctx.dim)
-        grad_bs.append(_rows(a, ctx.dim).t() @ _rows(gathered, ctx.dim) if b_needs else None)
-    return grad_a, grad_bs, None, None, None, None
-
-
-all_gather_matmul_op.register_autograd(_first_order(_ag_backward), setup_context=_ag_setup_context)
-matmul_reduce_scatter_op.register_autograd(_first_order(_rs_backward),
-                                           setup_context=_rs_setup_context)
-
-
-# -- autocast: the GEMMs run in the autocast dtype, as torch.matmul would -------------------------
-_impls = torch.library.Library("ficco", "IMPL")
-
-
-def _register_autocast(op, device_type: str) -> None:
-    key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
-    excluded = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
-    overload = op._opoverload
-
-    def cast(value, dtype):
-        if isinstance(value, Tensor):
-            eligible = (value.is_floating_point() and value.device.type == device_type
-                        and value.dtype is not torch.float64)
-            return value.to(dtype) if eligible else value
-        if isinstance(value, (list, tuple)):
-            return type(value)(cast(v, dtype) for v in value)
-        return value
-
-    def kernel(_keyset, *args):
-        # Unlike torch.library.register_autocast (one fixed dtype), read the dtype the
-        # caller's autocast region asks for.
-        dtype = torch.get_autocast_dtype(device_type)
-        with torch._C._ExcludeDispatchKeyGuard(excluded):
-            return overload(*(cast(x, dtype) for x in args))
-
-    _impls.impl(overload._name.split("::")[1], kernel, key, with_keyset=True)
-
-
-for _op in (all_gather_matmul_op, matmul_reduce_scatter_op):
-    for _device in ("cpu", "cuda"):
-        _register_autocast(_op, _device)
+autograd.register(all_gather_matmul_op, matmul_reduce_scatter_op, _world_rank)
