@@ -236,3 +236,16 @@ def test_host_pad_registration_calls():
         "flags": hip.hipHostRegisterMapped | hip.hipHostRegisterPortable}
     assert rec.calls["hipHostGetDevicePointer"] == {"hstPtr": 0x5000, "flags": 0}
     assert rec.calls["hipHostUnregister"] == {"hostPtr": 0x5000}
+
+
+def test_a_second_hip_runtime_beside_torchs_is_named():
+    """Issue 15 (9): hip-python may load its own libamdhip64 beside torch's bundled one."""
+    from ficco.backends.rocm import duplicate_hip_runtimes
+
+    one = "7f0-7f1 r-xp 00000000 08:01 42 /venv/torch/lib/libamdhip64.so\n"
+    assert duplicate_hip_runtimes(one + one) is None              # the same file, two mappings
+    two = one + "7f2-7f3 r-xp 00000000 08:01 43 /opt/rocm-6.4.1/lib/libamdhip64.so.6.4.60401\n"
+    problem = duplicate_hip_runtimes(two)
+    assert "two HIP runtimes" in problem and "/opt/rocm-6.4.1/lib" in problem
+    assert "LD_LIBRARY_PATH" in problem and "/venv/torch/lib" in problem
+    assert duplicate_hip_runtimes("") is None

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import BackendUnavailableError
 from ..gpu import Copy2D, GpuBackend, Vendor, handle_bytes
 
 IPC_HANDLE_BYTES = 64
@@ -155,6 +156,29 @@ def _status(result):
     return result[0] if isinstance(result, tuple) else result
 
 
+def duplicate_hip_runtimes(maps: str) -> str | None:
+    r"""None when at most one HIP runtime (libamdhip64) is mapped in this process, else why
+    that breaks ficco. ``maps`` is the text of /proc/self/maps. hip-python resolves its own
+    libamdhip64 (its bundle, rocm_sdk, ROCM_PATH) and may load a second copy beside the one
+    torch's pip wheel bundles: two runtimes share no streams, events or IPC handles.
+
+    >>> duplicate_hip_runtimes("7f00-7f10 r-xp 0 0:0 1 /opt/rocm/lib/libamdhip64.so.6")
+    >>> "two HIP runtimes" in duplicate_hip_runtimes(
+    ...     "a-b r-xp 0 0:0 1 /x/torch/lib/libamdhip64.so\n"
+    ...     "c-d r-xp 0 0:0 1 /opt/rocm-6.2/lib/libamdhip64.so.6")
+    True
+    """
+    paths = sorted({line.split()[-1] for line in maps.splitlines()
+                    if "libamdhip64" in line and line.split()[-1].startswith("/")})
+    if len(paths) < 2:
+        return None
+    torch_copy = next((p for p in paths if "/torch/" in p), paths[0])
+    return (f"two HIP runtimes are loaded in this process ({', '.join(paths)}); hip-python's "
+            f"calls would not see torch's streams and memory. Make hip-python load torch's "
+            f"copy: put {torch_copy.rsplit('/', 1)[0]} first on LD_LIBRARY_PATH (or install "
+            f"torch and hip-python against one ROCm under ROCM_PATH)")
+
+
 def hip_python_mismatch(rocm_version: str, hip_python_version: str) -> str | None:
     """None when hip-python's major.minor equals the installed ROCm's, else the fix.
 
@@ -207,9 +231,19 @@ class RocmBackend(GpuBackend):
                     "and HIP_VISIBLE_DEVICES")
         return None
 
+    def __init__(self, device=None):
+        super().__init__(device)   # binds the device: hip-python has loaded its runtime now
+        try:
+            with open("/proc/self/maps") as fh:
+                problem = duplicate_hip_runtimes(fh.read())
+        except OSError:
+            problem = None
+        if problem is not None:
+            raise BackendUnavailableError(f"the rocm backend cannot run here: {problem}")
+
     def target(self):
         arch = getattr(torch.cuda.get_device_properties(self._device), "gcnArchName", "gfx")
         return f"rocm:{arch.split(':')[0]}"
 
 
-__all__ = ["RocmBackend", "RocmVendor", "hip_python_mismatch"]
+__all__ = ["RocmBackend", "RocmVendor", "duplicate_hip_runtimes", "hip_python_mismatch"]
