@@ -169,8 +169,9 @@ class Problem:
 
     def key(self) -> tuple:
         """The part of the problem a decision may depend on (rank excluded on purpose: every
-        rank must reach the same decision)."""
+        rank must reach the same decision). The reduce-scatter's starts with its op name; the
+        all-gather's keeps its original 5-tuple (caches and tests key on it)."""
         if self.reduces:
             return (self.op, self.m, self.k, self.ns, self.dtype, self.world, self.unit,
                     self.reduce_op)
-        return (self.op, self.m, self.k, self.ns, self.dtype, self.world)
+        return (self.m, self.k, self.ns, self.dtype, self.world)
