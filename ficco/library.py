@@ -244,6 +244,7 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
     a_shard, group = _local_shard(a_shard, group, gather_dim, "a_shard")
     b_is_list = isinstance(b, (list, tuple))
     bs = list(b) if b_is_list else [b]
+    _refuse_dtensors(bs, "b")
     dim = _plain_int(gather_dim)
     if dim is None or not _plain_name(schedule) or _eager_suffices(a_shard, bs):
         # No autograd, autocast, tracing or tensor subclass involved: the dispatcher would
@@ -261,6 +262,8 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
     """``ficco.matmul_reduce_scatter`` through the ``ficco::matmul_reduce_scatter`` op."""
     b_is_list = isinstance(b, (list, tuple))
     bs = list(b) if b_is_list else [b]
+    _refuse_dtensors([a], "a")
+    _refuse_dtensors(bs, "b")
     dim = _plain_int(scatter_dim)
     if (dim is None or not isinstance(reduce_op, str) or not _plain_name(schedule)
             or _eager_suffices(a, bs)):
@@ -340,6 +343,15 @@ def _local_shard(t, group, dim, name):
             f"{name} is a DTensor on mesh {mesh} but group names another group; leave group "
             f"as None to use the mesh's")
     return t.to_local(), mesh
+
+
+def _refuse_dtensors(tensors, name) -> None:
+    for j, t in enumerate(tensors):
+        if _is_dtensor(t):
+            label = name if len(tensors) == 1 else f"{name}[{j}]"
+            raise InvalidArgumentError(
+                f"{label} is a DTensor ({tuple(t.placements)}); ficco takes this rank's local "
+                f"shard: pass {label}.to_local() (and group=<the 1-D mesh>)")
 
 
 def _is_dtensor(t) -> bool:

@@ -275,12 +275,17 @@ def _dtensor(rank, world, seed):
     a_dt = distribute_tensor(full, mesh, [Shard(1)])
     errs["dtensor"] = max_row_rel_err(ficco.all_gather_matmul(a_dt, bs[0], gather_dim=1),
                                       refs[0])
-    try:
-        ficco.all_gather_matmul(distribute_tensor(full, mesh, [Replicate()]), bs[0],
-                                gather_dim=1)
-        refused = None
-    except InvalidArgumentError as exc:
-        refused = str(exc)
+    refused = []
+    for call in (lambda: ficco.all_gather_matmul(distribute_tensor(full, mesh, [Replicate()]),
+                                                 bs[0], gather_dim=1),
+                 lambda: ficco.all_gather_matmul(a_dt, distribute_tensor(bs[0], mesh,
+                                                                         [Replicate()])),
+                 lambda: ficco.matmul_reduce_scatter(a_dt, bs[0].T)):
+        try:
+            call()
+            refused.append(None)
+        except InvalidArgumentError as exc:
+            refused.append(str(exc))
     return errs, refused
 
 
@@ -290,7 +295,8 @@ def test_device_mesh_group_and_dtensor_input():
     shard, and any other DTensor is refused naming what to pass."""
     for errs, refused in harness.pool(2).run(_dtensor, random.randrange(1 << 30)):
         assert all(e <= ROW_TOL[torch.float32] for e in errs.values()), errs
-        assert refused and "to_local()" in refused and "Shard(1)" in refused, refused
+        assert refused[0] and "to_local()" in refused[0] and "Shard(1)" in refused[0], refused
+        assert all(r and "to_local()" in r for r in refused[1:]), refused
 
 
 # -- single process: double backward, export --------------------------------------------------
