@@ -160,6 +160,14 @@ def _overrides_stack() -> list:
     return _local.stack
 
 
+def snapshot() -> tuple:
+    """The raw FICCO_* environment and this thread's overrides, as a hashable key: equal
+    snapshots read to equal settings (callers memoise validated settings by it)."""
+    overrides = _overrides()
+    return (tuple(os.environ.get(env) for env in KNOBS),
+            tuple(sorted((k, repr(v)) for k, v in overrides.items())) if overrides else ())
+
+
 # Typed accessors: the names the rest of ficco uses.
 def backend() -> str | None: return get("FICCO_BACKEND")
 def schedule() -> str | None: return get("FICCO_SCHEDULE")

@@ -36,7 +36,24 @@ _last = threading.local()
 def settings(call: Call, schedule: str | None = None, transport: str | None = None,
              selector: str | None = None) -> dict:
     """Every setting of this call, validated before any communication: env values, the forced
-    schedule (against the op's schedules), the transport, the device profile."""
+    schedule (against the op's schedules), the transport, the device profile. Remembered per
+    (environment, overrides, arguments): a repeated call costs one snapshot of FICCO_* values."""
+    key = (config.snapshot(), call.op.name, call.backend.target(), call.world > 1, schedule,
+           transport, selector)
+    cached = _settings_seen.get(key)
+    if cached is not None:
+        return cached
+    s = _settings(call, schedule, transport, selector)
+    if len(_settings_seen) >= 256:
+        _settings_seen.clear()
+    _settings_seen[key] = s
+    return s
+
+
+_settings_seen: dict = {}
+
+
+def _settings(call: Call, schedule, transport, selector) -> dict:
     if transport is not None and transport not in TRANSPORT_SETTINGS:
         raise InvalidArgumentError(f"transport must be one of {', '.join(TRANSPORT_SETTINGS)}; "
                                    f"got {transport!r}")
