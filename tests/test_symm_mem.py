@@ -106,6 +106,7 @@ def _plan_barriers(rank, world, seed, rounds):
             backend.barrier(h, 1, q, 20.0, 1)
             backend.finish([q])
             wrong += int((pulled != data).sum())
+        h.barrier(channel=3, timeout_s=20)   # every owner finished clearing its slots
         pads = [h.signal_pad(p)[:2].clone() for p in range(world)]
         return wrong, [int(p.abs().sum()) for p in pads]
     finally:
