@@ -270,15 +270,19 @@ def explain(call: Call, schedule: str | None = None):
         raise _NotTunedYet(name)
 
     kwargs = dict(transport=transports, target=call.backend.target(), forced=s["schedule"],
-                  forced_by=s["schedule_by"], agree=lambda flag: flag)
+                  forced_by=s["schedule_by"],
+                  # A tune cache *file* entry counts only once every rank confirmed it (the
+                  # real call does that); trusting it here would also put it in this rank's
+                  # memory alone and split the ranks at the next call.
+                  agree=lambda flag: False)
     try:
         decision = choose(call.problem, selector=s["selector"], measure=not_measured, **kwargs)
     except _NotTunedYet:
         model = choose(call.problem, selector="model", **kwargs)
         decision = dataclasses.replace(
-            model, selector="tune", reason=f"not tuned yet: the first call measures every "
-                                           f"candidate; until then the model predicts: "
-                                           f"{model.reason}")
+            model, selector="tune", reason=f"not tuned yet (or only in a cache file the "
+                                           f"first call confirms with every rank): the model "
+                                           f"predicts: {model.reason}")
     if known is None and s["transport"] == "auto" and call.world > 1:
         decision = dataclasses.replace(
             decision, reason=f"{decision.reason} (transport assumes one host: not yet agreed "
