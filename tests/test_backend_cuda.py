@@ -397,3 +397,19 @@ def test_host_pad_registration_calls_match_cuda_python_signatures():
                                          int(runtime.cudaHostRegisterPortable))
     assert calls["cudaHostGetDevicePointer"] == (0x5000, 0)
     assert calls["cudaHostUnregister"] == (0x5000,)
+
+
+def test_a_host_barrier_does_not_block_on_a_dead_watchdog():
+    import threading
+
+    from ficco.backends.gpu_watchdog import PendingBarrier, Watchdog
+    from ficco.symm_mem.barrier import Deadline
+
+    backend = _FakeGpu(fail_bind=True)
+    dog = Watchdog(backend)
+    item = PendingBarrier(_Event(), _Event(), Deadline(0, 2, 0, 60.0, 1), None)
+    dog.watch(item)
+    waiter = threading.Thread(target=dog.wait_done, args=(item,), daemon=True)
+    waiter.start()
+    waiter.join(timeout=5)
+    assert not waiter.is_alive() and backend.errors

@@ -103,7 +103,9 @@ class Watchdog:
         while not item.done.query():
             with self._cv:
                 if item not in self._pending:
-                    break
+                    break           # expired: the stream was released, done will complete
+                if self._thread is None:
+                    return          # the watchdog died: its error is pending, do not block
             time.sleep(0.0005)
         item.done.synchronize()
 
