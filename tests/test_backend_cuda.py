@@ -413,3 +413,54 @@ def test_a_host_barrier_does_not_block_on_a_dead_watchdog():
     waiter.start()
     waiter.join(timeout=5)
     assert not waiter.is_alive() and backend.errors
+
+
+def test_eager_barrier_records_arrival_then_program_then_done(monkeypatch):
+    """GpuBackend's enqueue path without a GPU: arrived event, one vendor mem_ops call with the
+    whole program, done event, one watched item carrying the deadline."""
+    from ficco.backends.gpu import GpuBackend
+    from ficco.symm_mem.barrier import Deadline, flag_program
+
+    log = []
+
+    class Ev:
+        def __init__(self, name):
+            self.name = name
+
+        def record(self, queue):
+            log.append(("record", self.name, queue.cuda_stream))
+
+    class Dog:
+        def __init__(self):
+            self.names, self.watched = iter(["arrived", "done"]), []
+
+        def event(self):
+            return Ev(next(self.names))
+
+        def watch(self, item):
+            self.watched.append(item)
+
+    class Vendor:
+        def mem_ops(self, stream, ops, capturing):
+            log.append(("mem_ops", len(ops), stream, capturing))
+
+    class Fake:
+        name, captures_signals = "cuda", True
+        vendor, _watchdog = Vendor(), Dog()
+
+        def raise_pending(self):
+            pass
+
+    class Queue:
+        cuda_stream = 0x77
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    handle = _PadHandle(rank=0, world=8)
+    program = flag_program(handle, 0)
+    deadline = Deadline(0, 0, 2, 5.0, 1, tuple(op for op in program if op.kind == "wait"))
+    fake = Fake()
+    GpuBackend.signal_batch(fake, Queue(), program, deadline)
+    assert log == [("record", "arrived", 0x77), ("mem_ops", 24, 0x77, False),
+                   ("record", "done", 0x77)]
+    (item,) = fake._watchdog.watched
+    assert item.deadline is deadline and item.deadline.started is None
