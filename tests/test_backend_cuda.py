@@ -459,7 +459,7 @@ def test_eager_barrier_records_arrival_then_program_then_done(monkeypatch):
     program = flag_program(handle, 0)
     deadline = Deadline(0, 0, 2, 5.0, 1, tuple(op for op in program if op.kind == "wait"))
     fake = Fake()
-    GpuBackend.signal_batch(fake, Queue(), program, deadline)
+    GpuBackend._enqueue_signals(fake, Queue(), program, deadline)
     assert log == [("record", "arrived", 0x77), ("mem_ops", 24, 0x77, False),
                    ("record", "done", 0x77)]
     (item,) = fake._watchdog.watched
