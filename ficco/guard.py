@@ -74,6 +74,15 @@ def failed(call: Call, exc: BaseException, transport: str | None) -> BaseExcepti
     summary = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
     with _lock:
         _poisoned[group_id(call.group)] = (summary, transport == "ccl")
+    if isinstance(exc, CommTimeoutError) and transport == "ccl" and "rank(s)" not in str(exc):
+        # A collective that timed out knows no peer: ask who still answers.
+        peers = _unanswering(call)
+        named = CommTimeoutError(
+            f"rank {call.rank}: {call.op.name} over ccl passed FICCO_TIMEOUT ({summary}); "
+            + (f"rank(s) {peers} did not answer a liveness check" if peers else
+               "every peer answers a liveness check (one is slow or made another call)"))
+        named.missing = peers
+        return named
     if isinstance(exc, (CommTimeoutError, MismatchError, KeyboardInterrupt, SystemExit)) or \
             not _from_transport(exc):
         return exc

@@ -157,7 +157,7 @@ def _late_peer_on_ccl(rank, world, seed):
                                               torch.float32)
             later.append(_outcome(lambda: max_row_rel_err(
                 ficco.all_gather_matmul(shards[rank], bs[0], schedule="serial"), refs[0])))
-    return first, late[0], later
+    return first, late, later
 
 
 def test_late_peer_on_ccl_then_every_later_call_is_right_or_raises():
@@ -171,7 +171,8 @@ def test_late_peer_on_ccl_then_every_later_call_is_right_or_raises():
         for status, value in later:
             assert (status == "ok" and value <= 1e-4) or \
                 (status == "raised" and value.split(":")[0] in ficco.errors.__dict__), results
-    assert results[0][1] == "raised", results
+    assert results[0][1][0] == "raised" and "CommTimeoutError" in results[0][1][1], results
+    assert "[1]" in results[0][1][1], results      # the late peer is named
     assert results[0][2][0][0] == "raised" and "earlier" in results[0][2][0][1], results
 
 
