@@ -124,6 +124,33 @@ def check_like(t, ref: torch.Tensor, name: str, ref_name: str) -> None:
                                    f"move them to one device")
 
 
+def check_weights(b, a: torch.Tensor, a_name: str, *, k: int | None = None,
+                  k_from: str | None = None, list_name: str = "b",
+                  role: str = "") -> tuple[list, bool]:
+    """``(weights as a list, whether b was a list)``, each a 2-D ``(k, n)`` tensor with the
+    dtype and device of ``a``. ``k`` defaults to ``a``'s last dim; ``k_from`` says where a
+    different ``k`` comes from (for the error message); ``role`` adds what the weight is."""
+    b_is_list = isinstance(b, (list, tuple))
+    bs = list(b) if b_is_list else [b]
+    if not bs:
+        raise InvalidArgumentError(
+            f"{list_name} is an empty list; pass a (K, n) tensor or a list of them")
+    k = a.shape[-1] if k is None else k
+    k_from = k_from or f"{a_name} has K={k} columns"
+    for j, bj in enumerate(bs):
+        name = f"{list_name}[{j}]" if b_is_list else list_name
+        if not isinstance(bj, torch.Tensor) or bj.dim() != 2:
+            raise InvalidArgumentError(
+                f"{name} must be a 2-D (K, n) tensor{role}; got "
+                f"{tuple(bj.shape) if isinstance(bj, torch.Tensor) else type(bj).__name__}")
+        if bj.shape[0] != k:
+            raise InvalidArgumentError(
+                f"{name} has {bj.shape[0]} rows but {k_from} ({a_name} {tuple(a.shape)}, "
+                f"{name} {tuple(bj.shape)}); they must match")
+        check_like(bj, a, name, a_name)
+    return bs, b_is_list
+
+
 def backend_for(t: torch.Tensor, name: str):
     """The active backend, checked to run where ``t`` lives."""
     backend = get_backend()

@@ -9,14 +9,13 @@ Same signature, return values, shapes and strides, so swapping one line is enoug
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from . import agreement, api
-from .call import (backend_for, check_like, check_tensor, group_rank_world, normalize_dim,
+from .call import (backend_for, check_tensor, check_weights, group_rank_world, normalize_dim,
                    resolve_group)
 from .errors import InvalidArgumentError
 from .ops.all_gather_matmul import all_gather_flat
-from .ops.matmul_reduce_scatter import fused_matmul_reduce_scatter  # noqa: F401 (H2's op)
+from .ops.matmul_reduce_scatter import fused_matmul_reduce_scatter  # noqa: F401 (re-exported)
 
 
 def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: list[torch.Tensor], gather_dim: int,
@@ -47,16 +46,8 @@ def _gather_last_dim(A_shard, Bs, group_name, return_A):
     group = resolve_group(group_name)
     rank, world = group_rank_world(group)
     k = world * A_shard.shape[-1]
-    for j, B in enumerate(Bs):
-        if not isinstance(B, torch.Tensor) or B.dim() != 2:
-            raise InvalidArgumentError(
-                f"Bs[{j}] must be a 2-D (K, n) tensor; got "
-                f"{tuple(B.shape) if isinstance(B, torch.Tensor) else type(B).__name__}")
-        if B.shape[0] != k:
-            raise InvalidArgumentError(
-                f"Bs[{j}] has {B.shape[0]} rows but gathering A_shard {tuple(A_shard.shape)} "
-                f"along its last dim over {world} ranks gives K={k}; they must match")
-        check_like(B, A_shard, f"Bs[{j}]", "A_shard")
+    check_weights(Bs, A_shard, "A_shard", k=k, list_name="Bs",
+                  k_from=f"gathering A_shard along its last dim over {world} ranks gives K={k}")
     backend_for(A_shard, "A_shard")
     signature = {"op": "fused_all_gather_matmul(gather_dim=last)",
                  "shard_shape": tuple(A_shard.shape), "dtype": str(A_shard.dtype),

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
-import time
 from abc import ABC, abstractmethod
 from typing import Callable, NamedTuple
 

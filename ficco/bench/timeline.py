@@ -17,7 +17,6 @@ bars as a Chrome trace (chrome://tracing, ui.perfetto.dev).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import torch
 import torch.distributed as dist

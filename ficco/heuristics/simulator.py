@@ -46,7 +46,6 @@ Example::
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from ..errors import InvalidArgumentError

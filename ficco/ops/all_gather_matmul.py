@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..call import (Call, backend_for, check_like, check_tensor, group_rank_world,
+from ..call import (Call, backend_for, check_tensor, check_weights, group_rank_world,
                     normalize_dim, resolve_group)
 from ..errors import InvalidArgumentError
 from ..executor import Buffers
@@ -44,22 +44,8 @@ class AllGatherMatmul(OpSpec):
             raise InvalidArgumentError(
                 f"gather_dim={gather_dim} is the last (K) dimension of a_shard "
                 f"{tuple(a_shard.shape)}; ficco gathers along a row dimension (0 … {nd - 2})")
-        b_is_list = isinstance(b, (list, tuple))
-        bs = list(b) if b_is_list else [b]
-        if not bs:
-            raise InvalidArgumentError("b is an empty list; pass a (K, n) tensor or a list of them")
+        bs, b_is_list = check_weights(b, a_shard, "a_shard")
         k = a_shard.shape[-1]
-        for j, bj in enumerate(bs):
-            name = f"b[{j}]" if b_is_list else "b"
-            if not isinstance(bj, torch.Tensor) or bj.dim() != 2:
-                raise InvalidArgumentError(
-                    f"{name} must be a 2-D (K, n) tensor; got "
-                    f"{tuple(bj.shape) if isinstance(bj, torch.Tensor) else type(bj).__name__}")
-            if bj.shape[0] != k:
-                raise InvalidArgumentError(
-                    f"{name} has {bj.shape[0]} rows but a_shard has K={k} columns "
-                    f"(a_shard {tuple(a_shard.shape)}, {name} {tuple(bj.shape)}); they must match")
-            check_like(bj, a_shard, name, "a_shard")
         if k == 0:
             raise InvalidArgumentError(f"a_shard has K=0 columns: {tuple(a_shard.shape)}")
         backend = backend_for(a_shard, "a_shard")

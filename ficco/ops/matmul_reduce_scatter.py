@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..call import (Call, backend_for, check_like, check_tensor, group_rank_world,
+from ..call import (Call, backend_for, check_tensor, check_weights, group_rank_world,
                     normalize_dim, resolve_group)
 from ..errors import InvalidArgumentError
 from ..executor import Buffers
@@ -53,22 +53,8 @@ class MatmulReduceScatter(OpSpec):
         if reduce_op not in REDUCE_OPS:
             raise InvalidArgumentError(f"reduce_op={reduce_op!r} is not supported; use one of "
                                        f"{', '.join(REDUCE_OPS)}")
-        b_is_list = isinstance(b, (list, tuple))
-        bs = list(b) if b_is_list else [b]
-        if not bs:
-            raise InvalidArgumentError("b is an empty list; pass a (K, n) tensor or a list of them")
+        bs, b_is_list = check_weights(b, a, "a", role=" (this rank's K rows of the weight)")
         k = a.shape[-1]
-        for j, bj in enumerate(bs):
-            name = f"b[{j}]" if b_is_list else "b"
-            if not isinstance(bj, torch.Tensor) or bj.dim() != 2:
-                raise InvalidArgumentError(
-                    f"{name} must be a 2-D (K, n) tensor (this rank's K rows of the weight); got "
-                    f"{tuple(bj.shape) if isinstance(bj, torch.Tensor) else type(bj).__name__}")
-            if bj.shape[0] != k:
-                raise InvalidArgumentError(
-                    f"{name} has {bj.shape[0]} rows but a has K={k} columns (a {tuple(a.shape)}, "
-                    f"{name} {tuple(bj.shape)}); each rank passes its K-shard of both")
-            check_like(bj, a, name, "a")
         if k == 0:
             raise InvalidArgumentError(f"a has K=0 columns: {tuple(a.shape)}")
         backend = backend_for(a, "a")

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..errors import FiccoError
 from . import SIGNAL_CHANNELS, Provider, SymmHandle, aligned
 from .agree import agree
 
