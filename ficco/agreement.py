@@ -18,6 +18,7 @@ import json
 import pickle
 import socket
 import threading
+import time
 from collections import OrderedDict
 
 from . import config
@@ -87,7 +88,7 @@ def exchange(group, world: int, rank: int, payload, *, what: str) -> list:
     keys = [f"{prefix}{r}" for r in range(world)]
     timeout_s = config.timeout_s()
     try:
-        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+        _wait_keys(store, keys, timeout_s)
     except Exception as exc:  # noqa: BLE001 - torch raises DistStoreError or RuntimeError
         missing = [r for r, k in enumerate(keys) if not _has(store, k)]
         raise _missing(missing, CommTimeoutError(
@@ -170,6 +171,22 @@ def _store(group):
     except Exception as exc:  # noqa: BLE001
         raise FiccoError(f"the process group {group_id(group)} has no store ficco can use to "
                          f"agree across ranks: {exc}") from exc
+
+
+def _wait_keys(store, keys: list, timeout_s: float) -> None:
+    """``store.wait(keys)`` with an exact deadline: a FileStore's own wait overshoots its
+    timeout by up to a second (0.3 s waits 1 s, 1 s waits 2 s on torch 2.x), which would put
+    every named timeout a second late. Polls ``check`` with a backoff up to 20 ms."""
+    if store.check(keys):
+        return
+    deadline = time.monotonic() + timeout_s
+    pause = 0.0005
+    while not store.check(keys):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"keys not set within {timeout_s:.1f}s")
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 0.02)
 
 
 def _has(store, key: str) -> bool:

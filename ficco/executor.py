@@ -184,6 +184,12 @@ class CompiledPlan:
                 steps.append((_GATED, q, views, (p, op), 0, 0))
             else:
                 raise InvalidArgumentError(f"the executor does not know op {type(op).__name__}")
+            if steps[-1][0] == _LAUNCH:
+                # A host task (a collective, a reduction): if it fails or hangs, the error
+                # names this step (z is free in launch steps).
+                steps[-1] = steps[-1][:4] + (
+                    f"plan step {index} ({op_label(op, plan.problem.rank)}, queue {op.queue})",
+                    0)
         self.steps = tuple(steps)
         self.num_flags = max((op.num_flags for op in plan.ops if isinstance(op, GatedGemm)),
                              default=0)
@@ -524,7 +530,24 @@ def _run(steps, backend, buffers, queues, events, v, timeout_s) -> None:
             backend.launch(queues[q], gated_task(backend, y[0], y[1], v[x[0]], v[x[1]],
                                                  v[x[2]], v[x[3]], buffers.flags, timeout_s))
         else:
-            backend.launch(queues[q], x(v, buffers.group, y))
+            task = x(v, buffers.group, y)
+            task.ficco_step = z      # the queue names it if the task fails or hangs
+            try:
+                backend.launch(queues[q], task)
+            except BaseException as exc:   # a backend that runs the task right here
+                name_step(exc, z)
+                raise
+
+
+def name_step(exc: BaseException, step: str) -> BaseException:
+    """Remember on ``exc`` the plan step it came from (``guard.failed`` puts it in the
+    message); the first step named wins."""
+    if getattr(exc, "ficco_step", None) is None:
+        try:
+            exc.ficco_step = step
+        except AttributeError:      # an exception type without a __dict__
+            pass
+    return exc
 
 
 def _run_traced(compiled, backend, buffers, queues, events, views, timeout_s) -> list[dict]:

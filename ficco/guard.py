@@ -12,7 +12,8 @@ thread from turning into a wrong result.
 - **A digest per call on ccl**: one 16-byte all-reduce before the collectives (dma calls
   carry it in the workspace's call header instead).
 - **Named failures**: a transport error becomes a :class:`~ficco.errors.TransportError`
-  naming rank, op, schedule and the peers that no longer answer, the original as its cause.
+  naming rank, op, schedule, the step (agreement, call check or plan step) and the peers
+  that no longer answer, the original as its cause.
 """
 from __future__ import annotations
 
@@ -65,9 +66,12 @@ def refuse_if_poisoned(call: Call) -> None:
         f"({reason}); ranks may be out of step, so ficco refuses to run on this group: {fix}")
 
 
-def failed(call: Call, exc: BaseException, transport: str | None) -> BaseException:
+def failed(call: Call, exc: BaseException, transport: str | None,
+           schedule: str | None = None, step: str | None = None) -> BaseException:
     """Record a failure of ``call``; returns the exception to raise (``exc`` itself, or a
-    TransportError naming who, with ``exc`` as its cause)."""
+    TransportError / CommTimeoutError naming rank, op, schedule, step and the peers that do
+    not answer, with ``exc`` as its cause). ``step`` is the runtime's stage (the call check,
+    ...); a plan step the executor named on ``exc`` takes precedence."""
     if isinstance(exc, (InvalidArgumentError, PoisonedGroupError)) or \
             getattr(exc, "consistent", False):
         return exc      # raised alike on every rank, or before communicating: still in step
@@ -78,7 +82,8 @@ def failed(call: Call, exc: BaseException, transport: str | None) -> BaseExcepti
         # A collective that timed out knows no peer: ask who still answers.
         peers = _unanswering(call)
         named = CommTimeoutError(
-            f"rank {call.rank}: {call.op.name} over ccl passed FICCO_TIMEOUT ({summary}); "
+            f"rank {call.rank}: {_doing(call, 'ccl', schedule, exc, step)} passed "
+            f"FICCO_TIMEOUT ({summary}); "
             + (f"rank(s) {peers} did not answer a liveness check" if peers else
                "every peer answers a liveness check (one is slow or made another call)"))
         named.missing = peers
@@ -89,7 +94,7 @@ def failed(call: Call, exc: BaseException, transport: str | None) -> BaseExcepti
     peers = _unanswering(call)
     who = f"rank(s) {peers} no longer answer" if peers else "every peer still answers"
     return TransportError(
-        f"rank {call.rank}: {call.op.name} over {transport or 'the process group'} failed "
+        f"rank {call.rank}: {_doing(call, transport, schedule, exc, step)} failed "
         f"({summary}); {who}. The group is out of step: see the error-handling section of "
         f"the README")
 
@@ -113,6 +118,16 @@ def reset(keep_sticky: bool = True) -> None:
     with _lock:
         for gid in [g for g, (_, sticky) in _poisoned.items() if not (sticky and keep_sticky)]:
             del _poisoned[gid]
+
+
+def _doing(call: Call, transport, schedule, exc: BaseException, step) -> str:
+    """``all_gather_matmul (schedule ring over ccl) in plan step 3 (all-gather s0, queue
+    comm)``: what the call was doing when it failed."""
+    named = getattr(exc, "ficco_step", None) or getattr(exc.__cause__, "ficco_step", None)
+    how = f"schedule {schedule} over " if schedule else "over "
+    where = named or step
+    return (f"{call.op.name} ({how}{transport or 'the process group'})"
+            + (f" in {where}" if where else ""))
 
 
 def _from_transport(exc: BaseException) -> bool:

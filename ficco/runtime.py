@@ -107,23 +107,31 @@ def _run(call: Call, schedule, transport, selector):
         return call.op.plain(call)
     with guard.serialised(call):
         guard.refuse_if_poisoned(call)
+        workspace.settle(call.backend)   # before any communication of this call
         sig = signature(call, s)
         word = agreement.digest(sig)
-        stage = {"transport": None}
+        stage = {"transport": None, "schedule": None, "step": "the first-call agreement"}
         try:
             same_host = agreement.agree(call.group, call.world, call.rank, sig, call.op.name,
                                         word)
             if s["disable"] or call.plain_only:
-                stage["transport"] = "ccl"      # the plain path is a process-group collective
+                stage.update(transport="ccl", schedule="plain",
+                             step="the call check before the plain path")
+                # The plain path is a collective too: check the call like every ccl call.
+                guard.check_word_ccl(call, word)
+                stage["step"] = "the plain path's collective"
                 return call.op.plain(call)
             decision = decide(call, s, same_host)
-            stage["transport"] = decision.transport
+            stage.update(transport=decision.transport, schedule=decision.schedule,
+                         step="the call check before the plan")
             if decision.transport == "ccl":
                 guard.check_word_ccl(call, word)
+            stage["step"] = None      # from here the executor names the plan step
             buffers, _, _ = execute(call, decision.schedule, decision.transport, word=word)
             return call.op.result(call, buffers, decision.transport)
         except BaseException as exc:
-            named = guard.failed(call, exc, stage["transport"])
+            named = guard.failed(call, exc, stage["transport"], stage["schedule"],
+                                 stage["step"])
             if named is exc:
                 raise
             raise named from exc
@@ -180,6 +188,7 @@ def execute(call: Call, name: str, transport: str, trace: bool = False,
     With ``word`` (the call's digest) a dma run checks afterwards that every peer ran a call
     with the same digest, and raises MismatchError on every rank otherwise."""
     p = call.problem
+    workspace.settle(call.backend)       # an earlier failed call's queues drained first
     plan = plan_for(call, name, transport, p)
     _last.run = (name, transport)
     symm = token = None
@@ -194,6 +203,12 @@ def execute(call: Call, name: str, transport: str, trace: bool = False,
         rows = execute_plan(plan, call.backend, buffers, timeout_s=config.timeout_s(),
                             trace=trace)
     except BaseException:
+        if transport == "ccl" and call.backend.name == "cpu":
+            # No workspace in use; a collective stuck on a late peer would hold the error
+            # one more FICCO_TIMEOUT: drain on a helper thread, the next call waits for it.
+            # (GPU streams are still synchronised here, on the caller's thread.)
+            workspace.drain_in_background(call.backend)
+            raise
         # Queues may still touch the workspace, and its barrier generations may now differ
         # across ranks: stop the queues, then drop it (unmapped only once they drained).
         workspace.drain(call.backend, cancel=True)

@@ -109,9 +109,55 @@ def test_a_killed_peer_on_ccl_is_named_in_a_ficco_error():
     finally:
         pool.close()
     for rank in (0, 2):
-        status, (kind, message, _) = results[rank]
+        status, (kind, message, elapsed) = results[rank]
         assert status == "ok" and kind in ficco.errors.__dict__, results[rank]
         assert "[1]" in message and f"rank {rank}" in message, results[rank]
+        # ... and the op, schedule and step it was in (the call check before the plan).
+        assert "all_gather_matmul" in message and "ring" in message, results[rank]
+        assert "step" in message and "call check" in message, results[rank]
+        # A bound, not a speed: the deadline, the liveness check that names the peer, a grace.
+        assert elapsed < 3 + 3 + _GRACE_S, results[rank]
+
+
+_GRACE_S = 1.5     # scheduling slack on a loaded 2-core host, far below the old 5 s drain
+
+
+def _late_in_the_plan_on_ccl(rank, world, seed):
+    from ficco.backends.cpu import CpuBackend
+
+    shards, bs, _, refs = make_inputs(seed, world, (8, 16), (4,), torch.float32)
+    real = CpuBackend.launch      # on serial over ccl: only the all-gather is launched
+    with ficco.config.scope(transport="ccl", timeout=1):
+        first = max_row_rel_err(ficco.all_gather_matmul(shards[rank], bs[0],
+                                                        schedule="serial"), refs[0])
+        if rank == 1:
+            # Passes the call check, then its host is late (8 s) enqueuing the plan's
+            # all-gather: rank 0's comm queue waits in the collective past the deadline.
+            def late(self, queue, fn):
+                time.sleep(8)
+                return real(self, queue, fn)
+            CpuBackend.launch = late
+        try:
+            return first, _outcome(lambda: ficco.all_gather_matmul(shards[rank], bs[0],
+                                                                  schedule="serial"))
+        finally:
+            CpuBackend.launch = real
+
+
+def test_a_peer_late_inside_the_plan_on_ccl_is_named_with_the_step_at_the_deadline():
+    pool = harness.RankPool(2)
+    try:
+        results = pool.run(_late_in_the_plan_on_ccl, random.randrange(1 << 30), timeout_s=120)
+    finally:
+        pool.close()
+    first, (kind, message, elapsed) = results[0]
+    assert first <= 1e-4, results
+    assert kind == "CommTimeoutError", results
+    assert "rank 0" in message and "[1]" in message, results          # who: this rank, the peer
+    assert "all_gather_matmul" in message and "serial" in message, results   # op, schedule
+    assert "all-gather s0" in message and "queue comm" in message, results   # the plan step
+    # At the deadline (1 s), plus the liveness check naming the peer (1 s), plus a grace.
+    assert elapsed < 1 + 1 + _GRACE_S, results
 
 
 def _explain_alone(rank, world, seed):

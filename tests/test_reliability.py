@@ -149,7 +149,7 @@ def _late_peer_on_ccl(rank, world, seed):
         first = _outcome(lambda: max_row_rel_err(
             ficco.all_gather_matmul(shards[rank], bs[0], schedule="serial"), refs[0]))
         if rank == 1:
-            time.sleep(7.5)        # past rank 0's deadline (and its 5 s drain), then healthy
+            time.sleep(7.5)        # well past rank 0's deadline and liveness check, then healthy
         late = _outcome(lambda: ficco.all_gather_matmul(shards[rank], bs[0], schedule="serial"))
         later = []
         for call in range(3):

@@ -117,3 +117,56 @@ def test_every_env_value_is_checked_before_any_communication(monkeypatch):
 def test_log_level_accepts_upper_case(monkeypatch):
     monkeypatch.setenv("FICCO_LOG", "INFO")
     assert ficco.config.log_level() == "info"
+
+
+def _zero_rows_between_ordinary_calls(rank, world, seed):
+    """Both ops, zero-row shards (M = 0 on every rank) between ordinary calls, default
+    settings (auto transport, default selector): torch gives an empty (0, n) result."""
+    import random
+
+    from .reference import max_row_rel_err
+
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    out = []
+    for call in range(12):
+        rows = 0 if call % 3 else rng.randrange(1, 6)
+        k, n = 16, rng.choice((3, 5))
+        shards = [torch.randn(rows, k, generator=gen) for _ in range(world)]
+        b = torch.randn(k, n, generator=gen)
+        full = torch.cat(shards).double()
+        try:
+            gathered, got = ficco.all_gather_matmul(shards[rank], b, return_gathered=True)
+            ag = (tuple(got.shape), tuple(gathered.shape), got.dtype,
+                  max_row_rel_err(got, full @ b.double()) if rows else 0.0)
+        except Exception as exc:  # noqa: BLE001 - the test reports every kind
+            ag = f"{type(exc).__name__}: {exc}"
+        # matmul_reduce_scatter: every rank's (world*rows, k) @ b_r summed, row block r.
+        parts = [torch.randn(world * rows, k, generator=gen) for _ in range(world)]
+        bs = [torch.randn(k, n, generator=gen) for _ in range(world)]
+        total = sum(p.double() @ q.double() for p, q in zip(parts, bs))
+        try:
+            got = ficco.matmul_reduce_scatter(parts[rank], bs[rank])
+            rs = (tuple(got.shape), got.dtype, max_row_rel_err(
+                got, total[rank * rows:(rank + 1) * rows]) if rows else 0.0)
+        except Exception as exc:  # noqa: BLE001
+            rs = f"{type(exc).__name__}: {exc}"
+        out.append((rows, n, ag, rs))
+    ficco.shutdown()
+    return out
+
+
+def test_zero_row_shards_on_every_rank_give_an_empty_result_like_torch():
+    import random
+
+    from . import harness
+
+    world = 2
+    results = harness.pool(world).run(_zero_rows_between_ordinary_calls,
+                                      random.randrange(1 << 30))
+    for rank_rows in results:
+        for rows, n, ag, rs in rank_rows:
+            assert not isinstance(ag, str) and not isinstance(rs, str), rank_rows
+            assert ag[:3] == ((world * rows, n), (world * rows, 16), torch.float32), rank_rows
+            assert rs[:2] == ((rows, n), torch.float32), rank_rows
+            assert ag[3] <= 1e-4 and rs[2] <= 1e-4, rank_rows

@@ -54,10 +54,12 @@ class AllGatherMatmul(OpSpec):
         moved = a_shard.movedim(gather_dim, 0)
         m = moved.numel() // k
         ns = tuple(int(bj.shape[1]) for bj in bs)
-        # torch accepts b with no columns (an empty result); no plan has work then.
+        # torch accepts b with no columns and shards with no rows (an empty result); no plan
+        # has work then, and a plan without a barrier cannot carry the dma call check: the
+        # plain path (after the agreement and the call check) returns the empty result.
         problem = Problem(m=m, k=k, ns=tuple(max(n, 1) for n in ns),
                           dtype=dtype_name(a_shard.dtype), world=world, rank=rank)
-        return AllGatherMatmulCall(self, problem, group, backend, min(ns) == 0,
+        return AllGatherMatmulCall(self, problem, group, backend, m == 0 or min(ns) == 0,
                                    a=moved.reshape(m, k), bs=bs,
                                    b_is_list=b_is_list, moved_shape=tuple(moved.shape),
                                    gather_dim=gather_dim, return_gathered=bool(return_gathered))

@@ -126,6 +126,52 @@ def drain(backend, cancel: bool = False) -> bool:
     return True
 
 
+_settling: dict = {}            # id(backend) -> (thread, [drained]): a drain after a failure
+
+
+def drain_in_background(backend) -> None:
+    """After a failed ``ccl`` call: make the queues skip what is left now, and drain them on
+    a helper thread, so the error reaches the caller at its deadline rather than one more
+    FICCO_TIMEOUT later (a collective waiting on a late peer cannot be cancelled: it ends
+    when the peer comes or the transport gives up). The next call waits for it first
+    (:func:`settle`), so no call ever runs on queues that still skip work."""
+    if hasattr(backend, "cancel"):
+        backend.cancel()
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(drain(backend)), daemon=True,
+                              name="ficco-drain")
+    with _lock:
+        _settling[id(backend)] = (thread, result)
+    thread.start()
+
+
+def settle(backend) -> None:
+    """Before a call (no communication yet): wait, bounded by FICCO_TIMEOUT, for the drain
+    :func:`drain_in_background` started; raise CommTimeoutError if the queues are still
+    busy (the next call tries again)."""
+    if not _settling:
+        return
+    with _lock:
+        entry = _settling.pop(id(backend), None)
+    if entry is None:
+        return
+    from .. import config
+    from ..errors import CommTimeoutError
+
+    thread, result = entry
+    thread.join(config.timeout_s())
+    if not thread.is_alive() and result and result[0]:
+        return
+    if drain(backend):    # one more bounded try on this thread
+        return
+    with _lock:
+        _settling.setdefault(id(backend), (thread, [False]))
+    raise CommTimeoutError(
+        f"this process's {backend.name} queues are still busy with a collective of an earlier "
+        f"failed call (a peer never came) after FICCO_TIMEOUT; nothing was sent. Destroy the "
+        f"process group of that call, or wait for its transport to give up, then call again")
+
+
 def allocate_symmetric(shape, dtype, device, group):
     """Back end of ``ficco.symm_mem.empty``: a symmetric allocation holding one tensor."""
     from ..backends import get_backend

@@ -18,9 +18,13 @@ import time
 import torch
 
 from ...errors import CommTimeoutError, FiccoError
+from ...executor import name_step
 from ...symm_mem.barrier import run_on_host, wait_geq_on_host
 from ...symm_mem.cpu import CpuSymmProvider
 from ..base import Backend
+
+
+_GRACE_S = 0.5      # finish()'s slack past FICCO_TIMEOUT (see there)
 
 
 class _Aborted(Exception):
@@ -60,6 +64,7 @@ class _Worker:
         self.name = name
         self.backend = backend
         self.tasks = _Tasks()
+        self.step = None        # the plan step of the launched task now running, if named
         self.thread = threading.Thread(target=self._loop, name=f"ficco-{name}", daemon=True)
         self.thread.start()
 
@@ -86,10 +91,12 @@ class _Worker:
                 continue
             if self.backend.abort.is_set():
                 continue
+            self.step = getattr(task, "ficco_step", None)
             try:
                 task()
             except BaseException as exc:  # noqa: BLE001 - handed to the caller by finish()
-                self.backend._fail(self.name, exc)
+                self.backend._fail(self.name, exc, self.step)
+            self.step = None
 
 
 def gemm_into(a, b, out, accumulate):
@@ -113,7 +120,7 @@ class CpuBackend(Backend):
 
     def __init__(self, device=None):
         self.abort = threading.Event()
-        self._errors: list[tuple[str, BaseException]] = []
+        self._errors: list[tuple[str, BaseException, str | None]] = []
         self._lock = threading.Lock()
         self._workers: dict[str, _Worker] = {}
         self._provider = CpuSymmProvider(self)
@@ -188,24 +195,42 @@ class CpuBackend(Backend):
             marker = CpuEvent()
             q.tasks.put(marker)
             markers.append((q, marker))
-        deadline = time.monotonic() + config.timeout_s() + 5.0
+        timeout_s = config.timeout_s()
+        # The grace: a queue's own bounded waits (a dma barrier's poll) started their
+        # FICCO_TIMEOUT when enqueued, a moment before this one; they name the late peer,
+        # so they get a moment to report first. Never more than _GRACE_S past the deadline.
+        deadline = time.monotonic() + timeout_s + _GRACE_S
         for q, marker in markers:
             while not marker.flag.wait(0.05):
                 if time.monotonic() > deadline:
                     self.abort.set()
-                    raise CommTimeoutError(f"queue {q.name} did not drain before FICCO_TIMEOUT")
+                    raise self._undrained([q for q, m in markers if not m.flag.is_set()],
+                                          timeout_s)
         errors, self._errors = self._errors, []
         self.abort.clear()
-        real = [(n, e) for n, e in errors if not isinstance(e, _Aborted)]
+        real = [(n, e, s) for n, e, s in errors if not isinstance(e, _Aborted)]
         if real:
-            name, exc = real[0]
+            name, exc, step = real[0]
             if isinstance(exc, FiccoError):
-                raise exc
-            raise FiccoError(f"queue {name} failed: {type(exc).__name__}: {exc}") from exc
+                raise name_step(exc, step) if step else exc
+            where = f" in {step}" if step else ""
+            raise name_step(FiccoError(f"queue {name} failed{where}: {type(exc).__name__}: "
+                                       f"{exc}"), step) from exc
 
-    def _fail(self, name, exc):
+    @staticmethod
+    def _undrained(stuck, timeout_s) -> CommTimeoutError:
+        """The timeout of a call whose queues did not drain, naming the step that holds
+        them: the first queue inside a named step (a collective), else the first stuck one
+        (it waits on another queue of this rank)."""
+        q = next((w for w in stuck if w.step), stuck[0])
+        where = f": it is still in {q.step}" if q.step else " (waiting on another queue)"
+        exc = CommTimeoutError(
+            f"queue {q.name} did not drain within FICCO_TIMEOUT ({timeout_s:.1f}s){where}")
+        return name_step(exc, q.step) if q.step else exc
+
+    def _fail(self, name, exc, step=None):
         with self._lock:
-            self._errors.append((name, exc))
+            self._errors.append((name, exc, step))
         self.abort.set()
 
     def elapsed_s(self, start, end):
