@@ -327,3 +327,74 @@ def test_watchdog_releases_host_pads_without_a_stream():
     (error,) = fake.errors
     assert isinstance(error, CommTimeoutError)
     assert str(error).startswith("rank 0 at step 4: barrier channel 1") and "[1]" in str(error)
+
+
+# -- FICCO_SYMM=torch / auto (torch's _symmetric_memory): its steps are bounded store exchanges.
+# torch's allocator needs a GPU; these fakes stand in for it (and torch.cuda) so the protocol
+# around it runs on the CPU rank pool.
+def _torch_symm_provider(rank, world, seed, failing_rank, symm):
+    from types import SimpleNamespace
+
+    from torch.distributed import _symmetric_memory as torch_symm
+
+    from ficco.symm_mem.agree import SymmAllocationError
+    from ficco.symm_mem.torch_symm import AutoSymmProvider
+
+    data = torch.randn(world, 64, generator=torch.Generator().manual_seed(seed))
+    rendezvous_entered = []
+
+    def empty(n, dtype, device):
+        if rank == failing_rank:
+            raise RuntimeError("injected: out of symmetric memory")
+        t = torch.zeros(n, dtype=dtype)
+        t[:64].copy_(data[rank].view(torch.uint8)[:64])
+        return t
+
+    def rendezvous(local, group):
+        rendezvous_entered.append(True)
+        # A peer's "mapping": its bytes as this fake sees them (same generator on all ranks).
+        def get_buffer(p, shape, dtype):
+            t = torch.zeros(shape, dtype=dtype)
+            t[:64].copy_(data[p].view(torch.uint8)[:64])
+            return t
+        return SimpleNamespace(get_buffer=get_buffer)
+
+    def properties(device):
+        return SimpleNamespace(uuid=f"GPU-{rank}", name="fake", pci_bus_id=rank)
+
+    saved = (torch_symm.empty, torch_symm.rendezvous, torch.cuda.synchronize,
+             torch.cuda.get_device_properties)
+    torch_symm.empty, torch_symm.rendezvous = empty, rendezvous
+    torch.cuda.synchronize, torch.cuda.get_device_properties = (lambda *a: None), properties
+    start = time.monotonic()
+    try:
+        with ficco.config.scope(timeout=5, symm=symm):
+            handle = AutoSymmProvider(None).allocate(100, None, "cpu")
+        seen = [torch.equal(handle.get_buffer(p, (64,), torch.uint8),
+                            data[p].view(torch.uint8)[:64]) for p in range(world)]
+        outcome = ("allocated", all(seen), tuple(handle.signal_pad(rank).shape))
+    except SymmAllocationError as exc:
+        outcome = ("SymmAllocationError", str(exc), None)
+    finally:
+        (torch_symm.empty, torch_symm.rendezvous, torch.cuda.synchronize,
+         torch.cuda.get_device_properties) = saved
+    return outcome, bool(rendezvous_entered), time.monotonic() - start
+
+
+@pytest.mark.parametrize("symm", ["torch", "auto"])
+def test_torch_symm_provider_maps_every_peer_through_bounded_exchanges(symm):
+    world = 2
+    results = harness.pool(world).run(_torch_symm_provider, random.randrange(1 << 30), -1,
+                                      symm, timeout_s=60)
+    for (kind, all_seen, pad_shape), entered, _ in results:
+        assert kind == "allocated" and all_seen and entered, results
+        assert pad_shape == (ficco.symm_mem.SIGNAL_CHANNELS, world), results
+
+
+def test_torch_symm_allocation_failing_on_one_rank_raises_on_every_rank_before_rendezvous():
+    results = harness.pool(2).run(_torch_symm_provider, random.randrange(1 << 30), 1, "torch",
+                                  timeout_s=60)
+    for rank, ((kind, message, _), entered, elapsed) in enumerate(results):
+        assert kind == "SymmAllocationError" and "rank 1" in message, results
+        assert "injected" in message and not entered, results   # nobody enters rendezvous
+        assert elapsed < 5, results

@@ -5,10 +5,10 @@ from __future__ import annotations
 import socket
 
 import torch
-import torch.distributed as dist
 
 from .. import config
 from . import Provider, SIGNAL_CHANNELS, aligned
+from .agree import agree
 from .device import GpuSymmHandle, pad_bytes
 from .ipc import IpcSymmProvider, group_of, rank_world
 
@@ -26,14 +26,29 @@ class TorchSymmProvider(Provider):
         group = group_of(group)
         rank, world = rank_world(group)
         total = aligned(nbytes) + pad_bytes(world)
-        local = torch_symm.empty(total, dtype=torch.uint8, device=device)
-        local[aligned(nbytes):].zero_()
-        torch.cuda.synchronize(device)
-        handle = torch_symm.rendezvous(local, group)
-        whole = [local if p == rank else handle.get_buffer(p, (total,), torch.uint8)
-                 for p in range(world)]
-        dist.barrier(group=group)
-        keep = [local, handle]  # torch frees the allocation once these are dropped
+        local = handle = None
+        failure = None
+        try:
+            local = torch_symm.empty(total, dtype=torch.uint8, device=device)
+            local[aligned(nbytes):].zero_()
+            torch.cuda.synchronize(device)  # pads are zero before any peer can write them
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by agree()
+            failure = f"{type(exc).__name__}: {exc}"
+        # torch's rendezvous is a collective of its own, bounded only by the group's timeout:
+        # every rank enters it only once every rank allocated (a bounded store exchange).
+        agree(group, rank, world, True, failure, "allocate torch symmetric memory")
+        keep = [local]  # torch frees the allocation once these are dropped
+        whole = []
+        try:
+            handle = torch_symm.rendezvous(local, group)
+            keep.append(handle)
+            whole = [local if p == rank else handle.get_buffer(p, (total,), torch.uint8)
+                     for p in range(world)]
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by agree()
+            failure = f"rendezvous: {type(exc).__name__}: {exc}"
+        # Every rank mapped every peer before anyone signals (was a raw dist.barrier).
+        agree(group, rank, world, True, failure, "map torch symmetric memory",
+              on_failure=keep.clear)
         pads = [w[aligned(nbytes): aligned(nbytes) + SIGNAL_CHANNELS * world * 4]
                 .view(torch.int32).view(SIGNAL_CHANNELS, world) for w in whole]
         return GpuSymmHandle(self.backend, rank, world, nbytes,
@@ -58,17 +73,22 @@ class AutoSymmProvider(Provider):
 
     def allocate(self, nbytes, group, device):
         group = group_of(group)
-        _, world = rank_world(group)
+        rank, world = rank_world(group)
         choice = config.get("FICCO_SYMM")
         if choice == "torch":
             return self.torch.allocate(nbytes, group, device)
         if choice == "ipc" or world == 1 or not _torch_symm_usable():
             return self.ipc.allocate(nbytes, group, device)
-        props = torch.cuda.get_device_properties(device)
-        placement = (socket.gethostname(), str(getattr(props, "uuid", "")) or props.name +
-                     str(getattr(props, "pci_bus_id", device.index)))
-        everyone = [None] * world
-        dist.all_gather_object(everyone, placement, group=group)
+        placement, failure = None, None
+        try:
+            props = torch.cuda.get_device_properties(device)
+            placement = (socket.gethostname(), str(getattr(props, "uuid", "")) or props.name +
+                         str(getattr(props, "pci_bus_id", torch.device(device).index)))
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by agree()
+            failure = f"{type(exc).__name__}: {exc}"
+        # Bounded by FICCO_TIMEOUT and naming absent ranks (was a raw all_gather_object).
+        everyone = agree(group, rank, world, placement, failure,
+                         "choose a symmetric memory provider (FICCO_SYMM=auto)")
         if len(set(everyone)) == world and len({host for host, _ in everyone}) == 1:
             return self.torch.allocate(nbytes, group, device)
         return self.ipc.allocate(nbytes, group, device)
