@@ -306,6 +306,13 @@ class Plan:
         """How many ops of each kind the plan holds, e.g. ``{'copy_1d': 56, 'gemm': 8}``."""
         return Counter(op.kind for op in self.ops if isinstance(op, WORK_OPS))
 
+    def wide_outputs(self) -> bool:
+        """Whether this plan adds partial products into a bf16/fp16 output: then its outputs
+        are float32 and rounded once at the end (DESIGN §7), which the runtime allocates and
+        the simulator prices (float32 output traffic plus one cast pass)."""
+        return self.problem.itemsize <= 2 and any(getattr(op, "accumulate", False)
+                                                  for op in self.ops)
+
 
 @dataclass
 class PlanBuilder:

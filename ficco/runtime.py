@@ -196,7 +196,7 @@ def execute(call: Call, name: str, transport: str, trace: bool = False,
         symm = workspace.get(call.group, call.backend, call.op.workspace_bytes(call))
         if word is not None:
             token = workspace.stamp(symm, word)
-    buffers = call.op.buffers(call, transport, symm, wide=_accumulates_low_precision(plan))
+    buffers = call.op.buffers(call, transport, symm, wide=plan.wide_outputs())
     if config.get("FICCO_POISON"):
         call.op.poison(buffers)
     try:
@@ -223,14 +223,6 @@ def execute(call: Call, name: str, transport: str, trace: bool = False,
                 f"earlier call); its result is discarded. Every rank must make the same calls "
                 f"in the same order"))
     return buffers, plan, rows
-
-
-def _accumulates_low_precision(plan) -> bool:
-    """The plan adds partial products into a bf16/fp16 output: accumulate in fp32 instead and
-    round once (DESIGN §7). Costs an fp32 output and one cast pass."""
-    if plan.problem.itemsize > 2:
-        return False
-    return any(getattr(op, "accumulate", False) for op in plan.ops)
 
 
 def measure(call: Call, name: str, transport: str, warmup: int = 2, repeat: int = 5) -> float:

@@ -209,7 +209,10 @@ def test_queue_order_and_events_are_respected():
                 assert after["start_s"] >= before["end_s"] - 1e-15
         assert result.makespan_s == pytest.approx(max(r["end_s"] for r in result.rows))
         gemm_start = min(r["start_s"] for r in result.rows if r["kind"] == "gemm")
-        assert gemm_start >= 0 and len(result.rows) == sum(plan.count().values())
+        ops_rows = [r for r in result.rows if r["kind"] != "cast"]
+        assert gemm_start >= 0 and len(ops_rows) == sum(plan.count().values())
+        # bf16 plans that accumulate (the 2d ones) end with one pass rounding float32 outputs.
+        assert (len(ops_rows) < len(result.rows)) == plan.wide_outputs(), name
 
 
 def test_wait_holds_its_queue_until_the_record():

@@ -38,7 +38,7 @@ SPLITS = (2, 4, 8, 16, 32, 64)
 
 
 def gemm_seconds(profile, dtype: str, block_rows: list[int], n: int, k: int, itemsize: int,
-                 accumulate: bool = False) -> float:
+                 accumulate: bool = False, out_itemsize: int | None = None) -> float:
     """Seconds of ONE GEMM launch computing ``block_rows`` row blocks (a strided batch, all
     with the same ``n`` columns and ``k`` inner extent) on ``profile``.
 
@@ -53,21 +53,25 @@ def gemm_seconds(profile, dtype: str, block_rows: list[int], n: int, k: int, ite
     compute_s = min(_tile_seconds(profile, dtype, block_rows, n, k, tile)
                     for tile in tiles(profile))
     return dil["launch_s"] + max(compute_s, memory_seconds(profile, rows, n, k, itemsize,
-                                                           accumulate))
+                                                           accumulate, out_itemsize))
 
 
 def memory_seconds(profile, rows: int, n: int, k: int, itemsize: int,
-                   accumulate: bool = False) -> float:
+                   accumulate: bool = False, out_itemsize: int | None = None) -> float:
     """The roofline's memory side: A, B and C (twice when accumulating) once through HBM."""
     dil = profile.dil
     efficiency = dil.get("gemm_memory_efficiency") or dil["memory_efficiency"]
-    return traffic_bytes(rows, n, k, itemsize, accumulate) / (profile.hbm_bytes_per_s * efficiency)
+    return traffic_bytes(rows, n, k, itemsize, accumulate, out_itemsize) / (
+        profile.hbm_bytes_per_s * efficiency)
 
 
-def traffic_bytes(rows: int, n: int, k: int, itemsize: int, accumulate: bool = False) -> int:
+def traffic_bytes(rows: int, n: int, k: int, itemsize: int, accumulate: bool = False,
+                  out_itemsize: int | None = None) -> int:
     """The GEMM's static memory traffic MT = (MK + KN + MN) x itemsize (paper §IV-D), with C
-    read as well when it accumulates."""
-    return (rows * k + k * n + rows * n * (2 if accumulate else 1)) * itemsize
+    read as well when it accumulates; ``out_itemsize`` when C is wider than A and B (a float32
+    output that low-precision partial sums accumulate into)."""
+    out_itemsize = itemsize if out_itemsize is None else out_itemsize
+    return (rows * k + k * n) * itemsize + rows * n * (2 if accumulate else 1) * out_itemsize
 
 
 def tiles(profile) -> list[tuple[int, int, float]]:

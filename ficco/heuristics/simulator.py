@@ -49,7 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import InvalidArgumentError
-from ..plan import Plan, Record, Wait, op_label
+from ..plan import COMPUTE, Plan, Record, Wait, buffer_shapes, op_label
 from . import gemm as gemm_cost
 from .profiles import Profile
 
@@ -92,6 +92,8 @@ class _Simulation:
         self.plan, self.profile, self.topology = plan, profile, topology
         self.problem = plan.problem
         self.itemsize = self.problem.itemsize
+        # bf16/fp16 partial sums accumulate in a float32 output, rounded once at the end.
+        self.out_itemsize = 4 if plan.wide_outputs() else self.itemsize
         self.link_bytes_per_s = profile.link_for(topology, self.problem.world)
         peers = max(self.problem.world - 1, 1)
         self.ingress_bytes_per_s = self.link_bytes_per_s * (peers if topology == "mesh" else 1)
@@ -153,7 +155,25 @@ class _Simulation:
         rows = [{"op_index": i, "queue": op.queue, "start_s": start[i], "end_s": end[i],
                  "kind": op.kind, "label": op_label(op, self.problem.rank)}
                 for i, op in enumerate(ops) if op.kind not in _EVENT_KINDS]
-        return SimResult(max(end, default=0.0), rows)
+        makespan = max(end, default=0.0)
+        cast_s = self._round_once_s()
+        if cast_s:
+            rows.append({"op_index": len(ops), "queue": COMPUTE, "start_s": makespan,
+                         "end_s": makespan + cast_s, "kind": "cast",
+                         "label": "round float32 outputs once"})
+        return SimResult(makespan + cast_s, rows)
+
+    def _round_once_s(self) -> float:
+        """A plan with float32 outputs (:meth:`Plan.wide_outputs`) ends with one cast pass
+        on the compute queue after its last op (a ``cast`` row, not a plan op): read 4 bytes,
+        write ``itemsize`` per output element."""
+        if self.out_itemsize == self.itemsize:
+            return 0.0
+        elements = sum(rows * cols for key, (rows, cols) in buffer_shapes(self.problem).items()
+                       if key[0] == "out")
+        dil = self.profile.dil
+        bandwidth = self.profile.hbm_bytes_per_s * dil["memory_efficiency"]
+        return dil["launch_s"] + elements * (self.out_itemsize + self.itemsize) / bandwidth
 
     def _issue(self, order, next_op, recorded, busy, active, start, end, now):
         """Start every op whose queue is free and whose waits are satisfied."""
@@ -238,12 +258,12 @@ class _Simulation:
         n = p.ns[op.b]
         block_rows = [block.rows for block in op.a]
         seconds = gemm_cost.gemm_seconds(self.profile, p.dtype, block_rows, n, op.kc,
-                                         self.itemsize, op.accumulate)
+                                         self.itemsize, op.accumulate, self.out_itemsize)
         if seconds == 0:
             return _Task("gemm", 0.0, 0.0)
         launch_s = self.profile.dil["launch_s"]
         traffic = gemm_cost.traffic_bytes(sum(block_rows), n, op.kc, self.itemsize,
-                                          op.accumulate)
+                                          op.accumulate, self.out_itemsize)
         return _Task("gemm", launch_s, seconds - launch_s, mt_factor=self._mt_factor(traffic))
 
     def _price_gated_gemm(self, op) -> _Task:
