@@ -103,6 +103,21 @@ def normalize_dim(value, ndim: int, name: str) -> int:
     return index % ndim
 
 
+def row_dim(value, t: torch.Tensor, name: str, t_name: str, does: str) -> int:
+    """``value`` as a non-negative dimension of ``t`` that is a row dimension (never the last,
+    K): the dimension ``does`` works along (e.g. "gathers along", "scatters")."""
+    nd = t.dim()
+    try:
+        index = normalize_dim(value, nd, name)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"{exc}; use 0 … {nd - 2}") from None
+    if index == nd - 1:
+        raise InvalidArgumentError(
+            f"{name}={index} is the last (K) dimension of {t_name} {tuple(t.shape)}; ficco "
+            f"{does} a row dimension (0 … {nd - 2})")
+    return index
+
+
 def check_tensor(t, name: str, *, min_dim: int = 2) -> None:
     if not isinstance(t, torch.Tensor):
         raise InvalidArgumentError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
@@ -148,6 +163,8 @@ def check_weights(b, a: torch.Tensor, a_name: str, *, k: int | None = None,
                 f"{name} has {bj.shape[0]} rows but {k_from} ({a_name} {tuple(a.shape)}, "
                 f"{name} {tuple(bj.shape)}); they must match")
         check_like(bj, a, name, a_name)
+    if k == 0:
+        raise InvalidArgumentError(f"{a_name} has K=0 columns: {tuple(a.shape)}")
     return bs, b_is_list
 
 

@@ -12,8 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..call import (Call, backend_for, check_tensor, check_weights, group_rank_world,
-                    normalize_dim, resolve_group)
-from ..errors import InvalidArgumentError
+                    resolve_group, row_dim)
 from ..executor import Buffers
 from ..problem import Problem, dtype_name
 from .base import OpSpec
@@ -35,19 +34,9 @@ class AllGatherMatmul(OpSpec):
     def prepare(self, a_shard, b, group=None, gather_dim=0, return_gathered=False
                 ) -> AllGatherMatmulCall:
         check_tensor(a_shard, "a_shard")
-        nd = a_shard.dim()
-        try:
-            gather_dim = normalize_dim(gather_dim, nd, "gather_dim")
-        except InvalidArgumentError as exc:
-            raise InvalidArgumentError(f"{exc}; use 0 … {nd - 2}") from None
-        if gather_dim == nd - 1:
-            raise InvalidArgumentError(
-                f"gather_dim={gather_dim} is the last (K) dimension of a_shard "
-                f"{tuple(a_shard.shape)}; ficco gathers along a row dimension (0 … {nd - 2})")
+        gather_dim = row_dim(gather_dim, a_shard, "gather_dim", "a_shard", "gathers along")
         bs, b_is_list = check_weights(b, a_shard, "a_shard")
         k = a_shard.shape[-1]
-        if k == 0:
-            raise InvalidArgumentError(f"a_shard has K=0 columns: {tuple(a_shard.shape)}")
         backend = backend_for(a_shard, "a_shard")
         group = resolve_group(group)
         rank, world = group_rank_world(group)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..call import (Call, backend_for, check_tensor, check_weights, group_rank_world,
-                    normalize_dim, resolve_group)
+                    normalize_dim, resolve_group, row_dim)
 from ..errors import InvalidArgumentError
 from ..executor import Buffers
 from ..problem import MATMUL_REDUCE_SCATTER, REDUCE_OPS, Problem, dtype_name
@@ -41,22 +41,13 @@ class MatmulReduceScatter(OpSpec):
     def prepare(self, a, b, group=None, scatter_dim=0, reduce_op="sum"
                 ) -> MatmulReduceScatterCall:
         check_tensor(a, "a")
-        nd = a.dim()
-        try:
-            scatter_dim = normalize_dim(scatter_dim, nd, "scatter_dim")
-        except InvalidArgumentError as exc:
-            raise InvalidArgumentError(f"{exc}; use 0 … {nd - 2}") from None
-        if scatter_dim == nd - 1:
-            raise InvalidArgumentError(
-                f"scatter_dim={scatter_dim} is the last (K) dimension of a {tuple(a.shape)}; "
-                f"ficco scatters a row dimension of a @ b (0 … {nd - 2})")
+        scatter_dim = row_dim(scatter_dim, a, "scatter_dim", "a",
+                              "scatters the rows of a @ b along")
         if reduce_op not in REDUCE_OPS:
             raise InvalidArgumentError(f"reduce_op={reduce_op!r} is not supported; use one of "
                                        f"{', '.join(REDUCE_OPS)}")
         bs, b_is_list = check_weights(b, a, "a", role=" (this rank's K rows of the weight)")
         k = a.shape[-1]
-        if k == 0:
-            raise InvalidArgumentError(f"a has K=0 columns: {tuple(a.shape)}")
         backend = backend_for(a, "a")
         group = resolve_group(group)
         rank, world = group_rank_world(group)
