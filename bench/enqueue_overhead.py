@@ -88,7 +88,7 @@ class NullBackend(Backend):
     def signal_write(self, queue, slot, value):
         pass
 
-    def signal_wait_geq(self, queue, slot, value, deadline):
+    def signal_wait(self, queue, op, deadline):
         pass
 
     def signal_batch(self, queue, ops, deadline):

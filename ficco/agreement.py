@@ -43,7 +43,7 @@ def agree(group, world: int, rank: int, signature: dict, op: str,
     """Every rank of ``group`` called with ``signature`` (digest ``word``): returns whether
     all ranks share this host. The first sight of a signature exchanges it in full (bounded);
     later sights are a dictionary lookup here, and the runtime checks the digest of every
-    call (in the dma workspace's call header, or one tiny collective on ccl)."""
+    call (in the flag every dma barrier carries, or one tiny collective on ccl)."""
     key = (group_id(group), digest(signature) if word is None else word)
     with _lock:
         if key in _agreed:

@@ -10,7 +10,7 @@ thread from turning into a wrong result.
   rank; after a failed process-group collective (``ccl``) until the group is destroyed, since
   the collective itself may still be pending inside it.
 - **A digest per call on ccl**: one 16-byte all-reduce before the collectives (dma calls
-  carry it in the workspace's call header instead).
+  carry it as the flag value of their plan barriers instead, see ficco.symm_mem.barrier).
 - **Named failures**: a transport error becomes a :class:`~ficco.errors.TransportError`
   naming rank, op, schedule, the step (agreement, call check or plan step) and the peers
   that no longer answer, the original as its cause.

@@ -22,9 +22,10 @@ from . import agreement, config, guard, profiling
 from .backends import close_all
 from .call import Call, settings as read_settings
 from .config import TRANSPORT_SETTINGS
-from .errors import ConfigError, InvalidArgumentError, MismatchError
+from .errors import ConfigError, InvalidArgumentError
 from .executor import execute as execute_plan
 from .symm_mem import workspace
+from .symm_mem.barrier import call_flag
 
 _PLAN_LIMIT = 256                      # plans kept (LRU); each is a few KB
 _plans: "OrderedDict[tuple, object]" = OrderedDict()
@@ -185,17 +186,17 @@ def plan_for(call_or_op, name: str, transport: str, problem):
 def execute(call: Call, name: str, transport: str, trace: bool = False,
             word: int | None = None):
     """Run schedule ``name`` over ``transport`` once: returns (buffers, plan, trace rows).
-    With ``word`` (the call's digest) a dma run checks afterwards that every peer ran a call
-    with the same digest, and raises MismatchError on every rank otherwise."""
+    With ``word`` (the call's digest) a dma run's barriers carry its call flag, so ranks making
+    different calls raise MismatchError on every rank at the plan's first barrier (see
+    :mod:`ficco.symm_mem.barrier`); without it (benchmarks) every rank uses the same flag."""
     p = call.problem
     workspace.settle(call.backend)       # an earlier failed call's queues drained first
     plan = plan_for(call, name, transport, p)
     _last.run = (name, transport)
-    symm = token = None
+    symm = None
     if transport == "dma":
         symm = workspace.get(call.group, call.backend, call.op.workspace_bytes(call))
-        if word is not None:
-            token = workspace.stamp(symm, word)
+        symm.call_flag = call_flag(word)
     buffers = call.op.buffers(call, transport, symm, wide=plan.wide_outputs())
     if config.get("FICCO_POISON"):
         call.op.poison(buffers)
@@ -214,14 +215,6 @@ def execute(call: Call, name: str, transport: str, trace: bool = False,
         workspace.drain(call.backend, cancel=True)
         workspace.drop(call.group, call.backend)
         raise
-    if token is not None:
-        differ = workspace.peers_differing(symm, token, word)
-        if differ:
-            raise agreement.consistent(MismatchError(
-                f"rank {call.rank}: rank(s) {differ} ran a different {call.op.name} call "
-                f"than this rank (other shapes, dtypes, settings or op; each was agreed at an "
-                f"earlier call); its result is discarded. Every rank must make the same calls "
-                f"in the same order"))
     return buffers, plan, rows
 
 

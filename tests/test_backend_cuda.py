@@ -5,6 +5,7 @@ backend contract."""
 from __future__ import annotations
 
 import inspect
+import random
 
 import pytest
 import torch
@@ -106,7 +107,8 @@ def test_cuda_vendor_calls_match_cuda_python_signatures():
     vendor.copy_1d(0x1000, 0x2000, 4096, 77)
     vendor.copy_2d(Copy2D(dst=0x1000, dpitch=256, src=0x8000, spitch=512, width=64, height=3), 77)
     vendor.write_value32(77, 0x3000, 5)
-    vendor.wait_value32_geq(77, 0x3004, 5)
+    vendor.wait_value32(77, 0x3004, 5, False)
+    vendor.wait_value32(77, 0x3008, 6, True)
     calls = dict(rt.calls + drv.calls)
     for name, args in calls.items():
         real = getattr(runtime, name, None) or getattr(driver, name)
@@ -117,8 +119,9 @@ def test_cuda_vendor_calls_match_cuda_python_signatures():
                                           runtime.cudaMemcpyKind.cudaMemcpyDeviceToDevice, 77)
     assert calls["cuStreamWriteValue32"] == (
         77, 0x3000, 5, driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
-    assert calls["cuStreamWaitValue32"] == (
-        77, 0x3004, 5, driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+    waits = [args for name, args in drv.calls if name == "cuStreamWaitValue32"]
+    assert waits == [(77, 0x3004, 5, driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
+                     (77, 0x3008, 6, driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ)]
 
 
 def test_cuda_ipc_handle_bytes_round_trip():
@@ -211,7 +214,8 @@ def test_flag_barrier_is_one_batch_mem_op_with_the_protocols_fields():
     drv = Recorder(driver)
     vendor = CudaVendor(runtime=Recorder(runtime), driver=drv)
     handle = _PadHandle(rank=2, world=4)
-    program = flag_program(handle, 1)
+    flag = random.randrange(2, 1 << 31)      # a call flag (from the call's digest)
+    program = flag_program(handle, 1, flag)
     vendor.mem_ops(77, program, capturing=False)
     assert [name for name, _ in drv.calls] == ["cuStreamBatchMemOp"]
     name, args = drv.calls[0]
@@ -229,13 +233,15 @@ def test_flag_barrier_is_one_batch_mem_op_with_the_protocols_fields():
             assert p.operation == wait
             seen.append(("g", int(p.waitValue.address), int(p.waitValue.value),
                          int(p.waitValue.flags)))
-    geq = int(driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
-    want = ([("w", handle.slot(p, 1, 2), 1, 0) for p in range(4)]       # my flag at every peer
-            + [("g", handle.slot(2, 1, p), 1, geq) for p in range(4)]   # all of mine raised
+    eq = int(driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ)
+    want = ([("w", handle.slot(p, 1, 2), flag, 0) for p in range(4)]     # my flag at every peer
+            + [("g", handle.slot(2, 1, p), flag, eq) for p in range(4)]  # each of mine: my flag
             + [("w", handle.slot(2, 1, p), 0, 0) for p in range(4)])    # then cleared
     assert seen == want
     # built once: the same parameter objects come back for the same (cached) program
-    assert vendor.batch_params(flag_program(handle, 1))[0][0] is params[0]
+    assert vendor.batch_params(flag_program(handle, 1, flag))[0][0] is params[0]
+    # another call's flag is another program
+    assert vendor.batch_params(flag_program(handle, 1, flag ^ 1))[0][0] is not params[0]
 
 
 def test_large_groups_split_the_batch_and_capture_uses_single_calls():

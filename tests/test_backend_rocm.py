@@ -75,12 +75,16 @@ def test_stream_signals_flags_and_mask():
     rec = HipRecorder()
     vendor = RocmVendor(hip=rec)
     vendor.write_value32(0x10, 0x3000, 9)
-    vendor.wait_value32_geq(0x10, 0x3004, 9)
+    vendor.wait_value32(0x10, 0x3004, 9, False)
     assert rec.calls["hipStreamWriteValue32"] == {"stream": 0x10, "ptr": 0x3000, "value": 9,
                                                   "flags": 0}
     wait = rec.calls["hipStreamWaitValue32"]
     assert wait == {"stream": 0x10, "ptr": 0x3004, "value": 9,
                     "flags": hip.hipStreamWaitValueGte, "mask": 0xFFFFFFFF}
+    vendor.wait_value32(0x10, 0x3008, 7, True)      # a plan flag: exactly this call's
+    assert rec.calls["hipStreamWaitValue32"] == {"stream": 0x10, "ptr": 0x3008, "value": 7,
+                                                 "flags": hip.hipStreamWaitValueEq,
+                                                 "mask": 0xFFFFFFFF}
     # the mask is ANDed with the slot: anything short of all ones would ignore counter bits
     assert ALL_BITS == (1 << 32) - 1
 

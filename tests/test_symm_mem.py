@@ -97,6 +97,7 @@ def _plan_barriers(rank, world, seed, rounds):
         wrong = 0
         for _ in range(rounds):
             data = torch.randn(world, 16, generator=gen, dtype=torch.float64)
+            h.call_flag = int(torch.randint(1, 1 << 31, (), generator=gen))  # one per call
             q = backend.queue("copy0")
             backend.copy(mine[rank], data[rank], q)
             backend.barrier(h, 0, q, 20.0, 0)
@@ -118,6 +119,53 @@ def test_cpu_ranks_run_the_flag_protocol_and_leave_pads_clear():
     for wrong, pads in results:
         assert wrong == 0
         assert pads == [0, 0, 0]   # every flag cleared by its owner after passing
+
+
+def _another_call(rank, world, seed):
+    """Rank ``world - 1`` makes another call (its call flag differs) at round 2 of 3: every
+    rank raises MismatchError at that round's barrier, long before the deadline, and nothing
+    after the barrier (the pull) ran: the destination keeps its poison."""
+    from ficco.backends import get_backend
+    from ficco.errors import MismatchError
+
+    backend = get_backend()
+    gen = torch.Generator().manual_seed(seed)
+    h = backend.symm_provider().allocate(64, dist.group.WORLD, backend.device())
+    outcomes = []
+    try:
+        for round_ in range(3):
+            flag = int(torch.randint(1, 1 << 30, (), generator=gen))
+            h.call_flag = flag + 1 if round_ == 1 and rank == world - 1 else flag
+            q = backend.queue("copy0")
+            out = torch.full((4,), float("nan"), dtype=torch.float64)
+            src = h.get_buffer((rank + 1) % world, (4,), torch.float64)
+            start = time.monotonic()
+            backend.barrier(h, 0, q, 30.0, 3)
+            backend.copy(out, src, q)
+            try:
+                backend.finish([q])
+                outcomes.append(("passed", bool(torch.isnan(out).any())))
+            except MismatchError as exc:
+                backend.synchronize()
+                outcomes.append((str(exc), bool(torch.isnan(out).all()),
+                                 time.monotonic() - start, getattr(exc, "consistent", False)))
+                break
+        return outcomes
+    finally:
+        h.close()
+
+
+def test_a_rank_in_another_call_makes_every_rank_raise_a_mismatch_at_the_barrier():
+    """Issue 13: disagreement on an already-agreed call, caught by the barrier's call flag
+    (the mechanism GPU dma calls share), on every rank, at once."""
+    results = harness.pool(3).run(_another_call, random.randrange(1 << 20))
+    for rank, outcomes in enumerate(results):
+        assert outcomes[0] == ("passed", False), results
+        assert len(outcomes) == 2, results
+        message, untouched, seconds, consistent = outcomes[1]
+        assert "MismatchError" not in message and "from a different call" in message, results
+        assert untouched and consistent and seconds < 15, results
+        assert ("rank(s) [2]" in message) == (rank != 2), results
 
 
 def _released_by_the_deadline(rank, world, seed):
@@ -295,15 +343,12 @@ def test_host_signal_pads_are_shared_by_every_rank_through_device_addresses():
         assert registered == 3 and left == 0 and sized
 
 
-def test_watchdog_releases_host_pads_without_a_stream():
-    """GpuBackend.expire on a handle with host pads: late slots written by the host, the one
-    timeout message names the late peer; no stream or vendor call is made."""
+def _expire_on_host_pads(memory: dict, flag: int):
+    """GpuBackend.expire on a flag-mode barrier (call flag ``flag``) whose handle has host pads
+    holding ``memory``; returns the error it left. Any stream or vendor call would fail."""
     from ficco.backends.gpu import GpuBackend
     from ficco.backends.gpu_watchdog import PendingBarrier
-    from ficco.errors import CommTimeoutError
     from ficco.symm_mem.barrier import Deadline, SignalOp, WAIT
-
-    memory = {0x100: 1, 0x104: 0, 0x108: 1}
 
     class Host:
         read = staticmethod(memory.__getitem__)
@@ -315,18 +360,72 @@ def test_watchdog_releases_host_pads_without_a_stream():
     class Fake:
         errors = []
         vendor = None     # any vendor call would fail
+        slot_reader = GpuBackend.slot_reader
 
         def set_error(self, error):
             self.errors.append(error)
 
-    waits = tuple(SignalOp(WAIT, 0x100 + 4 * p, 1, p) for p in range(3))
-    item = PendingBarrier(None, None, Deadline(0, 1, 4, 2.0, 1, waits, Handle()), None)
+    waits = tuple(SignalOp(WAIT, 0x100 + 4 * p, flag, p, True) for p in range(3))
+    item = PendingBarrier(None, None, Deadline(0, 1, 4, 2.0, flag, waits, Handle()), None)
     fake = Fake()
     GpuBackend.expire(fake, item)
-    assert memory == {0x100: 1, 0x104: 1, 0x108: 1}
     (error,) = fake.errors
+    return error
+
+
+def test_watchdog_releases_host_pads_without_a_stream():
+    """A late peer: its slot is written by the host (the stream moves on), and the one
+    timeout message names it."""
+    from ficco.errors import CommTimeoutError
+
+    flag = random.randrange(2, 1 << 31)
+    memory = {0x100: flag, 0x104: 0, 0x108: flag}
+    error = _expire_on_host_pads(memory, flag)
+    assert memory == {0x100: flag, 0x104: flag, 0x108: flag}
     assert isinstance(error, CommTimeoutError)
     assert str(error).startswith("rank 0 at step 4: barrier channel 1") and "[1]" in str(error)
+
+
+def test_watchdog_names_a_peer_in_another_call_as_a_mismatch():
+    """A peer's slot holding another call's flag (issue 13 on GPUs): the barrier is released
+    and the error left is a MismatchError (raised alike on every rank), naming that peer."""
+    from ficco.errors import MismatchError
+
+    flag = random.randrange(2, 1 << 30)
+    memory = {0x100: flag, 0x104: 0, 0x108: flag + 1}
+    error = _expire_on_host_pads(memory, flag)
+    assert memory == {0x100: flag, 0x104: flag, 0x108: flag}
+    assert isinstance(error, MismatchError) and getattr(error, "consistent", False)
+    assert "rank(s) [2]" in str(error) and str(flag + 1) in str(error)
+
+
+def test_watchdog_peeks_find_a_foreign_flag_before_the_deadline():
+    """The watchdog's peek (not the deadline) expires a flag-mode barrier whose slot holds
+    another call's flag, and only once a peek is due."""
+    from ficco.backends.gpu_watchdog import PendingBarrier, Watchdog
+    from ficco.symm_mem.barrier import Deadline, SignalOp, WAIT
+
+    flag = random.randrange(2, 1 << 30)
+    memory = {0x100: flag, 0x104: 0}
+    waits = tuple(SignalOp(WAIT, 0x100 + 4 * p, flag, p, True) for p in range(2))
+    deadline = Deadline(0, 0, 1, 600.0, flag, waits)
+    deadline.start(100.0)
+
+    class Fake:
+        @staticmethod
+        def slot_reader(_):
+            return memory.__getitem__
+
+    dog = Watchdog.__new__(Watchdog)
+    dog.backend = Fake()
+    item = PendingBarrier(None, None, deadline, None)
+    assert not dog._foreign(item, 100.001)          # before the first peek
+    assert not dog._foreign(item, 100.006)          # a peek: the peer has not arrived
+    memory[0x104] = flag ^ 0x40                     # now it arrives from another call
+    assert not dog._foreign(item, 100.007)          # the next peek is not due yet
+    assert dog._foreign(item, 100.1)
+    memory[0x104] = flag                            # the same call: never foreign
+    assert not dog._foreign(item, 200.0)
 
 
 # -- FICCO_SYMM=torch / auto (torch's _symmetric_memory): its steps are bounded store exchanges.

@@ -81,8 +81,9 @@ class Backend(ABC):
         after all earlier work of ``queue`` is complete and visible to peers."""
 
     @abstractmethod
-    def signal_wait_geq(self, queue: Any, slot: Any, value: int, deadline: Any) -> None:
-        """Later work of ``queue`` waits until the int32 at ``slot`` is >= ``value``. Past
+    def signal_wait(self, queue: Any, op: Any, deadline: Any) -> None:
+        """Later work of ``queue`` waits until the int32 at ``op.slot`` meets ``op`` (a
+        :class:`ficco.symm_mem.barrier.SignalOp`: >= ``op.value``, or == when ``op.exact``). Past
         ``deadline`` (a :class:`ficco.symm_mem.barrier.Deadline`, counted from when the queue
         reaches the wait) the call that owns the wait raises ``deadline.error(...)``."""
 
@@ -98,7 +99,7 @@ class Backend(ABC):
             if op.kind == WRITE:
                 self.signal_write(queue, op.slot, op.value)
             else:
-                self.signal_wait_geq(queue, op.slot, op.value, deadline)
+                self.signal_wait(queue, op, deadline)
 
     def barrier(self, symm: Any, channel: int, queue: Any, timeout_s: float, step: int) -> None:
         """A plan's cross-rank barrier ordered on ``queue`` over the signal pads of symmetric

@@ -73,8 +73,9 @@ class Vendor(ABC):
         """Stream-ordered store of ``value`` at ``address``, fenced after earlier work."""
 
     @abstractmethod
-    def wait_value32_geq(self, stream: int, address: int, value: int) -> None:
-        """Later work on ``stream`` waits until the int32 at ``address`` is >= ``value``."""
+    def wait_value32(self, stream: int, address: int, value: int, exact: bool) -> None:
+        """Later work on ``stream`` waits until the int32 at ``address`` is >= ``value`` (==
+        ``value`` when ``exact``: flag-mode barriers, where a peer's flag names its call)."""
 
     def mem_ops(self, stream: int, ops: tuple, capturing: bool) -> None:
         """Enqueue a barrier program (:class:`~ficco.symm_mem.barrier.SignalOp` s, in order).
@@ -83,7 +84,7 @@ class Vendor(ABC):
             if op.kind == WRITE:
                 self.write_value32(stream, op.slot, op.value)
             else:
-                self.wait_value32_geq(stream, op.slot, op.value)
+                self.wait_value32(stream, op.slot, op.value, op.exact)
 
     @abstractmethod
     def malloc(self, nbytes: int) -> int: ...
@@ -165,6 +166,35 @@ def copy_2d_args(dst: torch.Tensor, src: torch.Tensor) -> Copy2D | None:
     return Copy2D(dst=dst.data_ptr(), dpitch=_row_pitch_bytes(dst, "dst"),
                   src=src.data_ptr(), spitch=_row_pitch_bytes(src, "src"),
                   width=dst.shape[1] * dst.element_size(), height=dst.shape[0])
+
+
+def copy_call_args(dst: torch.Tensor, src: torch.Tensor, two_d: bool = False):
+    """What one plan copy of ``src`` into ``dst`` asks of the vendor, from the views alone:
+    None (nothing to copy), ``(dst, src, nbytes)`` for a 1-D copy, or a :class:`Copy2D`. A 1-D
+    copy of views that are not both contiguous becomes a 2-D one. Pure integers, so the
+    executor can compute them once per bound plan (:meth:`GpuBackend.prepare_copy`).
+
+    >>> g = torch.empty(8, 10, dtype=torch.bfloat16)
+    >>> d, s, n = copy_call_args(g[0:4], g[4:8])           # whole rows: one 1-D copy
+    >>> (s - d, n)
+    (80, 80)
+    >>> copy_call_args(g[0:4, 3:6], g[4:8, 3:6]).height    # a column chunk: 2-D
+    4
+    """
+    if two_d:
+        return copy_2d_args(dst, src)
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        raise InvalidArgumentError(f"copy: dst {tuple(dst.shape)} {dst.dtype} and src "
+                                   f"{tuple(src.shape)} {src.dtype} differ")
+    if dst.numel() == 0:
+        return None
+    if not (dst.is_contiguous() and src.is_contiguous()):
+        return copy_2d_args(dst, src)
+    return (dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
+
+
+def _nothing(queue) -> None:
+    """A prepared copy of an empty block."""
 
 
 # -- the backend ---------------------------------------------------------------------------------
@@ -271,40 +301,50 @@ class GpuBackend(Backend):
 
     # -- work ---------------------------------------------------------------------------------
     def copy(self, dst, src, queue):
-        if dst.shape != src.shape or dst.dtype != src.dtype:
-            raise InvalidArgumentError(f"copy: dst {tuple(dst.shape)} {dst.dtype} and src "
-                                       f"{tuple(src.shape)} {src.dtype} differ")
-        if dst.numel() == 0:
-            return
-        if not (dst.is_contiguous() and src.is_contiguous()):
-            self.copy_2d(dst, src, queue)
-            return
-        self.vendor.copy_1d(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size(),
-                            queue.cuda_stream)
+        self.prepare_copy(dst, src)(queue)
 
     def copy_2d(self, dst, src, queue):
-        args = copy_2d_args(dst, src)
-        if args is not None:
-            self.vendor.copy_2d(args, queue.cuda_stream)
+        self.prepare_copy(dst, src, True)(queue)
+
+    def prepare_copy(self, dst, src, two_d=False):
+        """The copy of ``src`` into ``dst`` as one ready vendor call, a function of the queue:
+        addresses, byte counts and 2-D pitches are computed now, once (the executor keeps it
+        per bound plan while the views' addresses hold)."""
+        args = copy_call_args(dst, src, two_d)
+        if args is None:
+            return _nothing
+        if type(args) is Copy2D:
+            copy_2d = self.vendor.copy_2d
+            return lambda queue: copy_2d(args, queue.cuda_stream)
+        copy_1d, (d, s, n) = self.vendor.copy_1d, args
+        return lambda queue: copy_1d(d, s, n, queue.cuda_stream)
 
     def gemm(self, a, b, out, accumulate, queue):
         if out.numel() == 0:
             return
-        beta = 1 if accumulate else 0  # beta 0 never reads ``out`` (NaN poison stays out)
         with self._on(queue):
-            if out.dtype != a.dtype:
-                # A wider (fp32) output for bf16/fp16 inputs: the GEMM writes its fp32 result
-                # unrounded and partial sums add up in fp32; the caller rounds once.
-                prod = torch.mm(a, b, out_dtype=out.dtype) if a.dim() == 2 else \
-                    torch.bmm(a, b.expand(a.shape[0], *b.shape), out_dtype=out.dtype)
-                out.add_(prod) if accumulate else out.copy_(prod)
-                return
-            if a.dim() == 2:
-                out.addmm_(a, b, beta=beta)
-            else:
-                # One strided-batched GEMM over equally spaced row blocks; B broadcast with a
-                # zero batch stride so nothing is copied.
-                out.baddbmm_(a, b.expand(a.shape[0], *b.shape), beta=beta)
+            self.gemm_current(a, b, out, accumulate)
+
+    def gemm_current(self, a, b, out, accumulate):
+        """:meth:`gemm` on the current stream: the executor's compute-queue GEMMs (the compute
+        queue is the caller's current stream while the executor enqueues), so no stream is
+        looked up or entered per GEMM."""
+        if out.numel() == 0:
+            return
+        if out.dtype != a.dtype:
+            # A wider (fp32) output for bf16/fp16 inputs: the GEMM writes its fp32 result
+            # unrounded and partial sums add up in fp32; the caller rounds once.
+            prod = torch.mm(a, b, out_dtype=out.dtype) if a.dim() == 2 else \
+                torch.bmm(a, b.expand(a.shape[0], *b.shape), out_dtype=out.dtype)
+            out.add_(prod) if accumulate else out.copy_(prod)
+            return
+        beta = 1 if accumulate else 0  # beta 0 never reads ``out`` (NaN poison stays out)
+        if a.dim() == 2:
+            out.addmm_(a, b, beta=beta)
+        else:
+            # One strided-batched GEMM over equally spaced row blocks; B broadcast with a
+            # zero batch stride so nothing is copied.
+            out.baddbmm_(a, b.expand(a.shape[0], *b.shape), beta=beta)
 
     def launch(self, queue, fn):
         with self._on(queue):
@@ -320,8 +360,8 @@ class GpuBackend(Backend):
     def signal_write(self, queue, slot, value):
         self.signal_batch(queue, (SignalOp(WRITE, slot, value, -1),), None)
 
-    def signal_wait_geq(self, queue, slot, value, deadline):
-        self.signal_batch(queue, (SignalOp(WAIT, slot, value, -1),), deadline)
+    def signal_wait(self, queue, op, deadline):
+        self.signal_batch(queue, (op,), deadline)
 
     def signal_batch(self, queue, ops, deadline):
         self._enqueue_signals(queue, ops, deadline)
@@ -368,30 +408,42 @@ class GpuBackend(Backend):
         on, then leaves the one timeout error for the next call."""
         deadline = item.deadline
         host = getattr(deadline.handle, "host_pads", None)
+        late = deadline.late(self.slot_reader(deadline))
+        by_peer = {peer for peer, _ in late}
         if host is not None:
             # Host-mapped pads: read and release with host loads/stores, never through a
             # stream (which may sit behind the stuck wait on a shared hardware queue).
-            late = deadline.late(host.read)
-            by_peer = {peer for peer, _ in late}
             for op in deadline.waits:
                 if op.peer in by_peer:
                     host.write(op.slot, op.value)
         else:
             # Device pads: through a private stream. This can queue behind the stuck wait
             # when streams share one hardware queue (FICCO_SIGNAL_PADS=host avoids that).
-            if self._rescue_stream is None:
-                self._rescue_stream = torch.cuda.Stream(self._device)
-            side = self._rescue_stream
-            with torch.cuda.stream(side):
-                late = deadline.late(lambda slot: int(
-                    tensor_at(slot, 4, self._device).view(torch.int32).item()))
-            by_peer = {peer for peer, _ in late}
+            side = self._rescue()
             for op in deadline.waits:
                 if op.peer in by_peer:
                     self.vendor.write_value32(side.cuda_stream, op.slot, op.value)
             side.synchronize()
         deadline.fired = True
         self.set_error(deadline.error(late))
+
+    def _rescue(self) -> torch.cuda.Stream:
+        if self._rescue_stream is None:
+            self._rescue_stream = torch.cuda.Stream(self._device)
+        return self._rescue_stream
+
+    def slot_reader(self, deadline: Deadline):
+        """How the watchdog reads a barrier's slots: host loads for host-mapped pads, else a
+        small device-to-host read on the private rescue stream."""
+        host = getattr(deadline.handle, "host_pads", None)
+        if host is not None:
+            return host.read
+        side = self._rescue()
+
+        def read(slot) -> int:
+            with torch.cuda.stream(side):
+                return int(tensor_at(slot, 4, self._device).view(torch.int32).item())
+        return read
 
     def set_error(self, error: FiccoError) -> None:
         with self._error_lock:

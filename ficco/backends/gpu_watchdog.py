@@ -7,6 +7,10 @@ watches every barrier still pending:
 - past the deadline it names the peers whose slots are short, releases the stream (so the
   process can go on and exit) and leaves the one timeout error of
   :mod:`ficco.symm_mem.barrier` for the backend to raise at its next call;
+- a flag-mode barrier still waiting is *peeked* now and then (5 ms after the stream reached
+  it, then at doubling gaps up to 0.5 s): a slot holding another call's flag means a peer is
+  making a different call, which no wait will ever fix, so the barrier is expired at once
+  with the MismatchError of :mod:`ficco.symm_mem.barrier` instead of at its deadline;
 - if the thread itself dies, that error is surfaced the same way, never swallowed.
 
 Events are plain (no timing) and recycled once their barrier completed.
@@ -32,10 +36,13 @@ class PendingBarrier:
     done: Any             # torch.cuda.Event recorded after the program
     deadline: Any         # ficco.symm_mem.barrier.Deadline
     queue: Any            # the stream the program runs on
+    peek_gap: float = 0.0  # seconds to the next look for a foreign flag (0: not yet looked)
+    peek_at: float = 0.0
 
 
 class Watchdog:
     POLL_S = 0.002
+    FIRST_PEEK_S, MAX_PEEK_GAP_S = 0.005, 0.5
 
     def __init__(self, backend: "GpuBackend"):
         self.backend = backend
@@ -89,7 +96,7 @@ class Watchdog:
                     recycle += [item.arrived, item.done]
                 elif item.arrived.query():
                     item.deadline.start(now)
-                    if item.deadline.expired(now):
+                    if item.deadline.expired(now) or self._foreign(item, now):
                         self.backend.expire(item)
                         done.append(item)   # its events may still be pending: not reused
             if done:
@@ -97,6 +104,20 @@ class Watchdog:
                     self._pending = [i for i in self._pending if i not in done]
                     self._free_events += recycle
             time.sleep(self.POLL_S)
+
+    def _foreign(self, item: PendingBarrier, now: float) -> bool:
+        """Whether a peer's slot of this (flag-mode) barrier holds another call's flag; looks
+        only at the peek times (a look at device pads is a small device-to-host read)."""
+        deadline = item.deadline
+        if not any(op.exact for op in deadline.waits):
+            return False
+        if item.peek_gap == 0.0:
+            item.peek_gap, item.peek_at = self.FIRST_PEEK_S, deadline.started + self.FIRST_PEEK_S
+        if now < item.peek_at:
+            return False
+        item.peek_gap = min(2 * item.peek_gap, self.MAX_PEEK_GAP_S)
+        item.peek_at = now + item.peek_gap
+        return bool(deadline.foreign(deadline.late(self.backend.slot_reader(deadline))))
 
     def wait_done(self, item: PendingBarrier) -> None:
         """Block the host until ``item`` completed or the watchdog expired it."""

@@ -3,15 +3,22 @@ timeout message.
 
 A barrier is a short program of two stream-ordered primitives every backend provides::
 
-    signal_write(queue, slot, value)             # store value into a pad slot, after earlier work
-    signal_wait_geq(queue, slot, value, deadline) # later work waits until slot >= value
+    signal_write(queue, slot, value)       # store value into a pad slot, after earlier work
+    signal_wait(queue, op, deadline)       # later work waits until op's slot meets op
+                                           # (>= op.value, or == op.value when op.exact)
 
 Slot ``[channel, writer]`` of rank ``owner``'s signal pad is where ``writer`` signals
 ``owner``. Two modes share the program shape (set every peer's slot, wait for all of mine):
 
-- **flag** (plan channels 0 and 1, capture-safe): every value is a constant, so a CUDA graph
-  holding the barrier replays correctly. Each rank writes 1 into its slot of every peer's pad,
-  waits until all of its own slots hold 1, then clears its own slots to 0. Clearing cannot
+- **flag** (plan channels 0 and 1, capture-safe): every value is a constant of the call, so a
+  CUDA graph holding the barrier replays correctly. Each rank writes its *call flag* into its
+  slot of every peer's pad, waits until each of its own slots holds exactly that flag, then
+  clears its own slots to 0. The call flag is a nonzero 31-bit value of the call's digest
+  (shapes, dtypes, op, settings; :func:`call_flag`): ranks making different calls never pass
+  each other's barrier, and a slot holding a nonzero flag other than this rank's names a peer
+  in another call, a :class:`~ficco.errors.MismatchError` raised alike on every rank (each
+  rank sees the other's flag). That is the per-call agreement check of every dma call, on
+  every backend, at no cost beyond the barrier the plan runs anyway. Clearing cannot
   erase a peer's *next* flag because plans alternate channels 0 and 1 with a dependency
   between them (pulls wait on barrier 0, barrier 1 waits on the pulls, and the next call's
   barrier 0 comes after this call's barrier 1 on every queue of the rank): a peer can only
@@ -31,24 +38,43 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import CommTimeoutError, InvalidArgumentError
+from ..errors import CommTimeoutError, InvalidArgumentError, MismatchError
 
 #: channels of the plans' stream-ordered barriers (flag mode, safe to capture in graphs)
 PLAN_CHANNELS = (0, 1)
-#: value of a raised flag in flag mode
+#: the call flag of a plan run without a call digest (benchmarks, tests): the same on every rank
 FLAG = 1
 WRITE, WAIT = "write", "wait"
+_FLAG_PROGRAMS_KEPT = 64          # flag programs per handle (one per channel and call flag)
+
+
+def call_flag(word: int | None) -> int:
+    """The flag value of a call with digest ``word``: nonzero, below 2**31 (an int32 slot).
+
+    >>> call_flag(None), 0 < call_flag(2**62 + 12345) < 2**31
+    (1, True)
+    """
+    return FLAG if word is None else word % 0x7FFFFFFF + 1
 
 
 @dataclass(frozen=True)
 class SignalOp:
-    """One primitive of a barrier program: ``kind`` is WRITE or WAIT (>=); ``peer`` is the
-    rank the slot belongs to (WRITE) or signals from (WAIT), for error messages."""
+    """One primitive of a barrier program: ``kind`` is WRITE or WAIT (until the slot is >=
+    ``value``, or == ``value`` when ``exact``); ``peer`` is the rank the slot belongs to
+    (WRITE) or signals from (WAIT), for error messages."""
 
     kind: str
     slot: Any
     value: int
     peer: int
+    exact: bool = False
+
+    def met(self, seen: int) -> bool:
+        return seen == self.value if self.exact else seen >= self.value
+
+    def foreign(self, seen: int) -> bool:
+        """A flag-mode slot holding another call's flag: a peer making another call."""
+        return self.exact and seen != 0 and seen != self.value
 
 
 class Deadline:
@@ -78,13 +104,29 @@ class Deadline:
             (time.monotonic() if now is None else now) > self.started + self.timeout_s
 
     def late(self, read: Callable[[Any], int]) -> list[tuple[int, int]]:
-        """(peer, value seen) for each wait whose slot is still short of its value."""
+        """(peer, value seen) for each wait whose slot does not hold its value yet."""
         seen = [(op.peer, int(read(op.slot))) for op in self.waits]
-        return [(peer, value) for (peer, value), op in zip(seen, self.waits) if value < op.value]
+        return [(peer, value) for (peer, value), op in zip(seen, self.waits) if not op.met(value)]
 
-    def error(self, late: list[tuple[int, int]]) -> CommTimeoutError:
-        """The one timeout message of every backend's barriers."""
+    def foreign(self, late: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Those of ``late`` whose slot holds another call's flag (flag mode)."""
+        exact = {op.peer: op for op in self.waits}
+        return [(p, v) for p, v in late if p in exact and exact[p].foreign(v)]
+
+    def error(self, late: list[tuple[int, int]]) -> CommTimeoutError | MismatchError:
+        """The one error of every backend's barriers: a MismatchError when a peer's slot holds
+        another call's flag, else the one timeout message."""
         where = f" at step {self.step}" if self.step is not None and self.step >= 0 else ""
+        foreign = self.foreign(late)
+        if foreign:
+            from ..agreement import consistent
+
+            return consistent(MismatchError(
+                f"rank {self.rank}{where}: rank(s) {[p for p, _ in foreign]} reached this "
+                f"call's barrier (channel {self.channel}) from a different call (call flags "
+                f"{[v for _, v in foreign]}, this rank's {self.target}): other shapes, dtypes, "
+                f"settings or op, each agreed at an earlier call. Nothing this call computed "
+                f"is returned; every rank must make the same calls in the same order"))
         peers = [p for p, _ in late]
         values = [v for _, v in late]
         return CommTimeoutError(
@@ -101,21 +143,30 @@ def _check_channel(handle, channel: int) -> None:
         raise InvalidArgumentError(f"barrier channel {channel} is outside [0, {SIGNAL_CHANNELS})")
 
 
-def flag_program(handle, channel: int) -> tuple[SignalOp, ...]:
-    """Set my flag in every peer's pad, wait for all my slots, clear my slots (cached)."""
-    return _flag_program(handle, channel)[0]
+def flag_program(handle, channel: int, flag: int = FLAG) -> tuple[SignalOp, ...]:
+    """Set my call flag in every peer's pad, wait until each of my slots holds exactly that
+    flag, clear my slots (cached per channel and flag)."""
+    return _flag_program(handle, channel, flag)[0]
 
 
-def _flag_program(handle, channel: int) -> tuple[tuple, tuple]:
-    cached = handle._programs.get(channel)
+def _flag_program(handle, channel: int, flag: int) -> tuple[tuple, tuple]:
+    key = (channel, flag)
+    cached = handle._programs.get(key)
     if cached is None:
         _check_channel(handle, channel)
+        if not 0 < flag < 2 ** 31:
+            raise InvalidArgumentError(f"a call flag is in [1, 2**31); got {flag}")
         r, w = handle.rank, handle.world
-        waits = tuple(SignalOp(WAIT, handle.slot(r, channel, p), FLAG, p) for p in range(w))
-        program = (tuple(SignalOp(WRITE, handle.slot(p, channel, r), FLAG, p) for p in range(w))
+        waits = tuple(SignalOp(WAIT, handle.slot(r, channel, p), flag, p, True)
+                      for p in range(w))
+        program = (tuple(SignalOp(WRITE, handle.slot(p, channel, r), flag, p) for p in range(w))
                    + waits
                    + tuple(SignalOp(WRITE, handle.slot(r, channel, p), 0, p) for p in range(w)))
-        cached = handle._programs[channel] = (program, waits)
+        flags = [k for k in handle._programs if isinstance(k[0], int)]
+        if len(flags) >= _FLAG_PROGRAMS_KEPT:     # many distinct calls: stay bounded
+            for k in flags:
+                del handle._programs[k]
+        cached = handle._programs[key] = (program, waits)
     return cached
 
 
@@ -152,8 +203,9 @@ def plan_barrier(backend, handle, channel: int, queue, timeout_s: float, step: i
     """
     if channel not in PLAN_CHANNELS:
         raise InvalidArgumentError(f"plan barriers use channels {PLAN_CHANNELS}; got {channel}")
-    program, waits = _flag_program(handle, channel)
-    backend.signal_batch(queue, program, Deadline(handle.rank, channel, step, timeout_s, FLAG,
+    flag = getattr(handle, "call_flag", FLAG)
+    program, waits = _flag_program(handle, channel, flag)
+    backend.signal_batch(queue, program, Deadline(handle.rank, channel, step, timeout_s, flag,
                                                   waits, handle))
 
 
@@ -178,14 +230,18 @@ def _signal_channels() -> int:
     return SIGNAL_CHANNELS
 
 
-def wait_geq_on_host(slot, value: int, deadline: Deadline, read: Callable[[Any], int],
-                     abandoned: Callable[[], bool] | None = None,
-                     abandon_error: type[BaseException] | None = None) -> None:
-    """Poll ``read(slot)`` from a host thread until it is >= ``value`` (growing nap), raising
-    the deadline's error once it passes (its clock starts at the first wait reached)."""
+def wait_on_host(op: SignalOp, deadline: Deadline, read: Callable[[Any], int],
+                 abandoned: Callable[[], bool] | None = None,
+                 abandon_error: type[BaseException] | None = None) -> None:
+    """Poll ``read(op.slot)`` from a host thread until ``op`` is met (growing nap), raising
+    the deadline's error once it passes (its clock starts at the first wait reached), or at
+    once a MismatchError when the slot holds another call's flag."""
     expiry = deadline.start()
     nap = 2e-5
-    while read(slot) < value:
+    while not op.met(seen := read(op.slot)):
+        if op.foreign(seen):
+            deadline.fired = True
+            raise deadline.error(deadline.late(read))
         if abandoned is not None and abandoned():
             raise abandon_error()
         if time.monotonic() > expiry:
@@ -202,4 +258,4 @@ def run_on_host(program, deadline: Deadline, read: Callable[[Any], int],
         if op.kind == WRITE:
             write(op.slot, op.value)
         else:
-            wait_geq_on_host(op.slot, op.value, deadline, read)
+            wait_on_host(op, deadline, read)

@@ -7,20 +7,15 @@ kept (the process exit frees it) rather than unmapped under a running queue. All
 by ``ficco.symm_mem.empty`` stay mapped until the process exits: their tensor, or any view of
 it, may be read after ``ficco.shutdown()``.
 
-Each workspace ends in a small *call header* per rank: two slots of (call count, call
-digest), written before each dma call and read from every peer after it (:func:`stamp`,
-:func:`peers_differing`), so ranks that disagree on a call raise instead of returning
-what a mismatched plan computed. Slot ``count % 2``: a peer cannot overwrite the slot of
-call c before this rank finished call c+1's first barrier.
+Ranks that disagree on a call are caught by the plans' barriers themselves: each carries
+the call's flag (``handle.call_flag``, set by the runtime per call; see
+:mod:`ficco.symm_mem.barrier`).
 """
 from __future__ import annotations
 
 import threading
-import weakref
 
 import torch
-
-HEADER_BYTES = 64     # per rank: int64 [2 slots][count, digest], padded
 
 from ..call import group_id, group_rank_world, resolve_group
 from . import aligned, register_local
@@ -36,10 +31,10 @@ def key_of(group, backend) -> tuple:
 
 
 def get(group, backend, nbytes: int):
-    """The workspace of (``group``, ``backend``) holding at least ``nbytes`` per rank (plus
-    the call header at its end). Collective when it (re)allocates: every rank grows at the
+    """The workspace of (``group``, ``backend``) holding at least ``nbytes`` per rank.
+    Collective when it (re)allocates: every rank grows at the
     same call because every rank agreed on the same problem first."""
-    nbytes = aligned(nbytes) + HEADER_BYTES
+    nbytes = aligned(nbytes)
     key = key_of(group, backend)
     with _lock:
         handle = _workspaces.get(key)
@@ -52,37 +47,6 @@ def get(group, backend, nbytes: int):
     with _lock:
         _workspaces[key] = handle
     return handle
-
-
-# -- the call header ---------------------------------------------------------------------------
-_headers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # handle -> [count, views]
-
-
-def stamp(handle, word: int):
-    """Write this call's (count, ``word``) into this rank's header; returns the token
-    :func:`peers_differing` needs, or None where headers are not host-readable (GPU memory:
-    there the check waits for a device-side digest in the barrier)."""
-    state = _headers.get(handle)
-    if state is None:
-        offset = handle.nbytes - HEADER_BYTES
-        views = [handle.get_buffer(r, (2, 2), torch.int64, offset) for r in range(handle.world)]
-        if views[0].device.type != "cpu":
-            return None
-        state = _headers[handle] = [0, views]
-    state[0] += 1
-    count, views = state
-    views[handle.rank][count % 2] = torch.tensor([count, word], dtype=torch.int64)
-    return count
-
-
-def peers_differing(handle, token, word: int) -> list[int]:
-    """Ranks whose header for this call holds another count or digest (after the call's
-    barriers: every peer stamped it before its first barrier)."""
-    if token is None:
-        return []
-    views = _headers[handle][1]
-    slot = token % 2
-    return [r for r, v in enumerate(views) if int(v[slot, 0]) != token or int(v[slot, 1]) != word]
 
 
 def held(group, backend) -> bool:

@@ -19,7 +19,7 @@ import torch
 
 from ...errors import CommTimeoutError, FiccoError
 from ...executor import name_step
-from ...symm_mem.barrier import run_on_host, wait_geq_on_host
+from ...symm_mem.barrier import run_on_host, wait_on_host
 from ...symm_mem.cpu import CpuSymmProvider
 from ..base import Backend
 
@@ -179,9 +179,9 @@ class CpuBackend(Backend):
         pad, index = slot
         queue.tasks.put(lambda: pad.__setitem__(index, value))
 
-    def signal_wait_geq(self, queue, slot, value, deadline):
+    def signal_wait(self, queue, op, deadline):
         def wait():
-            wait_geq_on_host(slot, value, deadline, _read, self.abort.is_set, _Aborted)
+            wait_on_host(op, deadline, _read, self.abort.is_set, _Aborted)
         queue.tasks.put(wait)
 
     def signal_now(self, ops, deadline):

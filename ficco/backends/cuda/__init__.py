@@ -4,7 +4,8 @@ calls torch does not expose, made through cuda-python (``cuda.bindings``):
 - 1-D copies: ``cudaMemcpyAsync`` device-to-device on a copy stream (runs on a copy engine);
 - 2-D copies: ``cudaMemcpy2DAsync`` (column chunks of the gathered buffer);
 - signals: a whole barrier program in one ``cuStreamBatchMemOp`` call (eager), or
-  ``cuStreamWriteValue32`` / ``cuStreamWaitValue32`` (GEQ) one by one under graph capture
+  ``cuStreamWriteValue32`` / ``cuStreamWaitValue32`` (EQ for plan flags, GEQ for host
+  barriers' counts) one by one under graph capture
   (the path verified on H100 with captured graphs);
 - symmetric memory: ``cudaMalloc`` + ``cudaIpcGetMemHandle`` / ``cudaIpcOpenMemHandle``.
 
@@ -42,6 +43,7 @@ class CudaVendor(Vendor):
         self._d2d = runtime.cudaMemcpyKind.cudaMemcpyDeviceToDevice
         self._write_flags = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
         self._wait_geq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        self._wait_eq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ
         self._batches: dict[int, tuple] = {}   # id(program) -> (program, [params chunks])
 
     def _describe(self, status) -> str:
@@ -77,9 +79,10 @@ class CudaVendor(Vendor):
         self.check("cuStreamWriteValue32",
                    self.drv.cuStreamWriteValue32(stream, address, value, self._write_flags))
 
-    def wait_value32_geq(self, stream, address, value):
+    def wait_value32(self, stream, address, value, exact):
+        flags = self._wait_eq if exact else self._wait_geq
         self.check("cuStreamWaitValue32",
-                   self.drv.cuStreamWaitValue32(stream, address, value, self._wait_geq))
+                   self.drv.cuStreamWaitValue32(stream, address, value, flags))
 
     def mem_ops(self, stream, ops, capturing):
         if capturing:
@@ -108,7 +111,7 @@ class CudaVendor(Vendor):
                 p.waitValue.operation = drv.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_32
                 p.waitValue.address = op.slot
                 p.waitValue.value = op.value
-                p.waitValue.flags = self._wait_geq
+                p.waitValue.flags = self._wait_eq if op.exact else self._wait_geq
             params.append(p)
         chunks = [params[i: i + BATCH_LIMIT] for i in range(0, len(params), BATCH_LIMIT)]
         if len(self._batches) > 4096:   # count-mode programs are per call: stay bounded

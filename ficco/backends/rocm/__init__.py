@@ -6,7 +6,8 @@ expose, made through hip-python (``from hip import hip``, imported only when use
   SDMA engine and never takes compute units;
 - 2-D copies: ``hipMemcpy2DAsync``, asked for NoCU as well and falling back to
   ``hipMemcpyDeviceToDevice`` once if this ROCm refuses that kind for 2-D copies;
-- signals: ``hipStreamWriteValue32`` / ``hipStreamWaitValue32`` with ``hipStreamWaitValueGte``
+- signals: ``hipStreamWriteValue32`` / ``hipStreamWaitValue32`` with ``hipStreamWaitValueEq``
+  (plan flags) or ``hipStreamWaitValueGte`` (host barriers' counts)
   and an all-ones mask (the mask is ANDed with the slot before comparing: 0 would never wait),
   one call per op (``hipStreamBatchMemOp`` is marked beta in HIP and hip-python takes it as
   one pointer to a packed union array; not worth the risk untested);
@@ -110,10 +111,10 @@ class RocmVendor(Vendor):
         self.check("hipStreamWriteValue32",
                    self.hip.hipStreamWriteValue32(stream, address, value, 0))
 
-    def wait_value32_geq(self, stream, address, value):
+    def wait_value32(self, stream, address, value, exact):
+        how = self.hip.hipStreamWaitValueEq if exact else self.hip.hipStreamWaitValueGte
         self.check("hipStreamWaitValue32",
-                   self.hip.hipStreamWaitValue32(stream, address, value,
-                                                 self.hip.hipStreamWaitValueGte, ALL_BITS))
+                   self.hip.hipStreamWaitValue32(stream, address, value, how, ALL_BITS))
 
     def malloc(self, nbytes):
         return address_of(self.check("hipMalloc", self.hip.hipMalloc(max(nbytes, 1))))
