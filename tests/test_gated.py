@@ -169,6 +169,37 @@ def test_forcing_gated_without_triton_says_why_before_any_communication():
         assert "gated-1d" in message and "Triton is not installed" in message
 
 
+def _traced_gated(rank, world, seed, name):
+    from ficco.bench.timeline import chunk_summary, tile_rows
+    from ficco.kernels.launch import TileTrace
+
+    shards, bs, _, refs = make_inputs(seed, world, (5, 12), (40,), torch.float32)
+    with TileTrace() as tiles:
+        out, plan, rows = ficco.api.traced_all_gather_matmul(shards[rank], bs[0], schedule=name)
+    marks = tile_rows(plan, rows, tiles.tiles())
+    bar = next(r for r in rows if r["kind"] == "gated_gemm")
+    covered = torch.zeros(out.shape, dtype=torch.int32)
+    for mark in marks:
+        covered[mark["row0"]:mark["row0"] + mark["rows"],
+                mark["col0"]:mark["col0"] + mark["cols"]] += 1
+        assert bar["start_s"] <= mark["start_s"] <= mark["end_s"] <= bar["end_s"] + 1e-3, mark
+    return (max_row_rel_err(out, refs[0]), bool(torch.equal(covered, torch.ones_like(covered))),
+            chunk_summary(plan, rows + marks))
+
+
+@pytest.mark.skipif(kernels.triton_reason() is not None, reason="Triton is not installed")
+@pytest.mark.parametrize("name", GATED)
+def test_timeline_marks_every_tile_after_its_flag_was_raised(name):
+    """bench timeline's per-tile marks of a traced CPU call (host clock in the interpreter):
+    one mark per output tile, inside the measured gated GEMM bar, and no tile starts before
+    the Signal op that raises its flag began on its copy queue."""
+    world = 3
+    results = harness.pool(world).run(_traced_gated, random.randrange(1 << 30), name)
+    for err, covered, chunks in results:
+        assert err <= ROW_TOL[torch.float32] and covered
+        assert chunks and all(c["early"] == 0 and c["tiles"] > 0 for c in chunks), chunks
+
+
 def test_even_split_is_the_chunk_rule_the_kernel_tests_use():
     assert even_split(7, 3) == [(0, 3), (3, 2), (5, 2)]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import random
+import threading
 import time
 import uuid
 
@@ -145,6 +146,114 @@ def test_interpreted_kernel_waits_for_a_flag_raised_by_another_process():
         for p in (path, path + ".flags"):
             if os.path.exists(p):
                 os.unlink(p)
+
+
+def _raise_in_order(flags, counter, order, delay_s, seen):
+    """The copy engines' part: raise each flag in turn, noting the trace counter just before
+    (every tick the kernel takes after it sees the flag is at least that)."""
+    for flag in order:
+        time.sleep(delay_s)
+        seen[flag] = int(counter[0])
+        flags[flag] = 1
+
+
+def _early_tiles(tiles, seen):
+    """Tiles that saw their first (last) flag before it was raised: none when gated."""
+    return [t for t in tiles if t["flags"] and (t["first_seen"] < seen[t["flags"][0]]
+                                                or t["last_seen"] < seen[t["flags"][-1]])]
+
+
+@pytest.mark.parametrize("two_d", [False, True])
+def test_traced_tiles_start_only_after_their_chunk_lands(two_d):
+    """The per-tile trace (order counter, interpreter): a thread raises the flags one by one
+    in arrival order; every tile's 'flag seen' tick comes after the raise of the flag it
+    waited for (2d: its first and its last K chunk), the traced tiles cover C exactly once,
+    and the result is right. The same check flags every tile of a kernel that did not wait
+    (flags preset, the copies landing after it ran): the invariant is the gate's."""
+    from ficco.kernels.gated_gemm import TRACE_COUNTER, read_trace, trace_buffer
+
+    seed = random.randrange(1 << 30)
+    gen = torch.Generator().manual_seed(seed)
+    world, rank, m, k, n = 3, 2, 5, 12, 40          # n = 40: two column tiles of 32
+    a = torch.randn(world * m, k, generator=gen)
+    b = torch.randn(k, n, generator=gen)
+    segs = (_segments_2d(world, rank, m, _split(k, world)) if two_d
+            else _segments_1d(world, rank, m, k, _split(m, world)))
+    order = [c * world + q for c in range(world) for q in range(world) if q != rank]
+    for gated in (True, False):
+        c = torch.full((world * m, n), float("nan"))
+        flags = torch.zeros(world * world, dtype=torch.int32) if gated else \
+            torch.ones(world * world, dtype=torch.int32)
+        trace = trace_buffer(segs, n, "cpu", "cpu")
+        seen = {}
+        writer = threading.Thread(target=_raise_in_order,
+                                  args=(flags, trace, order, 0.02 if gated else 0.0, seen))
+        if gated:
+            writer.start()
+        err = gated_gemm(a[rank * m:(rank + 1) * m].clone(), a, b, c, segs, flags,
+                         local_row0=rank * m, timeout_s=120.0, trace=trace,
+                         trace_mode=TRACE_COUNTER)
+        if gated:
+            writer.join(60)
+        else:      # ungated: the copies land after the kernel ran
+            _raise_in_order(torch.zeros_like(flags), trace, order, 0.0, seen)
+        check_error(err)
+        assert max_row_rel_err(c, _reference(a, b)) <= ROW_TOL[torch.float32], f"seed {seed}"
+        tiles = read_trace(trace, segs, n, TRACE_COUNTER, origin=0)
+        covered = torch.zeros(world * m, n, dtype=torch.int32)
+        for t in tiles:
+            covered[t["row0"]:t["row0"] + t["rows"], t["col0"]:t["col0"] + t["cols"]] += 1
+            assert t["start"] <= t["first_seen"] <= t["last_seen"] <= t["end"] and t["ok"]
+        assert torch.equal(covered, torch.ones_like(covered))
+        early = _early_tiles(tiles, seen)
+        if gated:
+            assert early == [], f"seed {seed}: tiles ahead of their flag: {early}"
+        else:
+            assert len(early) == sum(1 for t in tiles if t["flags"])
+
+
+def test_trace_host_clock_is_the_interpreter_programs_time():
+    """TRACE_HOST_NS (what the CPU timeline uses): each tile's times lie inside the launch's
+    wall-clock window, in order, on the host's monotonic clock."""
+    from ficco.kernels.gated_gemm import TRACE_HOST_NS, read_trace, trace_buffer
+
+    world, rank, m, k, n = 2, 0, 4, 8, 8
+    a, b = torch.randn(world * m, k), torch.randn(k, n)
+    segs = _segments_1d(world, rank, m, k, _split(m, world))
+    trace = trace_buffer(segs, n, "cpu", "cpu")
+    c = torch.empty(world * m, n)
+    before = time.perf_counter_ns()
+    check_error(gated_gemm(a[:m].clone(), a, b, c, segs, torch.ones(4, dtype=torch.int32),
+                           local_row0=0, trace=trace, trace_mode=TRACE_HOST_NS))
+    after = time.perf_counter_ns()
+    tiles = read_trace(trace, segs, n, TRACE_HOST_NS, origin=before)
+    assert len(tiles) == len(segs)
+    for t in tiles:
+        assert 0 <= t["start"] <= t["first_seen"] <= t["last_seen"] <= t["end"] \
+            <= (after - before) / 1e9
+
+
+@pytest.mark.parametrize("target,mode,clock", [
+    ("cuda:sm_90", "TRACE_GLOBALTIMER", "%globaltimer"),
+    ("rocm:gfx942", "TRACE_MEMREALTIME", "s_memrealtime"),
+    ("rocm:gfx1100", "TRACE_RDNA3", "s_sendmsg_rtn_b64")])
+def test_compiled_trace_reads_the_device_clock_and_costs_nothing_when_off(target, mode, clock):
+    """Offline builds: with tracing on, the kernel reads the GPU clock (start, flag seen,
+    end: three reads); with it off (the default) not one clock read is compiled in."""
+    from ficco.kernels import gated_gemm as gg
+
+    options = {"num_stages": 2, "block": (64, 64, 32), "num_warps": 4}
+    on = gg.compile_offline(target, "bf16", trace_mode=getattr(gg, mode), **options)
+    off = gg.compile_offline(target, "bf16", **options)
+    stage = "ptx" if target.startswith("cuda") else "amdgcn"
+    assert on[stage].count(clock) == 3
+    assert "globaltimer" not in off[stage] and "s_memrealtime" not in off[stage] \
+        and "s_sendmsg_rtn" not in off[stage]
+    if mode == "TRACE_MEMREALTIME":   # SMEM: its result is ready only after lgkmcnt(0)
+        lines = on[stage].splitlines()
+        for i, line in enumerate(lines):
+            if "s_memrealtime" in line:
+                assert "lgkmcnt(0)" in lines[i + 1], lines[i:i + 2]
 
 
 @pytest.mark.parametrize("target,dtype", [("cuda:sm_90", "bf16"), ("cuda:sm_80", "bf16"),

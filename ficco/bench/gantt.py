@@ -10,7 +10,7 @@ KIND_COLOURS = {
     "gemm": "#4c72b0", "copy_1d": "#dd8452", "copy_2d": "#c44e52", "gather": "#8172b3",
     "scatter": "#937860", "all_gather": "#55a868", "send_recv": "#64b5cd",
     "barrier": "#7f7f7f", "record": "#cccccc", "wait": "#cccccc",
-    "gated_gemm": "#2a9d8f", "signal": "#e9c46a",
+    "gated_gemm": "#2a9d8f", "signal": "#e9c46a", "gated_tile": "#264653",
 }
 
 
@@ -63,6 +63,10 @@ def draw_panels(panels: list[tuple[str, list[dict]]], path, title: str | None = 
     for ax, (panel_title, rows), queues in zip(axes[:, 0], panels, lanes):
         lane = {q: i for i, q in enumerate(queues)}
         for r in rows:
+            if r.get("mark"):   # a point event (a gated GEMM's tile starting): a tick, no bar
+                ax.plot(r["start_s"] * scale, lane[r["queue"]] + r.get("mark_y", 0.0),
+                        marker="|", markersize=5, color=r.get("colour", "black"))
+                continue
             width = (r["end_s"] - r["start_s"]) * scale
             colour = KIND_COLOURS.get(r["kind"], "#999999")
             ax.barh(lane[r["queue"]], max(width, end_s * scale * 1e-4),
@@ -109,6 +113,12 @@ def chrome_trace(panels: list[tuple[str, list[dict]]]) -> dict:
         events += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tids[q],
                     "args": {"name": q}} for q in queues]
         for r in rows:
+            if r.get("mark"):   # instant event: marks may overlap, X slices must nest
+                events.append({"ph": "i", "s": "t", "name": r.get("label") or r["kind"],
+                               "cat": r["kind"], "pid": pid, "tid": tids[r["queue"]],
+                               "ts": r["start_s"] * 1e6,
+                               "args": {k: v for k, v in r.items() if k not in ("queue",)}})
+                continue
             events.append({"ph": "X", "name": r.get("label") or r["kind"], "cat": r["kind"],
                            "pid": pid, "tid": tids[r["queue"]], "ts": r["start_s"] * 1e6,
                            "dur": (r["end_s"] - r["start_s"]) * 1e6,

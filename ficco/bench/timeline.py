@@ -16,12 +16,14 @@ bars as a Chrome trace (chrome://tracing, ui.perfetto.dev).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 
 import torch
 import torch.distributed as dist
 
 from ..errors import InvalidArgumentError
+from ..kernels.launch import TileTrace
 from . import rs_inputs
 from . import results, scenarios
 from .cli import require_plots, require_torchrun, run_dir
@@ -53,9 +55,73 @@ def add_arguments(parser) -> None:
 
 
 def _makespan(rows: list[dict]) -> float:
+    rows = [r for r in rows if not r.get("mark")]
     if not rows:
         return 0.0
     return max(r["end_s"] for r in rows) - min(r["start_s"] for r in rows)
+
+
+#: tile mark colours by arrival chunk (own rows first)
+_CHUNK_COLOURS = ("#000000", "#e76f51", "#2a9d8f", "#8338ec", "#f4a261", "#3a86ff", "#d62828",
+                  "#588157", "#ff006e")
+
+
+def tile_rows(plan, rows: list[dict], launches: list[list[dict]]) -> list[dict]:
+    """Per-tile marks on the measured gated GEMM rows: one point event per output tile at
+    the moment it saw its (first) arrival flag, i.e. started on rows that had landed; tiles
+    of this rank's own rows at their start. The kernel's clock (GPU %globaltimer / realtime
+    counter, the host's clock in the interpreter) is aligned so that the launch's first
+    program starts at the measured bar's start event (the launch latency between the two
+    is not measured). Marks are spread vertically by chunk and coloured by it."""
+    world = plan.problem.world
+    out = []
+    chunks = 1 + max((f // world for tiles in launches for t in tiles for f in t["flags"]),
+                     default=-1)
+    for tiles in launches:
+        if not tiles:
+            continue
+        b = tiles[0]["b"]
+        bar = next((r for r in rows if r["kind"] == "gated_gemm"
+                    and plan.ops[r["op_index"]].b == b), None)
+        if bar is None:
+            continue
+        for t in tiles:
+            chunk, peer = divmod(t["flags"][0], world) if t["flags"] else (-1, plan.problem.rank)
+            what = "own rows" if chunk < 0 else f"chunk {chunk} of peer {peer}"
+            out.append({"op_index": bar["op_index"], "queue": bar["queue"], "kind": "gated_tile",
+                        "mark": True, "start_s": bar["start_s"] + t["first_seen"],
+                        "end_s": bar["start_s"] + t["end"],
+                        "label": f"tile r{t['row0']}+{t['rows']} c{t['col0']}+{t['cols']} b{b}: "
+                                 f"{what}", "chunk": chunk, "peer": peer,
+                        "flag": t["flags"][0] if t["flags"] else None,
+                        **{key: t[key] for key in ("row0", "rows", "col0", "cols")},
+                        "waited_s": t["first_seen"] - t["start"],
+                        "last_flag_s": bar["start_s"] + t["last_seen"], "ok": t["ok"],
+                        "mark_y": -0.3 + 0.6 * (chunk + 1) / max(chunks, 1),
+                        "colour": _CHUNK_COLOURS[(chunk + 1) % len(_CHUNK_COLOURS)]})
+    return out
+
+
+def chunk_summary(plan, rows: list[dict]) -> list[dict]:
+    """Per arrival chunk of a gated call: when its last flag was raised (the measured Signal
+    rows' end), when its first and last tile started (:func:`tile_rows` marks), and how many
+    tiles started before their own flag's Signal op began (``early``; 0 when gated - on GPUs
+    up to the launch latency the alignment leaves out)."""
+    world = plan.problem.world
+    raised, signal_start, started, early = {}, {}, {}, {}
+    for r in rows:
+        if r["kind"] == "signal":
+            flag = plan.ops[r["op_index"]].flag
+            raised[flag // world] = max(raised.get(flag // world, 0.0), r["end_s"])
+            signal_start[flag] = r["start_s"]
+    for r in rows:
+        if r.get("mark") and r.get("chunk", -1) >= 0:
+            started.setdefault(r["chunk"], []).append(r["start_s"])
+            if r["start_s"] < signal_start.get(r["flag"], float("-inf")):
+                early[r["chunk"]] = early.get(r["chunk"], 0) + 1
+    return [{"chunk": c, "flags_raised_by_s": raised.get(c),
+             "first_tile_s": min(started[c]), "last_tile_s": max(started[c]),
+             "tiles": len(started[c]), "early": early.get(c, 0)} for c in sorted(started)]
 
 
 def main(args) -> int:
@@ -100,16 +166,23 @@ def main(args) -> int:
         for _ in range(args.warmup):
             ficco.all_gather_matmul(a, b, schedule=args.schedule)
     synchronize(device)
-    out, plan, rows = api.traced_all_gather_matmul(a, b, schedule=args.schedule,
-                                                   transport=args.transport)
+    gated = getattr(ficco.schedules.get(args.schedule), "optional", False)
+    with (TileTrace() if gated else contextlib.nullcontext()) as tiles:
+        out, plan, rows = api.traced_all_gather_matmul(a, b, schedule=args.schedule,
+                                                       transport=args.transport)
     synchronize(device)
+    summary = None
+    if gated:
+        rows = rows + tile_rows(plan, rows, tiles.tiles())
+        summary = chunk_summary(plan, rows)
     gathered = torch.empty(problem.big_m, scenario.k, device=device, dtype=a.dtype)
     all_gather_rows(gathered, a)
     ref_dtype = torch.float64 if device.type == "cpu" else torch.float32
     reference = gathered.to(ref_dtype) @ b.to(ref_dtype)
     max_abs_err = (out.to(ref_dtype) - reference).abs().max().item()
     everyone = [None] * world
-    dist.all_gather_object(everyone, {"rows": rows, "max_abs_err": max_abs_err})
+    dist.all_gather_object(everyone, {"rows": rows, "max_abs_err": max_abs_err,
+                                      "chunks": summary})
     if rank == 0:
         _write(args, scenario, plan, everyone, backend, device, world)
     dist.barrier()
@@ -147,6 +220,7 @@ def _write(args, scenario, plan, everyone, backend, device, world) -> None:
               "predicted_makespan_s": predicted.makespan_s,
               "max_abs_err": max(e["max_abs_err"] for e in everyone),
               "measured_rows": {str(r): e["rows"] for r, e in enumerate(everyone)},
+              "chunks": {str(r): e.get("chunks") for r, e in enumerate(everyone)},
               "predicted_rows": predicted.rows,
               "env": results.environment(world, target, device)}
     (out_dir / "timeline.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
@@ -156,4 +230,12 @@ def _write(args, scenario, plan, everyone, backend, device, world) -> None:
                       for r, v in record["measured_makespan_s"].items())
           + f"; predicted {1e3 * predicted.makespan_s:.3f} ms on profile {profile_name}; "
           f"max |C - ref| {record['max_abs_err']:.2e}")
+    for r, e in enumerate(everyone):
+        for c in e.get("chunks") or []:
+            raised = c["flags_raised_by_s"]
+            print(f"rank {r} chunk {c['chunk']}: flags raised by "
+                  + ("?" if raised is None else f"{1e3 * raised:.3f} ms")
+                  + f", its {c['tiles']} tiles started {1e3 * c['first_tile_s']:.3f} .. "
+                  f"{1e3 * c['last_tile_s']:.3f} ms, {c['early']} before their flag's "
+                  f"signal op")
     print("wrote " + ", ".join(str(p) for p in written))

@@ -29,6 +29,18 @@ _AMD = [
 ]
 
 
+def block_shapes(name: str) -> list[tuple[int, int]]:
+    """(BLOCK_M, BLOCK_N) of every config of family ``name`` (no Triton needed).
+
+    >>> block_shapes("cpu")
+    [(32, 32)]
+    """
+    table = {"nvidia": _NVIDIA, "amd": _AMD}.get(name)
+    if table is None:
+        return [(INTERPRETER["BLOCK_M"], INTERPRETER["BLOCK_N"])]
+    return [(m, n) for m, n, *_ in table]
+
+
 def family(target: str) -> str:
     """The config family of a backend target string ("cuda:sm_90" -> "nvidia")."""
     if target.startswith("cuda"):

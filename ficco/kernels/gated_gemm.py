@@ -35,6 +35,7 @@ Example (interpreter on CPU, all flags already raised)::
     (0, True)
 """
 import functools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -72,12 +73,68 @@ def tables(segments: tuple[Segment, ...], device) -> tuple[torch.Tensor, torch.T
     return seg.to(device), part.to(device)
 
 
-def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, halt,
+# -- per-tile trace (off by default) ---------------------------------------------------------------
+#: ``TRACE`` values (a constexpr of the kernel: 0 compiles no tracing code at all).
+TRACE_OFF, TRACE_GLOBALTIMER, TRACE_MEMREALTIME, TRACE_RDNA3, TRACE_RDNA4, TRACE_COUNTER, \
+    TRACE_HOST_NS = range(7)
+#: int64 words per program in the trace buffer, after its word 0 (the interpreter's counter):
+#: start, first flag seen, last flag seen, end, segment, row offset in the segment, first
+#: column, BLOCK_M * 65536 + BLOCK_N, ok (0: a wait timed out).
+TRACE_WORDS = tl.constexpr(9)
+
+# Clock reads as inline assembly, is_pure=False so they are neither merged nor hoisted.
+# NVIDIA: %globaltimer, nanoseconds. AMD CDNA (gfx9): s_memrealtime, the constant "REFCLK"
+# counter (100 MHz on MI200/MI300; the host reads hipDeviceAttributeWallClockRate) - an SMEM
+# instruction, so its result is ready only after lgkmcnt(0) (Triton 3.9's own
+# extra.hip.memrealtime waits on vmcnt). RDNA3/4 have no s_memrealtime: the realtime message.
+_CLOCK_ASM = {
+    TRACE_GLOBALTIMER: ("mov.u64 $0, %globaltimer;", "=l"),
+    TRACE_MEMREALTIME: ("s_memrealtime $0\n\ts_waitcnt lgkmcnt(0)", "=s"),
+    TRACE_RDNA3: ("s_sendmsg_rtn_b64 $0, sendmsg(MSG_RTN_GET_REALTIME)\n\ts_waitcnt lgkmcnt(0)",
+                  "=s"),
+    TRACE_RDNA4: ("s_sendmsg_rtn_b64 $0, sendmsg(MSG_RTN_GET_REALTIME)\n\ts_wait_kmcnt 0", "=s"),
+}
+
+
+def _clock(mode, counter, _semantic=None):
+    """One int64 timestamp of kind ``mode`` (a constexpr). Marked a Triton builtin (below)
+    rather than written as a jit helper: the compiler calls it with its ``_semantic``, the
+    interpreter as plain Python (where tl.* are patched and ``_semantic`` is None); a jit
+    helper cannot be called from a kernel built with InterpretedFunction. (Not
+    ``tl.core.extern``: its wrapper refuses a call without ``_semantic``.)
+    Interpreter only: ``TRACE_COUNTER`` takes the next number of ``counter`` (an order, no
+    time), ``TRACE_HOST_NS`` reads the host's monotonic clock, the one the CPU backend's
+    events use (the interpreter runs the program on the host, so that IS when it got there)."""
+    mode = tl.core._unwrap_if_constexpr(mode)
+    if mode == TRACE_COUNTER:
+        return tl.atomic_add(counter, 1, _semantic=_semantic)
+    if mode == TRACE_HOST_NS:
+        if _semantic is not None and not _interpreting(_semantic):
+            raise ValueError("TRACE_HOST_NS exists in the interpreter only")
+        return tl.full((), time.perf_counter_ns(), tl.int64, _semantic=_semantic)
+    asm, constraint = _CLOCK_ASM[mode]
+    return tl.inline_asm_elementwise(asm, constraint, [], dtype=tl.int64, is_pure=False, pack=1,
+                                     _semantic=_semantic)
+
+
+setattr(_clock, tl.core.TRITON_BUILTIN, True)
+
+
+def _interpreting(semantic) -> bool:
+    return type(semantic).__module__.startswith("triton.runtime.interpreter")
+
+
+def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, halt, trace,
                  N, K_total, M_total, local_row0, local_rows, num_segs, spin_budget,
                  stride_al, stride_ag, stride_bk, stride_bn, stride_cm,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                 IEEE: tl.constexpr, UPCAST: tl.constexpr, TRACE: tl.constexpr = 0):
     pid = tl.program_id(0)
+    if TRACE != 0:   # constexpr: with tracing off none of this is compiled in
+        t_start = _clock(TRACE, trace)
+        t_first = t_start
+        t_last = t_start
+        waited = 0
     tiles_n = (N + BLOCK_N - 1) // BLOCK_N   # not tl.cdiv: a jit helper the interpreter cannot call
     tile_m = pid // tiles_n
     tile_n = pid % tiles_n
@@ -122,6 +179,10 @@ def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, h
             if seen_flag == 0:
                 tl.atomic_cas(err, 0, flag + 1)
                 ok = 0
+            if TRACE != 0:   # when this tile saw its (first, latest) flag
+                t_last = _clock(TRACE, trace)
+                t_first = tl.where(waited == 0, t_last, t_first)
+                waited = 1
         if ok != 0:
             for k in range(k0, k0 + kc, BLOCK_K):
                 offs_k = k + tl.arange(0, BLOCK_K)
@@ -143,6 +204,18 @@ def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, h
     if ok != 0:
         c_ptrs = c + (row0 + offs_m)[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
         tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    if TRACE != 0:
+        t_end = _clock(TRACE, trace)
+        rec = trace + 1 + pid.to(tl.int64) * TRACE_WORDS
+        tl.store(rec + 0, t_start)
+        tl.store(rec + 1, t_first)
+        tl.store(rec + 2, t_last)
+        tl.store(rec + 3, t_end)
+        tl.store(rec + 4, seg.to(tl.int64))
+        tl.store(rec + 5, ((tile_m - first_tile) * BLOCK_M).to(tl.int64))
+        tl.store(rec + 6, (tile_n * BLOCK_N).to(tl.int64))
+        tl.store(rec + 7, BLOCK_M * 65536 + BLOCK_N)
+        tl.store(rec + 8, ok)
 
 
 @functools.lru_cache(maxsize=None)
@@ -175,7 +248,8 @@ def gated_gemm(a_local: torch.Tensor, a_gathered: torch.Tensor, b: torch.Tensor,
                c: torch.Tensor, segments: tuple[Segment, ...], flags: torch.Tensor, *,
                local_row0: int, err: torch.Tensor | None = None,
                halt: torch.Tensor | None = None, timeout_s: float = 300.0,
-               family: str = "cpu", device_kind: str | None = None) -> torch.Tensor:
+               family: str = "cpu", device_kind: str | None = None,
+               trace: torch.Tensor | None = None, trace_mode: int = TRACE_OFF) -> torch.Tensor:
     """Launch the gated GEMM on the current stream: ``c[rows of s] = A[rows of s] @ b`` for
     every segment, A's rows read from ``a_local`` (this rank's shard, rows ``[local_row0,
     local_row0 + a_local.shape[0])``) or ``a_gathered``. Returns the error word (int32, 0
@@ -183,6 +257,10 @@ def gated_gemm(a_local: torch.Tensor, a_gathered: torch.Tensor, b: torch.Tensor,
     ``flags`` is int32, one word per flag index named in ``segments``. A nonzero ``halt``
     word (int32, written by another thread or process) ends every wait at once: the host's
     deadline or abort, exactly timed where the poll count is not.
+
+    ``trace`` (from :func:`trace_buffer`) with ``trace_mode`` (:func:`clock_mode`) records per
+    program when it started, saw its flags and ended; :func:`read_trace` decodes it. Off by
+    default, and then not compiled in (``TRACE`` is a constexpr).
     """
     _check_operands(a_local, a_gathered, b, c, flags)
     device_kind = device_kind or c.device.type
@@ -192,7 +270,12 @@ def gated_gemm(a_local: torch.Tensor, a_gathered: torch.Tensor, b: torch.Tensor,
     n, k_total = b.shape[1], b.shape[0]
     budget = max(1, int(timeout_s * polls_per_s(device_kind)))
     halt = torch.zeros(1, dtype=torch.int32, device=c.device) if halt is None else halt
-    args = (a_local, a_gathered, b, c, seg, part, flags, err, halt, n, k_total, a_gathered.shape[0],
+    if (trace is None) != (trace_mode == TRACE_OFF):
+        raise InvalidArgumentError("gated_gemm: pass trace and trace_mode together")
+    untraced = _no_trace(c.device)
+    trace = untraced if trace is None else trace
+    args = (a_local, a_gathered, b, c, seg, part, flags, err, halt, trace, n, k_total,
+            a_gathered.shape[0],
             local_row0, a_local.shape[0], len(segments), budget, a_local.stride(0),
             a_gathered.stride(0), b.stride(0), b.stride(1), c.stride(0))
 
@@ -202,7 +285,7 @@ def gated_gemm(a_local: torch.Tensor, a_gathered: torch.Tensor, b: torch.Tensor,
 
     ieee = c.dtype == torch.float32 or a_gathered.dtype == torch.float32
     if fixed is not None:
-        kernel[grid(fixed)](*args, **fixed, IEEE=ieee, UPCAST=True)
+        kernel[grid(fixed)](*args, **fixed, IEEE=ieee, UPCAST=True, TRACE=trace_mode)
         return err
     key = (family, n, k_total, a_gathered.shape[0], c.dtype, c.device)
     if key not in _tuned:
@@ -210,11 +293,91 @@ def gated_gemm(a_local: torch.Tensor, a_gathered: torch.Tensor, b: torch.Tensor,
         # preset (and a scratch error word), so no timing includes a wait for a copy. Its C
         # writes are overwritten by the real launch below, on the same stream.
         preset = torch.ones_like(flags)
-        kernel[grid](*args[:6], preset, torch.zeros_like(err), *args[8:], IEEE=ieee,
-                     UPCAST=False)
+        kernel[grid](*args[:6], preset, torch.zeros_like(err), args[8], untraced, *args[10:],
+                     IEEE=ieee, UPCAST=False, TRACE=TRACE_OFF)
         _tuned.add(key)
-    kernel[grid](*args, IEEE=ieee, UPCAST=False)
+    kernel[grid](*args, IEEE=ieee, UPCAST=False, TRACE=trace_mode)
     return err
+
+
+@functools.lru_cache(maxsize=16)
+def _no_trace(device) -> torch.Tensor:
+    """The one-word stand-in for ``trace`` when tracing is off (the kernel never touches it)."""
+    return torch.zeros(1, dtype=torch.int64, device=device)
+
+
+def clock_mode(target: str) -> int:
+    """The trace clock of backend ``target``: %globaltimer on NVIDIA, the realtime counter
+    on AMD, the host's clock in the interpreter ("cpu").
+
+    >>> clock_mode("cuda:sm_90") == TRACE_GLOBALTIMER, clock_mode("cpu") == TRACE_HOST_NS
+    (True, True)
+    """
+    kind, _, arch = target.partition(":")
+    if kind == "cuda":
+        return TRACE_GLOBALTIMER
+    if kind in ("rocm", "hip"):
+        return TRACE_RDNA4 if arch.startswith("gfx12") else \
+            TRACE_RDNA3 if arch.startswith("gfx11") else TRACE_MEMREALTIME
+    return TRACE_HOST_NS
+
+
+def trace_buffer(segments, n: int, family: str, device) -> torch.Tensor:
+    """A trace buffer for a launch over ``segments`` with ``n`` columns: word 0 the
+    interpreter's counter (0), then TRACE_WORDS int64 per program, -1 where no program wrote
+    (sized for the autotuner's smallest tiles: the winning config is known only after)."""
+    words = int(TRACE_WORDS)
+    programs = max(sum(-(-s.rows // bm) for s in segments) * -(-n // bn)
+                   for bm, bn in configs.block_shapes(family))
+    buf = torch.full((1 + words * programs,), -1, dtype=torch.int64, device=device)
+    buf[0] = 0
+    return buf
+
+
+def ticks_per_s(mode: int, device_index: int = 0) -> float | None:
+    """Clock rate of trace ``mode`` (None for the order counter: no time). AMD's realtime
+    counter runs at the device's wall clock rate (100 MHz on MI200/MI300)."""
+    if mode in (TRACE_GLOBALTIMER, TRACE_HOST_NS):
+        return 1e9
+    if mode == TRACE_COUNTER:
+        return None
+    try:
+        from hip import hip
+
+        status, khz = hip.hipDeviceGetAttribute(
+            hip.hipDeviceAttribute_t.hipDeviceAttributeWallClockRate, device_index)
+        if status == hip.hipError_t.hipSuccess and khz > 0:
+            return khz * 1e3
+    except Exception:  # noqa: BLE001 - no hip-python: the documented CDNA rate
+        pass
+    return 1e8
+
+
+def read_trace(trace: torch.Tensor, segments, n: int, mode: int,
+               rate: float | None = None, origin: int | None = None) -> list[dict]:
+    """One dict per traced program (tile), in program order: ``row0``/``rows`` and
+    ``col0``/``cols`` of C, the ``flags`` its parts waited for, ``start``, ``first_seen``,
+    ``last_seen`` (when its first and last awaited flag was seen; = start for tiles that wait
+    for nothing), ``end``, in seconds from the earliest start (raw ticks for the counter),
+    and ``ok`` (0: a wait timed out). ``origin`` (raw ticks, e.g. the host clock at the
+    launch) replaces the earliest start as time zero. Call after the kernel finished."""
+    words = int(TRACE_WORDS)
+    raw = trace[1:].reshape(-1, words).cpu().tolist()
+    rate = rate if rate is not None else ticks_per_s(mode)
+    rows = [r for r in raw if r[0] != -1]
+    origin = min((r[0] for r in rows), default=0) if origin is None else origin
+    scale = 1.0 if rate is None else 1.0 / rate
+    out = []
+    for t0, t1, t2, t3, seg, row_off, col0, block, ok in rows:
+        s = segments[seg]
+        bm, bn = divmod(block, 65536)
+        out.append({"segment": seg, "row0": s.row0 + row_off,
+                    "rows": min(bm, s.rows - row_off), "col0": col0, "cols": min(bn, n - col0),
+                    "flags": tuple(f for _, _, f in s.parts if f >= 0),
+                    "start": (t0 - origin) * scale, "first_seen": (t1 - origin) * scale,
+                    "last_seen": (t2 - origin) * scale, "end": (t3 - origin) * scale,
+                    "ok": ok})
+    return out
 
 
 _tuned: set = set()
@@ -250,11 +413,11 @@ def check_error(err: torch.Tensor, describe=None, timeout_s: float | None = None
 
 
 def compile_offline(target: str, dtype: str = "bf16", block=(128, 128, 64), num_warps: int = 8,
-                    num_stages: int = 3, **options) -> dict:
+                    num_stages: int = 3, trace_mode: int = TRACE_OFF, **options) -> dict:
     """Compile the kernel for ``target`` ("cuda:sm_90", "rocm:gfx942", ...) without a device
     (Triton ships its own LLVM, ptxas and lld) and return the assembly by stage, e.g.
     ``{"ptx": ..., "cubin": ...}``: proof off-GPU that the compiled path builds, and what the
-    flag poll lowers to (an acquire load).
+    flag poll lowers to (an acquire load), and with ``trace_mode`` that the clock reads build.
     """
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -270,9 +433,9 @@ def compile_offline(target: str, dtype: str = "bf16", block=(128, 128, 64), num_
     jitted = triton.jit(_kernel_body)
     pointers = {"a_local": f"*{dtype}", "a_gathered": f"*{dtype}", "b": f"*{dtype}",
                 "c": f"*{dtype}", "seg_table": "*i32", "part_table": "*i32", "flags": "*i32",
-                "err": "*i32", "halt": "*i32"}
+                "err": "*i32", "halt": "*i32", "trace": "*i64"}
     constexprs = {"BLOCK_M": block[0], "BLOCK_N": block[1], "BLOCK_K": block[2],
-                  "IEEE": dtype == "fp32", "UPCAST": False}
+                  "IEEE": dtype == "fp32", "UPCAST": False, "TRACE": trace_mode}
     signature = {name: pointers.get(name, "constexpr" if name in constexprs else "i32")
                  for name in jitted.arg_names}
     kernel = triton.compile(ASTSource(fn=jitted, signature=signature, constexprs=constexprs),

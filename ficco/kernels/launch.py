@@ -40,6 +40,49 @@ def raise_flag(backend, queue, flags: torch.Tensor, index: int) -> None:
     backend.launch(queue, lambda: word.fill_(1))
 
 
+class TileTrace:
+    """Per-tile timestamps of the gated GEMM launches made inside a ``with`` block on this
+    thread (``bench timeline`` uses it; off otherwise, and then the kernel has no trace
+    code). After the call finished, :meth:`tiles` gives one list of
+    :func:`~ficco.kernels.gated_gemm.read_trace` dicts per launch, each with the launch's
+    ``b``::
+
+        with TileTrace() as tiles:
+            out, plan, rows = ficco.api.traced_all_gather_matmul(a, b, schedule="gated-1d")
+        for launch in tiles.tiles(): ...
+    """
+
+    _local = threading.local()
+
+    def __init__(self):
+        self.launches: list = []   # dicts: b, segments, n, trace, mode, device, origin
+
+    def __enter__(self):
+        self._saved = getattr(TileTrace._local, "sink", None)
+        TileTrace._local.sink = self
+        return self
+
+    def __exit__(self, *exc):
+        TileTrace._local.sink = self._saved
+
+    @staticmethod
+    def active():
+        return getattr(TileTrace._local, "sink", None)
+
+    def tiles(self) -> list[list[dict]]:
+        from .gated_gemm import read_trace, ticks_per_s
+
+        out = []
+        for launch in self.launches:
+            tiles = read_trace(launch["trace"], launch["segments"], launch["n"], launch["mode"],
+                               ticks_per_s(launch["mode"], launch["device"]),
+                               origin=launch["origin"])
+            for t in tiles:
+                t["b"] = launch["b"]
+            out.append(tiles)
+        return out
+
+
 _pending: list = []
 _pending_lock = threading.Lock()
 
@@ -63,11 +106,20 @@ def gated_task(backend, problem, op, a_local, gathered, b, out, flags, timeout_s
     compute queue runs it: at once on GPUs (the launch is stream-ordered), in order on the CPU
     worker (which then runs the interpreter)."""
     from . import configs
-    from .gated_gemm import Segment, check_error, gated_gemm
+    from .gated_gemm import Segment, check_error, clock_mode, gated_gemm, trace_buffer
 
     segments = tuple(Segment(*s) for s in op.segments)
     local_row0 = problem.shard_row0(problem.rank)
     family = configs.family(backend.target())
+    traced = {}
+    sink = TileTrace.active()   # read here, on the caller's thread (run() may run elsewhere)
+    if sink is not None and out.numel():
+        mode = clock_mode(backend.target())
+        trace = trace_buffer(segments, out.shape[1], family, out.device)
+        traced = {"trace": trace, "trace_mode": mode}
+        traced_launch = {"b": op.b, "segments": segments, "n": out.shape[1], "trace": trace,
+                         "mode": mode, "device": out.device.index or 0, "origin": None}
+        sink.launches.append(traced_launch)
 
     def describe(flag: int) -> str:
         return describe_flag(problem, flag)
@@ -77,15 +129,17 @@ def gated_task(backend, problem, op, a_local, gathered, b, out, flags, timeout_s
             return
         a = a_local if a_local.stride(-1) == 1 else a_local.contiguous()
         if out.device.type == "cpu":
+            if traced:   # the host clock the tiles read: times count from this launch
+                traced_launch["origin"] = time.perf_counter_ns()
             halt = torch.zeros(1, dtype=torch.int32)
             with _Watch(halt, getattr(backend, "abort", None), timeout_s):
                 err = gated_gemm(a, gathered, b, out, segments, flags,
                                  local_row0=local_row0, halt=halt, timeout_s=timeout_s,
-                                 family=family)
+                                 family=family, **traced)
             check_error(err, describe, timeout_s)
             return
         err = gated_gemm(a, gathered, b, out, segments, flags, local_row0=local_row0,
-                         timeout_s=timeout_s, family=family)
+                         timeout_s=timeout_s, family=family, **traced)
         word = torch.empty(1, dtype=torch.int32, pin_memory=True)
         word.copy_(err, non_blocking=True)
         done = torch.cuda.Event()
