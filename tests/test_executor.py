@@ -1,6 +1,8 @@
 """The compiled executor: views equal to what plain slicing gives, results equal to a float64
 reference through the real CPU backend on fresh data every call, cached workspace views that
-follow the handle, and tracing that still times every work op.
+follow the handle, copies prepared once per bound plan (as GPUs run them: integer addresses,
+replayed byte by byte) that follow a grown workspace and moved per-call buffers, and tracing
+that still times every work op.
 
 One process plays rank ``RANK`` of a ``WORLD``-rank group: its "peers" are tensors of a stub
 symmetric handle pre-filled with the other ranks' shards, and barriers pass at once, so every
@@ -8,11 +10,14 @@ dma schedule moves real bytes and multiplies real numbers without spawning ranks
 """
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
 from ficco import schedules
 from ficco.backends.cpu import CpuBackend
+from ficco.backends.gpu import Copy2D, copy_call_args
 from ficco.errors import InvalidArgumentError
 from ficco.executor import Buffers, compile_plan, execute
 from ficco.plan import WORK_OPS
@@ -76,6 +81,8 @@ def _run_once(plan, backend, handle, *, trace=False):
     rows = execute(plan, backend, Buffers(a, bs, outs, gathered, handle, None), timeout_s=10.0,
                    trace=trace)
     full = torch.cat(shards).double()
+    # The gathered buffer the call was given holds the gathered matrix (return_gathered)
+    torch.testing.assert_close(gathered.double(), full, rtol=0, atol=0)
     return outs, [full @ b.double() for b in bs], rows
 
 
@@ -84,9 +91,41 @@ def _assert_close(outs, refs):
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
 
 
-@pytest.fixture(scope="module")
-def backend():
-    b = CpuBackend()
+class AddressBackend(CpuBackend):
+    """The CPU backend driven the way the GPU backends are: every copy is prepared once per
+    bound plan into integer addresses and copy arguments (the GPU layer's own
+    ``copy_call_args``) and later replayed as raw byte moves on the copy queue's worker, and the
+    compute queue's GEMMs come through ``gemm_current``. A prepared copy that outlived the
+    memory it was made for moves bytes of an earlier call's buffers: results go wrong."""
+
+    def __init__(self):
+        super().__init__()
+        self.prepared = 0
+
+    def prepare_copy(self, dst, src, two_d=False):
+        self.prepared += 1
+        args = copy_call_args(dst, src, two_d)
+        if args is None:
+            return lambda queue: None
+        if isinstance(args, Copy2D):
+            def move():
+                for row in range(args.height):
+                    ctypes.memmove(args.dst + row * args.dpitch, args.src + row * args.spitch,
+                                   args.width)
+        else:
+            d, s, n = args
+
+            def move():
+                ctypes.memmove(d, s, n)
+        return lambda queue: self.launch(queue, move)
+
+    def gemm_current(self, a, b, out, accumulate):
+        self.gemm(a, b, out, accumulate, self.queue("compute"))
+
+
+@pytest.fixture(scope="module", params=["cpu", "prepared"])
+def backend(request):
+    b = CpuBackend() if request.param == "cpu" else AddressBackend()
     yield b
     b.close()
 
@@ -141,7 +180,7 @@ def test_repeated_calls_with_fresh_data_match_float64(name, backend):
     for _ in range(3):   # new input, weights and outputs each time; same workspace handle
         outs, refs, _ = _run_once(plan, backend, handle)
         _assert_close(outs, refs)
-    assert compile_plan(plan)._cached is not None   # the workspace views were kept
+    assert compile_plan(plan)._binding is not None   # the workspace views were kept
 
 
 @pytest.mark.parametrize("name", ["serial", "uniform-fused-1d", "hetero-fused-2d"])
@@ -163,9 +202,9 @@ def test_dropped_handle_frees_cached_views(backend):
     plan = _dma_plan("ring", _problem())
     handle = StubHandle(WORLD, plan.problem.big_m * K)
     _run_once(plan, backend, handle)
-    assert compile_plan(plan)._cached is not None
+    assert compile_plan(plan)._binding is not None
     del handle
-    assert compile_plan(plan)._cached is None
+    assert compile_plan(plan)._binding is None
 
 
 def test_same_gathered_elsewhere_in_the_handle_is_not_reused(backend):
@@ -183,6 +222,7 @@ def test_same_gathered_elsewhere_in_the_handle_is_not_reused(backend):
     bs = [torch.randn(K, n) for n in p.ns]
     execute(plan, backend, Buffers(shards[RANK], bs, outs, shifted, handle, None), timeout_s=10.0)
     full = torch.cat(shards).double()
+    torch.testing.assert_close(shifted.double(), full, rtol=0, atol=0)   # not the old spot
     _assert_close(outs, [full @ b.double() for b in bs])
 
 
@@ -223,7 +263,7 @@ def test_peer_read_without_symmetric_memory_is_refused(backend):
 RS_NAMES = schedules.names(op="matmul_reduce_scatter")
 
 
-def _rs_run_once(plan, backend, handle):
+def _rs_run_once(plan, backend, handle, recvs=None):
     """Rank RANK's reduce-scatter call with fresh data: the peers' partials (their a_q @ b_qj)
     are placed in their symmetric buffers as they would have computed them; returns
     (outputs, float64 references of this rank's block)."""
@@ -241,7 +281,10 @@ def _rs_run_once(plan, backend, handle):
             for j, n in enumerate(p.ns):
                 handle.get_buffer(q, (p.m, n), torch.float32, offsets[j]).copy_(a_s[q] @ b_s[q][j])
     outs = [torch.full((p.block_rows, n), float("nan")) for n in p.ns]
-    recvs = [torch.full((p.world * p.block_rows, n), float("nan")) for n in p.ns]
+    if recvs is None:
+        recvs = [torch.empty(p.world * p.block_rows, n) for n in p.ns]
+    for t in recvs:
+        t.fill_(float("nan"))
     partials = [handle.get_buffer(p.rank, (p.m, n), torch.float32, off)
                 for n, off in zip(p.ns, offsets)]
     for t in partials:
@@ -271,3 +314,106 @@ def test_reduce_scatter_plans_match_float64(name, backend):
     for _ in range(2):   # fresh data each time, same workspace handle
         outs, refs = _rs_run_once(plan, backend, handle)
         _assert_close(outs, [r / WORLD for r in refs])
+
+
+# -- prepared copies (the GPU path) follow the workspace and the per-call buffers -----------------
+@pytest.fixture()
+def prepared():
+    b = AddressBackend()
+    yield b
+    b.close()
+
+
+def _copies_touching(plan, bufs) -> int:
+    return sum(1 for op in plan.ops if op.kind.startswith("copy")
+               and (op.src.buf in bufs or op.dst.buf in bufs))
+
+
+@pytest.mark.parametrize("name", ["serial", "uniform-fused-1d", "hetero-unfused-2d"])
+def test_prepared_copies_follow_a_grown_workspace(name, prepared):
+    plan = _dma_plan(name, _problem())
+    numel = plan.problem.big_m * K
+    old = StubHandle(WORLD, numel)
+    _assert_close(*_run_once(plan, prepared, old)[:2])
+    copies = sum(1 for op in plan.ops if op.kind.startswith("copy"))
+    assert prepared.prepared == copies
+    # The workspace grew (a new handle, other addresses). The old one stays alive and holds
+    # NaN: a copy still prepared with its addresses fills the result with NaN.
+    new = StubHandle(WORLD, 2 * numel)
+    for t in old.data:
+        t.fill_(float("nan"))
+    for _ in range(2):
+        _assert_close(*_run_once(plan, prepared, new)[:2])
+    assert prepared.prepared >= 2 * copies   # everything prepared again for the new handle
+
+
+@pytest.mark.parametrize("name", ["ring", "uniform-fused-1d", "hetero-unfused-2d"])
+def test_reallocated_workspace_at_the_same_own_address(name, backend):
+    """A new handle whose own buffer lands where the old one's was (the allocator reused it)
+    but whose peers are mapped elsewhere: nothing kept from the old handle may be used."""
+    plan = _dma_plan(name, _problem())
+    numel = plan.problem.big_m * K
+    old = StubHandle(WORLD, numel)
+    _assert_close(*_run_once(plan, backend, old)[:2])
+    new = StubHandle(WORLD, numel)
+    new.data[RANK] = old.data[RANK]
+    for r, t in enumerate(old.data):
+        if r != RANK:
+            t.fill_(float("nan"))
+    _assert_close(*_run_once(plan, backend, new)[:2])
+
+
+@pytest.mark.parametrize("name", ["ring", "uniform-unfused-1d", "hetero-fused-2d"])
+def test_prepared_copies_of_the_input_follow_it(name, prepared):
+    """The own shard's copy reads the caller's input: prepared again only when the input moved,
+    kept when the same tensor comes back (with new contents)."""
+    plan = _dma_plan(name, _problem())
+    p = plan.problem
+    handle = StubHandle(WORLD, p.big_m * K)
+    gathered = handle.get_buffer(RANK, (p.big_m, K), torch.float32)
+    a, alive = torch.empty(p.m, K), []
+    for call, moved in enumerate((True, False, True, False)):
+        if moved:
+            alive.append(a)           # the old input stays alive: the new one lands elsewhere
+            a = torch.empty(p.m, K)
+        shards = [torch.randn(p.m, K) for _ in range(WORLD)]
+        for r in range(WORLD):
+            handle.get_buffer(r, (p.big_m, K), torch.float32)[r * p.m:(r + 1) * p.m] = shards[r]
+        gathered.fill_(float("nan"))
+        a.copy_(shards[RANK])
+        bs = [torch.randn(K, n) for n in p.ns]
+        outs = [torch.full((p.big_m, n), float("nan")) for n in p.ns]
+        before = prepared.prepared
+        execute(plan, prepared, Buffers(a, bs, outs, gathered, handle, None), timeout_s=10.0)
+        full = torch.cat(shards).double()
+        _assert_close(outs, [full @ b.double() for b in bs])
+        if call:   # after the first call: only the copies that read a moved input again
+            assert prepared.prepared - before == \
+                (_copies_touching(plan, {"input"}) if moved else 0)
+
+
+@pytest.mark.parametrize("name", ["serial", "uniform-fused-1d", "hetero-unfused-2d"])
+def test_prepared_copies_into_moved_landing_buffers(name, prepared):
+    """Reduce-scatter pulls land in per-call buffers: same address, reused; a new address (the
+    old buffer still alive, holding NaN), prepared again. Results match float64 either way,
+    also after the workspace grew."""
+    p = Problem(m=13, k=K, ns=NS, dtype="float32", world=WORLD, rank=RANK,
+                op="matmul_reduce_scatter")
+    plan = schedules.get(name, op=p.op).plan(p, "dma", None)
+    handle = _OffsetStub(WORLD, p.m * sum(p.ns))
+    recvs, alive = None, []
+    for moved, grown in ((True, False), (False, False), (True, False), (False, False),
+                         (True, True)):
+        if grown:
+            old, handle = handle, _OffsetStub(WORLD, 2 * p.m * sum(p.ns))
+            for t in old.data:
+                t.fill_(float("nan"))
+        if moved:   # new landing buffers while the last ones stay alive: other addresses
+            alive.append(recvs)
+            recvs = [torch.empty(p.world * p.block_rows, n) for n in p.ns]
+        before = prepared.prepared
+        outs, refs = _rs_run_once(plan, prepared, handle, recvs)
+        _assert_close(outs, refs)
+        if not grown and before:
+            assert prepared.prepared - before == (_copies_touching(plan, {"recv"}) if moved
+                                                  else 0)

@@ -1,0 +1,397 @@
+"""Compiling a :class:`~ficco.plan.Plan` for the executor, and binding it to one backend and one
+workspace.
+
+Host time per call matters (an eager W=8 FiCCO call enqueues 32-430 ops), so the work is done
+as early as it can be:
+
+- once per Plan (:func:`compile_plan`): flat steps ``(code, queue, x, y, z, w)`` that name
+  views by slot number and events by index (:class:`CompiledPlan`);
+- once per (compiled plan, backend, workspace) (:meth:`CompiledPlan.bind`): the views of the
+  symmetric workspace (this rank's gathered or partial buffers and every peer's), and, on a
+  backend that can prepare copies (GPUs), every copy as one ready driver call with its
+  integer addresses and 2-D arguments computed, and the compute queue's GEMMs marked to run on
+  the current stream without looking it up;
+- per call: only what is new each call. Views of the caller's input and weights and of fresh
+  outputs are made every call; copies that touch such a buffer (the own shard's copy from the
+  input, the reduce-scatter's landing buffers) keep their prepared call while that buffer's
+  address and layout are those of the call that prepared it (the caching allocator mostly
+  hands back the same block), and only those copies are prepared again when it moved.
+
+A binding holds integers and views of the workspace, never a per-call tensor; it is dropped
+when the workspace handle dies or the call brings another handle or other workspace tensors.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import host_tasks
+from .errors import InvalidArgumentError
+from .plan import (COMPUTE, SYMMETRIC_BUFFERS, AllGather, AllToAll, Barrier, Block, Copy, Gemm,
+                   GatedGemm, Plan, Record, Reduce, ReduceScatter, SendRecv, Signal, Wait,
+                   buffer_shapes, op_label)
+
+if TYPE_CHECKING:
+    from .executor import Buffers
+
+# Step codes; a step is (code, queue index, x, y, z, w) with slot / event numbers in x..w.
+# CALL (x: a prepared copy, called with the queue) and GEMM_HERE (a GEMM on the compute queue,
+# which is the current stream while the executor enqueues) appear only in bound steps.
+(COPY, COPY_2D, GEMM, RECORD, WAIT, BARRIER, LAUNCH, SIGNAL, GATED, CALL,
+ GEMM_HERE) = range(11)
+
+
+def _source_of(blk: Block) -> tuple:
+    """The slot source of ``blk``: symmetric buffers carry the peer (None: this rank's)."""
+    if blk.buf in SYMMETRIC_BUFFERS:
+        return (blk.buf, blk.index, blk.peer)
+    if blk.buf == "input":
+        return ("input",)
+    return (blk.buf, blk.index)
+
+
+def _batched_spec(blocks: tuple[Block, ...]):
+    """(n, rows, cols, row0, col0, spacing) of equally spaced same-shape row blocks."""
+    first = blocks[0]
+    spacing = blocks[1].row0 - first.row0
+    for i, blk in enumerate(blocks):
+        if (blk.buf, blk.peer, blk.index, blk.rows, blk.col0, blk.cols) != \
+                (first.buf, first.peer, first.index, first.rows, first.col0, first.cols) \
+                or blk.row0 != first.row0 + i * spacing or spacing < first.rows:
+            raise InvalidArgumentError(
+                f"a fused Gemm needs same-shape, equally spaced blocks; got {blocks}")
+    return (len(blocks), first.rows, first.cols, first.row0, first.col0, spacing)
+
+
+class Binding:
+    """A compiled plan bound to one backend and one workspace (see the module docstring).
+    Never changed once made: a call that needs other steps makes a new one, so a thread that
+    read the old one still runs consistent steps."""
+
+    __slots__ = ("backend", "ref", "ws_key", "ws_views", "call_key", "steps")
+
+    def __init__(self, backend, ref, ws_key, ws_views, call_key, steps):
+        self.backend, self.ref, self.ws_key, self.ws_views = backend, ref, ws_key, ws_views
+        self.call_key, self.steps = call_key, steps
+
+
+class CompiledPlan:
+    """A plan lowered once to flat steps. ``slots`` lists every distinct view the plan
+    touches as ``(source, spec)``: source ``("input",)``, ``("gathered", 0, peer)``,
+    ``("partial", j, peer)``, ``("out", j)``, ``("recv", j)`` or ``("b", j)``; spec ``("rect",
+    row0, rows, col0, cols)`` (what ``t[row0:row0+rows, col0:col0+cols]`` gives), ``("batched",
+    n, rows, cols, row0, col0, spacing)`` or ``("krows", k0, kc, c0, nc)``
+    (``b[k0:k0+kc, c0:c0+nc]``)."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.queue_names = plan.queues
+        queue_index = {name: i for i, name in enumerate(plan.queues)}
+        self.compute = queue_index[COMPUTE]
+        self.side_queues = tuple(i for n, i in queue_index.items() if n != COMPUTE)
+        self.slots: list[tuple] = []
+        slot_of: dict[tuple, int] = {}
+
+        def slot(source, spec) -> int:
+            key = (source, spec)
+            if key not in slot_of:
+                slot_of[key] = len(self.slots)
+                self.slots.append(key)
+            return slot_of[key]
+
+        def block_slot(blk: Block) -> int:
+            return slot(_source_of(blk), ("rect", blk.row0, blk.rows, blk.col0, blk.cols))
+
+        def blocks_slot(blocks: tuple[Block, ...]) -> int:
+            if len(blocks) == 1:
+                return block_slot(blocks[0])
+            return slot(_source_of(blocks[0]), ("batched",) + _batched_spec(blocks))
+
+        def maybe_slot(blocks) -> tuple:
+            return tuple(None if blk is None else block_slot(blk) for blk in blocks)
+
+        def like() -> int:
+            # An empty view of the input: dtype and device for a collective's empty pieces.
+            return slot(("input",), ("rect", 0, 0, 0, 0))
+
+        steps, work = [], []   # work: (step number, op index) of every traced op
+        for index, op in enumerate(plan.ops):
+            q = queue_index[op.queue]
+            if isinstance(op, Record):
+                steps.append((RECORD, q, op.event, 0, 0, 0))
+                continue
+            if isinstance(op, Wait):
+                steps.append((WAIT, q, op.event, 0, 0, 0))
+                continue
+            work.append((len(steps), index))
+            if isinstance(op, Copy):
+                steps.append((COPY_2D if op.two_d else COPY, q, block_slot(op.dst),
+                              block_slot(op.src), 0, 0))
+            elif isinstance(op, Gemm):
+                out0 = op.out[0]
+                weight = slot(("b", op.b), ("krows", op.k0, op.kc, out0.col0, out0.cols))
+                steps.append((GEMM, q, blocks_slot(op.a), weight, blocks_slot(op.out),
+                              op.accumulate))
+            elif isinstance(op, Barrier):
+                steps.append((BARRIER, q, op.channel, op.step, 0, 0))
+            elif isinstance(op, Reduce):
+                steps.append((LAUNCH, q, host_tasks.reduce_task,
+                              (block_slot(op.dst), tuple(block_slot(s) for s in op.srcs),
+                               op.accumulate, op.scale), 0, 0))
+            elif isinstance(op, AllToAll):
+                steps.append((LAUNCH, q, host_tasks.all_to_all_task,
+                              (maybe_slot(op.srcs), maybe_slot(op.dsts), like()), 0, 0))
+            elif isinstance(op, ReduceScatter):
+                steps.append((LAUNCH, q, host_tasks.reduce_scatter_task,
+                              (maybe_slot(op.srcs), maybe_slot((op.dst,))[0], op.scale, like()),
+                              0, 0))
+            elif isinstance(op, AllGather):
+                steps.append((LAUNCH, q, host_tasks.all_gather_task,
+                              (block_slot(op.src), tuple(block_slot(d) for d in op.dsts)), 0, 0))
+            elif isinstance(op, SendRecv):
+                send = block_slot(op.send) if op.send is not None else None
+                recv = block_slot(op.recv) if op.recv is not None else None
+                steps.append((LAUNCH, q, host_tasks.send_recv_task,
+                              (send, op.send_to, recv, op.recv_from), 0, 0))
+            elif isinstance(op, Signal):
+                steps.append((SIGNAL, q, op.flag, 0, 0, 0))
+            elif isinstance(op, GatedGemm):
+                p, n = plan.problem, plan.problem.ns[op.b]
+                views = (block_slot(Block("input", 0, p.m, 0, p.k)),
+                         block_slot(Block("gathered", 0, p.big_m, 0, p.k)),
+                         slot(("b", op.b), ("krows", 0, p.k, 0, n)),
+                         block_slot(Block("out", 0, p.big_m, 0, n, index=op.b)))
+                steps.append((GATED, q, views, (p, op), 0, 0))
+            else:
+                raise InvalidArgumentError(f"the executor does not know op {type(op).__name__}")
+            if steps[-1][0] == LAUNCH:
+                # A host task (a collective, a reduction): if it fails or hangs, the error
+                # names this step (z is free in launch steps).
+                steps[-1] = steps[-1][:4] + (
+                    f"plan step {index} ({op_label(op, plan.problem.rank)}, queue {op.queue})",
+                    0)
+        self.steps = tuple(steps)
+        self.num_flags = max((op.num_flags for op in plan.ops if isinstance(op, GatedGemm)),
+                             default=0)
+        self.work = tuple(work)
+        # Workspace views (this rank's symmetric buffers and the peers') vs per-call views.
+        self.workspace_slots = tuple(i for i, (src, _) in enumerate(self.slots)
+                                     if src[0] in SYMMETRIC_BUFFERS)
+        self.splits, split_slots = self._plan_splits(plan)
+        self.call_slots = tuple(i for i, (src, _) in enumerate(self.slots)
+                                if src[0] not in SYMMETRIC_BUFFERS and i not in split_slots)
+        # Copies a backend may prepare: (step number, the sources they read or write). With a
+        # workspace (dma) only the per-call sources key a prepared copy; without one (ccl)
+        # the symmetric buffers are fresh tensors too.
+        self.copies = tuple((i, frozenset((self.slots[s[2]][0], self.slots[s[3]][0])))
+                            for i, s in enumerate(steps) if s[0] in (COPY, COPY_2D))
+        every = sorted({src for _, sources in self.copies for src in sources}, key=repr)
+        self.copy_sources = {True: tuple(s for s in every if s[0] not in SYMMETRIC_BUFFERS),
+                             False: tuple(every)}
+        self._binding: Binding | None = None
+
+    def _plan_splits(self, plan: Plan):
+        """Full-width row blocks of a per-call buffer (an output's row chunks, the input's) come
+        from ONE ``split_with_sizes`` per buffer: about a third of the host time of making
+        each view on its own. Returns [(source, expected shape, sizes, ((slot, piece), ...))]
+        and the set of slots so covered."""
+        shapes = {source: shape for source, shape in buffer_shapes(plan.problem).items()
+                  if source[0] not in SYMMETRIC_BUFFERS}
+        rows_of: dict[tuple, list] = {}
+        for i, (source, spec) in enumerate(self.slots):
+            shape = shapes.get(source)
+            if shape is None or spec[0] != "rect":
+                continue
+            _, row0, rows, col0, cols = spec
+            if col0 == 0 and cols == shape[1] and rows > 0 and row0 + rows <= shape[0]:
+                rows_of.setdefault(source, []).append((row0, rows, i))
+        splits, covered = [], set()
+        for source, blocks in rows_of.items():
+            if len(blocks) < 2:
+                continue
+            total = shapes[source][0]
+            cuts = sorted({0, total} | {r for r0, n, _ in blocks for r in (r0, r0 + n)})
+            piece = {start: k for k, start in enumerate(cuts[:-1])}
+            nxt = dict(zip(cuts[:-1], cuts[1:]))
+            # A block must be exactly one piece: no cut strictly inside it.
+            pieces = tuple((i, piece[r0]) for r0, n, i in blocks if nxt[r0] == r0 + n)
+            if len(pieces) < 2:
+                continue
+            sizes = [b - a for a, b in zip(cuts[:-1], cuts[1:])]
+            splits.append((source, shapes[source], sizes, pieces))
+            covered.update(i for i, _ in pieces)
+        return tuple(splits), covered
+
+    # -- binding -------------------------------------------------------------------------------
+    def bind(self, backend, buffers: "Buffers") -> tuple[tuple, list]:
+        """``(steps, views)`` of one call on ``backend``: every slot's view, and the steps to
+        run, with the copies prepared by the backend (when it can) and kept from the last
+        call while the addresses they were prepared for still hold."""
+        symm = buffers.symm
+        old = self._binding
+        if old is not None and (old.backend is not backend or
+                                (old.ref() if old.ref is not None else None) is not symm):
+            old = None
+        if symm is None:
+            ws_key, ws_views = None, None
+        else:
+            ws_key = tuple((t.data_ptr(), t.shape, t.stride(), t.storage_offset(), t.dtype,
+                            t.device)
+                           for t in ([buffers.gathered] if buffers.gathered is not None else [])
+                           + list(buffers.partials))
+            if old is not None and old.ws_key != ws_key:
+                old = None
+            ws_views = old.ws_views if old is not None else \
+                self._make_views(self.workspace_slots, buffers, [None] * len(self.slots))
+        views = self.views(buffers, ws_views)
+        prepare = getattr(backend, "prepare_copy", None)
+        call_key = None
+        if prepare is not None:
+            # Geometry, not identity: a fresh tensor at the same address with the same layout
+            # takes the same copy arguments. (The device is the backend's.)
+            call_key = tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in
+                             (_source_tensor(s, buffers)
+                              for s in self.copy_sources[symm is not None]))
+        if old is not None and old.call_key == call_key:
+            return old.steps, views
+        steps = self._bound_steps(backend, prepare, old, call_key, symm is not None, views)
+        ref = None
+        if symm is not None:
+            try:
+                # A weak reference: the workspace views must not outlive the workspace they
+                # point into; when the runtime drops a grown-out-of handle, the callback
+                # frees them.
+                ref = weakref.ref(symm, self._forget)
+            except TypeError:
+                return steps, views
+        self._binding = Binding(backend, ref, ws_key, ws_views, call_key, steps)
+        return steps, views
+
+    def _bound_steps(self, backend, prepare, old: Binding | None, call_key, dma: bool,
+                     views: list) -> tuple:
+        if old is not None:
+            steps = list(old.steps)
+            moved = {s for s, was, now in zip(self.copy_sources[dma], old.call_key, call_key)
+                     if was != now}
+        else:
+            steps = list(self.steps)
+            moved = None   # every copy is prepared
+            if getattr(backend, "gemm_current", None) is not None:
+                compute = self.compute
+                steps = [(GEMM_HERE,) + s[1:] if s[0] == GEMM and s[1] == compute else s
+                         for s in steps]
+        if prepare is not None:
+            for i, sources in self.copies:
+                if moved is None or not moved.isdisjoint(sources):
+                    code, q, dst, src, _, _ = self.steps[i]
+                    steps[i] = (CALL, q, prepare(views[dst], views[src], code == COPY_2D), 0, 0,
+                                0)
+        return tuple(steps)
+
+    def _forget(self, ref) -> None:
+        binding = self._binding
+        if binding is not None and binding.ref is ref:
+            self._binding = None
+
+    # -- views ----------------------------------------------------------------------------------
+    def views(self, buffers: "Buffers", ws_views: list | None = None) -> list:
+        """Every slot's view for this call: the workspace's from ``ws_views`` when given
+        (kept by the binding), the rest made now."""
+        if ws_views is None:
+            views = self._make_views(self.workspace_slots, buffers, [None] * len(self.slots))
+        else:
+            views = list(ws_views)
+        self._make_views(self.call_slots, buffers, views)
+        for source, shape, sizes, pieces in self.splits:
+            t = _source_tensor(source, buffers)
+            if t.shape != shape:   # not the canonical shape: one view at a time
+                self._make_views([i for i, _ in pieces], buffers, views)
+                continue
+            parts = t.split_with_sizes(sizes)
+            for i, k in pieces:
+                views[i] = parts[k]
+        return views
+
+    def _make_views(self, slots, buffers: "Buffers", out: list) -> list:
+        bases: dict[tuple, tuple] = {}
+        for i in slots:
+            source, spec = self.slots[i]
+            base = bases.get(source)
+            if base is None:
+                t = _source_tensor(source, buffers)
+                base = bases[source] = (t, t.shape, t.stride(), t.storage_offset())
+            out[i] = _make_view(base, spec)
+        return out
+
+
+def _source_tensor(source, buffers: "Buffers") -> torch.Tensor:
+    kind = source[0]
+    if kind in SYMMETRIC_BUFFERS:
+        _, index, peer = source
+        return buffers.local(kind, index) if peer is None else buffers.peer(peer, kind, index)
+    if kind == "input":
+        return buffers.a
+    if kind == "out":
+        return buffers.outs[source[1]]
+    if kind == "recv":
+        return buffers.recvs[source[1]]
+    return buffers.bs[source[1]]
+
+
+def _clamp(start: int, length: int, size: int) -> tuple[int, int]:
+    """(start, length) of Python slicing ``[start:start+length]`` on a dimension of ``size``."""
+    lo = min(start, size)
+    return lo, max(min(start + length, size) - lo, 0)
+
+
+def _make_view(base, spec) -> torch.Tensor:
+    t, shape, stride, offset = base
+    kind = spec[0]
+    if kind == "rect":
+        _, row0, rows, col0, cols = spec
+        r0, nr = _clamp(row0, rows, shape[0])
+        c0, nc = _clamp(col0, cols, shape[1])
+        if nr == shape[0] and nc == shape[1]:
+            return t   # the whole buffer (serial's input and output): no view to make
+        return t.as_strided((nr, nc), stride, offset + r0 * stride[0] + c0 * stride[1])
+    if kind == "krows":
+        _, k0, kc, c0, nc = spec
+        whole_rows, whole_cols = k0 == 0 and kc >= shape[0], c0 == 0 and nc >= shape[1]
+        if whole_rows and whole_cols:
+            return t   # b[0:K] is b itself: skip making a view per call
+        r0, nr = _clamp(k0, kc, shape[0])
+        c0, nc = _clamp(c0, nc, shape[1])
+        return t.as_strided((nr, nc), stride, offset + r0 * stride[0] + c0 * stride[1])
+    _, n, rows, cols, row0, col0, spacing = spec
+    ld = stride[0]
+    return t.as_strided((n, rows, cols), (spacing * ld, ld, 1), offset + row0 * ld + col0)
+
+
+_compiled: dict[int, CompiledPlan] = {}
+_compiled_lock = threading.Lock()
+_MAX_COMPILED = 512
+
+
+def compile_plan(plan: Plan) -> CompiledPlan:
+    """The compiled form of ``plan``, made once per Plan object (the runtime caches Plans, so
+    the same object comes back for the same call).
+
+    >>> from ficco import schedules
+    >>> from ficco.problem import Problem
+    >>> plan = schedules.get("ring").plan(Problem(4, 8, (3,), "float32", 2, 0), "dma")
+    >>> compile_plan(plan) is compile_plan(plan)
+    True
+    """
+    compiled = _compiled.get(id(plan))
+    if compiled is not None and compiled.plan is plan:
+        return compiled
+    compiled = CompiledPlan(plan)
+    with _compiled_lock:
+        if len(_compiled) >= _MAX_COMPILED:   # plans built outside the runtime: stay bounded
+            _compiled.clear()
+        _compiled[id(plan)] = compiled
+    return compiled
+
