@@ -350,9 +350,18 @@ def _expire_on_host_pads(memory: dict, flag: int):
     from ficco.backends.gpu_watchdog import PendingBarrier
     from ficco.symm_mem.barrier import Deadline, SignalOp, WAIT
 
+    from ficco.backends.gpu_fence import ErrorWord
+
+    word = ErrorWord(torch.device("cpu"), None)
+    released_after_raise = []
+
     class Host:
         read = staticmethod(memory.__getitem__)
-        write = staticmethod(memory.__setitem__)
+
+        @staticmethod
+        def write(slot, value):
+            released_after_raise.append(word.raised())
+            memory[slot] = value
 
     class Handle:
         host_pads = Host()
@@ -365,11 +374,16 @@ def _expire_on_host_pads(memory: dict, flag: int):
         def set_error(self, error):
             self.errors.append(error)
 
+        def error_word(self):
+            return word
+
     waits = tuple(SignalOp(WAIT, 0x100 + 4 * p, flag, p, True) for p in range(3))
     item = PendingBarrier(None, None, Deadline(0, 1, 4, 2.0, flag, waits, Handle()), None)
     fake = Fake()
     GpuBackend.expire(fake, item)
     (error,) = fake.errors
+    # The call's fence must see the error word raised: raised before any slot is released.
+    assert released_after_raise and all(released_after_raise), released_after_raise
     return error
 
 

@@ -122,6 +122,11 @@ class Backend(ABC):
     def synchronize(self) -> None:
         """Block the host until all work queued so far has finished (benchmarks, tuning)."""
 
+    def fence(self, outputs: list) -> None:
+        """End of a dma call, after ``finish``: backends whose calls return before their
+        barriers completed poison ``outputs`` when one was released by its deadline (GPUs,
+        :mod:`ficco.backends.gpu_fence`). Here a released barrier has raised already."""
+
     def elapsed_s(self, start: Any, end: Any) -> float:
         """Seconds between two recorded events of one call (tracing). Backends whose events
         carry no time raise BackendUnavailableError."""

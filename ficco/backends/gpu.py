@@ -28,6 +28,7 @@ from ..symm_mem.barrier import WAIT, WRITE, Deadline, SignalOp
 from ..symm_mem.device import tensor_at
 from ..symm_mem.torch_symm import AutoSymmProvider
 from .base import Backend
+from .gpu_fence import ErrorWord, poison_if_raised
 from .gpu_watchdog import PendingBarrier, Watchdog
 
 
@@ -225,6 +226,7 @@ class GpuBackend(Backend):
         self._plan_events: dict = {}
         self._error: FiccoError | None = None
         self._error_lock = threading.Lock()
+        self._error_word: ErrorWord | None = None    # see ficco.backends.gpu_fence
 
     def device(self):
         return self._device
@@ -410,6 +412,8 @@ class GpuBackend(Backend):
         host = getattr(deadline.handle, "host_pads", None)
         late = deadline.late(self.slot_reader(deadline))
         by_peer = {peer for peer, _ in late}
+        # Before the stream moves on: the fence ending this call must see the word raised.
+        self.error_word().raise_()
         if host is not None:
             # Host-mapped pads: read and release with host loads/stores, never through a
             # stream (which may sit behind the stuck wait on a shared hardware queue).
@@ -456,7 +460,23 @@ class GpuBackend(Backend):
         with self._error_lock:
             error, self._error = self._error, None
         if error is not None:
+            if self._error_word is not None and self._error_word.raised():
+                # Lowered in stream order: the fences already queued still poison their calls.
+                with torch.cuda.stream(torch.cuda.current_stream(self._device)):
+                    self._error_word.device.zero_()
             raise error
+
+    def error_word(self) -> ErrorWord:
+        if self._error_word is None:
+            self._error_word = ErrorWord(self._device, tensor_at)
+        return self._error_word
+
+    def fence(self, outputs) -> None:
+        """End of an eager dma call, on the caller's stream: its outputs become NaN if the
+        watchdog released one of its barriers (:mod:`ficco.backends.gpu_fence`)."""
+        if torch.cuda.is_current_stream_capturing():
+            return        # a replayed graph has no watchdog: nothing can raise the word
+        poison_if_raised(outputs, self.error_word().device)
 
     def _side(self) -> torch.cuda.Stream:
         if self._side_stream is None:

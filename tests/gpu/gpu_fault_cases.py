@@ -85,15 +85,57 @@ def stalled_rank_never_returns_data(rank, world, timeout_s):
         ficco.shutdown()
         return "stalled"
     start = time.monotonic()
-    outcome = "returned data"
+    outcome, out = "returned data", None
     try:
         with ficco.config.scope(transport="dma", timeout=timeout_s):
-            ficco.all_gather_matmul(a, b, schedule="ring")
+            out = ficco.all_gather_matmul(a, b, schedule="ring")
             backend.synchronize()
     except FiccoError as exc:
         outcome = f"{time.monotonic() - start:.1f} {type(exc).__name__}: {exc}"
+    torch.cuda.synchronize()
+    # The call returned before its barrier was released: its outputs must be NaN (the fence).
+    poisoned = out is None or bool(out.isnan().all())
     ficco.shutdown()
-    return outcome
+    return f"{outcome}" if poisoned else f"{outcome} (and its outputs were not poisoned)"
+
+
+def disagreement_on_a_cached_shape(rank, world, seed):
+    """Issue 13 on GPU dma: both shapes agreed and cached, then rank 0 calls with the small
+    one and the others with the large one: every rank raises MismatchError (from the call or
+    the synchronize after it) well before FICCO_TIMEOUT, outputs poisoned; the next calls in
+    step are right."""
+    from ficco.errors import MismatchError
+
+    backend = get_backend()
+    device = backend.device()
+    small = make_inputs(seed, world, (8, 16), (4,), torch.float32)
+    large = make_inputs(seed + 1, world, (12, 16), (4,), torch.float32)
+    report = []
+    with ficco.config.scope(transport="dma", timeout=60):
+        for shards, bs, _, refs in (small, large):
+            out = ficco.all_gather_matmul(shards[rank].to(device), bs[0].to(device),
+                                          schedule="ring")
+            report.append(max_row_rel_err(out.cpu(), refs[0]))
+        shards, bs, _, _ = small if rank == 0 else large
+        start, out, outcome = time.monotonic(), None, "returned"
+        try:
+            out = ficco.all_gather_matmul(shards[rank].to(device), bs[0].to(device),
+                                          schedule="ring")
+            backend.synchronize()
+        except MismatchError as exc:
+            outcome = f"MismatchError after {time.monotonic() - start:.1f}s: {exc}"
+        torch.cuda.synchronize()
+        report.append((outcome, out is None or bool(out.isnan().all())))
+        for _ in range(2):
+            shards, bs, _, refs = small
+            try:
+                out = ficco.all_gather_matmul(shards[rank].to(device), bs[0].to(device),
+                                              schedule="ring")
+                report.append(max_row_rel_err(out.cpu(), refs[0]))
+            except FiccoError as exc:     # the first call after may still carry the error
+                report.append(f"{type(exc).__name__}: {exc}")
+    ficco.shutdown()
+    return report
 
 
 def failing_rank_makes_everyone_raise(rank, world, seed):

@@ -74,7 +74,19 @@ def test_a_stalled_rank_makes_the_others_raise_within_the_deadline(env):
     for rank, outcome in enumerate(results[:-1]):
         seconds, text = outcome.split(" ", 1)
         assert float(seconds) < 10 and "CommTimeoutError" in text and "[2]" in text, outcome
+        assert "not poisoned" not in text, outcome
     assert results[-1] == "stalled"
+
+
+def test_disagreement_on_a_cached_shape_raises_on_every_rank_on_gpu_dma():
+    """Issue 13: the barrier's call flag catches ranks making different calls on GPU dma."""
+    results = harness.pool(2, GPU_ENV).run(gpu_fault_cases.disagreement_on_a_cached_shape, 5,
+                                           timeout_s=180)
+    for small, large, (outcome, poisoned), *after in results:
+        assert small <= 1e-4 and large <= 1e-4, results
+        assert outcome.startswith("MismatchError") and poisoned, results
+        assert float(outcome.split("after ")[1].split("s:")[0]) < 10, results   # a peek
+        assert isinstance(after[-1], float) and after[-1] <= 1e-4, results
 
 
 def test_a_failing_rank_makes_every_rank_raise():

@@ -1,0 +1,106 @@
+"""What an eager GPU call hands back when one of its barriers never completed by itself
+(issue 15 item 4; issue 13 on GPUs).
+
+An eager GPU call returns as soon as its work is *enqueued*; its barriers complete later, on
+the GPU. When a peer is dead, stuck or making another call, the barrier watchdog
+(:mod:`ficco.backends.gpu_watchdog`) releases the stuck stream at the deadline (or at once
+for a peer in another call) so the process can go on, and the error is raised at the rank's
+next ficco call. The outputs of the released call cannot be recalled: they were returned
+already, and the GEMMs after the released barrier computed them from data that never
+arrived. So they are **poisoned** instead:
+
+- every backend keeps one *error word*, in pinned host memory the GPU reads directly;
+- the watchdog raises it with a host store **before** it releases any barrier;
+- every dma call ends with a *fence* on the caller's stream, after all of its work: a tiny
+  kernel that reads the word and, only when it is raised, fills the call's outputs with NaN.
+  Any work the caller queues after the call sees NaN, never plausible numbers;
+- the word is lowered, stream-ordered after the fences already queued, when the error is
+  raised on the host.
+
+Cost when nothing failed: one small Triton launch per output tensor (each program loads one
+word and returns); without Triton (it ships with PyTorch's CUDA and ROCm wheels) the fence is
+``masked_fill_`` with a device-side mask, one pass over the outputs. The CPU backend needs no
+fence: its barriers run on host threads and a released barrier raises before the call
+returns.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+#: programs of one fence launch at most (each loops over its share only when poisoning)
+MAX_PROGRAMS = 1024
+BLOCK = 1024
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(device_kind: str):
+    """The fence kernel: compiled for GPUs, interpreted on CPU (tests); None without Triton."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    def fence(out_ptr, numel, err_ptr, BLOCK: tl.constexpr):
+        if tl.load(err_ptr) != 0:
+            pid, programs = tl.program_id(0), tl.num_programs(0)
+            nan = tl.full((BLOCK,), float("nan"), tl.float32)
+            for start in range(pid * BLOCK, numel, programs * BLOCK):
+                offsets = start + tl.arange(0, BLOCK)
+                tl.store(out_ptr + offsets, nan, mask=offsets < numel)
+
+    if device_kind == "cpu":
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return InterpretedFunction(fence)
+    return triton.jit(fence)
+
+
+def poison_if_raised(outputs, word: torch.Tensor) -> None:
+    """Enqueue, on the current stream, ``out.fill_(nan)`` for every tensor of ``outputs`` that
+    runs only if the int32 ``word`` (a tensor the kernel can read: on GPUs a device view of
+    pinned host memory) is nonzero when the stream gets there.
+
+    >>> word = torch.zeros(1, dtype=torch.int32)
+    >>> out = torch.ones(3, 5)
+    >>> poison_if_raised([out], word); bool(out.isnan().any())
+    False
+    >>> word[0] = 1; poison_if_raised([out], word); bool(out.isnan().all())
+    True
+    """
+    kernel = _kernel(word.device.type)
+    for out in outputs:
+        if out is None or out.numel() == 0:
+            continue
+        if kernel is None or not out.is_contiguous() or not out.is_floating_point():
+            out.masked_fill_(word.view(()) != 0, float("nan"))
+            continue
+        numel = out.numel()
+        programs = min(MAX_PROGRAMS, -(-numel // BLOCK))
+        kernel[(programs,)](out, numel, word, BLOCK=BLOCK)
+
+
+class ErrorWord:
+    """A backend's error word: ``host`` the pinned int32 the watchdog writes with a host
+    store, ``device`` the same memory as a tensor of ``device`` the fence kernel reads."""
+
+    def __init__(self, device: torch.device, view):
+        self.host = torch.zeros(1, dtype=torch.int32, pin_memory=device.type != "cpu")
+        self.device = view(self.host.data_ptr(), 4, device).view(torch.int32) \
+            if device.type != "cpu" else self.host
+
+    def raise_(self) -> None:
+        self.host[0] = 1
+
+    def raised(self) -> bool:
+        return bool(self.host[0])
+
+    def lower(self, write_value32=None, stream=None) -> None:
+        """Lower the word; with ``write_value32`` (a vendor's) stream-ordered on ``stream``,
+        after the fences queued before it (they must still see it raised)."""
+        if write_value32 is None:
+            self.host[0] = 0
+        else:
+            write_value32(stream, self.device.data_ptr(), 0)

@@ -1,0 +1,54 @@
+"""The fence ending every eager GPU dma call (issue 15 item 4): the call's outputs become NaN
+when the watchdog released one of its barriers, and stay untouched otherwise. The kernel runs
+here in Triton's interpreter on CPU tensors; tests/gpu runs it compiled."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ficco.backends import gpu_fence
+from ficco.backends.gpu_fence import ErrorWord, poison_if_raised
+
+pytest.importorskip("triton")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _outputs(dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(random.randrange(1, 40), random.randrange(1, 70)) for _ in range(3)]
+    return [torch.randn(*s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lowered_word_leaves_outputs_exactly_as_they_were(dtype, monkeypatch):
+    monkeypatch.setattr(gpu_fence, "MAX_PROGRAMS", 2)     # programs loop over several blocks
+    monkeypatch.setattr(gpu_fence, "BLOCK", 64)
+    word = ErrorWord(torch.device("cpu"), None)
+    outs = _outputs(dtype, random.randrange(1 << 30))
+    before = [o.clone() for o in outs]
+    poison_if_raised(outs, word.device)
+    assert all(torch.equal(o, b) for o, b in zip(outs, before))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("triton_kernel", [True, False])
+def test_raised_word_turns_every_output_element_into_nan(dtype, triton_kernel, monkeypatch):
+    monkeypatch.setattr(gpu_fence, "MAX_PROGRAMS", 2)
+    monkeypatch.setattr(gpu_fence, "BLOCK", 64)
+    if not triton_kernel:                       # no Triton: the torch fallback
+        monkeypatch.setattr(gpu_fence, "_kernel", lambda kind: None)
+    word = ErrorWord(torch.device("cpu"), None)
+    outs = _outputs(dtype, random.randrange(1 << 30))
+    strided = torch.randn(30, 20, dtype=torch.float64).to(dtype)[:, ::3]   # not contiguous
+    word.raise_()
+    poison_if_raised([*outs, strided, None], word.device)
+    for out in [*outs, strided]:
+        assert out.isnan().all(), out
+    word.lower()
+    fresh = _outputs(dtype, random.randrange(1 << 30))
+    before = [o.clone() for o in fresh]
+    poison_if_raised(fresh, word.device)
+    assert all(torch.equal(o, b) for o, b in zip(fresh, before))
