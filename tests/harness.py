@@ -24,6 +24,19 @@ class RankError(AssertionError):
     pass
 
 
+def bind_device(rank: int) -> None:
+    """One GPU per rank where several are visible (``cuda:rank % count``), as torchrun users
+    do with ``torch.cuda.set_device(local_rank)``; with one GPU every rank shares it.
+    ``FICCO_TEST_ONE_DEVICE=1`` keeps every rank on the current device."""
+    import torch
+
+    if os.environ.get("FICCO_TEST_ONE_DEVICE") == "1" or not torch.cuda.is_available():
+        return
+    count = torch.cuda.device_count()
+    if count > 1:
+        torch.cuda.set_device(rank % count)
+
+
 def _rank_main(rank, world, init_file, env, pg_backend, conn):
     os.environ.update(env)
     import torch
@@ -31,6 +44,7 @@ def _rank_main(rank, world, init_file, env, pg_backend, conn):
 
     torch.set_num_threads(1)
     try:
+        bind_device(rank)
         dist.init_process_group(pg_backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=60))
         conn.send(("ready", None))
