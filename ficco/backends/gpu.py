@@ -158,15 +158,23 @@ def copy_2d_args(dst: torch.Tensor, src: torch.Tensor) -> Copy2D | None:
     >>> (a.dpitch, a.spitch, a.width, a.height)
     (20, 20, 6, 4)
     """
-    if dst.shape != src.shape or dst.dtype != src.dtype:
+    shape = dst.shape
+    if shape != src.shape or dst.dtype != src.dtype:
         raise InvalidArgumentError(
             f"copy_2d: dst {tuple(dst.shape)} {dst.dtype} and src {tuple(src.shape)} "
             f"{src.dtype} must have the same shape and dtype")
     if dst.numel() == 0:
         return None
-    return Copy2D(dst=dst.data_ptr(), dpitch=_row_pitch_bytes(dst, "dst"),
-                  src=src.data_ptr(), spitch=_row_pitch_bytes(src, "src"),
-                  width=dst.shape[1] * dst.element_size(), height=dst.shape[0])
+    # Each tensor attribute read costs host time (a re-bound plan makes this call per copy):
+    # shape, strides and item size are read once; the helper only words the error.
+    ds, ss = dst.stride(), src.stride()
+    if len(shape) != 2 or (shape[1] > 1 and (ds[1] != 1 or ss[1] != 1)):
+        _row_pitch_bytes(dst, "dst")
+        _row_pitch_bytes(src, "src")
+    rows, cols = shape
+    size = dst.element_size()
+    return Copy2D(dst.data_ptr(), max(ds[0], cols) * size, src.data_ptr(),
+                  max(ss[0], cols) * size, cols * size, rows)
 
 
 def copy_call_args(dst: torch.Tensor, src: torch.Tensor, two_d: bool = False):
