@@ -83,6 +83,13 @@ def _flag(raw: str) -> bool:
     raise ValueError("must be 0 or 1")
 
 
+def _names(raw: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in raw.split(",") if n.strip())
+    if not names or len(set(names)) != len(names):
+        raise ValueError("must be distinct comma-separated schedule names")
+    return names
+
+
 KNOBS: dict[str, Knob] = {k.env: k for k in [
     Knob("FICCO_BACKEND", None, str, "cpu, cuda or rocm", choices=(None, "cpu", "cuda", "rocm")),
     # Checked against the op's schedules when a call reads it (names depend on the op).
@@ -96,6 +103,9 @@ KNOBS: dict[str, Knob] = {k.env: k for k in [
     Knob("FICCO_TOPOLOGY", None, str, "mesh, switch or pcie",
          choices=(None, "mesh", "switch", "pcie")),
     Knob("FICCO_CACHE_DIR", None, str, "a directory for the tune selector's JSON cache"),
+    Knob("FICCO_TUNE_CANDIDATES", None, _names,
+         "the schedules the tune selector measures, e.g. serial,ring,gated-1d (default: every "
+         "schedule offered on this backend; gated-* only where Triton runs, never on CPU)"),
     Knob("FICCO_TIMEOUT", 300.0, _positive_float, "seconds before a cross-rank wait fails"),
     Knob("FICCO_LOG", "warning", str.lower, "log level of ficco's decisions",
          choices=("debug", "info", "warning", "error")),
@@ -177,6 +187,7 @@ def disabled() -> bool: return get("FICCO_DISABLE")
 def profile() -> str | None: return get("FICCO_PROFILE")
 def topology() -> str | None: return get("FICCO_TOPOLOGY")
 def cache_dir() -> str | None: return get("FICCO_CACHE_DIR")
+def tune_candidates() -> tuple[str, ...] | None: return get("FICCO_TUNE_CANDIDATES")
 def timeout_s() -> float: return get("FICCO_TIMEOUT")
 def log_level() -> str: return get("FICCO_LOG")
 def copy_engines() -> int | None: return get("FICCO_COPY_ENGINES")

@@ -2,8 +2,16 @@
 
 The API hands in ``measure(name) -> seconds``, already the slowest rank's time and the same on
 every rank (it all-reduces MAX), so the argmin here is the same everywhere; ties go to the
-alphabetically first name. Candidates are measured in ``ficco.schedules.names()`` order on
-every rank, because each measurement is itself collective.
+alphabetically first name. Candidates are measured in one order on every rank, because each
+measurement is itself collective.
+
+Candidates: ``FICCO_TUNE_CANDIDATES`` (agreed by every rank like any setting) if set, else
+every schedule offered on this backend, ``ficco.schedules.offered(target, transport)``: the
+eleven, plus ``gated-1d``/``gated-2d`` where Triton and the GPU run the gated GEMM. Never the
+gated ones on CPU by default: there the kernel runs in Triton's interpreter (correctness
+only), so timing it would only cost a first call minutes. A forced list may name them on CPU
+(tests do); a forced name that cannot run here (no Triton, transport ccl) raises ConfigError
+before anything is measured. A candidate list other than ``names()`` is part of the cache key.
 
 Winners are cached in memory and in ``<FICCO_CACHE_DIR>/tune.json`` (default
 ``~/.cache/ficco``), keyed by op, M, n, K, dtype, W, backend target, topology, transport and
@@ -41,16 +49,41 @@ def ficco_version() -> str:
     return str(getattr(module, "__version__", "unknown"))
 
 
-def cache_key(problem: Problem, transport: str, target: str, topology: str) -> str:
+def cache_key(problem: Problem, transport: str, target: str, topology: str,
+              candidates: list[str] | None = None) -> str:
     """The tune cache key, as a readable string.
 
     >>> cache_key(Problem(4, 8, (8,), "float32", 2), "dma", "cpu", "switch").split("|")[:4]
     ['all_gather_matmul/dma', 'M=8', 'n=8', 'K=8']
     """
     ns = ",".join(map(str, problem.ns))
-    return "|".join([f"{problem.op}/{transport}", f"M={problem.big_m}", f"n={ns}",
-                     f"K={problem.k}", problem.dtype, f"W={problem.world}", target, topology,
-                     f"ficco={ficco_version()}"])
+    key = [f"{problem.op}/{transport}", f"M={problem.big_m}", f"n={ns}", f"K={problem.k}",
+           problem.dtype, f"W={problem.world}", target, topology, f"ficco={ficco_version()}"]
+    if candidates is not None and list(candidates) != schedules.names(op=problem.op):
+        key.append("candidates=" + ",".join(candidates))
+    return "|".join(key)
+
+
+def candidates(problem: Problem, transport: str, target: str) -> list[str]:
+    """The schedules ``tune`` measures (see the module docstring), checked before any.
+
+    >>> candidates(Problem(4, 8, (8,), "float32", 2), "dma", "cpu") == schedules.names()
+    True
+    """
+    forced = config.tune_candidates()
+    if not forced:
+        return schedules.offered(target, transport, problem.op)
+    for name in forced:
+        try:
+            schedule = schedules.get(name, op=problem.op)
+        except InvalidArgumentError as exc:
+            raise ConfigError(f"FICCO_TUNE_CANDIDATES: {exc}") from None
+        why = schedule.unavailable_reason(target, transport) \
+            if getattr(schedule, "optional", False) else None
+        if why is not None:
+            raise ConfigError(f"FICCO_TUNE_CANDIDATES names {name}, which cannot run on "
+                              f"{target} over {transport}: {why}")
+    return list(forced)
 
 
 def cache_path() -> Path:
@@ -80,13 +113,14 @@ def _write_file(path: Path, key: str, entry: dict) -> None:
                           f"FICCO_CACHE_DIR to a writable directory") from None
 
 
-def lookup(key: str, persist: bool = True) -> dict | None:
-    """The cached entry ``{"schedule", "scores"}`` for ``key`` (memory, then file)."""
+def lookup(key: str, persist: bool = True, known: list[str] | None = None) -> dict | None:
+    """The cached entry ``{"schedule", "scores"}`` for ``key`` (memory, then file); a file
+    entry counts only if its schedule is one of ``known`` (default: ``names()``)."""
     with _lock:
         entry = _memory.get(key)
     if entry is None and persist:
         entry = _read_file(cache_path()).get(key)
-        if entry is not None and entry.get("schedule") in schedules.names():
+        if entry is not None and entry.get("schedule") in (known or schedules.names()):
             with _lock:
                 _memory[key] = entry
         else:
@@ -105,10 +139,11 @@ def tune_choice(problem: Problem, *, transport: str, target: str, topology: str,
     the file, and one rank measuring while another reads its cache would deadlock, so a file
     entry is used only when all ranks have it. Memory hits need no agreement: every rank fills
     its memory at the same call."""
-    key = cache_key(problem, transport, target, topology)
+    names = candidates(problem, transport, target)
+    key = cache_key(problem, transport, target, topology, names)
     entry = lookup(key, persist=False)
     if entry is None and persist:
-        entry = lookup(key, persist=True)
+        entry = lookup(key, persist=True, known=names)
         if agree is not None and not agree(entry is not None):
             with _lock:
                 _memory.pop(key, None)
@@ -121,7 +156,7 @@ def tune_choice(problem: Problem, *, transport: str, target: str, topology: str,
             "selector 'tune' needs a measure(schedule) callable; it is given by "
             "ficco.all_gather_matmul/explain on a live group. Use selector 'model' or 'paper' "
             "offline, or set FICCO_SELECTOR=model")
-    scores = {name: float(measure(name)) for name in schedules.names(op=problem.op)}
+    scores = {name: float(measure(name)) for name in names}
     best = min(scores, key=lambda name: (scores[name], name))
     entry = {"schedule": best, "scores": scores}
     with _lock:
