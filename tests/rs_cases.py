@@ -138,6 +138,39 @@ def disagree(rank, world):
     return "no error"
 
 
+def disagree_on_cached_shapes(rank, world, seed):
+    """Both shapes agreed and cached, then rank 0 calls with the other one (dma): every rank
+    raises MismatchError at the plan's first barrier (the call flag), and the next calls in
+    step are right against float64."""
+    from ficco.errors import MismatchError
+
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"small": (4 * world, 6), "large": (6 * world, 6)}
+    b = torch.randn(6, 5, generator=gen, dtype=torch.float64)
+    out = []
+
+    def call(name):
+        a = torch.randn(*shapes[name], generator=torch.Generator().manual_seed(seed + rank),
+                        dtype=torch.float64)
+        got = ficco.matmul_reduce_scatter(a.float(), b.float(), schedule="uniform-fused-1d")
+        parts = [torch.randn(*shapes[name], generator=torch.Generator().manual_seed(seed + r),
+                             dtype=torch.float64) @ b for r in range(world)]
+        rows = shapes[name][0] // world
+        ref = sum(parts)[rank * rows:(rank + 1) * rows]
+        return float((got.double() - ref).abs().max() / ref.abs().max())
+
+    with config.scope(transport="dma", timeout=20):
+        out += [call("small"), call("large")]
+        try:
+            call("small" if rank == 0 else "large")
+            out.append("returned")
+        except MismatchError as exc:
+            out.append("mismatch" if "different call" in str(exc) else str(exc))
+        out.append(call("small"))
+    ficco.shutdown()
+    return out
+
+
 def survivors_fail(rank, world, dead):
     """Rank ``dead`` exits mid-way; the others raise (timeout or comm error), never hang."""
     import os

@@ -217,6 +217,15 @@ def test_ranks_that_disagree_all_get_mismatch():
     assert harness.pool(2).run(disagree) == ["mismatch", "mismatch"]
 
 
+def test_disagreement_on_a_cached_shape_raises_on_every_rank():
+    from .rs_cases import disagree_on_cached_shapes
+
+    for small, large, mismatched, again in harness.pool(3).run(disagree_on_cached_shapes,
+                                                               random.randrange(1 << 30)):
+        assert small < 1e-5 and large < 1e-5 and again < 1e-5, (small, large, again)
+        assert mismatched == "mismatch", mismatched
+
+
 def test_dead_peer_makes_the_others_fail_not_hang():
     from .rs_cases import survivors_fail
 
