@@ -270,17 +270,21 @@ def test_host_enqueue_cost_bounds_plans_of_many_small_ops():
             assert times["uniform-unfused-1d"] > times["serial"], times
 
 
-def test_paper_implementation_adds_gathers_only_to_fused_schedules():
+def test_paper_implementation_adds_gathers_only_to_fused_1d_schedules():
+    """The paper's fused 1D GEMMs gather and scatter; its emulated 2D copies land where the
+    GEMM reads them (no gather), and no 2D copy is left."""
     problem = table_i_problem("g6", scale=16)
+    # 2D copies priced as the 1D copies that emulate them, so the plans differ only in moves.
+    emulated = dataclasses.replace(MI300X, copy_2d_half_row_bytes=0.0, copy_2d_on_dma=True)
     for name in PAPER_FOUR:
         plan = schedules.get(name).plan(problem, "dma")
         paper = validate.as_paper_implemented(plan)
         added = sum(1 for op in paper.ops if op.queue in ("gather", "scatter"))
-        assert (added > 0) == ("-fused-" in name), name
+        assert (added > 0) == ("-fused-" in name and name.endswith("-1d")), name
         assert not any(op.kind == "copy_2d" for op in paper.ops)
         # Extra memory moves never make the plan faster.
-        assert simulator.simulate(paper, MI300X).makespan_s >= \
-            simulator.simulate(plan, MI300X).makespan_s * (1 - 1e-9)
+        assert simulator.simulate(paper, emulated).makespan_s >= \
+            simulator.simulate(plan, emulated).makespan_s * (1 - 1e-9)
 
 
 def test_validation_table_rows_name_a_source_and_a_predictor():
@@ -293,3 +297,63 @@ def test_validation_table_rows_name_a_source_and_a_predictor():
     assert validate.relative_error(1.5, "1..2") == 0.0
     assert validate.relative_error(3.0, "1..2") == pytest.approx(0.5)
     assert validate.relative_error(1.1, "1.0") == pytest.approx(0.1)
+
+
+TWO_D = [n for n in schedules.names() if n.endswith("-2d")]
+
+
+@pytest.mark.parametrize("base", [MI300X, H100], ids=["mi300x", "h100"])
+def test_2d_copies_on_compute_units_never_price_a_2d_schedule_cheaper(base):
+    """Issue 15 item 9: where 2-D copies run as kernels (ROCm's hipMemcpy2DAsync ignores the
+    NoCU kind), a 2D schedule is never predicted faster than with the same copies on DMA
+    engines, and the flag is not ignored: some schedule gets slower."""
+    import random
+
+    rng = random.Random()
+    on_dma = dataclasses.replace(base, copy_2d_on_dma=True)
+    on_cus = dataclasses.replace(base, copy_2d_on_dma=False)
+    shapes = [table_i_problem(name, scale=16) for name in ("g1", "g5", "g6")]
+    shapes += [gemm_problem(8 * rng.randint(64, 4096), 8 * rng.randint(64, 2048),
+                            rng.randint(512, 32768), 8) for _ in range(2)]
+    slower = 0
+    for problem in shapes:
+        for name in TWO_D:
+            dma_s = model.predict(name, problem, on_dma)
+            cu_s = model.predict(name, problem, on_cus)
+            assert cu_s >= dma_s * (1 - 1e-9), (name, problem)
+            slower += cu_s > dma_s * (1 + 1e-6)
+    assert slower > 0
+    # 1D schedules have no 2-D copy: the flag cannot move them.
+    problem = shapes[0]
+    assert model.predict("hetero-fused-1d", problem, on_cus) == \
+        pytest.approx(model.predict("hetero-fused-1d", problem, on_dma), rel=1e-12)
+
+
+def test_rocm_target_prices_2d_copies_on_compute_units(monkeypatch):
+    """The profile in force on a ROCm target says 2-D copies are not DMA, whatever profile
+    FICCO_PROFILE names; a CUDA target keeps the profile's own flag."""
+    from ficco.backends.rocm import RocmBackend
+
+    monkeypatch.delenv("FICCO_PROFILE", raising=False)
+    assert RocmBackend.copy_2d_on_dma is False
+    assert profiles.resolve("rocm:gfx942").copy_2d_on_dma is False
+    assert profiles.resolve("cuda:sm_90").copy_2d_on_dma is True
+    monkeypatch.setenv("FICCO_PROFILE", "h100")
+    assert profiles.load("h100").copy_2d_on_dma is True
+    assert profiles.resolve("rocm:gfx942").copy_2d_on_dma is False
+
+
+def test_a_gather_kernel_beside_a_gemm_costs_at_least_a_copy_engine_move():
+    """A local move on a compute queue (a kernel on the CUs, like the paper's gathers) slows a
+    GEMM beside it more than the same move on a copy engine (it takes CUs from it)."""
+    p = table_i_problem("g2", scale=4)
+    a = Block("input", 0, p.m, 0, p.k)
+    out = Block("out", 0, p.m, 0, p.ns[0], index=0)
+    moved = Block("gathered", 0, p.m, 0, p.k)
+    times = {}
+    for queue in ("copy0", "gather"):
+        plan = Plan("probe", "dma", p, (COMPUTE, queue),
+                    (Gemm(COMPUTE, (a,), (out,), 0, 0, p.k), Copy(queue, moved, moved)))
+        times[queue] = simulator.simulate(plan, MI300X).makespan_s
+    assert MI300X.ccl["compute_unit_fraction"] > 0
+    assert times["gather"] > times["copy0"] * (1 + 1e-6)

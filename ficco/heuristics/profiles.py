@@ -23,6 +23,8 @@ JSON schema (every key at top level; units in the names)::
       "copy_latency_s": 1e-05,                 # fixed cost of one DMA copy
       "copy_efficiency": {"65536": 0.3, ...},  # copy size in bytes -> fraction of bandwidth
       "copy_2d_half_row_bytes": 256,           # 2D copy row width at which efficiency halves
+      "copy_2d_on_dma": true,                  # false: the runtime runs 2-D peer copies as
+                                               # kernels on compute units (ROCm)
       "barrier_latency_s": 1e-05,              # cross-rank barrier over symmetric memory
       "host_op_s": 1.4e-05,                    # host time to enqueue one plan op (eager)
       "pcie_aggregate_bytes_per_s": 7.9e10,    # all GPUs' peer traffic through the host, total
@@ -68,7 +70,7 @@ import json
 import logging
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -88,6 +90,7 @@ DEFAULTS = {
     "copy_efficiency": {"4096": 0.05, "65536": 0.3, "1048576": 0.75, "16777216": 0.92,
                         "268435456": 0.97},
     "copy_2d_half_row_bytes": 256.0,
+    "copy_2d_on_dma": True,
     "barrier_latency_s": 10e-6,
     # Eager enqueue cost per plan op, fitted on one H100 (bench/results/h100/enqueue.jsonl:
     # enqueue ~ 0.25 ms + 14 us x ops over the eleven W=8 plans, 32 to 248 ops each). It is
@@ -131,6 +134,7 @@ class Profile:
     copy_latency_s: float = DEFAULTS["copy_latency_s"]
     copy_efficiency: dict = field(default_factory=lambda: dict(DEFAULTS["copy_efficiency"]))
     copy_2d_half_row_bytes: float = DEFAULTS["copy_2d_half_row_bytes"]
+    copy_2d_on_dma: bool = DEFAULTS["copy_2d_on_dma"]
     barrier_latency_s: float = DEFAULTS["barrier_latency_s"]
     host_op_s: float = DEFAULTS["host_op_s"]
     dil: dict = field(default_factory=lambda: dict(DEFAULTS["dil"]))
@@ -320,7 +324,35 @@ def _local_device_name() -> str | None:
 
 
 def resolve(target: str = "cpu") -> Profile:
-    """The profile in force: ``FICCO_PROFILE`` (name or path) if set, else :func:`detect`."""
+    """The profile in force: ``FICCO_PROFILE`` (name or path) if set, else :func:`detect`.
+    On a target whose backend runs 2-D copies on compute units (ROCm:
+    ``RocmBackend.copy_2d_on_dma``) the profile says so whatever its file says, so the
+    ``model`` selector never prices ``*-2d`` schedules' copies as DMA there.
+
+    >>> resolve("rocm:gfx942").copy_2d_on_dma
+    False
+    """
     from .. import config
 
-    return load(config.profile() or detect(target))
+    profile = load(config.profile() or detect(target))
+    if profile.copy_2d_on_dma and not target_copies_2d_on_dma(target):
+        profile = replace(profile, copy_2d_on_dma=False)
+    return profile
+
+
+def target_copies_2d_on_dma(target: str) -> bool:
+    """Whether the backend of ``target`` ("rocm:gfx942", "cuda:sm_90", "cpu") runs 2-D peer
+    copies on DMA engines: its backend class's ``copy_2d_on_dma`` (True when it has none or
+    cannot be imported here).
+
+    >>> target_copies_2d_on_dma("rocm:gfx942"), target_copies_2d_on_dma("cuda:sm_90")
+    (False, True)
+    """
+    from ..backends import backend_class
+    from ..errors import BackendUnavailableError
+
+    vendor = target.split(":")[0]
+    try:
+        return bool(getattr(backend_class(vendor), "copy_2d_on_dma", True))
+    except BackendUnavailableError:
+        return True

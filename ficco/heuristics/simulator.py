@@ -16,7 +16,9 @@ Cost model (every number from :class:`~ficco.heuristics.profiles.Profile`):
   rows). On a ``mesh`` each peer has its own link, so one busy peer uses 1 of W-1 links; on a
   ``switch`` all concurrent copies share the GPU's bandwidth; over ``pcie`` every GPU's copies
   also share the host's aggregate bandwidth with the other W-1 GPUs. At most
-  ``copy_engines`` copies progress at once.
+  ``copy_engines`` copies progress at once. Where the runtime runs 2-D copies as kernels
+  (profile ``copy_2d_on_dma: false``; ROCm's ``hipMemcpy2DAsync`` ignores the NoCU kind), a
+  2-D peer copy is a CU copy: same link, but it contends with the GEMM like a collective.
 - Contention (CIL, paper Fig. 8): a GEMM next to ``c`` flowing copies slows by
   ``1 + cil.dma_gemm x s(MT) x (c / copy_engines)^cil.gemm_copies_exp`` and each copy by
   ``1 + cil.dma_copy x s(MT) x (c / copy_engines)^cil.copy_copies_exp``, where
@@ -25,8 +27,9 @@ Cost model (every number from :class:`~ficco.heuristics.profiles.Profile`):
   not only on link utilisation: one shard-sized copy beside a GEMM (shard-level overlap)
   already costs most of what seven do. Collectives (``ccl``) run on compute units: they take
   ``ccl.compute_unit_fraction`` of the GEMM's CUs and use the larger ``ccl_*`` factors.
-- Local copies: memory-bound moves (read + write) on the compute engines; beside a GEMM each
-  slows the other as the full set of copy engines would.
+- Local copies: memory-bound moves (read + write). On a copy queue (a copy engine) a GEMM
+  beside it slows as beside the full set of copy engines; on any other queue it is a kernel
+  on the compute units (the paper's gathers and scatters) and contends like a collective.
 - Host launch: op i of the plan (events included) is enqueued at ``(i + 1) x host_op_s``
   and cannot start earlier; eager calls of plans with hundreds of ops are launch bound when
   the GEMM is small (set ``host_op_s`` to 0 in a profile for CUDA-graph replays).
@@ -73,7 +76,7 @@ class SimResult:
 
 @dataclass
 class _Task:
-    category: str            # gemm | dma | ccl | mem | sync
+    category: str            # gemm | dma | cu_copy | ccl | mem | cu_mem | sync
     fixed_s: float           # latency part, not slowed by anyone
     work_s: float            # bandwidth/compute part at solo speed
     resource: tuple = ()     # which link a dma copy uses
@@ -81,19 +84,25 @@ class _Task:
     mt_factor: float = 0.0   # s(MT) of a GEMM, in [0, 1)
 
 
-def simulate(plan: Plan, profile: Profile, topology: str | None = None) -> SimResult:
-    """Time ``plan`` on ``profile`` (``topology`` overrides the profile's). See module doc."""
-    return _Simulation(plan, profile, topology or profile.topology).run()
+def simulate(plan: Plan, profile: Profile, topology: str | None = None,
+             wide_outputs: bool | None = None) -> SimResult:
+    """Time ``plan`` on ``profile`` (``topology`` overrides the profile's). See module doc.
+    ``wide_outputs=False`` prices a plan whose GEMMs add into the low-precision output
+    itself (no float32 outputs, no cast pass), as the FiCCO paper's additive GEMMs did;
+    ``None`` follows :meth:`Plan.wide_outputs` as the runtime does."""
+    return _Simulation(plan, profile, topology or profile.topology, wide_outputs).run()
 
 
 class _Simulation:
-    def __init__(self, plan: Plan, profile: Profile, topology: str):
+    def __init__(self, plan: Plan, profile: Profile, topology: str,
+                 wide_outputs: bool | None = None):
         plan, origin = _lower_gated(plan)
         self.plan, self.profile, self.topology = plan, profile, topology
         self.problem = plan.problem
         self.itemsize = self.problem.itemsize
         # bf16/fp16 partial sums accumulate in a float32 output, rounded once at the end.
-        self.out_itemsize = 4 if plan.wide_outputs() else self.itemsize
+        wide = plan.wide_outputs() if wide_outputs is None else wide_outputs
+        self.out_itemsize = 4 if wide and self.itemsize < 4 else self.itemsize
         self.link_bytes_per_s = profile.link_for(topology, self.problem.world)
         peers = max(self.problem.world - 1, 1)
         self.ingress_bytes_per_s = self.link_bytes_per_s * (peers if topology == "mesh" else 1)
@@ -202,41 +211,50 @@ class _Simulation:
         """Speed of every running op (1 = as fast as when alone) given who else runs."""
         prof, cil = self.profile, self.profile.cil
         flowing = {i: t for i, t in active.items() if t.fixed_s <= 0}
-        copies = [t for t in flowing.values() if t.category == "dma"]
-        # Only copy_engines copies move at once; the engines are then shared over the links.
-        engine_share = min(1.0, prof.copy_engines / len(copies)) if copies else 1.0
+        # Peer copies: on copy engines ("dma") or, where the runtime runs them as kernels
+        # (ROCm's 2-D copies), on compute units ("cu_copy"); both cross the same links.
+        copies = [t for t in flowing.values() if t.category in ("dma", "cu_copy")]
+        engine_copies = sum(t.category == "dma" for t in copies)
+        # Only copy_engines DMA copies move at once; the engines are then shared over the links.
+        engine_share = min(1.0, prof.copy_engines / engine_copies) if engine_copies else 1.0
         demand_by_link: dict[tuple, float] = {}
         for t in copies:
             demand_by_link[t.resource] = demand_by_link.get(t.resource, 0.0) \
-                + t.demand * engine_share
+                + t.demand * (engine_share if t.category == "dma" else 1.0)
         link_cap = self.link_bytes_per_s
-        share = {link: (min(1.0, link_cap / d) if d > 0 else 1.0) * engine_share
+        share = {link: min(1.0, link_cap / d) if d > 0 else 1.0
                  for link, d in demand_by_link.items()}
         gemm_mt = max((t.mt_factor for t in flowing.values() if t.category == "gemm"), default=None)
-        ccl_running = any(t.category == "ccl" for t in flowing.values())
-        # A memory-bound kernel beside the GEMM (a gather, a reduction) takes compute units
-        # and HBM bandwidth from it: priced like the full set of copy engines streaming.
+        # Kernels that move data on compute units (a collective, a CU copy, a gather or
+        # scatter kernel) take CUs from the GEMM and contend more than DMA engines (paper
+        # Fig. 3d and Fig. 8: core-driven communication against DMA).
+        cu_running = any(t.category in ("ccl", "cu_copy", "cu_mem") for t in flowing.values())
+        # A local copy on a copy engine beside the GEMM takes HBM bandwidth from it: priced
+        # like the full set of copy engines streaming.
         mem_running = any(t.category == "mem" for t in flowing.values())
         rates = {}
         for i, t in active.items():
             rate = 1.0   # latency phases and barriers are never slowed
             if t.fixed_s > 0:
                 pass
-            elif t.category == "dma":
-                rate = share[t.resource]
+            elif t.category in ("dma", "cu_copy"):
+                rate = share[t.resource] * (engine_share if t.category == "dma" else 1.0)
                 if gemm_mt is not None:
-                    rate /= dma_contention(prof, gemm_mt, len(copies))[1]
+                    slowdown = dma_contention(prof, gemm_mt, len(copies))[1]
+                    if t.category == "cu_copy":
+                        slowdown = max(slowdown, 1 + cil["ccl_copy"] * gemm_mt)
+                    rate /= slowdown
             elif t.category == "ccl" and gemm_mt is not None:
                 rate /= 1 + cil["ccl_copy"] * gemm_mt
             elif t.category == "gemm":
                 slowdown = dma_contention(prof, t.mt_factor, len(copies))[0] if copies else 1.0
                 if mem_running:
                     slowdown += dma_contention(prof, t.mt_factor, prof.copy_engines)[0] - 1
-                if ccl_running:
+                if cu_running:
                     slowdown += cil["ccl_gemm"] * t.mt_factor
                     slowdown /= 1 - prof.ccl["compute_unit_fraction"]
                 rate = 1 / slowdown
-            elif t.category == "mem":
+            elif t.category in ("mem", "cu_mem"):
                 slowdown = dma_contention(prof, 1.0, len(copies))[0]
                 if gemm_mt is not None:
                     slowdown += dma_contention(prof, gemm_mt, prof.copy_engines)[1] - 1
@@ -284,11 +302,18 @@ class _Simulation:
         return mt_factor(self.profile, traffic_bytes)
 
     def _price_copy_1d(self, op) -> _Task:
+        """A peer copy on a copy engine (``dma``), or on compute units (``cu_copy``) when it is
+        2-D and the profile says 2-D copies are not DMA (``copy_2d_on_dma``: ROCm's
+        hipMemcpy2DAsync runs a kernel). A local move on a copy queue is a copy engine's
+        (``mem``); on any other queue (the paper's gathers and scatters) a kernel (``cu_mem``)."""
         peer = op.src.peer if op.src.peer is not None else op.dst.peer
         nbytes = op.src.numel * self.itemsize
         if peer is None or peer == self.problem.rank:
-            return self._memory_move(nbytes)
-        return self._dma(peer, nbytes, op.src.cols * self.itemsize if op.two_d else None)
+            return self._memory_move(nbytes, on_copy_engine=op.queue.startswith("copy"))
+        task = self._dma(peer, nbytes, op.src.cols * self.itemsize if op.two_d else None)
+        if op.two_d and not self.profile.copy_2d_on_dma:
+            task.category = "cu_copy"
+        return task
 
     _price_copy_2d = _price_copy_1d
 
@@ -337,11 +362,13 @@ class _Simulation:
         link = ("link", peer) if self.topology == "mesh" else ("gpu",)
         return _Task("dma", prof.copy_latency_s, nbytes / demand, link, demand)
 
-    def _memory_move(self, nbytes: int) -> _Task:
-        """A memory-bound local move (read + write) on the compute engines."""
+    def _memory_move(self, nbytes: int, on_copy_engine: bool = True) -> _Task:
+        """A memory-bound local move (read + write): on a copy engine, or a kernel on the
+        compute units (which a GEMM beside it feels like a collective's kernel)."""
         dil = self.profile.dil
         bandwidth = self.profile.hbm_bytes_per_s * dil["memory_efficiency"]
-        return _Task("mem", dil["launch_s"] if nbytes else 0.0, 2 * nbytes / bandwidth)
+        return _Task("mem" if on_copy_engine else "cu_mem", dil["launch_s"] if nbytes else 0.0,
+                     2 * nbytes / bandwidth)
 
     def _collective(self, bytes_per_peer: int, peers: int) -> _Task:
         """A collective on compute units: on a mesh all peers' links run in parallel; on a
