@@ -1,44 +1,68 @@
-"""Host time the executor alone spends enqueueing one call, per schedule, at W = 8.
+"""Host time to enqueue one W = 8 call, per op and schedule: issue 18's table.
 
-The backend does nothing (every method returns at once) and the symmetric handle hands out
-plain CPU tensors, so what is timed is ficco/executor.py: resolving blocks to views, events,
-the op loop. Problem: rank 3 of 8, m=1024, K=8192, n=8192, bfloat16 (the GEMM of the GPU
-enqueue table in docs/gpu.md); the gathered buffer comes from the handle every call, as in
-ficco/api.py.
+Two ops, every schedule, rank 3 of 8 (null backend) or rank 0 of a pretend 8-rank group on one
+GPU (``--gpu``). Shapes, bfloat16: ``all_gather_matmul`` m=1024 rows per rank, K=8192, n=8192
+(the GEMM of the GPU enqueue table in docs/gpu.md); ``matmul_reduce_scatter`` its mirror,
+M=8192, K=1024 per rank, n=8192.
+
+- null backend (default, runs anywhere): every backend call returns at once, so what is timed
+  is ficco's executor, compiler and barrier protocol. The null backend prepares copies as the
+  GPU backends do (``copy_call_args``), so the bound-plan path is what runs.
+- ``--gpu``: the real CUDA/ROCm backend. The "peers" are other allocations on this GPU and
+  every barrier signals this rank's own pad (a loopback handle: the same driver calls as in a
+  real group, and every barrier passes), so each copy moves real bytes. Eager host us per call
+  and per op (median of 20, the GPU idle before each), the wall time to the GPU's end, the
+  host time of a CUDA graph replay of the same call, and the result's error against float32.
+- ``--compare REV``: also times the executor as it was at git revision REV (loaded from git
+  into this process), interleaved with today's, so before/after come from one run.
 
 Usage::
 
-    python bench/enqueue_overhead.py [--calls N] [--label TEXT] [--out FILE] [--cpu-e2e] [--gpu]
+    python bench/enqueue_overhead.py [--calls N] [--gpu] [--compare REV] [--op OP]
+                                     [--label TEXT] [--out FILE]
 
-prints one row per schedule (ops, median us per call and per op). ``--out`` appends the
-table to FILE. ``--cpu-e2e`` also times the real CPU backend end to end on 8 spawned ranks
-(slow to start; small GEMMs so the enqueue shows). ``--gpu`` also times the real GPU backend
-(rank 0 of a simulated 8-rank group on one GPU, peers are other buffers there): host us per
-eager call and per op, and per CUDA-graph replay, for every schedule (issue 18's targets:
-eager <= 150 us for serial, ring and the fused schedules, graph replay <= 60 us).
+``--out`` appends the printed tables to FILE (bench/results/enqueue-overhead-*.txt are the
+sets the docs cite, see bench/results/README.md).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import time
+import types
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
+from ficco import executor as current_executor  # noqa: E402
 from ficco import schedules  # noqa: E402
 from ficco.backends.base import Backend  # noqa: E402
-from ficco.executor import Buffers, execute  # noqa: E402
+from ficco.backends.gpu import copy_call_args  # noqa: E402
 from ficco.problem import Problem  # noqa: E402
 
-WORLD, RANK, M, K, N, DTYPE = 8, 3, 1024, 8192, 8192, torch.bfloat16
+WORLD, DTYPE = 8, torch.bfloat16
+OPS = ("all_gather_matmul", "matmul_reduce_scatter")
+
+
+def problem_of(op: str, rank: int) -> Problem:
+    if op == "all_gather_matmul":
+        return Problem(m=1024, k=8192, ns=(8192,), dtype="bfloat16", world=WORLD, rank=rank)
+    return Problem(m=8192, k=1024, ns=(8192,), dtype="bfloat16", world=WORLD, rank=rank,
+                   op=op)
+
+
+def workspace_numel(p: Problem) -> int:
+    return p.m * p.n_total if p.reduces else p.big_m * p.k
 
 
 class NullBackend(Backend):
-    """Every call returns at once: only the executor's own host time remains."""
+    """Every call returns at once: only ficco's own host time remains. Copies are prepared
+    (arguments computed, a no-op returned) the way the GPU backends prepare theirs."""
 
     name = "null"
 
@@ -72,12 +96,20 @@ class NullBackend(Backend):
         pass
 
     def copy(self, dst, src, queue):
-        pass
+        copy_call_args(dst, src)
 
     def copy_2d(self, dst, src, queue):
-        pass
+        copy_call_args(dst, src, True)
+
+    def prepare_copy(self, dst, src, two_d=False):
+        self.prepared = getattr(self, "prepared", 0) + 1
+        copy_call_args(dst, src, two_d)
+        return _ignore
 
     def gemm(self, a, b, out, accumulate, queue):
+        pass
+
+    def gemm_current(self, a, b, out, accumulate):
         pass
 
     def launch(self, queue, fn):
@@ -104,11 +136,15 @@ class NullBackend(Backend):
         return None
 
 
+def _ignore(queue):
+    pass
+
+
 class StubHandle:
     """A symmetric handle whose peers are plain (untouched, so unbacked) CPU tensors."""
 
-    def __init__(self, world: int, numel: int):
-        self.rank, self.world, self.nbytes = RANK, world, numel * 2
+    def __init__(self, rank: int, world: int, numel: int):
+        self.rank, self.world, self.nbytes = rank, world, numel * 2
         self._data = [torch.empty(numel, dtype=DTYPE) for _ in range(world)]
         self._programs = {}
 
@@ -116,107 +152,232 @@ class StubHandle:
         return 0x1000 * owner + 4 * (channel * self.world + writer)   # an address, as on GPUs
 
     def get_buffer(self, rank, shape, dtype, offset=0):
-        numel = shape[0] * shape[1]
-        return self._data[rank][:numel].view(dtype).view(tuple(shape))
+        start = offset // 2
+        return self._data[rank][start: start + shape[0] * shape[1]].view(dtype).view(tuple(shape))
 
 
-def time_schedule(name: str, calls: int) -> tuple[int, float]:
-    problem = Problem(m=M, k=K, ns=(N,), dtype="bfloat16", world=WORLD, rank=RANK)
-    plan = schedules.get(name).plan(problem, "dma", None)
-    backend, handle = NullBackend(), StubHandle(WORLD, WORLD * M * K)
-    a, b = torch.empty(M, K, dtype=DTYPE), torch.empty(K, N, dtype=DTYPE)
+def load_executor(rev: str):
+    """ficco/executor.py as it was at git revision ``rev``, as a module of this process (its
+    relative imports resolve against today's package; the executor's own code is REV's)."""
+    source = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:ficco/executor.py"],
+                            check=True, capture_output=True, text=True).stdout
+    module = types.ModuleType(f"ficco._executor_{rev}")
+    module.__package__ = "ficco"
+    module.__file__ = f"{rev}:ficco/executor.py"
+    sys.modules[module.__name__] = module   # dataclasses look their module up
+    exec(compile(source, module.__file__, "exec"), module.__dict__)
+    return module
+
+
+def make_call(ex, plan, backend, handle, a, bs, device):
+    """One call as ficco/runtime.py makes it: fresh outputs (and landing buffers) each time,
+    this rank's workspace buffers from the handle. Returns (call, outs); call() returns the
+    host seconds of execute() alone."""
+    p = plan.problem
+    outs_box = []
 
     def call() -> float:
-        # Fresh outputs and gathered tensor each call, as in api.py; only execute() is timed.
-        out = torch.empty(WORLD * M, N, dtype=DTYPE)
-        gathered = handle.get_buffer(RANK, (WORLD * M, K), DTYPE)
-        buffers = Buffers(a, [b], [out], gathered, handle, None)
+        # The previous call's buffers are gone before this call allocates (as in the runtime:
+        # the caller keeps only the result), so an allocator may hand the same blocks back.
+        outs_box.clear()
+        outs = [torch.empty(p.block_rows if p.reduces else p.big_m, n, dtype=DTYPE,
+                            device=device) for n in p.ns]
+        if p.reduces:
+            buffers = ex.Buffers(a, bs, outs, None, handle, None,
+                                 partials=[handle.get_buffer(p.rank, (p.m, p.ns[0]), DTYPE)],
+                                 recvs=[torch.empty(p.world * p.block_rows, p.ns[0],
+                                                    dtype=DTYPE, device=device)],
+                                 partial_offsets=(0,))
+        else:
+            buffers = ex.Buffers(a, bs, outs, handle.get_buffer(p.rank, (p.big_m, p.k), DTYPE),
+                                 handle, None)
+        outs_box[:] = [buffers]
         t0 = time.perf_counter()
-        execute(plan, backend, buffers, timeout_s=60.0)
+        ex.execute(plan, backend, buffers, timeout_s=60.0)
         return time.perf_counter() - t0
 
-    for _ in range(5):
-        call()
-    times = [call() for _ in range(calls)]
-    return len(plan.ops), statistics.median(times)
+    return call, outs_box
 
 
-def cpu_end_to_end(rank, world, names, calls):
-    """On each of 8 spawned ranks: median seconds of ficco's real CPU path per schedule."""
-    import ficco
+# -- null backend -------------------------------------------------------------------------------
+def null_rows(op: str, calls: int, before) -> list[str]:
+    p = problem_of(op, rank=3)
+    rows = []
+    for name in schedules.names(op=op):
+        plan = schedules.get(name, op=op).plan(p, "dma", None)
+        handle = StubHandle(p.rank, WORLD, workspace_numel(p))
+        a = torch.empty(p.m, p.k, dtype=DTYPE)
+        bs = [torch.empty(p.k, n, dtype=DTYPE) for n in p.ns]
+        runs = {"now": (current_executor, NullBackend())}
+        if before is not None:
+            runs["before"] = (before, NullBackend())
+        made = {k: make_call(ex, plan, be, handle, a, bs, "cpu")[0]
+                for k, (ex, be) in runs.items()}
+        times = {k: [] for k in runs}
+        for _ in range(5):
+            for call in made.values():
+                call()
+        prepared0 = runs["now"][1].__dict__.get("prepared", 0)
+        rounds = 10
+        for _ in range(rounds):   # interleaved: drift on a shared box hits both alike
+            for k, call in made.items():
+                times[k] += [call() for _ in range(max(1, calls // rounds))]
+        prepared = (runs["now"][1].__dict__.get("prepared", 0) - prepared0) / len(times["now"])
+        ops = len(plan.ops)
+        now = statistics.median(times["now"]) * 1e6
+        line = f"{op:<22} {name:<20} {ops:>4} {now:>9.1f} {now / ops:>7.2f} {prepared:>8.1f}"
+        if before is not None:
+            old = statistics.median(times["before"]) * 1e6
+            line += f" {old:>9.1f} {old / ops:>7.2f}"
+        rows.append(line)
+        print(line, flush=True)
+    return rows
 
-    torch.manual_seed(rank)
-    a = torch.randn(64, 256)
-    b = torch.randn(256, 64)
-    out = {}
-    for name in names:
-        for _ in range(3):
-            ficco.all_gather_matmul(a, b, schedule=name)
-        times = []
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            ficco.all_gather_matmul(a, b, schedule=name)
-            times.append(time.perf_counter() - t0)
-        out[name] = statistics.median(times)
-    return out
+
+# -- real GPU -----------------------------------------------------------------------------------
+class Loopback:
+    """Rank 0 of a pretend group on one GPU whose barriers signal its own pad: slot ``[ch,
+    writer]`` of a peer's pad is this rank's slot ``[ch, peer]``, so a barrier's writes set
+    exactly the slots its waits wait for (the same driver calls as in a real group; every
+    barrier passes, any number per call). Everything else is the real handle's."""
+
+    def __init__(self, handle):
+        self._handle, self._programs = handle, {}
+        self.rank, self.world = handle.rank, handle.world
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+    def slot(self, owner, channel, writer):
+        return self._handle.slot(self.rank, channel, writer if owner == self.rank else owner)
 
 
-def gpu_rows() -> list[str]:
-    """The same table on the real GPU backend, eager and graph replay (needs a GPU)."""
+def gpu_rows(ops, before) -> list[str]:
     from ficco.backends import get_backend
-    from ficco.bench.gpu_probes import measure_enqueue
+    from ficco.symm_mem.device import single_gpu_group
 
     backend = get_backend()
-    lines = [f"# real {backend.name} backend on {backend.target()}, W=8 rank 0 of a simulated "
-             f"group, m=1024 K=8192 n=8192 bf16, median of 20 eager calls",
-             f"{'schedule':<20} {'ops':>4} {'us/call':>9} {'us/op':>7} {'replay us':>10} "
-             f"{'wall ms':>8}"]
-    print("\n".join(lines), flush=True)
-    for rec in measure_enqueue(backend, quick=False):
-        replay = rec.get("graph_replay_enqueue_s")
-        replay_text = f"{replay * 1e6:>10.1f}" if replay is not None else \
-            f"{'n/a':>10} ({rec.get('graph_error', '')[:60]})"
-        lines.append(f"{rec['schedule']:<20} {rec['ops']:>4} {rec['enqueue_s'] * 1e6:>9.1f} "
-                     f"{rec['enqueue_s'] * 1e6 / rec['ops']:>7.2f} {replay_text} "
-                     f"{rec['call_wall_s'] * 1e3:>8.2f}")
-        print(lines[-1], flush=True)
-    return lines
+    dev = backend.device()
+    rows = []
+    for op in ops:
+        p = problem_of(op, rank=0)
+        nbytes = workspace_numel(p) * 2
+        real = single_gpu_group(backend, WORLD, nbytes)
+        handle = Loopback(real)
+        try:
+            for peer in range(1, WORLD):   # the peers' data: shards or partial products
+                handle.get_buffer(peer, (p.m if p.reduces else p.big_m,
+                                         p.n_total if p.reduces else p.k), DTYPE).normal_()
+            a = torch.randn(p.m, p.k, device=dev).to(DTYPE)
+            bs = [torch.randn(p.k, n, device=dev).to(DTYPE) for n in p.ns]
+            for name in schedules.names(op=op):
+                plan = schedules.get(name, op=op).plan(p, "dma", None)
+                line = f"{op:<22} {name:<20} {len(plan.ops):>4}"
+                for ex in [current_executor] + ([before] if before is not None else []):
+                    line += _gpu_measure(ex, plan, backend, handle, a, bs, dev)
+                rows.append(line)
+                print(line, flush=True)
+        finally:
+            backend.synchronize()
+            real.close()
+    return rows
+
+
+def _gpu_measure(ex, plan, backend, handle, a, bs, dev) -> str:
+    call, box = make_call(ex, plan, backend, handle, a, bs, dev)
+    for _ in range(3):
+        call()
+    backend.synchronize()
+    enqueue, wall = [], []
+    for _ in range(20):
+        backend.synchronize()
+        t0 = time.perf_counter()
+        enqueue.append(call())
+        backend.synchronize()
+        wall.append(time.perf_counter() - t0)
+    err = _rel_err(plan.problem, box[0], handle, a, bs)
+    replay = _graph_replay(call, box, plan.problem, handle, a, bs)
+    us = statistics.median(enqueue) * 1e6
+    return (f" {us:>9.1f} {us / len(plan.ops):>7.2f} {statistics.median(wall) * 1e3:>8.2f} "
+            f"{err:>8.1e} {replay:>12}")
+
+
+def _rel_err(p, buffers, handle, a, bs) -> float:
+    b = bs[0].float()
+    if p.reduces:
+        row0, rows = p.block(p.rank)
+        expect = (a.float() @ b)[row0: row0 + rows]
+        for peer in range(1, WORLD):
+            expect += handle.get_buffer(peer, (p.m, p.ns[0]), DTYPE)[row0: row0 + rows].float()
+    else:
+        full = torch.cat([a] + [handle.get_buffer(peer, (p.big_m, p.k), DTYPE)
+                                [peer * p.m: (peer + 1) * p.m] for peer in range(1, WORLD)])
+        expect = full.float() @ b
+    got = buffers.outs[0].float()
+    return float((got - expect).norm() / expect.norm())
+
+
+def _graph_replay(call, box, p, handle, a, bs) -> str:
+    """Host us of one replay of a CUDA graph of the call (and its error), or why none."""
+    try:
+        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            call()          # warm the side stream's allocator pool before capture
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            call()
+        captured = box[0]
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(20):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            graph.replay()
+            times.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        err = _rel_err(p, captured, handle, a, bs)
+        del graph
+        return f"{statistics.median(times) * 1e6:.1f} ({err:.0e})"
+    except Exception as exc:  # noqa: BLE001 - printed; the eager numbers still count
+        torch.cuda.synchronize()
+        return f"n/a: {type(exc).__name__}: {str(exc)[:50]}"
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--op", choices=OPS, default=None, help="one op only (default both)")
+    parser.add_argument("--gpu", action="store_true", help="the real GPU backend instead")
+    parser.add_argument("--compare", metavar="REV", default=None,
+                        help="also time ficco/executor.py as of git revision REV")
     parser.add_argument("--label", default="")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--cpu-e2e", action="store_true")
-    parser.add_argument("--gpu", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    lines = [f"# executor enqueue overhead, null backend, W={WORLD} rank {RANK}, "
-             f"m={M} K={K} n={N} bf16, median of {args.calls} calls {args.label}".rstrip(),
-             f"{'schedule':<20} {'ops':>4} {'us/call':>9} {'us/op':>7}"]
-    for name in schedules.names():
-        ops, seconds = time_schedule(name, args.calls)
-        lines.append(f"{name:<20} {ops:>4} {seconds * 1e6:>9.1f} {seconds * 1e6 / ops:>7.2f}")
-        print(lines[-1] if len(lines) > 3 else "\n".join(lines), flush=True)
-    if args.cpu_e2e:
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
-            os.path.abspath(__file__))), "tests"))
-        from harness import RankPool
-
-        pool = RankPool(WORLD, {"FICCO_POISON": "0", "FICCO_BACKEND": "cpu"})
-        try:
-            results = pool.run(cpu_end_to_end, schedules.names(), 20)
-        finally:
-            pool.close()
-        lines.append("# real CPU backend end to end, 8 ranks, 64x256 @ 256x64 fp32, "
-                     "median of 20 calls, slowest rank")
-        for name in schedules.names():
-            worst = max(r[name] for r in results)
-            lines.append(f"{name:<20} {'':>4} {worst * 1e6:>9.1f}")
-            print(lines[-1], flush=True)
+    before = load_executor(args.compare) if args.compare else None
+    ops = (args.op,) if args.op else OPS
+    cmp = f" vs ficco/executor.py at {args.compare}" if args.compare else ""
     if args.gpu:
-        lines += gpu_rows()
+        head = (f"# eager host time per W={WORLD} call, real backend on one GPU (loopback "
+                f"barriers), median of 20{cmp} {args.label}").rstrip()
+        cols = f"{'us/call':>9} {'us/op':>7} {'wall ms':>8} {'rel err':>8} {'replay us':>12}"
+    else:
+        head = (f"# host time per W={WORLD} call, null backend, median of {args.calls} calls"
+                f"{cmp} {args.label}").rstrip()
+        cols = f"{'us/call':>9} {'us/op':>7} {'prep/call':>8}"
+        if before is not None:
+            cols += f" {'before':>9} {'us/op':>7}"
+    lines = [head, f"{'op':<22} {'schedule':<20} {'ops':>4} {cols}"]
+    if before is not None and args.gpu:
+        lines.append(f"# (the same columns again for {args.compare})")
+    print("\n".join(lines), flush=True)
+    if args.gpu:
+        lines += gpu_rows(ops, before)
+    else:
+        for op in ops:
+            lines += null_rows(op, args.calls, before)
     if args.out:
         with open(args.out, "a") as fh:
             fh.write("\n".join(lines) + "\n\n")

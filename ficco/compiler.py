@@ -191,6 +191,11 @@ class CompiledPlan:
         every = sorted({src for _, sources in self.copies for src in sources}, key=repr)
         self.copy_sources = {True: tuple(s for s in every if s[0] not in SYMMETRIC_BUFFERS),
                              False: tuple(every)}
+        # Per-call views only prepared copies use (the reduce-scatter's 2-D landing chunks):
+        # not made while the prepared copies hold.
+        copy_only = {x for s in steps if s[0] in (COPY, COPY_2D) for x in s[2:4]}
+        copy_only -= _slots_used_by(steps)
+        self.lean_call_slots = tuple(i for i in self.call_slots if i not in copy_only)
         self._binding: Binding | None = None
 
     def _plan_splits(self, plan: Plan):
@@ -226,10 +231,11 @@ class CompiledPlan:
         return tuple(splits), covered
 
     # -- binding -------------------------------------------------------------------------------
-    def bind(self, backend, buffers: "Buffers") -> tuple[tuple, list]:
-        """``(steps, views)`` of one call on ``backend``: every slot's view, and the steps to
-        run, with the copies prepared by the backend (when it can) and kept from the last
-        call while the addresses they were prepared for still hold."""
+    def bind(self, backend, buffers: "Buffers", every_view: bool = False) -> tuple[tuple, list]:
+        """``(steps, views)`` of one call on ``backend``: the steps to run, with the copies
+        prepared by the backend (when it can) and kept from the last call while the addresses
+        they were prepared for still hold, and the views by slot (those only prepared copies
+        use are None unless ``every_view``: to run ``self.steps`` instead)."""
         symm = buffers.symm
         old = self._binding
         if old is not None and (old.backend is not backend or
@@ -246,7 +252,6 @@ class CompiledPlan:
                 old = None
             ws_views = old.ws_views if old is not None else \
                 self._make_views(self.workspace_slots, buffers, [None] * len(self.slots))
-        views = self.views(buffers, ws_views)
         prepare = getattr(backend, "prepare_copy", None)
         call_key = None
         if prepare is not None:
@@ -256,7 +261,9 @@ class CompiledPlan:
                              (_source_tensor(s, buffers)
                               for s in self.copy_sources[symm is not None]))
         if old is not None and old.call_key == call_key:
-            return old.steps, views
+            lean = prepare is not None and not every_view
+            return old.steps, self.views(buffers, ws_views, lean)
+        views = self.views(buffers, ws_views)
         steps = self._bound_steps(backend, prepare, old, call_key, symm is not None, views)
         ref = None
         if symm is not None:
@@ -297,14 +304,16 @@ class CompiledPlan:
             self._binding = None
 
     # -- views ----------------------------------------------------------------------------------
-    def views(self, buffers: "Buffers", ws_views: list | None = None) -> list:
+    def views(self, buffers: "Buffers", ws_views: list | None = None,
+              lean: bool = False) -> list:
         """Every slot's view for this call: the workspace's from ``ws_views`` when given
-        (kept by the binding), the rest made now."""
+        (kept by the binding), the rest made now (with ``lean``, not those only prepared
+        copies use)."""
         if ws_views is None:
             views = self._make_views(self.workspace_slots, buffers, [None] * len(self.slots))
         else:
             views = list(ws_views)
-        self._make_views(self.call_slots, buffers, views)
+        self._make_views(self.lean_call_slots if lean else self.call_slots, buffers, views)
         for source, shape, sizes, pieces in self.splits:
             t = _source_tensor(source, buffers)
             if t.shape != shape:   # not the canonical shape: one view at a time
@@ -325,6 +334,28 @@ class CompiledPlan:
                 base = bases[source] = (t, t.shape, t.stride(), t.storage_offset())
             out[i] = _make_view(base, spec)
         return out
+
+
+def _slots_used_by(steps) -> set:
+    """Slot numbers GEMMs, host tasks and gated GEMMs read (any int in a host task's
+    arguments counts: a rank number taken for a slot only keeps a view that is not needed)."""
+    used: set = set()
+
+    def walk(x):
+        if isinstance(x, (tuple, list)):
+            for y in x:
+                walk(y)
+        elif isinstance(x, int) and not isinstance(x, bool):
+            used.add(x)
+
+    for code, _, x, y, z, _w in steps:
+        if code == GEMM:
+            used.update((x, y, z))
+        elif code == LAUNCH:
+            walk(y)
+        elif code == GATED:
+            walk(x)
+    return used
 
 
 def _source_tensor(source, buffers: "Buffers") -> torch.Tensor:

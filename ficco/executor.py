@@ -84,7 +84,9 @@ def execute(plan: Plan, backend, buffers: Buffers, *, timeout_s: float,
     queues = [backend.queue(name) for name in compiled.queue_names]
     # plan.num_events events and the entry event; GPUs reuse theirs per compiled plan.
     *events, entry = backend.plan_events(compiled, plan.num_events + 1)
-    steps, views = compiled.bind(backend, buffers)
+    # traces and profiler ranges run per step (profiling: compiled.steps): every view made
+    profiled = profiling.recording()
+    steps, views = compiled.bind(backend, buffers, every_view=trace or profiled)
     if compiled.num_flags:   # zeroed on the compute queue, before the side queues start
         raise_pending_gated()
         buffers.flags = torch.zeros(compiled.num_flags, dtype=torch.int32,
@@ -96,7 +98,7 @@ def execute(plan: Plan, backend, buffers: Buffers, *, timeout_s: float,
         backend.wait(entry, queues[i])
     if trace:
         return _run_traced(compiled, steps, backend, buffers, queues, events, views, timeout_s)
-    if profiling.recording():   # named ranges for torch.profiler traces; off: one flag read
+    if profiled:   # named ranges for torch.profiler traces; off: one flag read
         profiling.run_with_ranges(compiled, lambda steps: _run(
             steps, backend, buffers, queues, events, views, timeout_s),
             lambda op: op_label(op, plan.problem.rank))
