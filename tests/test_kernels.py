@@ -276,6 +276,43 @@ def test_compiled_kernel_builds_for_gpus_and_polls_with_acquire_loads(target, dt
         assert "mfma" in asm["amdgcn"]
 
 
+def test_kernel_benchmark_code_path_runs_in_the_interpreter(tmp_path):
+    """``kernel --interpret``: the GPU benchmark's code (segments of both variants, flags
+    preset, sampled check against float64, the JSON) on CPU, so a GPU session does not find
+    a script bug; its times mean nothing and are not looked at."""
+    import json
+
+    from ficco.kernels.bench import main
+
+    out = tmp_path / "rows.json"
+    assert main(["kernel", "--interpret", "--shape", "48,64,40", "--world", "4", "--dtype",
+                 "bfloat16", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["variant"] for r in rows] == ["1d", "2d"]
+    assert all(r["M"] == 48 and r["n"] == 16 and r["max_rel_err_sampled"] < 1e-2 for r in rows)
+
+
+def test_one_device_timeline_command_runs_on_cpu(tmp_path):
+    """``python -m ficco.kernels.bench timeline`` (the GPU session's one-call check) runs end
+    to end here: W ranks spawned on the one device, a traced gated call, its result within
+    float32 rounding of float64, a mark per tile, none before its flag's signal op."""
+    import json
+
+    from ficco.kernels.bench import main
+
+    code = main(["timeline", "--world", "2", "--shape", "64,40,24", "--no-plots",
+                 "--out", str(tmp_path), "--warmup", "0", "--seed", str(random.randrange(99))])
+    assert code == 0
+    record = json.loads((tmp_path / "timeline.json").read_text())
+    assert record["schedule"] == "gated-1d" and record["max_abs_err"] < 1e-4
+    for rank in ("0", "1"):
+        marks = [r for r in record["measured_rows"][rank] if r.get("mark")]
+        assert sum(r["rows"] * r["cols"] for r in marks) == 64 * 20
+        assert record["chunks"][rank] and all(c["early"] == 0 for c in record["chunks"][rank])
+    trace = json.loads((tmp_path / "timeline-gated-1d.trace.json").read_text())
+    assert any(e["ph"] == "i" and e["cat"] == "gated_tile" for e in trace["traceEvents"])
+
+
 # -- on a GPU (skipped without one) --------------------------------------------------------------
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 

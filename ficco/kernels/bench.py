@@ -2,12 +2,18 @@
 
 ``kernel`` (needs a GPU): the gated GEMM with every arrival flag preset, against
 ``torch.matmul`` on the same device, for Table I layer shapes at per-rank TP sizes (``M``
-gathered rows, ``N / W`` weight columns, ``K``), in TFLOP/s; the arrival order and segment
-walk of a real W-rank call are kept (rank 0's segments). ``compile`` (no GPU): builds every
-autotune config of a device family offline, to catch a config that does not compile::
+gathered rows, ``N / W`` weight columns, ``K``), in TFLOP/s, both variants (1d: row chunks,
+2d: K chunks); the arrival order and segment walk of a real W-rank call are kept (rank 0's
+segments). Shapes that do not fit the free device memory are skipped and say so.
+
+``timeline`` (GPU or CPU): W ranks as processes on ONE device (gloo group, IPC symmetric
+memory on GPUs), one traced gated call, drawn as ``bench timeline`` draws it, with a mark per
+output tile when it saw its chunk's flag, and per chunk when its flags were raised and its
+tiles started. ``compile`` (no GPU): builds every autotune config of a device family offline::
 
     python -m ficco.kernels.bench kernel --world 8 --dtype bfloat16 --out /tmp/gated.json
-    python -m ficco.kernels.bench kernel --shape 65536,8192,8192 --two-d
+    python -m ficco.kernels.bench kernel --shape 65536,8192,8192 --variant 2d
+    python -m ficco.kernels.bench timeline --world 4 --schedule gated-1d --shape 8192,4096,4096
     python -m ficco.kernels.bench compile --target rocm:gfx942
 """
 from __future__ import annotations
@@ -29,15 +35,19 @@ def _problem(big_m: int, n: int, k: int, world: int, dtype: str) -> Problem:
 
 
 def kernel(args) -> list[dict]:
-    """TFLOP/s of the gated GEMM (flags preset) and of torch.matmul, per shape."""
-    from triton.testing import do_bench
-
+    """TFLOP/s of the gated GEMM (flags preset) and of torch.matmul, per shape and variant."""
     from . import configs, unavailable_reason
     from .gated_gemm import Segment, check_error, gated_gemm
 
-    if not torch.cuda.is_available():
-        raise BackendUnavailableError("the kernel benchmark needs a CUDA or ROCm GPU")
-    target = configs.current_target()
+    if args.interpret:   # the same code path on CPU, tiny shapes: checks the script, not speed
+        dev, target, do_bench = "cpu", "cpu", _wall_ms
+    else:
+        from triton.testing import do_bench
+
+        if not torch.cuda.is_available():
+            raise BackendUnavailableError("the kernel benchmark needs a CUDA or ROCm GPU "
+                                          "(--interpret runs its code path on CPU)")
+        dev, target = "cuda", configs.current_target()
     reason = unavailable_reason(target)
     if reason:
         raise BackendUnavailableError(reason)
@@ -45,36 +55,153 @@ def kernel(args) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     shapes = [(name, shape) for name, shape in PAPER_TABLE_I.items()] if not args.shape else \
         [(s, tuple(int(v) for v in s.split(","))) for s in args.shape]
+    variants = ["1d", "2d"] if args.variant == "both" else [args.variant]
     rows = []
     for name, (big_m, n, k) in shapes:
         p = _problem(big_m, n, k, args.world, args.dtype)
-        op = next(o for o in Gated(two_d=args.two_d).plan(p, "dma").ops
-                  if o.kind == "gated_gemm")
-        segments = tuple(Segment(*s) for s in op.segments)
-        a = torch.randn(p.big_m, k, device="cuda", dtype=dtype)
-        b = torch.randn(k, p.ns[0], device="cuda", dtype=dtype)
-        c = torch.empty(p.big_m, p.ns[0], device="cuda", dtype=dtype)
-        flags = torch.ones(op.num_flags, dtype=torch.int32, device="cuda")
-        local = a[:p.m]
-        err = gated_gemm(local, a, b, c, segments, flags, local_row0=0, family=family)
-        torch.cuda.synchronize()
-        check_error(err)
-        worst = float(((c.float() - (a.float() @ b.float())).abs().max()
-                       / (a.float().abs() @ b.float().abs()).max()))
-        gated_ms = do_bench(lambda: gated_gemm(local, a, b, c, segments, flags, local_row0=0,
-                                               err=err, family=family))
+        need = (p.big_m * k + k * p.ns[0] + p.big_m * p.ns[0]) * dtype.itemsize
+        free = torch.cuda.mem_get_info()[0] if dev == "cuda" else need
+        if need > 0.85 * free and dev == "cuda":
+            print(f"{name:<10} skipped: needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free",
+                  flush=True)
+            rows.append({"scenario": name, "skipped": f"needs {need} bytes, {free} free"})
+            continue
+        a = torch.randn(p.big_m, k, device=dev, dtype=dtype)
+        b = torch.randn(k, p.ns[0], device=dev, dtype=dtype)
+        c = torch.empty(p.big_m, p.ns[0], device=dev, dtype=dtype)
+        # The reference on a sample of rows: a float copy of the whole A would not fit.
+        sample = torch.randperm(p.big_m, device=dev)[:2048]
+        ref = a[sample].double() @ b.double()
+        scale = (a[sample].double().abs() @ b.double().abs()).max()
         torch_ms = do_bench(lambda: torch.matmul(a, b, out=c))
         flop = 2 * p.big_m * p.ns[0] * k
-        row = {"scenario": name, "M": p.big_m, "n": p.ns[0], "K": k, "world": args.world,
-               "two_d": args.two_d, "dtype": args.dtype, "target": target,
-               "gated_tflops": flop / gated_ms / 1e9, "torch_tflops": flop / torch_ms / 1e9,
-               "max_rel_err": worst}
-        row["ratio"] = row["gated_tflops"] / row["torch_tflops"]
-        rows.append(row)
-        print(f"{name:<10} M={p.big_m:<6} n={p.ns[0]:<6} K={k:<6} gated "
-              f"{row['gated_tflops']:7.1f} TFLOP/s  torch {row['torch_tflops']:7.1f}  "
-              f"ratio {row['ratio']:.2f}  err {worst:.1e}", flush=True)
+        for variant in variants:
+            op = next(o for o in Gated(two_d=variant == "2d").plan(p, "dma").ops
+                      if o.kind == "gated_gemm")
+            segments = tuple(Segment(*s) for s in op.segments)
+            flags = torch.ones(op.num_flags, dtype=torch.int32, device=dev)
+            local = a[:p.m]
+            c.fill_(float("nan"))
+            err = gated_gemm(local, a, b, c, segments, flags, local_row0=0, family=family)
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            check_error(err)
+            worst = float((c[sample].double() - ref).abs().max() / scale)
+            gated_ms = do_bench(lambda: gated_gemm(local, a, b, c, segments, flags,
+                                                   local_row0=0, err=err, family=family))
+            row = {"scenario": name, "M": p.big_m, "n": p.ns[0], "K": k, "world": args.world,
+                   "variant": variant, "dtype": args.dtype, "target": target,
+                   "gated_ms": gated_ms, "torch_ms": torch_ms,
+                   "gated_tflops": flop / gated_ms / 1e9, "torch_tflops": flop / torch_ms / 1e9,
+                   "max_rel_err_sampled": worst}
+            row["ratio"] = row["gated_tflops"] / row["torch_tflops"]
+            rows.append(row)
+            print(f"{name:<10} {variant} M={p.big_m:<7} n={p.ns[0]:<6} K={k:<6} gated "
+                  f"{row['gated_tflops']:7.1f} TFLOP/s  torch {row['torch_tflops']:7.1f}  "
+                  f"ratio {row['ratio']:.2f}  err {worst:.1e}", flush=True)
+        a = b = c = ref = None   # free this shape's buffers before the next one
+        if dev == "cuda":
+            torch.cuda.empty_cache()
     return rows
+
+
+def _wall_ms(fn) -> float:
+    """Milliseconds of one call by the host clock (``--interpret``: no GPU events)."""
+    import time
+
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def _timeline_rank(rank, world, init_file, args, env):
+    """One rank of ``timeline``: join a gloo group (so several ranks can share one GPU), run
+    one traced gated call under TileTrace, gather the rows; rank 0 writes the files."""
+    import datetime
+    import os
+
+    os.environ.update(env)
+    import torch.distributed as dist
+
+    from .. import api, config
+    from ..backends import get_backend
+    from ..bench import timeline
+    from ..bench.scenarios import Scenario
+    from .launch import TileTrace
+
+    torch.set_num_threads(1)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=300))
+    try:
+        backend = get_backend()
+        device = backend.device()
+        dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else
+                                              "float32"))
+        big_m, n, k = (int(v) for v in args.shape.split(","))
+        m, n_local = big_m // world, max(1, n // world)
+        gen = torch.Generator().manual_seed(args.seed)   # every rank builds every shard
+        shards = [torch.randn(m, k, generator=gen) for _ in range(world)]
+        b = (torch.randn(k, n_local, generator=gen) / k ** 0.5)
+        a_dev, b_dev = shards[rank].to(device, dtype), b.to(device, dtype)
+        with config.scope(transport="dma"):
+            for _ in range(args.warmup):
+                api.all_gather_matmul(a_dev, b_dev, schedule=args.schedule)
+            backend.synchronize()
+            with TileTrace() as tiles:
+                out, plan, rows = api.traced_all_gather_matmul(a_dev, b_dev,
+                                                               schedule=args.schedule)
+            backend.synchronize()
+        rows = rows + timeline.tile_rows(plan, rows, tiles.tiles())
+        full = torch.cat([s.to(dtype).double() for s in shards])
+        ref = full @ b.to(dtype).double()
+        err = float((out.double().cpu() - ref).abs().max())
+        everyone = [None] * world
+        dist.all_gather_object(everyone, {"rows": rows, "max_abs_err": err,
+                                          "chunks": timeline.chunk_summary(plan, rows)})
+        if rank == 0:
+            scenario = Scenario("shape", world * m, n, k)
+            ns = argparse.Namespace(profile=args.profile, out=args.out, schedule=args.schedule,
+                                    rank="all", no_plots=args.no_plots, transport="dma")
+            timeline._write(ns, scenario, plan, everyone, backend, device, world)
+        dist.barrier()
+        return err
+    finally:
+        api.shutdown()
+        dist.destroy_process_group()
+
+
+def timeline_one_device(args) -> int:
+    """Spawn ``args.world`` ranks on this machine's one device (or the CPU) and draw one
+    traced gated call; every rank's error against float64 must be within tolerance."""
+    import multiprocessing as mp
+    import os
+    import tempfile
+
+    if args.schedule not in ("gated-1d", "gated-2d"):
+        raise BackendUnavailableError(f"timeline draws the gated schedules; got {args.schedule}")
+    if args.shape is None:
+        args.shape = "8192,4096,4096" if torch.cuda.is_available() else "192,64,64"
+    fd, init_file = tempfile.mkstemp(prefix="ficco-pg-")
+    os.close(fd)
+    os.unlink(init_file)
+    env = {"FICCO_TIMEOUT": str(args.timeout), "OMP_NUM_THREADS": "1"}
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_timeline_rank, args=(r, args.world, init_file, args, env))
+             for r in range(args.world)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(args.timeout + 300)
+    codes = [proc.exitcode for proc in procs]
+    if any(code != 0 for code in codes):
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        print(f"error: rank exit codes {codes}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def compile_all(args) -> list[dict]:
@@ -105,13 +232,32 @@ def main(argv=None) -> int:
     k.add_argument("--world", type=int, default=8)
     k.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     k.add_argument("--shape", action="append", default=[], metavar="M,N,K")
-    k.add_argument("--two-d", action="store_true", help="the 2d variant's segments")
+    k.add_argument("--variant", default="both", choices=["1d", "2d", "both"],
+                   help="the segments of gated-1d, gated-2d, or both")
     k.add_argument("--out", default=None, help="write the rows as JSON here")
+    k.add_argument("--interpret", action="store_true",
+                   help="run on CPU in Triton's interpreter (tiny --shape only): checks the "
+                        "script; its times mean nothing")
+    t = verbs.add_parser("timeline", help="W ranks on one device, one traced gated call")
+    t.add_argument("--world", type=int, default=4)
+    t.add_argument("--schedule", default="gated-1d", choices=["gated-1d", "gated-2d"])
+    t.add_argument("--shape", default=None, metavar="M,N,K",
+                   help="gathered M, N (split over ranks), K (default 8192,4096,4096 on a GPU, "
+                        "192,64,64 on CPU)")
+    t.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
+    t.add_argument("--warmup", type=int, default=1)
+    t.add_argument("--seed", type=int, default=1)
+    t.add_argument("--timeout", type=float, default=120.0)
+    t.add_argument("--profile", default=None)
+    t.add_argument("--no-plots", action="store_true")
+    t.add_argument("--out", default=None, help="directory (default bench/runs/timeline-...)")
     c = verbs.add_parser("compile", help="compile every autotune config offline (no GPU)")
     c.add_argument("--target", default="cuda:sm_90")
     c.add_argument("--dtype-short", default="bf16", choices=["bf16", "fp16", "fp32"])
     c.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.verb == "timeline":
+        return timeline_one_device(args)
     rows = kernel(args) if args.verb == "kernel" else compile_all(args)
     if args.out:
         with open(args.out, "w") as f:

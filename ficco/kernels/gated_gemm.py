@@ -232,8 +232,9 @@ def _compiled(device_kind: str, family: str):
     jitted = triton.jit(_kernel_body)
     # cache_results: the winner per key also goes to Triton's on-disk cache (keyed by the
     # kernel source, key values, dtypes and the GPU target), so a restart does not re-time.
-    tuner = triton.autotune(configs.for_family(family), key=["N", "K_total", "M_total"],
-                            cache_results=True)
+    # num_segs tells 1d (1 + (W-1) x chunks row segments) from 2d (W segments, K parts) and W.
+    tuner = triton.autotune(configs.for_family(family),
+                            key=["N", "K_total", "M_total", "num_segs"], cache_results=True)
     return tuner(jitted), None
 
 
@@ -287,7 +288,7 @@ def gated_gemm(a_local: torch.Tensor, a_gathered: torch.Tensor, b: torch.Tensor,
     if fixed is not None:
         kernel[grid(fixed)](*args, **fixed, IEEE=ieee, UPCAST=True, TRACE=trace_mode)
         return err
-    key = (family, n, k_total, a_gathered.shape[0], c.dtype, c.device)
+    key = (family, n, k_total, a_gathered.shape[0], len(segments), c.dtype, c.device)
     if key not in _tuned:
         # The autotuner times every config by running it: do that once per key with all flags
         # preset (and a scratch error word), so no timing includes a wait for a copy. Its C
