@@ -420,7 +420,10 @@ class GpuBackend(Backend):
         host = getattr(deadline.handle, "host_pads", None)
         late = deadline.late(self.slot_reader(deadline))
         by_peer = {peer for peer, _ in late}
-        # Before the stream moves on: the fence ending this call must see the word raised.
+        # Before the stream moves on: the host must find the error once the stream completes
+        # (synchronize() right after), and the fence ending this call must see the word raised.
+        deadline.fired = True
+        self.set_error(deadline.error(late))
         self.error_word().raise_()
         if host is not None:
             # Host-mapped pads: read and release with host loads/stores, never through a
@@ -436,8 +439,6 @@ class GpuBackend(Backend):
                 if op.peer in by_peer:
                     self.vendor.write_value32(side.cuda_stream, op.slot, op.value)
             side.synchronize()
-        deadline.fired = True
-        self.set_error(deadline.error(late))
 
     def _rescue(self) -> torch.cuda.Stream:
         if self._rescue_stream is None:
