@@ -129,15 +129,20 @@ def as_paper_implemented(plan: Plan) -> Plan:
     schedules with). 2D copies are emulated by 1D copies of the same size (the DMA engines
     had no 2D copy): each peer's block of a step lands whole where the step's GEMM reads it,
     so the emulated 2D schedule gathers nothing (the paper's emulated 2D reaches 1.7x, its
-    ideal's own maximum, §VI-B, which leaves no room for a gather pass per step). Unfused
-    GEMMs and the local shard's GEMM read their rows in place, as in ficco. Simulate the
-    result with ``wide_outputs=False``: the paper's 2D GEMMs add into the bf16 output."""
+    ideal's own maximum, §VI-B, which leaves no room for a gather pass per step; the local
+    block, 1/W of a step's bytes, is not charged). Inputs sat in symmetric memory (§IV-B1:
+    "to avoid intermediate buffer copies"), so peers read the shard in place: ficco's
+    publish copy is dropped. Unfused GEMMs and the local shard's GEMM read their rows in
+    place, as in ficco. Simulate the result with ``wide_outputs=False``: the paper's 2D
+    GEMMs add into the bf16 output."""
     fused = "-fused-" in plan.schedule and plan.schedule.endswith("-1d")
     scatter = fused
     ops, waits, event = [], [], plan.num_events
     for op in plan.ops:
         if op.kind == "copy_2d":
             op = dataclasses.replace(op, two_d=False)
+        if op.kind == "copy_1d" and op.src.buf == "input" and op.dst.peer is None:
+            continue   # the publish: the paper's inputs sat in symmetric memory already
         if op.queue != COMPUTE:
             ops.append(op)
             continue
