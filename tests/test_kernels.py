@@ -346,6 +346,37 @@ def test_compiled_kernel_on_the_gpu_matches_float64(dtype, two_d, world):
 
 @pytest.mark.gpu
 @needs_gpu
+def test_compiled_kernel_trace_reads_the_device_clock():
+    """Traced on the GPU (flags preset): one record per tile covering C once, timestamps in
+    order and on a nanosecond-like scale (a tile takes well under a second), result right."""
+    from ficco.kernels import configs
+    from ficco.kernels.gated_gemm import clock_mode, read_trace, trace_buffer
+
+    target = configs.current_target()
+    family, mode = configs.family(target), clock_mode(target)
+    world, m, k, n, rank = 4, 300, 520, 260, 1
+    dev = torch.device("cuda")
+    a = torch.randn(world * m, k, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(k, n, device=dev, dtype=torch.bfloat16)
+    c = torch.full((world * m, n), float("nan"), device=dev, dtype=torch.bfloat16)
+    segs = _segments_1d(world, rank, m, k, _split(m, world))
+    trace = trace_buffer(segs, n, family, dev)
+    err = gated_gemm(a[rank * m:(rank + 1) * m], a, b, c, segs,
+                     torch.ones(world * world, dtype=torch.int32, device=dev),
+                     local_row0=rank * m, family=family, trace=trace, trace_mode=mode)
+    torch.cuda.synchronize()
+    check_error(err)
+    tiles = read_trace(trace, segs, n, mode)
+    covered = torch.zeros(world * m, n, dtype=torch.int32)
+    for t in tiles:
+        covered[t["row0"]:t["row0"] + t["rows"], t["col0"]:t["col0"] + t["cols"]] += 1
+        assert 0 <= t["start"] <= t["first_seen"] <= t["last_seen"] <= t["end"] < 1.0, t
+    assert torch.equal(covered, torch.ones_like(covered))
+    assert max_row_rel_err(c.cpu(), _reference(a.cpu(), b.cpu())) <= 3e-2
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_compiled_kernel_gives_up_on_a_flag_that_never_comes():
     """On the GPU too the wait is bounded: the kernel finishes, the error word names the flag."""
     from ficco.kernels import configs
