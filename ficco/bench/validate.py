@@ -341,6 +341,52 @@ def nccl_all_gather_us(prof, total_bytes: str, world: str = "8", topology: str =
     return simulator.simulate(plan, no_host, topology or None).makespan_s * 1e6
 
 
+def independent_overlap_ms(prof, m: str, n: str, k: str, ag_in_bytes: str, world: str = "8",
+                           mode: str = "sequential", dtype: str = "float16") -> float:
+    """Milliseconds of one eager iteration of an ``(m, k) @ (k, n)`` GEMM and an independent
+    all-gather of ``ag_in_bytes`` per rank over ``world`` GPUs (no data dependence): one
+    after the other on one stream (``sequential``), or the all-gather on a second stream
+    beside the GEMM, run by NCCL's kernels (``overlap_ccl``) or by copy engines, one copy per
+    peer (``overlap_ce``). PyTorch's bench_overlapped_matmul_allgather.py (pytorch#172714)."""
+    from ..plan import AllGather, Gemm
+
+    m, n, k, world = int(m), int(n), int(k), int(world)
+    problem = Problem(m, k, (n,), dtype, world)
+    elems = int(ag_in_bytes) // problem.itemsize
+    gemm_op = Gemm(COMPUTE, (Block("input", 0, m, 0, k),), (Block("out", 0, m, 0, n, index=0),),
+                   0, 0, k)
+    src = Block("recv", 0, elems, 0, 1)
+    if mode == "overlap_ce":
+        copies = tuple(Copy(f"copy{q - 1}", Block("recv", 0, elems, 0, 1, peer=q),
+                            Block("gathered", q * elems, elems, 0, 1)) for q in range(1, world))
+        ops, queues = (gemm_op,) + copies, (COMPUTE,) + tuple(c.queue for c in copies)
+    else:
+        gather = AllGather(COMPUTE if mode == "sequential" else "comm", src,
+                           tuple(Block("gathered", q * elems, elems, 0, 1) for q in range(world)))
+        ops = (gemm_op, gather)
+        queues = (COMPUTE,) if mode == "sequential" else (COMPUTE, "comm")
+    plan = Plan(f"independent-{mode}", "ccl", problem, queues, ops)
+    return simulator.simulate(plan, prof).makespan_s * 1e3
+
+
+def ag_then_mm_us(prof, m: str, n: str, k: str, world: str = "8",
+                  dtype: str = "bfloat16") -> float:
+    """Microseconds of an NCCL all-gather of an ``(m, k)`` shard per rank over ``world``
+    GPUs followed by the ``(world * m, k) @ (k, n)`` GEMM, launches queued ahead (no host
+    time): the ``nccl`` baseline of kraken's benchmark_all_gather_matmul.py."""
+    from ..plan import AllGather, Gemm
+
+    m, n, k, world = int(m), int(n), int(k), int(world)
+    problem = Problem(m, k, (n,), dtype, world)
+    src = Block("input", 0, m, 0, k)
+    dsts = tuple(Block("gathered", q * m, m, 0, k) for q in range(world))
+    rows = Block("gathered", 0, world * m, 0, k)
+    ops = (AllGather(COMPUTE, src, dsts),
+           Gemm(COMPUTE, (rows,), (Block("out", 0, world * m, 0, n, index=0),), 0, 0, k))
+    plan = Plan("ag-then-mm", "ccl", problem, (COMPUTE,), ops)
+    return simulator.simulate(plan, dataclasses.replace(prof, host_op_s=0.0)).makespan_s * 1e6
+
+
 PREDICTORS = {
     "gemm_cil_geomean": gemm_cil,
     "copy_cil_geomean": copy_cil,
@@ -352,6 +398,8 @@ PREDICTORS = {
     "emulated_2d_speedup_max": emulated_2d_max,
     "fraction_of_ideal": fraction_of_ideal,
     "nccl_all_gather_us": nccl_all_gather_us,
+    "independent_overlap_ms": independent_overlap_ms,
+    "ag_then_mm_us": ag_then_mm_us,
 }
 
 
