@@ -81,7 +81,9 @@ def execute(plan: Plan, backend, buffers: Buffers, *, timeout_s: float,
     True
     """
     compiled = compile_plan(plan)
-    queues = [backend.queue(name) for name in compiled.queue_names]
+    queues_of = getattr(backend, "queues", None)   # GPUs: settings read once per call
+    queues = queues_of(compiled.queue_names) if queues_of is not None else \
+        [backend.queue(name) for name in compiled.queue_names]
     # plan.num_events events and the entry event; GPUs reuse theirs per compiled plan.
     *events, entry = backend.plan_events(compiled, plan.num_events + 1)
     # traces and profiler ranges run per step (profiling: compiled.steps): every view made

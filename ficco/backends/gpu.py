@@ -232,6 +232,7 @@ class GpuBackend(Backend):
         self._provider = AutoSymmProvider(self)
         self._watchdog = Watchdog(self)
         self._plan_events: dict = {}
+        self._join_events: dict = {}   # (stream handle, capturing) -> event, for finish()
         self._error: FiccoError | None = None
         self._error_lock = threading.Lock()
         self._error_word: ErrorWord | None = None    # see ficco.backends.gpu_fence
@@ -259,6 +260,16 @@ class GpuBackend(Backend):
         the caller's producers of the inputs, and under graph capture the side streams join
         the capture)."""
         self.raise_pending()
+        return self._queue(name, config.copy_engines() if name.startswith("copy") else None)
+
+    def queues(self, names):
+        """:meth:`queue` of every name of one call, FICCO_COPY_ENGINES read once (the
+        executor's per-call lookup; reading a setting costs about a microsecond)."""
+        self.raise_pending()
+        engines = config.copy_engines()
+        return [self._queue(name, engines) for name in names]
+
+    def _queue(self, name, engines):
         if name == "compute":
             return torch.cuda.current_stream(self._device)
         if name == "comm":
@@ -267,7 +278,6 @@ class GpuBackend(Backend):
             return self._comm_stream
         if name.startswith("copy") and name[4:].isdigit():
             index = int(name[4:])
-            engines = config.copy_engines()
             if engines is not None:
                 index %= engines
             stream = self._copy_streams.get(index)
@@ -493,11 +503,25 @@ class GpuBackend(Backend):
         return self._side_stream
 
     def finish(self, queues):
+        """The caller's stream waits for every side stream: one reused event per stream
+        (``wait_stream`` would create an event per stream per call)."""
         self.raise_pending()
         compute = torch.cuda.current_stream(self._device)
+        capturing = torch.cuda.is_current_stream_capturing()
+        joined = {compute.cuda_stream}
         for q in queues:
-            if q != compute:
-                compute.wait_stream(q)
+            handle = q.cuda_stream
+            if handle in joined:   # the compute stream, or copy queues wrapped onto one stream
+                continue
+            joined.add(handle)
+            # Kept apart for captures, as plan_events are; a wait binds to the record made
+            # right before it, so re-recording next call is safe.
+            key = (handle, capturing)
+            event = self._join_events.get(key)
+            if event is None:
+                event = self._join_events[key] = torch.cuda.Event()
+            event.record(q)
+            compute.wait_event(event)
 
     def symm_provider(self):
         return self._provider
@@ -505,4 +529,5 @@ class GpuBackend(Backend):
     def close(self):
         self._watchdog.stop()
         self._copy_streams.clear()
+        self._join_events.clear()
         self._comm_stream = self._side_stream = self._rescue_stream = None
