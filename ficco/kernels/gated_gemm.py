@@ -120,6 +120,15 @@ def _clock(mode, counter, _semantic=None):
 setattr(_clock, tl.core.TRITON_BUILTIN, True)
 
 
+@functools.lru_cache(maxsize=None)
+def trace_supported() -> bool:
+    """Whether this Triton calls builtins with ``_semantic`` (as :func:`_clock` expects);
+    older ones (3.2, 3.3) pass ``_builder``. Tracing off never compiles ``_clock`` in."""
+    import inspect
+
+    return "_semantic" in inspect.signature(tl.atomic_add).parameters
+
+
 def _interpreting(semantic) -> bool:
     return type(semantic).__module__.startswith("triton.runtime.interpreter")
 
@@ -273,6 +282,10 @@ def gated_gemm(a_local: torch.Tensor, a_gathered: torch.Tensor, b: torch.Tensor,
     halt = torch.zeros(1, dtype=torch.int32, device=c.device) if halt is None else halt
     if (trace is None) != (trace_mode == TRACE_OFF):
         raise InvalidArgumentError("gated_gemm: pass trace and trace_mode together")
+    if trace is not None and not trace_supported():
+        raise InvalidArgumentError(
+            f"the per-tile trace needs a Triton whose builtins take _semantic (3.4 or newer); "
+            f"this is {triton.__version__}. The kernel itself runs untraced")
     untraced = _no_trace(c.device)
     trace = untraced if trace is None else trace
     args = (a_local, a_gathered, b, c, seg, part, flags, err, halt, trace, n, k_total,

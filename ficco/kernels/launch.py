@@ -106,14 +106,15 @@ def gated_task(backend, problem, op, a_local, gathered, b, out, flags, timeout_s
     compute queue runs it: at once on GPUs (the launch is stream-ordered), in order on the CPU
     worker (which then runs the interpreter)."""
     from . import configs
-    from .gated_gemm import Segment, check_error, clock_mode, gated_gemm, trace_buffer
+    from .gated_gemm import (Segment, check_error, clock_mode, gated_gemm, trace_buffer,
+                             trace_supported)
 
     segments = tuple(Segment(*s) for s in op.segments)
     local_row0 = problem.shard_row0(problem.rank)
     family = configs.family(backend.target())
     traced = {}
     sink = TileTrace.active()   # read here, on the caller's thread (run() may run elsewhere)
-    if sink is not None and out.numel():
+    if sink is not None and out.numel() and trace_supported():   # else: no marks drawn
         mode = clock_mode(backend.target())
         trace = trace_buffer(segments, out.shape[1], family, out.device)
         traced = {"trace": trace, "trace_mode": mode}
