@@ -65,7 +65,8 @@ def draw_panels(panels: list[tuple[str, list[dict]]], path, title: str | None = 
         for r in rows:
             if r.get("mark"):   # a point event (a gated GEMM's tile starting): a tick, no bar
                 ax.plot(r["start_s"] * scale, lane[r["queue"]] + r.get("mark_y", 0.0),
-                        marker="|", markersize=5, color=r.get("colour", "black"))
+                        marker="|", markersize=9, markeredgewidth=1.5,
+                        color=r.get("colour", "black"))
                 continue
             width = (r["end_s"] - r["start_s"]) * scale
             colour = KIND_COLOURS.get(r["kind"], "#999999")

@@ -62,8 +62,8 @@ def _makespan(rows: list[dict]) -> float:
 
 
 #: tile mark colours by arrival chunk (own rows first)
-_CHUNK_COLOURS = ("#000000", "#e76f51", "#2a9d8f", "#8338ec", "#f4a261", "#3a86ff", "#d62828",
-                  "#588157", "#ff006e")
+_CHUNK_COLOURS = ("#000000", "#e85d04", "#3a0ca3", "#d00000", "#ffba08", "#7209b7", "#6a040f",
+                  "#f72585", "#03071e")   # none close to the gated GEMM bar's teal
 
 
 def tile_rows(plan, rows: list[dict], launches: list[list[dict]]) -> list[dict]:
