@@ -67,7 +67,8 @@ def _batched_spec(blocks: tuple[Block, ...]):
 
 
 class Binding:
-    """A compiled plan bound to one backend and one workspace (see the module docstring).
+    """A compiled plan bound to one backend and one workspace (see the module docstring);
+    ``backend`` and ``ref`` (the workspace handle, None without one) are weak references.
     Never changed once made: a call that needs other steps makes a new one, so a thread that
     read the old one still runs consistent steps."""
 
@@ -238,7 +239,7 @@ class CompiledPlan:
         use are None unless ``every_view``: to run ``self.steps`` instead)."""
         symm = buffers.symm
         old = self._binding
-        if old is not None and (old.backend is not backend or
+        if old is not None and (old.backend() is not backend or
                                 (old.ref() if old.ref is not None else None) is not symm):
             old = None
         if symm is None:
@@ -274,7 +275,8 @@ class CompiledPlan:
                 ref = weakref.ref(symm, self._forget)
             except TypeError:
                 return steps, views
-        self._binding = Binding(backend, ref, ws_key, ws_views, call_key, steps)
+        # The backend weakly too: a closed backend is not kept alive by a plan it ran.
+        self._binding = Binding(weakref.ref(backend), ref, ws_key, ws_views, call_key, steps)
         return steps, views
 
     def _bound_steps(self, backend, prepare, old: Binding | None, call_key, dma: bool,
