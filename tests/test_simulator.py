@@ -360,3 +360,25 @@ def test_a_gather_kernel_beside_a_gemm_costs_at_least_a_copy_engine_move():
         times[queue] = simulator.simulate(plan, MI300X).makespan_s
     assert MI300X.ccl["compute_unit_fraction"] > 0
     assert times["gather"] > times["copy0"] * (1 + 1e-6)
+
+
+def test_hipblaslt_auto_split_fills_at_most_one_wave_within_the_workspace():
+    """hipBLASLt's automatic split-K (MI300X profile): a split K never gives more parts than
+    compute units, keeps 3 K steps per part and fits its float32 partials in the workspace."""
+    import random
+
+    rng = random.Random()
+    assert MI300X.dil["split_k_rule"] == "hipblaslt_auto"
+    units, depth = MI300X.compute_units, MI300X.dil["depth_u"]
+    for _ in range(200):
+        tiles = rng.randint(1, 4 * units)
+        k = rng.randint(64, 1 << 18)
+        area = rng.choice([64 * 64, 128 * 128, 256 * 256])
+        split = gemm._auto_gsu(MI300X, tiles, k, area)
+        assert split >= 1
+        if split > 1:
+            assert tiles * split <= units
+            assert k // split >= 3 * depth
+            assert split * tiles * area * 4 <= MI300X.dil["split_k_workspace_bytes"]
+        elif tiles * 2 <= units and k >= 6 * depth and 2 * tiles * area * 4 <= 76 * 2 ** 20:
+            raise AssertionError((tiles, k, area))   # room for 2 parts: the library splits

@@ -14,7 +14,10 @@ machine). This model does the same, cheaply:
 - **Split-K, only where the library would.** When the tiles fill less than
   ``split_k_below_waves`` of one wave and K is long (each part keeps at least
   ``split_k_min_k``), K is cut in 2 to ``split_k_max`` (at most 64) parts, paying the float32
-  partial sums' reduction through HBM.
+  partial sums' reduction through HBM. With ``split_k_rule: "hipblaslt_auto"`` the split is
+  the one hipBLASLt's standard libraries compute (``ContractionSolution::calculateAutoGSU``):
+  ``min(CUs // tiles, K // (3 * depth_u))``, cut to what ``split_k_workspace_bytes`` holds
+  of float32 partial outputs, instead of the best one.
 - **Per tile and per launch.** Each tile pays ``tile_k_overhead`` extra K steps (prologue,
   epilogue); each launch pays ``launch_s``.
 - **Roofline.** Never faster than its memory traffic (A, B, and C, read too when the GEMM
@@ -91,9 +94,11 @@ def _tile_seconds(profile, dtype, block_rows, n, k, tile) -> float:
     # One compute unit's sustained FLOP/s with this tile when the whole machine is busy.
     unit_flops = profile.flops(dtype) * dil["gemm_efficiency"] * tile_eff / units
     best = math.inf
-    for split in (1,) + SPLITS:
-        if split > 1 and not _library_splits(profile, count, k, split):
-            continue
+    if dil.get("split_k_rule") == "hipblaslt_auto":
+        candidates = (_auto_gsu(profile, count, k, tile_m * tile_n),)
+    else:
+        candidates = (1,) + tuple(s for s in SPLITS if _library_splits(profile, count, k, s))
+    for split in candidates:
         tile_s = 2 * tile_m * tile_n * (k / split + dil["tile_k_overhead"]) / unit_flops
         waves = count * split / units
         wave_s = tile_s * max(waves, math.ceil(waves) / dil["partial_wave_speedup"])
@@ -104,6 +109,25 @@ def _tile_seconds(profile, dtype, block_rows, n, k, tile) -> float:
                                                     * dil["memory_efficiency"])
         best = min(best, wave_s + reduce_s)
     return best
+
+
+def _auto_gsu(profile, tile_count: int, k: int, tile_area: int) -> int:
+    """hipBLASLt's automatic split (GlobalSplitU) for a kernel of ``tile_count`` output tiles:
+    as many K parts as leave every tile's parts one compute unit each, keeping 3 unrolled
+    K steps (``depth_u``) per part, and no more than the workspace holds in float32 partial
+    outputs (PyTorch hands hipBLASLt 76 MiB).
+
+    >>> from ficco.heuristics import profiles
+    >>> _auto_gsu(profiles.load("mi300x"), 56, 131072, 256 * 256)
+    5
+    """
+    dil = profile.dil
+    split = min(max(1, profile.compute_units // tile_count),
+                max(1, int(k // dil.get("depth_u", 64) // 3)))
+    if split > 1:
+        workspace = dil.get("split_k_workspace_bytes", 76 * 2 ** 20)
+        split = min(split, int(workspace // (tile_count * tile_area * 4)))
+    return max(1, split)
 
 
 def _library_splits(profile, tile_count: int, k: int, split: int) -> bool:

@@ -37,6 +37,9 @@ JSON schema (every key at top level; units in the names)::
               "split_k_below_waves": 0.5,      # split-K only below this many waves of tiles
               "split_k_min_k": 1024,           # ... and while each K part keeps this many
               "split_k_max": 64,               # ... in at most this many parts
+              "split_k_rule": "best",          # or "hipblaslt_auto": hipBLASLt's autoGSU
+              "depth_u": 64,                   # ... its K step per iteration
+              "split_k_workspace_bytes": 79691776,  # ... float32 partials must fit here
               "memory_efficiency": 0.8,        # fraction of HBM bandwidth a copy kernel gets
               "launch_s": 5e-06},              # fixed cost of one kernel
       "cil": {"dma_gemm": 0.2,                 # GEMM slowdown beside copy_engines copies (x s(MT))
