@@ -15,6 +15,7 @@ tiles started. ``compile`` (no GPU): builds every autotune config of a device fa
     python -m ficco.kernels.bench kernel --shape 65536,8192,8192 --variant 2d
     python -m ficco.kernels.bench timeline --world 4 --schedule gated-1d --shape 8192,4096,4096
     python -m ficco.kernels.bench compile --target rocm:gfx942
+    python -m ficco.kernels.bench gpu --out /tmp/gated      # kernel + both timelines
 """
 from __future__ import annotations
 
@@ -53,7 +54,12 @@ def kernel(args) -> list[dict]:
         raise BackendUnavailableError(reason)
     family = configs.family(target)
     dtype = getattr(torch, args.dtype)
-    shapes = [(name, shape) for name, shape in PAPER_TABLE_I.items()] if not args.shape else \
+    wanted = [n for n in (args.scenarios or "").split(",") if n]
+    unknown = [n for n in wanted if n not in PAPER_TABLE_I]
+    if unknown:
+        raise BackendUnavailableError(f"--scenarios: unknown {unknown}; use g1..g16")
+    shapes = [(name, shape) for name, shape in PAPER_TABLE_I.items()
+              if not wanted or name in wanted] if not args.shape else \
         [(s, tuple(int(v) for v in s.split(","))) for s in args.shape]
     variants = ["1d", "2d"] if args.variant == "both" else [args.variant]
     rows = []
@@ -154,9 +160,12 @@ def _timeline_rank(rank, world, init_file, args, env):
                                                                schedule=args.schedule)
             backend.synchronize()
         rows = rows + timeline.tile_rows(plan, rows, tiles.tiles())
-        full = torch.cat([s.to(dtype).double() for s in shards])
-        ref = full @ b.to(dtype).double()
-        err = float((out.double().cpu() - ref).abs().max())
+        # float64 on CPU; on a GPU float32 there (a CPU float64 GEMM of this size per rank
+        # would take minutes), far below bf16's rounding either way.
+        wide = torch.float64 if device.type == "cpu" else torch.float32
+        full = torch.cat([s.to(dtype) for s in shards]).to(device, wide)
+        ref = full @ b.to(dtype).to(device, wide)
+        err = float((out.to(wide) - ref).abs().max())
         everyone = [None] * world
         dist.all_gather_object(everyone, {"rows": rows, "max_abs_err": err,
                                           "chunks": timeline.chunk_summary(plan, rows)})
@@ -223,6 +232,31 @@ def compile_all(args) -> list[dict]:
     return rows
 
 
+def gpu_session(args) -> int:
+    """Every GPU measurement of the gated GEMM, each step run even if one before failed;
+    nonzero when any failed. Results under ``args.out``."""
+    import os
+    import traceback
+
+    os.makedirs(args.out, exist_ok=True)
+    steps = [["kernel", "--world", "8", "--out", os.path.join(args.out, "gated-kernel.json")]
+             + (["--scenarios", args.scenarios] if args.scenarios else [])]
+    steps += [["timeline", "--world", "4", "--schedule", name,
+               "--out", os.path.join(args.out, f"timeline-{name}")]
+              for name in ("gated-1d", "gated-2d")]
+    failed = []
+    for step in steps:
+        print("== python -m ficco.kernels.bench " + " ".join(step), flush=True)
+        try:
+            if main(step) != 0:
+                failed.append(step[0])
+        except Exception:  # noqa: BLE001 - report, then run the next step
+            traceback.print_exc()
+            failed.append(step[0])
+    print("failed: " + (", ".join(failed) or "none"), flush=True)
+    return 1 if failed else 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ficco.kernels.bench",
                                      description=__doc__,
@@ -232,6 +266,8 @@ def main(argv=None) -> int:
     k.add_argument("--world", type=int, default=8)
     k.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     k.add_argument("--shape", action="append", default=[], metavar="M,N,K")
+    k.add_argument("--scenarios", default=None,
+                   help="Table I rows to run, e.g. g1,g6 (default: all 16; --shape replaces)")
     k.add_argument("--variant", default="both", choices=["1d", "2d", "both"],
                    help="the segments of gated-1d, gated-2d, or both")
     k.add_argument("--out", default=None, help="write the rows as JSON here")
@@ -251,11 +287,17 @@ def main(argv=None) -> int:
     t.add_argument("--profile", default=None)
     t.add_argument("--no-plots", action="store_true")
     t.add_argument("--out", default=None, help="directory (default bench/runs/timeline-...)")
+    g = verbs.add_parser("gpu", help="what a GPU session runs, in one call: kernel (Table I, "
+                                     "TP 8), then timeline gated-1d and gated-2d (W = 4)")
+    g.add_argument("--out", required=True, help="directory for every result")
+    g.add_argument("--scenarios", default=None, help="Table I rows for kernel (default all)")
     c = verbs.add_parser("compile", help="compile every autotune config offline (no GPU)")
     c.add_argument("--target", default="cuda:sm_90")
     c.add_argument("--dtype-short", default="bf16", choices=["bf16", "fp16", "fp32"])
     c.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.verb == "gpu":
+        return gpu_session(args)
     if args.verb == "timeline":
         return timeline_one_device(args)
     rows = kernel(args) if args.verb == "kernel" else compile_all(args)
