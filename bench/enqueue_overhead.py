@@ -175,12 +175,13 @@ def make_call(ex, plan, backend, handle, a, bs, device):
     host seconds of execute() alone."""
     p = plan.problem
     outs_box = []
+    out_dtype = torch.float32 if plan.wide_outputs() else DTYPE   # as the runtime allocates
 
     def call() -> float:
         # The previous call's buffers are gone before this call allocates (as in the runtime:
         # the caller keeps only the result), so an allocator may hand the same blocks back.
         outs_box.clear()
-        outs = [torch.empty(p.block_rows if p.reduces else p.big_m, n, dtype=DTYPE,
+        outs = [torch.empty(p.block_rows if p.reduces else p.big_m, n, dtype=out_dtype,
                             device=device) for n in p.ns]
         if p.reduces:
             buffers = ex.Buffers(a, bs, outs, None, handle, None,

@@ -245,3 +245,46 @@ def test_finish_joins_each_side_stream_once_with_a_reused_event(gpu, monkeypatch
     made = rec.events
     backend.finish(queues)
     assert waited[2:] == first and rec.events == made
+
+
+# -- the loopback handle of bench/enqueue_overhead.py --gpu ---------------------------------------
+def _bench_module():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "enqueue_overhead.py"
+    spec = importlib.util.spec_from_file_location("enqueue_overhead_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class PadHandle(Handle):
+    """Handle with real CPU signal pads: slot = (pad of owner, channel * W + writer)."""
+
+    def __init__(self, numel):
+        super().__init__(numel)
+        self.pads = [torch.zeros(4 * WORLD, dtype=torch.int32) for _ in range(WORLD)]
+
+    def slot(self, owner, channel, writer):
+        return (self.pads[owner], channel * WORLD + writer)
+
+
+@pytest.mark.parametrize("name", ["ring", "uniform-fused-2d", "hetero-unfused-1d"])
+def test_bench_loopback_handle_passes_every_barrier(name):
+    """The GPU benchmark's pretend group: every barrier of a reduce-scatter plan (several per
+    call on each channel) passes through the real barrier protocol on the CPU backend, with
+    the loopback slots, and the result still matches float64; without the loopback the first
+    barrier waits for peers that never come."""
+    from ficco.backends.cpu import CpuBackend
+
+    loopback = _bench_module().Loopback
+    plan = schedules.get(name, op=RS.op).plan(RS, "dma", None)
+    backend = CpuBackend()
+    try:
+        handle = loopback(PadHandle(RS.m * sum(RS.ns)))
+        for _ in range(2):
+            _rs_call(plan, backend, handle)
+        assert all(int(v) == 0 for pad in handle.pads for v in pad)   # every flag cleared
+    finally:
+        backend.close()
