@@ -258,6 +258,8 @@ def gpu_rows(ops, before) -> list[str]:
     from ficco.symm_mem.device import single_gpu_group
 
     backend = get_backend()
+    if not hasattr(backend, "vendor"):
+        sys.exit(f"--gpu needs a GPU backend (cuda or rocm); this process got {backend.name!r}")
     dev = backend.device()
     rows = []
     for op in ops:

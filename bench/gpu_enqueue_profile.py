@@ -1,7 +1,10 @@
 """Where the host time of one eager W=8 call goes: cProfile of repeated enqueues of one
-schedule (rank 0 of a simulated 8-rank group on one GPU, as in ficco.bench.gpu_probes.measure_enqueue).
+schedule on the real GPU backend, as rank 0 of the pretend 8-rank group of
+``bench/enqueue_overhead.py --gpu`` (peers are other buffers on this GPU, barriers signal this
+rank's own pad, so any number of them pass).
 
-Usage: ``python bench/gpu_enqueue_profile.py [schedule] [calls]``; prints the top functions.
+Usage: ``python bench/gpu_enqueue_profile.py [schedule] [calls] [op]``; prints the top
+functions by own time (op: all_gather_matmul, the default, or matmul_reduce_scatter).
 """
 from __future__ import annotations
 
@@ -13,45 +16,46 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from ficco.bench.gpu_probes import DTYPE, fake_group_handle  # noqa: E402
+from enqueue_overhead import (DTYPE, WORLD, Loopback, make_call, problem_of,  # noqa: E402
+                              workspace_numel)
 
-from ficco import schedules  # noqa: E402
+from ficco import executor, schedules  # noqa: E402
 from ficco.backends import get_backend  # noqa: E402
-from ficco.executor import Buffers, execute  # noqa: E402
-from ficco.problem import Problem  # noqa: E402
+from ficco.symm_mem.device import single_gpu_group  # noqa: E402
 
 
 def main():
     name = sys.argv[1] if len(sys.argv) > 1 else "hetero-unfused-1d"
     calls = int(sys.argv[2]) if len(sys.argv) > 2 else 20
-    backend, world, m, n, k = get_backend(), 8, 1024, 8192, 8192
+    op = sys.argv[3] if len(sys.argv) > 3 else "all_gather_matmul"
+    backend = get_backend()
+    if not hasattr(backend, "vendor"):
+        sys.exit(f"needs a GPU backend (cuda or rocm); this process got {backend.name!r}")
     dev = backend.device()
-    problem = Problem(m=m, k=k, ns=(n,), dtype="bfloat16", world=world, rank=0)
-    handle, release = fake_group_handle(backend, world, world * m * k * 2)
-    a = torch.randn(m, k, device=dev).to(DTYPE)
-    b = torch.randn(k, n, device=dev).to(DTYPE)
-    out = torch.empty(world * m, n, device=dev, dtype=DTYPE)
-    plan = schedules.get(name).plan(problem, "dma", None)
+    p = problem_of(op, rank=0)
+    real = single_gpu_group(backend, WORLD, workspace_numel(p) * 2)
+    handle = Loopback(real)
+    a = torch.randn(p.m, p.k, device=dev).to(DTYPE)
+    bs = [torch.randn(p.k, n, device=dev).to(DTYPE) for n in p.ns]
+    plan = schedules.get(name, op=op).plan(p, "dma", None)
+    call, _ = make_call(executor, plan, backend, handle, a, bs, dev)
 
-    own_pad = handle.signal_pad(0)
-
-    def call():
-        own_pad[:2].fill_(1)   # no real peers: re-arm the plan channels (cleared after passing)
-        gathered = handle.get_buffer(0, (world * m, k), DTYPE)
-        execute(plan, backend, Buffers(a, [b], [out], gathered, handle, None), timeout_s=60.0)
+    def synced():
+        call()
         torch.cuda.synchronize()
 
-    call()
+    synced()
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(calls):
-        call()
+        synced()
     profiler.disable()
     stats = pstats.Stats(profiler)
     stats.sort_stats("tottime").print_stats(18)
     torch.cuda.synchronize()
-    release()
+    real.close()
 
 
 if __name__ == "__main__":
