@@ -170,7 +170,7 @@ def test_traced_tiles_start_only_after_their_chunk_lands(two_d):
     waited for (2d: its first and its last K chunk), the traced tiles cover C exactly once,
     and the result is right. The same check flags every tile of a kernel that did not wait
     (flags preset, the copies landing after it ran): the invariant is the gate's."""
-    from ficco.kernels.gated_gemm import TRACE_COUNTER, read_trace, trace_buffer
+    from ficco.kernels.trace import TRACE_COUNTER, read_trace, trace_buffer
 
     seed = random.randrange(1 << 30)
     gen = torch.Generator().manual_seed(seed)
@@ -215,7 +215,7 @@ def test_traced_tiles_start_only_after_their_chunk_lands(two_d):
 def test_trace_host_clock_is_the_interpreter_programs_time():
     """TRACE_HOST_NS (what the CPU timeline uses): each tile's times lie inside the launch's
     wall-clock window, in order, on the host's monotonic clock."""
-    from ficco.kernels.gated_gemm import TRACE_HOST_NS, read_trace, trace_buffer
+    from ficco.kernels.trace import TRACE_HOST_NS, read_trace, trace_buffer
 
     world, rank, m, k, n = 2, 0, 4, 8, 8
     a, b = torch.randn(world * m, k), torch.randn(k, n)
@@ -241,9 +241,10 @@ def test_compiled_trace_reads_the_device_clock_and_costs_nothing_when_off(target
     """Offline builds: with tracing on, the kernel reads the GPU clock (start, flag seen,
     end: three reads); with it off (the default) not one clock read is compiled in."""
     from ficco.kernels import gated_gemm as gg
+    from ficco.kernels import trace
 
     options = {"num_stages": 2, "block": (64, 64, 32), "num_warps": 4}
-    on = gg.compile_offline(target, "bf16", trace_mode=getattr(gg, mode), **options)
+    on = gg.compile_offline(target, "bf16", trace_mode=getattr(trace, mode), **options)
     off = gg.compile_offline(target, "bf16", **options)
     stage = "ptx" if target.startswith("cuda") else "amdgcn"
     assert on[stage].count(clock) == 3
@@ -350,7 +351,7 @@ def test_compiled_kernel_trace_reads_the_device_clock():
     """Traced on the GPU (flags preset): one record per tile covering C once, timestamps in
     order and on a nanosecond-like scale (a tile takes well under a second), result right."""
     from ficco.kernels import configs
-    from ficco.kernels.gated_gemm import clock_mode, read_trace, trace_buffer
+    from ficco.kernels.trace import clock_mode, read_trace, trace_buffer
 
     target = configs.current_target()
     family, mode = configs.family(target), clock_mode(target)

@@ -44,7 +44,7 @@ class TileTrace:
     """Per-tile timestamps of the gated GEMM launches made inside a ``with`` block on this
     thread (``bench timeline`` uses it; off otherwise, and then the kernel has no trace
     code). After the call finished, :meth:`tiles` gives one list of
-    :func:`~ficco.kernels.gated_gemm.read_trace` dicts per launch, each with the launch's
+    :func:`~ficco.kernels.trace.read_trace` dicts per launch, each with the launch's
     ``b``::
 
         with TileTrace() as tiles:
@@ -70,7 +70,7 @@ class TileTrace:
         return getattr(TileTrace._local, "sink", None)
 
     def tiles(self) -> list[list[dict]]:
-        from .gated_gemm import read_trace, ticks_per_s
+        from .trace import read_trace, ticks_per_s
 
         out = []
         for launch in self.launches:
@@ -106,8 +106,8 @@ def gated_task(backend, problem, op, a_local, gathered, b, out, flags, timeout_s
     compute queue runs it: at once on GPUs (the launch is stream-ordered), in order on the CPU
     worker (which then runs the interpreter)."""
     from . import configs
-    from .gated_gemm import (Segment, check_error, clock_mode, gated_gemm, trace_buffer,
-                             trace_supported)
+    from .gated_gemm import Segment, check_error, gated_gemm
+    from .trace import clock_mode, trace_buffer, trace_supported
 
     segments = tuple(Segment(*s) for s in op.segments)
     local_row0 = problem.shard_row0(problem.rank)
