@@ -72,7 +72,8 @@ def tile_rows(plan, rows: list[dict], launches: list[list[dict]]) -> list[dict]:
     of this rank's own rows at their start. The kernel's clock (GPU %globaltimer / realtime
     counter, the host's clock in the interpreter) is aligned so that the launch's first
     program starts at the measured bar's start event (the launch latency between the two
-    is not measured). Marks are spread vertically by chunk and coloured by it."""
+    is not measured). Marks are spread vertically by chunk and coloured by it. A 2d tile
+    (several K chunks) gets a second mark (``last_part``) when it saw its last chunk's flag."""
     world = plan.problem.world
     out = []
     chunks = 1 + max((f // world for tiles in launches for t in tiles for f in t["flags"]),
@@ -86,27 +87,34 @@ def tile_rows(plan, rows: list[dict], launches: list[list[dict]]) -> list[dict]:
         if bar is None:
             continue
         for t in tiles:
-            chunk, peer = divmod(t["flags"][0], world) if t["flags"] else (-1, plan.problem.rank)
-            what = "own rows" if chunk < 0 else f"chunk {chunk} of peer {peer}"
-            out.append({"op_index": bar["op_index"], "queue": bar["queue"], "kind": "gated_tile",
-                        "mark": True, "start_s": bar["start_s"] + t["first_seen"],
-                        "end_s": bar["start_s"] + t["end"],
-                        "label": f"tile r{t['row0']}+{t['rows']} c{t['col0']}+{t['cols']} b{b}: "
-                                 f"{what}", "chunk": chunk, "peer": peer,
-                        "flag": t["flags"][0] if t["flags"] else None,
-                        **{key: t[key] for key in ("row0", "rows", "col0", "cols")},
-                        "waited_s": t["first_seen"] - t["start"],
-                        "last_flag_s": bar["start_s"] + t["last_seen"], "ok": t["ok"],
-                        "mark_y": -0.3 + 0.6 * (chunk + 1) / max(chunks, 1),
-                        "colour": _CHUNK_COLOURS[(chunk + 1) % len(_CHUNK_COLOURS)]})
+            seen = [(t["flags"][0], t["first_seen"], False)] if t["flags"] else \
+                [(None, t["first_seen"], False)]
+            if len(t["flags"]) > 1:
+                seen.append((t["flags"][-1], t["last_seen"], True))
+            for flag, at, last in seen:
+                chunk, peer = divmod(flag, world) if flag is not None else \
+                    (-1, plan.problem.rank)
+                what = "own rows" if flag is None else \
+                    f"{'last K ' if last else ''}chunk {chunk} of peer {peer}"
+                out.append({
+                    "op_index": bar["op_index"], "queue": bar["queue"], "kind": "gated_tile",
+                    "mark": True, "last_part": last, "start_s": bar["start_s"] + at,
+                    "end_s": bar["start_s"] + t["end"],
+                    "label": f"tile r{t['row0']}+{t['rows']} c{t['col0']}+{t['cols']} b{b}: "
+                             f"{what}", "chunk": chunk, "peer": peer, "flag": flag,
+                    **{key: t[key] for key in ("row0", "rows", "col0", "cols")},
+                    "waited_s": t["first_seen"] - t["start"], "ok": t["ok"],
+                    "mark_y": -0.3 + 0.6 * (chunk + 1) / max(chunks, 1),
+                    "colour": _CHUNK_COLOURS[(chunk + 1) % len(_CHUNK_COLOURS)]})
     return out
 
 
 def chunk_summary(plan, rows: list[dict]) -> list[dict]:
     """Per arrival chunk of a gated call: when its last flag was raised (the measured Signal
-    rows' end), when its first and last tile started (:func:`tile_rows` marks), and how many
-    tiles started before their own flag's Signal op began (``early``; 0 when gated - on GPUs
-    up to the launch latency the alignment leaves out)."""
+    rows' end), when its tiles first and last saw one of its flags (:func:`tile_rows` marks;
+    2d: a tile's first and last K chunk), and how many of those came before their flag's
+    Signal op began (``early``; 0 when gated - on GPUs up to the launch latency the alignment
+    leaves out)."""
     world = plan.problem.world
     raised, signal_start, started, early = {}, {}, {}, {}
     for r in rows:
@@ -235,7 +243,7 @@ def _write(args, scenario, plan, everyone, backend, device, world) -> None:
             raised = c["flags_raised_by_s"]
             print(f"rank {r} chunk {c['chunk']}: flags raised by "
                   + ("?" if raised is None else f"{1e3 * raised:.3f} ms")
-                  + f", its {c['tiles']} tiles started {1e3 * c['first_tile_s']:.3f} .. "
+                  + f"; {c['tiles']} tiles saw them at {1e3 * c['first_tile_s']:.3f} .. "
                   f"{1e3 * c['last_tile_s']:.3f} ms, {c['early']} before their flag's "
-                  f"signal op")
+                  f"signal op began")
     print("wrote " + ", ".join(str(p) for p in written))
