@@ -115,6 +115,9 @@ class NullBackend(Backend):
     def launch(self, queue, fn):
         pass
 
+    def launch_current(self, fn):
+        pass
+
     # The barrier itself is the real protocol (ficco.symm_mem.barrier: cached program, one
     # signal_batch call); only the primitives do nothing.
     def signal_write(self, queue, slot, value):

@@ -38,10 +38,11 @@ if TYPE_CHECKING:
     from .executor import Buffers
 
 # Step codes; a step is (code, queue index, x, y, z, w) with slot / event numbers in x..w.
-# CALL (x: a prepared copy, called with the queue) and GEMM_HERE (a GEMM on the compute queue,
-# which is the current stream while the executor enqueues) appear only in bound steps.
-(COPY, COPY_2D, GEMM, RECORD, WAIT, BARRIER, LAUNCH, SIGNAL, GATED, CALL,
- GEMM_HERE) = range(11)
+# CALL (x: a prepared copy, called with the queue), GEMM_HERE and LAUNCH_HERE (a GEMM or host
+# task on the compute queue, which is the current stream while the executor enqueues) appear
+# only in bound steps.
+(COPY, COPY_2D, GEMM, RECORD, WAIT, BARRIER, LAUNCH, SIGNAL, GATED, CALL, GEMM_HERE,
+ LAUNCH_HERE) = range(12)
 
 
 def _source_of(blk: Block) -> tuple:
@@ -288,10 +289,12 @@ class CompiledPlan:
         else:
             steps = list(self.steps)
             moved = None   # every copy is prepared
-            if getattr(backend, "gemm_current", None) is not None:
-                compute = self.compute
-                steps = [(GEMM_HERE,) + s[1:] if s[0] == GEMM and s[1] == compute else s
-                         for s in steps]
+            here = {code: here for code, here, hook in ((GEMM, GEMM_HERE, "gemm_current"),
+                                                        (LAUNCH, LAUNCH_HERE, "launch_current"))
+                    if getattr(backend, hook, None) is not None}
+            compute = self.compute
+            steps = [(here[s[0]],) + s[1:] if s[0] in here and s[1] == compute else s
+                     for s in steps]
         if prepare is not None:
             for i, sources in self.copies:
                 if moved is None or not moved.isdisjoint(sources):

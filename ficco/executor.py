@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from . import profiling
-from .compiler import (BARRIER, CALL, COPY, COPY_2D, GATED, GEMM, GEMM_HERE, RECORD, SIGNAL,
-                       WAIT, CompiledPlan, compile_plan)
+from .compiler import (BARRIER, CALL, COPY, COPY_2D, GATED, GEMM, GEMM_HERE, LAUNCH_HERE,
+                       RECORD, SIGNAL, WAIT, CompiledPlan, compile_plan)
 from .errors import InvalidArgumentError
 from .kernels.launch import gated_task, raise_flag
 from .kernels.launch import raise_pending as raise_pending_gated
@@ -113,7 +113,9 @@ def execute(plan: Plan, backend, buffers: Buffers, *, timeout_s: float,
 def _run(steps, backend, buffers, queues, events, v, timeout_s) -> None:
     # The hot loop: locals only, one integer compare chain per step, commonest codes first.
     copy, copy_2d, gemm = backend.copy, backend.copy_2d, backend.gemm
-    gemm_here = getattr(backend, "gemm_current", None)   # only bound steps use GEMM_HERE
+    # only bound steps use GEMM_HERE / LAUNCH_HERE, on backends that have these
+    gemm_here = getattr(backend, "gemm_current", None)
+    launch_here = getattr(backend, "launch_current", None)
     record, wait = backend.record, backend.wait
     for code, q, x, y, z, w in steps:
         if code == WAIT:
@@ -137,11 +139,14 @@ def _run(steps, backend, buffers, queues, events, v, timeout_s) -> None:
         elif code == GATED:
             backend.launch(queues[q], gated_task(backend, y[0], y[1], v[x[0]], v[x[1]],
                                                  v[x[2]], v[x[3]], buffers.flags, timeout_s))
-        else:
+        else:   # LAUNCH or LAUNCH_HERE: a host task (a reduction, a collective)
             task = x(v, buffers.group, y)
             task.ficco_step = z      # the queue names it if the task fails or hangs
             try:
-                backend.launch(queues[q], task)
+                if code == LAUNCH_HERE:
+                    launch_here(task)
+                else:
+                    backend.launch(queues[q], task)
             except BaseException as exc:   # a backend that runs the task right here
                 name_step(exc, z)
                 raise

@@ -232,6 +232,13 @@ def test_repeat_calls_reuse_events_streams_and_prepared_copies(gpu):
         assert rec.switches == switches       # all-gather GEMMs run on the compute stream
         lookups[name] = (rec.current - current) / 2
     assert lookups["serial"] == lookups["uniform-unfused-1d"] <= 2
+    # reduce-scatter: its reductions (host tasks on the compute queue) look nothing up either
+    plan = schedules.get("ring", op=RS.op).plan(RS, "dma", None)
+    rs_handle = Handle(RS.m * sum(RS.ns))
+    _rs_call(plan, backend, rs_handle)
+    current, switches = rec.current, rec.switches
+    _rs_call(plan, backend, rs_handle)
+    assert (rec.current - current, rec.switches - switches) == (2, 0)
 
 
 def test_finish_joins_each_side_stream_once_with_a_reused_event(gpu, monkeypatch):

@@ -370,6 +370,11 @@ class GpuBackend(Backend):
         with self._on(queue):
             fn()
 
+    def launch_current(self, fn):
+        """:meth:`launch` on the current stream (the executor's compute-queue host tasks,
+        such as the reduce-scatter's reductions): no stream lookup per task."""
+        fn()
+
     def _on(self, queue):
         # Switching streams costs host time per op; GEMMs mostly run on the current stream.
         if queue == torch.cuda.current_stream(self._device):
