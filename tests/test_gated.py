@@ -106,6 +106,11 @@ def test_selectors_offer_gated_only_where_it_runs(monkeypatch):
     assert set(reasons) == set(GATED) and "not installed" in reasons["gated-1d"]
     assert not set(GATED) & set(choose(p, target="rocm:gfx942", selector="model").scores)
     monkeypatch.setattr(kernels, "triton_reason", lambda: None)
+    # Never offered where the kernel was not verified on a GPU yet (forcing one still runs)
+    monkeypatch.setattr(kernels, "VERIFIED_TARGETS", ())
+    assert "not been verified" in schedules.unavailable("rocm:gfx942")["gated-1d"]
+    assert not set(GATED) & set(choose(p, target="cuda:sm_90", selector="model").scores)
+    monkeypatch.setattr(kernels, "VERIFIED_TARGETS", ("rocm:gfx942", "cuda:sm_90"))
     assert schedules.offered("rocm:gfx942")[-2:] == list(GATED)
     scores = choose(p, target="cuda:sm_90", selector="model").scores
     assert set(GATED) <= set(scores)

@@ -33,6 +33,7 @@ def test_default_candidates_are_the_offered_schedules(tmp_path, monkeypatch):
     """CPU: the eleven (the interpreter is never timed by default). A GPU target where the
     gated GEMM runs: the eleven plus both gated schedules, and a gated winner is taken."""
     monkeypatch.setattr(kernels, "triton_reason", lambda: None)
+    monkeypatch.setattr(kernels, "VERIFIED_TARGETS", ("cuda:sm_90",))
     with config.scope(cache_dir=str(tmp_path)):
         tune.clear_memory()
         measured = []

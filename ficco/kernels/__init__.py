@@ -17,6 +17,13 @@ import importlib.util
 #: atomics on host memory).
 MIN_TRITON = (3, 2)
 
+#: Backend targets (prefixes) the gated GEMM has been *verified* on: the GPU suite passed and
+#: ``python -m ficco.kernels.bench gpu`` measured it (docs/kernels.md). Selectors offer the
+#: gated schedules only there, so the default selector never picks a kernel no GPU ran yet; a
+#: forced ``schedule="gated-1d"`` (or FICCO_SCHEDULE, FICCO_TUNE_CANDIDATES) runs it anywhere
+#: :func:`unavailable_reason` allows. Empty until a lent GPU has run those commands.
+VERIFIED_TARGETS: tuple[str, ...] = ()
+
 
 @functools.lru_cache(maxsize=None)
 def triton_reason() -> str | None:
@@ -65,6 +72,10 @@ def selectable_reason(target: str) -> str | None:
     if reason is None and target.partition(":")[0] == "cpu":
         return "the CPU backend runs Triton kernels in the interpreter (correctness only), " \
                "so selectors do not offer gated schedules on CPU; force one to run it"
+    if reason is None and not target.startswith(VERIFIED_TARGETS):
+        return (f"the gated GEMM has not been verified on {target} yet (GPU suite and kernel "
+                f"benchmark, docs/kernels.md), so selectors do not offer it there; force "
+                f"schedule='gated-1d'/'gated-2d' (or FICCO_TUNE_CANDIDATES) to run it")
     return reason
 
 
