@@ -95,6 +95,12 @@ class NullBackend(Backend):
     def wait(self, event, queue):
         pass
 
+    def prepare_record(self, event):
+        return _ignore
+
+    def prepare_wait(self, event):
+        return _ignore
+
     def copy(self, dst, src, queue):
         copy_call_args(dst, src)
 

@@ -73,11 +73,11 @@ class Binding:
     Never changed once made: a call that needs other steps makes a new one, so a thread that
     read the old one still runs consistent steps."""
 
-    __slots__ = ("backend", "ref", "ws_key", "ws_views", "call_key", "steps")
+    __slots__ = ("backend", "ref", "ws_key", "ws_views", "call_key", "steps", "events")
 
-    def __init__(self, backend, ref, ws_key, ws_views, call_key, steps):
+    def __init__(self, backend, ref, ws_key, ws_views, call_key, steps, events):
         self.backend, self.ref, self.ws_key, self.ws_views = backend, ref, ws_key, ws_views
-        self.call_key, self.steps = call_key, steps
+        self.call_key, self.steps, self.events = call_key, steps, events
 
 
 class CompiledPlan:
@@ -233,14 +233,21 @@ class CompiledPlan:
         return tuple(splits), covered
 
     # -- binding -------------------------------------------------------------------------------
-    def bind(self, backend, buffers: "Buffers", every_view: bool = False) -> tuple[tuple, list]:
+    def bind(self, backend, buffers: "Buffers", events: list | None = None,
+             every_view: bool = False) -> tuple[tuple, list]:
         """``(steps, views)`` of one call on ``backend``: the steps to run, with the copies
         prepared by the backend (when it can) and kept from the last call while the addresses
         they were prepared for still hold, and the views by slot (those only prepared copies
-        use are None unless ``every_view``: to run ``self.steps`` instead)."""
+        use are None unless ``every_view``: to run ``self.steps`` instead). ``events``: this
+        call's plan events; a backend that prepares event records and waits (GPUs, whose
+        events are one set per compiled plan) gets them bound into the steps."""
         symm = buffers.symm
         old = self._binding
-        if old is not None and (old.backend() is not backend or
+        # Events key the binding only where they are bound into it (the CPU backend makes
+        # fresh events every call).
+        if getattr(backend, "prepare_record", None) is None:
+            events = None
+        if old is not None and (old.backend() is not backend or old.events is not events or
                                 (old.ref() if old.ref is not None else None) is not symm):
             old = None
         if symm is None:
@@ -266,7 +273,8 @@ class CompiledPlan:
             lean = prepare is not None and not every_view
             return old.steps, self.views(buffers, ws_views, lean)
         views = self.views(buffers, ws_views)
-        steps = self._bound_steps(backend, prepare, old, call_key, symm is not None, views)
+        steps = self._bound_steps(backend, prepare, old, call_key, symm is not None, views,
+                                  events)
         ref = None
         if symm is not None:
             try:
@@ -277,11 +285,12 @@ class CompiledPlan:
             except TypeError:
                 return steps, views
         # The backend weakly too: a closed backend is not kept alive by a plan it ran.
-        self._binding = Binding(weakref.ref(backend), ref, ws_key, ws_views, call_key, steps)
+        self._binding = Binding(weakref.ref(backend), ref, ws_key, ws_views, call_key, steps,
+                                events)
         return steps, views
 
     def _bound_steps(self, backend, prepare, old: Binding | None, call_key, dma: bool,
-                     views: list) -> tuple:
+                     views: list, events: list | None) -> tuple:
         if old is not None:
             steps = list(old.steps)
             moved = {s for s, was, now in zip(self.copy_sources[dma], old.call_key, call_key)
@@ -295,6 +304,13 @@ class CompiledPlan:
             compute = self.compute
             steps = [(here[s[0]],) + s[1:] if s[0] in here and s[1] == compute else s
                      for s in steps]
+            if events is not None:
+                # Each record / wait as the event's own bound call (no backend frame, no
+                # event lookup per step): GPUs reuse one event set per compiled plan.
+                record, wait = backend.prepare_record, backend.prepare_wait
+                steps = [(CALL, s[1], record(events[s[2]]), 0, 0, 0) if s[0] == RECORD else
+                         (CALL, s[1], wait(events[s[2]]), 0, 0, 0) if s[0] == WAIT else s
+                         for s in steps]
         if prepare is not None:
             for i, sources in self.copies:
                 if moved is None or not moved.isdisjoint(sources):

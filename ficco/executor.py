@@ -85,10 +85,11 @@ def execute(plan: Plan, backend, buffers: Buffers, *, timeout_s: float,
     queues = queues_of(compiled.queue_names) if queues_of is not None else \
         [backend.queue(name) for name in compiled.queue_names]
     # plan.num_events events and the entry event; GPUs reuse theirs per compiled plan.
-    *events, entry = backend.plan_events(compiled, plan.num_events + 1)
+    events = backend.plan_events(compiled, plan.num_events + 1)
+    entry = events[-1]   # (the same list every call on GPUs: it keys the binding)
     # traces and profiler ranges run per step (profiling: compiled.steps): every view made
     profiled = profiling.recording()
-    steps, views = compiled.bind(backend, buffers, every_view=trace or profiled)
+    steps, views = compiled.bind(backend, buffers, events, every_view=trace or profiled)
     if compiled.num_flags:   # zeroed on the compute queue, before the side queues start
         raise_pending_gated()
         buffers.flags = torch.zeros(compiled.num_flags, dtype=torch.int32,

@@ -31,6 +31,7 @@ class Recorder:
         self.events = 0         # torch.cuda.Event objects made
         self.copies: list = []  # (kind, args, stream) of every vendor copy
         self.prepared = 0       # copies whose vendor arguments were computed
+        self.marks: list = []   # ("record" | "wait", event, stream handle) in enqueue order
 
 
 class FakeStream:
@@ -41,7 +42,7 @@ class FakeStream:
         self.cuda_stream = 0x1000 + FakeStream.made
 
     def wait_event(self, event):
-        pass
+        event.wait(self)     # as torch.cuda.Stream.wait_event does
 
     def __eq__(self, other):
         return isinstance(other, FakeStream) and other.cuda_stream == self.cuda_stream
@@ -83,7 +84,10 @@ def gpu(monkeypatch):
             rec.events += 1
 
         def record(self, stream=None):
-            pass
+            rec.marks.append(("record", self, stream.cuda_stream))
+
+        def wait(self, stream=None):
+            rec.marks.append(("wait", self, stream.cuda_stream))
 
         def query(self):
             return True
@@ -239,6 +243,30 @@ def test_repeat_calls_reuse_events_streams_and_prepared_copies(gpu):
     current, switches = rec.current, rec.switches
     _rs_call(plan, backend, rs_handle)
     assert (rec.current - current, rec.switches - switches) == (2, 0)
+
+
+@pytest.mark.parametrize("problem,name", [(AG, "uniform-fused-1d"), (AG, "hetero-unfused-2d"),
+                                          (RS, "ring"), (RS, "uniform-fused-2d")])
+def test_every_record_and_wait_lands_on_its_event_and_stream(problem, name, gpu):
+    """The plan's records and waits, bound once per plan as the events' own calls: in every
+    call, first or repeated, each one reaches the plan's event on its op's stream, in order."""
+    from ficco.compiler import compile_plan
+    from ficco.plan import Record, Wait
+
+    backend, rec = gpu
+    plan = schedules.get(name, op=problem.op).plan(problem, "dma", None)
+    run = _rs_call if problem.reduces else _ag_call
+    handle = Handle(problem.m * sum(problem.ns) if problem.reduces else problem.big_m * K)
+    events = backend.plan_events(compile_plan(plan), plan.num_events + 1)
+    index = {id(e): i for i, e in enumerate(events[:-1])}   # the last is the entry event
+    streams = dict(zip(plan.queues, (q.cuda_stream for q in backend.queues(plan.queues))))
+    want = [("record" if isinstance(op, Record) else "wait", op.event, streams[op.queue])
+            for op in plan.ops if isinstance(op, (Record, Wait))]
+    for _ in range(3):
+        rec.marks.clear()
+        run(plan, backend, handle)
+        got = [(kind, index[id(e)], stream) for kind, e, stream in rec.marks if id(e) in index]
+        assert got == want
 
 
 def test_finish_joins_each_side_stream_once_with_a_reused_event(gpu, monkeypatch):

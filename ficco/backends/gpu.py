@@ -311,6 +311,15 @@ class GpuBackend(Backend):
     def wait(self, event, queue):
         queue.wait_event(event)
 
+    def prepare_record(self, event):
+        """:meth:`record` of a plan event as one call of the queue (bound once per plan)."""
+        return event.record
+
+    def prepare_wait(self, event):
+        """:meth:`wait` of a plan event as one call of the queue (``Stream.wait_event`` only
+        calls ``event.wait(stream)``)."""
+        return event.wait
+
     def elapsed_s(self, start, end) -> float:
         end.synchronize()
         return start.elapsed_time(end) / 1000.0
