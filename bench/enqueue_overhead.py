@@ -331,24 +331,11 @@ def _rel_err(p, buffers, handle, a, bs) -> float:
 
 def _graph_replay(call, box, p, handle, a, bs) -> str:
     """Host us of one replay of a CUDA graph of the call (and its error), or why none."""
+    from ficco.bench.gpu_probes import capture_and_time_replays
+
     try:
-        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            call()          # warm the side stream's allocator pool before capture
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            call()
+        graph, times = capture_and_time_replays(call)
         captured = box[0]
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(20):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            graph.replay()
-            times.append(time.perf_counter() - t0)
-        torch.cuda.synchronize()
         err = _rel_err(p, captured, handle, a, bs)
         del graph
         return f"{statistics.median(times) * 1e6:.1f} ({err:.0e})"

@@ -183,19 +183,24 @@ def test_repeated_calls_with_fresh_data_match_float64(name, backend):
     assert compile_plan(plan)._binding is not None   # the workspace views were kept
 
 
-@pytest.mark.parametrize("name", ["serial", "uniform-fused-1d", "hetero-fused-2d"])
-def test_new_workspace_handle_drops_cached_views(name, backend):
-    plan = _dma_plan(name, _problem())
+def _grow_workspace_and_check(plan, backend, before_growth=lambda: None) -> None:
+    """Run ``plan`` on a workspace handle, then on a grown one (a new handle, other addresses)
+    twice, against float64. The old handle stays alive (its views are valid memory) but holds
+    NaN, so a plan that kept its views or prepared addresses fails the comparison."""
     numel = plan.problem.big_m * K
     old = StubHandle(WORLD, numel)
     _assert_close(*_run_once(plan, backend, old)[:2])
-    # The workspace grew: a new handle. The old one stays alive (its views are still valid
-    # memory) but holds NaN, so a plan that kept reading it would fail the comparison.
+    before_growth()
     new = StubHandle(WORLD, 2 * numel)
     for t in old.data:
         t.fill_(float("nan"))
     for _ in range(2):
         _assert_close(*_run_once(plan, backend, new)[:2])
+
+
+@pytest.mark.parametrize("name", ["serial", "uniform-fused-1d", "hetero-fused-2d"])
+def test_new_workspace_handle_drops_cached_views(name, backend):
+    _grow_workspace_and_check(_dma_plan(name, _problem()), backend)
 
 
 def test_dropped_handle_frees_cached_views(backend):
@@ -332,18 +337,11 @@ def _copies_touching(plan, bufs) -> int:
 @pytest.mark.parametrize("name", ["serial", "uniform-fused-1d", "hetero-unfused-2d"])
 def test_prepared_copies_follow_a_grown_workspace(name, prepared):
     plan = _dma_plan(name, _problem())
-    numel = plan.problem.big_m * K
-    old = StubHandle(WORLD, numel)
-    _assert_close(*_run_once(plan, prepared, old)[:2])
     copies = sum(1 for op in plan.ops if op.kind.startswith("copy"))
-    assert prepared.prepared == copies
-    # The workspace grew (a new handle, other addresses). The old one stays alive and holds
-    # NaN: a copy still prepared with its addresses fills the result with NaN.
-    new = StubHandle(WORLD, 2 * numel)
-    for t in old.data:
-        t.fill_(float("nan"))
-    for _ in range(2):
-        _assert_close(*_run_once(plan, prepared, new)[:2])
+
+    def prepared_once():
+        assert prepared.prepared == copies
+    _grow_workspace_and_check(plan, prepared, prepared_once)
     assert prepared.prepared >= 2 * copies   # everything prepared again for the new handle
 
 

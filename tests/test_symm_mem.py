@@ -121,6 +121,18 @@ def test_cpu_ranks_run_the_flag_protocol_and_leave_pads_clear():
         assert pads == [0, 0, 0]   # every flag cleared by its owner after passing
 
 
+def _barrier_then_pull(backend, h, rank, world, timeout_s, step):
+    """A plan's pattern on one queue: barrier 0, then pull the next rank's 4 doubles into a
+    NaN-filled destination. Returns (queue, destination, monotonic start)."""
+    q = backend.queue("copy0")
+    out = torch.full((4,), float("nan"), dtype=torch.float64)
+    src = h.get_buffer((rank + 1) % world, (4,), torch.float64)
+    start = time.monotonic()
+    backend.barrier(h, 0, q, timeout_s, step)
+    backend.copy(out, src, q)
+    return q, out, start
+
+
 def _another_call(rank, world, seed):
     """Rank ``world - 1`` makes another call (its call flag differs) at round 2 of 3: every
     rank raises MismatchError at that round's barrier, long before the deadline, and nothing
@@ -136,12 +148,7 @@ def _another_call(rank, world, seed):
         for round_ in range(3):
             flag = int(torch.randint(1, 1 << 30, (), generator=gen))
             h.call_flag = flag + 1 if round_ == 1 and rank == world - 1 else flag
-            q = backend.queue("copy0")
-            out = torch.full((4,), float("nan"), dtype=torch.float64)
-            src = h.get_buffer((rank + 1) % world, (4,), torch.float64)
-            start = time.monotonic()
-            backend.barrier(h, 0, q, 30.0, 3)
-            backend.copy(out, src, q)
+            q, out, start = _barrier_then_pull(backend, h, rank, world, 30.0, 3)
             try:
                 backend.finish([q])
                 outcomes.append(("passed", bool(torch.isnan(out).any())))
@@ -181,12 +188,7 @@ def _released_by_the_deadline(rank, world, seed):
         if rank == world - 1:
             h.barrier(channel=4, timeout_s=20)   # only after the others gave up
             return "absent", True
-        q = backend.queue("copy0")
-        out = torch.full((4,), float("nan"), dtype=torch.float64)
-        src = h.get_buffer((rank + 1) % world, (4,), torch.float64)
-        start = time.monotonic()
-        backend.barrier(h, 0, q, 1.5, 7)
-        backend.copy(out, src, q)
+        q, out, start = _barrier_then_pull(backend, h, rank, world, 1.5, 7)
         try:
             backend.finish([q])
             message = "returned"

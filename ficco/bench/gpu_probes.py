@@ -152,24 +152,31 @@ def measure_enqueue(backend, quick: bool, progress=None) -> list[dict]:
     return recs
 
 
+def capture_and_time_replays(call, replays: int = 20):
+    """Capture ``call()`` into a CUDA graph (after one warm-up run on a side stream, as torch's
+    docs do) and return (graph, host seconds of each replay's launch)."""
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()          # warm the side stream's allocator pool before capture
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return graph, times
+
+
 def _graph_replay(call, handle, world, m, k, b, out) -> dict:
     try:
-        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            call()          # warm the side stream's allocator pool before capture
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            call()
-        torch.cuda.synchronize()
-        replay = []
-        for _ in range(20):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            graph.replay()
-            replay.append(time.perf_counter() - t0)
-        torch.cuda.synchronize()
+        _, replay = capture_and_time_replays(call)
         expect = handle.get_buffer(0, (world * m, k), DTYPE).float() @ b.float()
         return {"graph_replay_enqueue_s": statistics.median(replay),
                 "graph_result_rel_err": float((out.float() - expect).norm() / expect.norm())}

@@ -119,14 +119,16 @@ class Deadline:
         where = f" at step {self.step}" if self.step is not None and self.step >= 0 else ""
         foreign = self.foreign(late)
         if foreign:
-            from ..agreement import consistent
-
-            return consistent(MismatchError(
+            mismatch = MismatchError(
                 f"rank {self.rank}{where}: rank(s) {[p for p, _ in foreign]} reached this "
                 f"call's barrier (channel {self.channel}) from a different call (call flags "
                 f"{[v for _, v in foreign]}, this rank's {self.target}): other shapes, dtypes, "
                 f"settings or op, each agreed at an earlier call. Nothing this call computed "
-                f"is returned; every rank must make the same calls in the same order"))
+                f"is returned; every rank must make the same calls in the same order")
+            # Every rank sees another's flag and raises alike: the group stays usable (the
+            # mark ficco.agreement.consistent sets; not imported: symm_mem sits below it).
+            mismatch.consistent = True
+            return mismatch
         peers = [p for p, _ in late]
         values = [v for _, v in late]
         return CommTimeoutError(
