@@ -289,13 +289,31 @@ def test_paper_implementation_adds_gathers_only_to_fused_1d_schedules():
             simulator.simulate(without, MI300X).makespan_s * (1 - 1e-9)
 
 
+def test_graph_launched_profile_drops_only_host_time_and_never_slows_a_plan():
+    """``NAME:graphs`` (how the paper's runs are priced) is the named profile without host
+    time per op: removing host time never makes any of the paper's four plans slower, and a
+    malformed profile name is refused."""
+    graphs = validate.load_profile("mi300x:graphs")
+    assert graphs.host_op_s == 0.0
+    assert dataclasses.replace(graphs, host_op_s=MI300X.host_op_s) == MI300X
+    for shape in ("g2", "g6"):
+        problem = table_i_problem(shape, scale=16)
+        for name in PAPER_FOUR:
+            plan = validate.as_paper_implemented(schedules.get(name).plan(problem, "dma"))
+            assert simulator.simulate(plan, graphs, wide_outputs=False).makespan_s <= \
+                simulator.simulate(plan, MI300X, wide_outputs=False).makespan_s * (1 + 1e-9)
+    for bad in ("mi300x:graph", "mi300x:graphs:graphs", "mi300x:graphsx"):
+        with pytest.raises(ValueError, match="expected NAME"):
+            validate.load_profile(bad)
+
+
 def test_validation_table_rows_name_a_source_and_a_predictor():
     with open(validate.TABLE, newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert rows and {r["role"] for r in rows} <= {"fit", "check"}
     for row in rows:
         assert row["source"] and row["hardware"] and row["quantity"] in validate.PREDICTORS
-        profiles.load(row["profile"])
+        validate.load_profile(row["profile"])
     assert validate.relative_error(1.5, "1..2") == 0.0
     assert validate.relative_error(3.0, "1..2") == pytest.approx(0.5)
     assert validate.relative_error(1.1, "1.0") == pytest.approx(0.1)
