@@ -57,16 +57,6 @@ def block_reference(p: Problem, a, b, limit: int, ref_dtype):
     return mine
 
 
-def ficco_call(a, b, name: str, transport: str):
-    import ficco
-    from .. import config
-
-    def call():
-        with config.scope(transport=transport):
-            return ficco.matmul_reduce_scatter(a, b, schedule=name)
-    return call
-
-
 def comm_call(p: Problem, full_product):
     """The unoverlapped reduce-scatter of the whole product (the comm time of ``serial``)."""
     pieces = [full_product[r0: r0 + n] for r0, n in map(p.block, range(p.world))]

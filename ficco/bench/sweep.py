@@ -196,13 +196,17 @@ def _entries(schedules: list[str], transports: list[str]) -> list[tuple[str, str
     return out
 
 
-def _ficco_call(a, b, name: str, transport: str):
+def _ficco_call(op: str, a, b, name: str, transport: str):
+    """The ficco call timed for (schedule ``name``, ``transport``): ``op`` is the Problem's op,
+    the name of the public function."""
     import ficco
     from .. import config
 
+    fn = getattr(ficco, op)
+
     def call():
         with config.scope(transport=transport):
-            return ficco.all_gather_matmul(a, b, schedule=name)
+            return fn(a, b, schedule=name)
     return call
 
 
@@ -289,10 +293,8 @@ def run_scenario(sc, entries, args, dtype: str, device, rank: int, world: int, e
         if name == TORCH_FUSED:
             fn, skip = rs_inputs.torch_fused_call(a, b, device, world) if problem.reduces \
                 else _torch_fused_call(a, b, device)
-        elif problem.reduces:
-            fn, skip = rs_inputs.ficco_call(a, b, name, transport), None
         else:
-            fn, skip = _ficco_call(a, b, name, transport), None
+            fn, skip = _ficco_call(problem.op, a, b, name, transport), None
         if skip:
             rec.update(status="skipped", reason=skip)
         else:

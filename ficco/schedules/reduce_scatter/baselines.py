@@ -30,21 +30,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...plan import COMM, COMPUTE, Gemm, Plan, PlanBuilder, ReduceScatter, SendRecv
+from ...plan import COMM, COMPUTE, Gemm, Plan, ReduceScatter, SendRecv
 from ...problem import Problem
 from . import common
-
-
-def _own_gemms(builder: PlanBuilder, accumulate: bool, step: int) -> list[int]:
-    p = builder.problem
-    handles = []
-    for j in range(len(p.ns)):
-        piece = common.whole(p, p.rank, j)
-        if piece:
-            handles.append(builder.add(Gemm(COMPUTE, (common.a_rows(p, p.rank, piece),),
-                                            (common.out(p, j, piece),), j, 0, p.k, accumulate,
-                                            step)))
-    return handles
 
 
 @dataclass(frozen=True)
@@ -54,11 +42,10 @@ class Serial:
 
     def plan(self, problem: Problem, transport: str = "dma",
              copy_engines: int | None = None) -> Plan:
-        common.check(problem, transport, copy_engines)
-        p, builder = problem, PlanBuilder(self.name, transport, problem)
-        if p.world == 1:
-            _own_gemms(builder, False, 0)
+        builder, whole = common.begin(self.name, problem, transport, copy_engines)
+        if whole:
             return builder.build()
+        p = problem
         gemms = []
         for j in range(len(p.ns)):
             if p.m:
@@ -122,11 +109,10 @@ class Ring:
 
     def plan(self, problem: Problem, transport: str = "dma",
              copy_engines: int | None = None) -> Plan:
-        common.check(problem, transport, copy_engines)
-        p, builder = problem, PlanBuilder(self.name, transport, problem)
-        if p.world == 1:
-            _own_gemms(builder, False, 0)
+        builder, whole = common.begin(self.name, problem, transport, copy_engines)
+        if whole:
             return builder.build()
+        p = problem
         steps = self.steps(p.world, p.rank)
         if transport == "dma":
             common.pad_barriers(builder, len(steps) + 1)
@@ -180,12 +166,12 @@ class Ring:
             common.close(builder, transport, copies)
             return builder.build()
         if self.reduce_each_step:
-            _own_gemms(builder, written, len(steps) + 1)
+            common.own_gemms(builder, written, len(steps) + 1)
             written = True
             while reduced < len(arrived):
                 reduce_next(final=reduced == len(arrived) - 1)
         else:
-            _own_gemms(builder, False, len(steps) + 1)
+            common.own_gemms(builder, False, len(steps) + 1)
             for j in range(len(p.ns)):
                 piece = common.whole(p, p.rank, j)
                 common.reduce(builder, j, piece, [src for _, src, _ in arrived], own=False,

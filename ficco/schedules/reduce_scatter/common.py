@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ...config import TRANSPORTS
 from ...errors import InvalidArgumentError
-from ...plan import (COMM, COMPUTE, AllToAll, Barrier, Block, Copy, PlanBuilder, Reduce,
+from ...plan import (COMM, COMPUTE, AllToAll, Barrier, Block, Copy, Gemm, PlanBuilder, Reduce,
                      copy_queue)
 from ...problem import Problem, even_split
 
@@ -32,6 +32,31 @@ def check(problem: Problem, transport: str, copy_engines: int | None) -> None:
     if copy_engines is not None and copy_engines < 1:
         raise InvalidArgumentError(
             f"copy_engines must be >= 1 or None (one per peer); got {copy_engines}")
+
+
+def begin(name: str, problem: Problem, transport: str,
+          copy_engines: int | None) -> tuple[PlanBuilder, bool]:
+    """Check the arguments and start schedule ``name``'s plan: (builder, whole), ``whole``
+    when one rank makes the plan its own GEMMs alone (already added)."""
+    check(problem, transport, copy_engines)
+    builder = PlanBuilder(name, transport, problem)
+    if problem.world == 1:
+        own_gemms(builder, False, 0)
+        return builder, True
+    return builder, False
+
+
+def own_gemms(builder: PlanBuilder, accumulate: bool, step: int) -> list[int]:
+    """This rank's own block of every output, computed straight into ``out``."""
+    p = builder.problem
+    handles = []
+    for j in range(len(p.ns)):
+        piece = whole(p, p.rank, j)
+        if piece:
+            handles.append(builder.add(Gemm(COMPUTE, (a_rows(p, p.rank, piece),),
+                                            (out(p, j, piece),), j, 0, p.k, accumulate,
+                                            step)))
+    return handles
 
 
 def scale(p: Problem) -> float | None:

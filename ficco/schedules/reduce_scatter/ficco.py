@@ -63,7 +63,6 @@ from ...plan import COMPUTE, Block, Gemm, Plan, PlanBuilder
 from ...problem import Problem
 from ..ficco import coalesce
 from . import common
-from .baselines import _own_gemms
 
 
 @dataclass(frozen=True)
@@ -89,11 +88,8 @@ class Ficco:
 
     def plan(self, problem: Problem, transport: str = "dma",
              copy_engines: int | None = None) -> Plan:
-        common.check(problem, transport, copy_engines)
-        builder = PlanBuilder(self.name, transport, problem)
-        if problem.world == 1:
-            _own_gemms(builder, False, 0)
-        else:
+        builder, whole = common.begin(self.name, problem, transport, copy_engines)
+        if not whole:
             _Planner(self, builder, transport, copy_engines or problem.world - 1).run()
         return builder.build()
 
@@ -223,7 +219,7 @@ class _Planner:
     def finish_hetero(self, step: int, last_mine: dict) -> None:
         p, builder = self.builder.problem, self.builder
         if not self.schedule.reduce_each_step:
-            _own_gemms(builder, False, step)
+            common.own_gemms(builder, False, step)
             for j in range(len(p.ns)):
                 items = [i for i in self.pending if i[1] == j]
                 whole = common.whole(p, p.rank, j)
