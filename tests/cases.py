@@ -42,3 +42,23 @@ def run_matrix(rank, world, schedule, transport, seed):
                 if world > 1 and api.last_run() != (schedule, transport):
                     failures.append(f"{label}: ran {api.last_run()}, not {(schedule, transport)}")
     return failures
+
+
+def fail_next_gemm(backend):
+    """Make this rank's next GEMM raise ``RuntimeError("injected GEMM failure")`` once,
+    whichever entry the executor takes (GPUs run compute-queue GEMMs through
+    ``gemm_current``, other queues through ``gemm``). Returns the function that undoes it
+    (for when no GEMM ran)."""
+    names = [name for name in ("gemm", "gemm_current") if hasattr(backend, name)]
+    real = {name: getattr(backend, name) for name in names}
+
+    def restore():
+        for name in names:
+            setattr(backend, name, real[name])
+
+    def broken(*args, **kwargs):
+        restore()
+        raise RuntimeError("injected GEMM failure")
+    for name in names:
+        setattr(backend, name, broken)
+    return restore

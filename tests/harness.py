@@ -115,9 +115,13 @@ class RankPool:
                         out[r] = ("err", f"rank {r} did not answer within {timeout_s}s")
         return out
 
-    def run(self, fn, *args, timeout_s: float = 120):
+    def send(self, fn, *args) -> None:
+        """Start ``fn(rank, world, *args)`` on every rank (collect with :meth:`_collect`)."""
         for conn in self.conns:
             conn.send((fn.__module__, fn.__name__, args))
+
+    def run(self, fn, *args, timeout_s: float = 120):
+        self.send(fn, *args)
         results = self._collect(timeout_s)
         errors = [(r, res[1]) for r, res in enumerate(results) if res[0] != "ok"]
         if errors:
@@ -163,6 +167,20 @@ def pool(world: int, env: dict | None = None, pg_backend: str = "gloo") -> RankP
     if current is None:
         current = _pools[key] = RankPool(world, env, pg_backend)
     return current
+
+
+def run_alone(world: int, fn, *args, timeout_s: float = 120, raw: bool = False):
+    """``fn`` on a pool of its own, closed afterwards: for cases that kill or stall a rank,
+    leave threads or files behind, or time how long ranks take. ``raw``: every rank's
+    ``("ok" | "err", value)``, a dead rank included, instead of raising on a failed rank."""
+    own = RankPool(world)
+    try:
+        if raw:
+            own.send(fn, *args)
+            return own._collect(timeout_s)
+        return own.run(fn, *args, timeout_s=timeout_s)
+    finally:
+        own.close()
 
 
 def close_all():

@@ -40,6 +40,17 @@ def make_inputs(seed, world, a_shape, ns, dtype, scatter_dim=0):
     return a_s, b_s, refs
 
 
+def expected(refs, j: int, rank: int, reduce_op: str, world: int):
+    """Rank ``rank``'s float64 reference for output ``j`` (divided by ``world``, with its
+    rounding scale, for ``reduce_op="avg"``)."""
+    ref = refs[j][rank]
+    if reduce_op == "avg":
+        scale = ref.scale / world
+        ref = ref / world
+        ref.scale = scale
+    return ref
+
+
 def run_matrix(rank, world, schedule, transport, seed, reduce_op="sum", shapes=None):
     """Every shape x dtype for one schedule/transport; returns failures as strings."""
     failures = []
@@ -52,11 +63,7 @@ def run_matrix(rank, world, schedule, transport, seed, reduce_op="sum", shapes=N
                                                    reduce_op=reduce_op, schedule=schedule)
                 outs = outs if isinstance(outs, list) else [outs]
                 for j, out in enumerate(outs):
-                    ref = refs[j][rank]
-                    if reduce_op == "avg":
-                        scale = ref.scale / world
-                        ref = ref / world
-                        ref.scale = scale
+                    ref = expected(refs, j, rank, reduce_op, world)
                     err = max_row_rel_err(out, ref)
                     if tuple(out.shape) != tuple(ref.shape) or not err <= ROW_TOL[dtype]:
                         failures.append(f"{label}/{dtype}/b{j}: shape {tuple(out.shape)} vs "

@@ -101,13 +101,7 @@ def _killed_on_ccl(rank, world, seed):
 
 
 def test_a_killed_peer_on_ccl_is_named_in_a_ficco_error():
-    pool = harness.RankPool(3)
-    try:
-        for conn in pool.conns:
-            conn.send((_killed_on_ccl.__module__, _killed_on_ccl.__name__, (7,)))
-        results = pool._collect(90)
-    finally:
-        pool.close()
+    results = harness.run_alone(3, _killed_on_ccl, 7, timeout_s=90, raw=True)
     for rank in (0, 2):
         status, (kind, message, elapsed) = results[rank]
         assert status == "ok" and kind in ficco.errors.__dict__, results[rank]
@@ -145,11 +139,8 @@ def _late_in_the_plan_on_ccl(rank, world, seed):
 
 
 def test_a_peer_late_inside_the_plan_on_ccl_is_named_with_the_step_at_the_deadline():
-    pool = harness.RankPool(2)
-    try:
-        results = pool.run(_late_in_the_plan_on_ccl, random.randrange(1 << 30), timeout_s=120)
-    finally:
-        pool.close()
+    results = harness.run_alone(2, _late_in_the_plan_on_ccl, random.randrange(1 << 30),
+                                timeout_s=120)
     first, (kind, message, elapsed) = results[0]
     assert first <= 1e-4, results
     assert kind == "CommTimeoutError", results
@@ -193,11 +184,7 @@ def _destroyed_group_threads(rank, world, seed):
 
 
 def test_queue_threads_end_with_their_group():
-    pool = harness.RankPool(2)
-    try:
-        results = pool.run(_destroyed_group_threads, random.randrange(1 << 30))
-    finally:
-        pool.close()
+    results = harness.run_alone(2, _destroyed_group_threads, random.randrange(1 << 30))
     for err, before, after in results:
         assert err <= 1e-4 and before and after == [], results
 

@@ -78,13 +78,7 @@ def _die_mid_call(rank, world, seed):
 
 def test_dead_peer_makes_others_fail_not_hang_and_leaks_nothing():
     before = _shm_files()
-    pool = harness.RankPool(3)
-    try:
-        for conn in pool.conns:
-            conn.send((_die_mid_call.__module__, _die_mid_call.__name__, (5,)))
-        results = pool._collect(60)
-    finally:
-        pool.close()
+    results = harness.run_alone(3, _die_mid_call, 5, timeout_s=60, raw=True)
     assert results[1][0] == "err" and "died" in results[1][1]
     for rank in (0, 2):
         status, msg = results[rank]
@@ -100,11 +94,7 @@ def _files_during_call(rank, world, seed):
 
 def test_no_shared_memory_file_exists_even_while_ranks_hold_workspaces():
     before = _shm_files()
-    pool = harness.RankPool(2)
-    try:
-        during = pool.run(_files_during_call, random.randrange(1000))
-    finally:
-        pool.close()
+    during = harness.run_alone(2, _files_during_call, random.randrange(1000))
     assert during == [before, before]
     assert _shm_files() == before
 
@@ -161,11 +151,7 @@ def _late_peer_on_ccl(rank, world, seed):
 
 
 def test_late_peer_on_ccl_then_every_later_call_is_right_or_raises():
-    pool = harness.RankPool(2)
-    try:
-        results = pool.run(_late_peer_on_ccl, random.randrange(1 << 30), timeout_s=120)
-    finally:
-        pool.close()
+    results = harness.run_alone(2, _late_peer_on_ccl, random.randrange(1 << 30), timeout_s=120)
     for rank, (first, late, later) in enumerate(results):
         assert first[0] == "ok" and first[1] <= 1e-4, results
         for status, value in later:
@@ -229,11 +215,7 @@ def _two_threads(rank, world, seed):
 
 
 def test_two_threads_on_one_group_never_get_a_wrong_result():
-    pool = harness.RankPool(2)
-    try:
-        results = pool.run(_two_threads, random.randrange(1 << 30), timeout_s=180)
-    finally:
-        pool.close()
+    results = harness.run_alone(2, _two_threads, random.randrange(1 << 30), timeout_s=180)
     for per_rank in results:
         assert per_rank and all(s == "ok" and err <= 1e-4 for s, err in per_rank), per_rank
 

@@ -149,6 +149,9 @@ def _another_call(rank, world, seed):
             flag = int(torch.randint(1, 1 << 30, (), generator=gen))
             h.call_flag = flag + 1 if round_ == 1 and rank == world - 1 else flag
             q, out, start = _barrier_then_pull(backend, h, rank, world, 30.0, 3)
+            # A plan's barriers alternate channels 0 and 1 (what lets a rank clear its slots
+            # without erasing a fast peer's next flag): end each round on channel 1.
+            backend.barrier(h, 1, q, 30.0, 4)
             try:
                 backend.finish([q])
                 outcomes.append(("passed", bool(torch.isnan(out).any())))
@@ -252,17 +255,13 @@ def _failing_mid_call(rank, world, seed, schedule):
     from ficco.backends import get_backend
     from ficco.errors import FiccoError
 
+    from .cases import fail_next_gemm
     from .reference import make_inputs, max_row_rel_err
 
     backend = get_backend()
     shards, bs, _, refs = make_inputs(seed, world, (8, 16), (4,), torch.float32)
     ficco.all_gather_matmul(shards[rank], bs[0], schedule=schedule)   # agree on the shape
-    real = backend.gemm
-    if rank == 1:
-        def broken(*args, **kwargs):
-            backend.gemm = real
-            raise RuntimeError("injected GEMM failure")
-        backend.gemm = broken
+    restore = fail_next_gemm(backend) if rank == 1 else (lambda: None)
     try:
         with ficco.config.scope(timeout=2, transport="dma"):
             ficco.all_gather_matmul(shards[rank], bs[0], schedule=schedule)
@@ -270,7 +269,7 @@ def _failing_mid_call(rank, world, seed, schedule):
     except FiccoError as exc:
         failed = f"{type(exc).__name__}: {exc}"
     finally:
-        backend.gemm = real
+        restore()
     errors = []
     for call in range(3):
         shards, bs, _, refs = make_inputs(seed + 1 + call, world, (8, 16), (4,), torch.float32)

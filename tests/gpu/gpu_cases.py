@@ -113,36 +113,49 @@ def schedule_case(rank, world, schedule, transport, dtype_name, seed):
     return failures
 
 
+def capture(call):
+    """One eager ``call()`` (agreement, workspace, plan cache), then ``call()`` captured into
+    a CUDA graph: returns (graph, the captured call's output)."""
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return graph, out
+
+
+def replays_match_float64(graph, out, shard, b, rank, world, seed, replays, label="replay"):
+    """Replay an all_gather_matmul ``graph`` on fresh inputs written into its captured
+    ``shard`` and ``b``; returns a failure line per replay whose ``out`` is off float64."""
+    m, k = shard.shape
+    n = b.shape[1]
+    failures = []
+    for replay in range(replays):
+        gen = torch.Generator().manual_seed(seed + 1 + replay)
+        full = torch.randn(world * m, k, generator=gen)
+        b_host = torch.randn(k, n, generator=gen)
+        shard.copy_(full[rank * m:(rank + 1) * m])
+        b.copy_(b_host)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = full.double() @ b_host.double()
+        err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
+        if not err < 1e-5:
+            failures.append(f"{label} {replay}: relative error {err:.3g}")
+    return failures
+
+
 def capture_replay(rank, world, schedule, seed):
     """One call captured in a CUDA graph, then replayed on fresh inputs written into the
     captured input: every replay must match float64 (barriers write only constants, so a
     replay is a full, correctly synchronised call). Returns the failures."""
-    import ficco
-
-    device = torch.device("cuda", 0)
+    device = get_backend().device()
     m, k, n = 24, 40, 16
     shard = torch.empty(m, k, device=device)
     b = torch.empty(k, n, device=device)
-    failures = []
     with ficco.config.scope(transport="dma"):
         gen = torch.Generator().manual_seed(seed)
         shard.copy_(torch.randn(world * m, k, generator=gen)[rank * m:(rank + 1) * m])
         b.copy_(torch.randn(k, n, generator=gen))
-        ficco.all_gather_matmul(shard, b, schedule=schedule)   # agree, workspace, plan cache
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = ficco.all_gather_matmul(shard, b, schedule=schedule)
-        for replay in range(4):
-            gen = torch.Generator().manual_seed(seed + 1 + replay)
-            full = torch.randn(world * m, k, generator=gen)
-            b_host = torch.randn(k, n, generator=gen)
-            shard.copy_(full[rank * m:(rank + 1) * m])
-            b.copy_(b_host)
-            graph.replay()
-            torch.cuda.synchronize()
-            ref = full.double() @ b_host.double()
-            err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
-            if not err < 1e-5:
-                failures.append(f"replay {replay}: relative error {err:.3g}")
-    return failures
+        graph, out = capture(lambda: ficco.all_gather_matmul(shard, b, schedule=schedule))
+        return replays_match_float64(graph, out, shard, b, rank, world, seed, 4)

@@ -12,6 +12,8 @@ import ficco
 from ficco.backends import get_backend
 from ficco.errors import FiccoError
 
+from ..cases import fail_next_gemm
+from .gpu_cases import capture, replays_match_float64
 from ..reference import make_inputs, max_row_rel_err
 
 
@@ -46,26 +48,13 @@ def capture_then_grow_then_replay(rank, world, seed):
     with ficco.config.scope(transport="dma"):
         shard.normal_()
         b.normal_()
-        ficco.all_gather_matmul(shard, b, schedule="ring")
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = ficco.all_gather_matmul(shard, b, schedule="ring")
+        graph, out = capture(lambda: ficco.all_gather_matmul(shard, b, schedule="ring"))
         shards, bs, _, refs = make_inputs(seed, world, (64 * m, k), (n,), torch.float32)
         big = ficco.all_gather_matmul(shards[rank].to(device), bs[0].to(device), schedule="ring")
         if not max_row_rel_err(big, refs[0]) <= 1e-4:
             failures.append("the large eager call is wrong")
-        for replay in range(3):
-            gen = torch.Generator().manual_seed(seed + 1 + replay)
-            full, b_host = torch.randn(world * m, k, generator=gen), torch.randn(k, n, generator=gen)
-            shard.copy_(full[rank * m:(rank + 1) * m])
-            b.copy_(b_host)
-            graph.replay()
-            torch.cuda.synchronize()
-            ref = full.double() @ b_host.double()
-            err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
-            if not err < 1e-5:
-                failures.append(f"replay {replay} after growth: relative error {err:.3g}")
+        failures += replays_match_float64(graph, out, shard, b, rank, world, seed, 3,
+                                          label="replay after growth")
     return failures
 
 
@@ -146,12 +135,7 @@ def failing_rank_makes_everyone_raise(rank, world, seed):
     shards, bs, _, refs = make_inputs(seed, world, (8, 16), (4,), torch.float32)
     with ficco.config.scope(transport="dma"):
         ficco.all_gather_matmul(shards[rank].to(device), bs[0].to(device), schedule="ring")
-    real = backend.gemm
-    if rank == 1:
-        def broken(*args, **kwargs):
-            backend.gemm = real
-            raise RuntimeError("injected GEMM failure")
-        backend.gemm = broken
+    restore = fail_next_gemm(backend) if rank == 1 else (lambda: None)
     try:
         with ficco.config.scope(transport="dma", timeout=3):
             ficco.all_gather_matmul(shards[rank].to(device), bs[0].to(device), schedule="ring")
@@ -160,7 +144,7 @@ def failing_rank_makes_everyone_raise(rank, world, seed):
     except FiccoError as exc:
         failed = str(exc)
     finally:
-        backend.gemm = real
+        restore()
     ficco.shutdown()
     shards, bs, _, refs = make_inputs(seed + 1, world, (8, 16), (4,), torch.float32)
     with ficco.config.scope(transport="dma"):

@@ -9,7 +9,8 @@ from ficco import config, runtime
 from ficco.backends import get_backend
 
 from ..reference import ROW_TOL, max_row_rel_err
-from ..rs_cases import make_inputs
+from ..rs_cases import expected, make_inputs
+from .gpu_cases import capture
 
 
 def schedule_case(rank, world, schedule, transport, dtype_name, seed, reduce_op="sum"):
@@ -22,11 +23,7 @@ def schedule_case(rank, world, schedule, transport, dtype_name, seed, reduce_op=
         outs = ficco.matmul_reduce_scatter(a_s[rank].to(dev), [b.to(dev) for b in b_s[rank]],
                                            reduce_op=reduce_op, schedule=schedule)
     for j, out in enumerate(outs):
-        ref = refs[j][rank]
-        if reduce_op == "avg":
-            scale = ref.scale / world
-            ref = ref / world
-            ref.scale = scale
+        ref = expected(refs, j, rank, reduce_op, world)
         err = max_row_rel_err(out, ref)
         if out.device.type != dev.type or not err <= ROW_TOL[dtype]:
             failures.append(f"b{j}: {out.device} err {err:.3g}")
@@ -38,7 +35,7 @@ def schedule_case(rank, world, schedule, transport, dtype_name, seed, reduce_op=
 def capture_replay(rank, world, schedule, seed):
     """One dma call captured in a CUDA graph, replayed on fresh inputs: every replay must
     match float64 (the Reduce ops are torch kernels on the compute stream, captured too)."""
-    device = torch.device("cuda", 0)
+    device = get_backend().device()
     m, k, n = 24, 16, 12
     a = torch.empty(m, k, device=device)
     b = torch.empty(k, n, device=device)
@@ -47,11 +44,7 @@ def capture_replay(rank, world, schedule, seed):
         a_s, b_s, _ = make_inputs(seed, world, (m, k), (n,), torch.float32)
         a.copy_(a_s[rank])
         b.copy_(b_s[rank][0])
-        ficco.matmul_reduce_scatter(a, b, schedule=schedule)   # agree, workspace, plan cache
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = ficco.matmul_reduce_scatter(a, b, schedule=schedule)
+        graph, out = capture(lambda: ficco.matmul_reduce_scatter(a, b, schedule=schedule))
         for replay in range(3):
             a_s, b_s, refs = make_inputs(seed + 1 + replay, world, (m, k), (n,), torch.float32)
             a.copy_(a_s[rank])
