@@ -42,7 +42,7 @@ sys.path.insert(0, ROOT)
 from ficco import executor as current_executor  # noqa: E402
 from ficco import schedules  # noqa: E402
 from ficco.backends.base import Backend  # noqa: E402
-from ficco.backends.gpu import copy_call_args  # noqa: E402
+from ficco.backends.vendor import copy_call_args  # noqa: E402
 from ficco.problem import Problem  # noqa: E402
 
 WORLD, DTYPE = 8, torch.bfloat16

@@ -12,7 +12,7 @@ import torch
 
 from ficco.backends.base import Backend
 from ficco.backends.cuda import CudaBackend, CudaVendor
-from ficco.backends.gpu import Copy2D, copy_2d_args
+from ficco.backends.vendor import Copy2D, copy_2d_args
 from ficco.backends.rocm import RocmBackend
 from ficco.errors import BackendCallError, BackendUnavailableError, InvalidArgumentError
 from ficco.problem import Problem

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ficco.backends.gpu import Copy2D
+from ficco.backends.vendor import Copy2D
 from ficco.backends.rocm import ALL_BITS, RocmBackend, RocmVendor, address_of, hip_python_mismatch
 from ficco.errors import BackendCallError, BackendUnavailableError
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from ficco import schedules
-from ficco.backends.gpu import Copy2D, GpuBackend, Vendor
+from ficco.backends.gpu import GpuBackend
+from ficco.backends.vendor import Copy2D, Vendor
 from ficco.executor import Buffers, execute
 from ficco.problem import Problem
 

@@ -17,7 +17,7 @@ import torch
 
 from ficco import schedules
 from ficco.backends.cpu import CpuBackend
-from ficco.backends.gpu import Copy2D, copy_call_args
+from ficco.backends.vendor import Copy2D, copy_call_args
 from ficco.errors import InvalidArgumentError
 from ficco.executor import Buffers, compile_plan, execute
 from ficco.plan import WORK_OPS

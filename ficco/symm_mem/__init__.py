@@ -61,7 +61,7 @@ class SymmHandle(ABC):
     @abstractmethod
     def slot(self, owner: int, channel: int, writer: int) -> Any:
         """Where ``writer`` signals ``owner`` on ``channel``, in the form the backend's
-        ``signal_write``/``signal_wait_geq`` take (a device address on GPUs)."""
+        ``signal_write``/``signal_wait`` take (a device address on GPUs)."""
 
     def barrier(self, channel: int = 2, timeout_s: float | None = None, step: int | None = None,
                 *, timeout: float | None = None) -> None:

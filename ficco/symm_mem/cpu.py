@@ -7,7 +7,7 @@ made it, whether the rank exits, raises or is killed. A file is laid out as
 
 A slot is ``(pad, index)``: the peer's pad as a flat int32 numpy array over the mapping and
 the index of ``[channel, writer]`` in it. The CPU backend's ``signal_write`` /
-``signal_wait_geq`` store and poll it, so CPU ranks run the very barrier protocol GPUs run.
+``signal_wait`` store and poll it, so CPU ranks run the very barrier protocol GPUs run.
 
 Mappings are never unmapped by :meth:`CpuSymmHandle.close`: every tensor and array viewing one
 keeps its ``mmap`` object alive, so a tensor from ``ficco.symm_mem.empty`` stays readable

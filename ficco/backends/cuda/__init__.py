@@ -20,7 +20,8 @@ import ctypes
 import torch
 
 from ...symm_mem.barrier import WRITE
-from ..gpu import Copy2D, GpuBackend, Vendor, handle_bytes
+from ..gpu import GpuBackend
+from ..vendor import Copy2D, Vendor, handle_bytes
 
 IPC_HANDLE_BYTES = 64
 #: cuStreamBatchMemOp takes fewer than 256 operations per call

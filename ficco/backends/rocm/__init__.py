@@ -37,7 +37,8 @@ from __future__ import annotations
 import torch
 
 from ...errors import BackendUnavailableError
-from ..gpu import Copy2D, GpuBackend, Vendor, handle_bytes
+from ..gpu import GpuBackend
+from ..vendor import Copy2D, Vendor, handle_bytes
 
 IPC_HANDLE_BYTES = 64
 ALL_BITS = 0xFFFFFFFF
