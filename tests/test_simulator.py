@@ -400,3 +400,61 @@ def test_hipblaslt_auto_split_fills_at_most_one_wave_within_the_workspace():
             assert split * tiles * area * 4 <= MI300X.dil["split_k_workspace_bytes"]
         elif tiles * 2 <= units and k >= 6 * depth and 2 * tiles * area * 4 <= 76 * 2 ** 20:
             raise AssertionError((tiles, k, area))   # room for 2 parts: the library splits
+
+
+def test_partial_sums_in_the_last_level_cache_never_cost_more_than_through_hbm():
+    """Split-K's float32 partials: the part that fits in the LLC moves at its bandwidth, the
+    rest through HBM; never slower than all through HBM, never faster than all in the LLC,
+    growing with the bytes, and a profile without an LLC prices everything through HBM."""
+    import random
+
+    rng = random.Random()
+    assert MI300X.llc_bytes > 0 and MI300X.llc_bytes_per_s > MI300X.hbm_bytes_per_s
+    no_llc = dataclasses.replace(MI300X, llc_bytes_per_s=None)
+    all_llc = dataclasses.replace(MI300X, llc_bytes=float("inf"))
+    previous = 0.0
+    for nbytes in sorted(rng.uniform(1e5, 4 * MI300X.llc_bytes) for _ in range(50)):
+        cached = gemm.partials_seconds(MI300X, nbytes)
+        assert gemm.partials_seconds(all_llc, nbytes) <= cached <= gemm.partials_seconds(no_llc, nbytes)
+        assert cached > previous
+        if nbytes <= MI300X.llc_bytes:   # all of it in the cache: strictly cheaper
+            assert cached < gemm.partials_seconds(no_llc, nbytes)
+        previous = cached
+    eff = MI300X.dil["memory_efficiency"]
+    assert gemm.partials_seconds(no_llc, 1e8) == pytest.approx(2e8 / (MI300X.hbm_bytes_per_s * eff))
+    # A GEMM is never cheaper than its roofline, whatever the cache makes of its split-K.
+    p = Problem(2048, 16384, (2048,), "bfloat16", 8)
+    for rows in (128, 2048, 16384):
+        assert gemm.gemm_seconds(MI300X, "bfloat16", [rows], 2048, p.k, 2) >= \
+            gemm.memory_seconds(MI300X, rows, 2048, p.k, 2)
+        assert gemm.gemm_seconds(MI300X, "bfloat16", [rows], 2048, p.k, 2) <= \
+            gemm.gemm_seconds(no_llc, "bfloat16", [rows], 2048, p.k, 2)
+
+
+def test_every_piece_of_one_gemm_is_as_exposed_to_contention_as_its_shard():
+    """s(MT) is the problem's (one shard's rows, as the paper's Fig. 8 measured), so a 64-way
+    piece and a fused step of the same GEMM slow alike beside the same copies."""
+    p = table_i_problem("g6")
+    shard = simulator.mt_factor(MI300X, gemm.traffic_bytes(p.m, p.ns[0], p.k, p.itemsize))
+    sim = simulator._Simulation(_single(Barrier(COMPUTE, 0), p), MI300X, "mesh")
+    assert 0 < shard < 1
+    for rows in (p.big_m // 64, p.m, 7 * p.big_m // 8):
+        op = Gemm(COMPUTE, (Block("gathered", 0, rows, 0, p.k),),
+                  (Block("out", 0, rows, 0, p.ns[0]),), 0, 0, p.k)
+        assert sim._price_gemm(op).mt_factor == pytest.approx(shard), rows
+
+
+def test_a_gather_kernel_takes_more_compute_units_than_a_collective():
+    """A gather or scatter kernel, launched over a full grid, slows a GEMM beside it more the
+    more CUs it is given; never less than a collective's few channels would."""
+    p = table_i_problem("g2", scale=4)
+    a = Block("input", 0, p.m, 0, p.k)
+    out = Block("out", 0, p.m, 0, p.ns[0], index=0)
+    moved = Block("gathered", 0, p.m, 0, p.k)
+    plan = Plan("probe", "dma", p, (COMPUTE, "gather"),
+                (Gemm(COMPUTE, (a,), (out,), 0, 0, p.k), Copy("gather", moved, moved)))
+    times = []
+    for share in (MI300X.ccl["compute_unit_fraction"], 0.3, 0.5, 0.7):
+        prof = dataclasses.replace(MI300X, cil={**MI300X.cil, "cu_mem_unit_fraction": share})
+        times.append(simulator.simulate(plan, prof).makespan_s)
+    assert times == sorted(times) and times[0] < times[-1], times

@@ -14,7 +14,8 @@ machine). This model does the same, cheaply:
 - **Split-K, only where the library would.** When the tiles fill less than
   ``split_k_below_waves`` of one wave and K is long (each part keeps at least
   ``split_k_min_k``), K is cut in 2 to ``split_k_max`` (at most 64) parts, paying the float32
-  partial sums' reduction through HBM. With ``split_k_rule: "hipblaslt_auto"`` the split is
+  partial sums' reduction through HBM, or through the last-level cache for the part that fits
+  (``llc_bytes`` at ``llc_bytes_per_s``; the library's workspace is reused call after call). With ``split_k_rule: "hipblaslt_auto"`` the split is
   the one hipBLASLt's standard libraries compute (``ContractionSolution::calculateAutoGSU``):
   ``min(CUs // tiles, K // (3 * depth_u))``, cut to what ``split_k_workspace_bytes`` holds
   of float32 partial outputs, instead of the best one.
@@ -104,11 +105,28 @@ def _tile_seconds(profile, dtype, block_rows, n, k, tile) -> float:
         wave_s = tile_s * max(waves, math.ceil(waves) / dil["partial_wave_speedup"])
         reduce_s = 0.0
         if split > 1:   # float32 partial sums written and read back once
-            outputs = sum(block_rows) * n
-            reduce_s = 2 * split * outputs * 4 / (profile.hbm_bytes_per_s
-                                                    * dil["memory_efficiency"])
+            reduce_s = partials_seconds(profile, split * sum(block_rows) * n * 4)
         best = min(best, wave_s + reduce_s)
     return best
+
+
+def partials_seconds(profile, nbytes: float) -> float:
+    """Writing split-K's ``nbytes`` of float32 partial sums and reading them back once. The
+    part that fits in the last-level cache (``llc_bytes``, e.g. MI300X's 256 MB Infinity
+    Cache) moves at its bandwidth (``llc_bytes_per_s``): the library's workspace is reused call
+    after call, so its partial sums stay there; the rest goes through HBM.
+
+    >>> from ficco.heuristics import profiles
+    >>> mi = profiles.load("mi300x")
+    >>> partials_seconds(mi, 64e6) < partials_seconds(profiles.load("h100"), 64e6)
+    True
+    """
+    efficiency = profile.dil["memory_efficiency"]
+    cached = min(nbytes, profile.llc_bytes) if profile.llc_bytes_per_s else 0.0
+    seconds = 2 * (nbytes - cached) / (profile.hbm_bytes_per_s * efficiency)
+    if cached:
+        seconds += 2 * cached / (profile.llc_bytes_per_s * efficiency)
+    return seconds
 
 
 def _auto_gsu(profile, tile_count: int, k: int, tile_area: int) -> int:

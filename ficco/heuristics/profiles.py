@@ -21,6 +21,9 @@ JSON schema (every key at top level; units in the names)::
                                                # switch: per GPU per direction
       "pcie_bytes_per_s": 6.4e10,              # per GPU per direction, for topology "pcie"
       "copy_latency_s": 1e-05,                 # fixed cost of one DMA copy
+      "llc_bytes": 268435456,                  # last-level cache size (0: none modelled)
+      "llc_bytes_per_s": 1.72e13,              # its bandwidth (null: none modelled); split-K
+                                               # partial sums that fit move at this rate
       "copy_efficiency": {"65536": 0.3, ...},  # copy size in bytes -> fraction of bandwidth
       "copy_2d_half_row_bytes": 256,           # 2D copy row width at which efficiency halves
       "copy_2d_on_dma": true,                  # false: the runtime runs 2-D peer copies as
@@ -49,7 +52,8 @@ JSON schema (every key at top level; units in the names)::
               "ccl_gemm": 0.35, "ccl_copy": 0.3,   # the same with collectives on compute units
               "mt_half_bytes": 2e9,            # GEMM memory traffic at which s(MT) is 1/2
               "mt_exp": 1.0,                   # steepness of s(MT) = MT^e / (MT^e + half^e)
-              "copy_mt_power": 1.0},           # copies feel s(MT)^power of the GEMM beside them
+              "copy_mt_power": 1.0,            # copies feel s(MT)^power of the GEMM beside them
+              "cu_mem_unit_fraction": 0.5},    # share of CUs a gather/scatter kernel takes
       "ccl": {"efficiency": 0.8,               # fraction of link bandwidth a collective reaches
               "latency_s": 2e-05,
               "compute_unit_fraction": 0.1},   # share of CUs a collective kernel occupies
@@ -90,6 +94,7 @@ DEFAULTS = {
     "gpus_per_node": 8,
     "pcie_bytes_per_s": 32e9,
     "copy_latency_s": 10e-6,
+    "llc_bytes": 0.0,
     "copy_efficiency": {"4096": 0.05, "65536": 0.3, "1048576": 0.75, "16777216": 0.92,
                         "268435456": 0.97},
     "copy_2d_half_row_bytes": 256.0,
@@ -110,7 +115,7 @@ DEFAULTS = {
             "split_k_min_k": 1024, "split_k_max": 64, "memory_efficiency": 0.8, "launch_s": 5e-6},
     "cil": {"dma_gemm": 0.2, "dma_copy": 0.25, "gemm_copies_exp": 0.25, "copy_copies_exp": 0.7,
             "ccl_gemm": 0.35, "ccl_copy": 0.3, "mt_half_bytes": 2e9, "mt_exp": 1.0,
-            "copy_mt_power": 1.0},
+            "copy_mt_power": 1.0, "cu_mem_unit_fraction": 0.5},
     "ccl": {"efficiency": 0.8, "latency_s": 20e-6, "compute_unit_fraction": 0.1},
 }
 _NESTED = ("dil", "cil", "ccl")
@@ -135,6 +140,8 @@ class Profile:
     pcie_bytes_per_s: float = DEFAULTS["pcie_bytes_per_s"]
     pcie_aggregate_bytes_per_s: float = DEFAULTS["pcie_aggregate_bytes_per_s"]
     copy_latency_s: float = DEFAULTS["copy_latency_s"]
+    llc_bytes: float = DEFAULTS["llc_bytes"]
+    llc_bytes_per_s: float | None = None
     copy_efficiency: dict = field(default_factory=lambda: dict(DEFAULTS["copy_efficiency"]))
     copy_2d_half_row_bytes: float = DEFAULTS["copy_2d_half_row_bytes"]
     copy_2d_on_dma: bool = DEFAULTS["copy_2d_on_dma"]

@@ -23,10 +23,13 @@ Cost model (every number from :class:`~ficco.heuristics.profiles.Profile`):
   ``1 + cil.dma_gemm x s(MT) x (c / copy_engines)^cil.gemm_copies_exp`` and each copy by
   ``1 + cil.dma_copy x s(MT) x (c / copy_engines)^cil.copy_copies_exp``, where
   ``s(MT) = MT^e / (MT^e + mt_half^e)`` rises with the GEMM's memory traffic (a GEMM whose
-  working set spills the last-level cache contends more). It depends on how many copies run,
+  working set spills the last-level cache contends more). MT is the problem's, one shard's
+  rows ``(M / W) x n x K``, the GEMM the paper measured (Fig. 8): every piece of one GEMM
+  streams its operands at the same rate per FLOP, so every piece is priced as exposed. It depends on how many copies run,
   not only on link utilisation: one shard-sized copy beside a GEMM (shard-level overlap)
   already costs most of what seven do. Collectives (``ccl``) run on compute units: they take
-  ``ccl.compute_unit_fraction`` of the GEMM's CUs and use the larger ``ccl_*`` factors.
+  ``ccl.compute_unit_fraction`` of the GEMM's CUs and use the larger ``ccl_*`` factors; a
+  gather or scatter kernel (launched over a full grid) takes ``cil.cu_mem_unit_fraction``.
 - Local copies: memory-bound moves (read + write). On a copy queue (a copy engine) a GEMM
   beside it slows as beside the full set of copy engines; on any other queue it is a kernel
   on the compute units (the paper's gathers and scatters) and contends like a collective.
@@ -229,6 +232,12 @@ class _Simulation:
         # scatter kernel) take CUs from the GEMM and contend more than DMA engines (paper
         # Fig. 3d and Fig. 8: core-driven communication against DMA).
         cu_running = any(t.category in ("ccl", "cu_copy", "cu_mem") for t in flowing.values())
+        # A collective runs a few channels (``ccl.compute_unit_fraction`` of the CUs); a
+        # gather or scatter kernel is launched over a full grid, and the dispatcher hands it
+        # CUs as the GEMM's workgroups retire (``cil.cu_mem_unit_fraction``).
+        cu_taken = prof.ccl["compute_unit_fraction"]
+        if any(t.category == "cu_mem" for t in flowing.values()):
+            cu_taken = max(cu_taken, cil["cu_mem_unit_fraction"])
         # A local copy on a copy engine beside the GEMM takes HBM bandwidth from it: priced
         # like the full set of copy engines streaming.
         mem_running = any(t.category == "mem" for t in flowing.values())
@@ -252,7 +261,7 @@ class _Simulation:
                     slowdown += dma_contention(prof, t.mt_factor, prof.copy_engines)[0] - 1
                 if cu_running:
                     slowdown += cil["ccl_gemm"] * t.mt_factor
-                    slowdown /= 1 - prof.ccl["compute_unit_fraction"]
+                    slowdown /= 1 - cu_taken
                 rate = 1 / slowdown
             elif t.category in ("mem", "cu_mem"):
                 slowdown = dma_contention(prof, 1.0, len(copies))[0]
@@ -280,9 +289,7 @@ class _Simulation:
         if seconds == 0:
             return _Task("gemm", 0.0, 0.0)
         launch_s = self.profile.dil["launch_s"]
-        traffic = gemm_cost.traffic_bytes(sum(block_rows), n, op.kc, self.itemsize,
-                                          op.accumulate, self.out_itemsize)
-        return _Task("gemm", launch_s, seconds - launch_s, mt_factor=self._mt_factor(traffic))
+        return _Task("gemm", launch_s, seconds - launch_s, mt_factor=self._problem_mt_factor(n))
 
     def _price_gated_gemm(self, op) -> _Task:
         """A piece of a gated GEMM (:func:`_lower_gated`): its share of ONE full-size GEMM at
@@ -294,12 +301,18 @@ class _Simulation:
         launch_s = self.profile.dil["launch_s"]
         share = op.rows * op.kc / max(p.big_m * p.k, 1)
         seconds = (whole - launch_s) * share / self.profile.dil.get("gated_gemm_efficiency", 0.9)
-        traffic = gemm_cost.traffic_bytes(p.big_m, n, p.k, self.itemsize)
         return _Task("gemm", launch_s if op.first else 0.0, seconds,
-                     mt_factor=self._mt_factor(traffic))
+                     mt_factor=self._problem_mt_factor(n))
 
-    def _mt_factor(self, traffic_bytes: float) -> float:
-        return mt_factor(self.profile, traffic_bytes)
+    def _problem_mt_factor(self, n: int) -> float:
+        """s(MT) of every GEMM of this problem: the MT of one shard's rows, ``(M / W) x n x K``,
+        the GEMM the paper's Fig. 8 measured contention on (8-way M-sharded) and correlated
+        with its MT. A piece of the same GEMM, 64-way or a fused step, streams its operands at
+        the same rate per FLOP, so it is priced as exposed as the shard's GEMM; s(MT) of the
+        piece's own bytes would call small pieces nearly immune and large steps fully exposed."""
+        p = self.problem
+        rows = max(p.big_m // max(p.world, 1), 1)
+        return mt_factor(self.profile, gemm_cost.traffic_bytes(rows, n, p.k, self.itemsize))
 
     def _price_copy_1d(self, op) -> _Task:
         """A peer copy on a copy engine (``dma``), or on compute units (``cu_copy``) when it is
