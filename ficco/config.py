@@ -112,10 +112,11 @@ KNOBS: dict[str, Knob] = {k.env: k for k in [
     Knob("FICCO_COPY_ENGINES", None, _positive_int, "copy queues per rank (default: one per peer)"),
     Knob("FICCO_SYMM", "ipc", str, "GPU symmetric memory provider",
          choices=("ipc", "auto", "torch")),
-    Knob("FICCO_SIGNAL_PADS", "device", str,
-         "where GPU barrier flags live: device memory (verified on H100) or host-mapped "
-         "memory, which the barrier watchdog releases without a stream (issue 15)",
-         choices=("device", "host")),
+    Knob("FICCO_SIGNAL_PADS", "auto", str,
+         "where GPU barrier flags live: device memory, or host-mapped memory, which the "
+         "barrier watchdog releases without a stream; auto: host on CUDA when "
+         "CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue), device otherwise",
+         choices=("auto", "device", "host")),
     Knob("FICCO_POISON", False, _flag,
          "1 fills outputs and workspaces with NaN before each call (debugging, tests)"),
     Knob("FICCO_PAPER_LOW", 1.0, _positive_float,

@@ -337,6 +337,24 @@ def _host_pads(rank, world, seed):
     return seen, registered, len(vendor.registered), pads.count == SIGNAL_CHANNELS * world
 
 
+@pytest.mark.parametrize("setting,connections,vendor,on_host", [
+    (None, "1", "cuda", True), (None, " 1 ", "cuda", True), (None, None, "cuda", False),
+    (None, "8", "cuda", False), (None, "1", "rocm", False), ("auto", "1", "cuda", True),
+    ("device", "1", "cuda", False), ("host", None, "cuda", True), ("host", None, "rocm", True)])
+def test_signal_pads_go_to_host_memory_where_one_hardware_queue_would_block_the_rescue(
+        monkeypatch, setting, connections, vendor, on_host):
+    """Issue 15 item 5: FICCO_SIGNAL_PADS=auto (the default) takes host pads on CUDA with
+    CUDA_DEVICE_MAX_CONNECTIONS=1, where a stream rescue queues behind the stuck wait."""
+    from ficco.symm_mem import host_pads
+
+    for name, value in (("FICCO_SIGNAL_PADS", setting), ("CUDA_DEVICE_MAX_CONNECTIONS", connections)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert host_pads.wanted(vendor) is on_host
+
+
 def test_host_signal_pads_are_shared_by_every_rank_through_device_addresses():
     seed = random.randrange(1 << 20)
     for seen, registered, left, sized in harness.pool(3).run(_host_pads, seed):

@@ -10,7 +10,10 @@ device-to-host copy), which queues behind the stuck wait when streams share one 
 hardware queues). Here the watchdog reads and writes the slot with plain host loads and stores.
 It is also memory HIP documents as coherent for polled flags.
 
-Not yet run on a GPU (see docs/gpu.md): device pads stay the default until it is.
+``FICCO_SIGNAL_PADS=auto`` (the default) takes host pads exactly where a device-pad rescue
+can queue behind the stuck wait that it must release: CUDA with
+``CUDA_DEVICE_MAX_CONNECTIONS=1``. Elsewhere device pads stay (ROCm keeps its uncached signal
+memory). Not yet run on a GPU (see docs/gpu.md).
 """
 from __future__ import annotations
 
@@ -24,6 +27,26 @@ from . import SIGNAL_CHANNELS
 from .agree import agree
 
 SHM_DIR = "/dev/shm"
+
+
+def wanted(vendor_name: str) -> bool:
+    """Whether this process puts its GPU signal pads in host memory (``FICCO_SIGNAL_PADS``).
+
+    >>> import os; os.environ["FICCO_SIGNAL_PADS"] = "auto"
+    >>> os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    >>> wanted("cuda"), wanted("rocm")
+    (True, False)
+    >>> del os.environ["CUDA_DEVICE_MAX_CONNECTIONS"]; wanted("cuda")
+    False
+    >>> del os.environ["FICCO_SIGNAL_PADS"]
+    """
+    from .. import config
+
+    setting = config.get("FICCO_SIGNAL_PADS")
+    if setting == "auto":
+        return vendor_name == "cuda" and \
+            os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() == "1"
+    return setting == "host"
 
 
 class HostPads:

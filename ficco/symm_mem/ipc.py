@@ -17,11 +17,11 @@ import socket
 import torch
 import torch.distributed as dist
 
-from .. import config
 from ..errors import InvalidArgumentError
 from . import Provider, SIGNAL_CHANNELS, aligned
 from .agree import agree
 from .device import GpuSymmHandle, pad_bytes, tensor_at
+from . import host_pads
 from .host_pads import HostPads
 
 
@@ -65,7 +65,7 @@ class IpcSymmProvider(Provider):
                 (vendor.free_signal if kind == "pad" else vendor.free)(address)
             own.clear()
 
-        on_host = config.get("FICCO_SIGNAL_PADS") == "host"
+        on_host = host_pads.wanted(vendor.name)
         where, failure = None, None
         try:
             data = vendor.malloc(aligned(nbytes))
@@ -79,12 +79,19 @@ class IpcSymmProvider(Provider):
                 pad_span.zero_()
                 pad_handle = vendor.ipc_export(pad)
             torch.cuda.synchronize(device)  # pads are zero before any peer can write them
-            where = (socket.gethostname(), vendor.ipc_export(data), pad_handle)
+            where = (socket.gethostname(), vendor.ipc_export(data), pad_handle, on_host)
         except Exception as exc:  # noqa: BLE001 - reported to every rank by agree()
             failure = f"{type(exc).__name__}: {exc}"
         everyone = agree(group, rank, world, where, failure, "allocate GPU symmetric memory",
                          on_failure=lambda: release(True))
-        hosts = sorted({host for host, _, _ in everyone})
+        hosts = sorted({host for host, _, _, _ in everyone})
+        pads_where = {("host" if h else "device") for _, _, _, h in everyone}
+        if len(pads_where) > 1:
+            release(True)
+            raise InvalidArgumentError(
+                "ranks disagree on where GPU signal pads live (host on some, device on "
+                "others): set FICCO_SIGNAL_PADS, or CUDA_DEVICE_MAX_CONNECTIONS (which "
+                "FICCO_SIGNAL_PADS=auto follows), alike on every rank")
         if len(hosts) > 1:
             release(True)
             raise InvalidArgumentError(
@@ -92,7 +99,7 @@ class IpcSymmProvider(Provider):
                 f"{hosts}. Set FICCO_TRANSPORT=ccl for multi-host groups")
         spans, pads, failure = [], [], None
         try:
-            for peer, (_, data_handle, pad_handle) in enumerate(everyone):
+            for peer, (_, data_handle, pad_handle, _) in enumerate(everyone):
                 if peer == rank:
                     spans.append(data_span)
                     if not on_host:

@@ -66,8 +66,9 @@ def test_a_captured_graph_survives_workspace_growth():
 
 
 @pytest.mark.parametrize("env", [{}, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"},
-                                 {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "FICCO_SIGNAL_PADS": "host"}],
-                         ids=["default", "one-hardware-queue", "one-hardware-queue-host-pads"])
+                                 {"FICCO_SIGNAL_PADS": "host"}],
+                         ids=["default-device-pads", "one-hardware-queue-auto-host-pads",
+                              "host-pads"])
 def test_a_stalled_rank_makes_the_others_raise_within_the_deadline(env):
     results = harness.pool(3, {**GPU_ENV, **env}).run(
         gpu_fault_cases.stalled_rank_never_returns_data, 1.0, timeout_s=120)
