@@ -275,8 +275,8 @@ def copy_cil(prof, copies: str) -> float:
 
 
 def _cil(prof, problem: Problem, copies: int):
-    traffic = gemm.traffic_bytes(problem.m, problem.n_total, problem.k, problem.itemsize)
-    return simulator.dma_contention(prof, simulator.mt_factor(prof, traffic), copies)
+    exposure = simulator.shard_mt_factor(prof, problem, problem.n_total)
+    return simulator.dma_contention(prof, exposure, copies)
 
 
 def copy_dil(prof, ways: str = "8") -> float:

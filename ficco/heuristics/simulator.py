@@ -305,14 +305,7 @@ class _Simulation:
                      mt_factor=self._problem_mt_factor(n))
 
     def _problem_mt_factor(self, n: int) -> float:
-        """s(MT) of every GEMM of this problem: the MT of one shard's rows, ``(M / W) x n x K``,
-        the GEMM the paper's Fig. 8 measured contention on (8-way M-sharded) and correlated
-        with its MT. A piece of the same GEMM, 64-way or a fused step, streams its operands at
-        the same rate per FLOP, so it is priced as exposed as the shard's GEMM; s(MT) of the
-        piece's own bytes would call small pieces nearly immune and large steps fully exposed."""
-        p = self.problem
-        rows = max(p.big_m // max(p.world, 1), 1)
-        return mt_factor(self.profile, gemm_cost.traffic_bytes(rows, n, p.k, self.itemsize))
+        return shard_mt_factor(self.profile, self.problem, n)
 
     def _price_copy_1d(self, op) -> _Task:
         """A peer copy on a copy engine (``dma``), or on compute units (``cu_copy``) when it is
@@ -417,6 +410,17 @@ def mt_factor(profile: Profile, traffic_bytes: float) -> float:
     cil = profile.cil
     e = cil["mt_exp"]
     return traffic_bytes ** e / (traffic_bytes ** e + cil["mt_half_bytes"] ** e)
+
+
+def shard_mt_factor(profile: Profile, problem, n: int) -> float:
+    """s(MT) of every GEMM of ``problem`` with ``n`` columns: the MT of one shard's rows,
+    ``(M / W) x n x K``, the GEMM the paper's Fig. 8 measured contention on (8-way M-sharded)
+    and correlated with its MT. A piece of the same GEMM, 64-way or a fused step, streams its
+    operands at the same rate per FLOP, so it is priced as exposed as the shard's GEMM; s(MT)
+    of the piece's own bytes would call small pieces nearly immune and large steps fully
+    exposed."""
+    rows = max(problem.big_m // max(problem.world, 1), 1)
+    return mt_factor(profile, gemm_cost.traffic_bytes(rows, n, problem.k, problem.itemsize))
 
 
 def dma_contention(profile: Profile, gemm_mt_factor: float, copies: int) -> tuple[float, float]:

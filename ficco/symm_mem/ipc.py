@@ -21,8 +21,7 @@ from ..errors import InvalidArgumentError
 from . import Provider, SIGNAL_CHANNELS, aligned
 from .agree import agree
 from .device import GpuSymmHandle, pad_bytes, tensor_at
-from . import host_pads
-from .host_pads import HostPads
+from .host_pads import HostPads, wanted as host_pads_wanted
 
 
 def group_of(group):
@@ -65,7 +64,7 @@ class IpcSymmProvider(Provider):
                 (vendor.free_signal if kind == "pad" else vendor.free)(address)
             own.clear()
 
-        on_host = host_pads.wanted(vendor.name)
+        on_host = host_pads_wanted(vendor.name)
         where, failure = None, None
         try:
             data = vendor.malloc(aligned(nbytes))
