@@ -430,9 +430,9 @@ def backend_class(vendor_name: str):
         def unavailable_reason(cls):
             return None
 
-        def __init__(self, device=None):
-            GpuBackend.__init__(self, device)
-            self._device = torch.device("cpu")     # tensors are CPU tensors
+        @staticmethod
+        def _torch_device(device):
+            return torch.device("cpu")             # tensors are CPU tensors
 
         def target(self):
             return "cuda:sm_90" if vendor_name == "cuda" else "rocm:gfx942"

@@ -8,7 +8,7 @@ import pytest
 
 import random
 
-from . import fake_gpu_cases as cases
+from . import fault_cases as cases
 from . import harness
 
 T = 1.0     # FICCO_TIMEOUT of the failing calls, seconds
@@ -27,8 +27,8 @@ def _tag():
     ("rocm", 2, {}),                                          # ROCm: few hardware queues
     ("cuda", 1, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}),       # Megatron's setting
     ("cuda", 8, {}),
-    ("cuda", 8, {"FICCO_SIGNAL_PADS": "host"}),
-], ids=["rocm-2-queues", "cuda-connections-1", "cuda-connections-8", "cuda-host-pads"])
+    ("cuda", 8, {"FICCO_SIGNAL_PADS": "device"}),          # asked for: reads are async
+], ids=["rocm-2-queues", "cuda-connections-1", "cuda-connections-8", "cuda-8-device-pads"])
 def test_a_dead_peer_is_released_without_a_stream_and_the_watchdog_never_blocks(
         vendor, hw_queues, env):
     results = _pool().run(cases.stalled_peer, _tag(), vendor, hw_queues, env, "ring", 1, T,

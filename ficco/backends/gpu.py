@@ -43,9 +43,7 @@ class GpuBackend(Backend):
         reason = type(self).unavailable_reason()
         if reason is not None:
             raise BackendUnavailableError(f"the {self.name} backend cannot run here: {reason}")
-        index = torch.cuda.current_device() if device is None else torch.device(device).index
-        self._device = torch.device("cuda", torch.cuda.current_device() if index is None
-                                    else index)
+        self._device = self._torch_device(device)
         self.vendor = type(self).make_vendor()
         self.vendor.bind_device(self._device.index)
         self._copy_streams: dict[int, torch.cuda.Stream] = {}
@@ -62,6 +60,12 @@ class GpuBackend(Backend):
 
     def device(self):
         return self._device
+
+    @staticmethod
+    def _torch_device(device) -> torch.device:
+        """The torch device this backend drives: ``device``'s index, else the current one."""
+        index = torch.cuda.current_device() if device is None else torch.device(device).index
+        return torch.device("cuda", torch.cuda.current_device() if index is None else index)
 
     def bind_thread(self) -> None:
         torch.cuda.set_device(self._device)

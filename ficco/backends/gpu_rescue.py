@@ -60,30 +60,34 @@ class Rescue(WatchdogPort):
         return self._probe(deadline)
 
     def _probe(self, deadline):
-        """Device pads: the values of the last read of this barrier's slots once it came back
-        (each is used once), starting the next read; None while one is in flight."""
+        """Device pads: the values of the latest read of this barrier's slots that came back
+        (None before the first did), and a new read started whenever none is in flight."""
         key = id(deadline)
         probe = self._probes.get(key)
-        if probe is not None and probe[0] is deadline:
-            _, event, buffer = probe
-            if not event.query():
-                return None
-            del self._probes[key]
-            values = {op.slot: int(v) for op, v in zip(deadline.waits, buffer.tolist())}
-            return values.__getitem__
-        if len(self._probes) >= _PROBES_KEPT:
-            self._probes.clear()
+        if probe is None or probe[0] is not deadline:
+            if len(self._probes) >= _PROBES_KEPT:
+                self._probes.clear()
+            probe = self._probes[key] = [deadline, None, None, None]   # + event, buffer, last
+        _, event, buffer, last = probe
+        if event is not None and event.query():
+            probe[3] = last = {op.slot: int(v) for op, v in zip(deadline.waits, buffer.tolist())}
+            event = None
+        if event is None:
+            probe[1], probe[2] = self._read_async(deadline.waits)
+        return None if last is None else last.__getitem__
+
+    def _read_async(self, waits):
+        """Copy the waits' slots to host memory on the private stream; (event, buffer)."""
         side = self._side()
-        buffer = torch.empty(len(deadline.waits), dtype=torch.int32,
+        buffer = torch.empty(len(waits), dtype=torch.int32,
                              pin_memory=self._device.type != "cpu")
         with torch.cuda.stream(side):
-            for i, op in enumerate(deadline.waits):
+            for i, op in enumerate(waits):
                 slot = tensor_at(op.slot, 4, self._device).view(torch.int32)
                 buffer[i: i + 1].copy_(slot, non_blocking=True)
             event = torch.cuda.Event()
             event.record(side)
-        self._probes[key] = (deadline, event, buffer)
-        return None
+        return event, buffer
 
     def release(self, deadline, ops) -> None:
         host = deadline.handle.host_pads if deadline.handle is not None else None

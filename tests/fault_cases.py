@@ -1,7 +1,11 @@
-"""Rank-side functions of tests/test_gpu_faults.py: ficco on the fake GPU of tests/fake_gpu.py
-(host threads for hardware queues, stream memory operations over host memory)."""
+"""Rank-side functions of the GPU fault tests (issue 25): on the fake GPU of tests/fake_gpu.py
+in CI (tests/test_gpu_faults.py: host threads for hardware queues, stream memory operations
+over host memory), and unchanged on a real GPU (tests/gpu/test_gpu_faults.py, where the pool
+sets FICCO_TEST_REAL_GPU=1 and CUDA_DEVICE_MAX_CONNECTIONS before CUDA starts)."""
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 
 import torch
@@ -14,11 +18,11 @@ from .reference import make_inputs, max_row_rel_err
 
 
 def schedules_match_float64(rank, world, vendor, hw_queues, names, seed):
-    fake_gpu.ensure(vendor, hw_queues)
+    _setup(vendor, hw_queues)
     errors = {}
     with ficco.config.scope(transport="dma"):
         for i, name in enumerate(names):
-            shards, bs, _, refs = make_inputs(seed + i, world, (13, 24), (7,), torch.float32)
+            shards, bs, _, refs = _inputs(seed + i, world, (13, 24), 7)
             out = ficco.all_gather_matmul(shards[rank], bs[0], schedule=name)
             torch.cuda.synchronize()
             errors[name] = max_row_rel_err(out, refs[0])
@@ -50,7 +54,7 @@ def _bounded(fn, seconds):
 
 def _warm_up(rank, world, schedule, shape=(8, 16), n=4):
     """One call every rank makes (the workspace is allocated collectively), checked."""
-    shards, bs, _, refs = make_inputs(1, world, shape, (n,), torch.float32)
+    shards, bs, _, refs = _inputs(1, world, shape, n)
     with ficco.config.scope(transport="dma"):
         out = ficco.all_gather_matmul(shards[rank], bs[0], schedule=schedule)
     torch.cuda.synchronize()
@@ -74,16 +78,47 @@ def _outcome(result) -> str:
 _ENV_KEYS = ("CUDA_DEVICE_MAX_CONNECTIONS", "GPU_MAX_HW_QUEUES", "FICCO_SIGNAL_PADS")
 
 
-def _setup(vendor, hw_queues, env=None):
-    """A fresh fake device and backend for one test on a reused rank pool: what the last
-    test left (workspaces, failed groups, agreements) goes with ficco.shutdown()."""
-    import os
+def _real() -> bool:
+    return os.environ.get("FICCO_TEST_REAL_GPU") == "1"
 
+
+class _RealDevice:
+    blocking: list = []       # a real device cannot tell which thread blocked
+
+
+def _setup(vendor, hw_queues, env=None):
+    """A fresh fake device and backend for one test on a reused rank pool (on a real GPU the
+    real one; its hardware queues are the pool's CUDA_DEVICE_MAX_CONNECTIONS): what the last
+    test left (workspaces, failed groups, agreements) goes with ficco.shutdown()."""
     ficco.shutdown()
     for key in _ENV_KEYS:
-        os.environ.pop(key, None)
-    os.environ.update(env or {})
+        if not (_real() and key == "CUDA_DEVICE_MAX_CONNECTIONS"):
+            os.environ.pop(key, None)
+    os.environ.update({k: v for k, v in (env or {}).items()
+                       if not (_real() and k == "CUDA_DEVICE_MAX_CONNECTIONS")})
+    if _real():
+        return _RealDevice()
     return fake_gpu.install(vendor, hw_queues)
+
+
+def _inputs(seed, world, shape=(8, 16), n=4, device=None):
+    """make_inputs' shards and b's on the backend's device (or ``device``)."""
+    shards, bs, full, refs = make_inputs(seed, world, shape, (n,), torch.float32)
+    device = device or get_backend().device()
+    return [s.to(device) for s in shards], [b.to(device) for b in bs], full, refs
+
+
+@contextlib.contextmanager
+def _capture():
+    """A graph capture: the fake device's, or a CUDA/HIP graph on a real GPU."""
+    if not _real():
+        with fake_gpu.capture() as graph:
+            yield graph
+        return
+    graph = torch.cuda.CUDAGraph()
+    graph.nodes, graph.invalidated = (), None
+    with torch.cuda.graph(graph):
+        yield graph
 
 
 def _signal_done(tag):
@@ -146,11 +181,11 @@ def two_groups(rank, world, tag, timeout_s):
         _call(shards[rank], bs[0], "ring", timeout_s, group_a)       # released at its deadline
     b_errors = []
     for i in range(2):
-        b_shards, b_bs, _, refs = make_inputs(100 + i, world, (8, 16), (4,), torch.float32)
+        b_shards, b_bs, _, refs = _inputs(100 + i, world)
         out = _call(b_shards[rank], b_bs[0], "ring", 20.0, group_b)
         torch.cuda.synchronize()
         b_errors.append(max_row_rel_err(out, refs[0]))
-    b_shards, b_bs, _, refs = make_inputs(200, world, (8, 16), (4,), torch.float32)
+    b_shards, b_bs, _, refs = _inputs(200, world)
     b_next = _bounded(lambda: _call(b_shards[rank], b_bs[0], "ring", 20.0, group_b), 30)
     torch.cuda.synchronize()
     b_next = max_row_rel_err(b_next[1], refs[0]) if b_next[0] == "ok" else _outcome(b_next)
@@ -165,14 +200,14 @@ def replay_after_shutdown(rank, world, seed):
     _setup("cuda", 8)
     shards, bs = _warm_up(rank, world, "uniform-fused-1d", shape=(8, 16), n=4)
     a, b = shards[rank].clone(), bs[0].clone()
-    with fake_gpu.capture() as graph:
+    with _capture() as graph:
         with ficco.config.scope(transport="dma"):
             out = ficco.all_gather_matmul(a, b, schedule="uniform-fused-1d")
     errors = []
     for i in range(2):
         if i == 1:
             ficco.shutdown()
-        new, new_bs, _, refs = make_inputs(seed + i, world, (8, 16), (4,), torch.float32)
+        new, new_bs, _, refs = _inputs(seed + i, world, device=a.device)
         a.copy_(new[rank])
         b.copy_(new_bs[0])
         graph.replay()
@@ -187,8 +222,8 @@ def late_peer(rank, world, tag, timeout_s):
     must raise or return NaN, never a result built from the others' call-2 rows."""
     _setup("cuda", 8)
     shards, bs = _warm_up(rank, world, "ring")
-    x1, b1, _, refs1 = make_inputs(300, world, (8, 16), (4,), torch.float32)
-    x2, b2, _, _ = make_inputs(301, world, (8, 16), (4,), torch.float32)
+    x1, b1, _, refs1 = _inputs(300, world)
+    x2, b2, _, _ = _inputs(301, world)
     if rank == world - 1:
         _stall(tag, world, 30 + 8 * timeout_s)        # until the others drained both calls
         result = _bounded(lambda: _call(x1[rank], b1[0], "ring", timeout_s), 15)
@@ -211,14 +246,14 @@ def hip_capture_is_refused_before_it_begins(rank, world):
 
     _setup("rocm", 4)
     shards, bs = _warm_up(rank, world, "ring")
-    with fake_gpu.capture() as graph:
+    with _capture() as graph:
         try:
             with ficco.config.scope(transport="dma"):
                 ficco.all_gather_matmul(shards[rank], bs[0], schedule="ring")
             outcome = "captured"
         except InvalidArgumentError as exc:
             outcome = str(exc)
-    shards, bs, _, refs = make_inputs(400, world, (8, 16), (4,), torch.float32)
+    shards, bs, _, refs = _inputs(400, world)
     with ficco.config.scope(transport="dma"):
         out = ficco.all_gather_matmul(shards[rank], bs[0], schedule="ring")
     torch.cuda.synchronize()
@@ -231,7 +266,7 @@ def gated_with_one_hardware_queue(rank, world, names, timeout_s):
     _setup("cuda", 1, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
     errors = {}
     for i, name in enumerate(names):
-        shards, bs, _, refs = make_inputs(500 + i, world, (13, 24), (7,), torch.float32)
+        shards, bs, _, refs = _inputs(500 + i, world, (13, 24), 7)
         result = _bounded(lambda: _call(shards[rank], bs[0], name, timeout_s), 4 * timeout_s + 20)
         if result[0] == "ok":
             done = _bounded(torch.cuda.synchronize, 4 * timeout_s + 20)
