@@ -122,19 +122,26 @@ def _eager(op: str):
     return impl
 
 
-def _eager_all_gather_matmul(a, bs, name, gather_dim, schedule, return_gathered):
+def _eager_all_gather_matmul(a, bs, name, gather_dim, schedule, return_gathered, **epilogue):
     impl = _eager("all_gather_matmul")
     out = impl(a, list(bs), resolve(name), gather_dim=gather_dim, schedule=schedule,
-               return_gathered=return_gathered)
+               return_gathered=return_gathered, **epilogue)
     return out if return_gathered else (None, out)
 
 
-def _eager_matmul_reduce_scatter(a, bs, name, scatter_dim, reduce_op, schedule):
+def _eager_matmul_reduce_scatter(a, bs, name, scatter_dim, reduce_op, schedule, **epilogue):
     impl = _eager("matmul_reduce_scatter")
     if impl is None:
         return _reference_matmul_reduce_scatter(a, bs, name, scatter_dim, reduce_op)
     return impl(a, list(bs), resolve(name), scatter_dim=scatter_dim, reduce_op=reduce_op,
-                schedule=schedule)
+                schedule=schedule, **epilogue)
+
+
+def _epilogue(a_scale, b_scales, biases, out_dtype, activation=None) -> dict:
+    """The ops' optional fp8/bias/activation arguments as the op specs' keywords."""
+    return {"a_scale": a_scale, "b_scale": None if b_scales is None else list(b_scales),
+            "bias": None if biases is None else list(biases), "out_dtype": out_dtype,
+            **({"activation": activation} if activation else {})}
 
 
 def _reference_matmul_reduce_scatter(a, bs, name, scatter_dim, reduce_op):
@@ -157,13 +164,27 @@ def _reference_matmul_reduce_scatter(a, bs, name, scatter_dim, reduce_op):
 
 
 # -- the ops ------------------------------------------------------------------------------------
-@torch.library.custom_op("ficco::all_gather_matmul", mutates_args=())
+# Explicit schemas: the epilogue's optional lists ("Tensor[]?", "Tensor?[]?") have defaults, so
+# calls written before they existed keep working.
+_EPILOGUE_SCHEMA = ("Tensor? a_scale=None, Tensor[]? b_scales=None, Tensor?[]? biases=None, "
+                    "ScalarType? out_dtype=None")
+
+
+@torch.library.custom_op(
+    "ficco::all_gather_matmul", mutates_args=(),
+    schema="(Tensor a, Tensor[] bs, str group, int gather_dim, str? schedule, "
+           f"bool return_gathered, {_EPILOGUE_SCHEMA}, str? activation=None) "
+           "-> (Tensor, Tensor[])")
 def all_gather_matmul_op(a: Tensor, bs: list[Tensor], group: str, gather_dim: int,
-                         schedule: Optional[str], return_gathered: bool
-                         ) -> tuple[Tensor, list[Tensor]]:
-    """``(all_gather(a, gather_dim) or an empty tensor, [gathered @ b for b in bs])``."""
-    gathered, outs = _eager_all_gather_matmul(a, bs, group, gather_dim, schedule,
-                                              return_gathered)
+                         schedule: Optional[str], return_gathered: bool,
+                         a_scale: Optional[Tensor] = None, b_scales=None, biases=None,
+                         out_dtype: Optional[torch.dtype] = None,
+                         activation: Optional[str] = None) -> tuple[Tensor, list[Tensor]]:
+    """``(all_gather(a, gather_dim) or an empty tensor, [gathered @ b for b in bs])``, with
+    fp8 scales, output dtype, bias per b and an activation (:mod:`ficco.scaled`)."""
+    gathered, outs = _eager_all_gather_matmul(
+        a, bs, group, gather_dim, schedule, return_gathered,
+        **_epilogue(a_scale, b_scales, biases, out_dtype, activation))
     gather_dim %= a.dim()
     world, _ = _world_rank(group)
     moved = _moved_shape(a, gather_dim)
@@ -180,7 +201,8 @@ def all_gather_matmul_op(a: Tensor, bs: list[Tensor], group: str, gather_dim: in
 
 
 @all_gather_matmul_op.register_fake
-def _(a, bs, group, gather_dim, schedule, return_gathered):
+def _(a, bs, group, gather_dim, schedule, return_gathered, a_scale=None, b_scales=None,
+      biases=None, out_dtype=None, activation=None):
     gather_dim = _check_dim(a, gather_dim, "gather_dim")
     _check_weights(a, bs, "a_shard")
     world, _ = _world_rank(group)
@@ -192,14 +214,20 @@ def _(a, bs, group, gather_dim, schedule, return_gathered):
         return a.new_empty_strided(shape, stride, dtype=dtype)
 
     gathered = new(a.shape[-1], a.dtype) if return_gathered else a.new_empty(0)
-    return gathered, [new(b.shape[1], a.dtype) for b in bs]
+    return gathered, [new(b.shape[1], out_dtype or a.dtype) for b in bs]
 
 
-@torch.library.custom_op("ficco::matmul_reduce_scatter", mutates_args=())
+@torch.library.custom_op(
+    "ficco::matmul_reduce_scatter", mutates_args=(),
+    schema="(Tensor a, Tensor[] bs, str group, int scatter_dim, str reduce_op, str? schedule, "
+           f"{_EPILOGUE_SCHEMA}) -> Tensor[]")
 def matmul_reduce_scatter_op(a: Tensor, bs: list[Tensor], group: str, scatter_dim: int,
-                             reduce_op: str, schedule: Optional[str]) -> list[Tensor]:
-    """``[reduce_scatter(a @ b, scatter_dim, reduce_op) for b in bs]``."""
-    outs = _eager_matmul_reduce_scatter(a, bs, group, scatter_dim, reduce_op, schedule)
+                             reduce_op: str, schedule: Optional[str],
+                             a_scale: Optional[Tensor] = None, b_scales=None, biases=None,
+                             out_dtype: Optional[torch.dtype] = None) -> list[Tensor]:
+    """``[reduce_scatter(a @ b, scatter_dim, reduce_op) (+ bias) for b in bs]``."""
+    outs = _eager_matmul_reduce_scatter(a, bs, group, scatter_dim, reduce_op, schedule,
+                                        **_epilogue(a_scale, b_scales, biases, out_dtype))
     scatter_dim %= a.dim()
     moved = _moved_shape(a, scatter_dim)
     rows = _scattered_rows(moved[0], group)
@@ -208,13 +236,14 @@ def matmul_reduce_scatter_op(a: Tensor, bs: list[Tensor], group: str, scatter_di
 
 
 @matmul_reduce_scatter_op.register_fake
-def _(a, bs, group, scatter_dim, reduce_op, schedule):
+def _(a, bs, group, scatter_dim, reduce_op, schedule, a_scale=None, b_scales=None, biases=None,
+      out_dtype=None):
     scatter_dim = _check_dim(a, scatter_dim, "scatter_dim")
     _check_weights(a, bs, "a")
     moved = _moved_shape(a, scatter_dim)
     rows = _scattered_rows(moved[0], group)
-    return [a.new_empty_strided(*restored_layout(moved, scatter_dim, rows, b.shape[1]))
-            for b in bs]
+    return [a.new_empty_strided(*restored_layout(moved, scatter_dim, rows, b.shape[1]),
+                                dtype=out_dtype or a.dtype) for b in bs]
 
 
 def _scattered_rows(total: int, group: str) -> int:
@@ -237,7 +266,8 @@ def _check_weights(a: Tensor, bs: Sequence[Tensor], a_name: str) -> None:
 
 # -- the public functions' front end -------------------------------------------------------------
 def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
-                      return_gathered=False):
+                      return_gathered=False, a_scale=None, b_scale=None, out_dtype=None,
+                      bias=None, activation=None):
     """``ficco.all_gather_matmul`` through the ``ficco::all_gather_matmul`` op (see that
     function for the arguments). ``a_shard`` may be a DTensor sharded along ``gather_dim`` on
     a 1-D mesh: its local shard is used and the mesh is the group."""
@@ -246,31 +276,85 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
     bs = list(b) if b_is_list else [b]
     _refuse_dtensors(bs, "b")
     dim = _plain_int(gather_dim)
-    if dim is None or not _plain_name(schedule) or _eager_suffices(a_shard, bs):
+    extra = _op_epilogue(bs, b_is_list, a_scale, b_scale, bias, out_dtype)
+    if (dim is None or not _plain_name(schedule) or not _plain_name(activation) or extra is None
+            or _eager_suffices(a_shard, [*bs, *_tensors(extra)])):
         # No autograd, autocast, tracing or tensor subclass involved: the dispatcher would
         # add ~100 us of Python per call and change nothing.
-        return _eager_public(a_shard, b, group, gather_dim, schedule, return_gathered)
+        return _eager_public(a_shard, b, group, gather_dim, schedule, return_gathered,
+                             a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype, bias=bias,
+                             **({"activation": activation} if activation else {}))
     name = group_name(group)
-    keep = return_gathered or (torch.is_grad_enabled() and any(x.requires_grad for x in bs)
+    grads = torch.is_grad_enabled() and any(
+        isinstance(x, Tensor) and x.requires_grad for x in [a_shard, *bs, *_tensors(extra)])
+    if grads:   # before any communication
+        autograd.refuse_fp8_gradients(a_shard, bs, a_scale)
+    keep = return_gathered or (grads and any(x.requires_grad for x in bs)
                                and _backward_gather() == "save")
-    gathered, outs = torch.ops.ficco.all_gather_matmul(a_shard, bs, name, dim, schedule, keep)
+    # The activation runs inside the op only without a gradient to carry: its backward needs
+    # the pre-activation values, which the op does not keep (torch's keeps them, as unfused).
+    inside = None if grads else activation
+    gathered, outs = torch.ops.ficco.all_gather_matmul(a_shard, bs, name, dim, schedule, keep,
+                                                       *extra, inside)
+    if activation and not inside:
+        from .scaled import activation_fn
+
+        outs = [activation_fn(activation)(o) for o in outs]
     out = outs if b_is_list else outs[0]
     return (gathered, out) if return_gathered else out
 
 
-def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", schedule=None):
+def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", schedule=None,
+                          a_scale=None, b_scale=None, out_dtype=None, bias=None):
     """``ficco.matmul_reduce_scatter`` through the ``ficco::matmul_reduce_scatter`` op."""
     b_is_list = isinstance(b, (list, tuple))
     bs = list(b) if b_is_list else [b]
     _refuse_dtensors([a], "a")
     _refuse_dtensors(bs, "b")
     dim = _plain_int(scatter_dim)
+    extra = _op_epilogue(bs, b_is_list, a_scale, b_scale, bias, out_dtype)
     if (dim is None or not isinstance(reduce_op, str) or not _plain_name(schedule)
-            or _eager_suffices(a, bs)):
-        return _eager_rs_public(a, b, group, scatter_dim, reduce_op, schedule)
+            or extra is None or _eager_suffices(a, [*bs, *_tensors(extra)])):
+        return _eager_rs_public(a, b, group, scatter_dim, reduce_op, schedule,
+                                a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype,
+                                bias=bias)
+    if torch.is_grad_enabled():   # before any communication
+        autograd.refuse_fp8_gradients(a, bs, a_scale)
     outs = torch.ops.ficco.matmul_reduce_scatter(a, bs, group_name(group), dim, reduce_op,
-                                                 schedule)
+                                                 schedule, *extra)
     return outs if b_is_list else outs[0]
+
+
+def _op_epilogue(bs, b_is_list, a_scale, b_scale, bias, out_dtype):
+    """(a_scale, b_scales, biases, out_dtype) as the ops' schema takes them (lists, one entry
+    per b), or None when they do not fit it (the eager path's validation then names what is
+    wrong)."""
+    def as_list(value, optional):
+        if value is None:
+            return None
+        values = list(value) if isinstance(value, (list, tuple)) else (
+            None if b_is_list and len(bs) > 1 else [value])
+        if values is None or len(values) != len(bs) or not all(
+                isinstance(v, Tensor) or (optional and v is None) for v in values):
+            raise _NotForTheOp
+        return values
+    try:
+        if not (a_scale is None or isinstance(a_scale, Tensor)) or not (
+                out_dtype is None or isinstance(out_dtype, torch.dtype)):
+            return None
+        return a_scale, as_list(b_scale, False), as_list(bias, True), out_dtype
+    except _NotForTheOp:
+        return None
+
+
+class _NotForTheOp(Exception):
+    pass
+
+
+def _tensors(extra) -> list:
+    """The tensors among the ops' epilogue arguments (scales and biases)."""
+    a_scale, b_scales, biases, _ = extra
+    return [t for t in [a_scale, *(b_scales or ()), *(biases or ())] if t is not None]
 
 
 _PLAIN = (Tensor, torch.nn.Parameter)
@@ -302,19 +386,20 @@ def _eager_suffices(a, bs) -> bool:
                 or torch._C._is_torch_function_mode_enabled())
 
 
-def _eager_public(a, b, group, gather_dim, schedule, return_gathered):
+def _eager_public(a, b, group, gather_dim, schedule, return_gathered, **epilogue):
     impl = _eager("all_gather_matmul")
     return impl(a, b, group, gather_dim=gather_dim, schedule=schedule,
-                return_gathered=return_gathered)
+                return_gathered=return_gathered, **epilogue)
 
 
-def _eager_rs_public(a, b, group, scatter_dim, reduce_op, schedule):
+def _eager_rs_public(a, b, group, scatter_dim, reduce_op, schedule, **epilogue):
     impl = _eager("matmul_reduce_scatter")
     if impl is None:
         bs = list(b) if isinstance(b, (list, tuple)) else [b]
         outs = _reference_matmul_reduce_scatter(a, bs, group_name(group), scatter_dim, reduce_op)
         return outs if isinstance(b, (list, tuple)) else outs[0]
-    return impl(a, b, group, scatter_dim=scatter_dim, reduce_op=reduce_op, schedule=schedule)
+    return impl(a, b, group, scatter_dim=scatter_dim, reduce_op=reduce_op, schedule=schedule,
+                **epilogue)
 
 
 @torch.compiler.assume_constant_result
