@@ -279,6 +279,11 @@ def gemm_into(a, b, out, accumulate: bool, a_scale=None, b_scale=None, bias=None
     accumulating GEMM takes no bias or activation (they follow the last partial sum)."""
     if out.numel() == 0:
         return
+    if activation and out.element_size() == 1:   # no fp8 activations: in float32, then round
+        wide = torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        gemm_into(a, b, wide, False, a_scale, b_scale, bias, activation)
+        out.copy_(wide)
+        return
     if a_scale is None:
         _plain(a, b, out, accumulate, bias)
     elif a.dim() == 3:

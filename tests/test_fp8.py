@@ -76,3 +76,92 @@ def test_the_grid_covers_every_schedule_transport_recipe_and_world():
             assert {c["scaling"] for cases in grid.values() for c in cases
                     if c["schedule"] == name} == {"tensor", "row"}
     assert torch.float8_e4m3fn in (E4M3,)
+
+
+# -- plans, pieces and prices (no processes) ----------------------------------------------------
+def test_row_scales_travel_with_their_rows_in_every_plan():
+    """The symbolic checker (tests/plan_checks.py) runs every rank's plan: each GEMM reads the
+    scales of the rows it multiplies, after they arrived, from the same rows."""
+    from dataclasses import replace
+
+    from ficco.problem import Problem
+
+    from .plan_checks import check_plans
+
+    for op in ("all_gather_matmul", "matmul_reduce_scatter"):
+        for name in schedules.names(op=op):
+            for transport in TRANSPORTS:
+                for world in (1, 2, 3, 4):
+                    for scaling in ("row", "tensor"):
+                        p = Problem(5 if op == "all_gather_matmul" else 13, 48, (32, 16),
+                                    "float8_e4m3fn", world, op=op, scaling=scaling,
+                                    out_dtype="bfloat16", bias=True)
+                        check_plans([schedules.get(name, op=op).plan(replace(p, rank=r),
+                                                                     transport)
+                                     for r in range(world)])
+
+
+def test_fp8_column_chunks_are_whole_multiples_of_16():
+    from ficco.problem import Problem
+
+    fp8 = Problem(4, 100, (40,), "float8_e4m3fn", 4, scaling="tensor")
+    assert fp8.col_chunks() == [(0, 32), (32, 32), (64, 32), (96, 4)]   # 7 units of 16
+    assert fp8.col_chunks(40) == [(0, 16), (16, 16), (32, 8), (40, 0)]
+    assert Problem(4, 100, (40,), "bfloat16", 4).col_chunks() == [(0, 25), (25, 25), (50, 25),
+                                                                   (75, 25)]
+
+
+def test_gemm_pieces_match_the_float64_product():
+    """ficco.scaled.gemm_into on every recipe, output dtype and layout it meets in a plan:
+    2-D and strided-batched pieces, column slices of b, accumulation, the GPUs' portable
+    row-wise path, bias and activation."""
+    import torch.nn.functional as F
+
+    from ficco.scaled import gemm_into, scaled_product
+
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    a = torch.randn(3, 8, 48, generator=gen).to(E4M3)   # products well inside e4m3 range
+    b = torch.randn(48, 32, generator=gen).to(E5M2)
+    sa, sb = torch.rand(3, 8, 1, generator=gen) + 0.5, torch.rand(1, 32, generator=gen) + 0.5
+    bias = torch.randn(32, generator=gen)
+    deq = (a.double() * sa.double()) @ (b.double() * sb.double())
+    for out_dtype in (torch.bfloat16, torch.float32, torch.float16, E4M3):
+        out = torch.empty(3, 8, 32, dtype=out_dtype)
+        gemm_into(a, b, out, False, sa, sb, bias, "silu")
+        ref = F.silu(deq + bias.double())
+        tol = {E4M3: 0.13, torch.bfloat16: 1e-2, torch.float16: 2e-3}.get(out_dtype, 1e-5)
+        assert (out.double() - ref).abs().max() <= tol * ref.abs().max(), out_dtype
+    acc = torch.zeros(8, 16)
+    for k0 in (0, 16, 32):   # K-split into a float32 output, columns 16..31 of b
+        gemm_into(a[0, :, k0:k0 + 16], b[k0:k0 + 16, 16:], acc, True, sa[0], sb[:, 16:])
+    assert torch.allclose(acc.double(), deq[0, :, 16:], rtol=1e-5, atol=1e-4)
+    portable = scaled_product(a[1], b, sa[1], sb, portable=True)
+    assert torch.allclose(portable.double(), deq[1], rtol=1e-5, atol=1e-4)
+    one = torch.tensor(1.0)
+    assert torch.equal(scaled_product(a[1], b, one, one),
+                       torch._scaled_mm(a[1], b, one, one, out_dtype=torch.float32))
+
+
+def test_simulator_and_explain_price_fp8():
+    """fp8 halves the bytes each rank receives and runs at the fp8 peak: the simulated serial
+    time of an fp8 all-gather GEMM is below the bf16 one's, and explain says fp8."""
+    import ficco
+    from ficco.heuristics import profiles, simulator
+    from ficco.problem import Problem
+
+    for profile in ("h100", "mi300x"):
+        prof = profiles.load(profile)
+        times = {}
+        for dtype, extra in (("bfloat16", {}), ("float8_e4m3fn",
+                                                {"scaling": "row", "out_dtype": "bfloat16"})):
+            p = Problem(1024, 8192, (3584,), dtype, 8, **extra)
+            plan = schedules.get("serial").plan(p, "dma")
+            times[dtype] = simulator.simulate(plan, prof).makespan_s
+            if dtype != "bfloat16":
+                assert p.gather_bytes * 2 == Problem(1024, 8192, (3584,), "bfloat16", 8)\
+                    .gather_bytes
+        assert times["float8_e4m3fn"] < times["bfloat16"], (profile, times)
+    a8, w8 = torch.randn(8, 32).to(E4M3), torch.randn(32, 16).to(E4M3)
+    decision = ficco.explain(a8, w8, a_scale=torch.ones(8, 1), b_scale=torch.ones(1, 16),
+                             out_dtype=torch.bfloat16)
+    assert "float8_e4m3fn" in str(decision)

@@ -71,7 +71,8 @@ def _model(problem: Problem, ctx: Context) -> Decision:
         # Optional schedules (gated-*: Triton) only where they run on this target.
         name, scores, reason = model_choice(problem, ctx.profile, ctx.topology, via,
                                             ctx.copy_engines,
-                                            schedules.offered(ctx.target, via, problem.op))
+                                            schedules.offered(ctx.target, via, problem.op,
+                                                              problem))
         decision = Decision(name, via, "model", ctx.inputs, scores, reason)
         if best is None:
             best = decision
