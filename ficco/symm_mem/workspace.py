@@ -17,7 +17,8 @@ import threading
 
 import torch
 
-from ..call import group_id, group_rank_world, resolve_group
+from ..group import key as group_key
+from ..group import rank_world, resolve
 from . import aligned, register_local
 
 _lock = threading.Lock()
@@ -27,7 +28,7 @@ _kept: list = []                # handles that could not be closed safely (queue
 
 
 def key_of(group, backend) -> tuple:
-    return (group_id(group), backend.name)
+    return (group_key(group), backend.name)
 
 
 def get(group, backend, nbytes: int):
@@ -141,8 +142,8 @@ def allocate_symmetric(shape, dtype, device, group):
     from ..backends import get_backend
 
     backend = get_backend()
-    group = resolve_group(group)
-    rank, _ = group_rank_world(group)
+    group = resolve(group)
+    rank, _ = rank_world(group)
     nbytes = aligned(int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size())
     handle = backend.symm_provider().allocate(nbytes, group,
                                               torch.device(device or backend.device()))
