@@ -136,9 +136,7 @@ def backend_for(t: torch.Tensor, name: str):
             f"{name} is on {t.device} but the active backend {backend.name!r} runs on "
             f"{backend.device().type}; move the tensors or set FICCO_BACKEND"
             + (f"; {why}" if why else ""))
-    check_device = getattr(backend, "check_device", None)
-    if check_device is not None:   # GPUs: the very device the backend drives (issue 15 item 8)
-        check_device(t, name)
+    backend.check_device(t, name)   # GPUs: the very device it drives (issue 15 item 8)
     return backend
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..call import Call, backend_for, check_tensor, check_weights, row_dim
-from ..executor import Buffers
+from ..buffers import Buffers
 from ..group import rank_world, resolve
 from ..problem import Problem, dtype_name
 from .base import OpSpec

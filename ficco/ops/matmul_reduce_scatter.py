@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..call import Call, backend_for, check_tensor, check_weights, normalize_dim, row_dim
 from ..errors import InvalidArgumentError
-from ..executor import Buffers
+from ..buffers import Buffers
 from ..group import rank_world, resolve
 from ..problem import MATMUL_REDUCE_SCATTER, REDUCE_OPS, Problem, dtype_name
 from ..symm_mem import aligned

@@ -82,7 +82,7 @@ def drain(backend, cancel: bool = False) -> bool:
     """True once every queue of ``backend`` finished what it was given (bounded by
     FICCO_TIMEOUT); False when a queue is still busy. ``cancel`` first tells the queues to
     skip what is left (after a failure or an interrupt)."""
-    if cancel and hasattr(backend, "cancel"):
+    if cancel:
         backend.cancel()
     try:
         backend.synchronize()
@@ -100,8 +100,7 @@ def drain_in_background(backend) -> None:
     FICCO_TIMEOUT later (a collective waiting on a late peer cannot be cancelled: it ends
     when the peer comes or the transport gives up). The next call waits for it first
     (:func:`settle`), so no call ever runs on queues that still skip work."""
-    if hasattr(backend, "cancel"):
-        backend.cancel()
+    backend.cancel()
     result: list = []
     thread = threading.Thread(target=lambda: result.append(drain(backend)), daemon=True,
                               name="ficco-drain")
