@@ -116,6 +116,50 @@ def traced_matmul_reduce_scatter(a, b, group=None, *, schedule, transport=None, 
     return runtime.traced(call, schedule, transport)
 
 
+# -- expert parallelism (ficco/expert/) ------------------------------------------------------------
+def all_to_all_grouped_mm(x, counts, w, group=None, *, schedule=None):
+    """Expert-parallel dispatch: the all-to-all of tokens to their experts, then every
+    expert's GEMM, with the all-to-all hidden behind the grouped GEMM. Returns
+    ``(y, recv_counts)``.
+
+    ``x`` (T, K): this rank's rows sorted by global expert; ``counts`` (E,) int64: rows per
+    global expert (E = W*L; sum T; zeros allowed); ``w`` (L, K, n) or a list of L (K, n): this
+    rank's local experts (global expert e lives on rank e // L as local expert e % L). ``y``
+    (R, n) holds local expert 0's rows from rank 0, then from rank 1, …, then local expert 1's,
+    each block times ``w[l]`` (torch's ``all_to_all_vdev_2d`` layout); ``recv_counts`` (L, W)
+    counts them. ``schedule``: one of ``ficco.schedules.names(op="all_to_all_grouped_mm")``.
+
+    >>> import torch, ficco
+    >>> x = torch.randn(5, 8); w = torch.randn(2, 8, 3)
+    >>> y, rc = ficco.all_to_all_grouped_mm(x, torch.tensor([2, 3]), w)   # one rank
+    >>> torch.allclose(y, torch.cat([x[:2] @ w[0], x[2:] @ w[1]])), rc.tolist()
+    (True, [[2], [3]])
+    """
+    from .expert import library as expert_library
+
+    return expert_library.all_to_all_grouped_mm(x, counts, w, group, schedule=schedule)
+
+
+def grouped_mm_all_to_all(h, recv_counts, w2, group=None, *, schedule=None, send_counts=None):
+    """Expert-parallel combine, the exact inverse of :func:`all_to_all_grouped_mm`: every
+    block ``(l, s)`` of ``h`` (R, K2, in dispatch's ``y`` order; ``recv_counts`` as dispatch
+    returned it) times ``w2[l]`` goes back to rank s, which returns ``z`` (T, n2) in its
+    original row order. Learning what comes back costs one bounded exchange of counts;
+    ``send_counts=`` (the counts dispatch took, on every rank) skips it.
+
+    >>> import torch, ficco
+    >>> x = torch.randn(5, 8); w = torch.randn(2, 8, 3); w2 = torch.randn(2, 3, 4)
+    >>> y, rc = ficco.all_to_all_grouped_mm(x, [2, 3], w)
+    >>> z = ficco.grouped_mm_all_to_all(y, rc, w2)
+    >>> torch.allclose(z, torch.cat([x[:2] @ w[0] @ w2[0], x[2:] @ w[1] @ w2[1]]), atol=1e-5)
+    True
+    """
+    from .expert import library as expert_library
+
+    return expert_library.grouped_mm_all_to_all(h, recv_counts, w2, group, schedule=schedule,
+                                                send_counts=send_counts)
+
+
 def shutdown() -> None:
     """Release workspaces, symmetric allocations, queues and cached plans. Safe to call twice;
     runs at interpreter exit.

@@ -31,8 +31,8 @@ import torch
 from . import host_tasks
 from .errors import InvalidArgumentError
 from .plan import (COMPUTE, SYMMETRIC_BUFFERS, AllGather, AllToAll, Barrier, Block, Copy, Gemm,
-                   GatedGemm, Plan, Record, Reduce, ReduceScatter, SendRecv, Signal, Wait,
-                   buffer_shapes, op_label)
+                   GatedGemm, HostOp, Plan, Record, Reduce, ReduceScatter, SendRecv, Signal,
+                   Wait, buffer_shapes, op_label)
 
 if TYPE_CHECKING:
     from .executor import Buffers
@@ -158,6 +158,8 @@ class CompiledPlan:
                 recv = block_slot(op.recv) if op.recv is not None else None
                 steps.append((LAUNCH, q, host_tasks.send_recv_task,
                               (send, op.send_to, recv, op.recv_from), 0, 0))
+            elif isinstance(op, HostOp):   # sized at launch from the call's context
+                steps.append((LAUNCH, q, op.host_task, op, 0, 0))
             elif isinstance(op, Signal):
                 steps.append((SIGNAL, q, op.flag, 0, 0, 0))
             elif isinstance(op, GatedGemm):
