@@ -13,6 +13,7 @@ from .ops.all_gather_matmul import SPEC as _ALL_GATHER_MATMUL
 from .ops.matmul_reduce_scatter import SPEC as _MATMUL_REDUCE_SCATTER
 
 last_run = runtime.last_run
+_EXPERT_OPS = ("all_to_all_grouped_mm", "grouped_mm_all_to_all")
 
 
 def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
@@ -72,17 +73,25 @@ def matmul_reduce_scatter_eager(a, b, group=None, *, scatter_dim=0, reduce_op="s
     return runtime.run(call, schedule)
 
 
-def _prepare(op, a, b, group, dim, reduce_op):
+def _prepare(op, a, b, group, dim, reduce_op, counts=None):
+    if op in _EXPERT_OPS:
+        if counts is None:
+            raise InvalidArgumentError(f"explain(op={op!r}) needs counts= (the counts, or the "
+                                       f"recv_counts for grouped_mm_all_to_all)")
+        from .ops import get
+
+        spec = get(op)
+        return spec.local_view(spec.prepare(a, counts, b, group))
     if op == _ALL_GATHER_MATMUL.name:
         return _ALL_GATHER_MATMUL.prepare(a, b, group, dim)
     if op == _MATMUL_REDUCE_SCATTER.name:
         return _MATMUL_REDUCE_SCATTER.prepare(a, b, group, dim, reduce_op)
-    raise InvalidArgumentError(f"op={op!r} is not a ficco op; use all_gather_matmul or "
-                               f"matmul_reduce_scatter")
+    raise InvalidArgumentError(f"op={op!r} is not a ficco op; use all_gather_matmul, "
+                               f"matmul_reduce_scatter, {' or '.join(_EXPERT_OPS)}")
 
 
 def explain(a_shard, b, group=None, *, gather_dim=0, schedule=None, op="all_gather_matmul",
-            scatter_dim=0, reduce_op="sum"):
+            scatter_dim=0, reduce_op="sum", counts=None):
     """The Decision ``op`` (``all_gather_matmul``, or ``matmul_reduce_scatter`` with
     ``scatter_dim``/``reduce_op``; then ``a_shard`` is the full-row ``a``) would take for these
     arguments: schedule, transport, the selector that chose, its inputs and every candidate's
@@ -90,6 +99,9 @@ def explain(a_shard, b, group=None, *, gather_dim=0, schedule=None, op="all_gath
     print(ficco.explain(...))``). Before the ranks agreed on this call, ``auto`` transport
     assumes they share a host; before ``tune`` measured it, the decision is the model's
     prediction and its reason says "not tuned yet" (the first real call measures).
+    Expert parallelism: ``op="all_to_all_grouped_mm"`` (``a_shard`` is x, ``b`` is w,
+    ``counts=`` its counts) or ``"grouped_mm_all_to_all"`` (h, w2, ``counts=`` recv_counts);
+    without communication it assumes every rank routes like this one.
 
     >>> import torch, ficco
     >>> print(ficco.explain(torch.randn(4, 8), torch.randn(8, 3)).schedule)
@@ -98,7 +110,7 @@ def explain(a_shard, b, group=None, *, gather_dim=0, schedule=None, op="all_gath
     'serial'
     """
     dim = scatter_dim if op == _MATMUL_REDUCE_SCATTER.name else gather_dim
-    return runtime.explain(_prepare(op, a_shard, b, group, dim, reduce_op), schedule)
+    return runtime.explain(_prepare(op, a_shard, b, group, dim, reduce_op, counts), schedule)
 
 
 def traced_all_gather_matmul(a_shard, b, group=None, *, schedule, transport=None,

@@ -118,6 +118,15 @@ class ExpertSpec(OpSpec):
         return dataclasses.replace(call, layout=layout, problem=problem), \
             routing.folded(word, counts)
 
+    def local_view(self, call: ExpertCall) -> ExpertCall:
+        """``call`` completed from this rank's counts alone, as if every rank routed like this
+        one: what ``explain`` decides on without communicating."""
+        rows = call.routing or self.assemble([call.part] * call.world, call)
+        layout = Layout(tuple(map(tuple, rows)), len(call.weights))
+        problem = ExpertProblem.for_call(call.problem.k, call.problem.n, layout,
+                                         call.problem.dtype, call.rank, self.name)
+        return dataclasses.replace(call, layout=layout, problem=problem)
+
     @abstractmethod
     def assemble(self, parts: list, call: ExpertCall) -> list:
         """The W x E matrix from every rank's counts argument (rank order)."""
