@@ -36,14 +36,6 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
                                      schedule=schedule, return_gathered=return_gathered)
 
 
-def all_gather_matmul_eager(a_shard, b, group=None, *, gather_dim=0, schedule=None,
-                            return_gathered=False):
-    """``all_gather_matmul`` run directly, without the dispatcher: the real kernel of
-    ``torch.ops.ficco.all_gather_matmul`` (no autograd, autocast or tracing)."""
-    call = _ALL_GATHER_MATMUL.prepare(a_shard, b, group, gather_dim, return_gathered)
-    return runtime.run(call, schedule)
-
-
 def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", schedule=None):
     """``reduce_scatter(a @ b, scatter_dim)`` with the reduce-scatter hidden behind the GEMM:
     the row-parallel half of a TP/SP layer (attention out-projection, MLP down-projection).
@@ -63,14 +55,6 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
     # Through the torch custom op (autograd, autocast, torch.compile); ficco/library.py.
     return library.matmul_reduce_scatter(a, b, group, scatter_dim=scatter_dim,
                                          reduce_op=reduce_op, schedule=schedule)
-
-
-def matmul_reduce_scatter_eager(a, b, group=None, *, scatter_dim=0, reduce_op="sum",
-                                schedule=None):
-    """``matmul_reduce_scatter`` run directly, without the dispatcher: the real kernel of
-    ``torch.ops.ficco.matmul_reduce_scatter``."""
-    call = _MATMUL_REDUCE_SCATTER.prepare(a, b, group, scatter_dim, reduce_op)
-    return runtime.run(call, schedule)
 
 
 def _prepare(op, a, b, group, dim, reduce_op, counts=None):

@@ -24,6 +24,7 @@ VERBS = {
     "timeline": "draw one measured call per queue above the simulator's prediction "
                 "(run under torchrun)",
     "validate": "hold the simulator against the paper's Table I picks and published results",
+    "calls": "count the Python calls and serialisations of one warm call inside ficco",
 }
 
 

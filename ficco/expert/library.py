@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .. import group as groups
 from .. import library, runtime
 from ..autograd import _first_order, _register_autocast
 from ..ops.all_to_all_grouped_mm import SPEC as DISPATCH_SPEC
@@ -41,7 +42,7 @@ def dispatch_op(x: Tensor, counts: Tensor, ws: list[Tensor], group: str,
                 schedule: Optional[str], routing: Optional[Tensor], return_received: bool
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(y, recv_counts, received or an empty tensor, routing)``."""
-    call = DISPATCH_SPEC.prepare(x, counts, ws, library.resolve(group), routing=routing,
+    call = DISPATCH_SPEC.prepare(x, counts, ws, groups.by_name(group), routing=routing,
                                  return_received=return_received)
     y, recv_counts, received, agreed = runtime.run(call, schedule)
     if received is None:
@@ -53,7 +54,7 @@ def dispatch_op(x: Tensor, counts: Tensor, ws: list[Tensor], group: str,
 
 @dispatch_op.register_fake
 def _(x, counts, ws, group, schedule, routing, return_received):
-    world, _ = library._world_rank(group)
+    _, world = groups.rank_world_of(group)
     rows = torch.library.get_ctx().new_dynamic_size()
     big_l = len(ws)
     return (x.new_empty(rows, ws[0].shape[1]),
@@ -67,14 +68,14 @@ def combine_op(h: Tensor, recv_counts: Tensor, ws: list[Tensor], group: str,
                schedule: Optional[str], routing: Optional[Tensor],
                send_counts: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """``(z, routing)``."""
-    call = COMBINE_SPEC.prepare(h, recv_counts, ws, library.resolve(group), routing=routing,
+    call = COMBINE_SPEC.prepare(h, recv_counts, ws, groups.by_name(group), routing=routing,
                                 send_counts=send_counts)
     return runtime.run(call, schedule)
 
 
 @combine_op.register_fake
 def _(h, recv_counts, ws, group, schedule, routing, send_counts):
-    world, _ = library._world_rank(group)
+    _, world = groups.rank_world_of(group)
     rows = torch.library.get_ctx().new_dynamic_size()
     return (h.new_empty(rows, ws[0].shape[1]),
             torch.empty(world, world * len(ws), dtype=torch.int64, device="cpu"))
@@ -132,7 +133,7 @@ def _combine_backward(ctx, grad_z, _grad_routing):
     recv_counts, routing, h, *ws = ctx.saved_tensors
     if grad_z is None:
         return None, None, [None] * len(ctx.w_needs), None, None, None, None
-    _, rank = library._world_rank(ctx.group)
+    rank, _ = groups.rank_world_of(ctx.group)
     # Without grad_h only the moved rows are needed: multiply them by one column of zeros.
     w_t = [w.t() for w in ws] if ctx.h_needs else \
         [grad_z.new_zeros(grad_z.shape[1], 1) for _ in ctx.w_needs]
@@ -160,7 +161,7 @@ def all_to_all_grouped_mm(x, counts, w, group=None, *, schedule=None):
         y, recv_counts, _, _ = runtime.run(DISPATCH_SPEC.prepare(x, counts, w, group), schedule)
         return y, recv_counts
     y, recv_counts, _, _ = torch.ops.ficco.all_to_all_grouped_mm(
-        x, _counts_tensor(counts), list(ws), library.group_name(group), schedule, None,
+        x, _counts_tensor(counts), list(ws), groups.name_of(group), schedule, None,
         torch.is_grad_enabled() and any(t.requires_grad for t in ws))
     return y, recv_counts
 
@@ -176,4 +177,4 @@ def grouped_mm_all_to_all(h, recv_counts, w2, group=None, *, schedule=None, send
     send = None if send_counts is None else _counts_tensor(send_counts)
     return torch.ops.ficco.grouped_mm_all_to_all(
         h, recv_counts if isinstance(recv_counts, Tensor) else torch.tensor(recv_counts),
-        list(ws), library.group_name(group), schedule, None, send)[0]
+        list(ws), groups.name_of(group), schedule, None, send)[0]

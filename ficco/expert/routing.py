@@ -23,7 +23,7 @@ from collections import OrderedDict
 import torch
 
 from .. import agreement
-from ..call import group_id
+from ..group import key as group_key
 from ..errors import InvalidArgumentError, MismatchError
 
 _MEMO_LIMIT = 512                 # dispatch routings kept per process (all groups), LRU
@@ -97,12 +97,12 @@ def check_counts(row: list, *, rows: int, experts_total: int, name: str) -> list
 def agree_counts(call, word: int, part) -> list:
     """Every rank's ``part`` (in rank order), exchanged with the call's digest ``word``;
     MismatchError on every rank when the ranks are making different calls."""
-    everyone = agreement.exchange(call.group, call.world, call.rank, (word, part),
+    everyone = agreement.exchange(call.group, call.rank, call.world, (word, part),
                                   what=f"{call.op.name} counts exchange")
     words = {w for w, _ in everyone}
     if len(words) > 1:
         raise agreement.consistent(MismatchError(
-            f"rank {call.rank}: the ranks of group {group_id(call.group)} are making different "
+            f"rank {call.rank}: the ranks of group {group_key(call.group)} are making different "
             f"{call.op.name} calls (other shapes, dtypes, settings or op); nothing was "
             f"computed. Every rank must make the same calls in the same order"))
     return [p for _, p in everyone]
@@ -116,7 +116,7 @@ def folded(word: int, counts) -> int:
 
 # -- dispatch routings combine may reuse -------------------------------------------------------
 def remember(group, counts, rank: int, experts: int) -> None:
-    key = (group_id(group), *_pair(counts, rank, experts))
+    key = (group_key(group), *_pair(counts, rank, experts))
     with _lock:
         _memo[key] = counts
         _memo.move_to_end(key)
@@ -127,7 +127,7 @@ def remember(group, counts, rank: int, experts: int) -> None:
 def recall(group, send_counts: list, recv_counts: list):
     """The matrix of a dispatch on ``group`` that sent ``send_counts`` and received
     ``recv_counts`` on this rank, or None."""
-    key = (group_id(group), tuple(send_counts), tuple(map(tuple, recv_counts)))
+    key = (group_key(group), tuple(send_counts), tuple(map(tuple, recv_counts)))
     with _lock:
         return _memo.get(key)
 

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..call import Call, backend_for, check_like, check_tensor, group_rank_world, resolve_group
+from .. import group as groups
+from ..buffers import Buffers
+from ..call import Call, backend_for, check_like, check_tensor
 from ..errors import InvalidArgumentError
-from ..executor import Buffers
 from ..ops.base import OpSpec
 from ..problem import dtype_name
 from ..symm_mem import aligned
@@ -53,8 +54,8 @@ class ExpertSpec(OpSpec):
         weights = _weights(w, inp, what, "w" if self.name == DISPATCH else "w2")
         big_l, k, n = len(weights), inp.shape[1], weights[0].shape[1]
         backend = backend_for(inp, what)
-        group = resolve_group(group)
-        rank, world = group_rank_world(group)
+        group = groups.resolve(group)
+        rank, world = groups.rank_world(group)
         part = self.check_part(counts, inp.shape[0], world, big_l, rank)
         call = ExpertCall(self, ExpertProblem(k, max(n, 1), big_l, dtype_name(inp.dtype), world,
                                               rank, self.name),
