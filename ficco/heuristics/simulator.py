@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 
 from ..errors import InvalidArgumentError
 from ..plan import COMPUTE, Plan, Record, Wait, buffer_shapes, op_label
+from . import all_to_all_pricing
 from . import gemm as gemm_cost
 # Contention rates live in .contention; re-exported here for callers of simulator.*.
 from .contention import dma_contention, mt_factor, shard_mt_factor  # noqa: F401
@@ -351,6 +352,14 @@ class _Simulation:
     def _price_send_recv(self, op) -> _Task:
         block = op.recv if op.recv is not None else op.send
         return self._collective(block.numel * self.itemsize if block else 0, 1)
+
+    def _price_expert(self, op) -> _Task:
+        """Expert-parallel ops (sizes from the problem's routing counts): priced in
+        :mod:`ficco.heuristics.all_to_all_pricing` with this simulator's primitives."""
+        return all_to_all_pricing.price(self, op, _Task, mt_factor)
+
+    _price_expert_publish = _price_expert_copy = _price_expert_gemm = _price_expert
+    _price_expert_all_to_all = _price_expert
 
     def _price_barrier(self, op) -> _Task:
         world = self.problem.world
