@@ -336,3 +336,21 @@ def test_bands_come_from_validated_residuals_by_shape_class():
     shipped = bands.load()
     assert shipped["generated_by"] == bands.COMMAND
     assert {"all_gather_matmul", "matmul_reduce_scatter"} <= set(shipped["classes"])
+
+
+def test_explain_lines_up_its_columns_and_says_what_otb_and_mt_are():
+    """Issue 26: the explain header was misaligned and OTB/MT were never defined."""
+    d = choose(table_i_problem("g6"), target="rocm:gfx942", selector="model")
+    lines = str(d).splitlines()
+    key = next(line for line in lines if line.startswith("key "))
+    assert "otb = op-to-byte" in key and "mt = " in key and "MK + KN + MN" in key
+    head = next(line for line in lines if line.startswith("scores "))
+    rows = [line for line in lines[lines.index(head) + 1:]]
+    assert len(rows) == len(d.scores)
+    for column in ("schedule", "time", "vs best"):
+        assert column in head
+    for row in rows:
+        name = row.split()[-4] if row.split()[0] == "*" else row.split()[0]
+        assert row.index(name) == head.index("schedule"), (head, row)
+        assert row.index(" ms") + len(" ms") == head.index("time") + len("time"), (head, row)
+        assert row.rstrip().endswith("x") and len(row.rstrip()) == len(head.rstrip()) + 0
