@@ -301,3 +301,18 @@ def explain_and_choose(rank, world, seed):
     err = max_row_rel_err(z, round_trip_reference(counts, xs, w, w2, rank))
     return (d1.schedule in ficco.schedules.names(op="all_to_all_grouped_mm"), str(d1),
             sorted(d2.scores), first, runtime.last_run(), err)
+
+
+def moe_parity(rank, world, seed, experts_per_rank):
+    """examples/moe_block.py's check: the expert-parallel block trained with ficco against its
+    unsharded twin (losses of every step and the final weights)."""
+    import pathlib
+    import sys
+
+    examples = str(pathlib.Path(__file__).resolve().parents[1] / "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    from moe_block import parity
+
+    loss_diff, weight_diff, _ = parity(rank, world, seed, experts_per_rank=experts_per_rank)
+    return loss_diff, weight_diff

@@ -183,3 +183,20 @@ def test_explain_and_the_selector_cover_both_ops():
     for known, text, scored, first, second, err in results:
         assert known and "schedule" in text and set(scored) >= set(NAMES)
         assert err <= ROW_TOL[torch.float32]
+
+
+def test_table_i_expert_gemms_are_priced_as_all_to_all():
+    """validate's g13-g16 rows: the dispatch moves 1/W of the all-gather reading's bytes (uniform
+    routing: every rank keeps its own 1/W), its GEMM has the same FLOPs, and every dispatch
+    schedule is priced."""
+    from ficco.bench.validate_expert import EXPERT_GEMMS, expert_rows, table_i_expert_problem
+    from ficco.heuristics.scenarios import table_i_problem
+
+    for name in EXPERT_GEMMS:
+        ep, ag = table_i_expert_problem(name), table_i_problem(name)
+        assert ep.flops == ag.flops and ep.gather_bytes * ep.world == ag.gather_bytes
+    rows = expert_rows()
+    assert [r["gemm"] for r in rows] == list(EXPERT_GEMMS)
+    for r in rows:
+        assert set(r["speedup"]) == {f"{s}/{t}" for s in NAMES for t in ("dma", "ccl")}
+        assert 0 < r["comm_share"] < 1 and all(v > 0 for v in r["speedup"].values())
