@@ -22,8 +22,8 @@ import time
 from collections import OrderedDict
 
 from . import config
-from .call import group_id
 from .errors import CommTimeoutError, FiccoError, MismatchError
+from .group import key as group_key
 
 _AGREED_LIMIT = 1024                     # distinct (group, signature) entries kept (LRU)
 _agreed: "OrderedDict[tuple, bool]" = OrderedDict()   # -> whether all ranks share a host
@@ -38,18 +38,18 @@ def digest(signature: dict) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
-def agree(group, world: int, rank: int, signature: dict, op: str,
-          word: int | None = None) -> bool:
+def confirm_same_call(group, rank: int, world: int, signature: dict, op: str,
+                      word: int | None = None) -> bool:
     """Every rank of ``group`` called with ``signature`` (digest ``word``): returns whether
     all ranks share this host. The first sight of a signature exchanges it in full (bounded);
     later sights are a dictionary lookup here, and the runtime checks the digest of every
     call (in the flag every dma barrier carries, or one tiny collective on ccl)."""
-    key = (group_id(group), digest(signature) if word is None else word)
+    key = (group_key(group), digest(signature) if word is None else word)
     with _lock:
         if key in _agreed:
             _agreed.move_to_end(key)
             return _agreed[key]
-    everyone = exchange(group, world, rank, (signature, socket.gethostname()),
+    everyone = exchange(group, rank, world, (signature, socket.gethostname()),
                         what=f"{op} agreement")
     differ = sorted({f for info, _ in everyone for f in set(info) | set(signature)
                      if info.get(f) != signature.get(f)})
@@ -68,19 +68,19 @@ def agree(group, world: int, rank: int, signature: dict, op: str,
 
 
 def known(group, signature: dict) -> bool | None:
-    """What :func:`agree` found for this signature before (same host?), or None: no
+    """What :func:`confirm_same_call` found for this signature before (same host?), or None: no
     communication."""
     with _lock:
-        return _agreed.get((group_id(group), digest(signature)))
+        return _agreed.get((group_key(group), digest(signature)))
 
 
-def exchange(group, world: int, rank: int, payload, *, what: str) -> list:
+def exchange(group, rank: int, world: int, payload, *, what: str) -> list:
     """Every rank's ``payload`` in rank order, through the group's store, bounded by
     FICCO_TIMEOUT: ranks that do not arrive in time are named in a CommTimeoutError."""
     if group is None or world == 1:
         return [payload]
     store = _store(group)
-    gid = group_id(group)
+    gid = group_key(group)
     with _lock:
         seq = _sequence[gid] = _sequence.get(gid, 0) + 1
     prefix = f"ficco/{_epoch[0]}/{seq}/"
@@ -107,14 +107,14 @@ def exchange(group, world: int, rank: int, payload, *, what: str) -> list:
     return [payload for _, payload in tagged]
 
 
-def all_ranks(group, world: int, rank: int, flag: bool, *, what: str) -> bool:
+def all_ranks(group, rank: int, world: int, flag: bool, *, what: str) -> bool:
     """True when ``flag`` is True on every rank (bounded)."""
-    return all(exchange(group, world, rank, bool(flag), what=what))
+    return all(exchange(group, rank, world, bool(flag), what=what))
 
 
-def max_over_ranks(group, world: int, rank: int, value: float, *, what: str) -> float:
+def max_over_ranks(group, rank: int, world: int, value: float, *, what: str) -> float:
     """The largest ``value`` over the ranks (bounded)."""
-    return max(exchange(group, world, rank, float(value), what=what))
+    return max(exchange(group, rank, world, float(value), what=what))
 
 
 def wait_bounded(work, *, rank: int, what: str) -> None:
@@ -142,7 +142,7 @@ def forget(group=None) -> None:
             _sequence.clear()
             _epoch[0] += 1
             return
-    forget_id(group_id(group))
+    forget_id(group_key(group))
 
 
 def forget_id(gid: str) -> None:
@@ -169,7 +169,7 @@ def _store(group):
     try:
         return _get_process_group_store(group)
     except Exception as exc:  # noqa: BLE001
-        raise FiccoError(f"the process group {group_id(group)} has no store ficco can use to "
+        raise FiccoError(f"the process group {group_key(group)} has no store ficco can use to "
                          f"agree across ranks: {exc}") from exc
 
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 import torch
 
 from . import api
-from .call import group_rank_world, normalize_dim, resolve_group
+from .call import normalize_dim
 from .errors import InvalidArgumentError
+from .group import rank_world, resolve
 from .problem import REDUCE_OPS
 
 
@@ -54,7 +55,7 @@ def fused_all_gather_scaled_matmul(A_shard, Bs, A_scale, B_scales, gather_dim, g
         raise InvalidArgumentError(
             "fused_all_gather_scaled_matmul gathers a row dimension of A_shard; gather_dim is "
             "its last (K) dimension, which torch's op cannot scale either")
-    rank, world = group_rank_world(resolve_group(group_name))
+    rank, world = rank_world(resolve(group_name))
     A_scale = _sharded_scale(A_shard, A_scale, gather_dim, rank, world)
     dtypes = _dtypes(out_dtypes, A_shard.dtype)
     # One call for every B; with several output dtypes its outputs are float32 and each is
@@ -93,8 +94,7 @@ def fused_scaled_matmul_reduce_scatter(A, B, A_scale, B_scale, reduce_op, orig_s
             f"output_shape {shape} must be A's rows ({tuple(A.shape[:-1])}, {rows} in all) "
             f"followed by B's {B.shape[1]} columns")
     dim = normalize_dim(orig_scatter_dim, len(shape), "orig_scatter_dim")
-    group = resolve_group(group_name)
-    _, world = group_rank_world(group)
+    _, world = rank_world(resolve(group_name))
     if shape[dim] % world:
         raise InvalidArgumentError(
             f"fused_scaled_matmul_reduce_scatter needs the world size ({world}) to divide dim "

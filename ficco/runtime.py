@@ -88,11 +88,6 @@ def signature(call: Call, s: dict) -> dict:
     return {**call.op.signature(call), **agreed}
 
 
-def agree(call: Call, s: dict) -> bool:
-    """Bounded agreement of this call across the group; returns whether all ranks share a host."""
-    return agreement.agree(call.group, call.world, call.rank, signature(call, s), call.op.name)
-
-
 # -- running ----------------------------------------------------------------------------------------
 def run(call: Call, schedule: str | None = None, transport: str | None = None,
         selector: str | None = None):
@@ -118,8 +113,11 @@ def _run(call: Call, schedule, transport, selector):
         word = agreement.digest(sig)
         stage = {"transport": None, "schedule": None, "step": "the first-call agreement"}
         try:
-            same_host = agreement.agree(call.group, call.world, call.rank, sig, call.op.name,
-                                        word)
+            same_host = agreement.confirm_same_call(call.group, call.rank, call.world, sig,
+                                                    call.op.name, word)
+            stage["step"] = "the exchange of the call's data"
+            call, word = call.op.exchange(call, word)   # e.g. expert routing counts
+            stage["step"] = None
             if s["disable"] or call.plain_only:
                 stage.update(transport="ccl", schedule="plain",
                              step="the call check before the plain path")
@@ -159,7 +157,7 @@ def decide(call: Call, s: dict, same_host: bool):
     return choose(call.problem, transport=transports, target=call.backend.target(),
                   selector=s["selector"], forced=s["schedule"], forced_by=s["schedule_by"],
                   measure=lambda name: measure(call, name, transports[0]),
-                  agree=lambda flag: agreement.all_ranks(call.group, call.world, call.rank,
+                  agree=lambda flag: agreement.all_ranks(call.group, call.rank, call.world,
                                                          flag, what="tune cache check"))
 
 
@@ -237,7 +235,7 @@ def measure(call: Call, name: str, transport: str, warmup: int = 2, repeat: int 
         execute(call, name, transport)
         call.backend.synchronize()
         times.append(time.perf_counter() - start)
-    return agreement.max_over_ranks(call.group, call.world, call.rank,
+    return agreement.max_over_ranks(call.group, call.rank, call.world,
                                     statistics.median(times), what=f"tune timing of {name}")
 
 
@@ -248,7 +246,11 @@ def traced(call: Call, schedule: str, transport: str | None = None):
     with guard.serialised(call):
         guard.refuse_if_poisoned(call)
         try:
-            same_host = agree(call, s) if call.world > 1 else True
+            same_host = agreement.confirm_same_call(
+                call.group, call.rank, call.world, signature(call, s), call.op.name) \
+                if call.world > 1 else True
+            if call.world > 1:
+                call, _ = call.op.exchange(call, agreement.digest(signature(call, s)))
             via = candidate_transports(s["transport"], same_host)[0]
             buffers, plan, rows = execute(call, call.op.schedule(schedule).name, via, trace=True)
         except BaseException as exc:

@@ -2,7 +2,9 @@
 
 Canonical form: rank r's shard with ``gather_dim`` moved first and leading dims flattened,
 ``m x K``; the gathered matrix ``M x K`` (M = W*m); each ``b_j`` is ``(K, n_j)``. The dma
-workspace holds the gathered matrix (every rank's copy addressable by its peers).
+workspace holds the gathered matrix (every rank's copy addressable by its peers), followed by
+the float32 scale of each of its rows when fp8 operands are scaled row-wise (they travel with
+their rows: :func:`ficco.plan.scale_companion`).
 """
 from __future__ import annotations
 
@@ -11,9 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..call import (Call, backend_for, check_tensor, check_weights, group_rank_world,
-                    resolve_group, row_dim)
-from ..executor import Buffers
+from ..call import Call, backend_for, check_tensor, check_weights, row_dim
+from ..buffers import Buffers
+from ..group import rank_world, resolve
 from ..problem import Problem, dtype_name
 from ..scaled import Operands, finish, gemm_into, operands
 from ..symm_mem import aligned
@@ -31,25 +33,45 @@ class AllGatherMatmulCall(Call):
     ops: Operands = None                    # fp8 scales, out_dtype, bias, activation
 
 
+def check_arguments(a_shard, b, gather_dim) -> tuple[int, list, bool]:
+    """The one check of the op's tensors and ``gather_dim``, for the eager path (:meth:`prepare`)
+    and the fake kernel (:mod:`ficco.library`) alike, so both say the same: ``(gather_dim in
+    [0, a_shard.dim() - 1), the weights as a list, whether b was a list)``.
+
+    >>> import torch
+    >>> check_arguments(torch.randn(4, 8), torch.randn(8, 3), -2)[0]
+    0
+    """
+    check_tensor(a_shard, "a_shard", fp8=True)
+    gather_dim = row_dim(gather_dim, a_shard, "gather_dim", "a_shard", "gathers along")
+    bs, b_is_list = check_weights(b, a_shard, "a_shard")
+    return gather_dim, bs, b_is_list
+
+
+def check_epilogue(a_shard, bs, b_is_list, gather_dim, **epilogue) -> Operands:
+    """The one check of the fp8 scales, out_dtype, bias and activation (:mod:`ficco.scaled`),
+    for the eager path and the fake kernel alike; ``gather_dim`` as :func:`check_arguments`
+    returns it."""
+    def rows_of(t):   # like a_shard's rows: gather_dim first, leading dims flattened
+        return t.movedim(gather_dim, 0).reshape(-1, t.shape[-1])
+    return operands(a_shard, bs, rows_of=rows_of, a_name="a_shard", b_is_list=b_is_list,
+                    **epilogue)
+
+
 class AllGatherMatmul(OpSpec):
     name = "all_gather_matmul"
 
     def prepare(self, a_shard, b, group=None, gather_dim=0, return_gathered=False, *,
                 a_scale=None, b_scale=None, out_dtype=None, bias=None, activation=None
                 ) -> AllGatherMatmulCall:
-        check_tensor(a_shard, "a_shard", fp8=True)
-        gather_dim = row_dim(gather_dim, a_shard, "gather_dim", "a_shard", "gathers along")
-        bs, b_is_list = check_weights(b, a_shard, "a_shard")
+        gather_dim, bs, b_is_list = check_arguments(a_shard, b, gather_dim)
+        ops = check_epilogue(a_shard, bs, b_is_list, gather_dim, a_scale=a_scale,
+                             b_scale=b_scale, out_dtype=out_dtype, bias=bias,
+                             activation=activation)
         k = a_shard.shape[-1]
-
-        def rows_of(t):   # like a_shard's rows: gather_dim first, leading dims flattened
-            return t.movedim(gather_dim, 0).reshape(-1, t.shape[-1])
-        ops = operands(a_shard, bs, rows_of=rows_of, a_name="a_shard", a_scale=a_scale,
-                       b_scale=b_scale, out_dtype=out_dtype, bias=bias, activation=activation,
-                       b_is_list=b_is_list)
         backend = backend_for(a_shard, "a_shard")
-        group = resolve_group(group)
-        rank, world = group_rank_world(group)
+        group = resolve(group)
+        rank, world = rank_world(group)
         moved = a_shard.movedim(gather_dim, 0)
         m = moved.numel() // k
         ns = tuple(int(bj.shape[1]) for bj in bs)

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..call import (Call, backend_for, check_tensor, check_weights, group_rank_world,
-                    normalize_dim, resolve_group, row_dim)
+from ..call import Call, backend_for, check_tensor, check_weights, normalize_dim, row_dim
 from ..errors import InvalidArgumentError
-from ..executor import Buffers
+from ..buffers import Buffers
+from ..group import rank_world, resolve
 from ..problem import MATMUL_REDUCE_SCATTER, REDUCE_OPS, Problem, dtype_name
 from ..scaled import Operands, finish, gemm_into, operands
 from ..symm_mem import aligned
@@ -43,28 +43,45 @@ class MatmulReduceScatterCall(Call):
         return out if out.itemsize >= 2 else torch.float32
 
 
+def check_arguments(a, b, scatter_dim, reduce_op) -> tuple[int, list, bool]:
+    """The one check of the op's tensors, ``scatter_dim`` and ``reduce_op``, for the eager path
+    (:meth:`prepare`) and the fake kernel (:mod:`ficco.library`) alike: ``(scatter_dim in [0,
+    a.dim() - 1), the weights as a list, whether b was a list)``.
+
+    >>> import torch
+    >>> check_arguments(torch.randn(4, 8), [torch.randn(8, 3)], -2, "sum")[0]
+    0
+    """
+    check_tensor(a, "a", fp8=True)
+    scatter_dim = row_dim(scatter_dim, a, "scatter_dim", "a", "scatters the rows of a @ b along")
+    if reduce_op not in REDUCE_OPS:
+        raise InvalidArgumentError(f"reduce_op={reduce_op!r} is not supported; use one of "
+                                   f"{', '.join(REDUCE_OPS)}")
+    bs, b_is_list = check_weights(b, a, "a", role=" (this rank's K rows of the weight)")
+    return scatter_dim, bs, b_is_list
+
+
+def check_epilogue(a, bs, b_is_list, scatter_dim, **epilogue) -> Operands:
+    """The one check of the fp8 scales, out_dtype and bias (:mod:`ficco.scaled`), for the eager
+    path and the fake kernel alike; ``scatter_dim`` as :func:`check_arguments` returns it."""
+    def rows_of(t):   # like a's rows: scatter_dim first, leading dims flattened
+        return t.movedim(scatter_dim, 0).reshape(-1, t.shape[-1])
+    return operands(a, bs, rows_of=rows_of, a_name="a", b_is_list=b_is_list,
+                    allow_activation=False, **epilogue)
+
+
 class MatmulReduceScatter(OpSpec):
     name = MATMUL_REDUCE_SCATTER
 
     def prepare(self, a, b, group=None, scatter_dim=0, reduce_op="sum", *, a_scale=None,
                 b_scale=None, out_dtype=None, bias=None) -> MatmulReduceScatterCall:
-        check_tensor(a, "a", fp8=True)
-        scatter_dim = row_dim(scatter_dim, a, "scatter_dim", "a",
-                              "scatters the rows of a @ b along")
-        if reduce_op not in REDUCE_OPS:
-            raise InvalidArgumentError(f"reduce_op={reduce_op!r} is not supported; use one of "
-                                       f"{', '.join(REDUCE_OPS)}")
-        bs, b_is_list = check_weights(b, a, "a", role=" (this rank's K rows of the weight)")
+        scatter_dim, bs, b_is_list = check_arguments(a, b, scatter_dim, reduce_op)
+        ops = check_epilogue(a, bs, b_is_list, scatter_dim, a_scale=a_scale, b_scale=b_scale,
+                             out_dtype=out_dtype, bias=bias)
         k = a.shape[-1]
-
-        def rows_of(t):   # like a's rows: scatter_dim first, leading dims flattened
-            return t.movedim(scatter_dim, 0).reshape(-1, t.shape[-1])
-        ops = operands(a, bs, rows_of=rows_of, a_name="a", a_scale=a_scale, b_scale=b_scale,
-                       out_dtype=out_dtype, bias=bias, b_is_list=b_is_list,
-                       allow_activation=False)
         backend = backend_for(a, "a")
-        group = resolve_group(group)
-        rank, world = group_rank_world(group)
+        group = resolve(group)
+        rank, world = rank_world(group)
         moved = a.movedim(scatter_dim, 0)
         unit = math.prod(moved.shape[1:-1])
         m = moved.shape[0] * unit
@@ -183,8 +200,8 @@ def fused_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str
     if nd < 2:
         raise InvalidArgumentError(f"A must have at least 2 dims; got {tuple(A.shape)}")
     scatter_dim = normalize_dim(scatter_dim, nd, "scatter_dim")
-    group = resolve_group(group_name)
-    _, world = group_rank_world(group)
+    group = resolve(group_name)
+    _, world = rank_world(group)
     size = A.shape[scatter_dim] if scatter_dim < nd - 1 else (B.shape[-1] if B.dim() else 0)
     if size % world:
         raise InvalidArgumentError(
