@@ -30,8 +30,8 @@ from . import host_tasks
 from .buffers import Buffers
 from .errors import InvalidArgumentError
 from .plan import (COMPUTE, SYMMETRIC_BUFFERS, AllGather, AllToAll, Barrier, Block, Copy, Gemm,
-                   GatedGemm, Plan, Record, Reduce, ReduceScatter, SendRecv, Signal, Wait,
-                   buffer_shapes, op_label)
+                   GatedGemm, HostOp, Plan, Record, Reduce, ReduceScatter, SendRecv, Signal,
+                   Wait, buffer_shapes, op_label)
 
 # Step codes; a step is (code, queue index, x, y, z, w) with slot / event numbers in x..w.
 # CALL (x: a prepared copy, called with the queue), GEMM_HERE and LAUNCH_HERE (a GEMM or host
@@ -154,6 +154,8 @@ class CompiledPlan:
                 recv = block_slot(op.recv) if op.recv is not None else None
                 steps.append((LAUNCH, q, host_tasks.send_recv_task,
                               (send, op.send_to, recv, op.recv_from), 0, 0))
+            elif isinstance(op, HostOp):   # sized at launch from the call's context
+                steps.append((LAUNCH, q, op.host_task, op, 0, 0))
             elif isinstance(op, Signal):
                 steps.append((SIGNAL, q, op.flag, 0, 0, 0))
             elif isinstance(op, GatedGemm):

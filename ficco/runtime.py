@@ -120,6 +120,9 @@ def _run(call: Call, schedule, transport, selector):
         try:
             same_host = agreement.confirm_same_call(call.group, call.rank, call.world, sig,
                                                     call.op.name, word)
+            stage["step"] = "the exchange of the call's data"
+            call, word = call.op.exchange(call, word)   # e.g. expert routing counts
+            stage["step"] = None
             if s["disable"] or call.plain_only:
                 stage.update(transport="ccl", schedule="plain",
                              step="the call check before the plain path")
@@ -266,6 +269,8 @@ def traced(call: Call, schedule: str, transport: str | None = None):
             same_host = agreement.confirm_same_call(
                 call.group, call.rank, call.world, signature(call, s), call.op.name) \
                 if call.world > 1 else True
+            if call.world > 1:
+                call, _ = call.op.exchange(call, agreement.digest(signature(call, s)))
             via = candidate_transports(s["transport"], same_host)[0]
             buffers, plan, rows = execute(call, call.op.schedule(schedule).name, via, trace=True)
         except BaseException as exc:

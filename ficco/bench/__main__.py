@@ -14,7 +14,7 @@ import importlib
 import importlib.util
 import sys
 
-from ..errors import InvalidArgumentError
+from ..errors import FiccoError
 from .cli import BenchUsageError, report_usage_error
 
 VERBS = {
@@ -78,7 +78,9 @@ def main(argv=None) -> int:
         return int(args._main(args) or 0)
     except BenchUsageError as exc:
         return report_usage_error(exc)
-    except InvalidArgumentError as exc:
+    except FiccoError as exc:
+        # ficco's errors say what was wrong and how to fix it: one line, no traceback
+        # (e.g. an unknown --profile lists the built-in ones).
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
