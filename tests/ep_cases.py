@@ -75,7 +75,8 @@ def round_trip_reference(counts, xs, w, w2, rank):
     return ref
 
 
-def ep_matrix(rank, world, experts, schedule, transport, seed, cases=2, shapes=((16, 8, 8),)):
+def ep_matrix(rank, world, experts, schedule, transport, seed, cases=2, shapes=((16, 8, 8),),
+              dtypes=DTYPES):
     """Dispatch, then combine of its result, for fresh routings x dtypes x shapes; returns
     failures as strings (empty: every output right against float64, the forced schedule ran)."""
     failures = []
@@ -86,7 +87,7 @@ def ep_matrix(rank, world, experts, schedule, transport, seed, cases=2, shapes=(
                 counts, xs, w, w2 = make_case(seed + case, world, experts, k, n, n2)
                 y_ref, recv_ref = dispatch_reference(counts, xs, w, rank, experts)
                 z_ref = round_trip_reference(counts, xs, w, w2, rank)
-                for dtype in DTYPES:
+                for dtype in dtypes:
                     label = f"case {case} K={k} n={n} {dtype} counts={counts}"
                     x = xs[rank].to(dtype)
                     y, recv = ficco.all_to_all_grouped_mm(

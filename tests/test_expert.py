@@ -126,6 +126,28 @@ def test_grouped_mm_and_gemm_loop_paths_agree_with_reference():
         assert failures == [[]] * 3, f"seed {seed}: {failures}"
 
 
+def test_float16_and_float64_too():
+    seed = random.randrange(1 << 30)
+    failures = harness.pool(2).run(ep_matrix, 2, "hetero-fused-1d", "dma", seed, 1,
+                                   ((16, 8, 8),), (torch.float16, torch.float64))
+    assert failures == [[]] * 2, f"seed {seed}: {failures}"
+
+
+def test_custom_ops_pass_torchs_opcheck():
+    """Schema, autograd registration, fake kernels (data-dependent rows) and AOT dispatch with
+    dynamic shapes, on one rank."""
+    import ficco.expert.library  # noqa: F401 - registers the ops
+
+    x, ws = torch.randn(5, 16), [torch.randn(16, 8), torch.randn(16, 8)]
+    report = torch.library.opcheck(torch.ops.ficco.all_to_all_grouped_mm.default,
+                                   (x, torch.tensor([2, 3]), ws, "", None, None, True))
+    assert set(report.values()) == {"SUCCESS"}, report
+    report = torch.library.opcheck(torch.ops.ficco.grouped_mm_all_to_all.default,
+                                   (torch.randn(5, 8), torch.tensor([[2], [3]]),
+                                    [torch.randn(8, 4)] * 2, "", None, None, None))
+    assert set(report.values()) == {"SUCCESS"}, report
+
+
 @pytest.mark.parametrize("schedule", NAMES)
 def test_world_size_one_is_a_grouped_matmul(schedule):
     seed = random.randrange(1 << 30)
