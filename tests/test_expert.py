@@ -190,7 +190,7 @@ def test_bad_inputs_raise_before_any_communication():
 
 
 def test_bad_counts_on_one_rank_raise_there_and_time_out_elsewhere():
-    results = harness.run_alone(3, bad_counts_on_one_rank)
+    results = harness.pool(3).run(bad_counts_on_one_rank)
     assert results[0][0] == "invalid" and results[0][1] < 2, results
     assert all(r[0] == "timeout" and r[1] < 15 for r in results[1:]), results
 
