@@ -11,7 +11,7 @@ import torch
 import ficco
 from ficco import config, runtime
 
-from .reference import ROW_TOL, max_row_rel_err
+from .reference import ROW_TOL, invalid_argument_report, max_row_rel_err
 
 EP_OPS = ("all_to_all_grouped_mm", "grouped_mm_all_to_all")
 DTYPES = (torch.float32, torch.bfloat16)
@@ -206,8 +206,6 @@ def gradcheck_round_trip(rank, world, experts, plan, seed):
 def bad_inputs(rank, world):
     """Every bad argument raises InvalidArgumentError on the rank that made it, before any
     communication (a rank that waited on its peers would hang here)."""
-    from ficco.errors import InvalidArgumentError
-
     x, w = torch.randn(5, 4), torch.randn(2, 4, 3)
     good = [5] + [0] * (2 * world - 1)
     y = torch.randn(5, 3)
@@ -230,16 +228,7 @@ def bad_inputs(rank, world):
         "unknown send_counts": lambda: ficco.grouped_mm_all_to_all(
             y, recv, w2_(world), send_counts=[9] * (2 * world)),
     }
-    out = {}
-    for label, fn in cases.items():
-        try:
-            fn()
-            out[label] = "no error"
-        except InvalidArgumentError as exc:
-            out[label] = "ok" if str(exc) else "empty message"
-        except Exception as exc:  # noqa: BLE001 - report the wrong kind
-            out[label] = f"{type(exc).__name__}: {exc}"
-    return out
+    return invalid_argument_report(cases)
 
 
 def w2_(world):
