@@ -29,7 +29,8 @@ JSON schema (every key at top level; units in the names)::
       "copy_2d_on_dma": true,                  # false: the runtime runs 2-D peer copies as
                                                # kernels on compute units (ROCm)
       "barrier_latency_s": 1e-05,              # cross-rank barrier over symmetric memory
-      "host_op_s": 1.4e-05,                    # host time to enqueue one plan op (eager)
+      "host_op_s": 6e-06,                      # host time to enqueue one plan op (eager);
+                                               # `bench characterize --parts enqueue`
       "pcie_aggregate_bytes_per_s": 7.9e10,    # all GPUs' peer traffic through the host, total
       "dil": {"tiles": [[256, 256, 1.0], ...], # the GEMM library's tiles: (m, n, sustained
                                                # fraction); the fastest is used (heuristics/gemm.py)
@@ -100,11 +101,9 @@ DEFAULTS = {
     "copy_2d_half_row_bytes": 256.0,
     "copy_2d_on_dma": True,
     "barrier_latency_s": 10e-6,
-    # Eager enqueue cost per plan op, fitted on one H100 (bench/results/h100/enqueue.jsonl:
-    # enqueue ~ 0.25 ms + 14 us x ops over the eleven W=8 plans, 32 to 248 ops each). It is
-    # host (CPU + Python) time, so the same default serves every GPU profile. Measured before
-    # the executor compiled plans (its share fell ~10x on CPU since): an upper bound for now.
-    "host_op_s": 14e-6,
+    # Host time to enqueue one plan op (eager calls). Every built-in profile states its own,
+    # measured (`bench characterize --parts enqueue`) or a labelled estimate (see its sources).
+    "host_op_s": 6e-6,
     # The whole box's GPU-to-GPU bandwidth through PCIe and the host: an 8-GPU NCCL
     # all-gather without NVLink reached 7.32 GB/s bus bandwidth into each GPU
     # (github.com/NVIDIA/nccl/issues/644, 256 MiB); with ccl.efficiency 0.8 and the copy
