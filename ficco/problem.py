@@ -16,6 +16,7 @@ Schedules, selectors and the simulator see only this :class:`Problem`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -53,7 +54,7 @@ class DtypeFields:
 
     dtype: str
 
-    @property
+    @cached_property      # read per op by the simulator: once per problem
     def itemsize(self) -> int:
         return _ITEMSIZE[self.dtype]
 
@@ -108,17 +109,18 @@ class Problem(DtypeFields):
             raise InvalidArgumentError(
                 f"dtype {self.dtype!r} is not supported; use one of {sorted(_ITEMSIZE)}")
 
-    @property
+    # The properties a call reads repeatedly are cached on the (frozen) instance.
+    @cached_property
     def reduces(self) -> bool:
         """True for ``matmul_reduce_scatter``."""
         return self.op == MATMUL_REDUCE_SCATTER
 
-    @property
+    @cached_property
     def big_m(self) -> int:
         """Rows M of the local GEMM: the gathered matrix (W * m) or all of ``a`` (m)."""
         return self.m if self.reduces else self.world * self.m
 
-    @property
+    @cached_property
     def n_total(self) -> int:
         return sum(self.ns)
 
@@ -134,7 +136,7 @@ class Problem(DtypeFields):
         """First row of ``rank``'s shard in the gathered matrix."""
         return self.block(rank)[0]
 
-    @property
+    @cached_property
     def block_rows(self) -> int:
         """Rows of this rank's block (reduce-scatter output rows; the shard for all-gather)."""
         return self.block(self.rank)[1]
