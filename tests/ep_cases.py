@@ -309,3 +309,27 @@ def moe_parity(rank, world, seed, experts_per_rank):
 
     loss_diff, weight_diff, _ = parity(rank, world, seed, experts_per_rank=experts_per_rank)
     return loss_diff, weight_diff
+
+
+def disagree_on_cached_calls(rank, world, seed):
+    """Both widths agreed and cached, then rank 0 calls with the other one: the counts exchange
+    (which carries the call's digest) raises MismatchError on every rank; the next call in step
+    is right against float64."""
+    from ficco.errors import MismatchError
+
+    counts, xs, w, _ = make_case(seed, world, 1)
+    local = slice(rank, rank + 1)
+    y_ref, _ = dispatch_reference(counts, xs, w, rank, 1)
+
+    def call(width):
+        return ficco.all_to_all_grouped_mm(xs[rank].float(), counts[rank],
+                                           w[local, :, :width].float())[0]
+
+    out = [max_row_rel_err(call(8), y_ref), tuple(call(4).shape)]
+    try:
+        call(4 if rank == 0 else 8)
+        out.append("returned")
+    except MismatchError as exc:
+        out.append("mismatch" if "different" in str(exc) else str(exc))
+    out.append(max_row_rel_err(call(8), y_ref))
+    return out

@@ -199,6 +199,15 @@ def test_ranks_that_disagree_all_get_mismatch():
     assert harness.pool(2).run(disagree) == [["mismatch", True]] * 2
 
 
+def test_disagreement_on_cached_calls_raises_on_every_rank():
+    from .ep_cases import disagree_on_cached_calls
+
+    for first, shape, mismatched, again in harness.pool(3).run(disagree_on_cached_calls,
+                                                               random.randrange(1 << 30)):
+        assert first <= ROW_TOL[torch.float32] and again <= ROW_TOL[torch.float32]
+        assert mismatched == "mismatch" and shape[1] == 4, (mismatched, shape)
+
+
 def test_explain_and_the_selector_cover_both_ops():
     results = harness.pool(3).run(explain_and_choose, random.randrange(1 << 30))
     assert len({r[3] for r in results}) == 1 and len({r[4] for r in results}) == 1, results
