@@ -49,8 +49,22 @@ def even_split(total: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
+class DtypeFields:
+    """``itemsize`` and ``torch_dtype`` of a problem whose ``dtype`` is a torch dtype name."""
+
+    dtype: str
+
+    @cached_property      # read per op by the simulator: once per problem
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self.dtype]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
 @dataclass(frozen=True)
-class Problem:
+class Problem(DtypeFields):
     """One rank's view of one call: ``all_gather(A, dim=0) @ b_j`` for every ``j``
     (``op="all_gather_matmul"``), or ``reduce_scatter(a @ b_j)`` (``op="matmul_reduce_scatter"``).
 
@@ -109,14 +123,6 @@ class Problem:
     @cached_property
     def n_total(self) -> int:
         return sum(self.ns)
-
-    @cached_property
-    def itemsize(self) -> int:
-        return _ITEMSIZE[self.dtype]
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
 
     def block(self, rank: int) -> tuple[int, int]:
         """(first row, rows) of ``rank``'s rows of the M-row matrix: its shard (all-gather) or
