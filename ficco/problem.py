@@ -16,6 +16,7 @@ Schedules, selectors and the simulator see only this :class:`Problem`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -58,8 +59,36 @@ def even_split(total: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
+class DtypeFields:
+    """``itemsize`` and ``torch_dtype`` of a problem whose ``dtype`` is a torch dtype name, and
+    its epilogue (:mod:`ficco.scaled`): none unless the problem's own fields say otherwise
+    (:class:`Problem` has them; the expert ops have no epilogue)."""
+
+    dtype: str
+    out_dtype, scaling, bias, activation = "", "", False, ""
+
+    @cached_property      # read per op by the simulator: once per problem
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self.dtype]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def out_itemsize(self) -> int:
+        """Bytes of one output element (``out_dtype``, else ``dtype``)."""
+        return _ITEMSIZE[self.out_dtype or self.dtype]
+
+    @property
+    def partial_itemsize(self) -> int:
+        """Bytes of one reduce-scatter partial product as it travels: the output's dtype, or
+        float32 for an fp8 output (partials are summed in float32 and rounded once)."""
+        return self.out_itemsize if self.out_itemsize >= 2 else 4
+
+
 @dataclass(frozen=True)
-class Problem:
+class Problem(DtypeFields):
     """One rank's view of one call: ``all_gather(A, dim=0) @ b_j`` for every ``j``
     (``op="all_gather_matmul"``), or ``reduce_scatter(a @ b_j)`` (``op="matmul_reduce_scatter"``).
 
@@ -120,38 +149,20 @@ class Problem:
                 f"Problem.activation must be one of {ACTIVATIONS[1:]} (all_gather_matmul "
                 f"only) or ''; got {self.activation!r} for op {self.op!r}")
 
-    @property
+    # The properties a call reads repeatedly are cached on the (frozen) instance.
+    @cached_property
     def reduces(self) -> bool:
         """True for ``matmul_reduce_scatter``."""
         return self.op == MATMUL_REDUCE_SCATTER
 
-    @property
+    @cached_property
     def big_m(self) -> int:
         """Rows M of the local GEMM: the gathered matrix (W * m) or all of ``a`` (m)."""
         return self.m if self.reduces else self.world * self.m
 
-    @property
+    @cached_property
     def n_total(self) -> int:
         return sum(self.ns)
-
-    @property
-    def itemsize(self) -> int:
-        return _ITEMSIZE[self.dtype]
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    @property
-    def out_itemsize(self) -> int:
-        """Bytes of one output element (``out_dtype``, else ``dtype``)."""
-        return _ITEMSIZE[self.out_dtype or self.dtype]
-
-    @property
-    def partial_itemsize(self) -> int:
-        """Bytes of one reduce-scatter partial product as it travels: the output's dtype, or
-        float32 for an fp8 output (partials are summed in float32 and rounded once)."""
-        return self.out_itemsize if self.out_itemsize >= 2 else 4
 
     def block(self, rank: int) -> tuple[int, int]:
         """(first row, rows) of ``rank``'s rows of the M-row matrix: its shard (all-gather) or
@@ -165,7 +176,7 @@ class Problem:
         """First row of ``rank``'s shard in the gathered matrix."""
         return self.block(rank)[0]
 
-    @property
+    @cached_property
     def block_rows(self) -> int:
         """Rows of this rank's block (reduce-scatter output rows; the shard for all-gather)."""
         return self.block(self.rank)[1]

@@ -74,8 +74,11 @@ class Operands:
                 "activation": self.activation}
 
     def signature(self) -> dict:
-        """What ranks must share beyond the Problem: the scales' and biases' dtypes."""
-        return {"bias_dtypes": [None if b is None else str(b.dtype) for b in self.biases]}
+        """What ranks must share beyond the Problem: the biases' dtypes (hashable, so a warm
+        call's digest is a lookup; nothing without a bias)."""
+        if not self.bias:
+            return {}
+        return {"bias_dtypes": tuple(None if b is None else str(b.dtype) for b in self.biases)}
 
 
 def operands(a: torch.Tensor, bs: list, *, rows_of, a_name: str, a_scale=None, b_scale=None,
