@@ -6,9 +6,6 @@ not arrive.
 The first call of a new signature on a group runs a full exchange through the group's store
 (what each rank called with, and its host). Later calls repeat only a 64-bit digest of the
 signature, carried by the cheapest channel the call has (see :func:`check_digest`).
-
->>> digest({"m": 4, "k": 8}) == digest({"k": 8, "m": 4})
-True
 """
 from __future__ import annotations
 
@@ -30,12 +27,33 @@ _agreed: "OrderedDict[tuple, bool]" = OrderedDict()   # -> whether all ranks sha
 _sequence: dict = {}                     # group id -> number of exchanges in this epoch
 _epoch = [0]                             # ficco.shutdown() calls: a reset every rank makes
 _lock = threading.Lock()
+_DIGESTS_KEPT = 1024
+_digests: dict = {}                      # signature items -> digest: a warm call serialises nothing
 
 
 def digest(signature: dict) -> int:
-    """A 63-bit digest of a signature dict (key order does not matter)."""
-    text = json.dumps(signature, sort_keys=True, default=str)
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+    """A 63-bit digest of a signature dict (key order does not matter), remembered per
+    signature so a repeated call costs a dictionary lookup (no JSON).
+
+    >>> digest({"m": 4, "k": 8}) == digest({"k": 8, "m": 4})
+    True
+    """
+    try:
+        # Values of one field keep their type from call to call (an int field never holds a
+        # bool), so equal item sets mean equal JSON.
+        key = frozenset(signature.items())
+        word = _digests.get(key)
+    except TypeError:   # an unhashable value (a list): digest it every time
+        key = word = None
+    if word is None:
+        text = json.dumps(signature, sort_keys=True, default=str)
+        word = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(),
+                              "little") >> 1
+        if key is not None:
+            if len(_digests) >= _DIGESTS_KEPT:
+                _digests.clear()
+            _digests[key] = word
+    return word
 
 
 def confirm_same_call(group, rank: int, world: int, signature: dict, op: str,

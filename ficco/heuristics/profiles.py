@@ -123,9 +123,13 @@ _NESTED = ("dil", "cil", "ccl")
 log = logging.getLogger("ficco")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Profile:
-    """One device's numbers; see the module docstring for the JSON schema and units."""
+    """One device's numbers; see the module docstring for the JSON schema and units. Frozen
+    (``dataclasses.replace`` makes a changed copy) and hashed by its :meth:`fingerprint`,
+    computed once, so caches key on a profile at the cost of a dictionary lookup. Its nested
+    dicts are read-only by convention: a profile in use is never edited in place.
+    """
 
     name: str
     peak_flops: dict
@@ -157,7 +161,7 @@ class Profile:
             raise ConfigError(f"profile {self.name!r}: topology {self.topology!r} is not one of "
                               f"{TOPOLOGIES}")
         for key in _NESTED:   # a characterised profile may give only some of the keys
-            setattr(self, key, {**DEFAULTS[key], **getattr(self, key)})
+            object.__setattr__(self, key, {**DEFAULTS[key], **getattr(self, key)})
         curve = {str(int(float(k))): float(v) for k, v in self.copy_efficiency.items()}
         if not curve:
             raise ConfigError(f"profile {self.name!r}: copy_efficiency needs at least one "
@@ -168,7 +172,7 @@ class Profile:
             log.warning("ficco: profile %r has copy_efficiency fractions outside (0, 1]: %s; "
                         "clamping them", self.name, bad)
             curve = {k: min(max(v, 1e-3), 1.0) for k, v in curve.items()}
-        self.copy_efficiency = curve
+        object.__setattr__(self, "copy_efficiency", curve)
         for name in ("hbm_bytes_per_s", "link_bytes_per_s", "compute_units"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"profile {self.name!r}: {name} must be positive, "
@@ -241,8 +245,19 @@ class Profile:
         return cls(**data)
 
     def fingerprint(self) -> str:
-        """A stable string naming these exact numbers (for decision caches)."""
-        return json.dumps(asdict(self), sort_keys=True)
+        """A stable string naming these exact numbers (for decision caches), made once.
+
+        >>> load("h100").fingerprint() == replace(load("h100")).fingerprint()
+        True
+        """
+        text = self.__dict__.get("_fingerprint")
+        if text is None:
+            text = json.dumps(asdict(self), sort_keys=True)
+            object.__setattr__(self, "_fingerprint", text)
+        return text
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint())
 
 
 def builtin_names() -> list[str]:

@@ -24,6 +24,7 @@ class AllGatherMatmulCall(Call):
     bs: list = None
     b_is_list: bool = False
     moved_shape: tuple = ()                 # a_shard.movedim(gather_dim, 0).shape
+    ns: tuple = ()                          # the caller's n_j (0 allowed: an empty result)
     gather_dim: int = 0
     return_gathered: bool = False
 
@@ -55,20 +56,22 @@ class AllGatherMatmul(OpSpec):
         rank, world = rank_world(group)
         moved = a_shard.movedim(gather_dim, 0)
         m = moved.numel() // k
-        ns = tuple(int(bj.shape[1]) for bj in bs)
+        ns = tuple([int(bj.shape[1]) for bj in bs])
         # torch accepts b with no columns and shards with no rows (an empty result); no plan
         # has work then, and a plan without a barrier cannot carry the dma call check: the
         # plain path (after the agreement and the call check) returns the empty result.
-        problem = Problem(m=m, k=k, ns=tuple(max(n, 1) for n in ns),
+        problem = Problem(m=m, k=k, ns=ns if min(ns) > 0 else tuple([max(n, 1) for n in ns]),
                           dtype=dtype_name(a_shard.dtype), world=world, rank=rank)
         return AllGatherMatmulCall(self, problem, group, backend, m == 0 or min(ns) == 0,
                                    a=moved.reshape(m, k), bs=bs,
                                    b_is_list=b_is_list, moved_shape=tuple(moved.shape),
-                                   gather_dim=gather_dim, return_gathered=bool(return_gathered))
+                                   gather_dim=gather_dim, return_gathered=bool(return_gathered),
+                                   ns=ns)
 
     def signature(self, call: AllGatherMatmulCall) -> dict:
         return {**super().signature(call), "gather_dim": call.gather_dim,
-                "shard_shape": call.moved_shape, "ns": [int(bj.shape[1]) for bj in call.bs]}
+                "shard_shape": call.moved_shape,
+                "ns": call.ns}
 
     # -- running ------------------------------------------------------------------------------
     def plain(self, call: AllGatherMatmulCall):

@@ -53,7 +53,7 @@ class OpSpec(ABC):
         """Small, comparable fields every rank must pass alike (shapes, dtypes, layout).
         The runtime adds the settings; a difference raises MismatchError on every rank."""
         return {"op": self.name, "problem": call.problem.key(),
-                "backend": call.backend.target()}
+                "backend": call.target}
 
     @abstractmethod
     def plain(self, call: Call) -> Any:

@@ -66,8 +66,9 @@ class MatmulReduceScatter(OpSpec):
         moved = a.movedim(scatter_dim, 0)
         unit = math.prod(moved.shape[1:-1])
         m = moved.shape[0] * unit
-        ns = tuple(int(bj.shape[1]) for bj in bs)
-        problem = Problem(m=m, k=k, ns=tuple(max(n, 1) for n in ns), dtype=dtype_name(a.dtype),
+        ns = tuple([int(bj.shape[1]) for bj in bs])
+        problem = Problem(m=m, k=k, ns=ns if min(ns) > 0 else tuple([max(n, 1) for n in ns]),
+                          dtype=dtype_name(a.dtype),
                           world=world, rank=rank, op=MATMUL_REDUCE_SCATTER, unit=max(unit, 1),
                           reduce_op=reduce_op)
         # Nothing to overlap without rows or columns: agreed, then the plain path.
