@@ -81,11 +81,23 @@ def unavailable(target: str, transport: str = "dma", op: str = ALL_GATHER_MATMUL
     return out
 
 
+def why_not_here(name: str, target: str, transport: str = "dma",
+                 op: str = ALL_GATHER_MATMUL) -> str | None:
+    """Why schedule ``name`` of ``op`` cannot run on backend ``target`` over ``transport``, or
+    None when it can: only optional schedules (Triton's ``gated-*``) may be unable to.
+
+    >>> why_not_here("ring", "cpu") is None
+    True
+    """
+    optional = _OPTIONAL[op].get(name) if op in _OPTIONAL else None
+    return None if optional is None else optional.unavailable_reason(target, transport)
+
+
 def epilogue_reason(name: str, problem) -> str | None:
     """Why schedule ``name`` cannot run ``problem``'s epilogue (fp8 scales, out_dtype, bias,
     activation), or None: the optional gated kernel multiplies plain operands only."""
     extra = problem.scaling or problem.out_dtype or problem.bias or problem.activation
-    if extra and name in _OPTIONAL[problem.op]:
+    if extra and name in _OPTIONAL.get(problem.op, {}):
         return (f"{name}'s gated GEMM kernel multiplies plain operands: no fp8 scales, "
                 f"out_dtype, bias or activation")
     return None
@@ -100,5 +112,5 @@ def offered(target: str, transport: str = "dma", op: str = ALL_GATHER_MATMUL,
     return names(op) + [name for name in _OPTIONAL[op] if name not in missing]
 
 
-__all__ = ["names", "get", "offered", "optional_names", "unavailable", "Serial", "Ring", "Ficco",
+__all__ = ["names", "get", "offered", "optional_names", "unavailable", "why_not_here", "Serial", "Ring", "Ficco",
            "Gated"]
