@@ -13,10 +13,12 @@ from .ops.all_gather_matmul import SPEC as _ALL_GATHER_MATMUL
 from .ops.matmul_reduce_scatter import SPEC as _MATMUL_REDUCE_SCATTER
 
 last_run = runtime.last_run
+_EXPERT_OPS = ("all_to_all_grouped_mm", "grouped_mm_all_to_all")
 
 
 def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
-                      return_gathered=False):
+                      return_gathered=False, a_scale=None, b_scale=None, out_dtype=None,
+                      bias=None, activation=None):
     """``all_gather(a_shard, gather_dim) @ b``, with the all-gather hidden behind the GEMM.
 
     ``b`` is a ``(K, n)`` tensor or a list of them (one gather feeds several GEMMs); the output
@@ -25,25 +27,35 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
     forces a schedule by name (see ``ficco.schedules.names()``); None lets the selector choose.
     ``return_gathered=True`` returns ``(gathered_a, outputs)``.
 
+    fp8 (``float8_e4m3fn``/``float8_e5m2``; ``*_fnuz`` on MI300X): ``a_scale`` and ``b_scale``
+    as ``torch._scaled_mm`` takes them, tensor-wise (one float32 each; ``a_scale`` the same on
+    every rank) or row-wise (``a_scale`` shaped like ``a_shard``'s rows with a last dim of 1,
+    gathered with its rows; ``b_scale`` ``(1, n)``), a list of ``b_scale`` when ``b`` is a
+    list. ``out_dtype``: the outputs' dtype (fp8: default A's, as torch's; others: A's or
+    float32). ``bias`` ``(n,)`` (a list per b) is added to every row; ``activation`` (``gelu``,
+    ``gelu_tanh``, ``silu``, ``relu``) follows it, applied per output piece as the pieces
+    complete. See docs/fp8.md.
+
     >>> import torch, ficco
     >>> a = torch.randn(4, 8); w = torch.randn(8, 3)
     >>> torch.allclose(ficco.all_gather_matmul(a, w), a @ w)   # world size 1: a plain matmul
     True
+    >>> e4m3, one = torch.float8_e4m3fn, torch.tensor(1.0)
+    >>> a8, w8 = torch.randn(4, 32).to(e4m3), torch.randn(32, 16).to(e4m3)
+    >>> c = ficco.all_gather_matmul(a8, w8, a_scale=one, b_scale=one, out_dtype=torch.bfloat16,
+    ...                             bias=torch.zeros(16))
+    >>> c.dtype, tuple(c.shape)
+    (torch.bfloat16, (4, 16))
     """
     # Through the torch custom op (autograd, autocast, torch.compile); ficco/library.py.
     return library.all_gather_matmul(a_shard, b, group, gather_dim=gather_dim,
-                                     schedule=schedule, return_gathered=return_gathered)
+                                     schedule=schedule, return_gathered=return_gathered,
+                                     a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype,
+                                     bias=bias, activation=activation)
 
 
-def all_gather_matmul_eager(a_shard, b, group=None, *, gather_dim=0, schedule=None,
-                            return_gathered=False):
-    """``all_gather_matmul`` run directly, without the dispatcher: the real kernel of
-    ``torch.ops.ficco.all_gather_matmul`` (no autograd, autocast or tracing)."""
-    call = _ALL_GATHER_MATMUL.prepare(a_shard, b, group, gather_dim, return_gathered)
-    return runtime.run(call, schedule)
-
-
-def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", schedule=None):
+def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", schedule=None,
+                          a_scale=None, b_scale=None, out_dtype=None, bias=None):
     """``reduce_scatter(a @ b, scatter_dim)`` with the reduce-scatter hidden behind the GEMM:
     the row-parallel half of a TP/SP layer (attention out-projection, MLP down-projection).
 
@@ -54,6 +66,11 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
     the two ops are exact inverses of each other's layout. ``reduce_op`` is ``"sum"`` or
     ``"avg"``; ``schedule`` forces one of ``ficco.schedules.names(op="matmul_reduce_scatter")``.
 
+    fp8 scales and ``out_dtype`` as in :func:`all_gather_matmul` (a row-wise ``a_scale`` is
+    shaped like ``a``'s rows); partial products are summed in float32 and rounded once.
+    ``bias`` ``(n,)`` is added once, to the reduced block (torch's scaled op adds it in every
+    rank's GEMM: ``ficco.compat.fused_scaled_matmul_reduce_scatter`` does as torch).
+
     >>> import torch, ficco
     >>> a = torch.randn(4, 8); w = torch.randn(8, 3)
     >>> torch.allclose(ficco.matmul_reduce_scatter(a, w), a @ w)   # one rank: a plain matmul
@@ -61,28 +78,30 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
     """
     # Through the torch custom op (autograd, autocast, torch.compile); ficco/library.py.
     return library.matmul_reduce_scatter(a, b, group, scatter_dim=scatter_dim,
-                                         reduce_op=reduce_op, schedule=schedule)
+                                         reduce_op=reduce_op, schedule=schedule,
+                                         a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype,
+                                         bias=bias)
 
 
-def matmul_reduce_scatter_eager(a, b, group=None, *, scatter_dim=0, reduce_op="sum",
-                                schedule=None):
-    """``matmul_reduce_scatter`` run directly, without the dispatcher: the real kernel of
-    ``torch.ops.ficco.matmul_reduce_scatter``."""
-    call = _MATMUL_REDUCE_SCATTER.prepare(a, b, group, scatter_dim, reduce_op)
-    return runtime.run(call, schedule)
+def _prepare(op, a, b, group, dim, reduce_op, counts=None, epilogue=None):
+    if op in _EXPERT_OPS:
+        if counts is None:
+            raise InvalidArgumentError(f"explain(op={op!r}) needs counts= (the counts, or the "
+                                       f"recv_counts for grouped_mm_all_to_all)")
+        from .ops import get
 
-
-def _prepare(op, a, b, group, dim, reduce_op):
+        spec = get(op)
+        return spec.local_view(spec.prepare(a, counts, b, group))
     if op == _ALL_GATHER_MATMUL.name:
-        return _ALL_GATHER_MATMUL.prepare(a, b, group, dim)
+        return _ALL_GATHER_MATMUL.prepare(a, b, group, dim, **(epilogue or {}))
     if op == _MATMUL_REDUCE_SCATTER.name:
-        return _MATMUL_REDUCE_SCATTER.prepare(a, b, group, dim, reduce_op)
-    raise InvalidArgumentError(f"op={op!r} is not a ficco op; use all_gather_matmul or "
-                               f"matmul_reduce_scatter")
+        return _MATMUL_REDUCE_SCATTER.prepare(a, b, group, dim, reduce_op, **(epilogue or {}))
+    raise InvalidArgumentError(f"op={op!r} is not a ficco op; use all_gather_matmul, "
+                               f"matmul_reduce_scatter, {' or '.join(_EXPERT_OPS)}")
 
 
 def explain(a_shard, b, group=None, *, gather_dim=0, schedule=None, op="all_gather_matmul",
-            scatter_dim=0, reduce_op="sum"):
+            scatter_dim=0, reduce_op="sum", counts=None, **epilogue):
     """The Decision ``op`` (``all_gather_matmul``, or ``matmul_reduce_scatter`` with
     ``scatter_dim``/``reduce_op``; then ``a_shard`` is the full-row ``a``) would take for these
     arguments: schedule, transport, the selector that chose, its inputs and every candidate's
@@ -90,6 +109,11 @@ def explain(a_shard, b, group=None, *, gather_dim=0, schedule=None, op="all_gath
     print(ficco.explain(...))``). Before the ranks agreed on this call, ``auto`` transport
     assumes they share a host; before ``tune`` measured it, the decision is the model's
     prediction and its reason says "not tuned yet" (the first real call measures).
+    Expert parallelism: ``op="all_to_all_grouped_mm"`` (``a_shard`` is x, ``b`` is w,
+    ``counts=`` its counts) or ``"grouped_mm_all_to_all"`` (h, w2, ``counts=`` recv_counts);
+    without communication it assumes every rank routes like this one. ``epilogue``: the op's
+    ``a_scale``, ``b_scale``, ``out_dtype``, ``bias`` (and ``activation``), so fp8 calls are
+    priced as fp8.
 
     >>> import torch, ficco
     >>> print(ficco.explain(torch.randn(4, 8), torch.randn(8, 3)).schedule)
@@ -98,7 +122,8 @@ def explain(a_shard, b, group=None, *, gather_dim=0, schedule=None, op="all_gath
     'serial'
     """
     dim = scatter_dim if op == _MATMUL_REDUCE_SCATTER.name else gather_dim
-    return runtime.explain(_prepare(op, a_shard, b, group, dim, reduce_op), schedule)
+    return runtime.explain(_prepare(op, a_shard, b, group, dim, reduce_op, counts, epilogue),
+                           schedule)
 
 
 def traced_all_gather_matmul(a_shard, b, group=None, *, schedule, transport=None,
@@ -114,6 +139,50 @@ def traced_matmul_reduce_scatter(a, b, group=None, *, schedule, transport=None, 
     """``traced_all_gather_matmul`` for ``matmul_reduce_scatter``: ``(output, plan, rows)``."""
     call = _MATMUL_REDUCE_SCATTER.prepare(a, b, group, scatter_dim, reduce_op)
     return runtime.traced(call, schedule, transport)
+
+
+# -- expert parallelism (ficco/expert/) ------------------------------------------------------------
+def all_to_all_grouped_mm(x, counts, w, group=None, *, schedule=None):
+    """Expert-parallel dispatch: the all-to-all of tokens to their experts, then every
+    expert's GEMM, with the all-to-all hidden behind the grouped GEMM. Returns
+    ``(y, recv_counts)``.
+
+    ``x`` (T, K): this rank's rows sorted by global expert; ``counts`` (E,) int64: rows per
+    global expert (E = W*L; sum T; zeros allowed); ``w`` (L, K, n) or a list of L (K, n): this
+    rank's local experts (global expert e lives on rank e // L as local expert e % L). ``y``
+    (R, n) holds local expert 0's rows from rank 0, then from rank 1, …, then local expert 1's,
+    each block times ``w[l]`` (torch's ``all_to_all_vdev_2d`` layout); ``recv_counts`` (L, W)
+    counts them. ``schedule``: one of ``ficco.schedules.names(op="all_to_all_grouped_mm")``.
+
+    >>> import torch, ficco
+    >>> x = torch.randn(5, 8); w = torch.randn(2, 8, 3)
+    >>> y, rc = ficco.all_to_all_grouped_mm(x, torch.tensor([2, 3]), w)   # one rank
+    >>> torch.allclose(y, torch.cat([x[:2] @ w[0], x[2:] @ w[1]])), rc.tolist()
+    (True, [[2], [3]])
+    """
+    from .expert import library as expert_library
+
+    return expert_library.all_to_all_grouped_mm(x, counts, w, group, schedule=schedule)
+
+
+def grouped_mm_all_to_all(h, recv_counts, w2, group=None, *, schedule=None, send_counts=None):
+    """Expert-parallel combine, the exact inverse of :func:`all_to_all_grouped_mm`: every
+    block ``(l, s)`` of ``h`` (R, K2, in dispatch's ``y`` order; ``recv_counts`` as dispatch
+    returned it) times ``w2[l]`` goes back to rank s, which returns ``z`` (T, n2) in its
+    original row order. Learning what comes back costs one bounded exchange of counts;
+    ``send_counts=`` (the counts dispatch took, on every rank) skips it.
+
+    >>> import torch, ficco
+    >>> x = torch.randn(5, 8); w = torch.randn(2, 8, 3); w2 = torch.randn(2, 3, 4)
+    >>> y, rc = ficco.all_to_all_grouped_mm(x, [2, 3], w)
+    >>> z = ficco.grouped_mm_all_to_all(y, rc, w2)
+    >>> torch.allclose(z, torch.cat([x[:2] @ w[0] @ w2[0], x[2:] @ w[1] @ w2[1]]), atol=1e-5)
+    True
+    """
+    from .expert import library as expert_library
+
+    return expert_library.grouped_mm_all_to_all(h, recv_counts, w2, group, schedule=schedule,
+                                                send_counts=send_counts)
 
 
 def shutdown() -> None:

@@ -24,18 +24,14 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING
-
 import torch
 
 from . import host_tasks
+from .buffers import Buffers
 from .errors import InvalidArgumentError
-from .plan import (COMPUTE, SYMMETRIC_BUFFERS, AllGather, AllToAll, Barrier, Block, Copy, Gemm,
-                   GatedGemm, Plan, Record, Reduce, ReduceScatter, SendRecv, Signal, Wait,
-                   buffer_shapes, op_label)
-
-if TYPE_CHECKING:
-    from .executor import Buffers
+from .plan import (COMPUTE, SCALE_OF, SYMMETRIC_BUFFERS, AllGather, AllToAll, Barrier, Block,
+                   Copy, Gemm, GatedGemm, HostOp, Plan, Record, Reduce, ReduceScatter, SendRecv,
+                   Signal, Wait, buffer_shapes, op_label)
 
 # Step codes; a step is (code, queue index, x, y, z, w) with slot / event numbers in x..w.
 # CALL (x: a prepared copy, called with the queue), GEMM_HERE and LAUNCH_HERE (a GEMM or host
@@ -49,8 +45,8 @@ def _source_of(blk: Block) -> tuple:
     """The slot source of ``blk``: symmetric buffers carry the peer (None: this rank's)."""
     if blk.buf in SYMMETRIC_BUFFERS:
         return (blk.buf, blk.index, blk.peer)
-    if blk.buf == "input":
-        return ("input",)
+    if blk.buf in ("input", "input_scale"):
+        return (blk.buf,)
     return (blk.buf, blk.index)
 
 
@@ -83,7 +79,9 @@ class Binding:
 class CompiledPlan:
     """A plan lowered once to flat steps. ``slots`` lists every distinct view the plan
     touches as ``(source, spec)``: source ``("input",)``, ``("gathered", 0, peer)``,
-    ``("partial", j, peer)``, ``("out", j)``, ``("recv", j)`` or ``("b", j)``; spec ``("rect",
+    ``("partial", j, peer)``, ``("out", j)``, ``("recv", j)``, ``("b", j)`` or an epilogue
+    operand (``("input_scale",)``, ``("gathered_scale", 0, peer)``, ``("b_scale", j)``,
+    ``("bias", j)``); spec ``("whole",)`` (the tensor itself), ``("rect",
     row0, rows, col0, cols)`` (what ``t[row0:row0+rows, col0:col0+cols]`` gives), ``("batched",
     n, rows, cols, row0, col0, spacing)`` or ``("krows", k0, kc, c0, nc)``
     (``b[k0:k0+kc, c0:c0+nc]``)."""
@@ -119,6 +117,27 @@ class CompiledPlan:
             # An empty view of the input: dtype and device for a collective's empty pieces.
             return slot(("input",), ("rect", 0, 0, 0, 0))
 
+        def epilogue_args(op: Gemm) -> tuple:
+            """Slots of a GEMM's fp8 scales and bias (None: none), then accumulate and the
+            activation: the args of host_tasks.gemm_task. The bias and activation go with
+            the GEMM only when it writes the final value (no wide outputs)."""
+            p, out0 = plan.problem, op.out[0]
+            cols = ("rect", 0, 1, out0.col0, out0.cols)
+            if p.scaling == "row":
+                a_scale = blocks_slot(tuple(Block(SCALE_OF[blk.buf], blk.row0, blk.rows, 0, 1,
+                                                  blk.peer) for blk in op.a))
+                b_scale = slot(("b_scale", op.b), cols)
+            elif p.scaling:
+                a_scale, b_scale = slot(("input_scale",), ("whole",)), \
+                    slot(("b_scale", op.b), ("whole",))
+            else:
+                a_scale = b_scale = None
+            last = not wide
+            bias = slot(("bias", op.b), cols) if p.bias and last else None
+            return (a_scale, b_scale, bias, op.accumulate, p.activation if last else "")
+
+        wide = plan.wide_outputs()
+        epilogue = bool(plan.problem.scaling or plan.problem.bias or plan.problem.activation)
         steps, work = [], []   # work: (step number, op index) of every traced op
         for index, op in enumerate(plan.ops):
             q = queue_index[op.queue]
@@ -135,8 +154,13 @@ class CompiledPlan:
             elif isinstance(op, Gemm):
                 out0 = op.out[0]
                 weight = slot(("b", op.b), ("krows", op.k0, op.kc, out0.col0, out0.cols))
-                steps.append((GEMM, q, blocks_slot(op.a), weight, blocks_slot(op.out),
-                              op.accumulate))
+                if epilogue:   # fp8, bias, activation: torch ops run as a host task
+                    steps.append((LAUNCH, q, host_tasks.gemm_task,
+                                  (blocks_slot(op.a), weight, blocks_slot(op.out))
+                                  + epilogue_args(op), 0, 0))
+                else:
+                    steps.append((GEMM, q, blocks_slot(op.a), weight, blocks_slot(op.out),
+                                  op.accumulate))
             elif isinstance(op, Barrier):
                 steps.append((BARRIER, q, op.channel, op.step, 0, 0))
             elif isinstance(op, Reduce):
@@ -158,6 +182,8 @@ class CompiledPlan:
                 recv = block_slot(op.recv) if op.recv is not None else None
                 steps.append((LAUNCH, q, host_tasks.send_recv_task,
                               (send, op.send_to, recv, op.recv_from), 0, 0))
+            elif isinstance(op, HostOp):   # sized at launch from the call's context
+                steps.append((LAUNCH, q, op.host_task, op, 0, 0))
             elif isinstance(op, Signal):
                 steps.append((SIGNAL, q, op.flag, 0, 0, 0))
             elif isinstance(op, GatedGemm):
@@ -233,7 +259,7 @@ class CompiledPlan:
         return tuple(splits), covered
 
     # -- binding -------------------------------------------------------------------------------
-    def bind(self, backend, buffers: "Buffers", events: list | None = None,
+    def bind(self, backend, buffers: Buffers, events: list | None = None,
              every_view: bool = False) -> tuple[tuple, list]:
         """``(steps, views)`` of one call on ``backend``: the steps to run, with the copies
         prepared by the backend (when it can) and kept from the last call while the addresses
@@ -245,7 +271,7 @@ class CompiledPlan:
         old = self._binding
         # Events key the binding only where they are bound into it (the CPU backend makes
         # fresh events every call).
-        if getattr(backend, "prepare_record", None) is None:
+        if not backend.reuses_plan_events:
             events = None
         if old is not None and (old.backend() is not backend or old.events is not events or
                                 (old.ref() if old.ref is not None else None) is not symm):
@@ -253,15 +279,15 @@ class CompiledPlan:
         if symm is None:
             ws_key, ws_views = None, None
         else:
-            ws_key = tuple((t.data_ptr(), t.shape, t.stride(), t.storage_offset(), t.dtype,
-                            t.device)
-                           for t in ([buffers.gathered] if buffers.gathered is not None else [])
-                           + list(buffers.partials))
+            ws_key = tuple([(t.data_ptr(), t.shape, t.stride(), t.storage_offset(), t.dtype,
+                             t.device)
+                            for t in [buffers.gathered, buffers.gathered_scale,
+                                      *buffers.partials] if t is not None])
             if old is not None and old.ws_key != ws_key:
                 old = None
             ws_views = old.ws_views if old is not None else \
                 self._make_views(self.workspace_slots, buffers, [None] * len(self.slots))
-        prepare = getattr(backend, "prepare_copy", None)
+        prepare = backend.prepare_copy if backend.prepares_copies else None
         call_key = None
         if prepare is not None:
             # Geometry, not identity: a fresh tensor at the same address with the same layout
@@ -298,9 +324,7 @@ class CompiledPlan:
         else:
             steps = list(self.steps)
             moved = None   # every copy is prepared
-            here = {code: here for code, here, hook in ((GEMM, GEMM_HERE, "gemm_current"),
-                                                        (LAUNCH, LAUNCH_HERE, "launch_current"))
-                    if getattr(backend, hook, None) is not None}
+            here = {GEMM: GEMM_HERE, LAUNCH: LAUNCH_HERE} if backend.compute_on_current else {}
             compute = self.compute
             steps = [(here[s[0]],) + s[1:] if s[0] in here and s[1] == compute else s
                      for s in steps]
@@ -325,7 +349,7 @@ class CompiledPlan:
             self._binding = None
 
     # -- views ----------------------------------------------------------------------------------
-    def views(self, buffers: "Buffers", ws_views: list | None = None,
+    def views(self, buffers: Buffers, ws_views: list | None = None,
               lean: bool = False) -> list:
         """Every slot's view for this call: the workspace's from ``ws_views`` when given
         (kept by the binding), the rest made now (with ``lean``, not those only prepared
@@ -345,13 +369,16 @@ class CompiledPlan:
                 views[i] = parts[k]
         return views
 
-    def _make_views(self, slots, buffers: "Buffers", out: list) -> list:
+    def _make_views(self, slots, buffers: Buffers, out: list) -> list:
         bases: dict[tuple, tuple] = {}
         for i in slots:
             source, spec = self.slots[i]
             base = bases.get(source)
             if base is None:
                 t = _source_tensor(source, buffers)
+                if t is None:   # a b without a bias while another b has one
+                    out[i] = None
+                    continue
                 base = bases[source] = (t, t.shape, t.stride(), t.storage_offset())
             out[i] = _make_view(base, spec)
         return out
@@ -379,13 +406,19 @@ def _slots_used_by(steps) -> set:
     return used
 
 
-def _source_tensor(source, buffers: "Buffers") -> torch.Tensor:
+def _source_tensor(source, buffers: Buffers) -> torch.Tensor:
     kind = source[0]
     if kind in SYMMETRIC_BUFFERS:
         _, index, peer = source
         return buffers.local(kind, index) if peer is None else buffers.peer(peer, kind, index)
     if kind == "input":
         return buffers.a
+    if kind == "input_scale":
+        return buffers.a_scale
+    if kind == "b_scale":
+        return buffers.b_scales[source[1]]
+    if kind == "bias":
+        return buffers.biases[source[1]]
     if kind == "out":
         return buffers.outs[source[1]]
     if kind == "recv":
@@ -402,6 +435,8 @@ def _clamp(start: int, length: int, size: int) -> tuple[int, int]:
 def _make_view(base, spec) -> torch.Tensor:
     t, shape, stride, offset = base
     kind = spec[0]
+    if kind == "whole":   # a tensor-wise scale
+        return t
     if kind == "rect":
         _, row0, rows, col0, cols = spec
         r0, nr = _clamp(row0, rows, shape[0])

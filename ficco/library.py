@@ -9,8 +9,8 @@ and the host work a call does (validation, cross-rank agreement, schedule select
 execution on worker threads) runs only in the op's real kernel, at run time, never traced.
 
 The ops take a group *name* (a string), so a traced graph carries no ProcessGroup object;
-:func:`group_name` turns what the public functions accept (None, a name, a ProcessGroup, a 1-D
-DeviceMesh) into it.
+:func:`ficco.group.name_of` turns what the public functions accept (None, a name, a
+ProcessGroup, a 1-D DeviceMesh) into it.
 
 Backward of ``c_j = all_gather(a) @ b_j`` needs the gathered ``a`` for ``grad_b_j``. Two ways,
 chosen by ``FICCO_BACKWARD_GATHER`` (see :mod:`ficco.config`):
@@ -26,43 +26,18 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from . import autograd, config
-from .autograd import SINGLE
+from . import autograd, config, runtime
 from .errors import InvalidArgumentError
-
-# -- groups ------------------------------------------------------------------------------------
-
-
-def group_name(group) -> str:
-    """The name the ops take for ``group``: None (default group), a group name, a ProcessGroup
-    or a 1-D DeviceMesh. Plain Python, cheap; run at trace time under ``torch.compile``."""
-    if isinstance(group, str):
-        return group
-    from .call import resolve_group
-
-    resolved = resolve_group(group)
-    return SINGLE if resolved is None else resolved.group_name
-
-
-def _world_rank(name: str) -> tuple[int, int]:
-    # Not cached: a name is reused when a process group is destroyed and created again.
-    if name == SINGLE:
-        return 1, 0
-    group = resolve(name)
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
-def resolve(name: str):
-    """The ProcessGroup named ``name`` (None for :data:`SINGLE`)."""
-    if name == SINGLE:
-        return None
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(name)
-
+from .group import by_name, name_of, rank_world, rank_world_of
+from .ops.all_gather_matmul import SPEC as ALL_GATHER_MATMUL
+from .ops.all_gather_matmul import check_arguments as check_all_gather_matmul
+from .ops.all_gather_matmul import check_epilogue as check_all_gather_epilogue
+from .ops.matmul_reduce_scatter import SPEC as MATMUL_REDUCE_SCATTER
+from .ops.matmul_reduce_scatter import check_arguments as check_matmul_reduce_scatter
+from .ops.matmul_reduce_scatter import check_epilogue as check_reduce_scatter_epilogue
+from .scaled import activation_fn
 
 # -- layouts -----------------------------------------------------------------------------------
 def restored_layout(moved_shape: Sequence[int], dim: int, rows: int, cols: int):
@@ -88,8 +63,8 @@ def _moved_shape(a: Tensor, dim: int) -> list[int]:
 def _held_to(t: Tensor, shape, stride, inputs: Sequence[Tensor]) -> Tensor:
     """``t`` in exactly ``(shape, stride)`` and sharing no memory with ``inputs`` (custom ops
     must return fresh tensors); copies only when it is not already so."""
-    fresh = all(t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
-                for x in inputs)
+    ptr = t.untyped_storage().data_ptr()
+    fresh = all([ptr != x.untyped_storage().data_ptr() for x in inputs])
     same_layout = list(t.shape) == list(shape) and (
         t.numel() == 0 or list(t.stride()) == list(stride))
     if fresh and same_layout:
@@ -98,74 +73,52 @@ def _held_to(t: Tensor, shape, stride, inputs: Sequence[Tensor]) -> Tensor:
     return out.copy_(t)
 
 
-def _check_dim(a: Tensor, dim: int, what: str) -> int:
-    nd = a.dim()
-    if nd < 2 or not isinstance(dim, int) or not -nd <= dim < nd or dim % nd == nd - 1:
-        raise InvalidArgumentError(
-            f"{what}={dim!r} does not name a row dimension of a tensor of shape "
-            f"{tuple(a.shape)}; use 0 … {max(nd - 2, 0)} (the last dimension is K)")
-    return dim % nd
-
-
 # -- the real kernels: host work, run at call time -----------------------------------------------
-def _eager(op: str):
-    """The op's eager implementation (``ficco.runtime.run`` on its op spec), or None when
-    the op spec is not there. Straight to the runtime: ``api`` sits above this module."""
-    from . import ops, runtime
-
-    if op not in ops.names():
-        return None
-    spec = ops.get(op)
-
-    def impl(*args, schedule=None, **kwargs):
-        return runtime.run(spec.prepare(*args, **kwargs), schedule)
-    return impl
+def _run_all_gather_matmul(a, b, group, gather_dim, schedule, return_gathered, **epilogue):
+    """The eager implementation: the real kernel of ``ficco::all_gather_matmul`` and the public
+    function's path when the dispatcher adds nothing. Straight to the runtime (``api`` sits
+    above this module). ``epilogue``: fp8 scales, out_dtype, bias, activation."""
+    call = ALL_GATHER_MATMUL.prepare(a, b, group, gather_dim, return_gathered, **epilogue)
+    return runtime.run(call, schedule)
 
 
-def _eager_all_gather_matmul(a, bs, name, gather_dim, schedule, return_gathered):
-    impl = _eager("all_gather_matmul")
-    out = impl(a, list(bs), resolve(name), gather_dim=gather_dim, schedule=schedule,
-               return_gathered=return_gathered)
-    return out if return_gathered else (None, out)
+def _run_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, schedule, **epilogue):
+    call = MATMUL_REDUCE_SCATTER.prepare(a, b, group, scatter_dim, reduce_op, **epilogue)
+    return runtime.run(call, schedule)
 
 
-def _eager_matmul_reduce_scatter(a, bs, name, scatter_dim, reduce_op, schedule):
-    impl = _eager("matmul_reduce_scatter")
-    if impl is None:
-        return _reference_matmul_reduce_scatter(a, bs, name, scatter_dim, reduce_op)
-    return impl(a, list(bs), resolve(name), scatter_dim=scatter_dim, reduce_op=reduce_op,
-                schedule=schedule)
-
-
-def _reference_matmul_reduce_scatter(a, bs, name, scatter_dim, reduce_op):
-    """Unoverlapped matmul + reduce-scatter (until ficco's own op is importable)."""
-    group = resolve(name)
-    world, _ = _world_rank(name)
-    outs = []
-    for b in bs:
-        full = (a @ b).movedim(scatter_dim, 0).contiguous()
-        if world == 1:
-            mine = full
-        else:
-            mine = full.new_empty((full.shape[0] // world, *full.shape[1:]))
-            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            scatter(mine, full, group=group)
-            if reduce_op == "avg":
-                mine /= world
-        outs.append(mine.movedim(0, scatter_dim))
-    return outs
+def _epilogue(a_scale, b_scales, biases, out_dtype, activation=None) -> dict:
+    """The ops' optional fp8/bias/activation arguments as the op specs' keywords."""
+    return {"a_scale": a_scale, "b_scale": None if b_scales is None else list(b_scales),
+            "bias": None if biases is None else list(biases), "out_dtype": out_dtype,
+            **({"activation": activation} if activation else {})}
 
 
 # -- the ops ------------------------------------------------------------------------------------
-@torch.library.custom_op("ficco::all_gather_matmul", mutates_args=())
+# Explicit schemas: the epilogue's optional lists ("Tensor[]?", "Tensor?[]?") have defaults, so
+# calls written before they existed keep working.
+_EPILOGUE_SCHEMA = ("Tensor? a_scale=None, Tensor[]? b_scales=None, Tensor?[]? biases=None, "
+                    "ScalarType? out_dtype=None")
+
+
+@torch.library.custom_op(
+    "ficco::all_gather_matmul", mutates_args=(),
+    schema="(Tensor a, Tensor[] bs, str group, int gather_dim, str? schedule, "
+           f"bool return_gathered, {_EPILOGUE_SCHEMA}, str? activation=None) "
+           "-> (Tensor, Tensor[])")
 def all_gather_matmul_op(a: Tensor, bs: list[Tensor], group: str, gather_dim: int,
-                         schedule: Optional[str], return_gathered: bool
-                         ) -> tuple[Tensor, list[Tensor]]:
-    """``(all_gather(a, gather_dim) or an empty tensor, [gathered @ b for b in bs])``."""
-    gathered, outs = _eager_all_gather_matmul(a, bs, group, gather_dim, schedule,
-                                              return_gathered)
+                         schedule: Optional[str], return_gathered: bool,
+                         a_scale: Optional[Tensor] = None, b_scales=None, biases=None,
+                         out_dtype: Optional[torch.dtype] = None,
+                         activation: Optional[str] = None) -> tuple[Tensor, list[Tensor]]:
+    """``(all_gather(a, gather_dim) or an empty tensor, [gathered @ b for b in bs])``, with
+    fp8 scales, output dtype, bias per b and an activation (:mod:`ficco.scaled`)."""
+    pg = by_name(group)
+    out = _run_all_gather_matmul(a, list(bs), pg, gather_dim, schedule, return_gathered,
+                                 **_epilogue(a_scale, b_scales, biases, out_dtype, activation))
+    gathered, outs = out if return_gathered else (None, out)
     gather_dim %= a.dim()
-    world, _ = _world_rank(group)
+    _, world = rank_world(pg)
     moved = _moved_shape(a, gather_dim)
     rows = world * moved[0]
     inputs = [a, *bs]
@@ -180,10 +133,12 @@ def all_gather_matmul_op(a: Tensor, bs: list[Tensor], group: str, gather_dim: in
 
 
 @all_gather_matmul_op.register_fake
-def _(a, bs, group, gather_dim, schedule, return_gathered):
-    gather_dim = _check_dim(a, gather_dim, "gather_dim")
-    _check_weights(a, bs, "a_shard")
-    world, _ = _world_rank(group)
+def _(a, bs, group, gather_dim, schedule, return_gathered, a_scale=None, b_scales=None,
+      biases=None, out_dtype=None, activation=None):
+    gather_dim, bs, b_is_list = check_all_gather_matmul(a, bs, gather_dim)   # eager's words
+    check_all_gather_epilogue(a, bs, b_is_list, gather_dim,
+                              **_epilogue(a_scale, b_scales, biases, out_dtype, activation))
+    _, world = rank_world_of(group)
     moved = _moved_shape(a, gather_dim)
     rows = world * moved[0]
 
@@ -192,14 +147,20 @@ def _(a, bs, group, gather_dim, schedule, return_gathered):
         return a.new_empty_strided(shape, stride, dtype=dtype)
 
     gathered = new(a.shape[-1], a.dtype) if return_gathered else a.new_empty(0)
-    return gathered, [new(b.shape[1], a.dtype) for b in bs]
+    return gathered, [new(b.shape[1], out_dtype or a.dtype) for b in bs]
 
 
-@torch.library.custom_op("ficco::matmul_reduce_scatter", mutates_args=())
+@torch.library.custom_op(
+    "ficco::matmul_reduce_scatter", mutates_args=(),
+    schema="(Tensor a, Tensor[] bs, str group, int scatter_dim, str reduce_op, str? schedule, "
+           f"{_EPILOGUE_SCHEMA}) -> Tensor[]")
 def matmul_reduce_scatter_op(a: Tensor, bs: list[Tensor], group: str, scatter_dim: int,
-                             reduce_op: str, schedule: Optional[str]) -> list[Tensor]:
-    """``[reduce_scatter(a @ b, scatter_dim, reduce_op) for b in bs]``."""
-    outs = _eager_matmul_reduce_scatter(a, bs, group, scatter_dim, reduce_op, schedule)
+                             reduce_op: str, schedule: Optional[str],
+                             a_scale: Optional[Tensor] = None, b_scales=None, biases=None,
+                             out_dtype: Optional[torch.dtype] = None) -> list[Tensor]:
+    """``[reduce_scatter(a @ b, scatter_dim, reduce_op) (+ bias) for b in bs]``."""
+    outs = _run_matmul_reduce_scatter(a, list(bs), by_name(group), scatter_dim, reduce_op,
+                                      schedule, **_epilogue(a_scale, b_scales, biases, out_dtype))
     scatter_dim %= a.dim()
     moved = _moved_shape(a, scatter_dim)
     rows = _scattered_rows(moved[0], group)
@@ -208,69 +169,124 @@ def matmul_reduce_scatter_op(a: Tensor, bs: list[Tensor], group: str, scatter_di
 
 
 @matmul_reduce_scatter_op.register_fake
-def _(a, bs, group, scatter_dim, reduce_op, schedule):
-    scatter_dim = _check_dim(a, scatter_dim, "scatter_dim")
-    _check_weights(a, bs, "a")
+def _(a, bs, group, scatter_dim, reduce_op, schedule, a_scale=None, b_scales=None, biases=None,
+      out_dtype=None):
+    scatter_dim, bs, b_is_list = check_matmul_reduce_scatter(a, bs, scatter_dim, reduce_op)
+    check_reduce_scatter_epilogue(a, bs, b_is_list, scatter_dim,
+                                  **_epilogue(a_scale, b_scales, biases, out_dtype))
     moved = _moved_shape(a, scatter_dim)
     rows = _scattered_rows(moved[0], group)
-    return [a.new_empty_strided(*restored_layout(moved, scatter_dim, rows, b.shape[1]))
-            for b in bs]
+    return [a.new_empty_strided(*restored_layout(moved, scatter_dim, rows, b.shape[1]),
+                                dtype=out_dtype or a.dtype) for b in bs]
 
 
 def _scattered_rows(total: int, group: str) -> int:
     """This rank's rows of ``total``: the chunk rule both ops share (longer pieces first)."""
-    world, rank = _world_rank(group)
+    rank, world = rank_world_of(group)
     # problem.even_split's rule, written so a symbolic (dynamic-shape) total works too
     return total // world + (1 if rank < total % world else 0)
 
 
-def _check_weights(a: Tensor, bs: Sequence[Tensor], a_name: str) -> None:
-    if not bs:
-        raise InvalidArgumentError("b is an empty list; pass a (K, n) tensor or a list of them")
-    for j, b in enumerate(bs):
-        if b.dim() != 2 or b.shape[0] != a.shape[-1]:
-            raise InvalidArgumentError(
-                f"b[{j}] has shape {tuple(b.shape)} but {a_name} {tuple(a.shape)} needs "
-                f"({a.shape[-1]}, n)")
-
-
-
 # -- the public functions' front end -------------------------------------------------------------
 def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
-                      return_gathered=False):
+                      return_gathered=False, a_scale=None, b_scale=None, out_dtype=None,
+                      bias=None, activation=None):
     """``ficco.all_gather_matmul`` through the ``ficco::all_gather_matmul`` op (see that
     function for the arguments). ``a_shard`` may be a DTensor sharded along ``gather_dim`` on
     a 1-D mesh: its local shard is used and the mesh is the group."""
-    a_shard, group = _local_shard(a_shard, group, gather_dim, "a_shard")
+    if type(a_shard) not in _PLAIN:   # (plain tensors skip the DTensor checks: the hot path)
+        a_shard, group = _local_shard(a_shard, group, gather_dim, "a_shard")
     b_is_list = isinstance(b, (list, tuple))
     bs = list(b) if b_is_list else [b]
-    _refuse_dtensors(bs, "b")
+    if any([type(x) not in _PLAIN for x in bs]):
+        _refuse_dtensors(bs, "b")
     dim = _plain_int(gather_dim)
-    if dim is None or not _plain_name(schedule) or _eager_suffices(a_shard, bs):
+    extra = _op_epilogue(bs, b_is_list, a_scale, b_scale, bias, out_dtype)
+    if (dim is None or not _plain_name(schedule) or not _plain_name(activation) or extra is None
+            or _eager_suffices(a_shard, [*bs, *_tensors(extra)])):
         # No autograd, autocast, tracing or tensor subclass involved: the dispatcher would
         # add ~100 us of Python per call and change nothing.
-        return _eager_public(a_shard, b, group, gather_dim, schedule, return_gathered)
-    name = group_name(group)
-    keep = return_gathered or (torch.is_grad_enabled() and any(x.requires_grad for x in bs)
+        return _run_all_gather_matmul(a_shard, b, group, gather_dim, schedule, return_gathered,
+                                      a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype,
+                                      bias=bias,
+                                      **({"activation": activation} if activation else {}))
+    name = name_of(group)
+    grads = torch.is_grad_enabled() and any(
+        [isinstance(x, Tensor) and x.requires_grad for x in [a_shard, *bs, *_tensors(extra)]])
+    if grads:   # before any communication
+        autograd.refuse_fp8_gradients(a_shard, bs, a_scale)
+    keep = return_gathered or (grads and any([x.requires_grad for x in bs])
                                and _backward_gather() == "save")
-    gathered, outs = torch.ops.ficco.all_gather_matmul(a_shard, bs, name, dim, schedule, keep)
+    # The activation runs inside the op only without a gradient to carry: its backward needs
+    # the pre-activation values, which the op does not keep (torch's keeps them, as unfused).
+    inside = None if grads else activation
+    gathered, outs = torch.ops.ficco.all_gather_matmul(a_shard, bs, name, dim, schedule, keep,
+                                                       *extra, inside)
+    if activation and not inside:
+        outs = [activation_fn(activation)(o) for o in outs]
     out = outs if b_is_list else outs[0]
     return (gathered, out) if return_gathered else out
 
 
-def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", schedule=None):
+def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", schedule=None,
+                          a_scale=None, b_scale=None, out_dtype=None, bias=None):
     """``ficco.matmul_reduce_scatter`` through the ``ficco::matmul_reduce_scatter`` op."""
     b_is_list = isinstance(b, (list, tuple))
     bs = list(b) if b_is_list else [b]
-    _refuse_dtensors([a], "a")
-    _refuse_dtensors(bs, "b")
+    if type(a) not in _PLAIN or any([type(x) not in _PLAIN for x in bs]):
+        _refuse_dtensors([a], "a")
+        _refuse_dtensors(bs, "b")
     dim = _plain_int(scatter_dim)
+    extra = _op_epilogue(bs, b_is_list, a_scale, b_scale, bias, out_dtype)
     if (dim is None or not isinstance(reduce_op, str) or not _plain_name(schedule)
-            or _eager_suffices(a, bs)):
-        return _eager_rs_public(a, b, group, scatter_dim, reduce_op, schedule)
-    outs = torch.ops.ficco.matmul_reduce_scatter(a, bs, group_name(group), dim, reduce_op,
-                                                 schedule)
+            or extra is None or _eager_suffices(a, [*bs, *_tensors(extra)])):
+        return _run_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, schedule,
+                                          a_scale=a_scale, b_scale=b_scale,
+                                          out_dtype=out_dtype, bias=bias)
+    if torch.is_grad_enabled():   # before any communication
+        autograd.refuse_fp8_gradients(a, bs, a_scale)
+    outs = torch.ops.ficco.matmul_reduce_scatter(a, bs, name_of(group), dim, reduce_op,
+                                                 schedule, *extra)
     return outs if b_is_list else outs[0]
+
+
+_NO_EPILOGUE = (None, None, None, None)
+
+
+def _op_epilogue(bs, b_is_list, a_scale, b_scale, bias, out_dtype):
+    """(a_scale, b_scales, biases, out_dtype) as the ops' schema takes them (lists, one entry
+    per b), or None when they do not fit it (the eager path's validation then names what is
+    wrong)."""
+    if a_scale is None and b_scale is None and bias is None and out_dtype is None:
+        return _NO_EPILOGUE   # the common call: nothing to look at
+    def as_list(value, optional):
+        if value is None:
+            return None
+        values = list(value) if isinstance(value, (list, tuple)) else (
+            None if b_is_list and len(bs) > 1 else [value])
+        if values is None or len(values) != len(bs) or not all(
+                isinstance(v, Tensor) or (optional and v is None) for v in values):
+            raise _NotForTheOp
+        return values
+    try:
+        if not (a_scale is None or isinstance(a_scale, Tensor)) or not (
+                out_dtype is None or isinstance(out_dtype, torch.dtype)):
+            return None
+        return a_scale, as_list(b_scale, False), as_list(bias, True), out_dtype
+    except _NotForTheOp:
+        return None
+
+
+class _NotForTheOp(Exception):
+    pass
+
+
+def _tensors(extra) -> list:
+    """The tensors among the ops' epilogue arguments (scales and biases)."""
+    if extra is _NO_EPILOGUE:
+        return []
+    a_scale, b_scales, biases, _ = extra
+    return [t for t in [a_scale, *(b_scales or ()), *(biases or ())] if t is not None]
 
 
 _PLAIN = (Tensor, torch.nn.Parameter)
@@ -291,30 +307,15 @@ def _plain_name(value) -> bool:
 def _eager_suffices(a, bs) -> bool:
     if torch.compiler.is_compiling():
         return False
-    if type(a) not in _PLAIN or any(type(x) not in _PLAIN for x in bs):
+    if type(a) not in _PLAIN or any([type(x) not in _PLAIN for x in bs]):
         # subclasses (FakeTensor, FunctionalTensor, ...) need the op; non-tensors get the
         # eager path's argument errors
         return not isinstance(a, Tensor) or not all(isinstance(x, Tensor) for x in bs)
-    if torch.is_grad_enabled() and (a.requires_grad or any(x.requires_grad for x in bs)):
+    if torch.is_grad_enabled() and (a.requires_grad or any([x.requires_grad for x in bs])):
         return False
     return not (torch.is_autocast_enabled(a.device.type)
                 or torch._C._len_torch_dispatch_stack()
                 or torch._C._is_torch_function_mode_enabled())
-
-
-def _eager_public(a, b, group, gather_dim, schedule, return_gathered):
-    impl = _eager("all_gather_matmul")
-    return impl(a, b, group, gather_dim=gather_dim, schedule=schedule,
-                return_gathered=return_gathered)
-
-
-def _eager_rs_public(a, b, group, scatter_dim, reduce_op, schedule):
-    impl = _eager("matmul_reduce_scatter")
-    if impl is None:
-        bs = list(b) if isinstance(b, (list, tuple)) else [b]
-        outs = _reference_matmul_reduce_scatter(a, bs, group_name(group), scatter_dim, reduce_op)
-        return outs if isinstance(b, (list, tuple)) else outs[0]
-    return impl(a, b, group, scatter_dim=scatter_dim, reduce_op=reduce_op, schedule=schedule)
 
 
 @torch.compiler.assume_constant_result
@@ -338,7 +339,7 @@ def _local_shard(t, group, dim, name):
             f"{name} is a DTensor with placements {tuple(placements)} on a {mesh.ndim}-D mesh; "
             f"ficco takes a DTensor sharded along the gathered dimension (Shard({wanted})) on a "
             f"1-D mesh, or a plain tensor: pass {name}.to_local() and group=<the 1-D mesh>")
-    if group is not None and group_name(group) != group_name(mesh):
+    if group is not None and name_of(group) != name_of(mesh):
         raise InvalidArgumentError(
             f"{name} is a DTensor on mesh {mesh} but group names another group; leave group "
             f"as None to use the mesh's")
@@ -362,4 +363,4 @@ def _is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
-autograd.register(all_gather_matmul_op, matmul_reduce_scatter_op, _world_rank)
+autograd.register(all_gather_matmul_op, matmul_reduce_scatter_op)

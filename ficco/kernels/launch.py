@@ -111,7 +111,7 @@ def gated_task(backend, problem, op, a_local, gathered, b, out, flags, timeout_s
             if traced:   # the host clock the tiles read: times count from this launch
                 traced_launch["origin"] = time.perf_counter_ns()
             halt = torch.zeros(1, dtype=torch.int32)
-            with _Watch(halt, getattr(backend, "abort", None), timeout_s):
+            with _Watch(halt, backend.cancelled, timeout_s):
                 err = gated_gemm(a, gathered, b, out, segments, flags,
                                  local_row0=local_row0, halt=halt, timeout_s=timeout_s,
                                  family=family, **traced)
@@ -156,16 +156,16 @@ _resident_cache: dict = {}
 
 class _Watch:
     """CPU only: while the interpreted kernel runs, a thread raises its ``halt`` word at the
-    call's deadline or when another queue of this rank failed (the backend's abort event), so
+    call's deadline or when another queue of this rank failed (``backend.cancelled()``), so
     a wait ends on time and never outlives a failed call; the poll budget stays as backstop."""
 
-    def __init__(self, halt: torch.Tensor, abort, timeout_s: float):
-        self.halt, self.abort, self.timeout_s = halt, abort, timeout_s
+    def __init__(self, halt: torch.Tensor, cancelled, timeout_s: float):
+        self.halt, self.cancelled, self.timeout_s = halt, cancelled, timeout_s
         self.done = threading.Event()
 
     def _loop(self, deadline: float) -> None:
         while not self.done.wait(0.01):
-            if time.monotonic() > deadline or (self.abort is not None and self.abort.is_set()):
+            if time.monotonic() > deadline or self.cancelled():
                 self.halt.fill_(1)
                 return
 

@@ -210,8 +210,8 @@ def _deadline(handle, channel, step, timeout_s, target, program) -> Deadline:
 
 
 def plan_barrier(backend, handle, channel: int, queue, timeout_s: float, step: int) -> None:
-    """A plan's barrier (flag mode), ordered on ``queue``. The executor calls it through
-    ``backend.barrier``.
+    """A plan's barrier (flag mode), ordered on ``queue``: the executor calls it for a plan's
+    barrier step, and it enqueues the program through ``backend.signal_batch``.
 
     >>> from ficco.backends.cpu import CpuBackend
     >>> backend = CpuBackend()
@@ -224,7 +224,8 @@ def plan_barrier(backend, handle, channel: int, queue, timeout_s: float, step: i
     if channel not in PLAN_CHANNELS:
         raise InvalidArgumentError(f"plan barriers use channels {PLAN_CHANNELS}; got {channel}")
     flag = getattr(handle, "call_flag", FLAG)
-    program, waits = _flag_program(handle, channel, flag)
+    program, waits = handle._programs.get((channel, flag)) or _flag_program(handle, channel,
+                                                                            flag)
     backend.signal_batch(queue, program, Deadline(handle.rank, channel, step, timeout_s, flag,
                                                   waits, handle))
 
