@@ -122,7 +122,8 @@ def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, h
         else:
             a_rows = a_gathered + (row0 + offs_m).to(tl.int64) * stride_ag
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)   # tl.zeros is a jit helper too
-        ok = 1
+        # Once the group failed (halt raised) no tile is computed: its output is NaN anyway.
+        ok = tl.where(tl.load(halt, volatile=True) == 0, 1, 0)
         for p in range(part0, part0 + parts):
             k0 = tl.load(part_table + p * 3)
             kc = tl.load(part_table + p * 3 + 1)

@@ -102,6 +102,10 @@ def gated_task(backend, problem, op, a_local, gathered, b, out, flags, timeout_s
         return describe_flag(problem, flag)
 
     fault = symm.fault if symm is not None else None
+    # The call's deadline, from when the host enqueued it: the kernel now launches after the
+    # copies are queued, and the CPU interpreter may start it late (the GIL), but the call's
+    # other waits count from enqueue too.
+    expires = time.monotonic() + timeout_s
 
     def run() -> None:
         if out.numel() == 0:
@@ -111,7 +115,7 @@ def gated_task(backend, problem, op, a_local, gathered, b, out, flags, timeout_s
             if traced:   # the host clock the tiles read: times count from this launch
                 traced_launch["origin"] = time.perf_counter_ns()
             halt = torch.zeros(1, dtype=torch.int32)
-            with _Watch(halt, backend.cancelled, timeout_s):
+            with _Watch(halt, backend.cancelled, expires):
                 err = gated_gemm(a, gathered, b, out, segments, flags,
                                  local_row0=local_row0, halt=halt, timeout_s=timeout_s,
                                  family=family, **traced)
@@ -159,8 +163,8 @@ class _Watch:
     call's deadline or when another queue of this rank failed (``backend.cancelled()``), so
     a wait ends on time and never outlives a failed call; the poll budget stays as backstop."""
 
-    def __init__(self, halt: torch.Tensor, cancelled, timeout_s: float):
-        self.halt, self.cancelled, self.timeout_s = halt, cancelled, timeout_s
+    def __init__(self, halt: torch.Tensor, cancelled, expires: float):
+        self.halt, self.cancelled, self.expires = halt, cancelled, expires
         self.done = threading.Event()
 
     def _loop(self, deadline: float) -> None:
@@ -171,7 +175,7 @@ class _Watch:
 
     def __enter__(self):
         self.thread = threading.Thread(target=self._loop, name="ficco-gated-watch",
-                                       args=(time.monotonic() + self.timeout_s,), daemon=True)
+                                       args=(self.expires,), daemon=True)
         self.thread.start()
         return self
 
