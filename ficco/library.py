@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import autograd, config
+from . import autograd, config, dtensor
 from .autograd import SINGLE
 from .errors import InvalidArgumentError
 
@@ -41,10 +41,23 @@ def group_name(group) -> str:
     or a 1-D DeviceMesh. Plain Python, cheap; run at trace time under ``torch.compile``."""
     if isinstance(group, str):
         return group
+    if _is_1d_mesh(group):
+        # As torch's functional collectives do: under torch.compile a mesh's ProcessGroup is a
+        # FakeScriptObject with no usable name, its recorded group name a plain str.
+        return group._dim_group_names[0]
     from .call import resolve_group
 
     resolved = resolve_group(group)
     return SINGLE if resolved is None else resolved.group_name
+
+
+def _is_1d_mesh(group) -> bool:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:          # torch built without distributed
+        return False
+
+    return isinstance(group, DeviceMesh) and group.ndim == 1
 
 
 def _world_rank(name: str) -> tuple[int, int]:
@@ -239,12 +252,13 @@ def _check_weights(a: Tensor, bs: Sequence[Tensor], a_name: str) -> None:
 def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
                       return_gathered=False):
     """``ficco.all_gather_matmul`` through the ``ficco::all_gather_matmul`` op (see that
-    function for the arguments). ``a_shard`` may be a DTensor sharded along ``gather_dim`` on
-    a 1-D mesh: its local shard is used and the mesh is the group."""
-    a_shard, group = _local_shard(a_shard, group, gather_dim, "a_shard")
+    function for the arguments). DTensor operands placed as the op needs them (``a_shard``
+    ``Shard(gather_dim)``; ``b`` ``Replicate()`` or ``Shard(1)``) are used through their local
+    tensors on their 1-D mesh (ficco/dtensor.py)."""
     b_is_list = isinstance(b, (list, tuple))
     bs = list(b) if b_is_list else [b]
-    _refuse_dtensors(bs, "b")
+    a_shard, bs, group = _local_operands("all_gather_matmul", a_shard, bs, group, gather_dim)
+    b = bs if b_is_list else bs[0]
     dim = _plain_int(gather_dim)
     if dim is None or not _plain_name(schedule) or _eager_suffices(a_shard, bs):
         # No autograd, autocast, tracing or tensor subclass involved: the dispatcher would
@@ -262,8 +276,8 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
     """``ficco.matmul_reduce_scatter`` through the ``ficco::matmul_reduce_scatter`` op."""
     b_is_list = isinstance(b, (list, tuple))
     bs = list(b) if b_is_list else [b]
-    _refuse_dtensors([a], "a")
-    _refuse_dtensors(bs, "b")
+    a, bs, group = _local_operands("matmul_reduce_scatter", a, bs, group, scatter_dim)
+    b = bs if b_is_list else bs[0]
     dim = _plain_int(scatter_dim)
     if (dim is None or not isinstance(reduce_op, str) or not _plain_name(schedule)
             or _eager_suffices(a, bs)):
@@ -323,43 +337,20 @@ def _backward_gather() -> str:
     return config.backward_gather()
 
 
-def _local_shard(t, group, dim, name):
-    """(local tensor, group) for a DTensor sharded along ``dim`` on a 1-D mesh; else as given."""
-    if not _is_dtensor(t):
-        return t, group
-    from torch.distributed.tensor import Shard
-
-    mesh, placements = t.device_mesh, t.placements
-    nd = t.dim()
-    wanted = dim % nd if isinstance(dim, int) and -nd <= dim < nd else dim
-    if mesh.ndim != 1 or len(placements) != 1 or not (
-            isinstance(placements[0], Shard) and placements[0].dim == wanted):
+def _local_operands(op: str, a, bs, group, dim):
+    """(a, bs, group) with DTensor operands replaced by their local tensors (ficco/dtensor.py)
+    and their mesh as the group."""
+    a_local, mesh = dtensor.operands(op, "a_shard" if op == "all_gather_matmul" else "a", a,
+                                     dim, None)
+    bs_local = []
+    for j, b in enumerate(bs):
+        local, mesh = dtensor.operands(op, "b" if len(bs) == 1 else f"b[{j}]", b, dim, mesh)
+        bs_local.append(b if local is None else local)
+    if mesh is not None and group is not None and group_name(group) != group_name(mesh):
         raise InvalidArgumentError(
-            f"{name} is a DTensor with placements {tuple(placements)} on a {mesh.ndim}-D mesh; "
-            f"ficco takes a DTensor sharded along the gathered dimension (Shard({wanted})) on a "
-            f"1-D mesh, or a plain tensor: pass {name}.to_local() and group=<the 1-D mesh>")
-    if group is not None and group_name(group) != group_name(mesh):
-        raise InvalidArgumentError(
-            f"{name} is a DTensor on mesh {mesh} but group names another group; leave group "
-            f"as None to use the mesh's")
-    return t.to_local(), mesh
-
-
-def _refuse_dtensors(tensors, name) -> None:
-    for j, t in enumerate(tensors):
-        if _is_dtensor(t):
-            label = name if len(tensors) == 1 else f"{name}[{j}]"
-            raise InvalidArgumentError(
-                f"{label} is a DTensor ({tuple(t.placements)}); ficco takes this rank's local "
-                f"shard: pass {label}.to_local() (and group=<the 1-D mesh>)")
-
-
-def _is_dtensor(t) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return False
-    return isinstance(t, DTensor)
+            f"the DTensor operands are on mesh {mesh} but group names another group; leave "
+            f"group as None to use the mesh's")
+    return (a if a_local is None else a_local), bs_local, (group if mesh is None else mesh)
 
 
 autograd.register(all_gather_matmul_op, matmul_reduce_scatter_op, _world_rank)
