@@ -46,11 +46,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import style as _torch
 
 from . import library
+from .errors import InvalidArgumentError
 from .nn import replicated
 
 __all__ = ["ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput",
            "PrepareModuleOutput", "PrepareModuleInputOutput"]
 
+Replicate, Shard = Replicate, Shard   # re-exported: a plan's layouts come from the same import
 #: torch's, unchanged: norms and dropout compute on their shard; nothing to overlap there.
 SequenceParallel = _torch.SequenceParallel
 PrepareModuleOutput = _torch.PrepareModuleOutput
@@ -119,21 +121,10 @@ class PrepareModuleInput(_torch.PrepareModuleInput):
 class PrepareModuleInputOutput(_torch.PrepareModuleInputOutput):
     """torch's ``PrepareModuleInputOutput`` with ficco's :class:`PrepareModuleInput` inside."""
 
-    def __init__(self, *, input_layouts=None, desired_input_layouts=None,
-                 input_kwarg_layouts=None, desired_input_kwarg_layouts=None,
-                 use_local_input=False, output_layouts, desired_output_layouts,
-                 use_local_output=True):
-        super().__init__(input_layouts=input_layouts, desired_input_layouts=desired_input_layouts,
-                         input_kwarg_layouts=input_kwarg_layouts,
-                         desired_input_kwarg_layouts=desired_input_kwarg_layouts,
-                         use_local_input=use_local_input, output_layouts=output_layouts,
-                         desired_output_layouts=desired_output_layouts,
-                         use_local_output=use_local_output)
-        self.prepare_module_input = PrepareModuleInput(
-            input_layouts=input_layouts, desired_input_layouts=desired_input_layouts,
-            input_kwarg_layouts=input_kwarg_layouts,
-            desired_input_kwarg_layouts=desired_input_kwarg_layouts,
-            use_local_output=use_local_input)
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        # torch's constructor built its own PrepareModuleInput; ficco's has the same state
+        self.prepare_module_input.__class__ = PrepareModuleInput
+        return super()._apply(module, device_mesh)
 
 
 # -- what runs ------------------------------------------------------------------------------------
@@ -147,7 +138,7 @@ def _runs_on_ficco(module: nn.Module, style: str, mesh) -> bool:
                       f"(no overlap)", stacklevel=3)
         return False
     if mesh.ndim != 1:
-        raise ValueError(f"ficco.parallel.{style} takes a 1-D DeviceMesh; got a {mesh.ndim}-D "
+        raise InvalidArgumentError(f"ficco.parallel.{style} takes a 1-D DeviceMesh; got a {mesh.ndim}-D "
                          f"mesh {tuple(mesh.shape)}: pass the tensor-parallel dimension, e.g. "
                          f"mesh['tp']")
     return True
