@@ -6,9 +6,6 @@ not arrive.
 The first call of a new signature on a group runs a full exchange through the group's store
 (what each rank called with, and its host). Later calls repeat only a 64-bit digest of the
 signature, carried by the cheapest channel the call has (see :func:`check_digest`).
-
->>> digest({"m": 4, "k": 8}) == digest({"k": 8, "m": 4})
-True
 """
 from __future__ import annotations
 
@@ -22,34 +19,55 @@ import time
 from collections import OrderedDict
 
 from . import config
-from .call import group_id
 from .errors import CommTimeoutError, FiccoError, MismatchError
+from .group import key as group_key
 
 _AGREED_LIMIT = 1024                     # distinct (group, signature) entries kept (LRU)
 _agreed: "OrderedDict[tuple, bool]" = OrderedDict()   # -> whether all ranks share a host
 _sequence: dict = {}                     # group id -> number of exchanges in this epoch
 _epoch = [0]                             # ficco.shutdown() calls: a reset every rank makes
 _lock = threading.Lock()
+_DIGESTS_KEPT = 1024
+_digests: dict = {}                      # signature items -> digest: a warm call serialises nothing
 
 
 def digest(signature: dict) -> int:
-    """A 63-bit digest of a signature dict (key order does not matter)."""
-    text = json.dumps(signature, sort_keys=True, default=str)
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+    """A 63-bit digest of a signature dict (key order does not matter), remembered per
+    signature so a repeated call costs a dictionary lookup (no JSON).
+
+    >>> digest({"m": 4, "k": 8}) == digest({"k": 8, "m": 4})
+    True
+    """
+    try:
+        # Values of one field keep their type from call to call (an int field never holds a
+        # bool), so equal item sets mean equal JSON.
+        key = frozenset(signature.items())
+        word = _digests.get(key)
+    except TypeError:   # an unhashable value (a list): digest it every time
+        key = word = None
+    if word is None:
+        text = json.dumps(signature, sort_keys=True, default=str)
+        word = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(),
+                              "little") >> 1
+        if key is not None:
+            if len(_digests) >= _DIGESTS_KEPT:
+                _digests.clear()
+            _digests[key] = word
+    return word
 
 
-def agree(group, world: int, rank: int, signature: dict, op: str,
-          word: int | None = None) -> bool:
+def confirm_same_call(group, rank: int, world: int, signature: dict, op: str,
+                      word: int | None = None) -> bool:
     """Every rank of ``group`` called with ``signature`` (digest ``word``): returns whether
     all ranks share this host. The first sight of a signature exchanges it in full (bounded);
     later sights are a dictionary lookup here, and the runtime checks the digest of every
     call (in the flag every dma barrier carries, or one tiny collective on ccl)."""
-    key = (group_id(group), digest(signature) if word is None else word)
+    key = (group_key(group), digest(signature) if word is None else word)
     with _lock:
         if key in _agreed:
             _agreed.move_to_end(key)
             return _agreed[key]
-    everyone = exchange(group, world, rank, (signature, socket.gethostname()),
+    everyone = exchange(group, rank, world, (signature, socket.gethostname()),
                         what=f"{op} agreement")
     differ = sorted({f for info, _ in everyone for f in set(info) | set(signature)
                      if info.get(f) != signature.get(f)})
@@ -68,19 +86,19 @@ def agree(group, world: int, rank: int, signature: dict, op: str,
 
 
 def known(group, signature: dict) -> bool | None:
-    """What :func:`agree` found for this signature before (same host?), or None: no
+    """What :func:`confirm_same_call` found for this signature before (same host?), or None: no
     communication."""
     with _lock:
-        return _agreed.get((group_id(group), digest(signature)))
+        return _agreed.get((group_key(group), digest(signature)))
 
 
-def exchange(group, world: int, rank: int, payload, *, what: str) -> list:
+def exchange(group, rank: int, world: int, payload, *, what: str) -> list:
     """Every rank's ``payload`` in rank order, through the group's store, bounded by
     FICCO_TIMEOUT: ranks that do not arrive in time are named in a CommTimeoutError."""
     if group is None or world == 1:
         return [payload]
     store = _store(group)
-    gid = group_id(group)
+    gid = group_key(group)
     with _lock:
         seq = _sequence[gid] = _sequence.get(gid, 0) + 1
     prefix = f"ficco/{_epoch[0]}/{seq}/"
@@ -107,14 +125,14 @@ def exchange(group, world: int, rank: int, payload, *, what: str) -> list:
     return [payload for _, payload in tagged]
 
 
-def all_ranks(group, world: int, rank: int, flag: bool, *, what: str) -> bool:
+def all_ranks(group, rank: int, world: int, flag: bool, *, what: str) -> bool:
     """True when ``flag`` is True on every rank (bounded)."""
-    return all(exchange(group, world, rank, bool(flag), what=what))
+    return all(exchange(group, rank, world, bool(flag), what=what))
 
 
-def max_over_ranks(group, world: int, rank: int, value: float, *, what: str) -> float:
+def max_over_ranks(group, rank: int, world: int, value: float, *, what: str) -> float:
     """The largest ``value`` over the ranks (bounded)."""
-    return max(exchange(group, world, rank, float(value), what=what))
+    return max(exchange(group, rank, world, float(value), what=what))
 
 
 def wait_bounded(work, *, rank: int, what: str) -> None:
@@ -142,7 +160,7 @@ def forget(group=None) -> None:
             _sequence.clear()
             _epoch[0] += 1
             return
-    forget_id(group_id(group))
+    forget_id(group_key(group))
 
 
 def forget_id(gid: str) -> None:
@@ -169,7 +187,7 @@ def _store(group):
     try:
         return _get_process_group_store(group)
     except Exception as exc:  # noqa: BLE001
-        raise FiccoError(f"the process group {group_id(group)} has no store ficco can use to "
+        raise FiccoError(f"the process group {group_key(group)} has no store ficco can use to "
                          f"agree across ranks: {exc}") from exc
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import agreement, config
-from .call import Call, group_id
+from .call import Call
 from .errors import (CommTimeoutError, FiccoError, InvalidArgumentError, MismatchError,
                      PoisonedGroupError, TransportError)
 
@@ -37,10 +37,11 @@ _watched: set = set()      # group ids whose destruction we watch
 
 @contextlib.contextmanager
 def serialised(call: Call):
-    gid = group_id(call.group)
+    gid = call.group_key
     with _lock:
         lock = _locks.setdefault(gid, threading.Lock())
-    _watch(call)
+    if call.group is not None and gid not in _watched:
+        _watch(call)
     timeout_s = config.timeout_s()
     if not lock.acquire(timeout=timeout_s):
         raise CommTimeoutError(
@@ -54,7 +55,7 @@ def serialised(call: Call):
 
 
 def refuse_if_poisoned(call: Call) -> None:
-    entry = _poisoned.get(group_id(call.group))
+    entry = _poisoned.get(call.group_key)
     if entry is None:
         return
     reason, sticky = entry
@@ -62,7 +63,7 @@ def refuse_if_poisoned(call: Call) -> None:
            "one: a collective of the failed call may still be pending in it" if sticky else
            "call ficco.shutdown() on every rank, then call again")
     raise PoisonedGroupError(
-        f"rank {call.rank}: an earlier call on group {group_id(call.group)} failed part-way "
+        f"rank {call.rank}: an earlier call on group {call.group_key} failed part-way "
         f"({reason}); ranks may be out of step, so ficco refuses to run on this group: {fix}")
 
 
@@ -77,7 +78,7 @@ def failed(call: Call, exc: BaseException, transport: str | None,
         return exc      # raised alike on every rank, or before communicating: still in step
     summary = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
     with _lock:
-        _poisoned[group_id(call.group)] = (summary, transport == "ccl")
+        _poisoned[call.group_key] = (summary, transport == "ccl")
     if isinstance(exc, CommTimeoutError) and transport == "ccl" and "rank(s)" not in str(exc):
         # A collective that timed out knows no peer: ask who still answers.
         peers = _unanswering(call)
@@ -107,7 +108,7 @@ def check_word_ccl(call: Call, word: int) -> None:
     high, low = int(values[0]), -int(values[1])
     if high != low:
         raise agreement.consistent(MismatchError(
-            f"rank {call.rank}: the ranks of group {group_id(call.group)} are making different "
+            f"rank {call.rank}: the ranks of group {call.group_key} are making different "
             f"{call.op.name} calls (other shapes, dtypes, settings or op; each was agreed at "
             f"an earlier call); nothing was computed. Every rank must make the same calls in "
             f"the same order"))
@@ -141,7 +142,7 @@ def _unanswering(call: Call) -> list[int]:
     """Ranks that do not answer a short liveness exchange through the store."""
     try:
         with config.scope(timeout=min(config.timeout_s(), 3.0)):
-            agreement.exchange(call.group, call.world, call.rank, True,
+            agreement.exchange(call.group, call.rank, call.world, True,
                                what="liveness check after a failure")
     except CommTimeoutError as exc:
         return getattr(exc, "missing", [])
@@ -154,7 +155,7 @@ def _watch(call: Call) -> None:
     """When the group is destroyed and dropped, its state goes with it: workspace (after its
     queues drained), agreements, poison, and the backend's queue threads once no watched
     group is left."""
-    gid = group_id(call.group)
+    gid = call.group_key
     if call.group is None or gid in _watched:
         return
     with _lock:

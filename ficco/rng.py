@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from . import library
 from .errors import FiccoError
+from .group import rank_world, resolve
 
 # A large odd multiplier (the golden ratio's, 64-bit) spreads seeds so that (seed, rank) pairs
 # of nearby seeds, e.g. seed + data-parallel rank, do not collide.
@@ -45,7 +45,7 @@ class ShardRNG:
     """
 
     def __init__(self, seed: int, group=None, *, devices=None):
-        _, rank = library._world_rank(library.group_name(group))
+        rank, _ = rank_world(resolve(group))
         self.rank_seed = (int(seed) * _SPREAD + rank + 1) % (1 << 63)
         if devices is None:
             devices = ["cpu"] + ([f"cuda:{torch.cuda.current_device()}"]

@@ -3,6 +3,8 @@ turn measurements into a profile, and smoke runs of sweep, characterize and time
 that check the files they write (never their timings)."""
 from __future__ import annotations
 
+import dataclasses
+
 import csv
 import json
 import os
@@ -144,6 +146,37 @@ def test_fits_recover_the_simulator_parameters():
     assert 1e8 < fit["mt_half_bytes"] < 1e9
 
 
+@pytest.mark.parametrize("backend", ["cpu", "cuda:sm_90"])
+def test_a_characterized_profile_keeps_the_copy_bandwidth_it_measured(backend):
+    """Issue 26: characterize measured ~55 GB/s copies on a CPU and wrote a profile that kept
+    the built-in 5 GB/s (only the curve's fractions were written). On CPU the profile now
+    prices the largest measured copy at its measured time; on a GPU, where the copy measured is
+    local and says nothing about the links, the built-in link numbers stay."""
+    from ficco.heuristics import profiles, simulator
+    from ficco.plan import Block, Copy, Plan
+    from ficco.problem import Problem
+
+    base = profiles.load("cpu" if backend == "cpu" else "h100")
+    bandwidth, latency = 55e9, 3e-6
+    env = {"env_backend": backend}
+    recs = [dict(kind="copy", shape="1d", bytes=size, time_s=latency + size / bandwidth, env=env)
+            for size in (1 << 12, 1 << 16, 1 << 20, 1 << 24)]
+    fitted = profile_fit.fit_profile(base, recs, "float32", "t", "test")
+    if backend != "cpu":
+        assert (fitted.copy_engine_bytes_per_s, fitted.link_bytes_per_s) == \
+            (base.copy_engine_bytes_per_s, base.link_bytes_per_s)
+        return
+    big = 1 << 24
+    assert fitted.copy_engine_bytes_per_s == pytest.approx(big / (latency + big / bandwidth))
+    assert "GB/s" in fitted.sources["copy_engine_bytes_per_s"]
+    problem = Problem(big // 4, 1, (1,), "float32", 2)
+    copy = Copy("copy0", Block("input", 0, big // 4, 0, 1, peer=1), Block("gathered", 0,
+                                                                         big // 4, 0, 1))
+    plan = Plan("one-copy", "dma", problem, ("copy0",), (copy,))
+    predicted = simulator.simulate(plan, dataclasses.replace(fitted, host_op_s=0.0)).makespan_s
+    assert predicted == pytest.approx(latency + big / bandwidth, rel=0.05)
+
+
 # -- smoke runs on CPU ------------------------------------------------------------------------
 def test_sweep_two_ranks_writes_schema_and_plots(tmp_path):
     out = tmp_path / "sweep"
@@ -193,6 +226,26 @@ def test_characterize_quick_writes_a_loadable_profile(tmp_path):
     assert all(r["schema"] == results.CHARACTERIZE_SCHEMA for r in recs)
     for name in ("dil.png", "copy_efficiency.png", "cil.png"):
         assert _is_png(out / name), name
+
+
+def test_characterize_enqueue_on_cpu_measures_host_op_s_into_the_profile(tmp_path):
+    """Issue 24 item 4: host_op_s comes from a measuring command, not a constant. On CPU
+    ``--parts enqueue`` times eager W = 8 calls of every schedule of both ops on the real CPU
+    backend and the profile it writes holds their fitted cost per op."""
+    from ficco.heuristics import profiles
+
+    out = tmp_path / "enq"
+    _run(["characterize", "--parts", "enqueue", "--no-plots", "--out", str(out)], tmp_path)
+    recs = [json.loads(line) for line in (out / "characterize.jsonl").read_text().splitlines()]
+    assert {r["kind"] for r in recs} == {"enqueue"}
+    assert {r["op"] for r in recs} == {"all_gather_matmul", "matmul_reduce_scatter"}
+    assert all(r["ops"] > 0 and r["enqueue_s"] > 0 and r["world"] == 8 for r in recs)
+    profile = profiles.load(str(out / "profile.json"))
+    assert profile.host_op_s == pytest.approx(profile_fit.fit_host_op(recs))
+    assert "--parts enqueue" in profile.sources["host_op_s"]
+    # the fit is the slope through the origin: it gives back a plan's measured time on average
+    predicted = sum(r["ops"] * profile.host_op_s for r in recs)
+    assert predicted == pytest.approx(sum(r["enqueue_s"] for r in recs), rel=0.5)
 
 
 def test_timeline_two_ranks_draws_measured_and_predicted(tmp_path):

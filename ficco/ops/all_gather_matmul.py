@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..call import (Call, backend_for, check_tensor, check_weights, group_rank_world,
-                    resolve_group, row_dim)
-from ..executor import Buffers
+from ..call import Call, backend_for, check_tensor, check_weights, row_dim
+from ..buffers import Buffers
+from ..group import rank_world, resolve
 from ..problem import Problem, dtype_name
 from .base import OpSpec
 
@@ -24,8 +24,24 @@ class AllGatherMatmulCall(Call):
     bs: list = None
     b_is_list: bool = False
     moved_shape: tuple = ()                 # a_shard.movedim(gather_dim, 0).shape
+    ns: tuple = ()                          # the caller's n_j (0 allowed: an empty result)
     gather_dim: int = 0
     return_gathered: bool = False
+
+
+def check_arguments(a_shard, b, gather_dim) -> tuple[int, list, bool]:
+    """The one check of the op's tensors and ``gather_dim``, for the eager path (:meth:`prepare`)
+    and the fake kernel (:mod:`ficco.library`) alike, so both say the same: ``(gather_dim in
+    [0, a_shard.dim() - 1), the weights as a list, whether b was a list)``.
+
+    >>> import torch
+    >>> check_arguments(torch.randn(4, 8), torch.randn(8, 3), -2)[0]
+    0
+    """
+    check_tensor(a_shard, "a_shard")
+    gather_dim = row_dim(gather_dim, a_shard, "gather_dim", "a_shard", "gathers along")
+    bs, b_is_list = check_weights(b, a_shard, "a_shard")
+    return gather_dim, bs, b_is_list
 
 
 class AllGatherMatmul(OpSpec):
@@ -33,29 +49,29 @@ class AllGatherMatmul(OpSpec):
 
     def prepare(self, a_shard, b, group=None, gather_dim=0, return_gathered=False
                 ) -> AllGatherMatmulCall:
-        check_tensor(a_shard, "a_shard")
-        gather_dim = row_dim(gather_dim, a_shard, "gather_dim", "a_shard", "gathers along")
-        bs, b_is_list = check_weights(b, a_shard, "a_shard")
+        gather_dim, bs, b_is_list = check_arguments(a_shard, b, gather_dim)
         k = a_shard.shape[-1]
         backend = backend_for(a_shard, "a_shard")
-        group = resolve_group(group)
-        rank, world = group_rank_world(group)
+        group = resolve(group)
+        rank, world = rank_world(group)
         moved = a_shard.movedim(gather_dim, 0)
         m = moved.numel() // k
-        ns = tuple(int(bj.shape[1]) for bj in bs)
+        ns = tuple([int(bj.shape[1]) for bj in bs])
         # torch accepts b with no columns and shards with no rows (an empty result); no plan
         # has work then, and a plan without a barrier cannot carry the dma call check: the
         # plain path (after the agreement and the call check) returns the empty result.
-        problem = Problem(m=m, k=k, ns=tuple(max(n, 1) for n in ns),
+        problem = Problem(m=m, k=k, ns=ns if min(ns) > 0 else tuple([max(n, 1) for n in ns]),
                           dtype=dtype_name(a_shard.dtype), world=world, rank=rank)
         return AllGatherMatmulCall(self, problem, group, backend, m == 0 or min(ns) == 0,
                                    a=moved.reshape(m, k), bs=bs,
                                    b_is_list=b_is_list, moved_shape=tuple(moved.shape),
-                                   gather_dim=gather_dim, return_gathered=bool(return_gathered))
+                                   gather_dim=gather_dim, return_gathered=bool(return_gathered),
+                                   ns=ns)
 
     def signature(self, call: AllGatherMatmulCall) -> dict:
         return {**super().signature(call), "gather_dim": call.gather_dim,
-                "shard_shape": call.moved_shape, "ns": [int(bj.shape[1]) for bj in call.bs]}
+                "shard_shape": call.moved_shape,
+                "ns": call.ns}
 
     # -- running ------------------------------------------------------------------------------
     def plain(self, call: AllGatherMatmulCall):

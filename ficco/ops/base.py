@@ -42,11 +42,18 @@ class OpSpec(ABC):
     def prepare(self, *args, **kwargs) -> Call:
         """Validate the caller's arguments and return the canonical Call. Never communicates."""
 
+    def exchange(self, call: Call, word: int) -> tuple[Call, int]:
+        """Data every rank must learn from the others before a plan can be chosen, agreed
+        once per call right after the agreement (expert parallelism's routing counts):
+        returns the completed call and the call's digest ``word`` with that data folded in.
+        Default: nothing to exchange."""
+        return call, word
+
     def signature(self, call: Call) -> dict:
         """Small, comparable fields every rank must pass alike (shapes, dtypes, layout).
         The runtime adds the settings; a difference raises MismatchError on every rank."""
         return {"op": self.name, "problem": call.problem.key(),
-                "backend": call.backend.target()}
+                "backend": call.target}
 
     @abstractmethod
     def plain(self, call: Call) -> Any:

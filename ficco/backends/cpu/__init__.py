@@ -17,9 +17,8 @@ import time
 
 import torch
 
-from ...errors import CommTimeoutError, FiccoError
-from ...executor import name_step
-from ...symm_mem.barrier import run_on_host, wait_on_host
+from ...errors import CommTimeoutError, FiccoError, name_step
+from ...symm_mem.barrier import WRITE, run_on_host, wait_on_host
 from ...symm_mem.cpu import CpuSymmProvider
 from ..base import Backend
 
@@ -43,27 +42,18 @@ class CpuEvent:
         self.flag.set()
 
 
-class _Tasks:
-    """A worker's FIFO. Each task remembers whether its caller was in inference mode: a worker
-    thread starts with torch's default modes, not its caller's (H3, issue 12)."""
-
-    __slots__ = ("_fifo",)
-
-    def __init__(self):
-        self._fifo = queue_mod.SimpleQueue()
-
-    def put(self, task):
-        self._fifo.put((task, torch.is_inference_mode_enabled()))
-
-    def get(self):
-        return self._fifo.get()
+# Each task in a worker's FIFO carries whether its caller was in inference mode (a worker thread
+# starts with torch's default modes, not its caller's: H3, issue 12). The enqueueing methods
+# put ``(task, _inference_mode())`` themselves: the executor enqueues one task per plan step,
+# and a helper between would be one more Python call per step.
+_inference_mode = torch.is_inference_mode_enabled
 
 
 class _Worker:
     def __init__(self, name: str, backend: "CpuBackend"):
         self.name = name
         self.backend = backend
-        self.tasks = _Tasks()
+        self.fifo = queue_mod.SimpleQueue()
         self.step = None        # the plan step of the launched task now running, if named
         self.thread = threading.Thread(target=self._loop, name=f"ficco-{name}", daemon=True)
         self.thread.start()
@@ -76,7 +66,7 @@ class _Worker:
         torch.set_grad_enabled(False)
         inference = None            # the entered inference_mode while tasks ask for it
         while True:
-            task, in_inference = self.tasks.get()
+            task, in_inference = self.fifo.get()
             if in_inference != (inference is not None):
                 if inference is not None:
                     inference.__exit__(None, None, None)
@@ -145,7 +135,7 @@ class CpuBackend(Backend):
         return CpuEvent()
 
     def record(self, event, queue):
-        queue.tasks.put(event.set)
+        queue.fifo.put((event.set, _inference_mode()))
 
     def wait(self, event, queue):
         def wait_for_event():
@@ -158,31 +148,44 @@ class CpuBackend(Backend):
                 if time.monotonic() > deadline:
                     raise CommTimeoutError(
                         f"queue {queue.name} waited past FICCO_TIMEOUT for an event of this rank")
-        queue.tasks.put(wait_for_event)
+        queue.fifo.put((wait_for_event, _inference_mode()))
 
     def copy(self, dst, src, queue):
-        queue.tasks.put(lambda: dst.copy_(src))
+        queue.fifo.put((lambda: dst.copy_(src), _inference_mode()))
 
     def copy_2d(self, dst, src, queue):
-        queue.tasks.put(lambda: dst.copy_(src))
+        queue.fifo.put((lambda: dst.copy_(src), _inference_mode()))
 
     def gemm(self, a, b, out, accumulate, queue):
         def run():
             gemm_into(a, b, out, accumulate)
-        queue.tasks.put(run)
+        queue.fifo.put((run, _inference_mode()))
 
     def launch(self, queue, fn):
-        queue.tasks.put(fn)
+        queue.fifo.put((fn, _inference_mode()))
 
     # -- signals (slots are (int32 array, index) pairs over /dev/shm, see symm_mem.cpu) ------
     def signal_write(self, queue, slot, value):
         pad, index = slot
-        queue.tasks.put(lambda: pad.__setitem__(index, value))
+        queue.fifo.put((lambda: pad.__setitem__(index, value), _inference_mode()))
 
     def signal_wait(self, queue, op, deadline):
         def wait():
             wait_on_host(op, deadline, _read, self.abort.is_set, _Aborted)
-        queue.tasks.put(wait)
+        queue.fifo.put((wait, _inference_mode()))
+
+    def signal_batch(self, queue, ops, deadline):
+        """A whole barrier program as one task of ``queue``: the primitives in order, as the
+        GPU backends enqueue it in one driver call."""
+        aborted = self.abort.is_set
+
+        def program():
+            for op in ops:
+                if op.kind == WRITE:
+                    _write(op.slot, op.value)
+                else:
+                    wait_on_host(op, deadline, _read, aborted, _Aborted)
+        queue.fifo.put((program, _inference_mode()))
 
     def signal_now(self, ops, deadline):
         run_on_host(ops, deadline, _read, _write)
@@ -193,7 +196,7 @@ class CpuBackend(Backend):
         markers = []
         for q in queues:
             marker = CpuEvent()
-            q.tasks.put(marker)
+            q.fifo.put((marker, _inference_mode()))
             markers.append((q, marker))
         timeout_s = config.timeout_s()
         # The grace: a queue's own bounded waits (a dma barrier's poll) started their
@@ -244,7 +247,7 @@ class CpuBackend(Backend):
         markers = []
         for worker in list(self._workers.values()):
             marker = CpuEvent()
-            worker.tasks.put(marker)
+            worker.fifo.put((marker, _inference_mode()))
             markers.append((worker, marker))
         deadline = time.monotonic() + config.timeout_s()
         for worker, marker in markers:
@@ -260,12 +263,15 @@ class CpuBackend(Backend):
         """Make every queue skip what is left (a failed or interrupted call)."""
         self.abort.set()
 
+    def cancelled(self):
+        return self.abort.is_set()
+
     def symm_provider(self):
         return self._provider
 
     def close(self):
         for worker in self._workers.values():
-            worker.tasks.put(None)
+            worker.fifo.put((None, False))
         for worker in self._workers.values():
             worker.thread.join(timeout=5)
         self._workers.clear()
