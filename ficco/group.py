@@ -63,11 +63,20 @@ def name_of(group) -> str:
     Python, cheap: runs at trace time under ``torch.compile``."""
     if isinstance(group, str):
         return group
-    if type(group).__name__ == "DeviceMesh" and group.ndim == 1:
-        # As torch's functional collectives do: under torch.compile a mesh's ProcessGroup is a
-        # FakeScriptObject with no usable name (issue 26), its recorded group name a plain str.
+    if _is_1d_mesh(group):
+        # As torch's functional collectives do: under torch.compile a mesh and its ProcessGroup
+        # are FakeScriptObjects (issue 26), its recorded group name a plain str.
         return group._dim_group_names[0]
     return key(resolve(group))
+
+
+def _is_1d_mesh(group) -> bool:
+    # isinstance, not the type's name: under torch.compile the type is FakeScriptObject
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:          # torch built without distributed
+        return False
+    return isinstance(group, DeviceMesh) and group.ndim == 1
 
 
 def key(group) -> str:

@@ -341,3 +341,51 @@ def test_styles_step_aside_where_ficco_cannot_overlap():
         assert any("overrides nn.Linear.forward" in m for m in messages), messages
         assert out_diff <= 1e-6, out_diff
         assert mesh_error and "1-D DeviceMesh" in mesh_error and "mesh['tp']" in mesh_error
+
+
+# -- DeviceMesh and DTensor operands of the ops themselves, compiled -------------------------------
+def _dtensor_operands_compiled(rank, world, seed):
+    """ficco's two ops called with a DeviceMesh group and with DTensor operands, forward and
+    backward under torch.compile(fullgraph=True), against the same calls in eager mode."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import ficco
+
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 4 * world, 8, generator=gen)
+    w_up, w_down = torch.randn(8, 6 * world, generator=gen), torch.randn(6 * world, 8,
+                                                                       generator=gen)
+
+    def block(x_dt, up_dt, down_dt, x_local, up_local, up_replicated):
+        h = torch.relu(ficco.all_gather_matmul(x_dt, up_dt, gather_dim=1))   # DTensors
+        y = ficco.matmul_reduce_scatter(h, down_dt, scatter_dim=1)             # DTensor b
+        z = ficco.all_gather_matmul(x_local, up_local, mesh, gather_dim=1)    # a mesh group
+        w_rep = ficco.all_gather_matmul(x_dt, up_replicated, gather_dim=1)
+        return (y * y).sum() + (z * z).sum() + w_rep.sum()
+
+    def leaves():
+        x_dt = distribute_tensor(x, mesh, [Shard(1)])
+        up_dt = distribute_tensor(w_up, mesh, [Shard(1)]).requires_grad_(True)
+        down_dt = distribute_tensor(w_down, mesh, [Shard(0)]).requires_grad_(True)
+        return (x_dt, up_dt, down_dt, x_dt.to_local(), w_up.clone().requires_grad_(True),
+                distribute_tensor(w_up, mesh, [Replicate()]))
+
+    results = []
+    for run in (block, torch.compile(block, fullgraph=True)):
+        args = leaves()
+        loss = run(*args)
+        loss.backward()
+        results.append([loss.detach()] + [args[i].grad.to_local() for i in (1, 2)]
+                       + [args[4].grad])
+    return [_rel(c, e) for c, e in zip(results[1], results[0])]
+
+
+def test_device_mesh_and_dtensor_operands_compile_fullgraph():
+    """Before: "got FakeScriptObject" (ficco/call.py) for a DeviceMesh group or a DTensor
+    input under torch.compile(fullgraph=True); DTensor weights were refused."""
+    seed = random.randrange(1 << 30)
+    for errors in harness.pool(2, COMPILE_ENV).run(_dtensor_operands_compiled, seed,
+                                                   timeout_s=600):
+        assert max(errors) <= 1e-5, (seed, errors)
