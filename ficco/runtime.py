@@ -19,7 +19,7 @@ import threading
 import time
 from collections import OrderedDict
 
-from . import agreement, config, guard, profiling
+from . import agreement, config, guard, profiling, schedules
 from .backends import close_all
 from .call import Call, settings as read_settings
 from .config import TRANSPORT_SETTINGS
@@ -75,8 +75,8 @@ def _settings(call: Call, schedule, transport, selector) -> dict:
                 raise
             raise ConfigError(f"FICCO_SCHEDULE={s['schedule']!r} is not valid: {exc}") from None
         # Optional schedules (gated-*: Triton) say here, before any communication, why not.
-        why = getattr(chosen, "unavailable_reason", None)
-        why = why and why(call.target, "ccl" if s["transport"] == "ccl" else "dma")
+        why = schedules.why_not_here(chosen.name, call.target,
+                                     "ccl" if s["transport"] == "ccl" else "dma", call.op.name)
         if why and call.world > 1:
             raise InvalidArgumentError(f"schedule {s['schedule']!r} cannot run here: {why}")
     from .heuristics import profiles

@@ -46,8 +46,9 @@ JSON schema (every key at top level; units in the names)::
               "split_k_workspace_bytes": 79691776,  # ... float32 partials must fit here
               "memory_efficiency": 0.8,        # fraction of HBM bandwidth a copy kernel gets
               "launch_s": 5e-06},              # fixed cost of one kernel
-      "cil": {"dma_gemm": 0.2,                 # GEMM slowdown beside copy_engines copies (x s(MT))
-              "dma_copy": 0.25,                # copy slowdown beside a GEMM (x s(MT))
+      "cil": {"dma_gemm": 0.2,                 # GEMM slowdown rate beside copy_engines copies
+                                               # (x s(MT)), while both run
+              "dma_copy": 0.25,                # copy slowdown rate beside a GEMM (x s(MT))
               "gemm_copies_exp": 0.25,         # GEMM slowdown ~ (copies / copy_engines)^exp
               "copy_copies_exp": 0.7,          # copy slowdown ~ (copies / copy_engines)^exp
               "ccl_gemm": 0.35, "ccl_copy": 0.3,   # the same with collectives on compute units

@@ -75,11 +75,10 @@ def candidates(problem: Problem, transport: str, target: str) -> list[str]:
         return schedules.offered(target, transport, problem.op)
     for name in forced:
         try:
-            schedule = schedules.get(name, op=problem.op)
+            schedules.get(name, op=problem.op)
         except InvalidArgumentError as exc:
             raise ConfigError(f"FICCO_TUNE_CANDIDATES: {exc}") from None
-        why = schedule.unavailable_reason(target, transport) \
-            if getattr(schedule, "optional", False) else None
+        why = schedules.why_not_here(name, target, transport, problem.op)
         if why is not None:
             raise ConfigError(f"FICCO_TUNE_CANDIDATES names {name}, which cannot run on "
                               f"{target} over {transport}: {why}")

@@ -79,6 +79,18 @@ def unavailable(target: str, transport: str = "dma", op: str = ALL_GATHER_MATMUL
     return out
 
 
+def why_not_here(name: str, target: str, transport: str = "dma",
+                 op: str = ALL_GATHER_MATMUL) -> str | None:
+    """Why schedule ``name`` of ``op`` cannot run on backend ``target`` over ``transport``, or
+    None when it can: only optional schedules (Triton's ``gated-*``) may be unable to.
+
+    >>> why_not_here("ring", "cpu") is None
+    True
+    """
+    optional = _OPTIONAL[op].get(name) if op in _OPTIONAL else None
+    return None if optional is None else optional.unavailable_reason(target, transport)
+
+
 def offered(target: str, transport: str = "dma", op: str = ALL_GATHER_MATMUL) -> list[str]:
     """The schedules a selector may pick for ``op`` on backend ``target`` over ``transport``:
     :func:`names` plus the optional ones that run there (e.g. ``gated-1d`` on "cuda:sm_90"
@@ -87,5 +99,5 @@ def offered(target: str, transport: str = "dma", op: str = ALL_GATHER_MATMUL) ->
     return names(op) + [name for name in _OPTIONAL[op] if name not in missing]
 
 
-__all__ = ["names", "get", "offered", "optional_names", "unavailable", "Serial", "Ring", "Ficco",
+__all__ = ["names", "get", "offered", "optional_names", "unavailable", "why_not_here", "Serial", "Ring", "Ficco",
            "Gated"]
