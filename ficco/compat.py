@@ -71,8 +71,9 @@ def _gather_last_dim(A_shard, Bs, group_name, return_A):
 # -- torch's async TP on ficco ----------------------------------------------------------------------
 class SymmMemOverride:
     """ficco's kernels registered as the CPU and CUDA (ROCm too: torch's HIP builds dispatch
-    through the CUDA key) implementations of ``torch.ops.symm_mem.fused_all_gather_matmul``
-    and ``fused_matmul_reduce_scatter``; :meth:`remove` gives torch's kernels back."""
+    through the CUDA key) implementations of ``torch.ops.symm_mem.fused_all_gather_matmul``,
+    ``fused_matmul_reduce_scatter`` and their fp8 forms ``fused_all_gather_scaled_matmul``,
+    ``fused_scaled_matmul_reduce_scatter``; :meth:`remove` gives torch's kernels back."""
 
     def __init__(self, device_types):
         import warnings
@@ -80,7 +81,9 @@ class SymmMemOverride:
         self.device_types = tuple(device_types)
         self._lib = torch.library.Library("symm_mem", "IMPL")
         twins = {"fused_all_gather_matmul": _symm_all_gather_matmul,
-                 "fused_matmul_reduce_scatter": fused_matmul_reduce_scatter}
+                 "fused_matmul_reduce_scatter": fused_matmul_reduce_scatter,
+                 "fused_all_gather_scaled_matmul": fused_all_gather_scaled_matmul,
+                 "fused_scaled_matmul_reduce_scatter": fused_scaled_matmul_reduce_scatter}
         with warnings.catch_warnings():
             # torch warns once that a CUDA kernel is overridden: that is the point here
             warnings.filterwarnings("ignore", message=".*[Oo]verrid")
@@ -114,11 +117,11 @@ def install_symm_mem_override(device_types=("cpu", "cuda")) -> SymmMemOverride:
     torch's compiler pass for async TP (``torch._inductor.config._micro_pipeline_tp = True``,
     torchtitan's ``enable_async_tensor_parallel``) rewrites ``all_gather -> matmul`` and
     ``matmul -> reduce_scatter`` in a compiled graph into ``torch.ops.symm_mem.
-    fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``. After this call those ops run
-    :func:`fused_all_gather_matmul` / :func:`fused_matmul_reduce_scatter` (ficco's schedules,
-    chosen per call) instead of torch's ring. Their fake kernels stay torch's, so compiled
-    graphs keep the shapes and strides torch promised; torch's scaled (fp8) forms are not
-    overridden. Idempotent; returns a handle whose ``remove()`` (or ``with``) undoes it.
+    fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter`` (``_scaled_mm`` ones into their
+    scaled forms). After this call those four ops run this module's twins (ficco's schedules,
+    chosen per call) instead of torch's pipelines. Their fake kernels stay torch's, so compiled
+    graphs keep the shapes and strides torch promised. Idempotent; returns a handle whose
+    ``remove()`` (or ``with``) undoes it.
 
     >>> import ficco
     >>> with ficco.compat.install_symm_mem_override() as override:   # doctest: +SKIP

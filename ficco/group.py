@@ -40,6 +40,12 @@ def resolve(group):
                 f"group is a {group.ndim}-D DeviceMesh {tuple(group.shape)}; pass the 1-D mesh "
                 f"of the dimension to gather over, e.g. mesh['tp']")
         return group.get_group()
+    if (dist.is_available() and type(group) is int
+            and group == dist.GroupMember.NON_GROUP_MEMBER):
+        raise InvalidArgumentError(
+            f"this rank (global rank {dist.get_rank()}) is not a member of the group: "
+            f"dist.new_group returns GroupMember.NON_GROUP_MEMBER on ranks it leaves out; call "
+            f"ficco only on the group's ranks (if group != dist.GroupMember.NON_GROUP_MEMBER)")
     raise InvalidArgumentError(
         f"group must be a torch.distributed ProcessGroup, a group name, a 1-D DeviceMesh or "
         f"None; got {type(group).__name__}")

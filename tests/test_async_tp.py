@@ -1,6 +1,7 @@
 """ficco behind torch's own async tensor parallelism (issue 26 item 4):
 ``ficco.compat.install_symm_mem_override()`` makes ``torch.ops.symm_mem.fused_all_gather_matmul``
-and ``fused_matmul_reduce_scatter`` run ficco, so the graphs torch's compiler pass
+and ``fused_matmul_reduce_scatter`` (and their fp8 forms) run ficco, so the graphs torch's
+compiler pass
 (``torch._inductor.config._micro_pipeline_tp``, torchtitan's async TP) rewrites run ficco's
 schedules.
 
@@ -58,12 +59,29 @@ def _ops_directly(rank, world, seed):
         except NotImplementedError:
             return True
         return False
+    # the fp8 forms (ficco/compat_scaled.py holds its twins to torch's fallbacks)
+    fp8 = torch.float8_e4m3fn
+    a8, a8_full = a_shard.div(4).to(fp8), a.div(4).to(fp8)
+    b8 = torch.randn(16, 8, generator=gen).div(4).to(fp8).T             # column-major (8, 16)
+    scale = torch.tensor(0.5)
+    ag8_args = (a8, [b8], scale, [scale], 1, name, [None], [None], [torch.bfloat16], [False])
+    rs8_args = (a8_full, b8, scale, scale, "sum", 1, 1, name, [*a.shape[:-1], 16])
+    ag8 = lambda: torch.ops.symm_mem.fused_all_gather_scaled_matmul(*ag8_args)  # noqa: E731
+    rs8 = lambda: torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(  # noqa: E731
+        *rs8_args, out_dtype=torch.bfloat16)
     outcome["torch's ops run on CPU before"] = not refused(ag)
     with ficco.compat.install_symm_mem_override() as override:
         assert ficco.compat.install_symm_mem_override() is override      # idempotent
         (got_a, got), ag_runs = _runs(ag)
         got_rs, rs_runs = _runs(rs)
+        (_, got8), ag8_runs = _runs(ag8)
+        got_rs8, rs8_runs = _runs(rs8)
     outcome["torch's ops run on CPU after remove()"] = not refused(ag)
+    _, want8 = ficco.compat.fused_all_gather_scaled_matmul(*ag8_args)
+    want_rs8 = ficco.compat.fused_scaled_matmul_reduce_scatter(*rs8_args,
+                                                               out_dtype=torch.bfloat16)
+    outcome["fp8"] = [torch.equal(got8[0], want8[0]), torch.equal(got_rs8, want_rs8)]
+    outcome["fp8 runs"] = {**ag8_runs, **rs8_runs}
     want_a, want = _fused_all_gather_matmul_fallback(a_shard, bs, 1, name)
     want_rs = _fused_matmul_reduce_scatter_fallback(a, bs[0], "sum", 1, name)
     pairs = [(got_a, want_a), *zip(got, want), (got_rs, want_rs)]
@@ -84,6 +102,11 @@ def test_override_makes_torchs_symm_mem_ops_run_ficco():
             "symm_mem::fused_all_gather_matmul": 1, "ficco.all_gather_matmul": 1,
             "symm_mem::fused_matmul_reduce_scatter": 1, "ficco.matmul_reduce_scatter": 1}, \
             outcome
+        assert all(outcome["fp8"]), outcome
+        assert outcome["fp8 runs"] == {
+            "symm_mem::fused_all_gather_scaled_matmul": 1, "ficco.all_gather_matmul": 1,
+            "symm_mem::fused_scaled_matmul_reduce_scatter": 1, "ficco.matmul_reduce_scatter": 1
+        }, outcome
 
 
 @contextlib.contextmanager
