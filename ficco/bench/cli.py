@@ -97,7 +97,7 @@ class _LineBar(_NoBar):
 
 def progress_bar(verb: str, total: float, unit: str, disable: bool = False, weighted=False):
     """A tqdm bar on a terminal; in a redirected log a line per tenth of the work; without
-    tqdm a silent stand-in after one warning.
+    tqdm (the ``bench`` extra) a silent stand-in after one warning.
 
     ``weighted``: ``total`` and each ``update`` are estimated seconds of work rather than
     counts, so the bar shows a percentage and its ETA follows the work, not the point count.
@@ -112,12 +112,12 @@ def progress_bar(verb: str, total: float, unit: str, disable: bool = False, weig
     """
     if disable:
         return _NoBar()
-    if not sys.stderr.isatty():
-        return _LineBar(verb, total, unit, weighted)
     if not importable("tqdm"):
         warnings.warn(f"tqdm is not installed, so ficco.bench {verb} runs without a progress "
                       f"bar: {INSTALL_HINT}", stacklevel=2)
         return _NoBar()
+    if not sys.stderr.isatty():
+        return _LineBar(verb, total, unit, weighted)
     from tqdm import tqdm
 
     if weighted:
