@@ -105,7 +105,7 @@ def operands(a: torch.Tensor, bs: list, *, rows_of, a_name: str, a_scale=None, b
     else:
         out = _out_dtype(out_dtype, a.dtype, SCALED_OUT_DTYPES, "fp8 operands")
         scaling, sa, sbs = _scales(a, bs, a_scale, b_scale, rows_of, a_name, b_is_list)
-    biases = _biases(a, bs, bias, b_is_list)
+    biases = _biases(a, bs, bias, b_is_list, BIAS_DTYPES + (() if fp8 else (torch.float64,)))
     act = activation or ""
     if act not in ACTIVATIONS or (act and not allow_activation):
         where = "" if allow_activation else " (all_gather_matmul only: the reduce-scatter's " \
@@ -189,7 +189,7 @@ def _scales(a, bs, a_scale, b_scale, rows_of, a_name, b_is_list):
     return scaling, sa, tuple(sbs)
 
 
-def _biases(a, bs, bias, b_is_list) -> tuple:
+def _biases(a, bs, bias, b_is_list, dtypes) -> tuple:
     out = []
     for j, (bj, v) in enumerate(zip(bs, _as_list(bias, len(bs), b_is_list, "bias"))):
         if v is None:
@@ -201,9 +201,9 @@ def _biases(a, bs, bias, b_is_list) -> tuple:
             raise InvalidArgumentError(
                 f"{name} must be a ({n},) tensor (one value per output column); got "
                 f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}")
-        if v.dtype not in BIAS_DTYPES:
+        if v.dtype not in dtypes:
             raise InvalidArgumentError(f"{name} is {v.dtype}; use one of "
-                                       f"{[dtype_name(d) for d in BIAS_DTYPES]}")
+                                       f"{[dtype_name(d) for d in dtypes]}")
         if v.device != a.device:
             raise InvalidArgumentError(f"{name} is on {v.device} but A is on {a.device}; "
                                        f"move it")
@@ -367,10 +367,16 @@ def _bias_for(bias, out):
     return bias.to(out.dtype)
 
 
+def wide_dtype(out_dtype: torch.dtype) -> torch.dtype:
+    """The dtype partial sums of an ``out_dtype`` output add up in: float32, float64 for
+    float64 (references and tests)."""
+    return torch.float64 if out_dtype == torch.float64 else torch.float32
+
+
 def finish(out: torch.Tensor, out_dtype: torch.dtype, bias=None, activation: str = ""
            ) -> torch.Tensor:
-    """The one rounding of a float32 output whose partial sums are all in: add the bias,
-    apply the activation, cast to ``out_dtype`` (in place when it is float32)."""
+    """The one rounding of a float32 (float64) output whose partial sums are all in: add the
+    bias, apply the activation, cast to ``out_dtype`` (in place when it is the same)."""
     if bias is not None:
         out.add_(bias.reshape(1, -1))
     activate(out, activation)

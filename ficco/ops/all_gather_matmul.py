@@ -17,7 +17,7 @@ from ..call import Call, backend_for, check_tensor, check_weights, row_dim
 from ..buffers import Buffers
 from ..group import rank_world, resolve
 from ..problem import Problem, dtype_name
-from ..scaled import Operands, finish, gemm_into, operands
+from ..scaled import Operands, finish, gemm_into, operands, wide_dtype
 from ..symm_mem import aligned
 from .base import OpSpec
 
@@ -125,7 +125,7 @@ class AllGatherMatmul(OpSpec):
                 wide: bool = False) -> Buffers:
         p, ops = call.problem, call.ops
         dev = call.a.device
-        out_dtype = torch.float32 if wide else ops.out_dtype
+        out_dtype = wide_dtype(ops.out_dtype) if wide else ops.out_dtype
         outs = [torch.empty(p.big_m, n, dtype=out_dtype, device=dev) for n in p.ns]
         row = p.scaling == "row"
         scales = None

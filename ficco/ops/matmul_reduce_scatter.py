@@ -21,7 +21,7 @@ from ..errors import InvalidArgumentError
 from ..buffers import Buffers
 from ..group import rank_world, resolve
 from ..problem import MATMUL_REDUCE_SCATTER, REDUCE_OPS, Problem, dtype_name
-from ..scaled import Operands, finish, gemm_into, operands
+from ..scaled import Operands, finish, gemm_into, operands, wide_dtype
 from ..symm_mem import aligned
 from .base import OpSpec
 
@@ -122,7 +122,8 @@ class MatmulReduceScatter(OpSpec):
             if p.reduce_op == "avg":
                 out.div_(p.world)
             bias = ops.biases[j]
-            outs.append(finish(out if bias is None else out.float(), ops.out_dtype, bias))
+            wide = out if bias is None else out.to(wide_dtype(ops.out_dtype))
+            outs.append(finish(wide, ops.out_dtype, bias))
         return self._finish(call, outs)
 
     def offsets(self, call: MatmulReduceScatterCall) -> list[int]:
@@ -142,8 +143,8 @@ class MatmulReduceScatter(OpSpec):
         dtype, dev = call.partial_dtype, call.a.device
         rows = p.block_rows
         # wide: partial sums land in a float32 output, rounded once by result()
-        outs = [torch.empty(rows, n, dtype=torch.float32 if wide else ops.out_dtype,
-                            device=dev) for n in p.ns]
+        out_dtype = wide_dtype(ops.out_dtype) if wide else ops.out_dtype
+        outs = [torch.empty(rows, n, dtype=out_dtype, device=dev) for n in p.ns]
         recvs = [torch.empty(p.world * rows, n, dtype=dtype, device=dev) for n in p.ns]
         offsets = self.offsets(call)[:-1]
         if symm is not None:
