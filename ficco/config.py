@@ -116,9 +116,10 @@ KNOBS: dict[str, Knob] = {k.env: k for k in [
     Knob("FICCO_SYMM", "ipc", str.lower, "GPU symmetric memory provider",
          choices=("ipc", "auto", "torch")),
     Knob("FICCO_SIGNAL_PADS", "auto", str.lower,
-         "where GPU barrier flags live: device memory, or host-mapped memory, which the "
-         "barrier watchdog releases without a stream; auto: host on CUDA when "
-         "CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue), device otherwise",
+         "where GPU barrier flags and error words live: host-mapped memory, which the "
+         "barrier watchdog reads and releases without a stream (auto and host), or device "
+         "memory (device: no rescue if a stream shares the stuck one's hardware queue; "
+         "refused with one hardware queue)",
          choices=("auto", "device", "host")),
     Knob("FICCO_POISON", False, _flag,
          "1 fills outputs and workspaces with NaN before each call (debugging, tests)"),
