@@ -12,8 +12,8 @@ What is modelled, because ficco's GPU code relies on it:
 - **events**: record / wait / query / synchronize, a wait binding to the last record made.
 - **kernels**: the torch work the backend issues (GEMMs, host tasks, the fence, the gated GEMM)
   runs in stream order on the CPU (:class:`FakeGpuBackend` queues it on the current stream).
-- **memory**: allocations are /dev/shm files, so IPC handles (the file names) open in other
-  rank processes; freed or closed memory is poisoned, and a copy or memory operation touching
+- **memory**: allocations are unlinked /dev/shm files, so IPC handles (``pid:fd``) open in
+  other rank processes and nothing outlives them; freed or closed memory is poisoned, and a copy or memory operation touching
   it later is a device fault raised by the next ``synchronize``.
 - **graph capture**: work issued while capturing is recorded; ``replay`` issues it again;
   a synchronize during capture invalidates the capture, as on CUDA.
@@ -51,56 +51,56 @@ class _Stopped(BaseException):
 
 # -- memory ---------------------------------------------------------------------------------------
 class Memory:
-    """/dev/shm-backed allocations, shared with other processes by name. Nothing is ever
-    unmapped (a late command must fault, not crash the process); freed ranges are poisoned
-    (0xFF: NaN as floats, -1 as int32) and remembered."""
+    """/dev/shm-backed allocations, shared with other processes through their descriptors
+    (``/proc/<pid>/fd/<fd>``, as ficco's host pads are): each file is unlinked as soon as it is
+    made, so nothing outlives the processes. Nothing is ever unmapped (a late command must
+    fault, not crash the process); freed ranges are poisoned (0xFF: NaN as floats, -1 as int32)
+    and remembered."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self.live: dict[int, tuple[int, str, bool]] = {}   # address -> (end, file, owned)
+        self.live: dict[int, tuple[int, int | None]] = {}  # address -> (end, own descriptor)
         self.dead: list[tuple[int, int, str]] = []         # (start, end, why)
         self._maps: list = []
 
-    def _map(self, path: str, nbytes: int | None, create: bool) -> tuple[int, int]:
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, nbytes)
-            size = os.fstat(fd).st_size
-            m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+    def _map(self, fd: int) -> tuple[int, int]:
+        size = os.fstat(fd).st_size
+        m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         view = (ctypes.c_char * size).from_buffer(m)
         self._maps.append((m, view))
         return ctypes.addressof(view), size
 
     def alloc(self, nbytes: int) -> int:
         path = os.path.join(SHM_DIR, f"ficco-fakegpu-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        address, size = self._map(path, max(nbytes, 1), True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.unlink(path)          # only descriptors keep it: nothing outlives the processes
+        os.ftruncate(fd, max(nbytes, 1))
+        address, size = self._map(fd)
         with self._lock:
-            self.live[address] = (address + size, path, True)
+            self.live[address] = (address + size, fd)
         return address
 
     def export(self, address: int) -> bytes:
-        return self.live[address][1].encode().ljust(64, b"\0")
+        return f"{os.getpid()}:{self.live[address][1]}".encode().ljust(64, b"\0")
 
     def open(self, handle: bytes) -> int:
-        path = bytes(handle).rstrip(b"\0").decode()
-        address, size = self._map(path, None, False)
+        pid, fd = bytes(handle).rstrip(b"\0").decode().split(":")
+        peer_fd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+        try:
+            address, size = self._map(peer_fd)
+        finally:
+            os.close(peer_fd)
         with self._lock:
-            self.live[address] = (address + size, path, False)
+            self.live[address] = (address + size, None)
         return address
 
     def release(self, address: int, why: str) -> None:
         with self._lock:
-            end, path, owned = self.live.pop(address)
+            end, fd = self.live.pop(address)
             self.dead.append((address, end, why))
         ctypes.memset(address, 0xFF, end - address)
-        if owned:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        if fd is not None:
+            os.close(fd)
 
     def check(self, address: int, nbytes: int, what: str) -> None:
         with self._lock:
@@ -110,11 +110,12 @@ class Memory:
                                       f"{why} (illegal address)")
 
     def close(self) -> None:
-        for path in [p for _, p, owned in self.live.values() if owned]:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        for _, fd in list(self.live.values()):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
 
 def _read32(address: int) -> int:
