@@ -49,10 +49,15 @@ from . import library
 from .errors import InvalidArgumentError
 from .nn import replicated
 
-__all__ = ["ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput",
-           "PrepareModuleOutput", "PrepareModuleInputOutput"]
+__all__ = [
+    "ColwiseParallel",
+    "PrepareModuleInput",
+    "PrepareModuleInputOutput",
+    "PrepareModuleOutput",
+    "RowwiseParallel",
+    "SequenceParallel",
+]
 
-Replicate, Shard = Replicate, Shard   # re-exported: a plan's layouts come from the same import
 #: torch's, unchanged: norms and dropout compute on their shard; nothing to overlap there.
 SequenceParallel = _torch.SequenceParallel
 PrepareModuleOutput = _torch.PrepareModuleOutput

@@ -39,8 +39,10 @@ def _runs(fn):
 def _ops_directly(rank, world, seed):
     """torch's symm_mem ops before, with and after the override, against torch's fallbacks."""
     import torch.distributed as dist
-    from torch.distributed._symmetric_memory import (_fused_all_gather_matmul_fallback,
-                                                     _fused_matmul_reduce_scatter_fallback)
+    from torch.distributed._symmetric_memory import (
+        _fused_all_gather_matmul_fallback,
+        _fused_matmul_reduce_scatter_fallback,
+    )
 
     import ficco
 
@@ -48,8 +50,8 @@ def _ops_directly(rank, world, seed):
     gen = torch.Generator().manual_seed(seed)
     a_shard, a = torch.randn(3, 4, 8, generator=gen), torch.randn(3, 4 * world, 8, generator=gen)
     bs = [torch.randn(8, n, generator=gen) for n in (6, 5)]
-    ag = lambda: torch.ops.symm_mem.fused_all_gather_matmul(a_shard, bs, 1, name)  # noqa: E731
-    rs = lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, bs[0], "sum", 1,  # noqa: E731
+    ag = lambda: torch.ops.symm_mem.fused_all_gather_matmul(a_shard, bs, 1, name)
+    rs = lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, bs[0], "sum", 1,
                                                                  name)
     outcome = {}
 
@@ -66,8 +68,8 @@ def _ops_directly(rank, world, seed):
     scale = torch.tensor(0.5)
     ag8_args = (a8, [b8], scale, [scale], 1, name, [None], [None], [torch.bfloat16], [False])
     rs8_args = (a8_full, b8, scale, scale, "sum", 1, 1, name, [*a.shape[:-1], 16])
-    ag8 = lambda: torch.ops.symm_mem.fused_all_gather_scaled_matmul(*ag8_args)  # noqa: E731
-    rs8 = lambda: torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(  # noqa: E731
+    ag8 = lambda: torch.ops.symm_mem.fused_all_gather_scaled_matmul(*ag8_args)
+    rs8 = lambda: torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
         *rs8_args, out_dtype=torch.bfloat16)
     outcome["torch's ops run on CPU before"] = not refused(ag)
     with ficco.compat.install_symm_mem_override() as override:

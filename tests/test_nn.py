@@ -67,7 +67,7 @@ def _masks(rank, world, seed):
 
     torch.manual_seed(seed)
     x = torch.ones(2, 4, 16)
-    drop = lambda t: F.dropout(t, 0.5, training=True)    # noqa: E731
+    drop = lambda t: F.dropout(t, 0.5, training=True)
     compiled = torch.compile(drop, fullgraph=True)
     out = {"plain": drop(x)}
     rng = ShardRNG(seed, group=None)
@@ -95,7 +95,7 @@ def test_shard_rng_gives_each_sequence_shard_its_own_dropout_mask():
     nothing). Eager and compiled, the stream advances across uses and is reproducible."""
     seed = random.randrange(1 << 30)
     gathered, untouched = harness.pool(2).run(_masks, seed, timeout_s=300)[0]
-    same = lambda a, b: torch.equal(a, b)      # noqa: E731
+    same = lambda a, b: torch.equal(a, b)
     assert untouched
     for name in ("plain", "compiled"):             # the trap, shown
         assert same(*gathered[name]), name
