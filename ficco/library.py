@@ -23,7 +23,8 @@ chosen by ``FICCO_BACKWARD_GATHER`` (see :mod:`ficco.config`):
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import operator
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -35,6 +36,7 @@ from .ops.all_gather_matmul import SPEC as ALL_GATHER_MATMUL
 from .ops.all_gather_matmul import check_arguments as check_all_gather_matmul
 from .ops.matmul_reduce_scatter import SPEC as MATMUL_REDUCE_SCATTER
 from .ops.matmul_reduce_scatter import check_arguments as check_matmul_reduce_scatter
+
 
 # -- layouts -----------------------------------------------------------------------------------
 def restored_layout(moved_shape: Sequence[int], dim: int, rows: int, cols: int):
@@ -61,7 +63,7 @@ def _held_to(t: Tensor, shape, stride, inputs: Sequence[Tensor]) -> Tensor:
     """``t`` in exactly ``(shape, stride)`` and sharing no memory with ``inputs`` (custom ops
     must return fresh tensors); copies only when it is not already so."""
     ptr = t.untyped_storage().data_ptr()
-    fresh = all([ptr != x.untyped_storage().data_ptr() for x in inputs])
+    fresh = ptr not in {x.untyped_storage().data_ptr() for x in inputs}
     same_layout = list(t.shape) == list(shape) and (
         t.numel() == 0 or list(t.stride()) == list(stride))
     if fresh and same_layout:
@@ -87,7 +89,7 @@ def _run_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, schedule):
 # -- the ops ------------------------------------------------------------------------------------
 @torch.library.custom_op("ficco::all_gather_matmul", mutates_args=())
 def all_gather_matmul_op(a: Tensor, bs: list[Tensor], group: str, gather_dim: int,
-                         schedule: Optional[str], return_gathered: bool
+                         schedule: str | None, return_gathered: bool
                          ) -> tuple[Tensor, list[Tensor]]:
     """``(all_gather(a, gather_dim) or an empty tensor, [gathered @ b for b in bs])``."""
     pg = by_name(group)
@@ -125,7 +127,7 @@ def _(a, bs, group, gather_dim, schedule, return_gathered):
 
 @torch.library.custom_op("ficco::matmul_reduce_scatter", mutates_args=())
 def matmul_reduce_scatter_op(a: Tensor, bs: list[Tensor], group: str, scatter_dim: int,
-                             reduce_op: str, schedule: Optional[str]) -> list[Tensor]:
+                             reduce_op: str, schedule: str | None) -> list[Tensor]:
     """``[reduce_scatter(a @ b, scatter_dim, reduce_op) for b in bs]``."""
     outs = _run_matmul_reduce_scatter(a, list(bs), by_name(group), scatter_dim, reduce_op,
                                       schedule)
@@ -162,7 +164,7 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
         a_shard, group = _local_shard(a_shard, group, gather_dim, "a_shard")
     b_is_list = isinstance(b, (list, tuple))
     bs = list(b) if b_is_list else [b]
-    if any([type(x) not in _PLAIN for x in bs]):
+    if not _PLAIN.issuperset(map(type, bs)):
         _refuse_dtensors(bs, "b")
     dim = _plain_int(gather_dim)
     if dim is None or not _plain_name(schedule) or _eager_suffices(a_shard, bs):
@@ -170,7 +172,7 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
         # add ~100 us of Python per call and change nothing.
         return _run_all_gather_matmul(a_shard, b, group, gather_dim, schedule, return_gathered)
     name = name_of(group)
-    keep = return_gathered or (torch.is_grad_enabled() and any([x.requires_grad for x in bs])
+    keep = return_gathered or (torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, bs))
                                and _backward_gather() == "save")
     gathered, outs = torch.ops.ficco.all_gather_matmul(a_shard, bs, name, dim, schedule, keep)
     out = outs if b_is_list else outs[0]
@@ -181,7 +183,7 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
     """``ficco.matmul_reduce_scatter`` through the ``ficco::matmul_reduce_scatter`` op."""
     b_is_list = isinstance(b, (list, tuple))
     bs = list(b) if b_is_list else [b]
-    if type(a) not in _PLAIN or any([type(x) not in _PLAIN for x in bs]):
+    if type(a) not in _PLAIN or not _PLAIN.issuperset(map(type, bs)):
         _refuse_dtensors([a], "a")
         _refuse_dtensors(bs, "b")
     dim = _plain_int(scatter_dim)
@@ -193,7 +195,9 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
     return outs if b_is_list else outs[0]
 
 
-_PLAIN = (Tensor, torch.nn.Parameter)
+# C-level checks on the hot path: map and set operations make no Python call per tensor.
+_PLAIN = frozenset({Tensor, torch.nn.Parameter})
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def _plain_int(value):
@@ -211,11 +215,11 @@ def _plain_name(value) -> bool:
 def _eager_suffices(a, bs) -> bool:
     if torch.compiler.is_compiling():
         return False
-    if type(a) not in _PLAIN or any([type(x) not in _PLAIN for x in bs]):
+    if type(a) not in _PLAIN or not _PLAIN.issuperset(map(type, bs)):
         # subclasses (FakeTensor, FunctionalTensor, ...) need the op; non-tensors get the
         # eager path's argument errors
         return not isinstance(a, Tensor) or not all(isinstance(x, Tensor) for x in bs)
-    if torch.is_grad_enabled() and (a.requires_grad or any([x.requires_grad for x in bs])):
+    if torch.is_grad_enabled() and (a.requires_grad or any(map(_REQUIRES_GRAD, bs))):
         return False
     return not (torch.is_autocast_enabled(a.device.type)
                 or torch._C._len_torch_dispatch_stack()

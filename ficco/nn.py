@@ -22,7 +22,7 @@ existing ``nn.Linear``.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -65,7 +65,7 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linears: nn.Linear | Sequence[nn.Linear], *, group=None,
-                    seq_dim: int = 0) -> "ColumnParallelLinear":
+                    seq_dim: int = 0) -> ColumnParallelLinear:
         """This rank's shard of ``linears`` (an ``nn.Linear`` or several with one input)."""
         many = not isinstance(linears, nn.Linear)
         linears = list(linears) if many else [linears]
@@ -121,7 +121,7 @@ class RowParallelLinear(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, group=None, seq_dim: int = 0) -> "RowParallelLinear":
+    def from_linear(cls, linear: nn.Linear, *, group=None, seq_dim: int = 0) -> RowParallelLinear:
         """This rank's shard of ``linear``: its slice of input features, the whole bias."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
                     group=group, seq_dim=seq_dim, device=linear.weight.device,

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Union
 
 from .errors import InvalidArgumentError
 from .problem import Problem
@@ -66,7 +65,7 @@ def buffer_shapes(problem: Problem) -> dict[tuple, tuple[int, int]]:
     return shapes
 
 
-def source_of(blk: "Block") -> tuple:
+def source_of(blk: Block) -> tuple:
     """The :func:`buffer_shapes` key of the buffer ``blk`` lies in (peer not included)."""
     if blk.buf in ("input", "gathered"):
         return (blk.buf,)
@@ -267,8 +266,8 @@ class HostOp:
     step: int
 
 
-Op = Union[Copy, Gemm, Reduce, AllGather, AllToAll, ReduceScatter, SendRecv, Barrier, Record,
-           Wait, Signal, GatedGemm, HostOp]
+Op = (Copy | Gemm | Reduce | AllGather | AllToAll | ReduceScatter | SendRecv | Barrier | Record
+      | Wait | Signal | GatedGemm | HostOp)
 WORK_OPS = (Copy, Gemm, Reduce, AllGather, AllToAll, ReduceScatter, SendRecv, Barrier, Signal,
             GatedGemm, HostOp)
 

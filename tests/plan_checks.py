@@ -40,8 +40,23 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ficco.plan import (SYMMETRIC_BUFFERS, AllGather, AllToAll, Barrier, Block, Copy, Gemm, Plan,
-                        Record, Reduce, ReduceScatter, SendRecv, Wait, buffer_shapes, source_of)
+from ficco.plan import (
+    SYMMETRIC_BUFFERS,
+    AllGather,
+    AllToAll,
+    Barrier,
+    Block,
+    Copy,
+    Gemm,
+    Plan,
+    Record,
+    Reduce,
+    ReduceScatter,
+    SendRecv,
+    Wait,
+    buffer_shapes,
+    source_of,
+)
 
 # Fields of a cell: its symbolic value (the first VALUE), then bookkeeping. P_RANKS: bit q set
 # when rank q's partial is in the sum (reduce-scatter); P_SCALED: times ``avg`` scaled it.
@@ -65,7 +80,7 @@ class _Buffer:
     reads: list = field(default_factory=list)
 
     @classmethod
-    def empty(cls, rows: int, cols: int) -> "_Buffer":
+    def empty(cls, rows: int, cols: int) -> _Buffer:
         cells = np.zeros((rows, cols, VALUE + 4), dtype=np.int64)
         cells[..., [A_ROW, A_COL, P_ROW, P_B, P_COL, WRITER]] = -1
         return cls(cells)
@@ -430,7 +445,7 @@ class _Checker:
                 self.fail(f"rank {r}: ops on queues {sorted(extra)} missing from Plan.queues")
         pos = [{q: 0 for q in qs} for qs in queues]
         last = [{q: None for q in qs} for qs in queues]
-        recorded = [dict() for _ in self.plans]
+        recorded = [{} for _ in self.plans]
 
         def head(r, q):
             i = pos[r][q]

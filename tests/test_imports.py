@@ -65,10 +65,10 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (iterative Tarjan)."""
     index, low, on_stack, stack, found = {}, {}, set(), [], []
     counter = 0
-    for root in graph:
+    for root, targets in graph.items():
         if root in index:
             continue
-        work = [(root, iter(sorted(graph[root])))]
+        work = [(root, iter(sorted(targets)))]
         index[root] = low[root] = counter
         counter += 1
         stack.append(root)

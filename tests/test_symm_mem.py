@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 import time
+from typing import ClassVar
 
 import pytest
 import torch
@@ -327,7 +328,7 @@ def _host_pads(rank, world, seed):
 
     vendor = _HostVendor()
     pads = HostPads(vendor, dist.group.WORLD, rank, world)
-    slot = lambda owner, ch, writer: pads.device[owner] + 4 * (ch * world + writer)  # noqa: E731
+    slot = lambda owner, ch, writer: pads.device[owner] + 4 * (ch * world + writer)
     for peer in range(world):
         pads.write(slot(peer, 3, rank), seed + rank)
     dist.barrier()
@@ -367,10 +368,9 @@ def _expire_on_host_pads(memory: dict, flag: int):
     """GpuBackend.expire on a flag-mode barrier (call flag ``flag``) whose handle has host pads
     holding ``memory``; returns the error it left. Any stream or vendor call would fail."""
     from ficco.backends.gpu import GpuBackend
-    from ficco.backends.gpu_watchdog import PendingBarrier
-    from ficco.symm_mem.barrier import Deadline, SignalOp, WAIT
-
     from ficco.backends.gpu_fence import ErrorWord
+    from ficco.backends.gpu_watchdog import PendingBarrier
+    from ficco.symm_mem.barrier import WAIT, Deadline, SignalOp
 
     word = ErrorWord(torch.device("cpu"), None)
     released_after_raise = []
@@ -387,7 +387,7 @@ def _expire_on_host_pads(memory: dict, flag: int):
         host_pads = Host()
 
     class Fake:
-        errors = []
+        errors: ClassVar[list] = []
         vendor = None     # any vendor call would fail
         slot_reader = GpuBackend.slot_reader
 
@@ -437,7 +437,7 @@ def test_watchdog_peeks_find_a_foreign_flag_before_the_deadline():
     """The watchdog's peek (not the deadline) expires a flag-mode barrier whose slot holds
     another call's flag, and only once a peek is due."""
     from ficco.backends.gpu_watchdog import PendingBarrier, Watchdog
-    from ficco.symm_mem.barrier import Deadline, SignalOp, WAIT
+    from ficco.symm_mem.barrier import WAIT, Deadline, SignalOp
 
     flag = random.randrange(2, 1 << 30)
     memory = {0x100: flag, 0x104: 0}

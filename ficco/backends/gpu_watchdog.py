@@ -44,7 +44,7 @@ class Watchdog:
     POLL_S = 0.002
     FIRST_PEEK_S, MAX_PEEK_GAP_S = 0.005, 0.5
 
-    def __init__(self, backend: "GpuBackend"):
+    def __init__(self, backend: GpuBackend):
         self.backend = backend
         self._pending: list[PendingBarrier] = []
         self._free_events: list = []

@@ -8,7 +8,7 @@ import torch
 
 from .. import config
 from ..group import rank_world, resolve
-from . import Provider, SIGNAL_CHANNELS, aligned
+from . import SIGNAL_CHANNELS, Provider, aligned
 from .agree import exchange_or_fail
 from .device import GpuSymmHandle, pad_bytes
 from .ipc import IpcSymmProvider

@@ -22,7 +22,6 @@ from ...symm_mem.barrier import WRITE, run_on_host, wait_on_host
 from ...symm_mem.cpu import CpuSymmProvider
 from ..base import Backend
 
-
 _GRACE_S = 0.5      # finish()'s slack past FICCO_TIMEOUT (see there)
 
 
@@ -50,7 +49,7 @@ _inference_mode = torch.is_inference_mode_enabled
 
 
 class _Worker:
-    def __init__(self, name: str, backend: "CpuBackend"):
+    def __init__(self, name: str, backend: CpuBackend):
         self.name = name
         self.backend = backend
         self.fifo = queue_mod.SimpleQueue()
