@@ -23,7 +23,6 @@ chosen by ``FICCO_BACKWARD_GATHER`` (see :mod:`ficco.config`):
 """
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 import torch
@@ -164,7 +163,7 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
         a_shard, group = _local_shard(a_shard, group, gather_dim, "a_shard")
     b_is_list = isinstance(b, (list, tuple))
     bs = list(b) if b_is_list else [b]
-    if not _PLAIN.issuperset(map(type, bs)):
+    if any([type(x) not in _PLAIN for x in bs]):  # noqa: C419 - see _PLAIN
         _refuse_dtensors(bs, "b")
     dim = _plain_int(gather_dim)
     if dim is None or not _plain_name(schedule) or _eager_suffices(a_shard, bs):
@@ -172,7 +171,8 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
         # add ~100 us of Python per call and change nothing.
         return _run_all_gather_matmul(a_shard, b, group, gather_dim, schedule, return_gathered)
     name = name_of(group)
-    keep = return_gathered or (torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, bs))
+    wants_grad = any([x.requires_grad for x in bs])  # noqa: C419 - see _PLAIN
+    keep = return_gathered or (torch.is_grad_enabled() and wants_grad
                                and _backward_gather() == "save")
     gathered, outs = torch.ops.ficco.all_gather_matmul(a_shard, bs, name, dim, schedule, keep)
     out = outs if b_is_list else outs[0]
@@ -183,7 +183,7 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
     """``ficco.matmul_reduce_scatter`` through the ``ficco::matmul_reduce_scatter`` op."""
     b_is_list = isinstance(b, (list, tuple))
     bs = list(b) if b_is_list else [b]
-    if type(a) not in _PLAIN or not _PLAIN.issuperset(map(type, bs)):
+    if type(a) not in _PLAIN or any([type(x) not in _PLAIN for x in bs]):  # noqa: C419 - see _PLAIN
         _refuse_dtensors([a], "a")
         _refuse_dtensors(bs, "b")
     dim = _plain_int(scatter_dim)
@@ -195,9 +195,10 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
     return outs if b_is_list else outs[0]
 
 
-# C-level checks on the hot path: map and set operations make no Python call per tensor.
-_PLAIN = frozenset({Tensor, torch.nn.Parameter})
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+# The per-tensor checks here are list comprehensions inside any(): one Python call per warm
+# call where a generator makes one per tensor, and plain enough for torch.compile to trace
+# (map with operator.attrgetter is not).
+_PLAIN = (Tensor, torch.nn.Parameter)
 
 
 def _plain_int(value):
@@ -215,11 +216,12 @@ def _plain_name(value) -> bool:
 def _eager_suffices(a, bs) -> bool:
     if torch.compiler.is_compiling():
         return False
-    if type(a) not in _PLAIN or not _PLAIN.issuperset(map(type, bs)):
+    if type(a) not in _PLAIN or any([type(x) not in _PLAIN for x in bs]):  # noqa: C419 - see _PLAIN
         # subclasses (FakeTensor, FunctionalTensor, ...) need the op; non-tensors get the
         # eager path's argument errors
         return not isinstance(a, Tensor) or not all(isinstance(x, Tensor) for x in bs)
-    if torch.is_grad_enabled() and (a.requires_grad or any(map(_REQUIRES_GRAD, bs))):
+    wants_grad = any([x.requires_grad for x in bs])  # noqa: C419 - see _PLAIN
+    if torch.is_grad_enabled() and (a.requires_grad or wants_grad):
         return False
     return not (torch.is_autocast_enabled(a.device.type)
                 or torch._C._len_torch_dispatch_stack()
