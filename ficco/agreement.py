@@ -38,6 +38,7 @@ def digest(signature: dict) -> int:
     >>> digest({"m": 4, "k": 8}) == digest({"k": 8, "m": 4})
     True
     """
+    key: frozenset | None
     try:
         # Values of one field keep their type from call to call (an int field never holds a
         # bool), so equal item sets mean equal JSON.

@@ -77,7 +77,7 @@ def _gather(t: Tensor, group: str, dim: int) -> Tensor:
     from torch.distributed import _functional_collectives as funcol
 
     gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-    return gather(t.contiguous(), dim, group)
+    return gather(t.contiguous(), dim, group)  # type: ignore[arg-type]  # a group name
 
 
 def _reduce_scatter(t: Tensor, group: str, dim: int) -> Tensor:
@@ -86,7 +86,7 @@ def _reduce_scatter(t: Tensor, group: str, dim: int) -> Tensor:
     from torch.distributed import _functional_collectives as funcol
 
     scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
-    return scatter(t.contiguous(), "sum", dim, group)
+    return scatter(t.contiguous(), "sum", dim, group)  # type: ignore[arg-type]  # a name
 
 
 def _ag_setup_context(ctx, inputs, output):

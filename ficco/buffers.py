@@ -49,4 +49,8 @@ class Buffers:
 
     def local(self, buf: str, index: int = 0) -> torch.Tensor:
         """This rank's copy of symmetric buffer ``buf``."""
-        return self.gathered if buf == "gathered" else self.partials[index]
+        if buf != "gathered":
+            return self.partials[index]
+        if self.gathered is None:
+            raise InvalidArgumentError("plan reads the gathered buffer but the call has none")
+        return self.gathered

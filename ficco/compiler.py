@@ -135,7 +135,8 @@ class CompiledPlan:
             # An empty view of the input: dtype and device for a collective's empty pieces.
             return slot(("input",), ("rect", 0, 0, 0, 0))
 
-        steps, work = [], []   # work: (step number, op index) of every traced op
+        steps: list[tuple] = []
+        work = []   # (step number, op index) of every traced op
         for index, op in enumerate(plan.ops):
             q = queue_index[op.queue]
             if isinstance(op, Record):
@@ -233,7 +234,8 @@ class CompiledPlan:
             _, row0, rows, col0, cols = spec
             if col0 == 0 and cols == shape[1] and rows > 0 and row0 + rows <= shape[0]:
                 rows_of.setdefault(source, []).append((row0, rows, i))
-        splits, covered = [], set()
+        splits: list[tuple] = []
+        covered: set[int] = set()
         for source, blocks in rows_of.items():
             if len(blocks) < 2:
                 continue

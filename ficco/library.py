@@ -38,7 +38,8 @@ from .ops.matmul_reduce_scatter import check_arguments as check_matmul_reduce_sc
 
 
 # -- layouts -----------------------------------------------------------------------------------
-def restored_layout(moved_shape: Sequence[int], dim: int, rows: int, cols: int):
+def restored_layout(moved_shape: Sequence[int], dim: int, rows: int,
+                    cols: int) -> tuple[list[int], list[int]]:
     """(shape, stride) of a canonical contiguous ``(rows * prod(moved_shape[1:-1]), cols)``
     matrix viewed as ``(rows, *moved_shape[1:-1], cols)`` with dim 0 moved to ``dim``: the
     layout both ops return (the fake kernels promise it; the real ones are held to it)."""
@@ -102,6 +103,7 @@ def all_gather_matmul_op(a: Tensor, bs: list[Tensor], group: str, gather_dim: in
     outs = [_held_to(o, *restored_layout(moved, gather_dim, rows, b.shape[1]), inputs)
             for o, b in zip(outs, bs)]
     if return_gathered:
+        assert gathered is not None   # the runtime returned (gathered, outs)
         gathered = _held_to(gathered, *restored_layout(moved, gather_dim, rows, a.shape[-1]),
                             [*inputs, *outs])
     else:

@@ -46,7 +46,7 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.seq_dim = group, seq_dim
         self.fused = not isinstance(out_features, int)
         rank, world = rank_world(resolve(group))
-        sizes = list(out_features) if self.fused else [out_features]
+        sizes = [out_features] if isinstance(out_features, int) else list(out_features)
         self.in_features, self.out_features = in_features, tuple(sizes)
         self.weights = nn.ParameterList(
             nn.Parameter(torch.empty(even_split(n, world)[rank][1], in_features, device=device,
@@ -68,7 +68,7 @@ class ColumnParallelLinear(nn.Module):
                     seq_dim: int = 0) -> ColumnParallelLinear:
         """This rank's shard of ``linears`` (an ``nn.Linear`` or several with one input)."""
         many = not isinstance(linears, nn.Linear)
-        linears = list(linears) if many else [linears]
+        linears = [linears] if isinstance(linears, nn.Linear) else list(linears)
         first = linears[0]
         sizes = [lin.out_features for lin in linears]
         layer = cls(first.in_features, sizes if many else sizes[0], first.bias is not None,

@@ -52,7 +52,7 @@ def buffer_shapes(problem: Problem) -> dict[tuple, tuple[int, int]]:
     ((12, 3), (3, 3))
     """
     p = problem
-    shapes = {("input",): (p.m, p.k)}
+    shapes: dict[tuple, tuple[int, int]] = {("input",): (p.m, p.k)}
     if p.reduces:
         rows = p.block_rows
         for j, n in enumerate(p.ns):

@@ -194,7 +194,7 @@ def plan_for(call_or_op, name: str, transport: str, problem):
             return plan
     plan = op.schedule(name).plan(problem, transport, engines)
     if config.log_level() == "debug":
-        counts = {}
+        counts: dict[str, int] = {}
         for item in plan.ops:
             counts[item.kind] = counts.get(item.kind, 0) + 1
         logging.getLogger("ficco").debug(

@@ -256,7 +256,7 @@ def wait_on_host(op: SignalOp, deadline: Deadline, read: Callable[[Any], int],
             deadline.fired = True
             raise deadline.error(deadline.late(read))
         if abandoned is not None and abandoned():
-            raise abandon_error()
+            raise (abandon_error or CommTimeoutError)(f"rank {deadline.rank}: barrier abandoned")
         if time.monotonic() > expiry:
             deadline.fired = True
             raise deadline.error(deadline.late(read))

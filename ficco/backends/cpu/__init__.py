@@ -52,7 +52,7 @@ class _Worker:
     def __init__(self, name: str, backend: CpuBackend):
         self.name = name
         self.backend = backend
-        self.fifo = queue_mod.SimpleQueue()
+        self.fifo: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
         self.step = None        # the plan step of the launched task now running, if named
         self.thread = threading.Thread(target=self._loop, name=f"ficco-{name}", daemon=True)
         self.thread.start()
