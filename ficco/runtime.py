@@ -26,6 +26,7 @@ from .call import settings as read_settings
 from .config import TRANSPORT_SETTINGS
 from .errors import ConfigError, InvalidArgumentError
 from .executor import execute as execute_plan
+from .schedules import epilogue_reason
 from .symm_mem import workspace
 from .symm_mem.barrier import call_flag
 
@@ -50,13 +51,16 @@ def settings(call: Call, schedule: str | None = None, transport: str | None = No
     (environment, overrides, arguments): a repeated call costs one snapshot of FICCO_* values."""
     key = (config.snapshot(), call.op.name, call.target, call.world > 1, schedule,
            transport, selector)
-    cached = _settings_seen.get(key)
-    if cached is not None:
-        return cached
-    s = _settings(call, schedule, transport, selector)
-    if len(_settings_seen) >= 256:
-        _settings_seen.clear()
-    _settings_seen[key] = s
+    s = _settings_seen.get(key)
+    if s is None:
+        s = _settings(call, schedule, transport, selector)
+        if len(_settings_seen) >= 256:
+            _settings_seen.clear()
+        _settings_seen[key] = s
+    if s["schedule"] is not None and call.world > 1:   # per call: the key has no Problem
+        why = epilogue_reason(s["schedule"], call.problem)
+        if why:
+            raise InvalidArgumentError(f"schedule {s['schedule']!r} cannot run this call: {why}")
     return s
 
 
@@ -80,6 +84,7 @@ def _settings(call: Call, schedule, transport, selector) -> dict:
                                      "ccl" if s["transport"] == "ccl" else "dma", call.op.name)
         if why and call.world > 1:
             raise InvalidArgumentError(f"schedule {s['schedule']!r} cannot run here: {why}")
+
     from .heuristics import profiles
 
     profiles.resolve(call.target)   # a bad FICCO_PROFILE fails here, alone
