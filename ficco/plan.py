@@ -351,11 +351,14 @@ class Plan:
         pass): when it adds partial products into a bf16/fp16/fp8 output, or adds them at all
         while an epilogue (bias, activation) must follow the last one, and for the
         reduce-scatter's bias (added once, to the float32 sum)."""
-        p = self.problem
-        if p.reduces and p.bias:
-            return True
-        adds = any(getattr(op, "accumulate", False) for op in self.ops)
-        return adds and (p.out_itemsize <= 2 or p.bias or bool(p.activation))
+        wide = self.__dict__.get("_wide")   # asked every call: found once per plan
+        if wide is None:
+            p = self.problem
+            adds = any(getattr(op, "accumulate", False) for op in self.ops)
+            wide = (p.reduces and p.bias) or (
+                adds and (p.out_itemsize <= 2 or p.bias or bool(p.activation)))
+            object.__setattr__(self, "_wide", bool(wide))
+        return wide
 
 
 def scale_companion(op: Op) -> Op | None:
