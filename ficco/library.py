@@ -217,7 +217,7 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
     tensors = [a_shard, *bs, *_tensors(extra)]
     grads = torch.is_grad_enabled() and any(
         [isinstance(x, Tensor) and x.requires_grad for x in tensors])  # noqa: C419 - see _PLAIN
-    if grads:   # before any communication
+    if grads and a_scale is not None:   # before any communication
         autograd.refuse_fp8_gradients(a_shard, bs, a_scale)
     wants_grad = any([x.requires_grad for x in bs])  # noqa: C419 - see _PLAIN
     keep = return_gathered or (grads and wants_grad and _backward_gather() == "save")
@@ -247,7 +247,7 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
         return _run_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, schedule,
                                           a_scale=a_scale, b_scale=b_scale,
                                           out_dtype=out_dtype, bias=bias)
-    if torch.is_grad_enabled():   # before any communication
+    if a_scale is not None and torch.is_grad_enabled():   # before any communication
         autograd.refuse_fp8_gradients(a, bs, a_scale)
     outs = torch.ops.ficco.matmul_reduce_scatter(a, bs, name_of(group), dim, reduce_op,
                                                  schedule, *extra)
