@@ -13,7 +13,6 @@ pick). No GPU needed::
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import time
 from pathlib import Path
