@@ -46,7 +46,10 @@ class OpSpec(ABC):
     def signature(self, call: Call) -> dict:
         """Small, comparable fields every rank must pass alike (shapes, dtypes, layout).
         The runtime adds the settings; a difference raises MismatchError on every rank."""
-        return {"op": self.name, "problem": call.problem.key(),
+        p = call.problem
+        # Named fields, not problem.key()'s tuple: a MismatchError prints them by name.
+        return {"op": self.name, "rows m": p.m, "K": p.k, "ns": p.ns, "dtype": p.dtype,
+                "world": p.world, "unit": p.unit, "reduce_op": p.reduce_op,
                 "backend": call.target}
 
     @abstractmethod
