@@ -16,13 +16,30 @@ import torch
 import ficco
 from ficco import schedules
 from ficco.errors import InvalidArgumentError
-from ficco.expert.problem import (COMBINE, DISPATCH, ExpertProblem, Layout, bucket,
-                                  representative, summary)
+from ficco.expert.problem import (
+    COMBINE,
+    DISPATCH,
+    ExpertProblem,
+    Layout,
+    bucket,
+    representative,
+    summary,
+)
 from ficco.plan import Barrier
 
 from . import harness
-from .ep_cases import (DTYPES, EP_OPS, bad_counts_on_one_rank, bad_inputs, disagree, ep_matrix,
-                       explain_and_choose, gradcheck_round_trip, make_case, send_counts_skip)
+from .ep_cases import (
+    DTYPES,
+    EP_OPS,
+    bad_counts_on_one_rank,
+    bad_inputs,
+    disagree,
+    ep_matrix,
+    explain_and_choose,
+    gradcheck_round_trip,
+    make_case,
+    send_counts_skip,
+)
 from .reference import ROW_TOL, max_row_rel_err
 
 NAMES = schedules.names(op=DISPATCH)
@@ -92,8 +109,8 @@ def test_every_rank_meets_the_same_barriers(op, transport):
 
 def test_hetero_dispatch_starts_with_its_own_block_and_combine_ends_with_it():
     p = ExpertProblem(8, 4, 2, "float32", 4, 2)
-    first = [o for o in schedules.get("hetero-fused-1d", op=DISPATCH).plan(p, "dma").ops
-             if o.kind == "expert_gemm"][0]
+    first = next(o for o in schedules.get("hetero-fused-1d", op=DISPATCH).plan(p, "dma").ops
+             if o.kind == "expert_gemm")
     assert first.sources == (2,) and first.chunk is None
     q = ExpertProblem(8, 4, 2, "float32", 4, 2, op=COMBINE)
     last = [o for o in schedules.get("hetero-fused-1d", op=COMBINE).plan(q, "dma").ops

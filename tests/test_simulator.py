@@ -4,6 +4,7 @@ queue semantics. Never a fitted number: those are held against published results
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 
@@ -12,7 +13,18 @@ from ficco.bench import validate
 from ficco.errors import InvalidArgumentError
 from ficco.heuristics import gemm, model, profiles, simulator
 from ficco.heuristics.scenarios import PAPER_TABLE_I, gemm_problem, table_i_problem
-from ficco.plan import COMPUTE, AllGather, Barrier, Block, Copy, Gemm, Plan, PlanBuilder, Record, Wait
+from ficco.plan import (
+    COMPUTE,
+    AllGather,
+    Barrier,
+    Block,
+    Copy,
+    Gemm,
+    Plan,
+    PlanBuilder,
+    Record,
+    Wait,
+)
 from ficco.problem import Problem
 
 MI300X = profiles.load("mi300x")
@@ -204,7 +216,7 @@ def test_queue_order_and_events_are_respected():
         for row in result.rows:
             by_queue.setdefault(row["queue"], []).append(row)
         for rows in by_queue.values():
-            for before, after in zip(rows, rows[1:]):
+            for before, after in itertools.pairwise(rows):
                 assert after["start_s"] >= before["end_s"] - 1e-15
         assert result.makespan_s == pytest.approx(max(r["end_s"] for r in result.rows))
         gemm_start = min(r["start_s"] for r in result.rows if r["kind"] == "gemm")

@@ -165,7 +165,7 @@ class ExpertSpec(OpSpec):
         order = [exchange_task, gemm_task] if self.name == DISPATCH else [gemm_task, exchange_task]
         if call.world == 1:
             order = [gemm_task]
-        from .plan_ops import Exchange, GroupedGemm   # plan ops name what the tasks do
+        from .plan_ops import Exchange, GroupedGemm  # plan ops name what the tasks do
 
         op_of = {exchange_task: Exchange("comm", None),
                  gemm_task: GroupedGemm("compute", tuple(range(call.world)), None)}

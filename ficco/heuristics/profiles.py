@@ -251,7 +251,7 @@ class Profile:
         os.replace(tmp, path)
 
     @classmethod
-    def from_dict(cls, data: dict, origin: str = "profile") -> "Profile":
+    def from_dict(cls, data: dict, origin: str = "profile") -> Profile:
         missing = [k for k in REQUIRED if k not in data]
         if missing:
             raise ConfigError(f"{origin}: missing required profile keys {missing}; required: "
@@ -361,7 +361,7 @@ def _local_device_name() -> str | None:
 
         if torch.cuda.is_available():
             return torch.cuda.get_device_name()
-    except Exception:   # detection is best effort; the target alone still picks a profile
+    except Exception:  # noqa: BLE001 - best effort; the target alone still picks a profile
         return None
     return None
 

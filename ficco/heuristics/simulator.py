@@ -64,8 +64,9 @@ from ..errors import InvalidArgumentError
 from ..plan import COMPUTE, Plan, Record, Wait, buffer_shapes, item_bytes, op_label
 from . import all_to_all_pricing
 from . import gemm as gemm_cost
+
 # Contention rates live in .contention; re-exported here for callers of simulator.*.
-from .contention import dma_contention, mt_factor, shard_mt_factor  # noqa: F401
+from .contention import dma_contention, mt_factor, shard_mt_factor
 from .profiles import Profile
 
 _EPS = 1e-12

@@ -177,4 +177,4 @@ def schedules_of(op: str) -> tuple[ExpertSchedule, ...]:
 
 
 SCHEDULES = {op: schedules_of(op) for op in (DISPATCH, COMBINE)}
-__all__ = ["ExpertSchedule", "SCHEDULES", "schedules_of"]
+__all__ = ["SCHEDULES", "ExpertSchedule", "schedules_of"]
