@@ -48,7 +48,7 @@ def _rank_main(rank, world, init_file, part, args, out_dir):
     try:
         result = PARTS[part](rank, world, args)
         error = None
-    except BaseException as exc:  # noqa: BLE001 - reported by the parent
+    except BaseException:  # noqa: BLE001 - reported by the parent
         import traceback
 
         result, error = None, traceback.format_exc()
@@ -58,8 +58,8 @@ def _rank_main(rank, world, init_file, part, args, out_dir):
 
         ficco.shutdown()
         dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - the result is written already
-        pass
+    except BaseException as exc:  # noqa: BLE001 - the result is written already
+        print(f"rank {rank}: teardown: {type(exc).__name__}: {exc}", file=sys.stderr)
 
 
 def spawn(part: str, world: int, args) -> list:
@@ -81,9 +81,8 @@ def spawn(part: str, world: int, args) -> list:
 def _inputs(op: str, rank: int, world: int, m: int, k: int, n: int, dtype, seed: int):
     """This rank's (a, b) on the GPU and its float64 reference block (on the GPU: a CPU
     float64 GEMM of this size per rank would take minutes), with the rounding scale."""
-    from ..problem import even_split
-
     from ..backends import get_backend
+    from ..problem import even_split
 
     gen = torch.Generator().manual_seed(seed)
     dev = get_backend().device()
@@ -95,10 +94,12 @@ def _inputs(op: str, rank: int, world: int, m: int, k: int, n: int, dtype, seed:
         return shards[rank].to(dev, dtype), b.to(dev, dtype), full @ bd, full.abs() @ bd.abs()
     a_s = [torch.randn(world * m, k, generator=gen) for _ in range(world)]
     b_s = [torch.randn(k, n, generator=gen) for _ in range(world)]
-    ref = scale = 0
+    ref = torch.zeros(world * m, n, dtype=torch.float64, device=dev)
+    scale = torch.zeros_like(ref)
     for a, b in zip(a_s, b_s):
         ad, bd = a.to(dev, dtype).double(), b.to(dev, dtype).double()
-        ref, scale = ref + ad @ bd, scale + ad.abs() @ bd.abs()
+        ref += ad @ bd
+        scale += ad.abs() @ bd.abs()
     start, rows = even_split(world * m, world)[rank]
     return (a_s[rank].to(dev, dtype), b_s[rank].to(dev, dtype), ref[start:start + rows],
             scale[start:start + rows])
@@ -267,8 +268,7 @@ def fit_host_op(rows: list[dict]) -> float:
 
 def _write(out: Path, name: str, rows: list[dict]) -> None:
     with open(out / name, "w") as fh:
-        for row in rows:
-            fh.write(json.dumps(row) + "\n")
+        fh.writelines(json.dumps(row) + "\n" for row in rows)
 
 
 def main(argv=None) -> int:
