@@ -11,6 +11,7 @@ dtypes, the backend and the settings every rank must share (groups: :mod:`ficco.
 from __future__ import annotations
 
 import operator
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,11 +45,99 @@ class Call:
     rank: int = field(init=False)
     group_key: str = field(init=False)      # ficco.group.key(group): caches and messages
     target: str = field(init=False)         # backend.target(): cache keys, the signature
+    #: what the runtime derives from this call's key, shared by every warm call of that key
+    reuse: Reuse = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self.world, self.rank = self.problem.world, self.problem.rank
         self.group_key = group_key(self.group)
         self.target = self.backend.target()
+        self.reuse = Reuse()
+
+    def clone(self, **tensors) -> Call:
+        """This call with other tensors: a warm call of a known key (:func:`known`) takes
+        every checked and derived field of the call that key first produced, sets its own
+        tensors and validates nothing again (the key holds all the checks looked at)."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(tensors)
+        return new
+
+
+class Reuse:
+    """What the runtime derives from a call's key (op, shapes, dtypes, group, backend) and
+    reuses at every warm call of the key (STYLE guideline 11): the agreed signature and digest
+    per settings, the workspace size, the byte offsets of the op's buffers in it."""
+
+    __slots__ = ("offsets", "signed", "workspace_bytes")
+
+    def __init__(self):
+        self.signed: dict = {}          # id(settings) -> (settings, signature, digest)
+        self.workspace_bytes: int | None = None
+        self.offsets: tuple[int, ...] | None = None   # the op spec's
+
+
+# -- warm calls: the canonical Call of a known key, validated once -----------------------------
+_KNOWN_KEPT = 256
+# key -> (a weak reference to the group, or None for no group; the Call without group and
+# tensors). Weak: a destroyed process group must be collected (ficco.guard watches for it).
+_known: dict = {}
+
+
+def key_of(op: str, a, b, group, backend, args: tuple, epilogue: tuple = ()) -> tuple | None:
+    """The key of a call: the op, the type, shape, dtype and device of ``a`` and of each
+    weight (and whether ``b`` was a list), the resolved group and backend, and the op's other
+    arguments (``args``: ints, bools, strings). ``epilogue``: ``(a_scale, b_scale, out_dtype,
+    bias, activation)`` when one is given: how its lists are made, its tensors' types, shapes,
+    dtypes and devices, out_dtype, the activation, and the weights' strides (fp8 GEMMs on
+    GPUs take column-major weights only). That is everything the op's checks and its
+    canonical form depend on, so a call whose key is known passed them already. None when an
+    operand is not a tensor (the full checks say what is wrong)."""
+    try:
+        if isinstance(b, (list, tuple)):
+            weights = (True, *[(type(x), x.shape, x.dtype, x.device) for x in b])
+        else:
+            weights = (type(b), b.shape, b.dtype, b.device)
+        extra = _epilogue_key(b, *epilogue) if epilogue else ()
+        return (op, type(a), a.shape, a.dtype, a.device, weights, id(group), id(backend), *args,
+                *extra)
+    except (AttributeError, TypeError):   # not tensors, or shapes that do not hash (symbolic)
+        return None
+
+
+def _epilogue_key(b, a_scale, b_scale, out_dtype, bias, activation) -> tuple:
+    scales = list(b_scale) if isinstance(b_scale, (list, tuple)) else [b_scale]
+    biases = list(bias) if isinstance(bias, (list, tuple)) else [bias]
+    strides = [x.stride() for x in b] if isinstance(b, (list, tuple)) else [b.stride()]
+    return (type(b_scale), len(scales), type(bias), len(biases), out_dtype, activation, *strides,
+            *[None if t is None else (type(t), t.shape, t.dtype, t.device)
+              for t in [a_scale, *scales, *biases]])
+
+
+def known(key, group) -> Call | None:
+    """The Call (without group and tensors: :meth:`Call.clone` them in) that ``key`` produced
+    for ``group`` before, or None."""
+    try:
+        seen = _known.get(key)
+    except TypeError:    # an argument that does not hash (an activation given as a list)
+        return None
+    if seen is None or (seen[0] is not None and seen[0]() is not group):
+        return None   # (a group that died, whose id a new one took)
+    return seen[1]
+
+
+def remember(key, call: Call, **tensors) -> None:
+    """Keep ``call`` for ``key`` without its group and its tensors (``tensors``: each set to
+    None), so a warm call clones it."""
+    if len(_known) >= _KNOWN_KEPT:
+        _known.clear()
+    ref = None if call.group is None else weakref.ref(call.group)
+    _known[key] = (ref, call.clone(group=None, **tensors))
+
+
+def forget() -> None:
+    """Drop every known call (``ficco.shutdown()``: backends and groups may be gone)."""
+    _known.clear()
 
 
 def normalize_dim(value, ndim: int, name: str) -> int:
@@ -138,9 +227,10 @@ def check_weights(b, a: torch.Tensor, a_name: str, *, k: int | None = None,
     return bs, b_is_list
 
 
-def backend_for(t: torch.Tensor, name: str):
-    """The active backend, checked to run where ``t`` lives."""
-    backend = get_backend()
+def backend_for(t: torch.Tensor, name: str, backend=None):
+    """The active backend (or ``backend``, the one the caller got), checked to run where ``t``
+    lives."""
+    backend = backend or get_backend()
     if t.device.type != backend.device().type:
         from .backends import unavailable_note
 
@@ -180,4 +270,7 @@ def settings(schedule: str | None = None, transport: str | None = None,
         "hardware_queues": (config.hardware_queues("cuda"), config.hardware_queues("rocm")),
         "backward_gather": knobs.get("FICCO_BACKWARD_GATHER"),
         "paper": (low, high),
+        # how long a rank waits, and whether it poisons its buffers: not agreed
+        "timeout_s": knobs["FICCO_TIMEOUT"],
+        "poison": knobs["FICCO_POISON"],
     }

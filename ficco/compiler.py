@@ -22,6 +22,7 @@ when the workspace handle dies or the call brings another handle or other worksp
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import weakref
@@ -402,8 +403,9 @@ class CompiledPlan:
                 if t is None:   # a b without a bias while another b has one
                     out[i] = None
                     continue
-                base = bases[source] = (t, t.shape, t.stride(), t.storage_offset())
-            out[i] = _make_view(base, spec)
+                base = bases[source] = (t, (t.shape, t.stride(), t.storage_offset()))
+            args = _view_args(*base[1], spec)
+            out[i] = base[0] if args is None else base[0].as_strided(*args)
         return out
 
 
@@ -455,29 +457,32 @@ def _clamp(start: int, length: int, size: int) -> tuple[int, int]:
     return lo, max(min(start + length, size) - lo, 0)
 
 
-def _make_view(base, spec) -> torch.Tensor:
-    t, shape, stride, offset = base
+@functools.lru_cache(maxsize=4096)
+def _view_args(shape, stride, offset: int, spec) -> tuple | None:
+    """``as_strided`` arguments of the view ``spec`` (a slot's) of a tensor with this shape,
+    stride and storage offset; None for the tensor itself. Once per geometry: a warm call's
+    views are a cache hit each (the caching allocator mostly returns the same layouts)."""
     kind = spec[0]
     if kind == "whole":   # a tensor-wise scale
-        return t
+        return None
     if kind == "rect":
         _, row0, rows, col0, cols = spec
         r0, nr = _clamp(row0, rows, shape[0])
         c0, nc = _clamp(col0, cols, shape[1])
         if nr == shape[0] and nc == shape[1]:
-            return t   # the whole buffer (serial's input and output): no view to make
-        return t.as_strided((nr, nc), stride, offset + r0 * stride[0] + c0 * stride[1])
+            return None   # the whole buffer (serial's input and output): no view to make
+        return (nr, nc), stride, offset + r0 * stride[0] + c0 * stride[1]
     if kind == "krows":
         _, k0, kc, c0, nc = spec
         whole_rows, whole_cols = k0 == 0 and kc >= shape[0], c0 == 0 and nc >= shape[1]
         if whole_rows and whole_cols:
-            return t   # b[0:K] is b itself: skip making a view per call
+            return None   # b[0:K] is b itself: skip making a view per call
         r0, nr = _clamp(k0, kc, shape[0])
         c0, nc = _clamp(c0, nc, shape[1])
-        return t.as_strided((nr, nc), stride, offset + r0 * stride[0] + c0 * stride[1])
+        return (nr, nc), stride, offset + r0 * stride[0] + c0 * stride[1]
     _, n, rows, cols, row0, col0, spacing = spec
     ld = stride[0]
-    return t.as_strided((n, rows, cols), (spacing * ld, ld, 1), offset + row0 * ld + col0)
+    return (n, rows, cols), (spacing * ld, ld, 1), offset + row0 * ld + col0
 
 
 _compiled: dict[int, CompiledPlan] = {}

@@ -179,10 +179,13 @@ def _overrides_stack() -> list:
 def snapshot() -> tuple:
     """The raw FICCO_* environment and this thread's overrides, as a hashable key: equal
     snapshots read to equal settings (callers memoise validated settings by it)."""
-    overrides = _overrides()
-    environ = os.environ
-    return (tuple([environ.get(env) for env in KNOBS]),
+    stack = getattr(_local, "stack", None)   # (one Python call per call: no helpers)
+    overrides = stack[-1] if stack else None
+    return (tuple(map(os.environ.get, _ENVS)),
             tuple(sorted([(k, repr(v)) for k, v in overrides.items()])) if overrides else ())
+
+
+_ENVS = tuple(KNOBS)
 
 
 # Typed accessors: the names the rest of ficco uses. Each is its knob's bound ``read``, one

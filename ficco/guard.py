@@ -17,7 +17,6 @@ thread from turning into a wrong result.
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
 
@@ -41,36 +40,33 @@ _poisoned: dict = {}       # group id -> (reason, survives shutdown)
 _watched: set = set()      # group ids whose destruction we watch
 
 
-@contextlib.contextmanager
-def serialised(call: Call):
+def enter(call: Call, timeout_s: float) -> threading.Lock:
+    """Start ``call``: wait (bounded by ``timeout_s``) until no other thread runs a call on
+    its group, then refuse the group if an earlier call left it poisoned. Returns the held
+    lock; the caller releases it when the call ends."""
     gid = call.group_key
-    with _lock:
-        lock = _locks.setdefault(gid, threading.Lock())
+    lock = _locks.get(gid)
+    if lock is None:
+        with _lock:
+            lock = _locks.setdefault(gid, threading.Lock())
     if call.group is not None and gid not in _watched:
         _watch(call)
-    timeout_s = config.timeout_s()
     if not lock.acquire(timeout=timeout_s):
         raise CommTimeoutError(
             f"rank {call.rank}: another thread's {call.op.name} call on group {gid} did not "
             f"finish within FICCO_TIMEOUT ({timeout_s:.1f}s); calls on one group run one at "
             f"a time")
-    try:
-        yield
-    finally:
+    entry = _poisoned.get(gid)
+    if entry is not None:
         lock.release()
-
-
-def refuse_if_poisoned(call: Call) -> None:
-    entry = _poisoned.get(call.group_key)
-    if entry is None:
-        return
-    reason, sticky = entry
-    fix = ("destroy this process group (dist.destroy_process_group(group)) and create a new "
-           "one: a collective of the failed call may still be pending in it" if sticky else
-           "call ficco.shutdown() on every rank, then call again")
-    raise PoisonedGroupError(
-        f"rank {call.rank}: an earlier call on group {call.group_key} failed part-way "
-        f"({reason}); ranks may be out of step, so ficco refuses to run on this group: {fix}")
+        reason, sticky = entry
+        fix = ("destroy this process group (dist.destroy_process_group(group)) and create a "
+               "new one: a collective of the failed call may still be pending in it" if sticky
+               else "call ficco.shutdown() on every rank, then call again")
+        raise PoisonedGroupError(
+            f"rank {call.rank}: an earlier call on group {gid} failed part-way ({reason}); "
+            f"ranks may be out of step, so ficco refuses to run on this group: {fix}")
+    return lock
 
 
 def failed(call: Call, exc: BaseException, transport: str | None,

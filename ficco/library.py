@@ -23,6 +23,7 @@ chosen by ``FICCO_BACKWARD_GATHER`` (see :mod:`ficco.config`):
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -42,7 +43,7 @@ from .scaled import activation_fn
 
 # -- layouts -----------------------------------------------------------------------------------
 def restored_layout(moved_shape: Sequence[int], dim: int, rows: int,
-                    cols: int) -> tuple[list[int], list[int]]:
+                    cols: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(shape, stride) of a canonical contiguous ``(rows * prod(moved_shape[1:-1]), cols)``
     matrix viewed as ``(rows, *moved_shape[1:-1], cols)`` with dim 0 moved to ``dim``: the
     layout both ops return (the fake kernels promise it; the real ones are held to it)."""
@@ -54,25 +55,31 @@ def restored_layout(moved_shape: Sequence[int], dim: int, rows: int,
         step *= max(shape[i], 1)
     order = list(range(1, len(shape)))
     order.insert(dim, 0)
-    return [shape[i] for i in order], [stride[i] for i in order]
+    return tuple([shape[i] for i in order]), tuple([stride[i] for i in order])
 
 
-def _moved_shape(a: Tensor, dim: int) -> list[int]:
-    shape = list(a.shape)
-    return [shape[dim], *shape[:dim], *shape[dim + 1:]]
+def _moved_shape(a: Tensor, dim: int) -> tuple:
+    shape = tuple(a.shape)
+    return (shape[dim], *shape[:dim], *shape[dim + 1:])
 
 
-def _held_to(t: Tensor, shape, stride, inputs: Sequence[Tensor]) -> Tensor:
-    """``t`` in exactly ``(shape, stride)`` and sharing no memory with ``inputs`` (custom ops
-    must return fresh tensors); copies only when it is not already so."""
-    ptr = t.untyped_storage().data_ptr()
-    fresh = ptr not in {x.untyped_storage().data_ptr() for x in inputs}
-    same_layout = list(t.shape) == list(shape) and (
-        t.numel() == 0 or list(t.stride()) == list(stride))
-    if fresh and same_layout:
-        return t
-    out = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
-    return out.copy_(t)
+#: restored_layout of the real kernels, whose shapes are ints: once per shape
+_layout = functools.lru_cache(maxsize=256)(restored_layout)
+
+
+def _fresh(ts: Sequence[Tensor], layouts, inputs: Sequence[Tensor]) -> list[Tensor]:
+    """Each of ``ts`` in exactly its ``(shape, stride)`` of ``layouts``, sharing no memory
+    with ``inputs`` or with an earlier one of ``ts`` (custom ops must return fresh tensors);
+    copies only those that are not already so."""
+    taken = {x.untyped_storage().data_ptr() for x in inputs}
+    held = []
+    for t, (shape, stride) in zip(ts, layouts):
+        if (t.untyped_storage().data_ptr() in taken or tuple(t.shape) != tuple(shape)
+                or (t.numel() and tuple(t.stride()) != tuple(stride))):
+            t = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device).copy_(t)
+        taken.add(t.untyped_storage().data_ptr())
+        held.append(t)
+    return held
 
 
 # -- the real kernels: host work, run at call time -----------------------------------------------
@@ -116,22 +123,22 @@ def all_gather_matmul_op(a: Tensor, bs: list[Tensor], group: str, gather_dim: in
     """``(all_gather(a, gather_dim) or an empty tensor, [gathered @ b for b in bs])``, with
     fp8 scales, output dtype, bias per b and an activation (:mod:`ficco.scaled`)."""
     pg = by_name(group)
+    epilogue = {} if (a_scale is None and b_scales is None and biases is None
+                      and out_dtype is None and activation is None) else \
+        _epilogue(a_scale, b_scales, biases, out_dtype, activation)
     out = _run_all_gather_matmul(a, list(bs), pg, gather_dim, schedule, return_gathered,
-                                 **_epilogue(a_scale, b_scales, biases, out_dtype, activation))
+                                 **epilogue)
     gathered, outs = out if return_gathered else (None, out)
     gather_dim %= a.dim()
     _, world = rank_world(pg)
     moved = _moved_shape(a, gather_dim)
     rows = world * moved[0]
-    inputs = [a, *bs]
-    outs = [_held_to(o, *restored_layout(moved, gather_dim, rows, b.shape[1]), inputs)
-            for o, b in zip(outs, bs)]
-    if return_gathered:
-        assert gathered is not None   # the runtime returned (gathered, outs)
-        gathered = _held_to(gathered, *restored_layout(moved, gather_dim, rows, a.shape[-1]),
-                            [*inputs, *outs])
-    else:
-        gathered = a.new_empty(0)
+    layouts = [_layout(moved, gather_dim, rows, b.shape[1]) for b in bs]
+    if not return_gathered:
+        return a.new_empty(0), _fresh(outs, layouts, [a, *bs])
+    assert gathered is not None   # the runtime returned (gathered, outs)
+    *outs, gathered = _fresh([*outs, gathered],
+                             [*layouts, _layout(moved, gather_dim, rows, a.shape[-1])], [a, *bs])
     return gathered, outs
 
 
@@ -162,13 +169,16 @@ def matmul_reduce_scatter_op(a: Tensor, bs: list[Tensor], group: str, scatter_di
                              a_scale: Tensor | None = None, b_scales=None, biases=None,
                              out_dtype: torch.dtype | None = None) -> list[Tensor]:
     """``[reduce_scatter(a @ b, scatter_dim, reduce_op) (+ bias) for b in bs]``."""
-    outs = _run_matmul_reduce_scatter(a, list(bs), by_name(group), scatter_dim, reduce_op,
-                                      schedule, **_epilogue(a_scale, b_scales, biases, out_dtype))
+    pg = by_name(group)
+    epilogue = {} if (a_scale is None and b_scales is None and biases is None
+                      and out_dtype is None) else _epilogue(a_scale, b_scales, biases, out_dtype)
+    outs = _run_matmul_reduce_scatter(a, list(bs), pg, scatter_dim, reduce_op, schedule,
+                                      **epilogue)
     scatter_dim %= a.dim()
     moved = _moved_shape(a, scatter_dim)
-    rows = _scattered_rows(moved[0], group)
-    return [_held_to(o, *restored_layout(moved, scatter_dim, rows, b.shape[1]), [a, *bs])
-            for o, b in zip(outs, bs)]
+    rank, world = rank_world(pg)
+    rows = _scattered_rows(moved[0], rank, world)
+    return _fresh(outs, [_layout(moved, scatter_dim, rows, b.shape[1]) for b in bs], [a, *bs])
 
 
 @matmul_reduce_scatter_op.register_fake
@@ -178,14 +188,13 @@ def _(a, bs, group, scatter_dim, reduce_op, schedule, a_scale=None, b_scales=Non
     check_reduce_scatter_epilogue(a, bs, b_is_list, scatter_dim,
                                   **_epilogue(a_scale, b_scales, biases, out_dtype))
     moved = _moved_shape(a, scatter_dim)
-    rows = _scattered_rows(moved[0], group)
+    rows = _scattered_rows(moved[0], *rank_world_of(group))
     return [a.new_empty_strided(*restored_layout(moved, scatter_dim, rows, b.shape[1]),
                                 dtype=out_dtype or a.dtype) for b in bs]
 
 
-def _scattered_rows(total: int, group: str) -> int:
+def _scattered_rows(total: int, rank: int, world: int) -> int:
     """This rank's rows of ``total``: the chunk rule both ops share (longer pieces first)."""
-    rank, world = rank_world_of(group)
     # problem.even_split's rule, written so a symbolic (dynamic-shape) total works too
     return total // world + (1 if rank < total % world else 0)
 
@@ -200,15 +209,19 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
     tensors on their 1-D mesh (ficco/dtensor.py)."""
     b_is_list = isinstance(b, (list, tuple))
     bs = list(b) if b_is_list else [b]
-    if type(a_shard) not in _PLAIN or any([type(x) not in _PLAIN for x in bs]):  # noqa: C419
-        # (plain tensors skip the DTensor checks: the hot path)
+    plain = type(a_shard) in _PLAIN and not any([type(x) not in _PLAIN for x in bs])  # noqa: C419
+    if not plain:   # (plain tensors skip the DTensor checks: the hot path)
         a_shard, bs, group = _local_operands("all_gather_matmul", a_shard, bs, group,
                                              gather_dim)
         b = bs if b_is_list else bs[0]
-    dim = _plain_int(gather_dim)
-    extra = _op_epilogue(bs, b_is_list, a_scale, b_scale, bias, out_dtype)
-    if (dim is None or not _plain_name(schedule) or not _plain_name(activation) or extra is None
-            or _eager_suffices(a_shard, [*bs, *_tensors(extra)])):
+    if a_scale is None and b_scale is None and bias is None and out_dtype is None:
+        extra, tensors = _NO_EPILOGUE, bs   # the common call: nothing more to look at
+    else:
+        extra, tensors = _epilogue_of(bs, b_is_list, a_scale, b_scale, bias, out_dtype)
+    dim = gather_dim if type(gather_dim) is int else _plain_int(gather_dim)
+    if (dim is None or not (schedule is None or isinstance(schedule, str)) or extra is None
+            or not (activation is None or isinstance(activation, str))
+            or _eager_suffices(a_shard, tensors, plain and tensors is bs)):
         # No autograd, autocast, tracing or tensor subclass involved: the dispatcher would
         # add ~100 us of Python per call and change nothing.
         return _run_all_gather_matmul(a_shard, b, group, gather_dim, schedule, return_gathered,
@@ -216,12 +229,11 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
                                       bias=bias,
                                       **({"activation": activation} if activation else {}))
     name = name_of(group)
-    tensors = [a_shard, *bs, *_tensors(extra)]
-    grads = torch.is_grad_enabled() and any(
-        [isinstance(x, Tensor) and x.requires_grad for x in tensors])  # noqa: C419 - see _PLAIN
+    wants_grad = any([x.requires_grad for x in bs])  # noqa: C419 - see _PLAIN
+    grads = torch.is_grad_enabled() and (wants_grad or a_shard.requires_grad or (
+        tensors is not bs and any([x.requires_grad for x in tensors])))  # noqa: C419
     if grads and a_scale is not None:   # before any communication
         autograd.refuse_fp8_gradients(a_shard, bs, a_scale)
-    wants_grad = any([x.requires_grad for x in bs])  # noqa: C419 - see _PLAIN
     keep = return_gathered or (grads and wants_grad and _backward_gather() == "save")
     # The activation runs inside the op only without a gradient to carry: its backward needs
     # the pre-activation values, which the op does not keep (torch's keeps them, as unfused).
@@ -239,13 +251,18 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
     """``ficco.matmul_reduce_scatter`` through the ``ficco::matmul_reduce_scatter`` op."""
     b_is_list = isinstance(b, (list, tuple))
     bs = list(b) if b_is_list else [b]
-    if type(a) not in _PLAIN or any([type(x) not in _PLAIN for x in bs]):  # noqa: C419
+    plain = type(a) in _PLAIN and not any([type(x) not in _PLAIN for x in bs])  # noqa: C419
+    if not plain:
         a, bs, group = _local_operands("matmul_reduce_scatter", a, bs, group, scatter_dim)
         b = bs if b_is_list else bs[0]
-    dim = _plain_int(scatter_dim)
-    extra = _op_epilogue(bs, b_is_list, a_scale, b_scale, bias, out_dtype)
-    if (dim is None or not isinstance(reduce_op, str) or not _plain_name(schedule)
-            or extra is None or _eager_suffices(a, [*bs, *_tensors(extra)])):
+    if a_scale is None and b_scale is None and bias is None and out_dtype is None:
+        extra, tensors = _NO_EPILOGUE, bs   # the common call: nothing more to look at
+    else:
+        extra, tensors = _epilogue_of(bs, b_is_list, a_scale, b_scale, bias, out_dtype)
+    dim = scatter_dim if type(scatter_dim) is int else _plain_int(scatter_dim)
+    if (dim is None or not isinstance(reduce_op, str) or extra is None
+            or not (schedule is None or isinstance(schedule, str))
+            or _eager_suffices(a, tensors, plain and tensors is bs)):
         return _run_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, schedule,
                                           a_scale=a_scale, b_scale=b_scale,
                                           out_dtype=out_dtype, bias=bias)
@@ -259,12 +276,17 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
 _NO_EPILOGUE = (None, None, None, None)
 
 
+def _epilogue_of(bs, b_is_list, a_scale, b_scale, bias, out_dtype) -> tuple:
+    """``(the epilogue as the ops' schema takes it (see _op_epilogue), the weights and the
+    epilogue's tensors)``."""
+    extra = _op_epilogue(bs, b_is_list, a_scale, b_scale, bias, out_dtype)
+    return extra, [*bs, *_tensors(extra)] if extra is not None else [*bs]
+
+
 def _op_epilogue(bs, b_is_list, a_scale, b_scale, bias, out_dtype):
     """(a_scale, b_scales, biases, out_dtype) as the ops' schema takes them (lists, one entry
     per b), or None when they do not fit it (the eager path's validation then names what is
     wrong)."""
-    if a_scale is None and b_scale is None and bias is None and out_dtype is None:
-        return _NO_EPILOGUE   # the common call: nothing to look at
     def as_list(value, optional):
         if value is None:
             return None
@@ -309,19 +331,18 @@ def _plain_int(value):
     return int(value)
 
 
-def _plain_name(value) -> bool:
-    return value is None or isinstance(value, str)
-
-
-def _eager_suffices(a, bs) -> bool:
+def _eager_suffices(a, bs, plain: bool = False) -> bool:
+    """Whether the op's dispatcher would add nothing: no autograd, autocast, tracing or tensor
+    subclass. ``plain``: ``a`` and every one of ``bs`` are known to be plain tensors."""
     if torch.compiler.is_compiling():
         return False
-    if type(a) not in _PLAIN or any([type(x) not in _PLAIN for x in bs]):  # noqa: C419 - see _PLAIN
+    if not plain and (type(a) not in _PLAIN
+                      or any([type(x) not in _PLAIN for x in bs])):  # noqa: C419 - see _PLAIN
         # subclasses (FakeTensor, FunctionalTensor, ...) need the op; non-tensors get the
         # eager path's argument errors
         return not isinstance(a, Tensor) or not all(isinstance(x, Tensor) for x in bs)
-    wants_grad = any([x.requires_grad for x in bs])  # noqa: C419 - see _PLAIN
-    if torch.is_grad_enabled() and (a.requires_grad or wants_grad):
+    if torch.is_grad_enabled() and (
+            a.requires_grad or any([x.requires_grad for x in bs])):  # noqa: C419 - see _PLAIN
         return False
     return not (torch.is_autocast_enabled(a.device.type)
                 or torch._C._len_torch_dispatch_stack()

@@ -22,6 +22,7 @@ from collections import OrderedDict
 from . import agreement, config, guard, profiling, schedules
 from .backends import close_all
 from .call import Call
+from .call import forget as forget_known_calls
 from .call import settings as read_settings
 from .config import TRANSPORT_SETTINGS
 from .errors import ConfigError, InvalidArgumentError
@@ -48,7 +49,8 @@ def settings(call: Call, schedule: str | None = None, transport: str | None = No
              selector: str | None = None) -> dict:
     """Every setting of this call, validated before any communication: env values, the forced
     schedule (against the op's schedules), the transport, the device profile. Remembered per
-    (environment, overrides, arguments): a repeated call costs one snapshot of FICCO_* values."""
+    (environment, overrides, arguments): a repeated call costs one snapshot of FICCO_* values.
+    (A forced schedule is checked against the call's epilogue by :func:`signed`.)"""
     key = (config.snapshot(), call.op.name, call.target, call.world > 1, schedule,
            transport, selector)
     s = _settings_seen.get(key)
@@ -57,10 +59,6 @@ def settings(call: Call, schedule: str | None = None, transport: str | None = No
         if len(_settings_seen) >= 256:
             _settings_seen.clear()
         _settings_seen[key] = s
-    if s["schedule"] is not None and call.world > 1:   # per call: the key has no Problem
-        why = epilogue_reason(s["schedule"], call.problem)
-        if why:
-            raise InvalidArgumentError(f"schedule {s['schedule']!r} cannot run this call: {why}")
     return s
 
 
@@ -91,10 +89,33 @@ def _settings(call: Call, schedule, transport, selector) -> dict:
     return s
 
 
+#: Settings that change how long or how loudly a rank works, not what it computes: not agreed.
+_NOT_AGREED = frozenset({"schedule_by", "timeout_s", "poison"})
+
+
 def signature(call: Call, s: dict) -> dict:
     """What every rank must share for this call: the op's fields and the settings."""
-    agreed = {k: v for k, v in s.items() if k != "schedule_by"}
+    agreed = {k: v for k, v in s.items() if k not in _NOT_AGREED}
     return {**call.op.signature(call), **agreed}
+
+
+def signed(call: Call, s: dict) -> tuple[dict, int]:
+    """``(signature, digest)`` of ``call`` under settings ``s``, a forced schedule checked
+    against the call's epilogue first (no communication yet): made once per (call key,
+    settings) and then looked up, since both depend on nothing else."""
+    seen = call.reuse.signed.get(id(s))
+    if seen is not None and seen[0] is s:   # (the entry holds s: its id is not reused)
+        return seen[1], seen[2]
+    if s["schedule"] is not None and call.world > 1:
+        why = epilogue_reason(s["schedule"], call.problem)
+        if why:
+            raise InvalidArgumentError(f"schedule {s['schedule']!r} cannot run this call: {why}")
+    sig = signature(call, s)
+    word = agreement.digest(sig)
+    if len(call.reuse.signed) >= 16:
+        call.reuse.signed.clear()
+    call.reuse.signed[id(s)] = (s, sig, word)
+    return sig, word
 
 
 # -- running ----------------------------------------------------------------------------------------
@@ -117,17 +138,17 @@ def _run(call: Call, schedule, transport, selector):
     s = settings(call, schedule, transport, selector)
     if call.world == 1:
         return call.op.plain(call)
-    with guard.serialised(call):
-        guard.refuse_if_poisoned(call)
+    lock = guard.enter(call, s["timeout_s"])   # one call per group at a time; not poisoned
+    try:
         workspace.settle(call.backend)   # before any communication of this call
-        sig = signature(call, s)
-        word = agreement.digest(sig)
+        sig, word = signed(call, s)
         stage = {"transport": None, "schedule": None, "step": "the first-call agreement"}
         try:
             same_host = agreement.confirm_same_call(call.group, call.rank, call.world, sig,
                                                     call.op.name, word)
-            stage["step"] = "the exchange of the call's data"
-            call, word = call.op.exchange(call, word)   # e.g. expert routing counts
+            if call.op.exchanges:
+                stage["step"] = "the exchange of the call's data"
+                call, word = call.op.exchange(call, word)   # e.g. expert routing counts
             stage["step"] = None
             if s["disable"] or call.plain_only:
                 stage.update(transport="ccl", schedule="plain",
@@ -142,7 +163,8 @@ def _run(call: Call, schedule, transport, selector):
             if decision.transport == "ccl":
                 guard.check_word_ccl(call, word)
             stage["step"] = None      # from here the executor names the plan step
-            buffers, _, _ = execute(call, decision.schedule, decision.transport, word=word)
+            buffers, _, _ = execute(call, decision.schedule, decision.transport, word=word,
+                                    settings=s)
             return call.op.result(call, buffers, decision.transport)
         except BaseException as exc:
             named = guard.failed(call, exc, stage["transport"], stage["schedule"],
@@ -150,6 +172,8 @@ def _run(call: Call, schedule, transport, selector):
             if named is exc:
                 raise
             raise named from exc
+    finally:
+        lock.release()
 
 
 def candidate_transports(setting: str, same_host: bool) -> tuple[str, ...]:
@@ -187,10 +211,12 @@ def decide(call: Call, s: dict, same_host: bool):
     return decision
 
 
-def plan_for(call_or_op, name: str, transport: str, problem):
-    """The (cached, LRU) Plan of schedule ``name`` for ``problem``."""
+def plan_for(call_or_op, name: str, transport: str, problem, engines=...):
+    """The (cached, LRU) Plan of schedule ``name`` for ``problem``; ``engines``: the
+    FICCO_COPY_ENGINES value the call read (default: read it now)."""
     op = getattr(call_or_op, "op", call_or_op)
-    engines = config.copy_engines()
+    if engines is ...:
+        engines = config.copy_engines()
     key = (op.name, name, transport, problem, engines)
     with _plans_lock:
         plan = _plans.get(key)
@@ -213,28 +239,35 @@ def plan_for(call_or_op, name: str, transport: str, problem):
 
 
 def execute(call: Call, name: str, transport: str, trace: bool = False,
-            word: int | None = None):
+            word: int | None = None, settings: dict | None = None):
     """Run schedule ``name`` over ``transport`` once: returns (buffers, plan, trace rows).
     With ``word`` (the call's digest) a dma run's barriers carry its call flag, so ranks making
     different calls raise MismatchError on every rank at the plan's first barrier (see
-    :mod:`ficco.symm_mem.barrier`); without it (benchmarks) every rank uses the same flag."""
-    p = call.problem
-    workspace.settle(call.backend)       # an earlier failed call's queues drained first
-    plan = plan_for(call, name, transport, p)
+    :mod:`ficco.symm_mem.barrier`); without it (benchmarks) every rank uses the same flag.
+    ``settings``: the call's (:func:`settings`), else the knobs are read now. The caller has
+    settled the backend's queues (``workspace.settle``)."""
+    if settings is None:
+        engines, poison, timeout_s = config.copy_engines(), config.poison(), config.timeout_s()
+    else:
+        engines, poison, timeout_s = _RUNNING(settings)
+    plan = plan_for(call, name, transport, call.problem, engines)
     _last.run = (name, transport)
     symm = None
     if transport == "dma":
-        # Before allocating or enqueuing: a capture the backend cannot replay, or an error
-        # the group owes from an earlier call (GPUs), is raised with nothing sent.
-        call.backend.before_dma(workspace.current(call.group, call.backend))
-        symm = workspace.get(call.group, call.backend, call.op.workspace_bytes(call))
+        nbytes = call.reuse.workspace_bytes
+        if nbytes is None:
+            nbytes = call.reuse.workspace_bytes = call.op.workspace_bytes(call)
+        if call.backend.guards_dma:
+            # Before allocating or enqueuing: a capture the backend cannot replay, or an error
+            # the group owes from an earlier call (GPUs), is raised with nothing sent.
+            call.backend.before_dma(workspace.current(call.group, call.backend))
+        symm = workspace.get(call.group, call.backend, nbytes, call.group_key)
         symm.call_flag = call_flag(word)
     buffers = call.op.buffers(call, transport, symm, wide=plan.wide_outputs())
-    if config.poison():
+    if poison:
         call.op.poison(buffers)
     try:
-        rows = execute_plan(plan, call.backend, buffers, timeout_s=config.timeout_s(),
-                            trace=trace)
+        rows = execute_plan(plan, call.backend, buffers, timeout_s=timeout_s, trace=trace)
     except BaseException:
         if transport == "ccl" and call.backend.name == "cpu":
             # No workspace in use; a collective stuck on a late peer would hold the error
@@ -247,10 +280,13 @@ def execute(call: Call, name: str, transport: str, trace: bool = False,
         workspace.drain(call.backend, cancel=True)
         workspace.drop(call.group, call.backend)
         raise
-    if symm is not None:
+    if symm is not None and call.backend.guards_dma:
         # GPUs: NaN instead of data if the watchdog had to release one of this call's barriers.
         call.backend.fence([*buffers.outs, buffers.gathered], symm)
     return buffers, plan, rows
+
+
+_RUNNING = operator.itemgetter("copy_engines", "poison", "timeout_s")
 
 
 def measure(call: Call, name: str, transport: str, warmup: int = 2, repeat: int = 5) -> float:
@@ -272,21 +308,25 @@ def traced(call: Call, schedule: str, transport: str | None = None):
     """One run with a forced schedule: ``(result, plan, rows)``, rows being this rank's
     measured per-op ``{op_index, queue, kind, label, start_s, end_s}`` (for timelines)."""
     s = settings(call, schedule, transport)
-    with guard.serialised(call):
-        guard.refuse_if_poisoned(call)
-        try:
-            same_host = agreement.confirm_same_call(
-                call.group, call.rank, call.world, signature(call, s), call.op.name) \
-                if call.world > 1 else True
-            if call.world > 1:
-                call, _ = call.op.exchange(call, agreement.digest(signature(call, s)))
-            via = candidate_transports(s["transport"], same_host)[0]
-            buffers, plan, rows = execute(call, call.op.schedule(schedule).name, via, trace=True)
-        except BaseException as exc:
-            named = guard.failed(call, exc, None)
-            if named is exc:
-                raise
-            raise named from exc
+    sig, word = signed(call, s)
+    lock = guard.enter(call, s["timeout_s"])
+    try:
+        workspace.settle(call.backend)
+        same_host = agreement.confirm_same_call(
+            call.group, call.rank, call.world, sig, call.op.name, word) \
+            if call.world > 1 else True
+        if call.world > 1 and call.op.exchanges:
+            call, _ = call.op.exchange(call, word)
+        via = candidate_transports(s["transport"], same_host)[0]
+        buffers, plan, rows = execute(call, call.op.schedule(schedule).name, via, trace=True,
+                                      settings=s)
+    except BaseException as exc:
+        named = guard.failed(call, exc, None)
+        if named is exc:
+            raise
+        raise named from exc
+    finally:
+        lock.release()
     return call.op.result(call, buffers, via), plan, rows or []
 
 
@@ -302,7 +342,8 @@ def explain(call: Call, schedule: str | None = None):
     from .heuristics import choose
 
     s = settings(call, schedule)
-    known = agreement.known(call.group, signature(call, s)) if call.world > 1 else True
+    sig, _ = signed(call, s)
+    known = agreement.known(call.group, sig) if call.world > 1 else True
     transports = candidate_transports(s["transport"], True if known is None else known)
 
     def not_measured(name):
@@ -347,5 +388,6 @@ def shutdown() -> None:
     with _decisions_lock:
         _decisions.clear()
     agreement.forget()
+    forget_known_calls()
     guard.reset()
     close_all()

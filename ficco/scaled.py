@@ -31,6 +31,7 @@ True
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,12 @@ class Operands:
     @property
     def bias(self) -> bool:
         return self.biases.count(None) < len(self.biases)   # (no Python call per bias)
+
+    def without_tensors(self) -> Operands:
+        """This epilogue with no tensors: what a call key keeps (:func:`rebound` puts a warm
+        call's in)."""
+        return dataclasses.replace(self, a_scale=None, b_scales=(),
+                                   biases=(None,) * len(self.biases))
 
     def problem_fields(self, a_dtype: torch.dtype) -> dict:
         """The :class:`~ficco.problem.Problem` fields of this epilogue."""
@@ -167,10 +174,8 @@ def _scales(a, bs, a_scale, b_scale, rows_of, a_name, b_is_list):
     rows_shape = tuple(a.shape[:-1]) + (1,)
     if tuple(a_scale.shape) == rows_shape:
         scaling = "row"
-        sa = rows_of(a_scale).float().contiguous()
     elif a_scale.numel() == 1:
         scaling = "tensor"
-        sa = a_scale.reshape(())
     else:
         raise InvalidArgumentError(
             f"a_scale has shape {tuple(a_scale.shape)}; use one element (tensor-wise) or "
@@ -189,8 +194,36 @@ def _scales(a, bs, a_scale, b_scale, rows_of, a_name, b_is_list):
             raise InvalidArgumentError(
                 f"{name} has shape {tuple(sb.shape)} but a_scale is tensor-wise (one "
                 f"element); give b one scale too, or a_scale one per row {rows_shape}")
-        sbs.append(sb.reshape(1, n).contiguous() if scaling == "row" else sb.reshape(()))
-    return scaling, sa, tuple(sbs)
+        sbs.append(sb)
+    return (scaling, _canonical_a_scale(scaling, a_scale, rows_of),
+            _canonical_b_scales(scaling, bs, sbs))
+
+
+def _canonical_a_scale(scaling: str, a_scale, rows_of):
+    """``a_scale`` as :class:`Operands` holds it: ``(rows, 1)`` float32 (row-wise, in the
+    canonical A's row order), one element (tensor-wise), None (no scaling)."""
+    if scaling == "row":
+        return rows_of(a_scale).float().contiguous()
+    return a_scale.reshape(()) if scaling else None
+
+
+def _canonical_b_scales(scaling: str, bs, scales) -> tuple:
+    if scaling == "row":
+        return tuple([sb.reshape(1, bj.shape[1]).contiguous() for bj, sb in zip(bs, scales)])
+    return tuple([sb.reshape(()) for sb in scales])
+
+
+def rebound(ops: Operands, bs: list, *, rows_of, a_scale=None, b_scale=None, bias=None,
+            b_is_list: bool = False, **_) -> Operands:
+    """``ops``, made by :func:`operands` for a call whose epilogue arguments had the types,
+    shapes, dtypes and devices of these (a warm call: ``ficco.call.key_of``), now holding
+    this call's tensors in the same canonical form; nothing is checked again."""
+    count = len(bs)
+    scales = _as_list(b_scale, count, b_is_list, "b_scale") if ops.scaling else ()
+    biases = tuple([None if v is None else v.view(1, bj.shape[1])
+                    for bj, v in zip(bs, _as_list(bias, count, b_is_list, "bias"))])
+    return Operands(ops.out_dtype, ops.scaling, _canonical_a_scale(ops.scaling, a_scale, rows_of),
+                    _canonical_b_scales(ops.scaling, bs, scales), biases, ops.activation)
 
 
 def _biases(a, bs, bias, b_is_list, dtypes) -> tuple:

@@ -176,3 +176,74 @@ def test_problem_properties_read_per_call_are_computed_once():
     assert (p.reduces, p.big_m, p.n_total, p.itemsize, p.block_rows) == (True, 10, 8, 4, 3)
     assert {"reduces", "big_m", "n_total", "itemsize", "block_rows"} <= set(vars(p))
     assert dataclasses.replace(p, rank=3).block_rows == 2      # a copy computes its own
+
+
+def _fp8(t):
+    return t.to(torch.float8_e4m3fn)
+
+
+def test_a_warm_call_checks_nothing_again_and_computes_with_its_own_tensors(monkeypatch):
+    """Issue 24 item 5: the canonical Call of a key (op, shapes, dtypes, devices, group,
+    backend, the other arguments) is made once; a warm call of that key runs no check again
+    but computes with its own operands, scales and bias (fresh values every call)."""
+    from ficco.ops import all_gather_matmul as ag
+    from ficco.ops import matmul_reduce_scatter as rs
+
+    ficco.shutdown()
+    checked = []
+    for module in (ag, rs):
+        real = module.check_arguments
+        monkeypatch.setattr(module, "check_arguments",
+                            lambda *x, real=real: checked.append(1) or real(*x))
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    for step in range(3):
+        a, b = torch.randn(2, 3, 16, generator=gen), torch.randn(16, 8, generator=gen)
+        a_scale = torch.rand(2, 3, 1, generator=gen) + 0.5        # row-wise
+        b_scale, bias = torch.rand(1, 8, generator=gen) + 0.5, torch.randn(8, generator=gen)
+        out = ficco.all_gather_matmul(_fp8(a), _fp8(b), gather_dim=1, a_scale=a_scale,
+                                      b_scale=b_scale, bias=bias, out_dtype=torch.float32)
+        want = (_fp8(a).double() * a_scale.double()) @ (_fp8(b).double() * b_scale.double()) \
+            + bias.double()
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+        c = torch.randn(5, 16, generator=gen)
+        got = ficco.matmul_reduce_scatter(c, b, bias=bias)
+        torch.testing.assert_close(got.double(), c.double() @ b.double() + bias.double(),
+                                   rtol=1e-5, atol=1e-5)
+        assert len(checked) == 2, (step, checked)    # the first call of each key only
+    ficco.all_gather_matmul(torch.randn(3, 16), b)  # another shape: another key, checked
+    assert len(checked) == 3
+    for _ in range(2):                              # a call that fails its checks stays unknown
+        with pytest.raises(ficco.errors.InvalidArgumentError, match="rows"):
+            ficco.all_gather_matmul(torch.randn(3, 16), torch.randn(15, 8))
+    assert len(checked) == 5
+
+
+def _group_released(rank, world, seed):
+    """A group used by warm calls, then destroyed: collected (ficco keeps no reference to
+    it), and a new group's calls compute right."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    gen = torch.Generator().manual_seed(seed + rank)
+    group = dist.new_group(list(range(world)))
+    a, b = torch.randn(4, 8, generator=gen), torch.randn(8, 3, generator=torch.Generator())
+    for _ in range(3):
+        out = ficco.all_gather_matmul(a, b, group)
+    whole = torch.empty(world * 4, 8)
+    dist.all_gather_into_tensor(whole, a)
+    good = torch.allclose(out, whole @ b, atol=1e-5)
+    ref = weakref.ref(group)
+    dist.destroy_process_group(group)
+    del group
+    gc.collect()
+    again = dist.new_group(list(range(world)))
+    out = ficco.all_gather_matmul(a, b, again)
+    dist.destroy_process_group(again)
+    return ref() is None, good and torch.allclose(out, whole @ b, atol=1e-5)
+
+
+def test_a_known_call_keeps_no_destroyed_group_alive():
+    for collected, right in harness.pool(2).run(_group_released, random.randrange(1 << 30)):
+        assert collected and right

@@ -1,6 +1,6 @@
 """The contract every backend fulfils, whole: the executor, compiler, kernels and runtime call
 a backend only through what this class declares (never ``getattr(backend, ...)``). Methods a
-backend may skip have a default here; the three class flags say which optional fast paths the
+backend may skip have a default here; the class flags say which optional fast paths the
 executor may take. Vendor files implement only this; the executor, the schedules, the barrier
 protocol (:mod:`ficco.symm_mem.barrier`) and symmetric-memory bookkeeping live above it, once.
 
@@ -37,6 +37,9 @@ class Backend(ABC):
     #: 2-D peer copies run on DMA engines (ROCm: no, ``hipMemcpy2DAsync`` uses compute units);
     #: the device profile's ``copy_2d_on_dma`` follows it.
     copy_2d_on_dma: ClassVar[bool] = True
+    #: :meth:`before_dma` and :meth:`fence` have work to do (GPUs: a released barrier's error
+    #: is raised or fenced after the call that hit it returned); else the runtime skips them.
+    guards_dma: ClassVar[bool] = False
 
     # -- availability -----------------------------------------------------------------------
     @classmethod

@@ -11,10 +11,13 @@ Per warm call it reports
 - ``all calls``: every profiled call (torch's Python included, C functions too);
 - ``json.dumps`` / ``pickle``: serialisations (a warm call should make none).
 
-Cases: ``all_gather_matmul`` and ``matmul_reduce_scatter`` (no autograd: the direct path) and
-``ColumnParallelLinear`` forward with trainable weights (through ``torch.ops.ficco``, the
-dispatcher and autograd). The slowest rank's numbers are printed (they differ by a few calls
-at most: a barrier may poll once more on one rank).
+Cases: ``all_gather_matmul`` and ``matmul_reduce_scatter`` (no autograd: the direct path),
+``ColumnParallelLinear`` forward with trainable weights and ``RowParallelLinear`` forward with
+trainable weights and its bias (through ``torch.ops.ficco``, the dispatcher and autograd), and
+``all_gather_matmul fp8+bias``: float8_e4m3fn operands with tensor-wise scales, a bfloat16
+output and a bias (the epilogue's checks run in full at every call). The slowest rank's
+numbers are printed (they differ by a few calls at most: a barrier may poll once more on one
+rank).
 """
 from __future__ import annotations
 
@@ -25,12 +28,14 @@ import tempfile
 from pathlib import Path
 
 EXAMPLES = """examples:
-  python -m ficco.bench calls                     # W=2, the three cases, 20 warm calls each
+  python -m ficco.bench calls                     # W=2, the five cases, 20 warm calls each
   python -m ficco.bench calls --top 25            # and the 25 ficco functions called most
   python -m ficco.bench calls --schedule hetero-fused-1d --transport dma
 """
 
-CASES = ("all_gather_matmul", "matmul_reduce_scatter", "ColumnParallelLinear")
+CASES = ("all_gather_matmul", "matmul_reduce_scatter", "ColumnParallelLinear",
+         "RowParallelLinear", "all_gather_matmul fp8+bias")
+LAYERS = ("ColumnParallelLinear", "RowParallelLinear")   # no schedule argument
 PACKAGE = str(Path(__file__).resolve().parents[1])
 
 
@@ -88,8 +93,19 @@ def _case(name, rank, world, m, n, k):
     if name == "matmul_reduce_scatter":
         a, b = torch.randn(world * m, k, generator=gen), torch.randn(k, n, generator=gen)
         return lambda schedule: ficco.matmul_reduce_scatter(a, b, schedule=schedule)
-    from ficco.nn import ColumnParallelLinear
+    if name == "all_gather_matmul fp8+bias":
+        e4m3, one = torch.float8_e4m3fn, torch.tensor(1.0)
+        a8 = torch.randn(m, k, generator=gen).to(e4m3)
+        b8, bias = torch.randn(k, n, generator=gen).to(e4m3), torch.randn(n, generator=gen)
+        return lambda schedule: ficco.all_gather_matmul(
+            a8, b8, schedule=schedule, a_scale=one, b_scale=one, out_dtype=torch.bfloat16,
+            bias=bias)
+    from ficco.nn import ColumnParallelLinear, RowParallelLinear
 
+    if name == "RowParallelLinear":
+        row = RowParallelLinear(world * k, n)
+        x = torch.randn(world * m, k, generator=gen)
+        return lambda schedule: row(x)
     layer = ColumnParallelLinear(k, world * n, bias=False)
     x = torch.randn(m, k, generator=gen)
     return lambda schedule: layer(x)
@@ -110,7 +126,7 @@ def _rank(rank, world, init_file, args, results):
     with ficco.config.scope(**({"transport": args["transport"]} if args["transport"] else {})):
         for name in CASES:
             call = _case(name, rank, world, m, n, k)
-            schedule = None if name == "ColumnParallelLinear" else args["schedule"]
+            schedule = None if name in LAYERS else args["schedule"]
             for _ in range(args["warmup"]):
                 call(schedule)
             dist.barrier()
@@ -153,11 +169,11 @@ def main(args) -> int:
                     args.transport)
     print(f"warm calls, W={args.world}, cpu backend, shape m,n,K={args.shape}, "
           f"{args.calls} profiled after {args.warmup}; per call, slowest rank:")
-    print(f"{'case':<24} {'ficco calls':>11} {'all calls':>10} {'json.dumps':>10} "
+    print(f"{'case':<28} {'ficco calls':>11} {'all calls':>10} {'json.dumps':>10} "
           f"{'pickle':>7}  ran")
     for name, row in worst.items():
         ran = "/".join(row["ran"]) if row["ran"] else "plain"
-        print(f"{name:<24} {row['ficco']:>11.1f} {row['all']:>10.1f} {row['json']:>10.1f} "
+        print(f"{name:<28} {row['ficco']:>11.1f} {row['all']:>10.1f} {row['json']:>10.1f} "
               f"{row['pickle']:>7.1f}  {ran}")
     for name, row in worst.items():
         if args.top:

@@ -43,6 +43,8 @@ class ExpertCall(Call):
 class ExpertSpec(OpSpec):
     """What both expert-parallel ops share; subclasses say which way rows move."""
 
+    exchanges = True    # the routing counts (exchange)
+
     # -- the call ---------------------------------------------------------------------------
     def prepare(self, inp, counts, w, group=None, *, routing=None, send_counts=None,
                 return_received=False) -> ExpertCall:

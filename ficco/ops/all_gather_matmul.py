@@ -13,11 +13,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..backends import get_backend
 from ..buffers import Buffers
-from ..call import Call, backend_for, check_tensor, check_weights, row_dim
+from ..call import Call, backend_for, check_tensor, check_weights, key_of, known, remember, row_dim
 from ..group import rank_world, resolve
 from ..problem import Problem, dtype_name
-from ..scaled import Operands, finish, gemm_into, operands, wide_dtype
+from ..scaled import Operands, finish, gemm_into, operands, rebound, wide_dtype
 from ..symm_mem import aligned
 from .base import OpSpec
 
@@ -49,14 +50,18 @@ def check_arguments(a_shard, b, gather_dim) -> tuple[int, list, bool]:
     return gather_dim, bs, b_is_list
 
 
+def _rows_of(gather_dim: int):
+    """Tensors shaped like a_shard's rows as canonical rows: gather_dim first, leading dims
+    flattened, as the op spec does with a_shard."""
+    return lambda t: t.movedim(gather_dim, 0).reshape(-1, t.shape[-1])
+
+
 def check_epilogue(a_shard, bs, b_is_list, gather_dim, **epilogue) -> Operands:
     """The one check of the fp8 scales, out_dtype, bias and activation (:mod:`ficco.scaled`),
     for the eager path and the fake kernel alike; ``gather_dim`` as :func:`check_arguments`
     returns it."""
-    def rows_of(t):   # like a_shard's rows: gather_dim first, leading dims flattened
-        return t.movedim(gather_dim, 0).reshape(-1, t.shape[-1])
-    return operands(a_shard, bs, rows_of=rows_of, a_name="a_shard", b_is_list=b_is_list,
-                    **epilogue)
+    return operands(a_shard, bs, rows_of=_rows_of(gather_dim), a_name="a_shard",
+                    b_is_list=b_is_list, **epilogue)
 
 
 class AllGatherMatmul(OpSpec):
@@ -65,13 +70,24 @@ class AllGatherMatmul(OpSpec):
     def prepare(self, a_shard, b, group=None, gather_dim=0, return_gathered=False, *,
                 a_scale=None, b_scale=None, out_dtype=None, bias=None, activation=None
                 ) -> AllGatherMatmulCall:
+        backend = key = None
+        if type(gather_dim) is int and (return_gathered is True or return_gathered is False):
+            group, backend = resolve(group), get_backend()
+            epilogue = () if (a_scale is None and b_scale is None and out_dtype is None
+                              and bias is None and not activation) else \
+                (a_scale, b_scale, out_dtype, bias, activation)
+            key = key_of(self.name, a_shard, b, group, backend, (gather_dim, return_gathered),
+                         epilogue)
+            seen = known(key, group)
+            if seen is not None:   # a warm call: checked and derived when the key was new
+                return self._warm(seen, group, a_shard, b, epilogue)
         gather_dim, bs, b_is_list = check_arguments(a_shard, b, gather_dim)
         ops = check_epilogue(a_shard, bs, b_is_list, gather_dim, a_scale=a_scale,
                              b_scale=b_scale, out_dtype=out_dtype, bias=bias,
                              activation=activation)
         k = a_shard.shape[-1]
-        backend = backend_for(a_shard, "a_shard")
-        group = resolve(group)
+        backend = backend_for(a_shard, "a_shard", backend)
+        group = resolve(group)   # (already, on a call that may become warm)
         rank, world = rank_world(group)
         moved = a_shard.movedim(gather_dim, 0)
         m = moved.numel() // k
@@ -82,11 +98,28 @@ class AllGatherMatmul(OpSpec):
         problem = Problem(m=m, k=k, ns=ns if min(ns) > 0 else tuple([max(n, 1) for n in ns]),
                           dtype=dtype_name(a_shard.dtype), world=world, rank=rank,
                           **ops.problem_fields(a_shard.dtype))
-        return AllGatherMatmulCall(self, problem, group, backend, m == 0 or min(ns) == 0,
+        call = AllGatherMatmulCall(self, problem, group, backend, m == 0 or min(ns) == 0,
                                    a=moved.reshape(m, k), bs=bs,
                                    b_is_list=b_is_list, moved_shape=tuple(moved.shape),
                                    gather_dim=gather_dim, return_gathered=bool(return_gathered),
                                    ns=ns, ops=ops)
+        if key is not None:
+            remember(key, call, a=None, bs=None, ops=ops.without_tensors())
+        return call
+
+    def _warm(self, seen: AllGatherMatmulCall, group, a_shard, b,
+              epilogue: tuple) -> AllGatherMatmulCall:
+        """A call of a known key: ``seen``'s checked and derived fields, with this call's
+        group and tensors (``epilogue``'s put in canonical form)."""
+        p = seen.problem
+        bs = list(b) if seen.b_is_list else [b]
+        ops = seen.ops
+        if epilogue:
+            a_scale, b_scale, _, bias, _ = epilogue
+            ops = rebound(ops, bs, rows_of=_rows_of(seen.gather_dim), a_scale=a_scale,
+                          b_scale=b_scale, bias=bias, b_is_list=seen.b_is_list)
+        return seen.clone(group=group, bs=bs, ops=ops,
+                          a=a_shard.movedim(seen.gather_dim, 0).reshape(p.m, p.k))
 
     def signature(self, call: AllGatherMatmulCall) -> dict:
         return {**super().signature(call), "gather_dim": call.gather_dim,
@@ -139,7 +172,8 @@ class AllGatherMatmul(OpSpec):
             if row:
                 scales = torch.empty(p.big_m, 1, dtype=torch.float32, device=dev)
         return Buffers(call.a, call.bs, outs, gathered, symm, call.group, a_scale=ops.a_scale,
-                       gathered_scale=scales, gathered_scale_offset=self._scale_offset(p),
+                       gathered_scale=scales,
+                       gathered_scale_offset=self._scale_offset(p) if row else 0,
                        b_scales=ops.b_scales, biases=ops.biases, wide=wide)
 
     def poison(self, buffers: Buffers) -> None:
@@ -158,19 +192,18 @@ class AllGatherMatmul(OpSpec):
         return self._finish(call, outs, buffers.gathered, owned=buffers.symm is None)
 
     def _finish(self, call: AllGatherMatmulCall, outs, gathered, owned: bool):
-        results = [_restore(call, o) for o in outs]
+        # Canonical (M, x) back to the caller's layout: gathered dim at gather_dim.
+        moved, dim = call.moved_shape, call.gather_dim
+        lead = (call.problem.world * moved[0], *moved[1:-1])
+        results = [o.view(*lead, o.shape[-1]).movedim(0, dim) for o in outs]
         out = results if call.b_is_list else results[0]
         if not call.return_gathered:
             return out
         if call.problem.world == 1:
-            return call.a.view(call.moved_shape).movedim(0, call.gather_dim), out
-        return _restore(call, gathered if owned else gathered.clone()), out
-
-
-def _restore(call: AllGatherMatmulCall, canon: torch.Tensor) -> torch.Tensor:
-    """Canonical ``(M, x)`` back to the caller's layout: gathered dim at ``gather_dim``."""
-    lead = (call.problem.world * call.moved_shape[0], *call.moved_shape[1:-1])
-    return canon.view(*lead, canon.shape[-1]).movedim(0, call.gather_dim)
+            return call.a.view(moved).movedim(0, dim), out
+        if not owned:
+            gathered = gathered.clone()
+        return gathered.view(*lead, gathered.shape[-1]).movedim(0, dim), out
 
 
 def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group) -> None:

@@ -25,6 +25,8 @@ from ..call import Call
 class OpSpec(ABC):
     #: the op's public name, also the ``op`` of its Problems and cache keys
     name: ClassVar[str]
+    #: whether :meth:`exchange` has data to exchange (the runtime calls it only then)
+    exchanges: ClassVar[bool] = False
 
     # -- schedules ----------------------------------------------------------------------------
     def schedule(self, name: str):

@@ -16,12 +16,23 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..backends import get_backend
 from ..buffers import Buffers
-from ..call import Call, backend_for, check_tensor, check_weights, normalize_dim, row_dim
+from ..call import (
+    Call,
+    backend_for,
+    check_tensor,
+    check_weights,
+    key_of,
+    known,
+    normalize_dim,
+    remember,
+    row_dim,
+)
 from ..errors import InvalidArgumentError
 from ..group import rank_world, resolve
 from ..problem import MATMUL_REDUCE_SCATTER, REDUCE_OPS, Problem, dtype_name
-from ..scaled import Operands, finish, gemm_into, operands, wide_dtype
+from ..scaled import Operands, finish, gemm_into, operands, rebound, wide_dtype
 from ..symm_mem import aligned
 from .base import OpSpec
 
@@ -35,12 +46,8 @@ class MatmulReduceScatterCall(Call):
     scatter_dim: int = 0
     ns: tuple = ()                  # the caller's n_j (0 allowed: an empty result)
     ops: Operands = None            # fp8 scales, out_dtype, bias
-
-    @property
-    def partial_dtype(self) -> torch.dtype:
-        """The dtype partial products travel in: the output's, float32 for an fp8 output."""
-        out = self.ops.out_dtype
-        return out if out.itemsize >= 2 else torch.float32
+    #: the dtype partial products travel in: the output's, float32 for an fp8 output
+    partial_dtype: torch.dtype = torch.float32
 
 
 def check_arguments(a, b, scatter_dim, reduce_op) -> tuple[int, list, bool]:
@@ -61,12 +68,16 @@ def check_arguments(a, b, scatter_dim, reduce_op) -> tuple[int, list, bool]:
     return scatter_dim, bs, b_is_list
 
 
+def _rows_of(scatter_dim: int):
+    """Tensors shaped like a's rows as canonical rows: scatter_dim first, leading dims
+    flattened, as the op spec does with a."""
+    return lambda t: t.movedim(scatter_dim, 0).reshape(-1, t.shape[-1])
+
+
 def check_epilogue(a, bs, b_is_list, scatter_dim, **epilogue) -> Operands:
     """The one check of the fp8 scales, out_dtype and bias (:mod:`ficco.scaled`), for the eager
     path and the fake kernel alike; ``scatter_dim`` as :func:`check_arguments` returns it."""
-    def rows_of(t):   # like a's rows: scatter_dim first, leading dims flattened
-        return t.movedim(scatter_dim, 0).reshape(-1, t.shape[-1])
-    return operands(a, bs, rows_of=rows_of, a_name="a", b_is_list=b_is_list,
+    return operands(a, bs, rows_of=_rows_of(scatter_dim), a_name="a", b_is_list=b_is_list,
                     allow_activation=False, **epilogue)
 
 
@@ -75,12 +86,21 @@ class MatmulReduceScatter(OpSpec):
 
     def prepare(self, a, b, group=None, scatter_dim=0, reduce_op="sum", *, a_scale=None,
                 b_scale=None, out_dtype=None, bias=None) -> MatmulReduceScatterCall:
+        backend = key = None
+        if type(scatter_dim) is int and type(reduce_op) is str:
+            group, backend = resolve(group), get_backend()
+            epilogue = () if (a_scale is None and b_scale is None and out_dtype is None
+                              and bias is None) else (a_scale, b_scale, out_dtype, bias, None)
+            key = key_of(self.name, a, b, group, backend, (scatter_dim, reduce_op), epilogue)
+            seen = known(key, group)
+            if seen is not None:   # a warm call: checked and derived when the key was new
+                return self._warm(seen, group, a, b, epilogue)
         scatter_dim, bs, b_is_list = check_arguments(a, b, scatter_dim, reduce_op)
         ops = check_epilogue(a, bs, b_is_list, scatter_dim, a_scale=a_scale, b_scale=b_scale,
                              out_dtype=out_dtype, bias=bias)
         k = a.shape[-1]
-        backend = backend_for(a, "a")
-        group = resolve(group)
+        backend = backend_for(a, "a", backend)
+        group = resolve(group)   # (already, on a call that may become warm)
         rank, world = rank_world(group)
         moved = a.movedim(scatter_dim, 0)
         unit = math.prod(moved.shape[1:-1])
@@ -91,10 +111,28 @@ class MatmulReduceScatter(OpSpec):
                           world=world, rank=rank, op=MATMUL_REDUCE_SCATTER, unit=max(unit, 1),
                           reduce_op=reduce_op, **ops.problem_fields(a.dtype))
         # Nothing to overlap without rows or columns: agreed, then the plain path.
-        return MatmulReduceScatterCall(self, problem, group, backend, m == 0 or min(ns) == 0,
+        call = MatmulReduceScatterCall(self, problem, group, backend, m == 0 or min(ns) == 0,
                                        a=moved.reshape(m, k), bs=bs, b_is_list=b_is_list,
                                        moved_shape=tuple(moved.shape), scatter_dim=scatter_dim,
-                                       ns=ns, ops=ops)
+                                       ns=ns, ops=ops, partial_dtype=ops.out_dtype
+                                       if ops.out_dtype.itemsize >= 2 else torch.float32)
+        if key is not None:
+            remember(key, call, a=None, bs=None, ops=ops.without_tensors())
+        return call
+
+    def _warm(self, seen: MatmulReduceScatterCall, group, a, b,
+              epilogue: tuple) -> MatmulReduceScatterCall:
+        """A call of a known key: ``seen``'s checked and derived fields, with this call's
+        group and tensors (``epilogue``'s put in canonical form)."""
+        p = seen.problem
+        bs = list(b) if seen.b_is_list else [b]
+        ops = seen.ops
+        if epilogue:
+            a_scale, b_scale, _, bias, _ = epilogue
+            ops = rebound(ops, bs, rows_of=_rows_of(seen.scatter_dim), a_scale=a_scale,
+                          b_scale=b_scale, bias=bias, b_is_list=seen.b_is_list)
+        return seen.clone(group=group, bs=bs, ops=ops,
+                          a=a.movedim(seen.scatter_dim, 0).reshape(p.m, p.k))
 
     def signature(self, call: MatmulReduceScatterCall) -> dict:
         return {**super().signature(call), "scatter_dim": call.scatter_dim,
@@ -126,13 +164,17 @@ class MatmulReduceScatter(OpSpec):
             outs.append(finish(wide, ops.out_dtype, bias))
         return self._finish(call, outs)
 
-    def offsets(self, call: MatmulReduceScatterCall) -> list[int]:
-        """Byte offset of each partial buffer in the workspace (aligned)."""
-        p, out, at = call.problem, [], 0
-        for n in p.ns:
-            out.append(at)
-            at += aligned(p.m * n * p.partial_itemsize)
-        return out + [at]
+    def offsets(self, call: MatmulReduceScatterCall) -> tuple[int, ...]:
+        """Byte offset of each partial buffer in the workspace (aligned), then its size: once
+        per call key."""
+        offsets = call.reuse.offsets
+        if offsets is None:
+            p, out, at = call.problem, [], 0
+            for n in p.ns:
+                out.append(at)
+                at += aligned(p.m * n * p.partial_itemsize)
+            offsets = call.reuse.offsets = (*out, at)
+        return offsets
 
     def workspace_bytes(self, call: MatmulReduceScatterCall) -> int:
         return self.offsets(call)[-1]

@@ -31,12 +31,12 @@ def key_of(group, backend) -> tuple:
     return (group_key(group), backend.name)
 
 
-def get(group, backend, nbytes: int):
-    """The workspace of (``group``, ``backend``) holding at least ``nbytes`` per rank.
-    Collective when it (re)allocates: every rank grows at the
-    same call because every rank agreed on the same problem first."""
+def get(group, backend, nbytes: int, gid: str | None = None):
+    """The workspace of (``group``, ``backend``) holding at least ``nbytes`` per rank
+    (``gid``: the group's key, when the caller has it). Collective when it (re)allocates:
+    every rank grows at the same call because every rank agreed on the same problem first."""
     nbytes = aligned(nbytes)
-    key = key_of(group, backend)
+    key = (group_key(group) if gid is None else gid, backend.name)
     with _lock:
         handle = _workspaces.get(key)
         if handle is not None and handle.nbytes >= nbytes:

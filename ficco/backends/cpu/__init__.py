@@ -133,6 +133,9 @@ class CpuBackend(Backend):
     def new_event(self):
         return CpuEvent()
 
+    def plan_events(self, compiled, count):
+        return [CpuEvent() for _ in range(count)]   # fresh every call: an event fires once
+
     def record(self, event, queue):
         queue.fifo.put((event.set, _inference_mode()))
 
