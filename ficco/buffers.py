@@ -6,11 +6,14 @@ them imports another for it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from .expert.context import ExpertContext
 
 
 @dataclass
@@ -20,7 +23,11 @@ class Buffers:
     ``partials[j]`` this rank's ``M x n_j`` partial products (at byte ``partial_offsets[j]``
     of the workspace with ``dma``) and ``recvs[j]`` the landing buffer of the peers' partials.
     ``symm`` is the symmetric handle whose buffers hold every peer's ``gathered`` or
-    ``partials`` (None with ``ccl``)."""
+    ``partials`` (None with ``ccl``); ``group`` the process group ``ccl`` collectives run on.
+    Expert parallelism: ``expert`` is the call's routing and row buffers, which its host tasks
+    size their work from at launch (its plans never name rows, :mod:`ficco.expert.tasks`).
+
+    Every host task is called ``task(views, buffers, args)`` and reads the fields it needs."""
 
     a: torch.Tensor
     bs: list[torch.Tensor]
@@ -32,6 +39,7 @@ class Buffers:
     recvs: list[torch.Tensor] = field(default_factory=list)
     partial_offsets: tuple[int, ...] = ()
     flags: torch.Tensor | None = None   # arrival flags of gated plans (execute() zeroes them)
+    expert: ExpertContext | None = None
     _peers: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
     def peer(self, peer: int, buf: str = "gathered", index: int = 0) -> torch.Tensor:

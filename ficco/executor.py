@@ -98,7 +98,7 @@ def _run(steps, backend, buffers, queues, events, v, timeout_s) -> None:
             backend.launch(queues[q], gated_task(backend, y[0], y[1], v[x[0]], v[x[1]],
                                                  v[x[2]], v[x[3]], buffers.flags, timeout_s))
         else:   # LAUNCH or LAUNCH_HERE: a host task (a reduction, a collective)
-            task = x(v, buffers.group, y)
+            task = x(v, buffers, y)
             task.ficco_step = z      # the queue names it if the task fails or hangs
             try:
                 if code == LAUNCH_HERE:
