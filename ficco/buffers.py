@@ -24,8 +24,12 @@ class Buffers:
     of the workspace with ``dma``) and ``recvs[j]`` the landing buffer of the peers' partials.
     ``symm`` is the symmetric handle whose buffers hold every peer's ``gathered`` or
     ``partials`` (None with ``ccl``); ``group`` the process group ``ccl`` collectives run on.
-    Expert parallelism: ``expert`` is the call's routing and row buffers, which its host tasks
-    size their work from at launch (its plans never name rows, :mod:`ficco.expert.tasks`).
+    fp8 and epilogues (:mod:`ficco.scaled`): ``a_scale`` (the canonical input's, ``m x 1``
+    row-wise or one element), ``gathered_scale`` (row-wise all-gather: ``M x 1`` at byte
+    ``gathered_scale_offset`` of the workspace with ``dma``), ``b_scales`` and ``biases``
+    (``1 x n_j`` or None) per b; ``wide``: the outputs are float32 partial sums the op rounds
+    once. Expert parallelism: ``expert`` is the call's routing and row buffers, which its host
+    tasks size their work from at launch (its plans never name rows, :mod:`ficco.expert`).
 
     Every host task is called ``task(views, buffers, args)`` and reads the fields it needs."""
 
@@ -39,6 +43,12 @@ class Buffers:
     recvs: list[torch.Tensor] = field(default_factory=list)
     partial_offsets: tuple[int, ...] = ()
     flags: torch.Tensor | None = None   # arrival flags of gated plans (execute() zeroes them)
+    a_scale: torch.Tensor | None = None
+    gathered_scale: torch.Tensor | None = None
+    gathered_scale_offset: int = 0
+    b_scales: tuple = ()
+    biases: tuple = ()
+    wide: bool = False
     expert: ExpertContext | None = None
     _peers: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
@@ -52,9 +62,13 @@ class Buffers:
             mine, offset = self.local(buf, index), 0
             if buf == "partial":
                 offset = self.partial_offsets[index] if self.partial_offsets else 0
+            elif buf == "gathered_scale":
+                offset = self.gathered_scale_offset
             self._peers[key] = self.symm.get_buffer(peer, tuple(mine.shape), mine.dtype, offset)
         return self._peers[key]
 
     def local(self, buf: str, index: int = 0) -> torch.Tensor:
         """This rank's copy of symmetric buffer ``buf``."""
+        if buf == "gathered_scale":
+            return self.gathered_scale
         return self.gathered if buf == "gathered" else self.partials[index]

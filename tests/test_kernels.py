@@ -78,6 +78,30 @@ def test_gated_gemm_matches_float64(dtype, two_d, world):
     assert max_row_rel_err(c, _reference(a, b)) <= ROW_TOL[dtype], f"seed {seed}"
 
 
+@pytest.mark.parametrize("programs", [1, 2, 5])
+@pytest.mark.parametrize("two_d", [False, True])
+def test_persistent_grid_smaller_than_the_tiles_computes_every_tile(programs, two_d):
+    """Issue 25 item 1: GPU launches cap the grid below the device's SMs/CUs, so each
+    program walks several tiles (pid, pid + grid, ... in arrival order); every tile is still
+    computed once, right, whatever the cap."""
+    from ficco.kernels import configs
+
+    seed = random.randrange(1 << 30)
+    gen = torch.Generator().manual_seed(seed)
+    world, m, k, n, rank = 3, 40, 37, 70, 2        # 32x32 tiles: more tiles than programs
+    a = torch.randn(world * m, k, generator=gen)
+    b = torch.randn(k, n, generator=gen)
+    c = torch.full((world * m, n), float("nan"))
+    segs = (_segments_2d(world, rank, m, _split(k, world)) if two_d
+            else _segments_1d(world, rank, m, k, _split(m, world)))
+    flags = torch.ones(world * world, dtype=torch.int32)
+    local = a[rank * m:(rank + 1) * m].clone()
+    check_error(gated_gemm(local, a, b, c, segs, flags, local_row0=rank * m,
+                           max_programs=programs))
+    assert max_row_rel_err(c, _reference(a, b)) <= ROW_TOL[torch.float32], f"seed {seed}"
+    assert configs.resident_programs(132) == 128 and configs.resident_programs(1) == 1
+
+
 def test_wait_past_budget_raises_naming_the_chunk():
     """A flag that never comes: the kernel gives up after its spin budget (it never hangs),
     skips only the tiles that needed it, and the host error names the chunk."""
@@ -283,10 +307,10 @@ def test_kernel_benchmark_code_path_runs_in_the_interpreter(tmp_path):
     a script bug; its times mean nothing and are not looked at."""
     import json
 
-    from ficco.kernels.bench import main
+    from ficco.bench.kernels import run
 
     out = tmp_path / "rows.json"
-    assert main(["kernel", "--interpret", "--shape", "48,64,40", "--world", "4", "--dtype",
+    assert run(["kernel", "--interpret", "--shape", "48,64,40", "--world", "4", "--dtype",
                  "bfloat16", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [r["variant"] for r in rows] == ["1d", "2d"]
@@ -294,14 +318,14 @@ def test_kernel_benchmark_code_path_runs_in_the_interpreter(tmp_path):
 
 
 def test_one_device_timeline_command_runs_on_cpu(tmp_path):
-    """``python -m ficco.kernels.bench timeline`` (the GPU session's one-call check) runs end
+    """``python -m ficco.bench kernels timeline`` (the GPU session's one-call check) runs end
     to end here: W ranks spawned on the one device, a traced gated call, its result within
     float32 rounding of float64, a mark per tile, none before its flag's signal op."""
     import json
 
-    from ficco.kernels.bench import main
+    from ficco.bench.kernels import run
 
-    code = main(["timeline", "--world", "2", "--shape", "64,40,24", "--no-plots",
+    code = run(["timeline", "--world", "2", "--shape", "64,40,24", "--no-plots",
                  "--out", str(tmp_path), "--warmup", "0", "--seed", str(random.randrange(99))])
     assert code == 0
     record = json.loads((tmp_path / "timeline.json").read_text())

@@ -14,6 +14,7 @@ import importlib
 import importlib.util
 import sys
 
+from ..__main__ import version
 from ..errors import FiccoError
 from .cli import BenchUsageError, report_usage_error
 
@@ -25,6 +26,8 @@ VERBS = {
                 "(run under torchrun)",
     "validate": "hold the simulator against the paper's Table I picks and published results",
     "calls": "count the Python calls and serialisations of one warm call inside ficco",
+    "overhead": "host time to enqueue one W=8 call per op and schedule (null backend or a GPU)",
+    "kernels": "the gated GEMM alone: vs torch.matmul, one-device timelines, offline compile",
 }
 
 
@@ -54,6 +57,7 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         epilog="examples:\n  python -m ficco.bench simulate --profile h100\n"
                "  python -m ficco.bench characterize\n"
                "  torchrun --nproc-per-node 2 -m ficco.bench sweep --shape 2048,1024,1024")
+    parser.add_argument("--version", action="version", version=version())
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for name, help_text in available.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text,

@@ -12,6 +12,8 @@ pick). No GPU needed::
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import time
 from pathlib import Path
@@ -57,7 +59,12 @@ def add_arguments(parser) -> None:
                              "over the world, K); repeatable")
     parser.add_argument("--world", type=int, default=8, help="group size W")
     parser.add_argument("--dtype", default="bfloat16",
-                        choices=["bfloat16", "float16", "float32", "float64"])
+                        choices=["bfloat16", "float16", "float32", "float64", "float8_e4m3fn",
+                                 "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"],
+                        help="the operands' dtype; fp8 runs row-wise scaled with bfloat16 "
+                             "outputs (--scaling tensor for one scale each)")
+    parser.add_argument("--scaling", default="row", choices=["row", "tensor"],
+                        help="fp8 scales (docs/fp8.md); ignored for other dtypes")
     parser.add_argument("--scale", type=int, default=1, help="divide every M by this")
     parser.add_argument("--transport", default="dma", choices=["dma", "ccl"])
     parser.add_argument("--topology", default=None, choices=list(profiles.TOPOLOGIES),
@@ -68,6 +75,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--graph", action="store_true",
                         help="price CUDA-graph replays: no host enqueue time per plan op "
                              "(the profile's host_op_s set to 0)")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the summary as markdown tables (what the docs quote): per "
+                             "scenario the paper rule's, the fastest and the selector's pick "
+                             "with their simulated speedups, the band and what it costs")
     parser.add_argument("--host-op-us", default=None, metavar="LIST",
                         help="also print the selector's pick at each of these host costs per "
                              "plan op, in us (e.g. 0,1,2,3,5,8,14): where eager picks flip")
@@ -124,10 +135,12 @@ def _op(args) -> str:
 def _problem(args, big_m: int, n: int, k: int):
     """The Problem of one layer GEMM (M, N, K) for the chosen op: all-gather splits N over the
     world, reduce-scatter splits K (each rank holds its K-shard of the weight)."""
+    fp8 = {"scaling": getattr(args, "scaling", "row"), "out_dtype": "bfloat16"} \
+        if args.dtype.startswith("float8") else {}
     if _op(args) == "matmul_reduce_scatter":
         return Problem(big_m, max(k // args.world, 1), (n,), args.dtype, args.world,
-                       op="matmul_reduce_scatter")
-    return gemm_problem(big_m, n, k, args.world, args.dtype)
+                       op="matmul_reduce_scatter", **fp8)
+    return dataclasses.replace(gemm_problem(big_m, n, k, args.world, args.dtype), **fp8)
 
 
 def _llama(args) -> list[tuple[str, tuple[int, int, int]]]:
@@ -246,6 +259,53 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def markdown(report: dict) -> str:
+    """The docs' tables: per scenario the simulated speedup over serial (dma) of the paper
+    rule's pick, of the fastest schedule and of the selector's pick (over dma or ccl, kept
+    only above the band), the band and what it costs; then the picks by host time per op."""
+    op = report.get("op", "all_gather_matmul")
+    names = report.get("schedules") or schedules.names(op=op)
+    lines = [f"simulated on {report['profile']} ({report['topology']}), W={report['world']}, "
+             f"{report['dtype']}; speedups over serial over {report['transport']}", "",
+             "| GEMM (M, N, K) | serial ms | " + " | ".join(names) + " |",
+             "|---|---:|" + "---:|" * len(names)]
+    for sc in report["scenarios"]:
+        best = max(names, key=lambda n: sc["speedup"][n])
+        lines.append(f"| {sc['name']} ({sc['M']}, {sc['N']}, {sc['K']}) | "
+                     f"{sc['times_s']['serial'] * 1e3:.3f} | "
+                     + " | ".join((f"**{sc['speedup'][n]:.2f}**" if n == best
+                                   else f"{sc['speedup'][n]:.2f}") for n in names) + " |")
+    lines += ["", "| GEMM (M, N, K) | serial ms | ideal | paper | fastest | selector | gain "
+                  "| band | cost |", "|---|---:|---:|---|---|---|---:|---:|---:|"]
+    for sc in report["scenarios"]:
+        sel, serial_s = sc["selector"], sc["times_s"]["serial"]
+
+        def cell(name, transport=report["transport"], time_s=None):
+            time_s = time_s if time_s is not None else sc["times_s"].get(name)
+            return f"{name} ({serial_s / time_s:.2f}x)" if time_s else name
+
+        paper = sc["picks"]["paper"]
+        paper_cell = cell(paper) if paper in sc["times_s"] else "-"
+        chosen = cell(sel["schedule"], time_s=sel["time_s"]) + \
+            ("" if sel["transport"] == report["transport"] else f" over {sel['transport']}")
+        lines.append(f"| {sc['name']} ({sc['M']}, {sc['N']}, {sc['K']}) | {serial_s * 1e3:.3f} "
+                     f"| {sc['ideal_speedup']:.2f}x | {paper_cell} | {cell(sc['picks']['model'])} "
+                     f"| {chosen} | {sel['gain']:.0%} | \u00b1{sel['band']:.0%} "
+                     f"| {sel['cost']:.0%} |")
+    costs = [sc for sc in report["scenarios"] if sc.get("selector_by_host_op_us")]
+    if costs:
+        values = list(costs[0]["selector_by_host_op_us"])
+        lines += ["", f"{op}: the selector's pick (simulated gain over the best serial) by host "
+                      f"time per plan op", "",
+                  "| GEMM | " + " | ".join(f"{v} us" for v in values) + " |",
+                  "|---|" + "---|" * len(values)]
+        for sc in costs:
+            cells = [f"{p['schedule']}{'' if p['transport'] == 'dma' else ' (ccl)'} "
+                     f"{p['gain']:+.0%}" for p in sc["selector_by_host_op_us"].values()]
+            lines.append(f"| {sc['name']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def draw(report: dict, args, out_dir: Path) -> list[Path]:
     from .gantt import draw_gantt
 
@@ -275,7 +335,7 @@ def main(args) -> int:
     out_dir = run_dir("simulate", report["profile"], args.out, stamp=False)
     out_dir.mkdir(parents=True, exist_ok=True)
     text = table(report)
-    print(text)
+    print(markdown(report) if getattr(args, "markdown", False) else text)
     (out_dir / "table.txt").write_text(text + "\n")
     (out_dir / "simulate.json").write_text(json.dumps(report, indent=1) + "\n")
     pngs = [] if args.no_png else draw(report, args, out_dir)

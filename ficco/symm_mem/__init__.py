@@ -43,6 +43,13 @@ class SymmHandle(ABC):
     world: int
     nbytes: int
     backend: Any
+    #: GPUs: the group's error slot and error word (:class:`ficco.symm_mem.fault.GroupFault`);
+    #: None where a failed barrier raises from the call itself (the CPU backend)
+    fault: Any = None
+    #: GPUs: :class:`ficco.symm_mem.host_pads.HostPads` when the signal pads are host memory
+    host_pads: Any = None
+    #: GPUs: set once a graph captured a barrier on this handle (kept mapped until exit)
+    captured: bool = False
 
     def _init_signals(self, backend) -> None:
         self.backend = backend

@@ -72,9 +72,10 @@ class SignalOp:
     def met(self, seen: int) -> bool:
         return seen == self.value if self.exact else seen >= self.value
 
-    def foreign(self, seen: int) -> bool:
-        """A flag-mode slot holding another call's flag: a peer making another call."""
-        return self.exact and seen != 0 and seen != self.value
+    def foreign(self, seen: int | None) -> bool:
+        """A flag-mode slot holding another call's flag: a peer making another call (None:
+        the slot could not be read)."""
+        return self.exact and seen is not None and seen != 0 and seen != self.value
 
 
 class Deadline:
@@ -131,11 +132,28 @@ class Deadline:
             return mismatch
         peers = [p for p, _ in late]
         values = [v for _, v in late]
+        held = "whose signal slots could not be read" if None in values else \
+            f"whose signal slots held {values}"
         return CommTimeoutError(
             f"rank {self.rank}{where}: barrier channel {self.channel} (waiting for value "
-            f"{self.target}) waited {self.timeout_s:.1f}s for rank(s) {peers or '?'} whose "
-            f"signal slots held {values}; they are dead, stuck, or called with other arguments. "
+            f"{self.target}) waited {self.timeout_s:.1f}s for rank(s) {peers or '?'} {held}; "
+            f"they are dead, stuck, or called with other arguments. "
             f"Raise FICCO_TIMEOUT if they are only slow")
+
+
+    def given_up(self, by: int | None, late: list[tuple[int, int | None]]) -> CommTimeoutError:
+        """The error of a barrier released before its deadline because its group had already
+        failed on this rank: ``by`` the rank that gave up first (None: this rank, at an
+        earlier barrier), ``late`` the peers not arrived here either."""
+        where = f" at step {self.step}" if self.step is not None and self.step >= 0 else ""
+        who = "an earlier barrier of this rank" if by is None else f"rank {by}"
+        peers = [p for p, _ in late]
+        return CommTimeoutError(
+            f"rank {self.rank}{where}: barrier channel {self.channel} was released without "
+            f"waiting: {who} gave up on this group (a barrier passed FICCO_TIMEOUT)"
+            + (f"; rank(s) {peers} had not reached this barrier either" if peers else "")
+            + ". Nothing this rank computed since is returned: call ficco.shutdown() on every "
+              "rank, then call again")
 
 
 def _check_channel(handle, channel: int) -> None:
@@ -192,8 +210,8 @@ def _deadline(handle, channel, step, timeout_s, target, program) -> Deadline:
 
 
 def plan_barrier(backend, handle, channel: int, queue, timeout_s: float, step: int) -> None:
-    """A plan's barrier (flag mode), ordered on ``queue``. The executor calls it through
-    ``backend.barrier``.
+    """A plan's barrier (flag mode), ordered on ``queue``: the executor calls it for a plan's
+    barrier step, and it enqueues the program through ``backend.signal_batch``.
 
     >>> from ficco.backends.cpu import CpuBackend
     >>> backend = CpuBackend()
