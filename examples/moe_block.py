@@ -113,7 +113,7 @@ def main():
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         torch.set_default_device("cuda")
     compiled = "--compile" in sys.argv[1:]
     loss_diff, weight_diff, losses = parity(rank, world, seed=0, compiled=compiled)

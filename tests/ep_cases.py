@@ -184,7 +184,7 @@ def gradcheck_round_trip(rank, world, experts, plan, seed):
                     for e in range(q * experts, (q + 1) * experts)) for q in range(world))
     failures = []
     for schedule, transport in plan:
-        def f(x, w, w2):
+        def f(x, w, w2, schedule=schedule):
             y, recv = ficco.all_to_all_grouped_mm(_Mine.apply(x, rank, mine), counts[rank],
                                                   _Mine.apply(w, rank, experts),
                                                   schedule=schedule)

@@ -16,13 +16,30 @@ import torch
 import ficco
 from ficco import schedules
 from ficco.errors import InvalidArgumentError
-from ficco.expert.problem import (COMBINE, DISPATCH, ExpertProblem, Layout, bucket,
-                                  representative, summary)
+from ficco.expert.problem import (
+    COMBINE,
+    DISPATCH,
+    ExpertProblem,
+    Layout,
+    bucket,
+    representative,
+    summary,
+)
 from ficco.plan import Barrier
 
 from . import harness
-from .ep_cases import (DTYPES, EP_OPS, bad_counts_on_one_rank, bad_inputs, disagree, ep_matrix,
-                       explain_and_choose, gradcheck_round_trip, make_case, send_counts_skip)
+from .ep_cases import (
+    DTYPES,
+    EP_OPS,
+    bad_counts_on_one_rank,
+    bad_inputs,
+    disagree,
+    ep_matrix,
+    explain_and_choose,
+    gradcheck_round_trip,
+    make_case,
+    send_counts_skip,
+)
 from .reference import ROW_TOL, max_row_rel_err
 
 NAMES = schedules.names(op=DISPATCH)
@@ -93,8 +110,8 @@ def test_every_rank_meets_the_same_barriers(op, transport):
 
 def test_hetero_dispatch_starts_with_its_own_block_and_combine_ends_with_it():
     p = ExpertProblem(8, 4, 2, "float32", 4, 2)
-    first = [o for o in schedules.get("hetero-fused-1d", op=DISPATCH).plan(p, "dma").ops
-             if o.kind == "expert_gemm"][0]
+    first = next(o for o in schedules.get("hetero-fused-1d", op=DISPATCH).plan(p, "dma").ops
+                 if o.kind == "expert_gemm")
     assert first.sources == (2,) and first.chunk is None
     q = ExpertProblem(8, 4, 2, "float32", 4, 2, op=COMBINE)
     last = [o for o in schedules.get("hetero-fused-1d", op=COMBINE).plan(q, "dma").ops
@@ -110,7 +127,7 @@ def test_2d_plans_cut_the_moved_columns(op):
     for name in ("uniform-fused-2d", "hetero-unfused-2d"):
         for transport in ("dma", "ccl"):
             # K = 3 (dispatch) or n = 3 (combine) over W = 4: chunk 3 has no columns
-            problem = dict(k=3, n=5) if op == DISPATCH else dict(k=5, n=3)
+            problem = {"k": 3, "n": 5} if op == DISPATCH else {"k": 5, "n": 3}
             plans = [schedules.get(name, op=op).plan(
                 ExpertProblem(**problem, experts=2, dtype="bfloat16", world=4, rank=r, op=op),
                 transport) for r in range(4)]
@@ -275,7 +292,11 @@ def test_table_i_expert_gemms_are_priced_as_all_to_all():
     """validate's g13-g16 rows: the dispatch moves 1/W of the all-gather reading's bytes (uniform
     routing: every rank keeps its own 1/W), its GEMM has the same FLOPs, and every dispatch
     schedule is priced."""
-    from ficco.bench.validate_expert import EXPERT_GEMMS, expert_rows, table_i_expert_problem
+    from ficco.bench.validate_expert import (
+        EXPERT_GEMMS,
+        expert_rows,
+        table_i_expert_problem,
+    )
     from ficco.heuristics.scenarios import table_i_problem
 
     for name in EXPERT_GEMMS:

@@ -22,8 +22,6 @@ rank may load.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -45,7 +43,7 @@ def _counts_tensor(counts) -> Tensor:
 # -- the ops ------------------------------------------------------------------------------------
 @torch.library.custom_op("ficco::all_to_all_grouped_mm", mutates_args=())
 def dispatch_op(x: Tensor, counts: Tensor, ws: list[Tensor], group: str,
-                schedule: Optional[str], routing: Optional[Tensor], return_received: bool
+                schedule: str | None, routing: Tensor | None, return_received: bool
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(y, recv_counts, received or an empty tensor, routing)``."""
     call = DISPATCH_SPEC.prepare(x, counts, ws, groups.by_name(group), routing=routing,
@@ -71,8 +69,8 @@ def _(x, counts, ws, group, schedule, routing, return_received):
 
 @torch.library.custom_op("ficco::grouped_mm_all_to_all", mutates_args=())
 def combine_op(h: Tensor, recv_counts: Tensor, ws: list[Tensor], group: str,
-               schedule: Optional[str], routing: Optional[Tensor],
-               send_counts: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+               schedule: str | None, routing: Tensor | None,
+               send_counts: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """``(z, routing, this rank's row of the routing)``: the counts of z's rows, what the
     backward's dispatch takes."""
     call = COMBINE_SPEC.prepare(h, recv_counts, ws, groups.by_name(group), routing=routing,

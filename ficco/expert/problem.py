@@ -179,7 +179,7 @@ def representative(world: int, experts: int, mean_rows: int, ratio: float):
     """A W x E matrix with ``summary`` ``(mean_rows, ratio)``: every entry ``mean_rows``, and
     global expert 0 (rank 0's first) ``ratio`` times that from every source: the slow rank a
     skewed router makes."""
-    hot = int(round(mean_rows * ratio))
+    hot = round(mean_rows * ratio)
     return tuple(tuple(hot if e == 0 else mean_rows for e in range(world * experts))
                  for _ in range(world))
 

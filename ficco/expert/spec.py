@@ -23,8 +23,8 @@ from ..ops.base import OpSpec
 from ..problem import dtype_name
 from ..symm_mem import aligned
 from . import routing
-from .problem import COMBINE, DISPATCH, ExpertProblem, Layout
 from .context import ExpertContext
+from .problem import COMBINE, DISPATCH, ExpertProblem, Layout
 from .tasks import exchange_task, gemm_task, grouped_mm_runs
 
 
@@ -168,7 +168,7 @@ class ExpertSpec(OpSpec):
         order = [exchange_task, gemm_task] if self.name == DISPATCH else [gemm_task, exchange_task]
         if call.world == 1:
             order = [gemm_task]
-        from .plan_ops import Exchange, GroupedGemm   # plan ops name what the tasks do
+        from .plan_ops import Exchange, GroupedGemm  # plan ops name what the tasks do
 
         op_of = {exchange_task: Exchange("comm", None),
                  gemm_task: GroupedGemm("compute", tuple(range(call.world)), None)}

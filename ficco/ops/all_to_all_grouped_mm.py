@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from ..expert import routing
+from ..expert.context import ExpertContext
 from ..expert.problem import DISPATCH
 from ..expert.spec import ExpertCall, ExpertSpec
-from ..expert.context import ExpertContext
 
 
 class AllToAllGroupedMm(ExpertSpec):

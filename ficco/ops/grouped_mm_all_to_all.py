@@ -14,9 +14,9 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ..expert import routing
+from ..expert.context import ExpertContext
 from ..expert.problem import COMBINE
 from ..expert.spec import ExpertCall, ExpertSpec
-from ..expert.context import ExpertContext
 
 
 class GroupedMmAllToAll(ExpertSpec):

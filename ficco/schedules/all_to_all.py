@@ -151,7 +151,7 @@ class ExpertSchedule:
             mine = () if own_first else (r,)
             # 2d: every chunk after the first adds its partial products (the own block of
             # hetero was written whole, before the first chunk)
-            gemm = dict(step=_n(c), two_d=two_d, accumulate=two_d and c != steps[0])
+            gemm = {"step": _n(c), "two_d": two_d, "accumulate": two_d and c != steps[0]}
             if not self.chunked:           # serial: everything landed, then one GEMM
                 builder.add(GroupedGemm(COMPUTE, tuple(sorted((r, *peers))), None),
                             after=every)
@@ -265,4 +265,4 @@ def schedules_of(op: str) -> tuple:
 
 
 SCHEDULES = {op: schedules_of(op) for op in (DISPATCH, COMBINE)}
-__all__ = ["ExpertRing", "ExpertSchedule", "SCHEDULES", "schedules_of"]
+__all__ = ["SCHEDULES", "ExpertRing", "ExpertSchedule", "schedules_of"]
