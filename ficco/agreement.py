@@ -23,7 +23,7 @@ from .errors import CommTimeoutError, FiccoError, MismatchError
 from .group import key as group_key
 
 _AGREED_LIMIT = 1024                     # distinct (group, signature) entries kept (LRU)
-_agreed: "OrderedDict[tuple, bool]" = OrderedDict()   # -> whether all ranks share a host
+_agreed: OrderedDict[tuple, bool] = OrderedDict()   # -> whether all ranks share a host
 _sequence: dict = {}                     # group id -> number of exchanges in this epoch
 _epoch = [0]                             # ficco.shutdown() calls: a reset every rank makes
 _lock = threading.Lock()
@@ -38,6 +38,7 @@ def digest(signature: dict) -> int:
     >>> digest({"m": 4, "k": 8}) == digest({"k": 8, "m": 4})
     True
     """
+    key: frozenset | None
     try:
         # Values of one field keep their type from call to call (an int field never holds a
         # bool), so equal item sets mean equal JSON.
@@ -107,7 +108,7 @@ def exchange(group, rank: int, world: int, payload, *, what: str) -> list:
     timeout_s = config.timeout_s()
     try:
         _wait_keys(store, keys, timeout_s)
-    except Exception as exc:  # noqa: BLE001 - torch raises DistStoreError or RuntimeError
+    except Exception as exc:
         missing = [r for r, k in enumerate(keys) if not _has(store, k)]
         raise _missing(missing, CommTimeoutError(
             f"rank {rank}: {what} (exchange {seq} on group {gid}) waited {timeout_s:.1f}s for "
@@ -140,7 +141,7 @@ def wait_bounded(work, *, rank: int, what: str) -> None:
     timeout_s = config.timeout_s()
     try:
         ok = work.wait(datetime.timedelta(seconds=timeout_s))
-    except Exception as exc:  # noqa: BLE001 - gloo/nccl raise RuntimeError subclasses
+    except Exception as exc:
         if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
             raise      # a broken transport: the caller names the peers (guard.failed)
         raise CommTimeoutError(f"rank {rank}: {what} passed FICCO_TIMEOUT "
@@ -186,7 +187,7 @@ def _store(group):
 
     try:
         return _get_process_group_store(group)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise FiccoError(f"the process group {group_key(group)} has no store ficco can use to "
                          f"agree across ranks: {exc}") from exc
 
@@ -217,5 +218,5 @@ def _has(store, key: str) -> bool:
 def _delete(store, key: str) -> None:
     try:
         store.delete_key(key)
-    except Exception:  # noqa: BLE001 - stores without delete keep a few bytes per exchange
+    except Exception:  # noqa: BLE001, S110 - stores without delete keep a few bytes each
         pass

@@ -71,4 +71,8 @@ class Buffers:
         """This rank's copy of symmetric buffer ``buf``."""
         if buf == "gathered_scale":
             return self.gathered_scale
-        return self.gathered if buf == "gathered" else self.partials[index]
+        if buf != "gathered":
+            return self.partials[index]
+        if self.gathered is None:
+            raise InvalidArgumentError("plan reads the gathered buffer but the call has none")
+        return self.gathered

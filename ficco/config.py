@@ -15,8 +15,9 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from .errors import ConfigError
 
@@ -204,3 +205,21 @@ backward_gather: Callable[[], str] = KNOBS["FICCO_BACKWARD_GATHER"].read
 
 def paper_thresholds() -> tuple[float, float]:
     return get("FICCO_PAPER_LOW"), get("FICCO_PAPER_HIGH")
+
+
+def hardware_queues(vendor: str) -> int | None:
+    """How many hardware queues this process's GPU streams share, from the vendor's own
+    setting: ``CUDA_DEVICE_MAX_CONNECTIONS`` (CUDA; Megatron's sequence parallelism sets 1),
+    ``GPU_MAX_HW_QUEUES`` (ROCm). None where unset (the driver's default) or not a GPU.
+
+    >>> import os; os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = " 1 "
+    >>> hardware_queues("cuda"), hardware_queues("rocm"), hardware_queues("cpu")
+    (1, None, None)
+    >>> del os.environ["CUDA_DEVICE_MAX_CONNECTIONS"]
+    """
+    knob = {"cuda": "CUDA_DEVICE_MAX_CONNECTIONS", "rocm": "GPU_MAX_HW_QUEUES"}.get(vendor)
+    value = os.environ.get(knob, "").strip() if knob else ""
+    try:
+        return int(value) if value else None
+    except ValueError:
+        raise ConfigError(f"{knob}={value!r} is not a whole number of hardware queues") from None

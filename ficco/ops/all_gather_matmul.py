@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..call import Call, backend_for, check_tensor, check_weights, row_dim
 from ..buffers import Buffers
+from ..call import Call, backend_for, check_tensor, check_weights, row_dim
 from ..group import rank_world, resolve
 from ..problem import Problem, dtype_name
 from ..scaled import Operands, finish, gemm_into, operands, wide_dtype

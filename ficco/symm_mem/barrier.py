@@ -35,8 +35,9 @@ it: work queued before the barrier may legitimately take longer than FICCO_TIMEO
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import CommTimeoutError, InvalidArgumentError, MismatchError
 
@@ -83,8 +84,17 @@ class Deadline:
     ops; ``started`` is set by the backend when its queue reaches the first wait. (A plain
     class with slots: one is made per barrier per call, on the enqueue hot path.)"""
 
-    __slots__ = ("rank", "channel", "step", "timeout_s", "target", "waits", "started", "fired",
-                 "handle")
+    __slots__ = (
+        "channel",
+        "fired",
+        "handle",
+        "rank",
+        "started",
+        "step",
+        "target",
+        "timeout_s",
+        "waits",
+    )
 
     def __init__(self, rank: int, channel: int, step: int, timeout_s: float, target: int,
                  waits: tuple = (), handle: Any = None):
@@ -264,7 +274,7 @@ def wait_on_host(op: SignalOp, deadline: Deadline, read: Callable[[Any], int],
             deadline.fired = True
             raise deadline.error(deadline.late(read))
         if abandoned is not None and abandoned():
-            raise abandon_error()
+            raise (abandon_error or CommTimeoutError)(f"rank {deadline.rank}: barrier abandoned")
         if time.monotonic() > expiry:
             deadline.fired = True
             raise deadline.error(deadline.late(read))

@@ -22,7 +22,6 @@ from ...symm_mem.barrier import WRITE, run_on_host, wait_on_host
 from ...symm_mem.cpu import CpuSymmProvider
 from ..base import Backend
 
-
 _GRACE_S = 0.5      # finish()'s slack past FICCO_TIMEOUT (see there)
 
 
@@ -50,10 +49,10 @@ _inference_mode = torch.is_inference_mode_enabled
 
 
 class _Worker:
-    def __init__(self, name: str, backend: "CpuBackend"):
+    def __init__(self, name: str, backend: CpuBackend):
         self.name = name
         self.backend = backend
-        self.fifo = queue_mod.SimpleQueue()
+        self.fifo: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
         self.step = None        # the plan step of the launched task now running, if named
         self.thread = threading.Thread(target=self._loop, name=f"ficco-{name}", daemon=True)
         self.thread.start()
