@@ -176,12 +176,17 @@ def _overrides_stack() -> list:
     return _local.stack
 
 
+#: what a snapshot reads: every knob, and the vendors' hardware-queue settings the call's
+#: settings include (:func:`hardware_queues`)
+_SNAPSHOT_ENV = (*KNOBS, "CUDA_DEVICE_MAX_CONNECTIONS", "GPU_MAX_HW_QUEUES")
+
+
 def snapshot() -> tuple:
     """The raw FICCO_* environment and this thread's overrides, as a hashable key: equal
     snapshots read to equal settings (callers memoise validated settings by it)."""
     overrides = _overrides()
     environ = os.environ
-    return (tuple([environ.get(env) for env in KNOBS]),
+    return (tuple([environ.get(env) for env in _SNAPSHOT_ENV]),
             tuple(sorted([(k, repr(v)) for k, v in overrides.items()])) if overrides else ())
 
 
