@@ -176,16 +176,18 @@ def _overrides_stack() -> list:
     return _local.stack
 
 
+#: what a snapshot reads: every knob, and the vendors' hardware-queue settings the call's
+#: settings include (:func:`hardware_queues`)
+_SNAPSHOT_ENV = (*KNOBS, "CUDA_DEVICE_MAX_CONNECTIONS", "GPU_MAX_HW_QUEUES")
+
+
 def snapshot() -> tuple:
     """The raw FICCO_* environment and this thread's overrides, as a hashable key: equal
     snapshots read to equal settings (callers memoise validated settings by it)."""
     stack = getattr(_local, "stack", None)   # (one Python call per call: no helpers)
     overrides = stack[-1] if stack else None
-    return (tuple(map(os.environ.get, _ENVS)),
+    return (tuple(map(os.environ.get, _SNAPSHOT_ENV)),
             tuple(sorted([(k, repr(v)) for k, v in overrides.items()])) if overrides else ())
-
-
-_ENVS = tuple(KNOBS)
 
 
 # Typed accessors: the names the rest of ficco uses. Each is its knob's bound ``read``, one

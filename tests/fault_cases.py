@@ -192,6 +192,16 @@ def two_groups(rank, world, tag, timeout_s):
     b_next = max_row_rel_err(b_next[1], refs[0]) if b_next[0] == "ok" else _outcome(b_next)
     a_next = "stalled" if stalled else _outcome(
         _bounded(lambda: _call(shards[rank], bs[0], "ring", timeout_s, group_a), 15))
+    # The groups go now, on every rank alike (their release runs collective steps), not
+    # whenever the garbage collector gets to them during a later test.
+    torch.cuda.synchronize()
+    dist.barrier()
+    ficco.shutdown()
+    for g in (group_a, group_b):
+        dist.destroy_process_group(g)
+    import gc
+
+    gc.collect()
     return b_errors, b_next, a_next
 
 

@@ -61,7 +61,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import InvalidArgumentError
-from ..plan import COMPUTE, Plan, Record, Wait, buffer_shapes, item_bytes, op_label
+from ..plan import COMPUTE, Plan, Record, Wait, item_bytes, op_label
 from . import all_to_all_pricing
 from . import gemm as gemm_cost
 
@@ -194,8 +194,7 @@ class _Simulation:
         write ``itemsize`` per output element."""
         if not self.wide or self.out_itemsize == self.problem.out_itemsize:
             return 0.0
-        elements = sum(rows * cols for key, (rows, cols) in buffer_shapes(self.problem).items()
-                       if key[0] == "out")
+        elements = self.problem.output_elements
         dil = self.profile.dil
         bandwidth = self.profile.hbm_bytes_per_s * dil["memory_efficiency"]
         return dil["launch_s"] + elements * (self.out_itemsize + self.problem.out_itemsize) \
