@@ -102,7 +102,9 @@ def signature(call: Call, s: dict) -> dict:
 def signed(call: Call, s: dict) -> tuple[dict, int]:
     """``(signature, digest)`` of ``call`` under settings ``s``, a forced schedule checked
     against the call's epilogue first (no communication yet): made once per (call key,
-    settings) and then looked up, since both depend on nothing else."""
+    settings) and then looked up, since both depend on nothing else. (A signature field that
+    is not a function of the call key and the settings, say one set on the Call after
+    ``prepare``, must join the lookup's key.)"""
     seen = call.reuse.signed.get(id(s))
     if seen is not None and seen[0] is s:   # (the entry holds s: its id is not reused)
         return seen[1], seen[2]

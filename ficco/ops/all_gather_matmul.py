@@ -18,9 +18,9 @@ from ..buffers import Buffers
 from ..call import Call, backend_for, check_tensor, check_weights, key_of, known, remember, row_dim
 from ..group import rank_world, resolve
 from ..problem import Problem, dtype_name
-from ..scaled import Operands, finish, gemm_into, operands, rebound, wide_dtype
+from ..scaled import Operands, finish, gemm_into, operands, wide_dtype
 from ..symm_mem import aligned
-from .base import OpSpec
+from .base import OpSpec, warm_call
 
 
 @dataclass
@@ -80,7 +80,8 @@ class AllGatherMatmul(OpSpec):
                          epilogue)
             seen = known(key, group)
             if seen is not None:   # a warm call: checked and derived when the key was new
-                return self._warm(seen, group, a_shard, b, epilogue)
+                return warm_call(seen, group, a_shard, b, epilogue, seen.gather_dim,
+                                 _rows_of)
         gather_dim, bs, b_is_list = check_arguments(a_shard, b, gather_dim)
         ops = check_epilogue(a_shard, bs, b_is_list, gather_dim, a_scale=a_scale,
                              b_scale=b_scale, out_dtype=out_dtype, bias=bias,
@@ -106,20 +107,6 @@ class AllGatherMatmul(OpSpec):
         if key is not None:
             remember(key, call, a=None, bs=None, ops=ops.without_tensors())
         return call
-
-    def _warm(self, seen: AllGatherMatmulCall, group, a_shard, b,
-              epilogue: tuple) -> AllGatherMatmulCall:
-        """A call of a known key: ``seen``'s checked and derived fields, with this call's
-        group and tensors (``epilogue``'s put in canonical form)."""
-        p = seen.problem
-        bs = list(b) if seen.b_is_list else [b]
-        ops = seen.ops
-        if epilogue:
-            a_scale, b_scale, _, bias, _ = epilogue
-            ops = rebound(ops, bs, rows_of=_rows_of(seen.gather_dim), a_scale=a_scale,
-                          b_scale=b_scale, bias=bias, b_is_list=seen.b_is_list)
-        return seen.clone(group=group, bs=bs, ops=ops,
-                          a=a_shard.movedim(seen.gather_dim, 0).reshape(p.m, p.k))
 
     def signature(self, call: AllGatherMatmulCall) -> dict:
         return {**super().signature(call), "gather_dim": call.gather_dim,

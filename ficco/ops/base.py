@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 from .. import schedules
 from ..call import Call
+from ..scaled import rebound
 
 
 class OpSpec(ABC):
@@ -79,3 +80,20 @@ class OpSpec(ABC):
 
     def __repr__(self) -> str:
         return f"<op {self.name}>"
+
+
+def warm_call(seen: Any, group, a, b, epilogue: tuple, dim: int, rows_of) -> Any:
+    """A call of a known key (:func:`ficco.call.known`) of an op on ``a`` and weights ``b``
+    (``all_gather_matmul``, ``matmul_reduce_scatter``): ``seen``'s checked and derived fields
+    with this call's group, weights, canonical A (``dim`` first, leading dims flattened) and
+    epilogue tensors (``epilogue``: ``(a_scale, b_scale, out_dtype, bias, activation)`` or
+    empty), put in the canonical form the first call of the key had (:func:`rebound`, with
+    ``rows_of(dim)``, the op's canonical rows of a tensor shaped like A's)."""
+    p = seen.problem
+    bs = list(b) if seen.b_is_list else [b]
+    ops = seen.ops
+    if epilogue:
+        a_scale, b_scale, _, bias, _ = epilogue
+        ops = rebound(ops, bs, rows_of=rows_of(dim), a_scale=a_scale, b_scale=b_scale, bias=bias,
+                      b_is_list=seen.b_is_list)
+    return seen.clone(group=group, bs=bs, ops=ops, a=a.movedim(dim, 0).reshape(p.m, p.k))

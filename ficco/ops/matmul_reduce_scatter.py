@@ -32,9 +32,9 @@ from ..call import (
 from ..errors import InvalidArgumentError
 from ..group import rank_world, resolve
 from ..problem import MATMUL_REDUCE_SCATTER, REDUCE_OPS, Problem, dtype_name
-from ..scaled import Operands, finish, gemm_into, operands, rebound, wide_dtype
+from ..scaled import Operands, finish, gemm_into, operands, wide_dtype
 from ..symm_mem import aligned
-from .base import OpSpec
+from .base import OpSpec, warm_call
 
 
 @dataclass
@@ -94,7 +94,8 @@ class MatmulReduceScatter(OpSpec):
             key = key_of(self.name, a, b, group, backend, (scatter_dim, reduce_op), epilogue)
             seen = known(key, group)
             if seen is not None:   # a warm call: checked and derived when the key was new
-                return self._warm(seen, group, a, b, epilogue)
+                return warm_call(seen, group, a, b, epilogue, seen.scatter_dim,
+                                 _rows_of)
         scatter_dim, bs, b_is_list = check_arguments(a, b, scatter_dim, reduce_op)
         ops = check_epilogue(a, bs, b_is_list, scatter_dim, a_scale=a_scale, b_scale=b_scale,
                              out_dtype=out_dtype, bias=bias)
@@ -119,20 +120,6 @@ class MatmulReduceScatter(OpSpec):
         if key is not None:
             remember(key, call, a=None, bs=None, ops=ops.without_tensors())
         return call
-
-    def _warm(self, seen: MatmulReduceScatterCall, group, a, b,
-              epilogue: tuple) -> MatmulReduceScatterCall:
-        """A call of a known key: ``seen``'s checked and derived fields, with this call's
-        group and tensors (``epilogue``'s put in canonical form)."""
-        p = seen.problem
-        bs = list(b) if seen.b_is_list else [b]
-        ops = seen.ops
-        if epilogue:
-            a_scale, b_scale, _, bias, _ = epilogue
-            ops = rebound(ops, bs, rows_of=_rows_of(seen.scatter_dim), a_scale=a_scale,
-                          b_scale=b_scale, bias=bias, b_is_list=seen.b_is_list)
-        return seen.clone(group=group, bs=bs, ops=ops,
-                          a=a.movedim(seen.scatter_dim, 0).reshape(p.m, p.k))
 
     def signature(self, call: MatmulReduceScatterCall) -> dict:
         return {**super().signature(call), "scatter_dim": call.scatter_dim,
