@@ -5,9 +5,21 @@ not arrive.
 
 The first call of a new signature on a group runs a full exchange through the group's store
 (what each rank called with, and its host). Later calls repeat only a 64-bit digest of the
-signature, carried by the cheapest channel the call has (see :func:`check_digest`).
+signature, carried by the cheapest channel the call has (the flag of a dma plan's barriers,
+one small collective on ccl).
 
->>> digest({"m": 4, "k": 8}) == digest({"k": 8, "m": 4})
+A rank whose signature is new while a peer's is one they agreed before would otherwise wait in
+the exchange while the peer waits in its per-call check. So a rank that waits in its per-call
+check longer than a moment *answers* an agreement exchange a peer has opened at the same
+position (:func:`answer`): the ranks then compare what they called with, and a difference is a
+MismatchError on every rank that names it, within a second rather than at FICCO_TIMEOUT.
+
+Fields under :data:`PER_RANK` (a rank's own shard width: ``n`` of all_gather_matmul, ``K`` of
+matmul_reduce_scatter, which never travel) may differ across ranks: the digest leaves them out
+and the agreement keeps every rank's value (:attr:`Agreed.per_rank`), so decisions that need
+them use a value every rank knows alike.
+
+>>> digest({"m": 4, "k": 8}) == digest({"k": 8, "m": 4, PER_RANK: {"n": 3}})
 True
 """
 from __future__ import annotations
@@ -15,63 +27,152 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import os
 import pickle
 import socket
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from . import config
 from .call import group_id
 from .errors import CommTimeoutError, FiccoError, MismatchError
 
+#: the signature key whose value may differ across ranks (see the module docstring)
+PER_RANK = "per_rank"
 _AGREED_LIMIT = 1024                     # distinct (group, signature) entries kept (LRU)
-_agreed: "OrderedDict[tuple, bool]" = OrderedDict()   # -> whether all ranks share a host
+_agreed: "OrderedDict[tuple, Agreed]" = OrderedDict()
+_ranks: dict = {}                        # group id -> ((host, pid) of every rank)
 _sequence: dict = {}                     # group id -> number of exchanges in this epoch
 _epoch = [0]                             # ficco.shutdown() calls: a reset every rank makes
 _lock = threading.Lock()
 
 
+@dataclass(frozen=True)
+class Agreed:
+    """What the ranks agreed for one signature: whether they share a host, the shared fields,
+    and every rank's :data:`PER_RANK` fields (rank order)."""
+
+    same_host: bool
+    signature: dict
+    per_rank: tuple
+
+
+def shared(signature: dict) -> dict:
+    """The fields every rank must pass alike (all but :data:`PER_RANK`)."""
+    return {k: v for k, v in signature.items() if k != PER_RANK}
+
+
 def digest(signature: dict) -> int:
-    """A 63-bit digest of a signature dict (key order does not matter)."""
-    text = json.dumps(signature, sort_keys=True, default=str)
+    """A 63-bit digest of a signature's shared fields (key order does not matter)."""
+    text = json.dumps(shared(signature), sort_keys=True, default=str)
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
 def agree(group, world: int, rank: int, signature: dict, op: str,
-          word: int | None = None) -> bool:
-    """Every rank of ``group`` called with ``signature`` (digest ``word``): returns whether
-    all ranks share this host. The first sight of a signature exchanges it in full (bounded);
-    later sights are a dictionary lookup here, and the runtime checks the digest of every
-    call (in the flag every dma barrier carries, or one tiny collective on ccl)."""
+          word: int | None = None) -> Agreed:
+    """Every rank of ``group`` called with ``signature`` (digest ``word``). The first sight of
+    a signature exchanges it in full (bounded); later sights are a dictionary lookup here,
+    and the runtime checks the digest of every call (in the flag every dma barrier carries,
+    or one tiny collective on ccl). Raises MismatchError on every rank when they differ."""
     key = (group_id(group), digest(signature) if word is None else word)
     with _lock:
         if key in _agreed:
             _agreed.move_to_end(key)
             return _agreed[key]
-    everyone = exchange(group, world, rank, (signature, socket.gethostname()),
-                        what=f"{op} agreement")
-    differ = sorted({f for info, _ in everyone for f in set(info) | set(signature)
-                     if info.get(f) != signature.get(f)})
+    everyone = exchange(group, world, rank, _payload(signature), what=f"{op} agreement")
+    return _settle(group, key[1], signature, everyone, op)
+
+
+def answer(group, world: int, rank: int, signature: dict, via: str) -> None:
+    """From a per-call check that waits (``via``: "ccl", a pending check collective, or "dma",
+    a plan barrier that wrote its flags): when a peer opened an agreement exchange at this
+    rank's next position, join it with this call's signature. A difference raises the
+    MismatchError every participant raises (it says which checks joined, so the others can
+    complete the pending collective or drop the workspace); no difference returns, and the
+    check goes on waiting (that peer had only forgotten the signature). Cheap when nobody
+    waits: one store lookup per peer."""
+    if group is None or world == 1:
+        return
+    gid = group_id(group)
+    store = _store(group)
+    with _lock:
+        prefix = f"ficco/{_epoch[0]}/{_sequence.get(gid, 0) + 1}/"
+    for peer in range(world):
+        if peer != rank and _has(store, f"{prefix}{peer}"):
+            what = pickle.loads(store.get(f"{prefix}{peer}"))[0]
+            break
+    else:
+        return
+    if not what.endswith(" agreement"):
+        return         # another kind of exchange: not this check's business
+    everyone = exchange(group, world, rank, _payload(signature, via), what=what)
+    _settle(group, digest(signature), signature, everyone, what.removesuffix(" agreement"))
+
+
+def _payload(signature: dict, via: str | None = None) -> dict:
+    return {"signature": shared(signature), "per_rank": signature.get(PER_RANK),
+            "host": socket.gethostname(), "pid": os.getpid(), "via": via}
+
+
+def _settle(group, word: int, signature: dict, everyone: list, op: str) -> Agreed:
+    gid = group_id(group)
+    with _lock:
+        _ranks[gid] = tuple((info["host"], info["pid"]) for info in everyone)
+    mine = shared(signature)
+    sigs = [info["signature"] for info in everyone]
+    differ = sorted({f for sig in sigs for f in set(sig) | set(mine) if sig.get(f) != mine.get(f)})
     if differ:
-        detail = "; ".join(f"rank {r}: " + ", ".join(f"{f}={info.get(f)}" for f in differ)
-                           for r, (info, _) in enumerate(everyone))
-        raise consistent(MismatchError(
+        detail = "; ".join(f"rank {r}: " + ", ".join(f"{f}={sig.get(f)}" for f in differ)
+                           for r, sig in enumerate(sigs))
+        exc = consistent(MismatchError(
             f"ranks of one group called {op} with different {', '.join(differ)} ({detail}); "
             f"every rank must pass the same shapes, dtypes and settings"))
-    same_host = len({host for _, host in everyone}) == 1
+        exc.joined = {via: [r for r, info in enumerate(everyone) if info["via"] == via]
+                      for via in ("ccl", "dma")}
+        raise exc
+    agreed = Agreed(len({info["host"] for info in everyone}) == 1, mine,
+                    tuple(info["per_rank"] for info in everyone))
     with _lock:
-        _agreed[key] = same_host
+        _agreed[(gid, word)] = agreed
         while len(_agreed) > _AGREED_LIMIT:
             _agreed.popitem(last=False)
-    return same_host
+    return agreed
 
 
-def known(group, signature: dict) -> bool | None:
-    """What :func:`agree` found for this signature before (same host?), or None: no
-    communication."""
+def known(group, signature: dict) -> Agreed | None:
+    """What :func:`agree` found for this signature before, or None: no communication."""
     with _lock:
         return _agreed.get((group_id(group), digest(signature)))
+
+
+def describe(group, word: int | None = None, *, flag: int | None = None, flag_of=None) -> str:
+    """The call an agreed digest ``word`` (or barrier call ``flag``, ``flag_of`` mapping a
+    digest to its flag) stands for, as its op, role and shapes; "a call not agreed on this
+    rank" when this rank never agreed it (error messages only: a linear scan for flags)."""
+    gid = group_id(group)
+    with _lock:
+        entries = [(w, a) for (g, w), a in _agreed.items() if g == gid]
+    for w, agreed in entries:
+        if w == word or (flag is not None and flag_of(w) == flag):
+            return summary(agreed.signature)
+    return "a call not agreed on this rank (new shapes or settings)"
+
+
+def summary(signature: dict) -> str:
+    """``all_gather_matmul forward, shard (4, 16)``: a signature's op, role and input shape."""
+    role = signature.get("role", "forward")
+    shape = ("shard", signature["shard_shape"]) if "shard_shape" in signature else \
+        ("a", signature.get("a_shape"))
+    return (f"{signature.get('op')} {role if role == 'forward' else 'in the ' + role}, "
+            f"{shape[0]} {shape[1]}")
+
+
+def ranks_of(group) -> tuple | None:
+    """(host, pid) of every rank of ``group``, as its last agreement exchange found them."""
+    with _lock:
+        return _ranks.get(group_id(group))
 
 
 def exchange(group, world: int, rank: int, payload, *, what: str) -> list:

@@ -21,6 +21,11 @@ from .errors import FiccoError, InvalidArgumentError
 
 SINGLE = ""   # the group name of a process without torch.distributed: world size 1
 _world_rank = None   # (group name) -> (world, rank); given by register()
+# The roles of the calls a backward makes (ficco.call.FORWARD is the caller's): part of what
+# the ranks agree on, so a rank that skipped a backward never pairs its next forward with the
+# peers' backward (in an SP MLP they have the same shapes).
+GRAD_OF_ALL_GATHER_MATMUL = "backward of all_gather_matmul (grad of a_shard)"
+GRAD_OF_MATMUL_REDUCE_SCATTER = "backward of matmul_reduce_scatter (grad of a)"
 
 
 # -- autograd: the backward of each op is the other op ------------------------------------------
@@ -66,6 +71,12 @@ def _first_order(backward):
     return wrapped
 
 
+def _no_grads(ctx) -> tuple:
+    """None for each non-tensor argument the op was called with: the dispatcher drops a
+    trailing ``role`` equal to its default, so a backward returns one fewer then."""
+    return (None,) * (len(ctx.needs_input_grad) - 2)
+
+
 def _rows(t: Tensor, dim: int) -> Tensor:
     """``t`` as a matrix of rows, ``dim`` first (the row order both ops use)."""
     return t.movedim(dim, 0).reshape(-1, t.shape[-1])
@@ -92,7 +103,7 @@ def _reduce_scatter(t: Tensor, group: str, dim: int) -> Tensor:
 
 
 def _ag_setup_context(ctx, inputs, output):
-    a, bs, group, gather_dim, _schedule, return_gathered = inputs
+    a, bs, group, gather_dim, _schedule, return_gathered, *_role = inputs
     gathered, _outs = output
     ctx.set_materialize_grads(False)   # an unused output (the gathered a) gets no zero gradient
     ctx.group, ctx.dim = group, gather_dim % a.dim()
@@ -108,8 +119,6 @@ def _ag_setup_context(ctx, inputs, output):
 
 def _ag_backward(ctx, grad_gathered, grad_outs):
     gathered, shard, *bs = ctx.saved_tensors
-    if shard is not None:
-        gathered = _gather(shard, ctx.group, ctx.dim)   # in flight during the reduce-scatter
     grad_a = None
     if ctx.a_needs:
         pairs = [(g, b) for g, b in zip(grad_outs, bs) if g is not None]
@@ -118,7 +127,14 @@ def _ag_backward(ctx, grad_gathered, grad_outs):
             grad_c = pairs[0][0] if len(pairs) == 1 else torch.cat([g for g, _ in pairs], -1)
             b_t = pairs[0][1].t() if len(pairs) == 1 else torch.cat([b.t() for _, b in pairs])
             grad_a = torch.ops.ficco.matmul_reduce_scatter(grad_c, [b_t], ctx.group, ctx.dim,
-                                                           "sum", None)[0]
+                                                           "sum", None,
+                                                           GRAD_OF_ALL_GATHER_MATMUL)[0]
+    if shard is not None:
+        # Issued after the checked reduce-scatter (a rank that skipped this backward makes
+        # that raise first, so no unchecked collective is left in flight); on GPUs both are
+        # queued on streams and still overlap.
+        gathered = _gather(shard, ctx.group, ctx.dim)
+    if ctx.a_needs:
         if grad_gathered is not None and grad_gathered.numel():
             # The caller used the gathered a itself: its gradient is reduce-scattered too.
             extra = _reduce_scatter(grad_gathered, ctx.group, ctx.dim)
@@ -127,11 +143,11 @@ def _ag_backward(ctx, grad_gathered, grad_outs):
     for g, needs in zip(grad_outs, ctx.b_needs):
         grad_bs.append(_rows(gathered, ctx.dim).t() @ _rows(g, ctx.dim)
                        if needs and g is not None else None)
-    return grad_a, grad_bs, None, None, None, None
+    return (grad_a, grad_bs) + _no_grads(ctx)
 
 
 def _rs_setup_context(ctx, inputs, output):
-    a, bs, group, scatter_dim, reduce_op, _schedule = inputs
+    a, bs, group, scatter_dim, reduce_op, _schedule, *_role = inputs
     ctx.set_materialize_grads(False)
     ctx.group, ctx.dim, ctx.reduce_op = group, scatter_dim % a.dim(), reduce_op
     ctx.a_needs = a.requires_grad
@@ -159,12 +175,12 @@ def _rs_backward(ctx, grad_outs):
         if ctx.a_needs:
             # grad_a = all_gather(grad_d) @ b^T, the gathered grad_d reused for grad_b.
             gathered, (part,) = torch.ops.ficco.all_gather_matmul(
-                g, [bs[j].t()], ctx.group, ctx.dim, None, b_needs)
+                g, [bs[j].t()], ctx.group, ctx.dim, None, b_needs, GRAD_OF_MATMUL_REDUCE_SCATTER)
             grad_a = part if grad_a is None else grad_a + part
         elif b_needs:
             gathered = _gather(g, ctx.group, ctx.dim)
         grad_bs.append(_rows(a, ctx.dim).t() @ _rows(gathered, ctx.dim) if b_needs else None)
-    return grad_a, grad_bs, None, None, None, None
+    return (grad_a, grad_bs) + _no_grads(ctx)
 
 
 # -- autocast: the GEMMs run in the autocast dtype, as torch.matmul would -------------------------

@@ -28,6 +28,9 @@ from .problem import Problem, dtype_name
 
 #: The dtypes every op accepts (float64 is for references and tests).
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+#: The role of a call made by the caller; ficco's backward passes make theirs with a role that
+#: names the op and input they differentiate (ficco.autograd), so the ranks agree on it too.
+FORWARD = "forward"
 
 
 @dataclass
@@ -40,6 +43,8 @@ class Call:
     backend: Any
     #: nothing to overlap (e.g. an output with no columns): agreed, then the op's plain path
     plain_only: bool = False
+    #: FORWARD, or the backward pass this call belongs to (part of what ranks agree on)
+    role: str = FORWARD
 
     @property
     def world(self) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
 
 import torch
@@ -99,18 +100,79 @@ def failed(call: Call, exc: BaseException, transport: str | None,
         f"the README")
 
 
-def check_word_ccl(call: Call, word: int) -> None:
-    """Every rank is about to run a call with digest ``word`` (one small all-reduce)."""
-    values = torch.tensor([word, -word], dtype=torch.int64, device=call.backend.device())
-    work = dist.all_reduce(values, op=dist.ReduceOp.MAX, group=call.group, async_op=True)
-    agreement.wait_bounded(work, rank=call.rank, what=f"{call.op.name} call check")
-    high, low = int(values[0]), -int(values[1])
-    if high != low:
+def check_word_ccl(call: Call, word: int, signature: dict | None = None) -> None:
+    """Every rank is about to run a call with digest ``word``: one all-gather of one int64.
+    While it waits it answers a peer's agreement exchange with ``signature`` (a peer whose
+    call is new to it: see ficco.agreement.answer), so that peer and this rank raise one
+    MismatchError naming both calls rather than both waiting for FICCO_TIMEOUT."""
+    words, work = _check_collective(call, word)
+    what = f"{call.op.name} call check"
+    if signature is not None and not _done_within(work, _ANSWER_AFTER_S):
+        _wait_answering(call, work, signature, what)
+    agreement.wait_bounded(work, rank=call.rank, what=what)
+    seen = [int(w) for w in words.tolist()]
+    if len(set(seen)) > 1:
+        calls = "; ".join(f"rank {r}: " + ("this call" if w == word else agreement.describe(
+            call.group, w)) for r, w in enumerate(seen))
         raise agreement.consistent(MismatchError(
             f"rank {call.rank}: the ranks of group {group_id(call.group)} are making different "
-            f"{call.op.name} calls (other shapes, dtypes, settings or op; each was agreed at "
-            f"an earlier call); nothing was computed. Every rank must make the same calls in "
-            f"the same order"))
+            f"{call.op.name} calls ({calls}); each was agreed at an earlier call, nothing was "
+            f"computed. Every rank must make the same calls in the same order: "
+            f"{agreement.describe(call.group, word)} here"))
+
+
+def flush_check(call: Call) -> None:
+    """Complete the check collective of peers that answered this rank's agreement exchange
+    from inside their own call check (``MismatchError.joined["ccl"]``): the same all-gather,
+    so nothing stays in flight in the process group."""
+    _, work = _check_collective(call, 0)
+    agreement.wait_bounded(work, rank=call.rank, what=f"{call.op.name} call check (flush)")
+
+
+# A check that has not completed after this long starts answering peers' agreement exchanges,
+# then asks again at this period (the numbers of ficco.symm_mem.barrier's first barrier).
+_ANSWER_AFTER_S, _ANSWER_EVERY_S = 0.1, 0.25
+
+
+def _check_collective(call: Call, word: int):
+    dev = call.backend.device()
+    words = torch.empty(call.world, dtype=torch.int64, device=dev)
+    mine = torch.tensor([word], dtype=torch.int64, device=dev)
+    return words, dist.all_gather_into_tensor(words, mine, group=call.group, async_op=True)
+
+
+def _done_within(work, seconds: float) -> bool:
+    try:
+        future = work.get_future()
+    except RuntimeError:              # a process group without futures: poll
+        deadline = time.monotonic() + seconds
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(1e-4)
+        return True
+    done = threading.Event()
+    future.add_done_callback(lambda _: done.set())
+    return done.wait(seconds)
+
+
+def _wait_answering(call: Call, work, signature: dict, what: str) -> None:
+    """Wait for the check (bounded), answering peers' agreement exchanges now and then."""
+    timeout_s = config.timeout_s()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            agreement.answer(call.group, call.world, call.rank, signature, "ccl")
+        except MismatchError:
+            # The peers complete this check's collective (flush_check): wait for it.
+            agreement.wait_bounded(work, rank=call.rank, what=f"{what} (flush)")
+            raise
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CommTimeoutError(f"rank {call.rank}: {what} did not finish within "
+                                   f"FICCO_TIMEOUT ({timeout_s:.1f}s)")
+        if _done_within(work, min(_ANSWER_EVERY_S, left)):
+            return
 
 
 def reset(keep_sticky: bool = True) -> None:

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from . import autograd, config
 from .autograd import SINGLE
+from .call import FORWARD
 from .errors import InvalidArgumentError
 
 # -- groups ------------------------------------------------------------------------------------
@@ -117,24 +118,26 @@ def _eager(op: str):
         return None
     spec = ops.get(op)
 
-    def impl(*args, schedule=None, **kwargs):
-        return runtime.run(spec.prepare(*args, **kwargs), schedule)
+    def impl(*args, schedule=None, role=FORWARD, **kwargs):
+        call = spec.prepare(*args, **kwargs)
+        call.role = role
+        return runtime.run(call, schedule)
     return impl
 
 
-def _eager_all_gather_matmul(a, bs, name, gather_dim, schedule, return_gathered):
+def _eager_all_gather_matmul(a, bs, name, gather_dim, schedule, return_gathered, role):
     impl = _eager("all_gather_matmul")
     out = impl(a, list(bs), resolve(name), gather_dim=gather_dim, schedule=schedule,
-               return_gathered=return_gathered)
+               return_gathered=return_gathered, role=role)
     return out if return_gathered else (None, out)
 
 
-def _eager_matmul_reduce_scatter(a, bs, name, scatter_dim, reduce_op, schedule):
+def _eager_matmul_reduce_scatter(a, bs, name, scatter_dim, reduce_op, schedule, role):
     impl = _eager("matmul_reduce_scatter")
     if impl is None:
         return _reference_matmul_reduce_scatter(a, bs, name, scatter_dim, reduce_op)
     return impl(a, list(bs), resolve(name), scatter_dim=scatter_dim, reduce_op=reduce_op,
-                schedule=schedule)
+                schedule=schedule, role=role)
 
 
 def _reference_matmul_reduce_scatter(a, bs, name, scatter_dim, reduce_op):
@@ -159,11 +162,12 @@ def _reference_matmul_reduce_scatter(a, bs, name, scatter_dim, reduce_op):
 # -- the ops ------------------------------------------------------------------------------------
 @torch.library.custom_op("ficco::all_gather_matmul", mutates_args=())
 def all_gather_matmul_op(a: Tensor, bs: list[Tensor], group: str, gather_dim: int,
-                         schedule: Optional[str], return_gathered: bool
+                         schedule: Optional[str], return_gathered: bool, role: str = FORWARD
                          ) -> tuple[Tensor, list[Tensor]]:
-    """``(all_gather(a, gather_dim) or an empty tensor, [gathered @ b for b in bs])``."""
+    """``(all_gather(a, gather_dim) or an empty tensor, [gathered @ b for b in bs])``.
+    ``role``: "forward", or the backward pass the call belongs to (agreed across ranks)."""
     gathered, outs = _eager_all_gather_matmul(a, bs, group, gather_dim, schedule,
-                                              return_gathered)
+                                              return_gathered, role)
     gather_dim %= a.dim()
     world, _ = _world_rank(group)
     moved = _moved_shape(a, gather_dim)
@@ -180,7 +184,7 @@ def all_gather_matmul_op(a: Tensor, bs: list[Tensor], group: str, gather_dim: in
 
 
 @all_gather_matmul_op.register_fake
-def _(a, bs, group, gather_dim, schedule, return_gathered):
+def _(a, bs, group, gather_dim, schedule, return_gathered, role=FORWARD):
     gather_dim = _check_dim(a, gather_dim, "gather_dim")
     _check_weights(a, bs, "a_shard")
     world, _ = _world_rank(group)
@@ -197,9 +201,11 @@ def _(a, bs, group, gather_dim, schedule, return_gathered):
 
 @torch.library.custom_op("ficco::matmul_reduce_scatter", mutates_args=())
 def matmul_reduce_scatter_op(a: Tensor, bs: list[Tensor], group: str, scatter_dim: int,
-                             reduce_op: str, schedule: Optional[str]) -> list[Tensor]:
-    """``[reduce_scatter(a @ b, scatter_dim, reduce_op) for b in bs]``."""
-    outs = _eager_matmul_reduce_scatter(a, bs, group, scatter_dim, reduce_op, schedule)
+                             reduce_op: str, schedule: Optional[str], role: str = FORWARD
+                             ) -> list[Tensor]:
+    """``[reduce_scatter(a @ b, scatter_dim, reduce_op) for b in bs]`` (``role``: see
+    ``all_gather_matmul_op``)."""
+    outs = _eager_matmul_reduce_scatter(a, bs, group, scatter_dim, reduce_op, schedule, role)
     scatter_dim %= a.dim()
     moved = _moved_shape(a, scatter_dim)
     rows = _scattered_rows(moved[0], group)
@@ -208,7 +214,7 @@ def matmul_reduce_scatter_op(a: Tensor, bs: list[Tensor], group: str, scatter_di
 
 
 @matmul_reduce_scatter_op.register_fake
-def _(a, bs, group, scatter_dim, reduce_op, schedule):
+def _(a, bs, group, scatter_dim, reduce_op, schedule, role=FORWARD):
     scatter_dim = _check_dim(a, scatter_dim, "scatter_dim")
     _check_weights(a, bs, "a")
     moved = _moved_shape(a, scatter_dim)

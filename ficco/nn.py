@@ -138,9 +138,14 @@ class RowParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: Tensor) -> Tensor:
+        # The bias enters the graph first, so the backward runs the (checked) all_gather_matmul
+        # before the bias gradient's all-reduce: a rank that skipped this backward makes the
+        # peers raise before that unchecked collective is in flight (autograd runs the later
+        # node first).
+        bias = None if self.bias is None else replicated(self.bias, self.group)
         y = library.matmul_reduce_scatter(x, self.weight.t(), self.group,
                                           scatter_dim=self.seq_dim)
-        return y if self.bias is None else y + replicated(self.bias, self.group)
+        return y if bias is None else y + bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (sharded), out_features={self.out_features}, "

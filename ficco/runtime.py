@@ -22,7 +22,7 @@ from . import agreement, config, guard, profiling
 from .backends import close_all
 from .call import Call, settings as read_settings
 from .config import TRANSPORT_SETTINGS
-from .errors import ConfigError, InvalidArgumentError
+from .errors import ConfigError, InvalidArgumentError, MismatchError
 from .executor import execute as execute_plan
 from .symm_mem import workspace
 from .symm_mem.barrier import call_flag
@@ -83,9 +83,35 @@ def signature(call: Call, s: dict) -> dict:
     return {**call.op.signature(call), **agreed}
 
 
-def agree(call: Call, s: dict) -> bool:
-    """Bounded agreement of this call across the group; returns whether all ranks share a host."""
-    return agreement.agree(call.group, call.world, call.rank, signature(call, s), call.op.name)
+def agree(call: Call, s: dict) -> agreement.Agreed:
+    """Bounded agreement of this call across the group (see :func:`ficco.agreement.agree`)."""
+    return _agree(call, signature(call, s))
+
+
+def _agree(call: Call, sig: dict, word: int | None = None) -> agreement.Agreed:
+    return agreement.agree(call.group, call.world, call.rank, sig, call.op.name, word)
+
+
+def _joined(call: Call, exc: BaseException, via: str | None) -> None:
+    """After a MismatchError of an agreement exchange that peers joined from their per-call
+    check (``via`` is this rank's own check, None when it opened the exchange): complete the
+    check collective they left in flight, and drop the workspace whose pads their barriers
+    wrote, so the ranks are in step again (every rank sees the same ``exc.joined``)."""
+    joined = getattr(exc, "joined", None)
+    if not joined:
+        return
+    if joined["ccl"] and via != "ccl":
+        guard.flush_check(call)
+    if joined["dma"] and via != "dma":       # a dma check drops its workspace as it fails
+        workspace.drain(call.backend, cancel=True)
+        workspace.drop(call.group, call.backend)
+
+
+def _answer(call: Call, sig: dict, via: str):
+    """What a per-call check runs while it waits (see ficco.agreement.answer)."""
+    def answer():
+        agreement.answer(call.group, call.world, call.rank, sig, via)
+    return answer
 
 
 # -- running ----------------------------------------------------------------------------------------
@@ -111,31 +137,50 @@ def _run(call: Call, schedule, transport, selector):
         workspace.settle(call.backend)   # before any communication of this call
         sig = signature(call, s)
         word = agreement.digest(sig)
-        stage = {"transport": None, "schedule": None, "step": "the first-call agreement"}
+        # check: the per-call check running (None: the agreement; "ccl": the check collective;
+        # "dma": the plan, whose first barrier checks)
+        stage = {"transport": None, "schedule": None, "step": "the first-call agreement",
+                 "check": None}
         try:
-            same_host = agreement.agree(call.group, call.world, call.rank, sig, call.op.name,
-                                        word)
+            agreed = _agree(call, sig, word)
             if s["disable"] or call.plain_only:
-                stage.update(transport="ccl", schedule="plain",
+                stage.update(transport="ccl", schedule="plain", check="ccl",
                              step="the call check before the plain path")
                 # The plain path is a collective too: check the call like every ccl call.
-                guard.check_word_ccl(call, word)
+                guard.check_word_ccl(call, word, sig)
                 stage["step"] = "the plain path's collective"
                 return call.op.plain(call)
-            decision = decide(call, s, same_host)
+            decision = decide(call, s, agreed.same_host)
             stage.update(transport=decision.transport, schedule=decision.schedule,
-                         step="the call check before the plan")
+                         step="the call check before the plan", check=decision.transport)
             if decision.transport == "ccl":
-                guard.check_word_ccl(call, word)
+                guard.check_word_ccl(call, word, sig)
             stage["step"] = None      # from here the executor names the plan step
-            buffers, _, _ = execute(call, decision.schedule, decision.transport, word=word)
+            buffers, _, _ = execute(call, decision.schedule, decision.transport, word=word,
+                                    answer=_answer(call, sig, "dma"))
             return call.op.result(call, buffers, decision.transport)
         except BaseException as exc:
-            named = guard.failed(call, exc, stage["transport"], stage["schedule"],
-                                 stage["step"])
+            if isinstance(exc, MismatchError):
+                _joined(call, exc, stage["check"])
+            named = guard.failed(call, _described(call, exc, word), stage["transport"],
+                                 stage["schedule"], stage["step"])
             if named is exc:
                 raise
             raise named from exc
+
+
+def _described(call: Call, exc: BaseException, word: int) -> BaseException:
+    """A barrier's MismatchError (it knows only the peers' call flags) with the calls those
+    flags stand for, as this rank agreed them (their op, role and shapes)."""
+    flags = getattr(exc, "flags", None)
+    if not flags:
+        return exc
+    calls = "; ".join(f"rank {peer}: " + agreement.describe(call.group, flag=flag,
+                                                            flag_of=call_flag)
+                      for peer, flag in sorted(flags.items()))
+    named = MismatchError(f"{exc}. The peers' calls: {calls}; this rank's: "
+                          f"{agreement.describe(call.group, word)}")
+    return agreement.consistent(named)
 
 
 def candidate_transports(setting: str, same_host: bool) -> tuple[str, ...]:
@@ -184,11 +229,12 @@ def plan_for(call_or_op, name: str, transport: str, problem):
 
 
 def execute(call: Call, name: str, transport: str, trace: bool = False,
-            word: int | None = None):
+            word: int | None = None, answer=None):
     """Run schedule ``name`` over ``transport`` once: returns (buffers, plan, trace rows).
     With ``word`` (the call's digest) a dma run's barriers carry its call flag, so ranks making
     different calls raise MismatchError on every rank at the plan's first barrier (see
-    :mod:`ficco.symm_mem.barrier`); without it (benchmarks) every rank uses the same flag."""
+    :mod:`ficco.symm_mem.barrier`); without it (benchmarks) every rank uses the same flag.
+    ``answer``: what that first barrier runs while it waits (ficco.agreement.answer)."""
     p = call.problem
     workspace.settle(call.backend)       # an earlier failed call's queues drained first
     plan = plan_for(call, name, transport, p)
@@ -197,6 +243,7 @@ def execute(call: Call, name: str, transport: str, trace: bool = False,
     if transport == "dma":
         symm = workspace.get(call.group, call.backend, call.op.workspace_bytes(call))
         symm.call_flag = call_flag(word)
+        symm.first_wait = answer
     buffers = call.op.buffers(call, transport, symm, wide=plan.wide_outputs())
     if config.get("FICCO_POISON"):
         call.op.poison(buffers)
@@ -243,7 +290,7 @@ def traced(call: Call, schedule: str, transport: str | None = None):
     with guard.serialised(call):
         guard.refuse_if_poisoned(call)
         try:
-            same_host = agree(call, s) if call.world > 1 else True
+            same_host = agree(call, s).same_host if call.world > 1 else True
             via = candidate_transports(s["transport"], same_host)[0]
             buffers, plan, rows = execute(call, call.op.schedule(schedule).name, via, trace=True)
         except BaseException as exc:
@@ -266,8 +313,9 @@ def explain(call: Call, schedule: str | None = None):
     from .heuristics import choose
 
     s = settings(call, schedule)
-    known = agreement.known(call.group, signature(call, s)) if call.world > 1 else True
-    transports = candidate_transports(s["transport"], True if known is None else known)
+    known = agreement.known(call.group, signature(call, s)) if call.world > 1 else None
+    transports = candidate_transports(s["transport"], True if known is None else
+                                      known.same_host)
 
     def not_measured(name):
         raise _NotTunedYet(name)

@@ -45,7 +45,7 @@ class OpSpec(ABC):
     def signature(self, call: Call) -> dict:
         """Small, comparable fields every rank must pass alike (shapes, dtypes, layout).
         The runtime adds the settings; a difference raises MismatchError on every rank."""
-        return {"op": self.name, "problem": call.problem.key(),
+        return {"op": self.name, "role": call.role, "problem": call.problem.key(),
                 "backend": call.backend.target()}
 
     @abstractmethod

@@ -43,6 +43,9 @@ class SymmHandle(ABC):
     world: int
     nbytes: int
     backend: Any
+    #: set by the runtime per call, taken by the call's first plan barrier: what its wait runs
+    #: now and then to answer a peer's agreement exchange (see ficco.symm_mem.barrier)
+    first_wait: Any = None
 
     def _init_signals(self, backend) -> None:
         self.backend = backend
