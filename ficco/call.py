@@ -146,10 +146,11 @@ def check_like(t, ref: torch.Tensor, name: str, ref_name: str) -> None:
 
 def check_weights(b, a: torch.Tensor, a_name: str, *, k: int | None = None,
                   k_from: str | None = None, list_name: str = "b",
-                  role: str = "") -> tuple[list, bool]:
+                  role: str = "", k_may_be_zero: bool = False) -> tuple[list, bool]:
     """``(weights as a list, whether b was a list)``, each a 2-D ``(k, n)`` tensor with the
     dtype and device of ``a``. ``k`` defaults to ``a``'s last dim; ``k_from`` says where a
-    different ``k`` comes from (for the error message); ``role`` adds what the weight is."""
+    different ``k`` comes from (for the error message); ``role`` adds what the weight is;
+    ``k_may_be_zero``: this rank may hold none of K (a reduce-scatter's shard of it)."""
     b_is_list = isinstance(b, (list, tuple))
     bs = list(b) if b_is_list else [b]
     if not bs:
@@ -168,7 +169,7 @@ def check_weights(b, a: torch.Tensor, a_name: str, *, k: int | None = None,
                 f"{name} has {bj.shape[0]} rows but {k_from} ({a_name} {tuple(a.shape)}, "
                 f"{name} {tuple(bj.shape)}); they must match")
         check_like(bj, a, name, a_name)
-    if k == 0:
+    if k == 0 and not k_may_be_zero:
         raise InvalidArgumentError(f"{a_name} has K=0 columns: {tuple(a.shape)}")
     return bs, b_is_list
 

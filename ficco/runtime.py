@@ -150,7 +150,7 @@ def _run(call: Call, schedule, transport, selector):
                 guard.check_word_ccl(call, word, sig)
                 stage["step"] = "the plain path's collective"
                 return call.op.plain(call)
-            decision = decide(call, s, agreed.same_host)
+            decision = decide(call, s, agreed)
             stage.update(transport=decision.transport, schedule=decision.schedule,
                          step="the call check before the plan", check=decision.transport)
             if decision.transport == "ccl":
@@ -191,12 +191,14 @@ def candidate_transports(setting: str, same_host: bool) -> tuple[str, ...]:
     return ("dma", "ccl") if same_host else ("ccl",)
 
 
-def decide(call: Call, s: dict, same_host: bool):
-    """The Decision for ``call`` (identical on every rank: selectors see no rank)."""
+def decide(call: Call, s: dict, agreed: agreement.Agreed):
+    """The Decision for ``call``, identical on every rank: selectors see no rank, and the
+    problem they see has each per-rank width at its widest (``agreed``)."""
     from .heuristics import choose
 
-    transports = candidate_transports(s["transport"], same_host)
-    return choose(call.problem, transport=transports, target=call.backend.target(),
+    transports = candidate_transports(s["transport"], agreed.same_host)
+    return choose(call.op.agreed_problem(call, agreed.per_rank), transport=transports,
+                  target=call.backend.target(),
                   selector=s["selector"], forced=s["schedule"], forced_by=s["schedule_by"],
                   measure=lambda name: measure(call, name, transports[0]),
                   agree=lambda flag: agreement.all_ranks(call.group, call.world, call.rank,
@@ -326,10 +328,12 @@ def explain(call: Call, schedule: str | None = None):
                   # real call does that); trusting it here would also put it in this rank's
                   # memory alone and split the ranks at the next call.
                   agree=lambda flag: False)
+    # The widths every rank agreed on, once agreed (before: this rank's own).
+    problem = call.problem if known is None else call.op.agreed_problem(call, known.per_rank)
     try:
-        decision = choose(call.problem, selector=s["selector"], measure=not_measured, **kwargs)
+        decision = choose(problem, selector=s["selector"], measure=not_measured, **kwargs)
     except _NotTunedYet:
-        model = choose(call.problem, selector="model", **kwargs)
+        model = choose(problem, selector="model", **kwargs)
         decision = dataclasses.replace(
             model, selector="tune", reason=f"not tuned yet (or only in a cache file the "
                                            f"first call confirms with every rank): the model "

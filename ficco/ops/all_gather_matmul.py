@@ -3,6 +3,10 @@
 Canonical form: rank r's shard with ``gather_dim`` moved first and leading dims flattened,
 ``m x K``; the gathered matrix ``M x K`` (M = W*m); each ``b_j`` is ``(K, n_j)``. The dma
 workspace holds the gathered matrix (every rank's copy addressable by its peers).
+
+Only rows of A travel, so ``n_j`` may differ across ranks (a column-parallel weight whose
+features do not divide by W, split longer pieces first: 64 over 3 ranks is 22/21/21, and a
+rank may have none); the ranks agree on everything else and decide on the widest ``n_j``.
 """
 from __future__ import annotations
 
@@ -11,6 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+import dataclasses
+
+from ..agreement import PER_RANK
 from ..call import (Call, backend_for, check_tensor, check_weights, group_rank_world,
                     resolve_group, row_dim)
 from ..executor import Buffers
@@ -26,6 +33,7 @@ class AllGatherMatmulCall(Call):
     moved_shape: tuple = ()                 # a_shard.movedim(gather_dim, 0).shape
     gather_dim: int = 0
     return_gathered: bool = False
+    ns: tuple = ()                          # the caller's n_j (0 allowed: an empty result)
 
 
 class AllGatherMatmul(OpSpec):
@@ -43,19 +51,29 @@ class AllGatherMatmul(OpSpec):
         moved = a_shard.movedim(gather_dim, 0)
         m = moved.numel() // k
         ns = tuple(int(bj.shape[1]) for bj in bs)
-        # torch accepts b with no columns and shards with no rows (an empty result); no plan
-        # has work then, and a plan without a barrier cannot carry the dma call check: the
-        # plain path (after the agreement and the call check) returns the empty result.
+        # torch accepts shards with no rows (an empty result); no plan has work then, and a
+        # plan without a barrier cannot carry the dma call check: the plain path (after the
+        # agreement and the call check) returns the empty result. A b with no columns (this
+        # rank's share of fewer features than ranks) still takes part in the gather: its GEMM
+        # runs on one zero column, cut off again by result().
+        bs = [bj if bj.shape[1] else bj.new_zeros(k, 1) for bj in bs]
         problem = Problem(m=m, k=k, ns=tuple(max(n, 1) for n in ns),
                           dtype=dtype_name(a_shard.dtype), world=world, rank=rank)
-        return AllGatherMatmulCall(self, problem, group, backend, m == 0 or min(ns) == 0,
+        return AllGatherMatmulCall(self, problem, group, backend, m == 0,
                                    a=moved.reshape(m, k), bs=bs,
                                    b_is_list=b_is_list, moved_shape=tuple(moved.shape),
-                                   gather_dim=gather_dim, return_gathered=bool(return_gathered))
+                                   gather_dim=gather_dim, return_gathered=bool(return_gathered),
+                                   ns=ns)
 
     def signature(self, call: AllGatherMatmulCall) -> dict:
-        return {**super().signature(call), "gather_dim": call.gather_dim,
-                "shard_shape": call.moved_shape, "ns": [int(bj.shape[1]) for bj in call.bs]}
+        p = call.problem
+        return {**super().signature(call), "problem": (p.m, p.k, len(p.ns), p.dtype, p.world),
+                "gather_dim": call.gather_dim, "shard_shape": call.moved_shape,
+                PER_RANK: {"ns": list(call.ns)}}
+
+    def agreed_problem(self, call: AllGatherMatmulCall, per_rank: tuple) -> Problem:
+        widest = [max(max(n, 1) for n in ns) for ns in zip(*(r["ns"] for r in per_rank))]
+        return dataclasses.replace(call.problem, ns=tuple(widest))
 
     # -- running ------------------------------------------------------------------------------
     def plain(self, call: AllGatherMatmulCall):
@@ -90,7 +108,7 @@ class AllGatherMatmul(OpSpec):
         return self._finish(call, outs, buffers.gathered, owned=buffers.symm is None)
 
     def _finish(self, call: AllGatherMatmulCall, outs, gathered, owned: bool):
-        results = [_restore(call, o) for o in outs]
+        results = [_restore(call, o[:, :n]) for o, n in zip(outs, call.ns)]
         out = results if call.b_is_list else results[0]
         if not call.return_gathered:
             return out

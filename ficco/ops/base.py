@@ -6,6 +6,7 @@ plans, workspaces, executing, measuring) is shared and lives in :mod:`ficco.runt
 
     call = spec.prepare(*args, **kwargs)        # validate -> canonical Call, no communication
     spec.signature(call)                        # fields every rank must share
+    spec.agreed_problem(call, per_rank)         # the Problem every rank decides on
     spec.plain(call)                            # FICCO_DISABLE and a world of one
     spec.workspace_bytes(call)                  # symmetric bytes a dma plan needs
     buffers = spec.buffers(call, transport, symm, wide=...)   # the tensors the plan names
@@ -43,10 +44,17 @@ class OpSpec(ABC):
         """Validate the caller's arguments and return the canonical Call. Never communicates."""
 
     def signature(self, call: Call) -> dict:
-        """Small, comparable fields every rank must pass alike (shapes, dtypes, layout).
-        The runtime adds the settings; a difference raises MismatchError on every rank."""
+        """Small, comparable fields every rank must pass alike (shapes, dtypes, layout), and
+        under ``PER_RANK`` those that may differ (a width that never travels). The runtime
+        adds the settings; a difference raises MismatchError on every rank."""
         return {"op": self.name, "role": call.role, "problem": call.problem.key(),
                 "backend": call.backend.target()}
+
+    def agreed_problem(self, call: Call, per_rank: tuple):
+        """The Problem every rank decides on (selector, simulator, tune cache): this call's,
+        with each per-rank width replaced by the widest rank's (``per_rank``: every rank's
+        ``PER_RANK`` fields, as agreed), so no decision depends on which rank decides."""
+        return call.problem
 
     @abstractmethod
     def plain(self, call: Call) -> Any:
