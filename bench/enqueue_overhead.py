@@ -65,6 +65,7 @@ class NullBackend(Backend):
     (arguments computed, a no-op returned) the way the GPU backends prepare theirs."""
 
     name = "null"
+    compute_on_current = prepares_copies = reuses_plan_events = True
 
     @classmethod
     def unavailable_reason(cls):

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ficco.nn as fnn
+from ficco.group import rank_world, resolve
 
 
 class Block(nn.Module):
@@ -43,7 +44,7 @@ class SPTPBlock(nn.Module):
 
     def __init__(self, reference: Block, group=None):
         super().__init__()
-        world, _ = fnn._world_rank(group)
+        _, world = rank_world(resolve(group))
         if reference.heads % world:
             raise ValueError(f"{reference.heads} heads do not split over {world} ranks")
         self.group, self.heads = group, reference.heads // world

@@ -36,8 +36,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from . import config
-from .call import group_id
 from .errors import CommTimeoutError, FiccoError, MismatchError
+from .group import key as group_key
 
 #: the signature key whose value may differ across ranks (see the module docstring)
 PER_RANK = "per_rank"
@@ -70,22 +70,22 @@ def digest(signature: dict) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
-def agree(group, world: int, rank: int, signature: dict, op: str,
-          word: int | None = None) -> Agreed:
+def confirm_same_call(group, rank: int, world: int, signature: dict, op: str,
+                      word: int | None = None) -> Agreed:
     """Every rank of ``group`` called with ``signature`` (digest ``word``). The first sight of
     a signature exchanges it in full (bounded); later sights are a dictionary lookup here,
     and the runtime checks the digest of every call (in the flag every dma barrier carries,
     or one tiny collective on ccl). Raises MismatchError on every rank when they differ."""
-    key = (group_id(group), digest(signature) if word is None else word)
+    key = (group_key(group), digest(signature) if word is None else word)
     with _lock:
         if key in _agreed:
             _agreed.move_to_end(key)
             return _agreed[key]
-    everyone = exchange(group, world, rank, _payload(signature), what=f"{op} agreement")
+    everyone = exchange(group, rank, world, _payload(signature), what=f"{op} agreement")
     return _settle(group, key[1], signature, everyone, op)
 
 
-def answer(group, world: int, rank: int, signature: dict, via: str) -> None:
+def answer(group, rank: int, world: int, signature: dict, via: str) -> None:
     """From a per-call check that waits (``via``: "ccl", a pending check collective, or "dma",
     a plan barrier that wrote its flags): when a peer opened an agreement exchange at this
     rank's next position, join it with this call's signature. A difference raises the
@@ -95,7 +95,7 @@ def answer(group, world: int, rank: int, signature: dict, via: str) -> None:
     waits: one store lookup per peer."""
     if group is None or world == 1:
         return
-    gid = group_id(group)
+    gid = group_key(group)
     store = _store(group)
     with _lock:
         prefix = f"ficco/{_epoch[0]}/{_sequence.get(gid, 0) + 1}/"
@@ -107,7 +107,7 @@ def answer(group, world: int, rank: int, signature: dict, via: str) -> None:
         return
     if not what.endswith(" agreement"):
         return         # another kind of exchange: not this check's business
-    everyone = exchange(group, world, rank, _payload(signature, via), what=what)
+    everyone = exchange(group, rank, world, _payload(signature, via), what=what)
     _settle(group, digest(signature), signature, everyone, what.removesuffix(" agreement"))
 
 
@@ -117,7 +117,7 @@ def _payload(signature: dict, via: str | None = None) -> dict:
 
 
 def _settle(group, word: int, signature: dict, everyone: list, op: str) -> Agreed:
-    gid = group_id(group)
+    gid = group_key(group)
     with _lock:
         _ranks[gid] = tuple((info["host"], info["pid"]) for info in everyone)
     mine = shared(signature)
@@ -142,16 +142,16 @@ def _settle(group, word: int, signature: dict, everyone: list, op: str) -> Agree
 
 
 def known(group, signature: dict) -> Agreed | None:
-    """What :func:`agree` found for this signature before, or None: no communication."""
+    """What :func:`confirm_same_call` found for this signature before, or None: no communication."""
     with _lock:
-        return _agreed.get((group_id(group), digest(signature)))
+        return _agreed.get((group_key(group), digest(signature)))
 
 
 def describe(group, word: int | None = None, *, flag: int | None = None, flag_of=None) -> str:
     """The call an agreed digest ``word`` (or barrier call ``flag``, ``flag_of`` mapping a
     digest to its flag) stands for, as its op, role and shapes; "a call not agreed on this
     rank" when this rank never agreed it (error messages only: a linear scan for flags)."""
-    gid = group_id(group)
+    gid = group_key(group)
     with _lock:
         entries = [(w, a) for (g, w), a in _agreed.items() if g == gid]
     for w, agreed in entries:
@@ -172,16 +172,16 @@ def summary(signature: dict) -> str:
 def ranks_of(group) -> tuple | None:
     """(host, pid) of every rank of ``group``, as its last agreement exchange found them."""
     with _lock:
-        return _ranks.get(group_id(group))
+        return _ranks.get(group_key(group))
 
 
-def exchange(group, world: int, rank: int, payload, *, what: str) -> list:
+def exchange(group, rank: int, world: int, payload, *, what: str) -> list:
     """Every rank's ``payload`` in rank order, through the group's store, bounded by
     FICCO_TIMEOUT: ranks that do not arrive in time are named in a CommTimeoutError."""
     if group is None or world == 1:
         return [payload]
     store = _store(group)
-    gid = group_id(group)
+    gid = group_key(group)
     with _lock:
         seq = _sequence[gid] = _sequence.get(gid, 0) + 1
     prefix = f"ficco/{_epoch[0]}/{seq}/"
@@ -208,14 +208,14 @@ def exchange(group, world: int, rank: int, payload, *, what: str) -> list:
     return [payload for _, payload in tagged]
 
 
-def all_ranks(group, world: int, rank: int, flag: bool, *, what: str) -> bool:
+def all_ranks(group, rank: int, world: int, flag: bool, *, what: str) -> bool:
     """True when ``flag`` is True on every rank (bounded)."""
-    return all(exchange(group, world, rank, bool(flag), what=what))
+    return all(exchange(group, rank, world, bool(flag), what=what))
 
 
-def max_over_ranks(group, world: int, rank: int, value: float, *, what: str) -> float:
+def max_over_ranks(group, rank: int, world: int, value: float, *, what: str) -> float:
     """The largest ``value`` over the ranks (bounded)."""
-    return max(exchange(group, world, rank, float(value), what=what))
+    return max(exchange(group, rank, world, float(value), what=what))
 
 
 def wait_bounded(work, *, rank: int, what: str) -> None:
@@ -243,7 +243,7 @@ def forget(group=None) -> None:
             _sequence.clear()
             _epoch[0] += 1
             return
-    forget_id(group_id(group))
+    forget_id(group_key(group))
 
 
 def forget_id(gid: str) -> None:
@@ -270,7 +270,7 @@ def _store(group):
     try:
         return _get_process_group_store(group)
     except Exception as exc:  # noqa: BLE001
-        raise FiccoError(f"the process group {group_id(group)} has no store ficco can use to "
+        raise FiccoError(f"the process group {group_key(group)} has no store ficco can use to "
                          f"agree across ranks: {exc}") from exc
 
 

@@ -13,6 +13,7 @@ from .ops.all_gather_matmul import SPEC as _ALL_GATHER_MATMUL
 from .ops.matmul_reduce_scatter import SPEC as _MATMUL_REDUCE_SCATTER
 
 last_run = runtime.last_run
+_EXPERT_OPS = ("all_to_all_grouped_mm", "grouped_mm_all_to_all")
 
 
 def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
@@ -33,14 +34,6 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
     # Through the torch custom op (autograd, autocast, torch.compile); ficco/library.py.
     return library.all_gather_matmul(a_shard, b, group, gather_dim=gather_dim,
                                      schedule=schedule, return_gathered=return_gathered)
-
-
-def all_gather_matmul_eager(a_shard, b, group=None, *, gather_dim=0, schedule=None,
-                            return_gathered=False):
-    """``all_gather_matmul`` run directly, without the dispatcher: the real kernel of
-    ``torch.ops.ficco.all_gather_matmul`` (no autograd, autocast or tracing)."""
-    call = _ALL_GATHER_MATMUL.prepare(a_shard, b, group, gather_dim, return_gathered)
-    return runtime.run(call, schedule)
 
 
 def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", schedule=None):
@@ -64,25 +57,25 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
                                          reduce_op=reduce_op, schedule=schedule)
 
 
-def matmul_reduce_scatter_eager(a, b, group=None, *, scatter_dim=0, reduce_op="sum",
-                                schedule=None):
-    """``matmul_reduce_scatter`` run directly, without the dispatcher: the real kernel of
-    ``torch.ops.ficco.matmul_reduce_scatter``."""
-    call = _MATMUL_REDUCE_SCATTER.prepare(a, b, group, scatter_dim, reduce_op)
-    return runtime.run(call, schedule)
+def _prepare(op, a, b, group, dim, reduce_op, counts=None):
+    if op in _EXPERT_OPS:
+        if counts is None:
+            raise InvalidArgumentError(f"explain(op={op!r}) needs counts= (the counts, or the "
+                                       f"recv_counts for grouped_mm_all_to_all)")
+        from .ops import get
 
-
-def _prepare(op, a, b, group, dim, reduce_op):
+        spec = get(op)
+        return spec.local_view(spec.prepare(a, counts, b, group))
     if op == _ALL_GATHER_MATMUL.name:
         return _ALL_GATHER_MATMUL.prepare(a, b, group, dim)
     if op == _MATMUL_REDUCE_SCATTER.name:
         return _MATMUL_REDUCE_SCATTER.prepare(a, b, group, dim, reduce_op)
-    raise InvalidArgumentError(f"op={op!r} is not a ficco op; use all_gather_matmul or "
-                               f"matmul_reduce_scatter")
+    raise InvalidArgumentError(f"op={op!r} is not a ficco op; use all_gather_matmul, "
+                               f"matmul_reduce_scatter, {' or '.join(_EXPERT_OPS)}")
 
 
 def explain(a_shard, b, group=None, *, gather_dim=0, schedule=None, op="all_gather_matmul",
-            scatter_dim=0, reduce_op="sum"):
+            scatter_dim=0, reduce_op="sum", counts=None):
     """The Decision ``op`` (``all_gather_matmul``, or ``matmul_reduce_scatter`` with
     ``scatter_dim``/``reduce_op``; then ``a_shard`` is the full-row ``a``) would take for these
     arguments: schedule, transport, the selector that chose, its inputs and every candidate's
@@ -90,6 +83,9 @@ def explain(a_shard, b, group=None, *, gather_dim=0, schedule=None, op="all_gath
     print(ficco.explain(...))``). Before the ranks agreed on this call, ``auto`` transport
     assumes they share a host; before ``tune`` measured it, the decision is the model's
     prediction and its reason says "not tuned yet" (the first real call measures).
+    Expert parallelism: ``op="all_to_all_grouped_mm"`` (``a_shard`` is x, ``b`` is w,
+    ``counts=`` its counts) or ``"grouped_mm_all_to_all"`` (h, w2, ``counts=`` recv_counts);
+    without communication it assumes every rank routes like this one.
 
     >>> import torch, ficco
     >>> print(ficco.explain(torch.randn(4, 8), torch.randn(8, 3)).schedule)
@@ -98,7 +94,7 @@ def explain(a_shard, b, group=None, *, gather_dim=0, schedule=None, op="all_gath
     'serial'
     """
     dim = scatter_dim if op == _MATMUL_REDUCE_SCATTER.name else gather_dim
-    return runtime.explain(_prepare(op, a_shard, b, group, dim, reduce_op), schedule)
+    return runtime.explain(_prepare(op, a_shard, b, group, dim, reduce_op, counts), schedule)
 
 
 def traced_all_gather_matmul(a_shard, b, group=None, *, schedule, transport=None,
@@ -114,6 +110,50 @@ def traced_matmul_reduce_scatter(a, b, group=None, *, schedule, transport=None, 
     """``traced_all_gather_matmul`` for ``matmul_reduce_scatter``: ``(output, plan, rows)``."""
     call = _MATMUL_REDUCE_SCATTER.prepare(a, b, group, scatter_dim, reduce_op)
     return runtime.traced(call, schedule, transport)
+
+
+# -- expert parallelism (ficco/expert/) ------------------------------------------------------------
+def all_to_all_grouped_mm(x, counts, w, group=None, *, schedule=None):
+    """Expert-parallel dispatch: the all-to-all of tokens to their experts, then every
+    expert's GEMM, with the all-to-all hidden behind the grouped GEMM. Returns
+    ``(y, recv_counts)``.
+
+    ``x`` (T, K): this rank's rows sorted by global expert; ``counts`` (E,) int64: rows per
+    global expert (E = W*L; sum T; zeros allowed); ``w`` (L, K, n) or a list of L (K, n): this
+    rank's local experts (global expert e lives on rank e // L as local expert e % L). ``y``
+    (R, n) holds local expert 0's rows from rank 0, then from rank 1, …, then local expert 1's,
+    each block times ``w[l]`` (torch's ``all_to_all_vdev_2d`` layout); ``recv_counts`` (L, W)
+    counts them. ``schedule``: one of ``ficco.schedules.names(op="all_to_all_grouped_mm")``.
+
+    >>> import torch, ficco
+    >>> x = torch.randn(5, 8); w = torch.randn(2, 8, 3)
+    >>> y, rc = ficco.all_to_all_grouped_mm(x, torch.tensor([2, 3]), w)   # one rank
+    >>> torch.allclose(y, torch.cat([x[:2] @ w[0], x[2:] @ w[1]])), rc.tolist()
+    (True, [[2], [3]])
+    """
+    from .expert import library as expert_library
+
+    return expert_library.all_to_all_grouped_mm(x, counts, w, group, schedule=schedule)
+
+
+def grouped_mm_all_to_all(h, recv_counts, w2, group=None, *, schedule=None, send_counts=None):
+    """Expert-parallel combine, the exact inverse of :func:`all_to_all_grouped_mm`: every
+    block ``(l, s)`` of ``h`` (R, K2, in dispatch's ``y`` order; ``recv_counts`` as dispatch
+    returned it) times ``w2[l]`` goes back to rank s, which returns ``z`` (T, n2) in its
+    original row order. Learning what comes back costs one bounded exchange of counts;
+    ``send_counts=`` (the counts dispatch took, on every rank) skips it.
+
+    >>> import torch, ficco
+    >>> x = torch.randn(5, 8); w = torch.randn(2, 8, 3); w2 = torch.randn(2, 3, 4)
+    >>> y, rc = ficco.all_to_all_grouped_mm(x, [2, 3], w)
+    >>> z = ficco.grouped_mm_all_to_all(y, rc, w2)
+    >>> torch.allclose(z, torch.cat([x[:2] @ w[0] @ w2[0], x[2:] @ w[1] @ w2[1]]), atol=1e-5)
+    True
+    """
+    from .expert import library as expert_library
+
+    return expert_library.grouped_mm_all_to_all(h, recv_counts, w2, group, schedule=schedule,
+                                                send_counts=send_counts)
 
 
 def shutdown() -> None:

@@ -18,9 +18,8 @@ import torch
 from torch import Tensor
 
 from .errors import FiccoError, InvalidArgumentError
+from .group import NO_GROUP, rank_world_of
 
-SINGLE = ""   # the group name of a process without torch.distributed: world size 1
-_world_rank = None   # (group name) -> (world, rank); given by register()
 # The roles of the calls a backward makes (ficco.call.FORWARD is the caller's): part of what
 # the ranks agree on, so a rank that skipped a backward never pairs its next forward with the
 # peers' backward (in an SP MLP they have the same shapes).
@@ -85,7 +84,7 @@ def _rows(t: Tensor, dim: int) -> Tensor:
 def _gather(t: Tensor, group: str, dim: int) -> Tensor:
     """all_gather(t, dim) as a functional collective: traceable, and in eager mode it waits only
     where the result is first used, so work issued in between overlaps it."""
-    if group == SINGLE:
+    if group == NO_GROUP:
         return t
     from torch.distributed import _functional_collectives as funcol
 
@@ -94,7 +93,7 @@ def _gather(t: Tensor, group: str, dim: int) -> Tensor:
 
 
 def _reduce_scatter(t: Tensor, group: str, dim: int) -> Tensor:
-    if group == SINGLE:
+    if group == NO_GROUP:
         return t
     from torch.distributed import _functional_collectives as funcol
 
@@ -152,7 +151,7 @@ def _rs_setup_context(ctx, inputs, output):
     ctx.group, ctx.dim, ctx.reduce_op = group, scatter_dim % a.dim(), reduce_op
     ctx.a_needs = a.requires_grad
     ctx.b_needs = [b.requires_grad for b in bs]
-    world, _ = _world_rank(group)
+    _, world = rank_world_of(group)
     rows = a.shape[ctx.dim]
     if rows % world:
         raise InvalidArgumentError(
@@ -211,10 +210,8 @@ def _register_autocast(op, device_type: str) -> None:
     _impls.impl(overload._name.split("::")[1], kernel, key, with_keyset=True)
 
 
-def register(all_gather_matmul_op, matmul_reduce_scatter_op, world_rank) -> None:
+def register(all_gather_matmul_op, matmul_reduce_scatter_op) -> None:
     """Register autograd and autocast on the two ops (called once by :mod:`ficco.library`)."""
-    global _world_rank
-    _world_rank = world_rank
     all_gather_matmul_op.register_autograd(_first_order(_ag_backward),
                                            setup_context=_ag_setup_context)
     matmul_reduce_scatter_op.register_autograd(_first_order(_rs_backward),

@@ -2,13 +2,9 @@
 
 Nothing here communicates: a bad argument raises :class:`~ficco.errors.InvalidArgumentError`
 on the rank that made it, before any rank waits for another. Op-specific checks live in the
-op spec (``ficco/ops/``); this module holds what every op needs: the group (a ProcessGroup,
-a group name, None or a 1-D DeviceMesh), dimension arguments, dtypes, the backend and the
-settings every rank must share.
+op spec (``ficco/ops/``); this module holds what every op needs: dimension arguments,
+dtypes, the backend and the settings every rank must share (groups: :mod:`ficco.group`).
 
->>> import torch
->>> resolve_group(None) is None          # no process group: a world of one
-True
 >>> normalize_dim(-2, 3, "gather_dim")
 1
 """
@@ -19,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from . import config
 from .backends import get_backend
@@ -53,44 +48,6 @@ class Call:
     @property
     def rank(self) -> int:
         return self.problem.rank
-
-
-def resolve_group(group):
-    """The ProcessGroup for ``group``: None (the default group, or no group when
-    torch.distributed is not initialised), a group name, a ProcessGroup or a 1-D DeviceMesh."""
-    if group is None:
-        if dist.is_available() and dist.is_initialized():
-            return dist.group.WORLD
-        return None
-    if isinstance(group, str):
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        try:
-            return _resolve_process_group(group)
-        except Exception as exc:  # noqa: BLE001 - torch raises several kinds here
-            raise InvalidArgumentError(f"group name {group!r} names no process group: {exc}") from None
-    if dist.is_available() and isinstance(group, dist.ProcessGroup):
-        return group
-    if type(group).__name__ == "DeviceMesh":
-        if group.ndim != 1:
-            raise InvalidArgumentError(
-                f"group is a {group.ndim}-D DeviceMesh {tuple(group.shape)}; pass the 1-D mesh "
-                f"of the dimension to gather over, e.g. mesh['tp']")
-        return group.get_group()
-    raise InvalidArgumentError(
-        f"group must be a torch.distributed ProcessGroup, a group name, a 1-D DeviceMesh or "
-        f"None; got {type(group).__name__}")
-
-
-def group_rank_world(group) -> tuple[int, int]:
-    if group is None:
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def group_id(group) -> str:
-    """A name for ``group`` that every rank computes alike (cache and agreement keys)."""
-    return "single" if group is None else getattr(group, "group_name", str(id(group)))
 
 
 def normalize_dim(value, ndim: int, name: str) -> int:
@@ -185,9 +142,7 @@ def backend_for(t: torch.Tensor, name: str):
             f"{name} is on {t.device} but the active backend {backend.name!r} runs on "
             f"{backend.device().type}; move the tensors or set FICCO_BACKEND"
             + (f"; {why}" if why else ""))
-    check_device = getattr(backend, "check_device", None)
-    if check_device is not None:   # GPUs: the very device the backend drives (issue 15 item 8)
-        check_device(t, name)
+    backend.check_device(t, name)   # GPUs: the very device it drives (issue 15 item 8)
     return backend
 
 

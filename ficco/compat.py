@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from . import agreement, api
-from .call import (backend_for, check_tensor, check_weights, group_rank_world, normalize_dim,
-                   resolve_group)
+from .call import backend_for, check_tensor, check_weights, normalize_dim
 from .errors import InvalidArgumentError
+from .group import rank_world, resolve
 from .ops.all_gather_matmul import all_gather_flat
 from .ops.matmul_reduce_scatter import fused_matmul_reduce_scatter  # noqa: F401 (re-exported)
 
@@ -43,8 +43,8 @@ def _gather_last_dim(A_shard, Bs, group_name, return_A):
     """Shards concatenated along K: validated and agreed like every other path (bounded by
     FICCO_TIMEOUT), then the plain all-gather + matmul."""
     check_tensor(A_shard, "A_shard")
-    group = resolve_group(group_name)
-    rank, world = group_rank_world(group)
+    group = resolve(group_name)
+    rank, world = rank_world(group)
     k = world * A_shard.shape[-1]
     check_weights(Bs, A_shard, "A_shard", k=k, list_name="Bs",
                   k_from=f"gathering A_shard along its last dim over {world} ranks gives K={k}")
@@ -52,7 +52,7 @@ def _gather_last_dim(A_shard, Bs, group_name, return_A):
     signature = {"op": "fused_all_gather_matmul(gather_dim=last)",
                  "shard_shape": tuple(A_shard.shape), "dtype": str(A_shard.dtype),
                  "ns": [int(B.shape[1]) for B in Bs], "return_A": bool(return_A)}
-    agreement.agree(group, world, rank, signature, "fused_all_gather_matmul")
+    agreement.confirm_same_call(group, rank, world, signature, "fused_all_gather_matmul")
     flat = torch.empty((world * A_shard.shape[0], *A_shard.shape[1:]), dtype=A_shard.dtype,
                        device=A_shard.device)
     if world > 1:

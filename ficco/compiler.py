@@ -24,18 +24,14 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING
-
 import torch
 
 from . import host_tasks
+from .buffers import Buffers
 from .errors import InvalidArgumentError
 from .plan import (COMPUTE, SYMMETRIC_BUFFERS, AllGather, AllToAll, Barrier, Block, Copy, Gemm,
-                   GatedGemm, Plan, Record, Reduce, ReduceScatter, SendRecv, Signal, Wait,
-                   buffer_shapes, op_label)
-
-if TYPE_CHECKING:
-    from .executor import Buffers
+                   GatedGemm, HostOp, Plan, Record, Reduce, ReduceScatter, SendRecv, Signal,
+                   Wait, buffer_shapes, op_label)
 
 # Step codes; a step is (code, queue index, x, y, z, w) with slot / event numbers in x..w.
 # CALL (x: a prepared copy, called with the queue), GEMM_HERE and LAUNCH_HERE (a GEMM or host
@@ -158,6 +154,8 @@ class CompiledPlan:
                 recv = block_slot(op.recv) if op.recv is not None else None
                 steps.append((LAUNCH, q, host_tasks.send_recv_task,
                               (send, op.send_to, recv, op.recv_from), 0, 0))
+            elif isinstance(op, HostOp):   # sized at launch from the call's context
+                steps.append((LAUNCH, q, op.host_task, op, 0, 0))
             elif isinstance(op, Signal):
                 steps.append((SIGNAL, q, op.flag, 0, 0, 0))
             elif isinstance(op, GatedGemm):
@@ -233,7 +231,7 @@ class CompiledPlan:
         return tuple(splits), covered
 
     # -- binding -------------------------------------------------------------------------------
-    def bind(self, backend, buffers: "Buffers", events: list | None = None,
+    def bind(self, backend, buffers: Buffers, events: list | None = None,
              every_view: bool = False) -> tuple[tuple, list]:
         """``(steps, views)`` of one call on ``backend``: the steps to run, with the copies
         prepared by the backend (when it can) and kept from the last call while the addresses
@@ -245,7 +243,7 @@ class CompiledPlan:
         old = self._binding
         # Events key the binding only where they are bound into it (the CPU backend makes
         # fresh events every call).
-        if getattr(backend, "prepare_record", None) is None:
+        if not backend.reuses_plan_events:
             events = None
         if old is not None and (old.backend() is not backend or old.events is not events or
                                 (old.ref() if old.ref is not None else None) is not symm):
@@ -261,7 +259,7 @@ class CompiledPlan:
                 old = None
             ws_views = old.ws_views if old is not None else \
                 self._make_views(self.workspace_slots, buffers, [None] * len(self.slots))
-        prepare = getattr(backend, "prepare_copy", None)
+        prepare = backend.prepare_copy if backend.prepares_copies else None
         call_key = None
         if prepare is not None:
             # Geometry, not identity: a fresh tensor at the same address with the same layout
@@ -298,9 +296,7 @@ class CompiledPlan:
         else:
             steps = list(self.steps)
             moved = None   # every copy is prepared
-            here = {code: here for code, here, hook in ((GEMM, GEMM_HERE, "gemm_current"),
-                                                        (LAUNCH, LAUNCH_HERE, "launch_current"))
-                    if getattr(backend, hook, None) is not None}
+            here = {GEMM: GEMM_HERE, LAUNCH: LAUNCH_HERE} if backend.compute_on_current else {}
             compute = self.compute
             steps = [(here[s[0]],) + s[1:] if s[0] in here and s[1] == compute else s
                      for s in steps]
@@ -325,7 +321,7 @@ class CompiledPlan:
             self._binding = None
 
     # -- views ----------------------------------------------------------------------------------
-    def views(self, buffers: "Buffers", ws_views: list | None = None,
+    def views(self, buffers: Buffers, ws_views: list | None = None,
               lean: bool = False) -> list:
         """Every slot's view for this call: the workspace's from ``ws_views`` when given
         (kept by the binding), the rest made now (with ``lean``, not those only prepared
@@ -345,7 +341,7 @@ class CompiledPlan:
                 views[i] = parts[k]
         return views
 
-    def _make_views(self, slots, buffers: "Buffers", out: list) -> list:
+    def _make_views(self, slots, buffers: Buffers, out: list) -> list:
         bases: dict[tuple, tuple] = {}
         for i in slots:
             source, spec = self.slots[i]
@@ -379,7 +375,7 @@ def _slots_used_by(steps) -> set:
     return used
 
 
-def _source_tensor(source, buffers: "Buffers") -> torch.Tensor:
+def _source_tensor(source, buffers: Buffers) -> torch.Tensor:
     kind = source[0]
     if kind in SYMMETRIC_BUFFERS:
         _, index, peer = source

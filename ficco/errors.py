@@ -38,3 +38,18 @@ class PoisonedGroupError(FiccoError):
 class TransportError(FiccoError):
     """Moving bytes between ranks failed (a collective, a peer's connection); the message
     names the rank, op, schedule and peers, and the original error is the cause."""
+
+
+def name_step(exc: BaseException, step: str) -> BaseException:
+    """Remember on ``exc`` the plan step it came from (``ficco.guard.failed`` puts it in the
+    message); the first step named wins. Returns ``exc``.
+
+    >>> name_step(name_step(ValueError("x"), "plan step 3"), "plan step 5").ficco_step
+    'plan step 3'
+    """
+    if getattr(exc, "ficco_step", None) is None:
+        try:
+            exc.ficco_step = step
+        except AttributeError:      # an exception type without a __dict__
+            pass
+    return exc

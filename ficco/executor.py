@@ -7,59 +7,19 @@ they enqueue torch kernels on that stream).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 
 from . import profiling
+from .buffers import Buffers
 from .compiler import (BARRIER, CALL, COPY, COPY_2D, GATED, GEMM, GEMM_HERE, LAUNCH_HERE,
                        RECORD, SIGNAL, WAIT, CompiledPlan, compile_plan)
-from .errors import InvalidArgumentError
+from .errors import name_step
 from .kernels.launch import gated_task, raise_flag
 from .kernels.launch import raise_pending as raise_pending_gated
 from .plan import Plan, op_label
+from .symm_mem.barrier import plan_barrier
 
-__all__ = ["Buffers", "CompiledPlan", "compile_plan", "execute", "name_step"]
-
-
-@dataclass
-class Buffers:
-    """The tensors one call's plan refers to. ``a`` is the caller's A operand in canonical
-    ``m x K`` form. All-gather: ``gathered`` is this rank's ``M x K`` buffer. Reduce-scatter:
-    ``partials[j]`` this rank's ``M x n_j`` partial products (at byte ``partial_offsets[j]``
-    of the workspace with ``dma``) and ``recvs[j]`` the landing buffer of the peers' partials.
-    ``symm`` is the symmetric handle whose buffers hold every peer's ``gathered`` or
-    ``partials`` (None with ``ccl``)."""
-
-    a: torch.Tensor
-    bs: list[torch.Tensor]
-    outs: list[torch.Tensor]
-    gathered: torch.Tensor | None = None
-    symm: Any = None
-    group: Any = None
-    partials: list[torch.Tensor] = field(default_factory=list)
-    recvs: list[torch.Tensor] = field(default_factory=list)
-    partial_offsets: tuple[int, ...] = ()
-    flags: torch.Tensor | None = None   # arrival flags of gated plans (execute() zeroes them)
-    _peers: dict[tuple, torch.Tensor] = field(default_factory=dict)
-
-    def peer(self, peer: int, buf: str = "gathered", index: int = 0) -> torch.Tensor:
-        """Rank ``peer``'s copy of a symmetric buffer, through the symmetric handle."""
-        if self.symm is None:
-            raise InvalidArgumentError(f"plan reads peer {peer}'s buffer but the call has "
-                                       f"no symmetric memory (transport ccl)")
-        key = (buf, index, peer)
-        if key not in self._peers:
-            mine, offset = self.local(buf, index), 0
-            if buf == "partial":
-                offset = self.partial_offsets[index] if self.partial_offsets else 0
-            self._peers[key] = self.symm.get_buffer(peer, tuple(mine.shape), mine.dtype, offset)
-        return self._peers[key]
-
-    def local(self, buf: str, index: int = 0) -> torch.Tensor:
-        """This rank's copy of symmetric buffer ``buf``."""
-        return self.gathered if buf == "gathered" else self.partials[index]
+__all__ = ["Buffers", "CompiledPlan", "compile_plan", "execute"]
 
 
 # -- running -------------------------------------------------------------------------------------
@@ -81,9 +41,7 @@ def execute(plan: Plan, backend, buffers: Buffers, *, timeout_s: float,
     True
     """
     compiled = compile_plan(plan)
-    queues_of = getattr(backend, "queues", None)   # GPUs: settings read once per call
-    queues = queues_of(compiled.queue_names) if queues_of is not None else \
-        [backend.queue(name) for name in compiled.queue_names]
+    queues = backend.queues(compiled.queue_names)
     # plan.num_events events and the entry event; GPUs reuse theirs per compiled plan.
     events = backend.plan_events(compiled, plan.num_events + 1)
     entry = events[-1]   # (the same list every call on GPUs: it keys the binding)
@@ -114,9 +72,8 @@ def execute(plan: Plan, backend, buffers: Buffers, *, timeout_s: float,
 def _run(steps, backend, buffers, queues, events, v, timeout_s) -> None:
     # The hot loop: locals only, one integer compare chain per step, commonest codes first.
     copy, copy_2d, gemm = backend.copy, backend.copy_2d, backend.gemm
-    # only bound steps use GEMM_HERE / LAUNCH_HERE, on backends that have these
-    gemm_here = getattr(backend, "gemm_current", None)
-    launch_here = getattr(backend, "launch_current", None)
+    # only bound steps use GEMM_HERE / LAUNCH_HERE (backends with compute_on_current)
+    gemm_here, launch_here = backend.gemm_current, backend.launch_current
     record, wait = backend.record, backend.wait
     for code, q, x, y, z, w in steps:
         if code == WAIT:
@@ -134,7 +91,7 @@ def _run(steps, backend, buffers, queues, events, v, timeout_s) -> None:
         elif code == COPY_2D:
             copy_2d(v[x], v[y], queues[q])
         elif code == BARRIER:
-            backend.barrier(buffers.symm, x, queues[q], timeout_s, y)
+            plan_barrier(backend, buffers.symm, x, queues[q], timeout_s, y)
         elif code == SIGNAL:
             raise_flag(backend, queues[q], buffers.flags, x)
         elif code == GATED:
@@ -151,17 +108,6 @@ def _run(steps, backend, buffers, queues, events, v, timeout_s) -> None:
             except BaseException as exc:   # a backend that runs the task right here
                 name_step(exc, z)
                 raise
-
-
-def name_step(exc: BaseException, step: str) -> BaseException:
-    """Remember on ``exc`` the plan step it came from (``guard.failed`` puts it in the
-    message); the first step named wins."""
-    if getattr(exc, "ficco_step", None) is None:
-        try:
-            exc.ficco_step = step
-        except AttributeError:      # an exception type without a __dict__
-            pass
-    return exc
 
 
 def _run_traced(compiled, steps, backend, buffers, queues, events, views,

@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 from . import agreement, config
-from .call import Call, group_id
+from .call import Call
 from .errors import (CommTimeoutError, FiccoError, InvalidArgumentError, MismatchError,
                      PoisonedGroupError, TransportError)
+from .group import key as group_key
 
 _lock = threading.Lock()
 _locks: dict = {}          # group id -> the lock serialising its calls
@@ -38,7 +39,7 @@ _watched: set = set()      # group ids whose destruction we watch
 
 @contextlib.contextmanager
 def serialised(call: Call):
-    gid = group_id(call.group)
+    gid = group_key(call.group)
     with _lock:
         lock = _locks.setdefault(gid, threading.Lock())
     _watch(call)
@@ -55,7 +56,7 @@ def serialised(call: Call):
 
 
 def refuse_if_poisoned(call: Call) -> None:
-    entry = _poisoned.get(group_id(call.group))
+    entry = _poisoned.get(group_key(call.group))
     if entry is None:
         return
     reason, sticky = entry
@@ -63,7 +64,7 @@ def refuse_if_poisoned(call: Call) -> None:
            "one: a collective of the failed call may still be pending in it" if sticky else
            "call ficco.shutdown() on every rank, then call again")
     raise PoisonedGroupError(
-        f"rank {call.rank}: an earlier call on group {group_id(call.group)} failed part-way "
+        f"rank {call.rank}: an earlier call on group {group_key(call.group)} failed part-way "
         f"({reason}); ranks may be out of step, so ficco refuses to run on this group: {fix}")
 
 
@@ -78,7 +79,7 @@ def failed(call: Call, exc: BaseException, transport: str | None,
         return exc      # raised alike on every rank, or before communicating: still in step
     summary = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
     with _lock:
-        _poisoned[group_id(call.group)] = (summary, transport == "ccl")
+        _poisoned[group_key(call.group)] = (summary, transport == "ccl")
     if isinstance(exc, CommTimeoutError) and transport == "ccl" and "rank(s)" not in str(exc):
         # A collective that timed out knows no peer: ask who still answers.
         peers = _unanswering(call)
@@ -115,7 +116,7 @@ def check_word_ccl(call: Call, word: int, signature: dict | None = None) -> None
         calls = "; ".join(f"rank {r}: " + ("this call" if w == word else agreement.describe(
             call.group, w)) for r, w in enumerate(seen))
         raise agreement.consistent(MismatchError(
-            f"rank {call.rank}: the ranks of group {group_id(call.group)} are making different "
+            f"rank {call.rank}: the ranks of group {group_key(call.group)} are making different "
             f"{call.op.name} calls ({calls}); each was agreed at an earlier call, nothing was "
             f"computed. Every rank must make the same calls in the same order: "
             f"{agreement.describe(call.group, word)} here"))
@@ -162,7 +163,7 @@ def _wait_answering(call: Call, work, signature: dict, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            agreement.answer(call.group, call.world, call.rank, signature, "ccl")
+            agreement.answer(call.group, call.rank, call.world, signature, "ccl")
         except MismatchError:
             # The peers complete this check's collective (flush_check): wait for it.
             agreement.wait_bounded(work, rank=call.rank, what=f"{what} (flush)")
@@ -203,7 +204,7 @@ def _unanswering(call: Call) -> list[int]:
     """Ranks that do not answer a short liveness exchange through the store."""
     try:
         with config.scope(timeout=min(config.timeout_s(), 3.0)):
-            agreement.exchange(call.group, call.world, call.rank, True,
+            agreement.exchange(call.group, call.rank, call.world, True,
                                what="liveness check after a failure")
     except CommTimeoutError as exc:
         return getattr(exc, "missing", [])
@@ -216,7 +217,7 @@ def _watch(call: Call) -> None:
     """When the group is destroyed and dropped, its state goes with it: workspace (after its
     queues drained), agreements, poison, and the backend's queue threads once no watched
     group is left."""
-    gid = group_id(call.group)
+    gid = group_key(call.group)
     if call.group is None or gid in _watched:
         return
     with _lock:

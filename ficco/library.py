@@ -9,8 +9,8 @@ and the host work a call does (validation, cross-rank agreement, schedule select
 execution on worker threads) runs only in the op's real kernel, at run time, never traced.
 
 The ops take a group *name* (a string), so a traced graph carries no ProcessGroup object;
-:func:`group_name` turns what the public functions accept (None, a name, a ProcessGroup, a 1-D
-DeviceMesh) into it.
+:func:`ficco.group.name_of` turns what the public functions accept (None, a name, a
+ProcessGroup, a 1-D DeviceMesh) into it.
 
 Backward of ``c_j = all_gather(a) @ b_j`` needs the gathered ``a`` for ``grad_b_j``. Two ways,
 chosen by ``FICCO_BACKWARD_GATHER`` (see :mod:`ficco.config`):
@@ -26,44 +26,16 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from . import autograd, config
-from .autograd import SINGLE
+from . import autograd, config, runtime
 from .call import FORWARD
 from .errors import InvalidArgumentError
-
-# -- groups ------------------------------------------------------------------------------------
-
-
-def group_name(group) -> str:
-    """The name the ops take for ``group``: None (default group), a group name, a ProcessGroup
-    or a 1-D DeviceMesh. Plain Python, cheap; run at trace time under ``torch.compile``."""
-    if isinstance(group, str):
-        return group
-    from .call import resolve_group
-
-    resolved = resolve_group(group)
-    return SINGLE if resolved is None else resolved.group_name
-
-
-def _world_rank(name: str) -> tuple[int, int]:
-    # Not cached: a name is reused when a process group is destroyed and created again.
-    if name == SINGLE:
-        return 1, 0
-    group = resolve(name)
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
-def resolve(name: str):
-    """The ProcessGroup named ``name`` (None for :data:`SINGLE`)."""
-    if name == SINGLE:
-        return None
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(name)
-
+from .group import by_name, name_of, rank_world_of
+from .ops.all_gather_matmul import SPEC as ALL_GATHER_MATMUL
+from .ops.all_gather_matmul import check_arguments as check_all_gather_matmul
+from .ops.matmul_reduce_scatter import SPEC as MATMUL_REDUCE_SCATTER
+from .ops.matmul_reduce_scatter import check_arguments as check_matmul_reduce_scatter
 
 # -- layouts -----------------------------------------------------------------------------------
 def restored_layout(moved_shape: Sequence[int], dim: int, rows: int, cols: int):
@@ -99,64 +71,20 @@ def _held_to(t: Tensor, shape, stride, inputs: Sequence[Tensor]) -> Tensor:
     return out.copy_(t)
 
 
-def _check_dim(a: Tensor, dim: int, what: str) -> int:
-    nd = a.dim()
-    if nd < 2 or not isinstance(dim, int) or not -nd <= dim < nd or dim % nd == nd - 1:
-        raise InvalidArgumentError(
-            f"{what}={dim!r} does not name a row dimension of a tensor of shape "
-            f"{tuple(a.shape)}; use 0 … {max(nd - 2, 0)} (the last dimension is K)")
-    return dim % nd
-
-
 # -- the real kernels: host work, run at call time -----------------------------------------------
-def _eager(op: str):
-    """The op's eager implementation (``ficco.runtime.run`` on its op spec), or None when
-    the op spec is not there. Straight to the runtime: ``api`` sits above this module."""
-    from . import ops, runtime
-
-    if op not in ops.names():
-        return None
-    spec = ops.get(op)
-
-    def impl(*args, schedule=None, role=FORWARD, **kwargs):
-        call = spec.prepare(*args, **kwargs)
-        call.role = role
-        return runtime.run(call, schedule)
-    return impl
+def _run_all_gather_matmul(a, b, group, gather_dim, schedule, return_gathered, role=FORWARD):
+    """The eager implementation: the real kernel of ``ficco::all_gather_matmul`` and the public
+    function's path when the dispatcher adds nothing. Straight to the runtime (``api`` sits
+    above this module). ``role``: FORWARD, or the backward pass the call belongs to."""
+    call = ALL_GATHER_MATMUL.prepare(a, b, group, gather_dim, return_gathered)
+    call.role = role
+    return runtime.run(call, schedule)
 
 
-def _eager_all_gather_matmul(a, bs, name, gather_dim, schedule, return_gathered, role):
-    impl = _eager("all_gather_matmul")
-    out = impl(a, list(bs), resolve(name), gather_dim=gather_dim, schedule=schedule,
-               return_gathered=return_gathered, role=role)
-    return out if return_gathered else (None, out)
-
-
-def _eager_matmul_reduce_scatter(a, bs, name, scatter_dim, reduce_op, schedule, role):
-    impl = _eager("matmul_reduce_scatter")
-    if impl is None:
-        return _reference_matmul_reduce_scatter(a, bs, name, scatter_dim, reduce_op)
-    return impl(a, list(bs), resolve(name), scatter_dim=scatter_dim, reduce_op=reduce_op,
-                schedule=schedule, role=role)
-
-
-def _reference_matmul_reduce_scatter(a, bs, name, scatter_dim, reduce_op):
-    """Unoverlapped matmul + reduce-scatter (until ficco's own op is importable)."""
-    group = resolve(name)
-    world, _ = _world_rank(name)
-    outs = []
-    for b in bs:
-        full = (a @ b).movedim(scatter_dim, 0).contiguous()
-        if world == 1:
-            mine = full
-        else:
-            mine = full.new_empty((full.shape[0] // world, *full.shape[1:]))
-            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            scatter(mine, full, group=group)
-            if reduce_op == "avg":
-                mine /= world
-        outs.append(mine.movedim(0, scatter_dim))
-    return outs
+def _run_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, schedule, role=FORWARD):
+    call = MATMUL_REDUCE_SCATTER.prepare(a, b, group, scatter_dim, reduce_op)
+    call.role = role
+    return runtime.run(call, schedule)
 
 
 # -- the ops ------------------------------------------------------------------------------------
@@ -166,10 +94,11 @@ def all_gather_matmul_op(a: Tensor, bs: list[Tensor], group: str, gather_dim: in
                          ) -> tuple[Tensor, list[Tensor]]:
     """``(all_gather(a, gather_dim) or an empty tensor, [gathered @ b for b in bs])``.
     ``role``: "forward", or the backward pass the call belongs to (agreed across ranks)."""
-    gathered, outs = _eager_all_gather_matmul(a, bs, group, gather_dim, schedule,
-                                              return_gathered, role)
+    out = _run_all_gather_matmul(a, list(bs), by_name(group), gather_dim, schedule,
+                                 return_gathered, role)
+    gathered, outs = out if return_gathered else (None, out)
     gather_dim %= a.dim()
-    world, _ = _world_rank(group)
+    _, world = rank_world_of(group)
     moved = _moved_shape(a, gather_dim)
     rows = world * moved[0]
     inputs = [a, *bs]
@@ -185,9 +114,8 @@ def all_gather_matmul_op(a: Tensor, bs: list[Tensor], group: str, gather_dim: in
 
 @all_gather_matmul_op.register_fake
 def _(a, bs, group, gather_dim, schedule, return_gathered, role=FORWARD):
-    gather_dim = _check_dim(a, gather_dim, "gather_dim")
-    _check_weights(a, bs, "a_shard")
-    world, _ = _world_rank(group)
+    gather_dim, _, _ = check_all_gather_matmul(a, bs, gather_dim)   # eager's words
+    _, world = rank_world_of(group)
     moved = _moved_shape(a, gather_dim)
     rows = world * moved[0]
 
@@ -205,7 +133,8 @@ def matmul_reduce_scatter_op(a: Tensor, bs: list[Tensor], group: str, scatter_di
                              ) -> list[Tensor]:
     """``[reduce_scatter(a @ b, scatter_dim, reduce_op) for b in bs]`` (``role``: see
     ``all_gather_matmul_op``)."""
-    outs = _eager_matmul_reduce_scatter(a, bs, group, scatter_dim, reduce_op, schedule, role)
+    outs = _run_matmul_reduce_scatter(a, list(bs), by_name(group), scatter_dim, reduce_op,
+                                      schedule, role)
     scatter_dim %= a.dim()
     moved = _moved_shape(a, scatter_dim)
     rows = _scattered_rows(moved[0], group)
@@ -215,8 +144,7 @@ def matmul_reduce_scatter_op(a: Tensor, bs: list[Tensor], group: str, scatter_di
 
 @matmul_reduce_scatter_op.register_fake
 def _(a, bs, group, scatter_dim, reduce_op, schedule, role=FORWARD):
-    scatter_dim = _check_dim(a, scatter_dim, "scatter_dim")
-    _check_weights(a, bs, "a")
+    scatter_dim, _, _ = check_matmul_reduce_scatter(a, bs, scatter_dim, reduce_op)
     moved = _moved_shape(a, scatter_dim)
     rows = _scattered_rows(moved[0], group)
     return [a.new_empty_strided(*restored_layout(moved, scatter_dim, rows, b.shape[1]))
@@ -225,20 +153,9 @@ def _(a, bs, group, scatter_dim, reduce_op, schedule, role=FORWARD):
 
 def _scattered_rows(total: int, group: str) -> int:
     """This rank's rows of ``total``: the chunk rule both ops share (longer pieces first)."""
-    world, rank = _world_rank(group)
+    rank, world = rank_world_of(group)
     # problem.even_split's rule, written so a symbolic (dynamic-shape) total works too
     return total // world + (1 if rank < total % world else 0)
-
-
-def _check_weights(a: Tensor, bs: Sequence[Tensor], a_name: str) -> None:
-    if not bs:
-        raise InvalidArgumentError("b is an empty list; pass a (K, n) tensor or a list of them")
-    for j, b in enumerate(bs):
-        if b.dim() != 2 or b.shape[0] != a.shape[-1]:
-            raise InvalidArgumentError(
-                f"b[{j}] has shape {tuple(b.shape)} but {a_name} {tuple(a.shape)} needs "
-                f"({a.shape[-1]}, n)")
-
 
 
 # -- the public functions' front end -------------------------------------------------------------
@@ -255,8 +172,8 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
     if dim is None or not _plain_name(schedule) or _eager_suffices(a_shard, bs):
         # No autograd, autocast, tracing or tensor subclass involved: the dispatcher would
         # add ~100 us of Python per call and change nothing.
-        return _eager_public(a_shard, b, group, gather_dim, schedule, return_gathered)
-    name = group_name(group)
+        return _run_all_gather_matmul(a_shard, b, group, gather_dim, schedule, return_gathered)
+    name = name_of(group)
     keep = return_gathered or (torch.is_grad_enabled() and any(x.requires_grad for x in bs)
                                and _backward_gather() == "save")
     gathered, outs = torch.ops.ficco.all_gather_matmul(a_shard, bs, name, dim, schedule, keep)
@@ -273,8 +190,8 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
     dim = _plain_int(scatter_dim)
     if (dim is None or not isinstance(reduce_op, str) or not _plain_name(schedule)
             or _eager_suffices(a, bs)):
-        return _eager_rs_public(a, b, group, scatter_dim, reduce_op, schedule)
-    outs = torch.ops.ficco.matmul_reduce_scatter(a, bs, group_name(group), dim, reduce_op,
+        return _run_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, schedule)
+    outs = torch.ops.ficco.matmul_reduce_scatter(a, bs, name_of(group), dim, reduce_op,
                                                  schedule)
     return outs if b_is_list else outs[0]
 
@@ -308,21 +225,6 @@ def _eager_suffices(a, bs) -> bool:
                 or torch._C._is_torch_function_mode_enabled())
 
 
-def _eager_public(a, b, group, gather_dim, schedule, return_gathered):
-    impl = _eager("all_gather_matmul")
-    return impl(a, b, group, gather_dim=gather_dim, schedule=schedule,
-                return_gathered=return_gathered)
-
-
-def _eager_rs_public(a, b, group, scatter_dim, reduce_op, schedule):
-    impl = _eager("matmul_reduce_scatter")
-    if impl is None:
-        bs = list(b) if isinstance(b, (list, tuple)) else [b]
-        outs = _reference_matmul_reduce_scatter(a, bs, group_name(group), scatter_dim, reduce_op)
-        return outs if isinstance(b, (list, tuple)) else outs[0]
-    return impl(a, b, group, scatter_dim=scatter_dim, reduce_op=reduce_op, schedule=schedule)
-
-
 @torch.compiler.assume_constant_result
 def _backward_gather() -> str:
     """FICCO_BACKWARD_GATHER, read when a graph is traced (a compiled graph keeps its value)."""
@@ -344,7 +246,7 @@ def _local_shard(t, group, dim, name):
             f"{name} is a DTensor with placements {tuple(placements)} on a {mesh.ndim}-D mesh; "
             f"ficco takes a DTensor sharded along the gathered dimension (Shard({wanted})) on a "
             f"1-D mesh, or a plain tensor: pass {name}.to_local() and group=<the 1-D mesh>")
-    if group is not None and group_name(group) != group_name(mesh):
+    if group is not None and name_of(group) != name_of(mesh):
         raise InvalidArgumentError(
             f"{name} is a DTensor on mesh {mesh} but group names another group; leave group "
             f"as None to use the mesh's")
@@ -368,4 +270,4 @@ def _is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
-autograd.register(all_gather_matmul_op, matmul_reduce_scatter_op, _world_rank)
+autograd.register(all_gather_matmul_op, matmul_reduce_scatter_op)

@@ -28,11 +28,8 @@ import torch
 from torch import Tensor, nn
 
 from . import library
+from .group import NO_GROUP, name_of, rank_world, resolve
 from .problem import even_split
-
-
-def _world_rank(group) -> tuple[int, int]:
-    return library._world_rank(library.group_name(group))
 
 
 class ColumnParallelLinear(nn.Module):
@@ -48,7 +45,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.group, self.seq_dim = group, seq_dim
         self.fused = not isinstance(out_features, int)
-        world, rank = _world_rank(group)
+        rank, world = rank_world(resolve(group))
         sizes = list(out_features) if self.fused else [out_features]
         self.in_features, self.out_features = in_features, tuple(sizes)
         self.weights = nn.ParameterList(
@@ -77,7 +74,7 @@ class ColumnParallelLinear(nn.Module):
         layer = cls(first.in_features, sizes if many else sizes[0], first.bias is not None,
                     group=group, seq_dim=seq_dim, device=first.weight.device,
                     dtype=first.weight.dtype)
-        world, rank = _world_rank(group)
+        rank, world = rank_world(resolve(group))
         with torch.no_grad():
             for j, lin in enumerate(linears):
                 start, rows = even_split(lin.out_features, world)[rank]
@@ -108,7 +105,7 @@ class RowParallelLinear(nn.Module):
                  seq_dim: int = 0, device=None, dtype=None):
         super().__init__()
         self.group, self.seq_dim = group, seq_dim
-        world, rank = _world_rank(group)
+        rank, world = rank_world(resolve(group))
         self.in_features, self.out_features = in_features, out_features
         local_in = even_split(in_features, world)[rank][1]
         self.weight = nn.Parameter(torch.empty(out_features, local_in, device=device,
@@ -129,7 +126,7 @@ class RowParallelLinear(nn.Module):
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
                     group=group, seq_dim=seq_dim, device=linear.weight.device,
                     dtype=linear.weight.dtype)
-        world, rank = _world_rank(group)
+        rank, world = rank_world(resolve(group))
         start, cols = even_split(linear.in_features, world)[rank]
         with torch.no_grad():
             layer.weight.copy_(linear.weight[:, start:start + cols])
@@ -160,7 +157,7 @@ class _SumGradOverGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.name == library.SINGLE:
+        if ctx.name == NO_GROUP:
             return grad, None
         from torch.distributed import _functional_collectives as funcol
 
@@ -174,7 +171,7 @@ def replicated(param: Tensor, group=None) -> Tensor:
 
     >>> h = F.rms_norm(x_shard, (d,), replicated(norm.weight))   # doctest: +SKIP
     """
-    return _SumGradOverGroup.apply(param, library.group_name(group))
+    return _SumGradOverGroup.apply(param, name_of(group))
 
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "replicated"]

@@ -255,10 +255,22 @@ class GatedGemm:
         return 1 + max((f for _, _, parts in self.segments for _, _, f in parts), default=-1)
 
 
+class HostOp:
+    """Base of plan ops whose work is one host task sized at launch from the call's context
+    (``Buffers.group``), for op families whose sizes are data: expert parallelism's routing
+    counts change every call, so its plans name (expert, source, chunk) and one plan serves
+    every routing (:mod:`ficco.expert`). Subclasses are frozen dataclasses with ``queue`` and
+    ``step``, a ``kind`` (the simulator prices kind ``x`` with ``_price_x``) and a static
+    ``host_task(views, context, op) -> fn`` that the executor launches on the op's queue."""
+
+    queue: str
+    step: int
+
+
 Op = Union[Copy, Gemm, Reduce, AllGather, AllToAll, ReduceScatter, SendRecv, Barrier, Record,
-           Wait, Signal, GatedGemm]
+           Wait, Signal, GatedGemm, HostOp]
 WORK_OPS = (Copy, Gemm, Reduce, AllGather, AllToAll, ReduceScatter, SendRecv, Barrier, Signal,
-            GatedGemm)
+            GatedGemm, HostOp)
 
 
 def op_label(op, rank: int) -> str:

@@ -83,15 +83,6 @@ def signature(call: Call, s: dict) -> dict:
     return {**call.op.signature(call), **agreed}
 
 
-def agree(call: Call, s: dict) -> agreement.Agreed:
-    """Bounded agreement of this call across the group (see :func:`ficco.agreement.agree`)."""
-    return _agree(call, signature(call, s))
-
-
-def _agree(call: Call, sig: dict, word: int | None = None) -> agreement.Agreed:
-    return agreement.agree(call.group, call.world, call.rank, sig, call.op.name, word)
-
-
 def _joined(call: Call, exc: BaseException, via: str | None) -> None:
     """After a MismatchError of an agreement exchange that peers joined from their per-call
     check (``via`` is this rank's own check, None when it opened the exchange): complete the
@@ -110,7 +101,7 @@ def _joined(call: Call, exc: BaseException, via: str | None) -> None:
 def _answer(call: Call, sig: dict, via: str):
     """What a per-call check runs while it waits (see ficco.agreement.answer)."""
     def answer():
-        agreement.answer(call.group, call.world, call.rank, sig, via)
+        agreement.answer(call.group, call.rank, call.world, sig, via)
     return answer
 
 
@@ -142,7 +133,11 @@ def _run(call: Call, schedule, transport, selector):
         stage = {"transport": None, "schedule": None, "step": "the first-call agreement",
                  "check": None}
         try:
-            agreed = _agree(call, sig, word)
+            agreed = agreement.confirm_same_call(call.group, call.rank, call.world, sig,
+                                                 call.op.name, word)
+            stage["step"] = "the exchange of the call's data"
+            call, word = call.op.exchange(call, word)   # e.g. expert routing counts
+            stage["step"] = None
             if s["disable"] or call.plain_only:
                 stage.update(transport="ccl", schedule="plain", check="ccl",
                              step="the call check before the plain path")
@@ -201,7 +196,7 @@ def decide(call: Call, s: dict, agreed: agreement.Agreed):
                   target=call.backend.target(),
                   selector=s["selector"], forced=s["schedule"], forced_by=s["schedule_by"],
                   measure=lambda name: measure(call, name, transports[0]),
-                  agree=lambda flag: agreement.all_ranks(call.group, call.world, call.rank,
+                  agree=lambda flag: agreement.all_ranks(call.group, call.rank, call.world,
                                                          flag, what="tune cache check"))
 
 
@@ -281,7 +276,7 @@ def measure(call: Call, name: str, transport: str, warmup: int = 2, repeat: int 
         execute(call, name, transport)
         call.backend.synchronize()
         times.append(time.perf_counter() - start)
-    return agreement.max_over_ranks(call.group, call.world, call.rank,
+    return agreement.max_over_ranks(call.group, call.rank, call.world,
                                     statistics.median(times), what=f"tune timing of {name}")
 
 
@@ -292,7 +287,11 @@ def traced(call: Call, schedule: str, transport: str | None = None):
     with guard.serialised(call):
         guard.refuse_if_poisoned(call)
         try:
-            same_host = agree(call, s).same_host if call.world > 1 else True
+            same_host = agreement.confirm_same_call(
+                call.group, call.rank, call.world, signature(call, s),
+                call.op.name).same_host if call.world > 1 else True
+            if call.world > 1:
+                call, _ = call.op.exchange(call, agreement.digest(signature(call, s)))
             via = candidate_transports(s["transport"], same_host)[0]
             buffers, plan, rows = execute(call, call.op.schedule(schedule).name, via, trace=True)
         except BaseException as exc:

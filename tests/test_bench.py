@@ -3,6 +3,8 @@ turn measurements into a profile, and smoke runs of sweep, characterize and time
 that check the files they write (never their timings)."""
 from __future__ import annotations
 
+import dataclasses
+
 import csv
 import json
 import os
@@ -142,6 +144,37 @@ def test_fits_recover_the_simulator_parameters():
     assert fit["dma_gemm"] == pytest.approx(0.3, rel=0.1)
     assert fit["dma_copy"] == pytest.approx(0.1, rel=0.1)
     assert 1e8 < fit["mt_half_bytes"] < 1e9
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda:sm_90"])
+def test_a_characterized_profile_keeps_the_copy_bandwidth_it_measured(backend):
+    """Issue 26: characterize measured ~55 GB/s copies on a CPU and wrote a profile that kept
+    the built-in 5 GB/s (only the curve's fractions were written). On CPU the profile now
+    prices the largest measured copy at its measured time; on a GPU, where the copy measured is
+    local and says nothing about the links, the built-in link numbers stay."""
+    from ficco.heuristics import profiles, simulator
+    from ficco.plan import Block, Copy, Plan
+    from ficco.problem import Problem
+
+    base = profiles.load("cpu" if backend == "cpu" else "h100")
+    bandwidth, latency = 55e9, 3e-6
+    env = {"env_backend": backend}
+    recs = [dict(kind="copy", shape="1d", bytes=size, time_s=latency + size / bandwidth, env=env)
+            for size in (1 << 12, 1 << 16, 1 << 20, 1 << 24)]
+    fitted = profile_fit.fit_profile(base, recs, "float32", "t", "test")
+    if backend != "cpu":
+        assert (fitted.copy_engine_bytes_per_s, fitted.link_bytes_per_s) == \
+            (base.copy_engine_bytes_per_s, base.link_bytes_per_s)
+        return
+    big = 1 << 24
+    assert fitted.copy_engine_bytes_per_s == pytest.approx(big / (latency + big / bandwidth))
+    assert "GB/s" in fitted.sources["copy_engine_bytes_per_s"]
+    problem = Problem(big // 4, 1, (1,), "float32", 2)
+    copy = Copy("copy0", Block("input", 0, big // 4, 0, 1, peer=1), Block("gathered", 0,
+                                                                         big // 4, 0, 1))
+    plan = Plan("one-copy", "dma", problem, ("copy0",), (copy,))
+    predicted = simulator.simulate(plan, dataclasses.replace(fitted, host_op_s=0.0)).makespan_s
+    assert predicted == pytest.approx(latency + big / bandwidth, rel=0.05)
 
 
 # -- smoke runs on CPU ------------------------------------------------------------------------

@@ -54,3 +54,53 @@ def test_draw_gantt_lanes_and_file(tmp_path):
                                            ("copy0", "copy_2d"), ("comm", "all_gather")])]
     path = draw_gantt(rows, tmp_path / "deep" / "t.png", "test")
     assert path.exists() and path.stat().st_size > 1000
+
+
+def test_timeline_labels_fit_their_bars_and_never_overlap():
+    """Issue 26: GEMM labels overlapped on simulate charts (a label was drawn whenever its bar
+    was 6% of the axis, however long the text). A kept label lies inside its own bar."""
+    from ficco.bench.gantt import figure
+
+    rows = [{"queue": "compute", "start_s": i * 1e-4, "end_s": (i + 1) * 1e-4, "kind": "gemm",
+             "label": f"gemm 131072r s{i} a long label"} for i in range(12)]
+    rows.append({"queue": "compute", "start_s": 12e-4, "end_s": 40e-4, "kind": "gemm",
+                 "label": "wide"})
+    fig = figure([("t", rows)])
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    texts = [t for t in ax.texts]
+    assert [t.get_text() for t in texts] == ["wide"]
+    boxes = [t.get_window_extent(renderer) for t in texts]
+    x0, _ = ax.transData.transform((12e-1, 0))
+    x1, _ = ax.transData.transform((40e-1, 0))
+    assert all(x0 <= b.x0 and b.x1 <= x1 for b in boxes)
+
+
+def test_simulate_with_an_unknown_profile_says_which_exist_in_one_line(tmp_path, capsys):
+    """Issue 26: ``simulate --profile nope`` printed a traceback."""
+    assert bench_main(["simulate", "--profile", "nope", "--no-png", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "unknown profile 'nope'" in err and "mi300x" in err and "h100" in err
+
+
+def test_ratio_plot_says_why_points_sit_above_the_ideal_curve(tmp_path):
+    """Issue 26: the ratio plot showed points above the "ideal" curve with no word why. The
+    curve assumes serial takes g + c; each scenario also gets a tick at the ideal over the
+    serial call the speedups are measured against, and a point that did not move data faster
+    than the ccl all-gather it was compared with stays under its tick."""
+    from ficco.bench import plots
+
+    base = dict(status="ok", scenario="s", gemm_s=1.0, comm_s=1.0, gemm_comm_ratio=1.0,
+                reference_s=3.0, transport="dma")
+    records = [dict(base, kind="baseline", schedule="serial", transport="ccl", median_s=3.0,
+                    speedup=1.0),
+               dict(base, kind="schedule", schedule="hetero-fused-1d", median_s=1.2,
+                    speedup=2.5)]
+    assert plots.ideal_speedup(1.0) == 2.0 < 2.5 <= plots.measured_ideal(records[1])
+    # a schedule no faster than the longer of GEMM and all-gather alone is under its tick
+    for t in (1.0, 1.5, 3.0):
+        assert 3.0 / t <= plots.measured_ideal(records[1])
+    path = plots.plot_ratio(records, tmp_path / "ratio.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "serial paid more than g + c" in plots.RATIO_NOTE

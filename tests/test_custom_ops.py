@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import ficco
+from ficco.group import name_of
 
 from . import harness
 from .reference import ROW_TOL, make_inputs, max_row_rel_err
@@ -228,7 +229,7 @@ def _layouts(rank, world, seed):
             shape[dim] *= world
         a = torch.randn(*shape, generator=gen)
         bs = [torch.randn(shape[-1], n, generator=gen) for n in ns]
-        name = lib.group_name(None)
+        name = name_of(None)
 
         def call(a, bs):
             if op == "ag":
@@ -328,6 +329,38 @@ def test_export_keeps_both_ops_as_nodes():
     targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
     assert {"ficco.all_gather_matmul.default", "ficco.matmul_reduce_scatter.default"} <= targets
     torch.testing.assert_close(program.module()(x), model(x))
+
+
+def test_a_bad_argument_reads_the_same_compiled_and_eager():
+    """One validator feeds the eager path and the fake kernels (issue 30): before, a bad
+    gather_dim said "does not name a row dimension" under torch.compile and "is the last (K)
+    dimension" eagerly. Now the fake kernel raises the eager words, and a compiled call
+    carries them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ficco.errors import InvalidArgumentError
+
+    a, w = torch.randn(4, 8), torch.randn(8, 3)
+    bad = [lambda a, w: ficco.all_gather_matmul(a, [w], gather_dim=1),
+           lambda a, w: ficco.all_gather_matmul(a, [w], gather_dim=-3),
+           lambda a, w: ficco.matmul_reduce_scatter(a, [w], scatter_dim=-1),
+           lambda a, w: ficco.all_gather_matmul(a, [w[:6]])]
+    ops = [lambda a, w: torch.ops.ficco.all_gather_matmul(a, [w], "", 1, None, False),
+           lambda a, w: torch.ops.ficco.all_gather_matmul(a, [w], "", -3, None, False),
+           lambda a, w: torch.ops.ficco.matmul_reduce_scatter(a, [w], "", -1, "sum", None),
+           lambda a, w: torch.ops.ficco.all_gather_matmul(a, [w[:6]], "", 0, None, False)]
+    for eager_call, op_call in zip(bad, ops):
+        with pytest.raises(InvalidArgumentError) as eager:
+            eager_call(a, w)
+        with FakeTensorMode() as mode, pytest.raises(InvalidArgumentError) as fake:
+            op_call(mode.from_tensor(a), mode.from_tensor(w))
+        assert str(fake.value) == str(eager.value)
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as compiled:
+        torch.compile(bad[0], fullgraph=True, backend="eager")(a, w)
+    with pytest.raises(InvalidArgumentError) as eager:
+        bad[0](a, w)
+    assert str(eager.value) in str(compiled.value)
 
 
 def test_bad_arguments_on_the_autograd_path_get_ficco_errors():

@@ -19,7 +19,8 @@ import torch
 from ficco import schedules
 from ficco.backends.gpu import GpuBackend
 from ficco.backends.vendor import Copy2D, Vendor
-from ficco.executor import Buffers, execute
+from ficco.buffers import Buffers
+from ficco.executor import execute
 from ficco.problem import Problem
 
 WORLD, RANK, K, NS = 4, 1, 12, (7, 3)

@@ -19,7 +19,8 @@ from ficco import schedules
 from ficco.backends.cpu import CpuBackend
 from ficco.backends.vendor import Copy2D, copy_call_args
 from ficco.errors import InvalidArgumentError
-from ficco.executor import Buffers, compile_plan, execute
+from ficco.buffers import Buffers
+from ficco.executor import compile_plan, execute
 from ficco.plan import WORK_OPS
 from ficco.problem import Problem
 
@@ -97,6 +98,8 @@ class AddressBackend(CpuBackend):
     ``copy_call_args``) and later replayed as raw byte moves on the copy queue's worker, and the
     compute queue's GEMMs come through ``gemm_current``. A prepared copy that outlived the
     memory it was made for moves bytes of an earlier call's buffers: results go wrong."""
+
+    compute_on_current = prepares_copies = True
 
     def __init__(self):
         super().__init__()

@@ -229,3 +229,128 @@ def test_explain_is_local_and_reports_what_the_call_tuned(tmp_path):
         assert err <= ROW_TOL[torch.float32] and picked == ("paper", "model"), results
     entries = json.loads((tmp_path / tune.CACHE_FILE).read_text())
     assert [e["schedule"] for e in entries.values()] == [results[0][2]]
+
+
+# -- the model knows its error (issue 24 item 3) ------------------------------------------------
+def _with_band(monkeypatch, width):
+    """Every shape class gets the band ``width``."""
+    from ficco.heuristics import bands
+
+    data = {"all": {"band": width, "rows": []}, "classes": {}}
+    monkeypatch.setattr(bands, "load", lambda path=bands.BANDS_FILE: data)
+
+
+BAND_CASES = [("g6", "rocm:gfx942", 1), ("g14", "rocm:gfx942", 8), ("g2", "cuda:sm_90", 8),
+              ("rs-70b-down", "cuda:sm_90", 1), ("rs-small", "cuda:sm_90", 1)]
+
+
+def _band_problem(name, scale):
+    if name == "rs-70b-down":   # llama-70B down projection at TP 8, seq 8192
+        return Problem(8192, 3584, (8192,), "bfloat16", 8, op="matmul_reduce_scatter")
+    if name == "rs-small":
+        return Problem(1024, 3584, (8192,), "bfloat16", 8, op="matmul_reduce_scatter")
+    return table_i_problem(name, scale=scale)
+
+
+def _gain(decision):
+    """The predicted gain of the fastest candidate over serial on the better transport."""
+    fastest = min(decision.scores.values())
+    return decision.scores["serial"] / fastest - 1
+
+
+@pytest.mark.parametrize("name, target, scale", BAND_CASES)
+def test_model_never_keeps_an_overlap_whose_predicted_gain_is_inside_its_band(
+        monkeypatch, name, target, scale):
+    """Invariants of the band rule: with band 0 the model picks the fastest candidate; with any
+    band an overlapped pick's predicted gain over the best serial exceeds the band, and a pick
+    of serial means no candidate's gain does; widening the band never turns serial into an
+    overlapped schedule; the reason says which case it is."""
+    problem = _band_problem(name, scale)
+    transports = ("dma", "ccl")
+    picks = []
+    for width in (0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 5.0):
+        _with_band(monkeypatch, width)
+        d = choose(problem, transport=transports, target=target, selector="model")
+        per_via = {via: model.predict_all(problem, profiles.resolve(target), None, via, None,
+                                          schedules.offered(target, via, problem.op))
+                   for via in transports}
+        base = min(per_via[via]["serial"] for via in transports)
+        fastest = min(t for times in per_via.values() for t in times.values())
+        gain = base / fastest - 1
+        assert d.band == width and d.band_class.startswith(problem.op)
+        if d.schedule == "serial":
+            assert d.scores["serial"] == base
+            assert gain <= width or all(t >= base for times in per_via.values()
+                                        for t in times.values())
+            if gain > 0 and min(min(t.values()) for t in per_via.values()) < base:
+                assert f"inside the model's \u00b1{width:.0%}" in d.reason, d.reason
+        else:
+            assert base / d.scores[d.schedule] - 1 > width, (width, d)
+            assert f"exceeds the model's \u00b1{width:.0%}" in d.reason
+        if width == 0.0 and gain > 0:
+            assert d.scores[d.schedule] == fastest
+        picks.append(d.schedule != "serial")
+        assert "band      \u00b1" in str(d)
+    # a wider band never keeps more overlap than a narrower one
+    assert picks == sorted(picks, reverse=True), picks
+    assert picks[-1] is False
+
+
+def test_the_band_never_touches_forced_paper_or_tune_decisions(monkeypatch, tmp_path):
+    _with_band(monkeypatch, 5.0)
+    g2 = table_i_problem("g2")
+    forced = choose(g2, target="rocm:gfx942", forced="hetero-unfused-1d", forced_by="argument")
+    assert (forced.schedule, forced.band) == ("hetero-unfused-1d", None)
+    paper = choose(g2, target="rocm:gfx942", selector="paper")
+    assert (paper.schedule, paper.band) == ("hetero-unfused-1d", None)
+    with config.scope(cache_dir=str(tmp_path)):
+        tuned = choose(g2, target="cpu", selector="tune",
+                       measure=lambda name: 1.0 if name == "ring" else 2.0)
+    assert (tuned.schedule, tuned.band) == ("ring", None)
+
+
+def test_bands_come_from_validated_residuals_by_shape_class():
+    from ficco.heuristics import bands
+
+    rows = [dict(id=f"r{i}", op="matmul_reduce_scatter", role="check", kind="point",
+                 rel_error=f"{e:+.3f}", **{"class": "matmul_reduce_scatter/balanced"})
+            for i, e in enumerate((0.01, -0.02, 0.03, -0.04, 0.20))]
+    rows += [dict(id="a", op="all_gather_matmul", role="check", kind="point", rel_error="+0.3",
+                  **{"class": "all_gather_matmul/comm-bound"}),
+             dict(id="fit", op="all_gather_matmul", role="fit", kind="point", rel_error="+0.9",
+                  **{"class": "all_gather_matmul/comm-bound"}),
+             dict(id="agg", op="all_gather_matmul", role="check", kind="aggregate",
+                  rel_error="+0.9", **{"class": ""})]
+    data = bands.from_rows(rows)
+    # the 80th percentile by nearest rank of the class's five residuals
+    assert data["classes"]["matmul_reduce_scatter/balanced"]["band"] == 0.04
+    # a class with fewer rows than MIN_ROWS takes its op's band; fits and aggregates are left out
+    assert "all_gather_matmul/comm-bound" not in data["classes"]
+    assert data["classes"]["all_gather_matmul"] == {"band": 0.3, "rows": ["a"], "median": 0.3}
+    prof = profiles.load("h100")
+    ag = Problem(4096, 8192, (1024,), "bfloat16", 8)
+    assert bands.band(ag, prof, data=data)[0] == 0.3
+    assert bands.band(Problem(8, 8, (8,), "bfloat16", 8, op="matmul_reduce_scatter"), prof,
+                      data={"all": {"band": 0.5}, "classes": {}})[0] == 0.5
+    # the shipped bands cover both ops, from the command that regenerates them
+    shipped = bands.load()
+    assert shipped["generated_by"] == bands.COMMAND
+    assert {"all_gather_matmul", "matmul_reduce_scatter"} <= set(shipped["classes"])
+
+
+def test_explain_lines_up_its_columns_and_says_what_otb_and_mt_are():
+    """Issue 26: the explain header was misaligned and OTB/MT were never defined."""
+    d = choose(table_i_problem("g6"), target="rocm:gfx942", selector="model")
+    lines = str(d).splitlines()
+    key = next(line for line in lines if line.startswith("key "))
+    assert "otb = op-to-byte" in key and "mt = " in key and "MK + KN + MN" in key
+    head = next(line for line in lines if line.startswith("scores "))
+    rows = [line for line in lines[lines.index(head) + 1:]]
+    assert len(rows) == len(d.scores)
+    for column in ("schedule", "time", "vs best"):
+        assert column in head
+    for row in rows:
+        name = row.split()[-4] if row.split()[0] == "*" else row.split()[0]
+        assert row.index(name) == head.index("schedule"), (head, row)
+        assert row.index(" ms") + len(" ms") == head.index("time") + len("time"), (head, row)
+        assert row.rstrip().endswith("x") and len(row.rstrip()) == len(head.rstrip()) + 0

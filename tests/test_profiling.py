@@ -7,7 +7,8 @@ import torch
 import ficco
 from ficco import profiling, schedules
 from ficco.backends.cpu import CpuBackend
-from ficco.executor import Buffers, execute
+from ficco.buffers import Buffers
+from ficco.executor import execute
 from ficco.problem import Problem
 
 

@@ -3,7 +3,6 @@ queue semantics. Never a fitted number: those are held against published results
 ``python -m ficco.bench validate``."""
 from __future__ import annotations
 
-import csv
 import dataclasses
 
 import pytest
@@ -305,18 +304,6 @@ def test_graph_launched_profile_drops_only_host_time_and_never_slows_a_plan():
     for bad in ("mi300x:graph", "mi300x:graphs:graphs", "mi300x:graphsx"):
         with pytest.raises(ValueError, match="expected NAME"):
             validate.load_profile(bad)
-
-
-def test_validation_table_rows_name_a_source_and_a_predictor():
-    with open(validate.TABLE, newline="") as handle:
-        rows = list(csv.DictReader(handle))
-    assert rows and {r["role"] for r in rows} <= {"fit", "check"}
-    for row in rows:
-        assert row["source"] and row["hardware"] and row["quantity"] in validate.PREDICTORS
-        validate.load_profile(row["profile"])
-    assert validate.relative_error(1.5, "1..2") == 0.0
-    assert validate.relative_error(3.0, "1..2") == pytest.approx(0.5)
-    assert validate.relative_error(1.1, "1.0") == pytest.approx(0.1)
 
 
 TWO_D = [n for n in schedules.names() if n.endswith("-2d")]

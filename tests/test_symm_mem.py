@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import ficco
 from ficco.errors import InvalidArgumentError
+from ficco.symm_mem.barrier import plan_barrier
 
 from . import harness
 
@@ -100,11 +101,11 @@ def _plan_barriers(rank, world, seed, rounds):
             h.call_flag = int(torch.randint(1, 1 << 31, (), generator=gen))  # one per call
             q = backend.queue("copy0")
             backend.copy(mine[rank], data[rank], q)
-            backend.barrier(h, 0, q, 20.0, 0)
+            plan_barrier(backend, h, 0, q, 20.0, 0)
             pulled = torch.full((world, 16), float("nan"), dtype=torch.float64)
             for p in range(world):
                 backend.copy(pulled[p], h.get_buffer(p, (world, 16), torch.float64)[p], q)
-            backend.barrier(h, 1, q, 20.0, 1)
+            plan_barrier(backend, h, 1, q, 20.0, 1)
             backend.finish([q])
             wrong += int((pulled != data).sum())
         h.barrier(channel=3, timeout_s=20)   # every owner finished clearing its slots
@@ -128,7 +129,7 @@ def _barrier_then_pull(backend, h, rank, world, timeout_s, step):
     out = torch.full((4,), float("nan"), dtype=torch.float64)
     src = h.get_buffer((rank + 1) % world, (4,), torch.float64)
     start = time.monotonic()
-    backend.barrier(h, 0, q, timeout_s, step)
+    plan_barrier(backend, h, 0, q, timeout_s, step)
     backend.copy(out, src, q)
     return q, out, start
 
@@ -151,7 +152,7 @@ def _another_call(rank, world, seed):
             q, out, start = _barrier_then_pull(backend, h, rank, world, 30.0, 3)
             # A plan's barriers alternate channels 0 and 1 (what lets a rank clear its slots
             # without erasing a fast peer's next flag): end each round on channel 1.
-            backend.barrier(h, 1, q, 30.0, 4)
+            plan_barrier(backend, h, 1, q, 30.0, 4)
             try:
                 backend.finish([q])
                 outcomes.append(("passed", bool(torch.isnan(out).any())))

@@ -1,5 +1,8 @@
-"""The contract every backend fulfils. Vendor files implement only this; the executor, the
-schedules and symmetric-memory bookkeeping live above it, once.
+"""The contract every backend fulfils, whole: the executor, compiler, kernels and runtime call
+a backend only through what this class declares (never ``getattr(backend, ...)``). Methods a
+backend may skip have a default here; the three class flags say which optional fast paths the
+executor may take. Vendor files implement only this; the executor, the schedules, the barrier
+protocol (:mod:`ficco.symm_mem.barrier`) and symmetric-memory bookkeeping live above it, once.
 
 A *queue* is whatever the backend orders work on (a worker thread on CPU, a stream on GPUs).
 Tensors handed to the methods are already views of the right rectangle: the executor resolves
@@ -12,12 +15,27 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from ..symm_mem.barrier import WRITE, plan_barrier
+from ..symm_mem.barrier import WRITE
 
 
 class Backend(ABC):
     #: short name used by FICCO_BACKEND: "cpu", "cuda", "rocm"
     name: ClassVar[str]
+    #: Compute-queue GEMMs and host tasks go through :meth:`gemm_current` and
+    #: :meth:`launch_current`, no queue looked up per step (GPUs: the compute queue is the
+    #: caller's current stream while the executor enqueues).
+    compute_on_current: ClassVar[bool] = False
+    #: Copies are prepared once per bound plan (:meth:`prepare_copy`) and the prepared call
+    #: kept while the views' addresses and layouts hold (GPUs: the arguments are addresses).
+    #: Not on CPU, where a copy holds its tensors: a fresh tensor at an old address is another
+    #: tensor.
+    prepares_copies: ClassVar[bool] = False
+    #: :meth:`plan_events` gives the same events to every call of one compiled plan, so event
+    #: records and waits are bound once (:meth:`prepare_record`, :meth:`prepare_wait`).
+    reuses_plan_events: ClassVar[bool] = False
+    #: 2-D peer copies run on DMA engines (ROCm: no, ``hipMemcpy2DAsync`` uses compute units);
+    #: the device profile's ``copy_2d_on_dma`` follows it.
+    copy_2d_on_dma: ClassVar[bool] = True
 
     # -- availability -----------------------------------------------------------------------
     @classmethod
@@ -40,6 +58,11 @@ class Backend(ABC):
         """The queue for a plan queue name: "compute", "copy{i}", "comm". "compute" is the
         caller's current stream on GPUs. Copy queues beyond what exists wrap around."""
 
+    def queues(self, names: tuple[str, ...]) -> list:
+        """:meth:`queue` of every name of one call (the executor's per-call lookup; GPUs read
+        their settings once here)."""
+        return [self.queue(name) for name in names]
+
     @abstractmethod
     def new_event(self) -> Any: ...
 
@@ -55,6 +78,15 @@ class Backend(ABC):
     @abstractmethod
     def wait(self, event: Any, queue: Any) -> None: ...
 
+    def prepare_record(self, event: Any) -> Callable[[Any], None]:
+        """:meth:`record` of ``event`` as one call of the queue (bound once per compiled plan
+        where :attr:`reuses_plan_events`)."""
+        return lambda queue: self.record(event, queue)
+
+    def prepare_wait(self, event: Any) -> Callable[[Any], None]:
+        """:meth:`wait` on ``event`` as one call of the queue."""
+        return lambda queue: self.wait(event, queue)
+
     # -- work -------------------------------------------------------------------------------
     @abstractmethod
     def copy(self, dst: torch.Tensor, src: torch.Tensor, queue: Any) -> None:
@@ -65,14 +97,30 @@ class Backend(ABC):
         """DMA copy of a 2-D block whose rows are contiguous but whose row pitch
         (``stride(0)``) may differ between ``src`` and ``dst`` (cudaMemcpy2DAsync-style)."""
 
+    def prepare_copy(self, dst: torch.Tensor, src: torch.Tensor,
+                     two_d: bool = False) -> Callable[[Any], None]:
+        """The copy of ``src`` into ``dst`` as one ready call of the queue (kept per bound plan
+        where :attr:`prepares_copies`)."""
+        copy = self.copy_2d if two_d else self.copy
+        return lambda queue: copy(dst, src, queue)
+
     @abstractmethod
     def gemm(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool,
              queue: Any) -> None:
         """``out (+)= a @ b``. ``a`` and ``out`` may be 3-D strided-batched views."""
 
+    def gemm_current(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                     accumulate: bool) -> None:
+        """:meth:`gemm` on the compute queue (used where :attr:`compute_on_current`)."""
+        self.gemm(a, b, out, accumulate, self.queue("compute"))
+
     @abstractmethod
     def launch(self, queue: Any, fn: Callable[[], None]) -> None:
         """Run host code ``fn`` in ``queue``'s order (collectives, local moves)."""
+
+    def launch_current(self, fn: Callable[[], None]) -> None:
+        """:meth:`launch` on the compute queue (used where :attr:`compute_on_current`)."""
+        self.launch(self.queue("compute"), fn)
 
     # -- signals: the two primitives of the one barrier protocol (ficco.symm_mem.barrier) ----
     @abstractmethod
@@ -101,11 +149,6 @@ class Backend(ABC):
             else:
                 self.signal_wait(queue, op, deadline)
 
-    def barrier(self, symm: Any, channel: int, queue: Any, timeout_s: float, step: int) -> None:
-        """A plan's cross-rank barrier ordered on ``queue`` over the signal pads of symmetric
-        handle ``symm``: the one protocol of :func:`ficco.symm_mem.barrier.plan_barrier`."""
-        plan_barrier(self, symm, channel, queue, timeout_s, step)
-
     @abstractmethod
     def finish(self, queues: list[Any]) -> None:
         """End of one call: make the caller's compute queue wait for every other queue (GPU),
@@ -121,6 +164,18 @@ class Backend(ABC):
 
     def synchronize(self) -> None:
         """Block the host until all work queued so far has finished (benchmarks, tuning)."""
+
+    def cancel(self) -> None:
+        """Make the queues skip what is left of a failed or interrupted call (CPU workers);
+        a backend whose queued work cannot be skipped (GPU streams) does nothing."""
+
+    def cancelled(self) -> bool:
+        """Whether :meth:`cancel` (or a failed queue) told the queues to skip what is left."""
+        return False
+
+    def check_device(self, t: torch.Tensor, name: str) -> None:
+        """Raise InvalidArgumentError when ``t`` (argument ``name``) lives on another device
+        than the one this backend drives (GPUs: another GPU index)."""
 
     def fence(self, outputs: list) -> None:
         """End of a dma call, after ``finish``: backends whose calls return before their

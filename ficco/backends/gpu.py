@@ -36,6 +36,9 @@ class GpuBackend(Backend):
     ``make_vendor`` and answer ``unavailable_reason``."""
 
     make_vendor: Callable[[], Vendor]
+    # The compute queue is the caller's current stream; copies are driver calls on addresses;
+    # plan events are one reused set per compiled plan (see Backend).
+    compute_on_current = prepares_copies = reuses_plan_events = True
     #: whether stream memory operations can be captured into graphs (HIP cannot: CLR has no
     #: capture path for hipStreamWaitValue32/WriteValue32, so a replay would skip barriers)
     captures_signals = True

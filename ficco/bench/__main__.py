@@ -14,7 +14,7 @@ import importlib
 import importlib.util
 import sys
 
-from ..errors import InvalidArgumentError
+from ..errors import FiccoError
 from .cli import BenchUsageError, report_usage_error
 
 VERBS = {
@@ -24,6 +24,7 @@ VERBS = {
     "timeline": "draw one measured call per queue above the simulator's prediction "
                 "(run under torchrun)",
     "validate": "hold the simulator against the paper's Table I picks and published results",
+    "calls": "count the Python calls and serialisations of one warm call inside ficco",
 }
 
 
@@ -77,7 +78,9 @@ def main(argv=None) -> int:
         return int(args._main(args) or 0)
     except BenchUsageError as exc:
         return report_usage_error(exc)
-    except InvalidArgumentError as exc:
+    except FiccoError as exc:
+        # ficco's errors say what was wrong and how to fix it: one line, no traceback
+        # (e.g. an unknown --profile lists the built-in ones).
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

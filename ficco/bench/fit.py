@@ -11,6 +11,12 @@ def fit_profile(base, recs: list[dict], dtype: str, name: str, measured_on: str)
     """The base profile with the measured numbers put in; ``sources`` notes each one.
 
     - ``copy_efficiency`` and ``copy_latency_s``: see :func:`fit_copy_curve`.
+    - On a CPU target, ``copy_engine_bytes_per_s`` and ``link_bytes_per_s``: the largest 1D
+      copy's bandwidth, the rate the curve is a fraction of. A peer's buffer there is shared
+      memory in the same RAM, so the copy measured is the copy a peer pull makes (a profile that
+      kept the built-in 5 GB/s would price the 55 GB/s a VM measured at a tenth). On a GPU the
+      copy measured is local (HBM to HBM, or to pinned host memory with ``--copy-to host``)
+      and says nothing about NVLink or a peer copy engine, so the built-in link numbers stay.
     - ``copy_2d_half_row_bytes``: ``w * (1/r - 1)`` (median over row widths ``w``), fitting
       ``r = w / (w + half)`` to the 2D/1D bandwidth ratio ``r``.
     - ``dil.gemm_efficiency``: best whole-GEMM FLOP/s over the profile's peak (the peak is
@@ -22,10 +28,17 @@ def fit_profile(base, recs: list[dict], dtype: str, name: str, measured_on: str)
     one_d = sorted((r for r in recs if r["kind"] == "copy" and r["shape"] == "1d"),
                    key=lambda r: r["bytes"])
     if len(one_d) >= 2:
-        latency_s, fractions = fit_copy_curve([(r["bytes"], r["time_s"]) for r in one_d])
+        points = [(r["bytes"], r["time_s"]) for r in one_d]
+        latency_s, fractions = fit_copy_curve(points)
         changes["copy_efficiency"] = fractions
         changes["copy_latency_s"] = latency_s
         sources["copy_efficiency"] = sources["copy_latency_s"] = note
+        if _on_cpu(recs):
+            bandwidth = copy_bandwidth(points)
+            changes["copy_engine_bytes_per_s"] = changes["link_bytes_per_s"] = bandwidth
+            sources["copy_engine_bytes_per_s"] = sources["link_bytes_per_s"] = (
+                f"{note}: the largest 1D copy's bandwidth ({bandwidth / 1e9:.1f} GB/s); on CPU a "
+                f"peer's buffer is shared memory in the same RAM")
     halves = [r["width_bytes"] * (1 / r["ratio_to_1d"] - 1) for r in recs
               if r["kind"] == "copy_width" and 0 < r["ratio_to_1d"] < 1]
     if halves:
@@ -52,6 +65,21 @@ def fit_profile(base, recs: list[dict], dtype: str, name: str, measured_on: str)
     return dataclasses.replace(base, name=name, sources=sources, **changes)
 
 
+def _on_cpu(recs: list[dict]) -> bool:
+    return bool(recs) and recs[0].get("env", {}).get("env_backend", "cpu") == "cpu"
+
+
+def copy_bandwidth(points: list[tuple[int, float]]) -> float:
+    """Bytes/s of the largest measured copy: the bandwidth :func:`fit_copy_curve`'s fractions
+    are fractions of.
+
+    >>> copy_bandwidth([(1000, 2e-6), (10**6, 1e-3)])
+    1000000000.0
+    """
+    big_bytes, big_s = max(points)
+    return big_bytes / big_s
+
+
 def fit_copy_curve(points: list[tuple[int, float]]) -> tuple[float, dict]:
     """Split measured 1D copies ``(bytes, seconds)`` into the simulator's terms, time =
     latency + bytes / (bandwidth x fraction(bytes)), so that the model gives back every
@@ -64,8 +92,7 @@ def fit_copy_curve(points: list[tuple[int, float]]) -> tuple[float, dict]:
     (1.0, 1.0, 1.0)
     """
     points = sorted(points)
-    big_bytes, big_s = points[-1]
-    bandwidth = big_bytes / big_s
+    bandwidth = copy_bandwidth(points)
     spare = [t - size / bandwidth for size, t in points[:-1]]
     latency_s = max(0.0, min(spare, default=0.0))
     fractions = {str(size): round(min(1.0, size / ((t - latency_s) * bandwidth)), 4)

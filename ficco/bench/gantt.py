@@ -44,14 +44,28 @@ def draw_panels(panels: list[tuple[str, list[dict]]], path, title: str | None = 
     """Several timelines one above the other on one shared time axis (e.g. a measured call
     above the simulator's prediction of the same Plan), each ``(title, rows)`` in its own
     lanes. One scale makes the two comparable at a glance; two files never were."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig = figure(panels, title)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+#: Resolution of the PNGs; label widths are measured at the same resolution.
+DPI = 110
+
+
+def figure(panels: list[tuple[str, list[dict]]], title: str | None = None):
+    """The matplotlib Figure :func:`draw_panels` saves (labels already fitted)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     all_rows = [r for _, rows in panels for r in rows]
     end_s = max((r["end_s"] for r in all_rows), default=0.0)
     scale, unit = (1e3, "ms") if end_s >= 1e-3 else (1e6, "us")
@@ -59,7 +73,8 @@ def draw_panels(panels: list[tuple[str, list[dict]]], path, title: str | None = 
     heights = [max(len(q), 2) for q in lanes]
     fig, axes = plt.subplots(len(panels), 1, sharex=True, squeeze=False,
                              figsize=(11, 0.45 * sum(heights) + 1.2 * len(panels) + 0.4),
-                             gridspec_kw={"height_ratios": heights})
+                             gridspec_kw={"height_ratios": heights}, dpi=DPI)
+    labels = []
     for ax, (panel_title, rows), queues in zip(axes[:, 0], panels, lanes):
         lane = {q: i for i, q in enumerate(queues)}
         for r in rows:
@@ -73,10 +88,11 @@ def draw_panels(panels: list[tuple[str, list[dict]]], path, title: str | None = 
             ax.barh(lane[r["queue"]], max(width, end_s * scale * 1e-4),
                     left=r["start_s"] * scale, height=0.7, color=colour, edgecolor="black",
                     linewidth=0.2)
-            # Label only bars wide enough to hold text; narrow ones would be unreadable clutter.
-            if width > end_s * scale * 0.06 and r.get("label"):
-                ax.text((r["start_s"] * scale) + width / 2, lane[r["queue"]], r["label"],
-                        ha="center", va="center", fontsize=6, clip_on=True)
+            if r.get("label"):
+                text = ax.text((r["start_s"] * scale) + width / 2, lane[r["queue"]],
+                               r["label"], ha="center", va="center", fontsize=6,
+                               clip_on=True)
+                labels.append((ax, text, r["start_s"] * scale, r["start_s"] * scale + width))
         ax.set_yticks(range(len(queues)))
         ax.set_yticklabels(queues, fontsize=8)
         ax.set_ylim(len(queues) - 0.5, -0.5)
@@ -91,9 +107,20 @@ def draw_panels(panels: list[tuple[str, list[dict]]], path, title: str | None = 
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    _fit_labels(fig, labels)
+    return fig
+
+
+def _fit_labels(fig, labels) -> None:
+    """Keep a bar's label only where its rendered text fits inside the bar: bars of one lane
+    never overlap, so neither do the labels that are kept (narrow GEMMs of a fused or unfused
+    schedule used to print their labels over each other)."""
+    renderer = fig.canvas.get_renderer()
+    for ax, text, left, right in labels:
+        x0, _ = ax.transData.transform((left, 0))
+        x1, _ = ax.transData.transform((right, 0))
+        if text.get_window_extent(renderer).width > (x1 - x0) - 2:
+            text.remove()
 
 
 def chrome_trace(panels: list[tuple[str, list[dict]]]) -> dict:

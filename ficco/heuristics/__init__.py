@@ -25,9 +25,9 @@ from .. import config, schedules
 from ..config import TRANSPORTS
 from ..errors import ConfigError, InvalidArgumentError
 from ..problem import Problem
-from . import profiles
+from . import bands, profiles
 from .decision import SELECTORS, Decision, decision_inputs
-from .model import model_choice
+from .model import banded_choice
 from .paper import paper_choice
 from .tune import tune_choice
 
@@ -63,23 +63,17 @@ def _paper(problem: Problem, ctx: Context) -> Decision:
 
 
 def _model(problem: Problem, ctx: Context) -> Decision:
-    """The model weighs every candidate transport: with the transport left to ficco, the
-    process group's collectives (few ops) beat a plan of many DMA copies for small GEMMs whose
-    launches alone outlast the work."""
-    best = None
-    for via in ctx.transports:
-        # Optional schedules (gated-*: Triton) only where they run on this target.
-        name, scores, reason = model_choice(problem, ctx.profile, ctx.topology, via,
-                                            ctx.copy_engines,
-                                            schedules.offered(ctx.target, via, problem.op))
-        decision = Decision(name, via, "model", ctx.inputs, scores, reason)
-        if best is None:
-            best = decision
-        elif scores[name] < best.scores[best.schedule]:
-            best = replace(decision, reason=(
-                f"{reason}; {via} predicted faster than {best.transport} "
-                f"({scores[name] * 1e3:.3f} vs {best.scores[best.schedule] * 1e3:.3f} ms)"))
-    return best
+    """The model weighs every candidate transport (with the transport left to ficco, the
+    process group's collectives, few ops, beat a plan of many DMA copies for small GEMMs whose
+    launches alone outlast the work) and keeps an overlapped schedule only when its predicted
+    gain over the best baseline exceeds the validated error band of the problem's shape class
+    (:mod:`ficco.heuristics.bands`)."""
+    width, cls = bands.band(problem, ctx.profile, ctx.topology)
+    # Optional schedules (gated-*: Triton) only where they run on this target.
+    choice = banded_choice(problem, ctx.profile, ctx.topology, ctx.transports, ctx.copy_engines,
+                           lambda via: schedules.offered(ctx.target, via, problem.op), width, cls)
+    return Decision(choice.schedule, choice.transport, "model", ctx.inputs, choice.scores,
+                    choice.reason, band=width, band_class=cls)
 
 
 def _tune(problem: Problem, ctx: Context) -> Decision:

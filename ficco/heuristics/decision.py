@@ -20,13 +20,20 @@ def decision_inputs(problem: Problem, profile: str, topology: str) -> dict:
             "profile": profile, "topology": topology}
 
 
+#: What the inputs line abbreviates (FiCCO paper §IV-C, §IV-D).
+KEY = ("otb = op-to-byte, the GEMM's FLOPs per byte of mt; mt = its static memory traffic "
+       "(MK + KN + MN) x itemsize, in bytes")
+
+
 @dataclass(frozen=True)
 class Decision:
     """The schedule a selector picked for one problem, with its inputs and per-candidate scores.
 
     ``selector`` is ``"paper"``, ``"model"``, ``"tune"`` or ``"forced"``. ``scores`` maps a
     schedule name to predicted seconds (model), measured seconds (tune) or the paper's
-    normalised OTB·MT score (paper). ``reason`` is one line for humans.
+    normalised OTB·MT score (paper). ``reason`` is one line for humans. ``band`` (model only)
+    is the validated relative error of predictions in the problem's shape class
+    ``band_class``: an overlapped schedule is kept only when its predicted gain exceeds it.
 
     >>> d = Decision("serial", "dma", "forced", {"M": 8}, {}, "forced by argument")
     >>> print(d)  # doctest: +NORMALIZE_WHITESPACE
@@ -41,6 +48,8 @@ class Decision:
     inputs: dict = field(default_factory=dict)
     scores: dict = field(default_factory=dict)
     reason: str = ""
+    band: float | None = None
+    band_class: str = ""
 
     def ranked(self) -> list[tuple[str, float]]:
         """Scores best first (lowest seconds; for ``paper`` the single score as given)."""
@@ -51,17 +60,24 @@ class Decision:
                  f"selector {self.selector})",
                  f"reason    {self.reason}",
                  "inputs    " + " ".join(f"{k}={_fmt(v)}" for k, v in self.inputs.items())]
+        if "otb" in self.inputs:
+            lines.append(f"key       {KEY}")
+        if self.band is not None:
+            lines.append(f"band      \u00b1{self.band:.0%} simulated-time error of "
+                         f"{self.band_class} (python -m ficco.bench validate); overlap is kept "
+                         f"only above it")
         if self.scores:
             seconds = self.selector in ("model", "tune")
             best = min(self.scores.values())
-            lines.append("scores    " + ("time        vs best" if seconds else "score"))
+            lines.append(f"scores    {'':2}{'schedule':<20} "
+                         + (f"{'time':>13}  {'vs best':>7}" if seconds else f"{'score':>10}"))
             for name, value in self.ranked():
                 mark = "*" if name == self.schedule else " "
                 if seconds:
-                    lines.append(f"  {mark} {name:<20} {value * 1e3:10.3f} ms  "
-                                 f"{value / best if best > 0 else 1.0:5.2f}x")
+                    lines.append(f"          {mark} {name:<20} {value * 1e3:10.3f} ms  "
+                                 f"{value / best if best > 0 else 1.0:6.2f}x")
                 else:
-                    lines.append(f"  {mark} {name:<20} {value:10.3f}")
+                    lines.append(f"          {mark} {name:<20} {value:10.3f}")
         return "\n".join(lines)
 
 

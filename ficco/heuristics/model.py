@@ -15,7 +15,7 @@ Example::
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from .. import schedules
 from ..problem import Problem
@@ -80,3 +80,65 @@ def model_choice(problem: Problem, profile: Profile, topology: str | None = None
               f"{topology or profile.topology}: {scores[best] * 1e3:.3f} ms, "
               f"{speedup:.2f}x over serial")
     return best, scores, reason
+
+
+@dataclass(frozen=True)
+class BandedChoice:
+    """What the ``model`` selector decides once it knows its own error: ``schedule`` over
+    ``transport``; ``fastest`` is the fastest predicted candidate of any transport, ``gain``
+    its predicted gain over the baseline (``serial`` on the better transport), ``band`` the
+    validated error of ``band_class`` (:mod:`ficco.heuristics.bands`)."""
+
+    schedule: str
+    transport: str
+    scores: dict
+    reason: str
+    fastest: str
+    fastest_transport: str
+    gain: float
+    band: float
+    band_class: str
+
+
+def banded_choice(problem: Problem, profile: Profile, topology: str | None,
+                  transports: tuple[str, ...], copy_engines: int | None,
+                  names_for, band: float, band_class: str) -> BandedChoice:
+    """The fastest predicted schedule over every transport in ``transports`` (candidates
+    ``names_for(transport)``), kept only when its predicted gain over the best baseline
+    (``serial`` on the transport that runs it fastest) exceeds ``band``; else that baseline.
+    A wider band never picks an overlapped schedule a narrower one would not have: the rule
+    compares one predicted gain with the band.
+
+    >>> from ficco.heuristics import profiles
+    >>> from ficco.heuristics.scenarios import table_i_problem
+    >>> names = lambda via: None
+    >>> wide = banded_choice(table_i_problem("g6"), profiles.load("mi300x"), None, ("dma",),
+    ...                      None, names, 10.0, "all_gather_matmul/balanced")
+    >>> wide.schedule, wide.fastest != "serial"
+    ('serial', True)
+    """
+    per_transport = {via: predict_all(problem, profile, topology, via, copy_engines,
+                                      names_for(via)) for via in transports}
+    base_via = min(transports, key=lambda via: (per_transport[via].get("serial", float("inf")),
+                                                transports.index(via)))
+    base_s = per_transport[base_via]["serial"]
+    fast_via, fastest = min(((via, name) for via in transports for name in per_transport[via]),
+                            key=lambda vn: (per_transport[vn[0]][vn[1]], transports.index(vn[0]),
+                                            vn[1]))
+    fast_s = per_transport[fast_via][fastest]
+    gain = base_s / fast_s - 1 if fast_s > 0 else 0.0
+    where = f"{profile.name}/{topology or profile.topology}"
+    if fastest != "serial" and gain > band:
+        reason = (f"{fastest}: the predicted {gain:.0%} gain over serial ({base_via}, "
+                  f"{base_s * 1e3:.3f} ms) exceeds the model's \u00b1{band:.0%} "
+                  f"({band_class}); simulated on {where}")
+        return BandedChoice(fastest, fast_via, per_transport[fast_via], reason, fastest,
+                            fast_via, gain, band, band_class)
+    if fastest == "serial":
+        reason = (f"serial: predicted fastest over {base_via} ({base_s * 1e3:.3f} ms); "
+                  f"simulated on {where}")
+    else:
+        reason = (f"serial: the predicted {gain:.0%} gain of {fastest} ({fast_via}) is inside "
+                  f"the model's \u00b1{band:.0%} ({band_class}); simulated on {where}")
+    return BandedChoice("serial", base_via, per_transport[base_via], reason, fastest, fast_via,
+                        gain, band, band_class)

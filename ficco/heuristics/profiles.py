@@ -352,8 +352,8 @@ def resolve(target: str = "cpu") -> Profile:
 
 def target_copies_2d_on_dma(target: str) -> bool:
     """Whether the backend of ``target`` ("rocm:gfx942", "cuda:sm_90", "cpu") runs 2-D peer
-    copies on DMA engines: its backend class's ``copy_2d_on_dma`` (True when it has none or
-    cannot be imported here).
+    copies on DMA engines: its backend class's ``copy_2d_on_dma`` (True when it cannot be
+    imported here).
 
     >>> target_copies_2d_on_dma("rocm:gfx942"), target_copies_2d_on_dma("cuda:sm_90")
     (False, True)
@@ -363,6 +363,6 @@ def target_copies_2d_on_dma(target: str) -> bool:
 
     vendor = target.split(":")[0]
     try:
-        return bool(getattr(backend_class(vendor), "copy_2d_on_dma", True))
+        return backend_class(vendor).copy_2d_on_dma
     except BackendUnavailableError:
         return True

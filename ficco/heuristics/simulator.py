@@ -56,7 +56,10 @@ from dataclasses import dataclass, field
 
 from ..errors import InvalidArgumentError
 from ..plan import COMPUTE, Plan, Record, Wait, buffer_shapes, op_label
+from . import all_to_all_pricing
 from . import gemm as gemm_cost
+# Contention rates live in .contention; re-exported here for callers of simulator.*.
+from .contention import dma_contention, mt_factor, shard_mt_factor  # noqa: F401
 from .profiles import Profile
 
 _EPS = 1e-12
@@ -350,6 +353,14 @@ class _Simulation:
         block = op.recv if op.recv is not None else op.send
         return self._collective(block.numel * self.itemsize if block else 0, 1)
 
+    def _price_expert(self, op) -> _Task:
+        """Expert-parallel ops (sizes from the problem's routing counts): priced in
+        :mod:`ficco.heuristics.all_to_all_pricing` with this simulator's primitives."""
+        return all_to_all_pricing.price(self, op, _Task, mt_factor)
+
+    _price_expert_publish = _price_expert_copy = _price_expert_gemm = _price_expert
+    _price_expert_all_to_all = _price_expert
+
     def _price_barrier(self, op) -> _Task:
         world = self.problem.world
         return _Task("sync", self.profile.barrier_latency_s if world > 1 else 0.0, 0.0)
@@ -396,52 +407,6 @@ def _lower_gated(plan: Plan):
     from ..schedules.gated import lower_for_simulation
 
     return lower_for_simulation(plan)
-
-
-def mt_factor(profile: Profile, traffic_bytes: float) -> float:
-    """s(MT) in [0, 1): how exposed a GEMM of this memory traffic is to contention; it rises
-    steeply (``cil.mt_exp``) around ``cil.mt_half_bytes``, about the last-level cache size.
-
-    >>> from ficco.heuristics import profiles
-    >>> prof = profiles.load("mi300x")
-    >>> mt_factor(prof, prof.cil["mt_half_bytes"])
-    0.5
-    """
-    cil = profile.cil
-    e = cil["mt_exp"]
-    return traffic_bytes ** e / (traffic_bytes ** e + cil["mt_half_bytes"] ** e)
-
-
-def shard_mt_factor(profile: Profile, problem, n: int) -> float:
-    """s(MT) of every GEMM of ``problem`` with ``n`` columns: the MT of one shard's rows,
-    ``(M / W) x n x K``, the GEMM the paper's Fig. 8 measured contention on (8-way M-sharded)
-    and correlated with its MT. A piece of the same GEMM, 64-way or a fused step, streams its
-    operands at the same rate per FLOP, so it is priced as exposed as the shard's GEMM; s(MT)
-    of the piece's own bytes would call small pieces nearly immune and large steps fully
-    exposed."""
-    rows = max(problem.big_m // max(problem.world, 1), 1)
-    return mt_factor(profile, gemm_cost.traffic_bytes(rows, n, problem.k, problem.itemsize))
-
-
-def dma_contention(profile: Profile, gemm_mt_factor: float, copies: int) -> tuple[float, float]:
-    """(GEMM slowdown, copy slowdown) while a GEMM of contention factor ``gemm_mt_factor``
-    (:func:`mt_factor`) runs beside ``copies`` DMA copies (paper §IV-D, Fig. 8). Both grow with
-    the number of copies in flight, up to ``copy_engines``, each with its own exponent; the
-    copies feel the GEMM's traffic as ``s(MT) ** cil.copy_mt_power`` (0: not at all).
-
-    >>> from ficco.heuristics import profiles
-    >>> prof = profiles.load("mi300x")
-    >>> one, seven = dma_contention(prof, 0.8, 1), dma_contention(prof, 0.8, 7)
-    >>> 1 < one[0] < seven[0] and 1 < one[1] < seven[1]
-    True
-    """
-    if copies <= 0:
-        return 1.0, 1.0
-    cil = profile.cil
-    streams = min(copies, profile.copy_engines) / profile.copy_engines
-    copy_side = gemm_mt_factor ** cil["copy_mt_power"]
-    return (1 + cil["dma_gemm"] * gemm_mt_factor * streams ** cil["gemm_copies_exp"],
-            1 + cil["dma_copy"] * copy_side * streams ** cil["copy_copies_exp"])
 
 
 def ideal_speedup(serial: SimResult) -> float:

@@ -27,17 +27,8 @@ def raise_flag(backend, queue, flags: torch.Tensor, index: int) -> None:
     """Enqueue ``flags[index] = 1`` on ``queue`` after the work already there, through the
     backend's ``signal_write`` (the barrier protocol's primitive: slots are (array, index)
     pairs on CPU, device addresses on GPUs)."""
-    signal_write = getattr(backend, "signal_write", None)
-    if signal_write is not None:
-        slot = (flags, index) if flags.device.type == "cpu" else flags.data_ptr() + 4 * index
-        signal_write(queue, slot, 1)
-        return
-    vendor = getattr(backend, "vendor", None)
-    if flags.device.type != "cpu" and vendor is not None:
-        vendor.write_value32(queue.cuda_stream, flags.data_ptr() + 4 * index, 1)
-        return
-    word = flags[index: index + 1]
-    backend.launch(queue, lambda: word.fill_(1))
+    slot = (flags, index) if flags.device.type == "cpu" else flags.data_ptr() + 4 * index
+    backend.signal_write(queue, slot, 1)
 
 
 class TileTrace:
@@ -133,7 +124,7 @@ def gated_task(backend, problem, op, a_local, gathered, b, out, flags, timeout_s
             if traced:   # the host clock the tiles read: times count from this launch
                 traced_launch["origin"] = time.perf_counter_ns()
             halt = torch.zeros(1, dtype=torch.int32)
-            with _Watch(halt, getattr(backend, "abort", None), timeout_s):
+            with _Watch(halt, backend.cancelled, timeout_s):
                 err = gated_gemm(a, gathered, b, out, segments, flags,
                                  local_row0=local_row0, halt=halt, timeout_s=timeout_s,
                                  family=family, **traced)
@@ -152,16 +143,16 @@ def gated_task(backend, problem, op, a_local, gathered, b, out, flags, timeout_s
 
 class _Watch:
     """CPU only: while the interpreted kernel runs, a thread raises its ``halt`` word at the
-    call's deadline or when another queue of this rank failed (the backend's abort event), so
+    call's deadline or when another queue of this rank failed (``backend.cancelled()``), so
     a wait ends on time and never outlives a failed call; the poll budget stays as backstop."""
 
-    def __init__(self, halt: torch.Tensor, abort, timeout_s: float):
-        self.halt, self.abort, self.timeout_s = halt, abort, timeout_s
+    def __init__(self, halt: torch.Tensor, cancelled, timeout_s: float):
+        self.halt, self.cancelled, self.timeout_s = halt, cancelled, timeout_s
         self.done = threading.Event()
 
     def _loop(self, deadline: float) -> None:
         while not self.done.wait(0.01):
-            if time.monotonic() > deadline or (self.abort is not None and self.abort.is_set()):
+            if time.monotonic() > deadline or self.cancelled():
                 self.halt.fill_(1)
                 return
 

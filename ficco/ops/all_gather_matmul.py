@@ -10,17 +10,16 @@ rank may have none); the ranks agree on everything else and decide on the widest
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-import dataclasses
-
 from ..agreement import PER_RANK
-from ..call import (Call, backend_for, check_tensor, check_weights, group_rank_world,
-                    resolve_group, row_dim)
-from ..executor import Buffers
+from ..call import Call, backend_for, check_tensor, check_weights, row_dim
+from ..buffers import Buffers
+from ..group import rank_world, resolve
 from ..problem import Problem, dtype_name
 from .base import OpSpec
 
@@ -36,18 +35,31 @@ class AllGatherMatmulCall(Call):
     ns: tuple = ()                          # the caller's n_j (0 allowed: an empty result)
 
 
+def check_arguments(a_shard, b, gather_dim) -> tuple[int, list, bool]:
+    """The one check of the op's tensors and ``gather_dim``, for the eager path (:meth:`prepare`)
+    and the fake kernel (:mod:`ficco.library`) alike, so both say the same: ``(gather_dim in
+    [0, a_shard.dim() - 1), the weights as a list, whether b was a list)``.
+
+    >>> import torch
+    >>> check_arguments(torch.randn(4, 8), torch.randn(8, 3), -2)[0]
+    0
+    """
+    check_tensor(a_shard, "a_shard")
+    gather_dim = row_dim(gather_dim, a_shard, "gather_dim", "a_shard", "gathers along")
+    bs, b_is_list = check_weights(b, a_shard, "a_shard")
+    return gather_dim, bs, b_is_list
+
+
 class AllGatherMatmul(OpSpec):
     name = "all_gather_matmul"
 
     def prepare(self, a_shard, b, group=None, gather_dim=0, return_gathered=False
                 ) -> AllGatherMatmulCall:
-        check_tensor(a_shard, "a_shard")
-        gather_dim = row_dim(gather_dim, a_shard, "gather_dim", "a_shard", "gathers along")
-        bs, b_is_list = check_weights(b, a_shard, "a_shard")
+        gather_dim, bs, b_is_list = check_arguments(a_shard, b, gather_dim)
         k = a_shard.shape[-1]
         backend = backend_for(a_shard, "a_shard")
-        group = resolve_group(group)
-        rank, world = group_rank_world(group)
+        group = resolve(group)
+        rank, world = rank_world(group)
         moved = a_shard.movedim(gather_dim, 0)
         m = moved.numel() // k
         ns = tuple(int(bj.shape[1]) for bj in bs)

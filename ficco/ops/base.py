@@ -43,6 +43,13 @@ class OpSpec(ABC):
     def prepare(self, *args, **kwargs) -> Call:
         """Validate the caller's arguments and return the canonical Call. Never communicates."""
 
+    def exchange(self, call: Call, word: int) -> tuple[Call, int]:
+        """Data every rank must learn from the others before a plan can be chosen, agreed
+        once per call right after the agreement (expert parallelism's routing counts):
+        returns the completed call and the call's digest ``word`` with that data folded in.
+        Default: nothing to exchange."""
+        return call, word
+
     def signature(self, call: Call) -> dict:
         """Small, comparable fields every rank must pass alike (shapes, dtypes, layout), and
         under ``PER_RANK`` those that may differ (a width that never travels). The runtime

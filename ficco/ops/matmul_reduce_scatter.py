@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 from ..agreement import PER_RANK
-from ..call import (Call, backend_for, check_tensor, check_weights, group_rank_world,
-                    normalize_dim, resolve_group, row_dim)
+from ..call import Call, backend_for, check_tensor, check_weights, normalize_dim, row_dim
 from ..errors import InvalidArgumentError
-from ..executor import Buffers
+from ..buffers import Buffers
+from ..group import rank_world, resolve
 from ..problem import MATMUL_REDUCE_SCATTER, REDUCE_OPS, Problem, dtype_name
 from ..symm_mem import aligned
 from .base import OpSpec
@@ -41,23 +41,35 @@ class MatmulReduceScatterCall(Call):
     ns: tuple = ()                  # the caller's n_j (0 allowed: an empty result)
 
 
+def check_arguments(a, b, scatter_dim, reduce_op) -> tuple[int, list, bool]:
+    """The one check of the op's tensors, ``scatter_dim`` and ``reduce_op``, for the eager path
+    (:meth:`prepare`) and the fake kernel (:mod:`ficco.library`) alike: ``(scatter_dim in [0,
+    a.dim() - 1), the weights as a list, whether b was a list)``.
+
+    >>> import torch
+    >>> check_arguments(torch.randn(4, 8), [torch.randn(8, 3)], -2, "sum")[0]
+    0
+    """
+    check_tensor(a, "a")
+    scatter_dim = row_dim(scatter_dim, a, "scatter_dim", "a", "scatters the rows of a @ b along")
+    if reduce_op not in REDUCE_OPS:
+        raise InvalidArgumentError(f"reduce_op={reduce_op!r} is not supported; use one of "
+                                   f"{', '.join(REDUCE_OPS)}")
+    bs, b_is_list = check_weights(b, a, "a", role=" (this rank's K rows of the weight)",
+                                  k_may_be_zero=True)
+    return scatter_dim, bs, b_is_list
+
+
 class MatmulReduceScatter(OpSpec):
     name = MATMUL_REDUCE_SCATTER
 
     def prepare(self, a, b, group=None, scatter_dim=0, reduce_op="sum"
                 ) -> MatmulReduceScatterCall:
-        check_tensor(a, "a")
-        scatter_dim = row_dim(scatter_dim, a, "scatter_dim", "a",
-                              "scatters the rows of a @ b along")
-        if reduce_op not in REDUCE_OPS:
-            raise InvalidArgumentError(f"reduce_op={reduce_op!r} is not supported; use one of "
-                                       f"{', '.join(REDUCE_OPS)}")
-        bs, b_is_list = check_weights(b, a, "a", role=" (this rank's K rows of the weight)",
-                                      k_may_be_zero=True)
+        scatter_dim, bs, b_is_list = check_arguments(a, b, scatter_dim, reduce_op)
         k = a.shape[-1]
         backend = backend_for(a, "a")
-        group = resolve_group(group)
-        rank, world = group_rank_world(group)
+        group = resolve(group)
+        rank, world = rank_world(group)
         moved = a.movedim(scatter_dim, 0)
         unit = math.prod(moved.shape[1:-1])
         m = moved.shape[0] * unit
@@ -176,8 +188,8 @@ def fused_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str
     if nd < 2:
         raise InvalidArgumentError(f"A must have at least 2 dims; got {tuple(A.shape)}")
     scatter_dim = normalize_dim(scatter_dim, nd, "scatter_dim")
-    group = resolve_group(group_name)
-    _, world = group_rank_world(group)
+    group = resolve(group_name)
+    _, world = rank_world(group)
     size = A.shape[scatter_dim] if scatter_dim < nd - 1 else (B.shape[-1] if B.dim() else 0)
     if size % world:
         raise InvalidArgumentError(

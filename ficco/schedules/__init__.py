@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..errors import InvalidArgumentError
 from ..problem import ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER
-from . import reduce_scatter
+from . import all_to_all, reduce_scatter
 from .ficco import FICCO_SCHEDULES, Ficco
 from .gated import GATED_SCHEDULES, Gated
 from .ring import Ring
@@ -19,11 +19,14 @@ _REGISTRY = {
     ALL_GATHER_MATMUL: {s.name: s for s in (Serial(), Ring(), Ring(bidirectional=True),
                                             *FICCO_SCHEDULES)},
     MATMUL_REDUCE_SCATTER: {s.name: s for s in reduce_scatter.SCHEDULES},
+    # expert parallelism (all_to_all_grouped_mm, grouped_mm_all_to_all): schedules/all_to_all.py
+    **{op: {s.name: s for s in family} for op, family in all_to_all.SCHEDULES.items()},
 }
 #: Schedules that need an optional extra (Triton), per op: get() knows them and they plan and
 #: simulate anywhere, but names() leaves them out and selectors see them only where they run
 #: (offered()).
-_OPTIONAL = {ALL_GATHER_MATMUL: {s.name: s for s in GATED_SCHEDULES}, MATMUL_REDUCE_SCATTER: {}}
+_OPTIONAL = {ALL_GATHER_MATMUL: {s.name: s for s in GATED_SCHEDULES}, MATMUL_REDUCE_SCATTER: {},
+             **{op: {} for op in all_to_all.SCHEDULES}}
 
 
 def _registry(op: str) -> dict:

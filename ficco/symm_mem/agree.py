@@ -14,18 +14,18 @@ class SymmAllocationError(FiccoError):
     """A rank could not allocate or map symmetric memory; raised on every rank."""
 
 
-def agree(group, rank: int, world: int, payload: Any, failure: str | None, what: str,
-          on_failure: Callable[[], None] | None = None) -> list:
+def exchange_or_fail(group, rank: int, world: int, payload: Any, failure: str | None, what: str,
+                     on_failure: Callable[[], None] | None = None) -> list:
     """Every rank's ``payload`` in rank order, or :class:`SymmAllocationError` on every rank
     when any rank reports a ``failure`` (each rank first runs ``on_failure`` to release what
     it holds).
 
-    >>> agree(None, 0, 1, "handle", None, "map")
+    >>> exchange_or_fail(None, 0, 1, "handle", None, "map")
     ['handle']
     """
     # Through the group's store, bounded by FICCO_TIMEOUT (a raw collective would wait for
     # the group's own timeout and stay pending after a peer is gone).
-    everyone = exchange(group, world, rank, (payload, failure), what=f"symmetric memory: {what}")
+    everyone = exchange(group, rank, world, (payload, failure), what=f"symmetric memory: {what}")
     failed = [(r, f) for r, (_, f) in enumerate(everyone) if f is not None]
     if failed:
         if on_failure is not None:

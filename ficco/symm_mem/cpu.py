@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import SIGNAL_CHANNELS, Provider, SymmHandle, aligned
-from .agree import agree
+from .agree import exchange_or_fail
 
 SHM_DIR = "/dev/shm"
 
@@ -56,8 +56,8 @@ class CpuSymmHandle(SymmHandle):
             where = (os.getpid(), self._fd)
         except OSError as exc:
             failure = f"could not create its /dev/shm file: {exc}"
-        wheres = agree(group, self.rank, self.world, where, failure, "allocate CPU symmetric "
-                       "memory", on_failure=self.close)
+        wheres = exchange_or_fail(group, self.rank, self.world, where, failure,
+                                  "allocate CPU symmetric memory", on_failure=self.close)
         maps: list[mmap.mmap] = []
         failure = None
         try:
@@ -69,8 +69,8 @@ class CpuSymmHandle(SymmHandle):
                        f"symmetric memory needs all ranks on one host under one user; use "
                        f"FICCO_TRANSPORT=ccl otherwise")
         # Every rank mapped every file before anyone writes; a failure raises on every rank.
-        agree(group, self.rank, self.world, True, failure, "map CPU symmetric memory",
-              on_failure=self.close)
+        exchange_or_fail(group, self.rank, self.world, True, failure, "map CPU symmetric memory",
+                         on_failure=self.close)
         self._pads = [np.frombuffer(m, dtype=np.int32, count=SIGNAL_CHANNELS * self.world)
                       for m in maps]
         self._data = [torch.frombuffer(m, dtype=torch.uint8, offset=self._pad_bytes, count=nbytes)

@@ -24,7 +24,7 @@ import uuid
 import numpy as np
 
 from . import SIGNAL_CHANNELS
-from .agree import agree
+from .agree import exchange_or_fail
 
 SHM_DIR = "/dev/shm"
 
@@ -69,8 +69,8 @@ class HostPads:
             where = (os.getpid(), self._fd)
         except OSError as exc:
             failure = f"could not create its host signal pad: {exc}"
-        wheres = agree(group, rank, world, where, failure, "create host signal pads",
-                       on_failure=self._close_fd)
+        wheres = exchange_or_fail(group, rank, world, where, failure, "create host signal pads",
+                                  on_failure=self._close_fd)
         self.arrays, self.device, failure = [], [], None
         try:
             for peer, (pid, fd) in enumerate(wheres):
@@ -87,9 +87,10 @@ class HostPads:
                 self._registered.append(host)
                 self.arrays.append(array)
                 self.device.append(vendor.host_device_pointer(host))
-        except Exception as exc:  # noqa: BLE001 - reported to every rank by agree()
+        except Exception as exc:  # noqa: BLE001 - exchange_or_fail reports it everywhere
             failure = f"mapping the host pad of rank {peer}: {type(exc).__name__}: {exc}"
-        agree(group, rank, world, True, failure, "map host signal pads", on_failure=self.close)
+        exchange_or_fail(group, rank, world, True, failure, "map host signal pads",
+                         on_failure=self.close)
         self._ends = [(base, base + self.count * 4, p) for p, base in enumerate(self.device)]
 
     def _locate(self, slot: int) -> tuple[np.ndarray, int]:

@@ -5,8 +5,9 @@ of processes per GPU (how the GPU tests run) and one process per GPU alike.
 
 With ``FICCO_SIGNAL_PADS=host`` the pads are host memory instead (:mod:`.host_pads`).
 
-Every local step ends in an exchange of (result, failure) (:func:`.agree.agree`), so a rank
-that fails to allocate or map makes every rank raise instead of leaving them in a collective.
+Every local step ends in an exchange of (result, failure) (:func:`.agree.exchange_or_fail`), so
+a rank that fails to allocate or map makes every rank raise instead of leaving them in a
+collective.
 Teardown closes this rank's imports first and frees its exports only after every peer said it
 closed its imports too (the cudaIpc contract: an export must outlive the peers' imports).
 """
@@ -15,23 +16,13 @@ from __future__ import annotations
 import socket
 
 import torch
-import torch.distributed as dist
 
 from ..errors import InvalidArgumentError
+from ..group import rank_world, resolve
 from . import Provider, SIGNAL_CHANNELS, aligned
-from .agree import agree
+from .agree import exchange_or_fail
 from .device import GpuSymmHandle, pad_bytes, tensor_at
 from .host_pads import HostPads, wanted as host_pads_wanted
-
-
-def group_of(group):
-    if group is None and dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
-    return group
-
-
-def rank_world(group) -> tuple[int, int]:
-    return (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
 
 
 class IpcSymmProvider(Provider):
@@ -41,7 +32,7 @@ class IpcSymmProvider(Provider):
         self.backend = backend
 
     def allocate(self, nbytes, group, device):
-        group = group_of(group)
+        group = resolve(group)
         rank, world = rank_world(group)
         vendor = self.backend.vendor
         device = torch.device(device)
@@ -57,7 +48,7 @@ class IpcSymmProvider(Provider):
             if world > 1:
                 # Every peer closed its imports of our exports before anything is freed.
                 try:
-                    agree(group, rank, world, True, None, "release symmetric memory")
+                    exchange_or_fail(group, rank, world, True, None, "release symmetric memory")
                 except Exception:   # noqa: BLE001 - the group is gone: leak rather than free
                     return
             for kind, address in own:
@@ -79,10 +70,11 @@ class IpcSymmProvider(Provider):
                 pad_handle = vendor.ipc_export(pad)
             torch.cuda.synchronize(device)  # pads are zero before any peer can write them
             where = (socket.gethostname(), vendor.ipc_export(data), pad_handle, on_host)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank by agree()
+        except Exception as exc:  # noqa: BLE001 - exchange_or_fail reports it everywhere
             failure = f"{type(exc).__name__}: {exc}"
-        everyone = agree(group, rank, world, where, failure, "allocate GPU symmetric memory",
-                         on_failure=lambda: release(True))
+        everyone = exchange_or_fail(group, rank, world, where, failure,
+                                    "allocate GPU symmetric memory",
+                                    on_failure=lambda: release(True))
         hosts = sorted({host for host, _, _, _ in everyone})
         pads_where = {("host" if h else "device") for _, _, _, h in everyone}
         if len(pads_where) > 1:
@@ -111,11 +103,11 @@ class IpcSymmProvider(Provider):
                     address = vendor.ipc_open(pad_handle)
                     opened.append(address)
                     pads.append(tensor_at(address, pad_bytes(world), device))
-        except Exception as exc:  # noqa: BLE001 - reported to every rank by agree()
+        except Exception as exc:  # noqa: BLE001 - exchange_or_fail reports it everywhere
             failure = f"mapping rank {peer}: {type(exc).__name__}: {exc}"
         # Every rank mapped every peer before anyone signals; a failure raises everywhere.
-        agree(group, rank, world, True, failure, "map GPU symmetric memory",
-              on_failure=lambda: release(True))
+        exchange_or_fail(group, rank, world, True, failure, "map GPU symmetric memory",
+                         on_failure=lambda: release(True))
         if on_host:
             try:
                 host = HostPads(vendor, group, rank, world)   # collective: raises everywhere

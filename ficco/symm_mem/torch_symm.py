@@ -7,10 +7,11 @@ import socket
 import torch
 
 from .. import config
+from ..group import rank_world, resolve
 from . import Provider, SIGNAL_CHANNELS, aligned
-from .agree import agree
+from .agree import exchange_or_fail
 from .device import GpuSymmHandle, pad_bytes
-from .ipc import IpcSymmProvider, group_of, rank_world
+from .ipc import IpcSymmProvider
 
 
 class TorchSymmProvider(Provider):
@@ -23,7 +24,7 @@ class TorchSymmProvider(Provider):
     def allocate(self, nbytes, group, device):
         from torch.distributed import _symmetric_memory as torch_symm
 
-        group = group_of(group)
+        group = resolve(group)
         rank, world = rank_world(group)
         total = aligned(nbytes) + pad_bytes(world)
         local = handle = None
@@ -32,11 +33,11 @@ class TorchSymmProvider(Provider):
             local = torch_symm.empty(total, dtype=torch.uint8, device=device)
             local[aligned(nbytes):].zero_()
             torch.cuda.synchronize(device)  # pads are zero before any peer can write them
-        except Exception as exc:  # noqa: BLE001 - reported to every rank by agree()
+        except Exception as exc:  # noqa: BLE001 - exchange_or_fail reports it everywhere
             failure = f"{type(exc).__name__}: {exc}"
         # torch's rendezvous is a collective of its own, bounded only by the group's timeout:
         # every rank enters it only once every rank allocated (a bounded store exchange).
-        agree(group, rank, world, True, failure, "allocate torch symmetric memory")
+        exchange_or_fail(group, rank, world, True, failure, "allocate torch symmetric memory")
         keep = [local]  # torch frees the allocation once these are dropped
         whole = []
         try:
@@ -44,11 +45,11 @@ class TorchSymmProvider(Provider):
             keep.append(handle)
             whole = [local if p == rank else handle.get_buffer(p, (total,), torch.uint8)
                      for p in range(world)]
-        except Exception as exc:  # noqa: BLE001 - reported to every rank by agree()
+        except Exception as exc:  # noqa: BLE001 - exchange_or_fail reports it everywhere
             failure = f"rendezvous: {type(exc).__name__}: {exc}"
         # Every rank mapped every peer before anyone signals (was a raw dist.barrier).
-        agree(group, rank, world, True, failure, "map torch symmetric memory",
-              on_failure=keep.clear)
+        exchange_or_fail(group, rank, world, True, failure, "map torch symmetric memory",
+                         on_failure=keep.clear)
         pads = [w[aligned(nbytes): aligned(nbytes) + SIGNAL_CHANNELS * world * 4]
                 .view(torch.int32).view(SIGNAL_CHANNELS, world) for w in whole]
         return GpuSymmHandle(self.backend, rank, world, nbytes,
@@ -72,7 +73,7 @@ class AutoSymmProvider(Provider):
         self.torch = TorchSymmProvider(backend)
 
     def allocate(self, nbytes, group, device):
-        group = group_of(group)
+        group = resolve(group)
         rank, world = rank_world(group)
         choice = config.get("FICCO_SYMM")
         if choice == "torch":
@@ -84,11 +85,11 @@ class AutoSymmProvider(Provider):
             props = torch.cuda.get_device_properties(device)
             placement = (socket.gethostname(), str(getattr(props, "uuid", "")) or props.name +
                          str(getattr(props, "pci_bus_id", torch.device(device).index)))
-        except Exception as exc:  # noqa: BLE001 - reported to every rank by agree()
+        except Exception as exc:  # noqa: BLE001 - exchange_or_fail reports it everywhere
             failure = f"{type(exc).__name__}: {exc}"
         # Bounded by FICCO_TIMEOUT and naming absent ranks (was a raw all_gather_object).
-        everyone = agree(group, rank, world, placement, failure,
-                         "choose a symmetric memory provider (FICCO_SYMM=auto)")
+        everyone = exchange_or_fail(group, rank, world, placement, failure,
+                                    "choose a symmetric memory provider (FICCO_SYMM=auto)")
         if len(set(everyone)) == world and len({host for host, _ in everyone}) == 1:
             return self.torch.allocate(nbytes, group, device)
         return self.ipc.allocate(nbytes, group, device)

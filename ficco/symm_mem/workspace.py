@@ -17,7 +17,8 @@ import threading
 
 import torch
 
-from ..call import group_id, group_rank_world, resolve_group
+from ..group import key as group_key
+from ..group import rank_world, resolve
 from . import aligned, register_local
 
 _lock = threading.Lock()
@@ -27,7 +28,7 @@ _kept: list = []                # handles that could not be closed safely (queue
 
 
 def key_of(group, backend) -> tuple:
-    return (group_id(group), backend.name)
+    return (group_key(group), backend.name)
 
 
 def get(group, backend, nbytes: int):
@@ -81,7 +82,7 @@ def drain(backend, cancel: bool = False) -> bool:
     """True once every queue of ``backend`` finished what it was given (bounded by
     FICCO_TIMEOUT); False when a queue is still busy. ``cancel`` first tells the queues to
     skip what is left (after a failure or an interrupt)."""
-    if cancel and hasattr(backend, "cancel"):
+    if cancel:
         backend.cancel()
     try:
         backend.synchronize()
@@ -99,8 +100,7 @@ def drain_in_background(backend) -> None:
     FICCO_TIMEOUT later (a collective waiting on a late peer cannot be cancelled: it ends
     when the peer comes or the transport gives up). The next call waits for it first
     (:func:`settle`), so no call ever runs on queues that still skip work."""
-    if hasattr(backend, "cancel"):
-        backend.cancel()
+    backend.cancel()
     result: list = []
     thread = threading.Thread(target=lambda: result.append(drain(backend)), daemon=True,
                               name="ficco-drain")
@@ -141,8 +141,8 @@ def allocate_symmetric(shape, dtype, device, group):
     from ..backends import get_backend
 
     backend = get_backend()
-    group = resolve_group(group)
-    rank, _ = group_rank_world(group)
+    group = resolve(group)
+    rank, _ = rank_world(group)
     nbytes = aligned(int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size())
     handle = backend.symm_provider().allocate(nbytes, group,
                                               torch.device(device or backend.device()))

@@ -11,6 +11,7 @@ from ficco import api, config
 from ficco.backends import get_backend
 from ficco.errors import CommTimeoutError
 from ficco.problem import Problem
+from ficco.symm_mem.barrier import plan_barrier
 
 from ..reference import ROW_TOL, make_inputs, max_row_rel_err
 
@@ -39,7 +40,7 @@ def ipc_pull(rank, world, m, k):
         mine = _pattern(rank, m, k, dev)
         rows_buf[rank * m:(rank + 1) * m].copy_(mine)
         cols_buf[rank * m:(rank + 1) * m].copy_(mine)
-        backend.barrier(symm, 0, compute, 30.0, 0)
+        plan_barrier(backend, symm, 0, compute, 30.0, 0)
         published = backend.new_event()
         backend.record(published, compute)
         queues = [compute]
@@ -60,7 +61,7 @@ def ipc_pull(rank, world, m, k):
                 backend.copy_2d(cols_buf[base: base + m, c0: c0 + nc],
                                 theirs_cols[base: base + m, c0: c0 + nc], q)
         backend.finish(queues)
-        backend.barrier(symm, 1, compute, 30.0, 1)  # nobody frees while a peer still reads
+        plan_barrier(backend, symm, 1, compute, 30.0, 1)  # nobody frees while a peer still reads
         backend.synchronize()
         expect = torch.cat([_pattern(p, m, k, dev) for p in range(world)])
         wrong = int((rows_buf != expect).sum()) + int((cols_buf != expect).sum())
@@ -79,7 +80,7 @@ def stalled_peer(rank, world, timeout_s):
     try:
         if rank == 0:
             start = time.monotonic()
-            backend.barrier(symm, 0, backend.queue("compute"), timeout_s, 5)
+            plan_barrier(backend, symm, 0, backend.queue("compute"), timeout_s, 5)
             try:
                 backend.synchronize()   # returns once the watchdog released the stream
                 backend.queue("compute")

@@ -9,6 +9,7 @@ import torch
 
 from ficco.errors import CommTimeoutError
 from ficco.problem import Problem
+from ficco.symm_mem.barrier import plan_barrier
 
 pytestmark = pytest.mark.gpu
 
@@ -85,8 +86,8 @@ def test_barrier_world_1_and_symmetric_buffer(backend):
         assert int(symm.signal_pad(0).abs().sum()) == 0          # zeroed at allocation
         buf = symm.get_buffer(0, (16, 8), torch.float32, offset=512)
         buf.copy_(torch.arange(128., device=backend.device()).view(16, 8))
-        backend.barrier(symm, 0, backend.queue("compute"), 5.0, 0)
-        backend.barrier(symm, 0, backend.queue("compute"), 5.0, 1)
+        plan_barrier(backend, symm, 0, backend.queue("compute"), 5.0, 0)
+        plan_barrier(backend, symm, 0, backend.queue("compute"), 5.0, 1)
         symm.barrier(3, timeout_s=5.0)
         backend.synchronize()
         # Plan barriers clear their flags once passed; host barriers count generations.
@@ -125,7 +126,7 @@ def test_plan_barrier_enqueues_fast_and_clears_its_flags(backend):
     symm = single_gpu_group(backend, 8, 1024, pad_value=1)
     try:
         q = backend.queue("copy0")
-        backend.barrier(symm, 0, q, 5.0, 0)
+        plan_barrier(backend, symm, 0, q, 5.0, 0)
         q.synchronize()
         backend.synchronize()
         assert int(symm.signal_pad(0)[0].abs().sum()) == 0

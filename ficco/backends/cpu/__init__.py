@@ -17,8 +17,7 @@ import time
 
 import torch
 
-from ...errors import CommTimeoutError, FiccoError
-from ...executor import name_step
+from ...errors import CommTimeoutError, FiccoError, name_step
 from ...symm_mem.barrier import run_on_host, wait_on_host
 from ...symm_mem.cpu import CpuSymmProvider
 from ..base import Backend
@@ -259,6 +258,9 @@ class CpuBackend(Backend):
     def cancel(self):
         """Make every queue skip what is left (a failed or interrupted call)."""
         self.abort.set()
+
+    def cancelled(self):
+        return self.abort.is_set()
 
     def symm_provider(self):
         return self._provider

@@ -1,0 +1,166 @@
+"""``python -m ficco.bench calls``: what a *warm* call costs the caller's thread in Python.
+
+A warm call (same shapes, same settings, same group as the call before) should only validate,
+look up what it decided the first time and run (STYLE guideline 11). This verb spawns ``--world``
+CPU ranks (gloo, the cpu backend), makes each case's call ``--warmup`` times, then profiles
+``--calls`` more with cProfile, which records only the thread that enabled it: the caller's.
+Per warm call it reports
+
+- ``ficco calls``: function calls whose code lives in the ``ficco`` package (the budget of
+  issue 24 item 5 is 150);
+- ``all calls``: every profiled call (torch's Python included, C functions too);
+- ``json.dumps`` / ``pickle``: serialisations (a warm call should make none).
+
+Cases: ``all_gather_matmul`` and ``matmul_reduce_scatter`` (no autograd: the direct path) and
+``ColumnParallelLinear`` forward with trainable weights (through ``torch.ops.ficco``, the
+dispatcher and autograd). The slowest rank's numbers are printed (they differ by a few calls
+at most: a barrier may poll once more on one rank).
+"""
+from __future__ import annotations
+
+import cProfile
+import os
+import pstats
+import tempfile
+from pathlib import Path
+
+EXAMPLES = """examples:
+  python -m ficco.bench calls                     # W=2, the three cases, 20 warm calls each
+  python -m ficco.bench calls --top 25            # and the 25 ficco functions called most
+  python -m ficco.bench calls --schedule hetero-fused-1d --transport dma
+"""
+
+CASES = ("all_gather_matmul", "matmul_reduce_scatter", "ColumnParallelLinear")
+PACKAGE = str(Path(__file__).resolve().parents[1])
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--world", type=int, default=2, help="ranks to spawn")
+    parser.add_argument("--shape", default="64,64,64",
+                        help="m,n,K: rows per rank, output columns, inner dimension")
+    parser.add_argument("--warmup", type=int, default=5, help="calls before profiling")
+    parser.add_argument("--calls", type=int, default=20, help="profiled warm calls per case")
+    parser.add_argument("--schedule", default=None, help="force a schedule (default: chosen)")
+    parser.add_argument("--transport", default=None, help="force a transport (auto|dma|ccl)")
+    parser.add_argument("--top", type=int, default=0,
+                        help="also list the N ficco functions called most per warm call")
+
+
+def _serialisation(func: tuple) -> str | None:
+    filename, _, name = func
+    if name == "dumps" and filename.endswith(os.path.join("json", "__init__.py")):
+        return "json"
+    if "pickle" in name and "dump" in name:
+        return "pickle"
+    return None
+
+
+def count(stats: pstats.Stats, calls: int) -> dict:
+    """Per-call counts from a cProfile run of ``calls`` calls: ficco calls, all calls, and
+    serialisations by kind; ``top``: (count, function) of the ficco functions."""
+    ficco_calls = all_calls = 0
+    serial = {"json": 0, "pickle": 0}
+    top = []
+    for func, (_cc, nc, _tt, _ct, _callers) in stats.stats.items():
+        all_calls += nc
+        kind = _serialisation(func)
+        if kind:
+            serial[kind] += nc
+        if func[0].startswith(PACKAGE):
+            ficco_calls += nc
+            top.append((nc / calls, f"{os.path.relpath(func[0], PACKAGE)}:{func[2]}"))
+    top.sort(reverse=True)
+    return {"ficco": ficco_calls / calls, "all": all_calls / calls,
+            "json": serial["json"] / calls, "pickle": serial["pickle"] / calls, "top": top}
+
+
+def _case(name, rank, world, m, n, k):
+    """A no-argument function making one call of case ``name`` on fresh tensors."""
+    import torch
+
+    import ficco
+
+    gen = torch.Generator().manual_seed(100 + rank)
+    if name == "all_gather_matmul":
+        a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
+        return lambda schedule: ficco.all_gather_matmul(a, b, schedule=schedule)
+    if name == "matmul_reduce_scatter":
+        a, b = torch.randn(world * m, k, generator=gen), torch.randn(k, n, generator=gen)
+        return lambda schedule: ficco.matmul_reduce_scatter(a, b, schedule=schedule)
+    from ficco.nn import ColumnParallelLinear
+
+    layer = ColumnParallelLinear(k, world * n, bias=False)
+    x = torch.randn(m, k, generator=gen)
+    return lambda schedule: layer(x)
+
+
+def _rank(rank, world, init_file, args, results):
+    import torch
+    import torch.distributed as dist
+
+    os.environ["FICCO_BACKEND"] = "cpu"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    import ficco
+
+    m, n, k = (int(x) for x in args["shape"].split(","))
+    rows = {}
+    with ficco.config.scope(**({"transport": args["transport"]} if args["transport"] else {})):
+        for name in CASES:
+            call = _case(name, rank, world, m, n, k)
+            schedule = None if name == "ColumnParallelLinear" else args["schedule"]
+            for _ in range(args["warmup"]):
+                call(schedule)
+            dist.barrier()
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(args["calls"]):
+                call(schedule)
+            profiler.disable()
+            rows[name] = count(pstats.Stats(profiler), args["calls"])
+            rows[name]["ran"] = ficco.api.last_run()
+    results.append((rank, rows))
+    ficco.shutdown()
+    dist.destroy_process_group()
+
+
+def measure(world: int = 2, shape: str = "64,64,64", warmup: int = 5, calls: int = 20,
+            schedule: str | None = None, transport: str | None = None) -> dict:
+    """``{case: counts}`` of the slowest rank (most ficco calls) per case."""
+    import torch.multiprocessing as mp
+
+    fd, init_file = tempfile.mkstemp(prefix="ficco-calls-")
+    os.close(fd)
+    os.unlink(init_file)
+    args = {"shape": shape, "warmup": warmup, "calls": calls, "schedule": schedule,
+            "transport": transport}
+    try:
+        with mp.Manager() as manager:
+            results = manager.list()
+            mp.spawn(_rank, args=(world, init_file, args, results), nprocs=world, join=True)
+            per_rank = list(results)
+    finally:
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+    return {name: max((rows[name] for _, rows in per_rank), key=lambda r: r["ficco"])
+            for name in CASES}
+
+
+def main(args) -> int:
+    worst = measure(args.world, args.shape, args.warmup, args.calls, args.schedule,
+                    args.transport)
+    print(f"warm calls, W={args.world}, cpu backend, shape m,n,K={args.shape}, "
+          f"{args.calls} profiled after {args.warmup}; per call, slowest rank:")
+    print(f"{'case':<24} {'ficco calls':>11} {'all calls':>10} {'json.dumps':>10} "
+          f"{'pickle':>7}  ran")
+    for name, row in worst.items():
+        ran = "/".join(row["ran"]) if row["ran"] else "plain"
+        print(f"{name:<24} {row['ficco']:>11.1f} {row['all']:>10.1f} {row['json']:>10.1f} "
+              f"{row['pickle']:>7.1f}  {ran}")
+    for name, row in worst.items():
+        if args.top:
+            print(f"\n{name}: the {args.top} ficco functions called most per warm call")
+            for per_call, func in row["top"][:args.top]:
+                print(f"  {per_call:>6.1f}  {func}")
+    return 0

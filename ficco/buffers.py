@@ -1,0 +1,52 @@
+"""The tensors one call's plan refers to (:class:`Buffers`): made by the op spec
+(:mod:`ficco.ops`), read by the compiler when it binds a plan's views (:mod:`ficco.compiler`)
+and by the executor's host tasks (:mod:`ficco.executor`). It sits below all three, so none of
+them imports another for it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import InvalidArgumentError
+
+
+@dataclass
+class Buffers:
+    """The tensors one call's plan refers to. ``a`` is the caller's A operand in canonical
+    ``m x K`` form. All-gather: ``gathered`` is this rank's ``M x K`` buffer. Reduce-scatter:
+    ``partials[j]`` this rank's ``M x n_j`` partial products (at byte ``partial_offsets[j]``
+    of the workspace with ``dma``) and ``recvs[j]`` the landing buffer of the peers' partials.
+    ``symm`` is the symmetric handle whose buffers hold every peer's ``gathered`` or
+    ``partials`` (None with ``ccl``)."""
+
+    a: torch.Tensor
+    bs: list[torch.Tensor]
+    outs: list[torch.Tensor]
+    gathered: torch.Tensor | None = None
+    symm: Any = None
+    group: Any = None
+    partials: list[torch.Tensor] = field(default_factory=list)
+    recvs: list[torch.Tensor] = field(default_factory=list)
+    partial_offsets: tuple[int, ...] = ()
+    flags: torch.Tensor | None = None   # arrival flags of gated plans (execute() zeroes them)
+    _peers: dict[tuple, torch.Tensor] = field(default_factory=dict)
+
+    def peer(self, peer: int, buf: str = "gathered", index: int = 0) -> torch.Tensor:
+        """Rank ``peer``'s copy of a symmetric buffer, through the symmetric handle."""
+        if self.symm is None:
+            raise InvalidArgumentError(f"plan reads peer {peer}'s buffer but the call has "
+                                       f"no symmetric memory (transport ccl)")
+        key = (buf, index, peer)
+        if key not in self._peers:
+            mine, offset = self.local(buf, index), 0
+            if buf == "partial":
+                offset = self.partial_offsets[index] if self.partial_offsets else 0
+            self._peers[key] = self.symm.get_buffer(peer, tuple(mine.shape), mine.dtype, offset)
+        return self._peers[key]
+
+    def local(self, buf: str, index: int = 0) -> torch.Tensor:
+        """This rank's copy of symmetric buffer ``buf``."""
+        return self.gathered if buf == "gathered" else self.partials[index]

@@ -1,0 +1,180 @@
+"""The expert-parallel ops as torch custom ops, with fake kernels, autograd and autocast:
+``torch.ops.ficco.all_to_all_grouped_mm`` (dispatch) and ``torch.ops.ficco.grouped_mm_all_to_all``
+(combine); and the public functions in front of them.
+
+The backward of each is the other, overlapped too:
+
+- ``y = dispatch(x, counts, w)``: ``grad_x = combine(grad_y, recv_counts, w^T)`` (back to x's
+  rows) and ``grad_w[l] = received_l^T @ grad_y_l`` (the rows of expert l are consecutive in y's
+  order; ``received`` is what dispatch moved, kept from the forward when ``w`` needs a gradient);
+- ``z = combine(h, recv_counts, w2)``: ``grad_h = dispatch(grad_z, counts, w2^T)`` (to h's
+  rows), whose moved rows give ``grad_w2[l] = h_l^T @ routed_l``.
+
+Each forward returns its agreed routing (the W x E matrix) and each backward hands it to the
+other op, so the backward exchanges no counts. Row counts are data, so the fake kernels give
+the outputs a data-dependent number of rows.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import group as groups
+from .. import library, runtime
+from ..autograd import _first_order, _register_autocast
+from ..ops.all_to_all_grouped_mm import SPEC as DISPATCH_SPEC
+from ..ops.grouped_mm_all_to_all import SPEC as COMBINE_SPEC
+
+
+def _counts_tensor(counts) -> Tensor:
+    if isinstance(counts, Tensor):
+        return counts
+    from .routing import as_int_list
+
+    return torch.tensor(as_int_list(counts, "counts", (None,)), dtype=torch.int64)
+
+
+# -- the ops ------------------------------------------------------------------------------------
+@torch.library.custom_op("ficco::all_to_all_grouped_mm", mutates_args=())
+def dispatch_op(x: Tensor, counts: Tensor, ws: list[Tensor], group: str,
+                schedule: Optional[str], routing: Optional[Tensor], return_received: bool
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(y, recv_counts, received or an empty tensor, routing)``."""
+    call = DISPATCH_SPEC.prepare(x, counts, ws, groups.by_name(group), routing=routing,
+                                 return_received=return_received)
+    y, recv_counts, received, agreed = runtime.run(call, schedule)
+    if received is None:
+        received = x.new_empty(0, x.shape[1])
+    elif received.data_ptr() == x.data_ptr():
+        received = received.clone()     # custom ops return fresh tensors
+    return y, recv_counts, received, agreed
+
+
+@dispatch_op.register_fake
+def _(x, counts, ws, group, schedule, routing, return_received):
+    _, world = groups.rank_world_of(group)
+    rows = torch.library.get_ctx().new_dynamic_size()
+    big_l = len(ws)
+    return (x.new_empty(rows, ws[0].shape[1]),
+            torch.empty(big_l, world, dtype=torch.int64, device="cpu"),
+            x.new_empty(rows if return_received else 0, x.shape[1]),
+            torch.empty(world, world * big_l, dtype=torch.int64, device="cpu"))
+
+
+@torch.library.custom_op("ficco::grouped_mm_all_to_all", mutates_args=())
+def combine_op(h: Tensor, recv_counts: Tensor, ws: list[Tensor], group: str,
+               schedule: Optional[str], routing: Optional[Tensor],
+               send_counts: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """``(z, routing)``."""
+    call = COMBINE_SPEC.prepare(h, recv_counts, ws, groups.by_name(group), routing=routing,
+                                send_counts=send_counts)
+    return runtime.run(call, schedule)
+
+
+@combine_op.register_fake
+def _(h, recv_counts, ws, group, schedule, routing, send_counts):
+    _, world = groups.rank_world_of(group)
+    rows = torch.library.get_ctx().new_dynamic_size()
+    return (h.new_empty(rows, ws[0].shape[1]),
+            torch.empty(world, world * len(ws), dtype=torch.int64, device="cpu"))
+
+
+# -- autograd -----------------------------------------------------------------------------------
+def _expert_slices(recv_counts: Tensor) -> list[tuple[int, int]]:
+    """(first row, rows) of every local expert in y's order, from ``recv_counts`` (L, W)."""
+    out, at = [], 0
+    for rows in recv_counts.sum(1).tolist():
+        out.append((at, rows))
+        at += rows
+    return out
+
+
+def _grad_weights(rows_in: Tensor, grad_out: Tensor, recv_counts: Tensor, needs) -> list:
+    return [rows_in[a: a + n].t() @ grad_out[a: a + n] if need else None
+            for (a, n), need in zip(_expert_slices(recv_counts), needs)]
+
+
+def _dispatch_setup(ctx, inputs, output):
+    x, _counts, ws, group, _schedule, _routing, _ = inputs
+    _y, recv_counts, received, routing = output
+    ctx.set_materialize_grads(False)
+    ctx.group, ctx.x_needs = group, x.requires_grad
+    ctx.w_needs = [w.requires_grad for w in ws]
+    ctx.save_for_backward(recv_counts, routing, received if any(ctx.w_needs) else None,
+                          *(ws if ctx.x_needs else ()))
+
+
+def _dispatch_backward(ctx, grad_y, _grad_counts, _grad_received, _grad_routing):
+    recv_counts, routing, received, *ws = ctx.saved_tensors
+    if grad_y is None:
+        return None, None, [None] * len(ctx.w_needs), None, None, None, None
+    grad_x = None
+    if ctx.x_needs:
+        grad_x = torch.ops.ficco.grouped_mm_all_to_all(
+            grad_y, recv_counts, [w.t() for w in ws], ctx.group, None, routing, None)[0]
+    grad_ws = _grad_weights(received, grad_y, recv_counts, ctx.w_needs) \
+        if any(ctx.w_needs) else [None] * len(ctx.w_needs)
+    return grad_x, None, grad_ws, None, None, None, None
+
+
+def _combine_setup(ctx, inputs, output):
+    h, recv_counts, ws, group, _schedule, _routing, _send = inputs
+    _z, routing = output
+    ctx.set_materialize_grads(False)
+    ctx.group, ctx.h_needs = group, h.requires_grad
+    ctx.w_needs = [w.requires_grad for w in ws]
+    ctx.save_for_backward(recv_counts, routing, h if any(ctx.w_needs) else None,
+                          *(ws if ctx.h_needs else ()))
+
+
+def _combine_backward(ctx, grad_z, _grad_routing):
+    recv_counts, routing, h, *ws = ctx.saved_tensors
+    if grad_z is None:
+        return None, None, [None] * len(ctx.w_needs), None, None, None, None
+    rank, _ = groups.rank_world_of(ctx.group)
+    # Without grad_h only the moved rows are needed: multiply them by one column of zeros.
+    w_t = [w.t() for w in ws] if ctx.h_needs else \
+        [grad_z.new_zeros(grad_z.shape[1], 1) for _ in ctx.w_needs]
+    grad_h, _, routed, _ = torch.ops.ficco.all_to_all_grouped_mm(
+        grad_z, routing[rank], w_t, ctx.group, None, routing, any(ctx.w_needs))
+    grad_ws = _grad_weights(h, routed, recv_counts, ctx.w_needs) \
+        if any(ctx.w_needs) else [None] * len(ctx.w_needs)
+    return grad_h if ctx.h_needs else None, None, grad_ws, None, None, None, None
+
+
+dispatch_op.register_autograd(_first_order(_dispatch_backward), setup_context=_dispatch_setup)
+combine_op.register_autograd(_first_order(_combine_backward), setup_context=_combine_setup)
+for _op in (dispatch_op, combine_op):
+    for _device in ("cpu", "cuda"):
+        _register_autocast(_op, _device)
+
+
+# -- the public functions' front end ---------------------------------------------------------------
+def all_to_all_grouped_mm(x, counts, w, group=None, *, schedule=None):
+    """``ficco.all_to_all_grouped_mm`` (see it for the arguments): the eager runtime when no
+    autograd, autocast or tracing is involved, else the ``ficco::all_to_all_grouped_mm`` op."""
+    ws = list(w.unbind(0)) if isinstance(w, Tensor) and w.dim() == 3 else w
+    if not isinstance(ws, (list, tuple)) or not isinstance(x, Tensor) or not isinstance(
+            schedule, (str, type(None))) or library._eager_suffices(x, list(ws)):
+        y, recv_counts, _, _ = runtime.run(DISPATCH_SPEC.prepare(x, counts, w, group), schedule)
+        return y, recv_counts
+    y, recv_counts, _, _ = torch.ops.ficco.all_to_all_grouped_mm(
+        x, _counts_tensor(counts), list(ws), groups.name_of(group), schedule, None,
+        torch.is_grad_enabled() and any(t.requires_grad for t in ws))
+    return y, recv_counts
+
+
+def grouped_mm_all_to_all(h, recv_counts, w2, group=None, *, schedule=None, send_counts=None):
+    """``ficco.grouped_mm_all_to_all`` through the ``ficco::grouped_mm_all_to_all`` op (or the
+    eager runtime when nothing needs the dispatcher)."""
+    ws = list(w2.unbind(0)) if isinstance(w2, Tensor) and w2.dim() == 3 else w2
+    if not isinstance(ws, (list, tuple)) or not isinstance(h, Tensor) or not isinstance(
+            schedule, (str, type(None))) or library._eager_suffices(h, list(ws)):
+        call = COMBINE_SPEC.prepare(h, recv_counts, w2, group, send_counts=send_counts)
+        return runtime.run(call, schedule)[0]
+    send = None if send_counts is None else _counts_tensor(send_counts)
+    return torch.ops.ficco.grouped_mm_all_to_all(
+        h, recv_counts if isinstance(recv_counts, Tensor) else torch.tensor(recv_counts),
+        list(ws), groups.name_of(group), schedule, None, send)[0]

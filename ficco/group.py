@@ -1,0 +1,86 @@
+"""Process groups as every module of ficco names them: one order, ``(rank, world)``; one name for
+"no process group", :data:`NO_GROUP`.
+
+The public functions accept a group as None (the default group, or no group at all when
+torch.distributed is not initialised), a group name, a ProcessGroup or a 1-D DeviceMesh;
+:func:`resolve` turns that into a ProcessGroup or None. The torch custom ops take a group
+*name* (a traced graph carries no ProcessGroup object): :func:`name_of` makes it,
+:func:`by_name` turns it back. Caches and cross-rank agreement key a group by :func:`key`.
+
+>>> resolve(None) is None, name_of(None) == NO_GROUP     # no process group: a world of one
+(True, True)
+>>> rank_world(None), rank_world_of(NO_GROUP)
+((0, 1), (0, 1))
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from .errors import InvalidArgumentError
+
+#: The name of "no process group" (torch.distributed not initialised): a world of one.
+NO_GROUP = ""
+
+
+def resolve(group):
+    """The ProcessGroup for ``group`` (None, a name, a ProcessGroup or a 1-D DeviceMesh), or
+    None when there is no group: None without torch.distributed initialised, or
+    :data:`NO_GROUP`."""
+    if group is None:
+        if dist.is_available() and dist.is_initialized():
+            return dist.group.WORLD
+        return None
+    if isinstance(group, str):
+        return by_name(group)
+    if dist.is_available() and isinstance(group, dist.ProcessGroup):
+        return group
+    if type(group).__name__ == "DeviceMesh":
+        if group.ndim != 1:
+            raise InvalidArgumentError(
+                f"group is a {group.ndim}-D DeviceMesh {tuple(group.shape)}; pass the 1-D mesh "
+                f"of the dimension to gather over, e.g. mesh['tp']")
+        return group.get_group()
+    raise InvalidArgumentError(
+        f"group must be a torch.distributed ProcessGroup, a group name, a 1-D DeviceMesh or "
+        f"None; got {type(group).__name__}")
+
+
+def by_name(name: str):
+    """The ProcessGroup called ``name``; None for :data:`NO_GROUP`. Not cached: a name is
+    reused when a process group is destroyed and created again."""
+    if name == NO_GROUP:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        return _resolve_process_group(name)
+    except Exception as exc:  # noqa: BLE001 - torch raises several kinds here
+        raise InvalidArgumentError(f"group name {name!r} names no process group: {exc}") from None
+
+
+def name_of(group) -> str:
+    """The name the torch ops take for ``group`` (anything :func:`resolve` accepts). Plain
+    Python, cheap: runs at trace time under ``torch.compile``."""
+    if isinstance(group, str):
+        return group
+    return key(resolve(group))
+
+
+def key(group) -> str:
+    """The name of a *resolved* group (a ProcessGroup, or None for no group) that every rank
+    computes alike: the group part of cache and agreement keys."""
+    if group is None:
+        return NO_GROUP
+    return getattr(group, "group_name", None) or str(id(group))
+
+
+def rank_world(group) -> tuple[int, int]:
+    """``(rank, world)`` of this process in a resolved group (None: ``(0, 1)``)."""
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def rank_world_of(name: str) -> tuple[int, int]:
+    """``(rank, world)`` in the group called ``name`` (:data:`NO_GROUP`: ``(0, 1)``)."""
+    return rank_world(by_name(name))

@@ -1,0 +1,303 @@
+"""Rank-side functions for the expert-parallel tests (importable by spawned ranks).
+
+Every rank builds the same global case from one seed (every rank's rows, counts and every
+global expert's weights), runs its own part, and checks it against float64 references of
+that global case.
+"""
+from __future__ import annotations
+
+import torch
+
+import ficco
+from ficco import config, runtime
+
+from .reference import ROW_TOL, max_row_rel_err
+
+EP_OPS = ("all_to_all_grouped_mm", "grouped_mm_all_to_all")
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def make_case(seed: int, world: int, experts: int, k: int = 16, n: int = 8, n2: int = 8,
+              max_rows: int = 11):
+    """Uneven routing with zeros: rank s has T_s rows (0 allowed), spread over the E experts
+    by a random preference that leaves some experts (and some whole ranks) without rows."""
+    gen = torch.Generator().manual_seed(seed)
+    big_e = world * experts
+    counts = []
+    for _ in range(world):
+        rows = int(torch.randint(0, max_rows + 1, (1,), generator=gen))
+        weights = torch.rand(big_e, generator=gen) * (torch.rand(big_e, generator=gen) > 0.3)
+        if rows and float(weights.sum()) == 0:
+            weights[int(torch.randint(0, big_e, (1,), generator=gen))] = 1.0
+        picks = torch.multinomial(weights, rows, replacement=True, generator=gen) if rows else \
+            torch.zeros(0, dtype=torch.long)
+        counts.append(torch.bincount(picks, minlength=big_e).tolist())
+    xs = [torch.randn(sum(c), k, generator=gen, dtype=torch.float64) for c in counts]
+    w = torch.randn(big_e, k, n, generator=gen, dtype=torch.float64) / k ** 0.5
+    w2 = torch.randn(big_e, n, n2, generator=gen, dtype=torch.float64) / n ** 0.5
+    return counts, xs, w, w2
+
+
+def runs(counts, rank):
+    """(global expert, first row, rows) of rank ``rank``'s input."""
+    out, at = [], 0
+    for e, c in enumerate(counts[rank]):
+        out.append((e, at, c))
+        at += c
+    return out
+
+
+def dispatch_reference(counts, xs, w, rank, experts):
+    """y of ``rank`` in float64 (with ``.scale``) and its recv_counts."""
+    world = len(counts)
+    blocks, scales, recv = [], [], []
+    for l in range(experts):
+        e = rank * experts + l
+        recv.append([counts[s][e] for s in range(world)])
+        for s in range(world):
+            _, at, c = runs(counts, s)[e]
+            blocks.append(xs[s][at: at + c] @ w[e])
+            scales.append(xs[s][at: at + c].abs() @ w[e].abs())
+    ref = torch.cat(blocks)
+    ref.scale = torch.cat(scales)
+    return ref, recv
+
+
+def round_trip_reference(counts, xs, w, w2, rank):
+    """z of ``rank`` after dispatch (w) then combine (w2): every row x @ w[e] @ w2[e]."""
+    parts, scales = [], []
+    for e, at, c in runs(counts, rank):
+        rows = xs[rank][at: at + c]
+        parts.append(rows @ w[e] @ w2[e])
+        scales.append(rows.abs() @ w[e].abs() @ w2[e].abs())
+    ref = torch.cat(parts)
+    ref.scale = torch.cat(scales)
+    return ref
+
+
+def ep_matrix(rank, world, experts, schedule, transport, seed, cases=2, shapes=((16, 8, 8),)):
+    """Dispatch, then combine of its result, for fresh routings x dtypes x shapes; returns
+    failures as strings (empty: every output right against float64, the forced schedule ran)."""
+    failures = []
+    local = slice(rank * experts, (rank + 1) * experts)
+    with config.scope(transport=transport):
+        for case in range(cases):
+            for k, n, n2 in shapes:
+                counts, xs, w, w2 = make_case(seed + case, world, experts, k, n, n2)
+                y_ref, recv_ref = dispatch_reference(counts, xs, w, rank, experts)
+                z_ref = round_trip_reference(counts, xs, w, w2, rank)
+                for dtype in DTYPES:
+                    label = f"case {case} K={k} n={n} {dtype} counts={counts}"
+                    x = xs[rank].to(dtype)
+                    y, recv = ficco.all_to_all_grouped_mm(
+                        x, torch.tensor(counts[rank]), w[local].to(dtype), schedule=schedule)
+                    ran = runtime.last_run()
+                    err = max_row_rel_err(y, y_ref)
+                    if recv.tolist() != recv_ref or not err <= ROW_TOL[dtype]:
+                        failures.append(f"dispatch {label}: recv {recv.tolist()} vs {recv_ref}, "
+                                        f"err {err:.3g}")
+                    if world > 1 and ran != (schedule, transport):
+                        failures.append(f"dispatch {label}: ran {ran}")
+                    z = ficco.grouped_mm_all_to_all(y, recv, list(w2[local].to(dtype)),
+                                                    schedule=schedule)
+                    err = max_row_rel_err(z, z_ref)
+                    if not err <= 2 * ROW_TOL[dtype]:
+                        failures.append(f"combine {label}: err {err:.3g}")
+                    if world > 1 and runtime.last_run() != (schedule, transport):
+                        failures.append(f"combine {label}: ran {runtime.last_run()}")
+    return failures
+
+
+def send_counts_skip(rank, world, seed):
+    """Combine with ``send_counts=`` (dispatch's counts) skips the counts exchange and gives the
+    same z; the number of store exchanges tells."""
+    from ficco import agreement
+
+    counts, xs, w, w2 = make_case(seed, world, 2)
+    local = slice(rank * 2, rank * 2 + 2)
+    y, recv = ficco.all_to_all_grouped_mm(xs[rank], counts[rank], w[local])
+    # the first call of a signature is agreed in full; later ones only exchange counts
+    ficco.grouped_mm_all_to_all(y, recv, w2[local], send_counts=counts[rank])
+    before = dict(agreement._sequence)
+    z_skip = ficco.grouped_mm_all_to_all(y, recv, w2[local], send_counts=counts[rank])
+    skipped = dict(agreement._sequence) == before
+    z_full = ficco.grouped_mm_all_to_all(y, recv, w2[local])
+    exchanged = dict(agreement._sequence) != before
+    return skipped, exchanged, float((z_skip - z_full).abs().max()) if z_skip.numel() else 0.0
+
+
+# -- gradients --------------------------------------------------------------------------------------
+class _Mine(torch.autograd.Function):
+    """Forward: this rank's rows of a padded per-rank stack. Backward: every rank's gradient,
+    stacked (every rank evaluates the same global function, see test_custom_ops)."""
+
+    @staticmethod
+    def forward(ctx, stacked, rank, rows):
+        ctx.shape = stacked.shape
+        return stacked[rank, :rows].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        padded = grad.new_zeros(ctx.shape[1:])
+        padded[: grad.shape[0]] = grad
+        parts = [torch.empty_like(padded) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, padded.contiguous())
+        return torch.stack(parts), None, None
+
+
+class _Everyone(torch.autograd.Function):
+    """Forward: every rank's output, padded to ``rows`` and stacked. Backward: this rank's."""
+
+    @staticmethod
+    def forward(ctx, out, rank, rows):
+        import torch.distributed as dist
+
+        ctx.rank, ctx.n = rank, out.shape[0]
+        padded = out.new_zeros(rows, out.shape[1])
+        padded[: out.shape[0]] = out
+        parts = [torch.empty_like(padded) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, padded.contiguous())
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.rank, : ctx.n], None, None
+
+
+def gradcheck_round_trip(rank, world, experts, plan, seed):
+    """gradcheck in float64 of x, w, w2 -> (y, z) over every rank (the global function), for
+    each (schedule, transport) in ``plan``; returns the failures."""
+    counts, xs, _, _ = make_case(seed, world, experts, k=3, n=2, n2=2, max_rows=5)
+    torch.manual_seed(seed)
+    t_max = max(max(len(x) for x in xs), 1)
+    x = torch.zeros(world, t_max, 3, dtype=torch.float64)
+    for s, xr in enumerate(xs):
+        x[s, : len(xr)] = xr
+    x.requires_grad_()
+    w = torch.randn(world, experts, 3, 2, dtype=torch.float64, requires_grad=True)
+    w2 = torch.randn(world, experts, 2, 2, dtype=torch.float64, requires_grad=True)
+    mine = sum(counts[rank])
+    r_max = max(sum(counts[s][e] for s in range(world)
+                    for e in range(q * experts, (q + 1) * experts)) for q in range(world))
+    failures = []
+    for schedule, transport in plan:
+        def f(x, w, w2):
+            y, recv = ficco.all_to_all_grouped_mm(_Mine.apply(x, rank, mine), counts[rank],
+                                                  _Mine.apply(w, rank, experts),
+                                                  schedule=schedule)
+            z = ficco.grouped_mm_all_to_all(y.sin(), recv, _Mine.apply(w2, rank, experts),
+                                            schedule=schedule)
+            return _Everyone.apply(y, rank, max(r_max, 1)), _Everyone.apply(z, rank, t_max)
+        with config.scope(transport=transport):
+            try:
+                ok = torch.autograd.gradcheck(f, (x, w, w2), fast_mode=True, atol=1e-7,
+                                              raise_exception=False)
+            except Exception as exc:  # noqa: BLE001 - reported with its case
+                ok = f"{type(exc).__name__}: {exc}"
+        if ok is not True:
+            failures.append((schedule, transport, counts, ok))
+    return failures
+
+
+# -- bad input, disagreement ------------------------------------------------------------------------
+def bad_inputs(rank, world):
+    """Every bad argument raises InvalidArgumentError on the rank that made it, before any
+    communication (a rank that waited on its peers would hang here)."""
+    from ficco.errors import InvalidArgumentError
+
+    x, w = torch.randn(5, 4), torch.randn(2, 4, 3)
+    good = [5] + [0] * (2 * world - 1)
+    y = torch.randn(5, 3)
+    recv = [[5] + [0] * (world - 1), [0] * world]
+    cases = {
+        "counts sum": lambda: ficco.all_to_all_grouped_mm(x, [1] * (2 * world), w),
+        "counts length": lambda: ficco.all_to_all_grouped_mm(x, [5], w),
+        "counts negative": lambda: ficco.all_to_all_grouped_mm(
+            x, [6, -1] + [0] * (2 * world - 2), w),
+        "counts float": lambda: ficco.all_to_all_grouped_mm(x, torch.tensor(good) * 1.0, w),
+        "dtype": lambda: ficco.all_to_all_grouped_mm(x, good, w.double()),
+        "K mismatch": lambda: ficco.all_to_all_grouped_mm(x, good, torch.randn(2, 5, 3)),
+        "w 2-D": lambda: ficco.all_to_all_grouped_mm(x, good, torch.randn(4, 3)),
+        "ragged experts": lambda: ficco.all_to_all_grouped_mm(
+            x, good, [torch.randn(4, 3), torch.randn(4, 2)]),
+        "schedule": lambda: ficco.all_to_all_grouped_mm(x, good, w, schedule="ring"),
+        "recv_counts sum": lambda: ficco.grouped_mm_all_to_all(y, [[1] * world] * 2, w2_(world)),
+        "recv_counts shape": lambda: ficco.grouped_mm_all_to_all(y, [5], w2_(world)),
+        "combine dtype": lambda: ficco.grouped_mm_all_to_all(y.double(), recv, w2_(world)),
+        "unknown send_counts": lambda: ficco.grouped_mm_all_to_all(
+            y, recv, w2_(world), send_counts=[9] * (2 * world)),
+    }
+    out = {}
+    for label, fn in cases.items():
+        try:
+            fn()
+            out[label] = "no error"
+        except InvalidArgumentError as exc:
+            out[label] = "ok" if str(exc) else "empty message"
+        except Exception as exc:  # noqa: BLE001 - report the wrong kind
+            out[label] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def w2_(world):
+    return torch.randn(2, 3, 4)
+
+
+def bad_counts_on_one_rank(rank, world):
+    """Rank 0's counts do not sum to its rows: it raises InvalidArgumentError at once; the
+    others, whose counts are fine, raise CommTimeoutError within FICCO_TIMEOUT."""
+    import time
+
+    from ficco.errors import CommTimeoutError, InvalidArgumentError
+
+    x, w = torch.randn(4, 4), torch.randn(1, 4, 3)
+    counts = [4] + [0] * (world - 1)
+    if rank == 0:
+        counts = [3] + [0] * (world - 1)
+    start = time.monotonic()
+    try:
+        with config.scope(timeout=3):
+            ficco.all_to_all_grouped_mm(x, counts, w)
+    except InvalidArgumentError:
+        return "invalid", time.monotonic() - start
+    except CommTimeoutError as exc:
+        return ("timeout" if "rank(s) [0]" in str(exc) else str(exc)), time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+def disagree(rank, world):
+    """Rank 0 passes other weight widths: every rank gets MismatchError, none hangs; then a
+    call in step on a fresh routing is right."""
+    from ficco.errors import MismatchError
+
+    counts = [2] * world
+    out = []
+    try:
+        ficco.all_to_all_grouped_mm(torch.randn(2 * world, 4), counts,
+                                    torch.randn(1, 4, 3 if rank else 5))
+        out.append("no error")
+    except MismatchError as exc:
+        out.append("mismatch" if "differ" in str(exc) else str(exc))
+    ficco.shutdown()
+    x, w = torch.randn(2 * world, 4), torch.randn(1, 4, 3)
+    y, recv = ficco.all_to_all_grouped_mm(x, counts, w)
+    out.append(tuple(y.shape) == (2 * world, 3) and recv.tolist() == [[2] * world])
+    return out
+
+
+def explain_and_choose(rank, world, seed):
+    """explain() for both ops, then calls with no schedule forced: the decision is the same on
+    every rank (it depends on the bucketed routing, which every rank agreed) and right."""
+    counts, xs, w, w2 = make_case(seed, world, 2, max_rows=40)
+    local = slice(rank * 2, rank * 2 + 2)
+    d1 = ficco.explain(xs[rank].float(), w[local].float(), op="all_to_all_grouped_mm",
+                       counts=counts[rank])
+    y, recv = ficco.all_to_all_grouped_mm(xs[rank].float(), counts[rank], w[local].float())
+    first = runtime.last_run()
+    d2 = ficco.explain(y, w2[local].float(), op="grouped_mm_all_to_all", counts=recv)
+    z = ficco.grouped_mm_all_to_all(y, recv, w2[local].float())
+    err = max_row_rel_err(z, round_trip_reference(counts, xs, w, w2, rank))
+    return (d1.schedule in ficco.schedules.names(op="all_to_all_grouped_mm"), str(d1),
+            sorted(d2.scores), first, runtime.last_run(), err)

@@ -1,0 +1,185 @@
+"""Expert parallelism: all_to_all_grouped_mm (dispatch) and grouped_mm_all_to_all (combine).
+
+Plans first (count-free, every rank's barriers alike), then end to end on random uneven
+routings with zero counts against float64: every schedule x transport, each W in 2-4 and
+each L in 1-3 covered (a sampled grid, not the full product: the suite stays small), both
+dtypes, dispatch and the round trip; gradients by gradcheck in float64; bad input, ranks that
+disagree, bad counts on one rank; explain and the selector; the simulator's pricing.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import ficco
+from ficco import schedules
+from ficco.errors import InvalidArgumentError
+from ficco.expert.problem import (COMBINE, DISPATCH, ExpertProblem, Layout, bucket,
+                                  representative, summary)
+from ficco.plan import Barrier
+
+from . import harness
+from .ep_cases import (DTYPES, EP_OPS, bad_counts_on_one_rank, bad_inputs, disagree, ep_matrix,
+                       explain_and_choose, gradcheck_round_trip, make_case, send_counts_skip)
+from .reference import ROW_TOL, max_row_rel_err
+
+NAMES = schedules.names(op=DISPATCH)
+
+
+# -- the registry, problems and plans ---------------------------------------------------------------
+def test_names_per_op():
+    assert NAMES == schedules.names(op=COMBINE) == [
+        "serial", "uniform-fused-1d", "uniform-unfused-1d", "hetero-fused-1d",
+        "hetero-unfused-1d"]
+    with pytest.raises(InvalidArgumentError, match="op='all_to_all_grouped_mm'"):
+        schedules.get("serial", op=DISPATCH).plan(ExpertProblem(4, 4, 1, "float32", 2,
+                                                                op=COMBINE))
+
+
+def test_layout_is_torchs_vdev_2d_order():
+    # W=2, L=2: rank 0 holds experts 0, 1; rank 1 holds 2, 3
+    counts = ((1, 2, 0, 3), (4, 0, 1, 1))
+    lay = Layout(counts, experts=2)
+    # rank 1 receives expert 2 from rank 0 (0 rows) and rank 1 (1), then expert 3 (3, then 1)
+    assert lay.recv_counts(1) == [[0, 1], [3, 1]] and lay.recv_rows(1) == 5
+    assert [lay.block_offset(1, l, s) for l in range(2) for s in range(2)] == [0, 0, 1, 4]
+    assert lay.send_offset(0, 3) == 3 and lay.send_rows(1) == 6
+
+
+def test_plans_are_count_free_and_cached_across_routings():
+    from ficco import runtime
+
+    a = ExpertProblem(8, 4, 2, "float32", 3, 1, counts=representative(3, 2, 5, 1.0))
+    b = ExpertProblem(8, 4, 2, "float32", 3, 1, counts=representative(3, 2, 40, 3.0))
+    assert a == b and hash(a) == hash(b) and a.key() != b.key()
+    spec = ficco.ops.get(DISPATCH)
+    assert runtime.plan_for(spec, "hetero-fused-1d", "dma", a) is \
+        runtime.plan_for(spec, "hetero-fused-1d", "dma", b)
+
+
+def test_buckets_and_summary():
+    assert [bucket(x) for x in (0, 5, 9, 100, 1000)] == [0, 5, 10, 112, 1024]
+    assert summary(((0, 0), (0, 0))) == (0, 1.0)
+    assert summary(((4, 4), (4, 12))) == (6, 2.0)
+
+
+@pytest.mark.parametrize("op", EP_OPS)
+@pytest.mark.parametrize("transport", ["dma", "ccl"])
+def test_every_rank_meets_the_same_barriers(op, transport):
+    """dma barriers alternate channels and end on 1, the same count on every rank; ccl plans
+    have none; every plan moves something from every peer and multiplies every source."""
+    for name in NAMES:
+        for world in (1, 2, 3, 4, 8):
+            plans = [schedules.get(name, op=op).plan(
+                ExpertProblem(8, 4, 2, "float32", world, r, op=op), transport)
+                for r in range(world)]
+            channels = [[o.channel for o in pl.ops if isinstance(o, Barrier)] for pl in plans]
+            assert len({tuple(c) for c in channels}) == 1, (name, world, channels)
+            if transport == "ccl" or world == 1:
+                assert channels[0] == []
+            else:
+                assert channels[0] == [i % 2 for i in range(len(channels[0]))]
+                assert channels[0][-1] == 1
+            for r, pl in enumerate(plans):
+                pulled = {o.peer for o in pl.ops if o.kind == "expert_copy"}
+                computed = {s for o in pl.ops if o.kind == "expert_gemm" for s in o.sources}
+                assert computed == set(range(world)), (name, r, computed)
+                if transport == "dma" and world > 1:
+                    assert pulled == set(range(world)) - {r}
+
+
+def test_hetero_dispatch_starts_with_its_own_block_and_combine_ends_with_it():
+    p = ExpertProblem(8, 4, 2, "float32", 4, 2)
+    first = [o for o in schedules.get("hetero-fused-1d", op=DISPATCH).plan(p, "dma").ops
+             if o.kind == "expert_gemm"][0]
+    assert first.sources == (2,) and first.chunk is None
+    q = ExpertProblem(8, 4, 2, "float32", 4, 2, op=COMBINE)
+    last = [o for o in schedules.get("hetero-fused-1d", op=COMBINE).plan(q, "dma").ops
+            if o.kind == "expert_gemm"][-1]
+    assert last.sources == (2,) and last.chunk is None
+
+
+# -- end to end ---------------------------------------------------------------------------------------
+def _grid():
+    """Every (schedule, transport) at each W in 2-4, L cycling 1-3 along the list so each W sees
+    every L: 30 pool calls, each covering two routings x both dtypes x dispatch and combine."""
+    combos = [(s, t) for s in NAMES for t in ("dma", "ccl")]
+    return [(w, 1 + (i + w) % 3, s, t) for w in (2, 3, 4) for i, (s, t) in enumerate(combos)]
+
+
+@pytest.mark.parametrize("world,experts,schedule,transport", _grid())
+def test_schedule_matches_reference(world, experts, schedule, transport):
+    seed = random.randrange(1 << 30)
+    failures = harness.pool(world).run(ep_matrix, experts, schedule, transport, seed)
+    assert failures == [[]] * world, f"seed {seed}: {failures}"
+
+
+def test_grouped_mm_and_gemm_loop_paths_agree_with_reference():
+    """K, n whose rows are not 16-byte multiples take the loop of GEMMs; the default shapes
+    take torch._grouped_mm (on CPU for float32/bfloat16): both right, dma and ccl."""
+    seed = random.randrange(1 << 30)
+    for transport, schedule in (("dma", "uniform-fused-1d"), ("ccl", "hetero-unfused-1d")):
+        failures = harness.pool(3).run(ep_matrix, 2, schedule, transport, seed, 1,
+                                       ((6, 5, 3), (16, 8, 8)))
+        assert failures == [[]] * 3, f"seed {seed}: {failures}"
+
+
+@pytest.mark.parametrize("schedule", NAMES)
+def test_world_size_one_is_a_grouped_matmul(schedule):
+    seed = random.randrange(1 << 30)
+    for experts in (1, 3):
+        counts, xs, w, w2 = make_case(seed, 1, experts)
+        from .ep_cases import dispatch_reference, round_trip_reference
+
+        y_ref, recv_ref = dispatch_reference(counts, xs, w, 0, experts)
+        for dtype in DTYPES:
+            y, recv = ficco.all_to_all_grouped_mm(xs[0].to(dtype), counts[0], w.to(dtype),
+                                                  schedule=schedule)
+            assert recv.tolist() == recv_ref
+            assert max_row_rel_err(y, y_ref) <= ROW_TOL[dtype], (seed, dtype)
+            z = ficco.grouped_mm_all_to_all(y, recv, w2.to(dtype), schedule=schedule)
+            assert max_row_rel_err(z, round_trip_reference(counts, xs, w, w2, 0)) <= \
+                2 * ROW_TOL[dtype], (seed, dtype)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_gradcheck_float64(world):
+    """Gradients of x, w (dispatch) and w2 (combine, fed by dispatch) against finite
+    differences, every schedule across the three world sizes, both transports."""
+    seed = random.randrange(1 << 30)
+    plan = [(s, t) for i, s in enumerate(NAMES) for t in ("dma", "ccl")
+            if (i + world) % 3 == 0 or s == "serial"]
+    results = harness.pool(world).run(gradcheck_round_trip, 1 + world % 3, plan, seed)
+    assert results == [[]] * world, f"seed {seed}: {results}"
+
+
+def test_send_counts_skips_the_exchange():
+    results = harness.pool(3).run(send_counts_skip, random.randrange(1 << 30))
+    for skipped, exchanged, diff in results:
+        assert skipped and exchanged and diff == 0.0, results
+
+
+# -- bad input, disagreement, explain ------------------------------------------------------------------
+def test_bad_inputs_raise_before_any_communication():
+    for per_rank in harness.pool(2).run(bad_inputs):
+        assert set(per_rank.values()) == {"ok"}, per_rank
+
+
+def test_bad_counts_on_one_rank_raise_there_and_time_out_elsewhere():
+    results = harness.run_alone(3, bad_counts_on_one_rank)
+    assert results[0][0] == "invalid" and results[0][1] < 2, results
+    assert all(r[0] == "timeout" and r[1] < 15 for r in results[1:]), results
+
+
+def test_ranks_that_disagree_all_get_mismatch():
+    assert harness.pool(2).run(disagree) == [["mismatch", True]] * 2
+
+
+def test_explain_and_the_selector_cover_both_ops():
+    results = harness.pool(3).run(explain_and_choose, random.randrange(1 << 30))
+    assert len({r[3] for r in results}) == 1 and len({r[4] for r in results}) == 1, results
+    for known, text, scored, first, second, err in results:
+        assert known and "schedule" in text and set(scored) >= set(NAMES)
+        assert err <= ROW_TOL[torch.float32]
