@@ -274,3 +274,76 @@ def test_2d_schedules_round_bf16_once_like_ring(world):
         ring = per_rank.pop("ring")
         for name, wrong in per_rank.items():
             assert wrong <= ring + 0.01, (name, wrong, ring)
+
+
+# -- issue 29 items 4 and 7: failures that start on this rank name it; a slow GEMM is no failure ---
+def _local_gemm_fails(rank, world, seed, schedule, transport):
+    from ficco.backends import get_backend
+
+    from .cases import fail_next_gemm
+
+    shards, bs, _, refs = make_inputs(seed, world, (8, 16), (4,), torch.float32)
+    with ficco.config.scope(transport=transport, timeout=5):
+        ficco.all_gather_matmul(shards[rank], bs[0], schedule=schedule)   # agreed, warm
+        restore = fail_next_gemm(get_backend()) if rank == 1 else (lambda: None)
+        outcome = _outcome(lambda: ficco.all_gather_matmul(shards[rank], bs[0],
+                                                           schedule=schedule))
+        restore()
+    ficco.shutdown()
+    return outcome
+
+
+@pytest.mark.parametrize("schedule, transport", [("uniform-unfused-1d", "dma"),
+                                                 ("ring", "ccl")])
+def test_a_local_gemm_failure_names_rank_op_schedule_and_step(schedule, transport):
+    """Before: `FiccoError: queue compute failed: RuntimeError: injected GEMM failure`, naming
+    neither rank, op, schedule nor step (the README promises all four)."""
+    results = harness.run_alone(2, _local_gemm_fails, random.randrange(1 << 30), schedule,
+                                transport, timeout_s=120)
+    status, message = results[1]
+    assert status == "raised" and "injected GEMM failure" in message, results
+    for part in ("rank 1", "all_gather_matmul", schedule, transport, "plan step", "gemm",
+                 "queue compute"):
+        assert part in message, (part, message)
+
+
+def _slow_gemms(rank, world, seed, transport):
+    """Every GEMM of both ranks takes 1.5 s, with FICCO_TIMEOUT=0.5: no cross-rank wait waits
+    for a GEMM of another rank longer than its own, so nothing may time out."""
+    from ficco.backends import cpu
+
+    real = cpu.gemm_into
+
+    def slow(*args):
+        time.sleep(1.5)
+        return real(*args)
+
+    shards, bs, _, refs = make_inputs(seed, world, (8, 16), (4,), torch.float32)
+    a_rs = torch.randn(6, 8, generator=torch.Generator().manual_seed(seed))
+    b_rs = torch.randn(8, 3, generator=torch.Generator().manual_seed(seed + rank))
+    out = []
+    with ficco.config.scope(transport=transport):
+        ficco.all_gather_matmul(shards[rank], bs[0], schedule="hetero-fused-1d")   # agreed
+        cpu.gemm_into = slow
+        try:
+            with ficco.config.scope(timeout=0.5):
+                out.append(_outcome(lambda: max_row_rel_err(
+                    ficco.all_gather_matmul(shards[rank], bs[0], schedule="hetero-fused-1d"),
+                    refs[0])))
+        finally:
+            cpu.gemm_into = real
+        out.append(_outcome(lambda: max_row_rel_err(
+            ficco.all_gather_matmul(shards[rank], bs[0], schedule="hetero-fused-1d"), refs[0])))
+    ficco.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("transport", ["dma", "ccl"])
+def test_a_local_gemm_longer_than_ficco_timeout_is_no_failure(transport):
+    """Before: `CommTimeoutError: queue compute did not drain within FICCO_TIMEOUT` and a
+    poisoned group, though FICCO_TIMEOUT bounds cross-rank waits only."""
+    results = harness.run_alone(2, _slow_gemms, random.randrange(1 << 30), transport,
+                                timeout_s=120)
+    for slow, after in results:
+        assert slow[0] == "ok" and slow[1] <= 1e-4, results
+        assert after[0] == "ok" and after[1] <= 1e-4, results

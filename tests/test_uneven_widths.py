@@ -230,9 +230,9 @@ def _train_64_features(rank, world, seed, steps=4):
     sharded = torch.optim.SGD([*col.parameters(), *row.parameters()], lr=0.05)
     plain = torch.optim.SGD([*up.parameters(), *down.parameters()], lr=0.05)
     losses = []
-    for step in range(steps):
-        x = torch.randn(6, 16, generator=torch.Generator().manual_seed(seed + step))
-        target = torch.randn(6, 16, generator=torch.Generator().manual_seed(seed - step))
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(seed))
+    target = torch.randn(6, 16, generator=torch.Generator().manual_seed(seed + 1))
+    for _ in range(steps):             # one batch, so the loss falls step by step
         mine = _cols(x, 0, world, rank)
         part = (row(torch.relu(col(mine))) - _cols(target, 0, world, rank)).square().sum() \
             / target.numel()
