@@ -43,7 +43,7 @@ from .group import key as group_key
 PER_RANK = "per_rank"
 _AGREED_LIMIT = 1024                     # distinct (group, signature) entries kept (LRU)
 _agreed: "OrderedDict[tuple, Agreed]" = OrderedDict()
-_ranks: dict = {}                        # group id -> ((host, pid) of every rank)
+_ranks: dict = {}                        # group id -> (Process of every rank)
 _sequence: dict = {}                     # group id -> number of exchanges in this epoch
 _epoch = [0]                             # ficco.shutdown() calls: a reset every rank makes
 _lock = threading.Lock()
@@ -111,15 +111,33 @@ def answer(group, rank: int, world: int, signature: dict, via: str) -> None:
     _settle(group, digest(signature), signature, everyone, what.removesuffix(" agreement"))
 
 
+@dataclass(frozen=True)
+class Process:
+    """Where a rank runs: its host, its pid namespace (ranks on one host in different
+    containers see other pids) and its pid."""
+
+    host: str
+    pid_namespace: str
+    pid: int
+
+    @classmethod
+    def this(cls) -> "Process":
+        try:
+            namespace = os.readlink("/proc/self/ns/pid")
+        except OSError:                   # no /proc (not Linux): the host alone decides
+            namespace = ""
+        return cls(socket.gethostname(), namespace, os.getpid())
+
+
 def _payload(signature: dict, via: str | None = None) -> dict:
     return {"signature": shared(signature), "per_rank": signature.get(PER_RANK),
-            "host": socket.gethostname(), "pid": os.getpid(), "via": via}
+            "host": socket.gethostname(), "process": Process.this(), "via": via}
 
 
 def _settle(group, word: int, signature: dict, everyone: list, op: str) -> Agreed:
     gid = group_key(group)
     with _lock:
-        _ranks[gid] = tuple((info["host"], info["pid"]) for info in everyone)
+        _ranks[gid] = tuple(info["process"] for info in everyone)
     mine = shared(signature)
     sigs = [info["signature"] for info in everyone]
     differ = sorted({f for sig in sigs for f in set(sig) | set(mine) if sig.get(f) != mine.get(f)})
@@ -170,7 +188,7 @@ def summary(signature: dict) -> str:
 
 
 def ranks_of(group) -> tuple | None:
-    """(host, pid) of every rank of ``group``, as its last agreement exchange found them."""
+    """The :class:`Process` of every rank of ``group``, as its last agreement found them."""
     with _lock:
         return _ranks.get(group_key(group))
 
@@ -185,17 +203,26 @@ def exchange(group, rank: int, world: int, payload, *, what: str) -> list:
     with _lock:
         seq = _sequence[gid] = _sequence.get(gid, 0) + 1
     prefix = f"ficco/{_epoch[0]}/{seq}/"
-    store.set(f"{prefix}{rank}", pickle.dumps((what, payload)))
     keys = [f"{prefix}{r}" for r in range(world)]
     timeout_s = config.timeout_s()
     try:
+        store.set(keys[rank], pickle.dumps((what, payload)))
         _wait_keys(store, keys, timeout_s)
     except Exception as exc:  # noqa: BLE001 - torch raises DistStoreError or RuntimeError
-        missing = [r for r, k in enumerate(keys) if not _has(store, k)]
+        if not _has(store, keys[rank]):
+            # Not even this rank's own key: the store itself does not answer (missing None).
+            raise _missing(None, CommTimeoutError(
+                f"rank {rank}: {what} (exchange {seq} on group {gid}) could not reach the "
+                f"group's store ({type(exc).__name__}: {str(exc).splitlines()[0][:120]}): the "
+                f"process that hosts it (rank 0 with a tcp:// or env:// rendezvous) is gone "
+                f"or unreachable")) from exc
+        missing = [r for r, k in enumerate(keys) if r != rank and not _has(store, k)]
+        late = f"rank(s) {missing}; they are" if missing else \
+            "the other ranks, who arrived only as it expired:"
         raise _missing(missing, CommTimeoutError(
             f"rank {rank}: {what} (exchange {seq} on group {gid}) waited {timeout_s:.1f}s for "
-            f"rank(s) {missing}; they are dead, stuck, or skipped this call. Raise "
-            f"FICCO_TIMEOUT if they are only slow")) from exc
+            f"{late} dead, stuck, or skipped this call. Raise FICCO_TIMEOUT if they are only "
+            f"slow")) from exc
     tagged = [pickle.loads(store.get(k)) for k in keys]
     if seq > 2:
         # Every rank finished reading exchange seq-2 before it could write exchange seq-1.
@@ -240,6 +267,7 @@ def forget(group=None) -> None:
     with _lock:
         if group is None:
             _agreed.clear()
+            _ranks.clear()
             _sequence.clear()
             _epoch[0] += 1
             return
@@ -252,7 +280,7 @@ def forget_id(gid: str) -> None:
             del _agreed[key]
 
 
-def _missing(ranks: list[int], exc: CommTimeoutError) -> CommTimeoutError:
+def _missing(ranks: list[int] | None, exc: CommTimeoutError) -> CommTimeoutError:
     exc.missing = ranks
     return exc
 

@@ -18,6 +18,7 @@ thread from turning into a wrong result.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import weakref
@@ -81,20 +82,24 @@ def failed(call: Call, exc: BaseException, transport: str | None,
     with _lock:
         _poisoned[group_key(call.group)] = (summary, transport == "ccl")
     if isinstance(exc, CommTimeoutError) and transport == "ccl" and "rank(s)" not in str(exc):
-        # A collective that timed out knows no peer: ask who still answers.
-        peers = _unanswering(call)
+        # A collective that timed out knows no peer: find out which are gone.
+        peers, who = _gone(call)
         named = CommTimeoutError(
             f"rank {call.rank}: {_doing(call, 'ccl', schedule, exc, step)} passed "
             f"FICCO_TIMEOUT ({summary}); "
-            + (f"rank(s) {peers} did not answer a liveness check" if peers else
-               "every peer answers a liveness check (one is slow or made another call)"))
+            + (who if peers else f"{who} (one is slow or made another call)"))
         named.missing = peers
         return named
+    if getattr(exc, "ficco_local", False):
+        # This rank's own work failed (a GEMM, a copy, a reduction): say where.
+        return FiccoError(
+            f"rank {call.rank}: {_doing(call, transport, schedule, exc, step)} failed on this "
+            f"rank ({summary}); peers waiting for it raise at their deadline. The group is out "
+            f"of step: see the error-handling section of the README")
     if isinstance(exc, (CommTimeoutError, MismatchError, KeyboardInterrupt, SystemExit)) or \
             not _from_transport(exc):
         return exc
-    peers = _unanswering(call)
-    who = f"rank(s) {peers} no longer answer" if peers else "every peer still answers"
+    _, who = _gone(call)
     return TransportError(
         f"rank {call.rank}: {_doing(call, transport, schedule, exc, step)} failed "
         f"({summary}); {who}. The group is out of step: see the error-handling section of "
@@ -200,8 +205,57 @@ def _from_transport(exc: BaseException) -> bool:
         word in text for word in ("connection", "gloo", "nccl", "peer", "socket", "closed"))
 
 
-def _unanswering(call: Call) -> list[int]:
-    """Ranks that do not answer a short liveness exchange through the store."""
+def _gone(call: Call) -> tuple[list[int], str]:
+    """The peers that did not come after a failure, and a sentence that tells the dead from
+    the live: a peer on this host (in this pid namespace) is gone when its process is; the
+    others are asked to answer a short liveness exchange through the store, and one that does
+    not is named as alive but silent (busy in its own wait, or slow) when its process runs,
+    as silent when it runs elsewhere. Never this rank; never an empty list."""
+    ranks = agreement.ranks_of(call.group)
+    here = agreement.Process.this()
+    known = ranks is not None and len(ranks) == call.world
+    local = [r for r, p in enumerate(ranks) if r != call.rank and
+             (p.host, p.pid_namespace) == (here.host, here.pid_namespace)] if known else []
+    quiet = _unanswering(call)
+    # After the exchange: a peer whose process was still exiting when this rank failed had
+    # up to 3 s to be gone.
+    dead = [r for r in local if not _alive(ranks[r].pid)]
+    store_gone = quiet is None
+    quiet = [r for r in quiet or () if r not in dead]
+    live = [r for r in quiet if r in local]
+    elsewhere = [r for r in quiet if r not in local]
+    said = ([f"rank(s) {dead} are gone (their processes exited)"] if dead else []) + \
+        ([f"rank(s) {live} are alive but did not answer a liveness check (busy in another "
+          f"wait, or slow)"] if live else []) + \
+        ([f"rank(s) {elsewhere} did not answer a liveness check" + (
+            " (on other hosts: gone, busy or slow)" if known else "")] if elsewhere else []) + \
+        (["the group's store does not answer (the process hosting it, rank 0 with a tcp:// "
+          "or env:// rendezvous, is gone)"] if store_gone else [])
+    if said:
+        return sorted(dead + quiet), "; ".join(said)
+    return [], "every peer answers a liveness check"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` (of this pid namespace) runs; a zombie does not."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:                       # no /proc: signal 0 tells whether it exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def _unanswering(call: Call) -> list[int] | None:
+    """Ranks that do not answer a short liveness exchange through the store (never this
+    rank), or None when the store itself does not answer."""
     try:
         with config.scope(timeout=min(config.timeout_s(), 3.0)):
             agreement.exchange(call.group, call.rank, call.world, True,

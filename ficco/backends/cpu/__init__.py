@@ -5,6 +5,11 @@ A queue is a worker thread with a FIFO; an event is a flag; a copy queue is a th
 If any queue fails during a call, every other queue of this rank is woken and skips the rest,
 and ``finish`` raises the first error.
 
+FICCO_TIMEOUT bounds waits on other ranks, never this rank's own work: ``finish`` gives up on a
+queue only while it runs a collective (a host task not marked local) past the deadline, or when
+no queue has moved for that long with none of them computing (every queue waiting on another).
+A GEMM, copy or reduction takes as long as it takes; a barrier's wait has its own deadline.
+
 Signals are plain stores and polls of int32 slots in /dev/shm (:mod:`ficco.symm_mem.cpu`),
 run in queue order by the worker threads, so the CPU runs the barrier protocol of
 :mod:`ficco.symm_mem.barrier` exactly as GPUs run it on their streams.
@@ -18,6 +23,7 @@ import time
 import torch
 
 from ...errors import CommTimeoutError, FiccoError, name_step
+from ...host_tasks import LOCAL
 from ...symm_mem.barrier import run_on_host, wait_on_host
 from ...symm_mem.cpu import CpuSymmProvider
 from ..base import Backend
@@ -58,12 +64,25 @@ class _Tasks:
         return self._fifo.get()
 
 
+# What a queue's task is, for finish()'s deadline (``task.ficco_kind``; unmarked: BOUNDED).
+#   LOCAL: this rank's own work (GEMM, copy, reduction): never timed out
+WAITS = "waits"       # a wait that ends by another queue's progress or its own deadline
+BOUNDED = "bounded"   # a collective: it may wait on a peer, so at most FICCO_TIMEOUT
+
+
+def _kind(fn, kind: str):
+    fn.ficco_kind = kind
+    return fn
+
+
 class _Worker:
     def __init__(self, name: str, backend: "CpuBackend"):
         self.name = name
         self.backend = backend
         self.tasks = _Tasks()
         self.step = None        # the plan step of the launched task now running, if named
+        self.kind = None        # what the running task is (LOCAL, WAITS, BOUNDED; None: idle)
+        self.since = self.moved = time.monotonic()   # task started / last task finished
         self.thread = threading.Thread(target=self._loop, name=f"ficco-{name}", daemon=True)
         self.thread.start()
 
@@ -91,11 +110,14 @@ class _Worker:
             if self.backend.abort.is_set():
                 continue
             self.step = getattr(task, "ficco_step", None)
+            self.since = time.monotonic()
+            self.kind = getattr(task, "ficco_kind", BOUNDED)
             try:
                 task()
             except BaseException as exc:  # noqa: BLE001 - handed to the caller by finish()
-                self.backend._fail(self.name, exc, self.step)
-            self.step = None
+                self.backend._fail(self.name, exc, self.step, task)
+            self.step = self.kind = None
+            self.moved = time.monotonic()
 
 
 def gemm_into(a, b, out, accumulate):
@@ -119,7 +141,7 @@ class CpuBackend(Backend):
 
     def __init__(self, device=None):
         self.abort = threading.Event()
-        self._errors: list[tuple[str, BaseException, str | None]] = []
+        self._errors: list[tuple] = []      # (queue name, exception, step, task)
         self._lock = threading.Lock()
         self._workers: dict[str, _Worker] = {}
         self._provider = CpuSymmProvider(self)
@@ -144,31 +166,28 @@ class CpuBackend(Backend):
         return CpuEvent()
 
     def record(self, event, queue):
-        queue.tasks.put(event.set)
+        queue.tasks.put(_kind(lambda: event.set(), LOCAL))
 
     def wait(self, event, queue):
         def wait_for_event():
-            from ... import config
-
-            deadline = time.monotonic() + config.timeout_s()
+            # No deadline of its own: the event comes from another queue of this rank, which
+            # computes (as long as it takes) or is bounded itself (finish()); a failure
+            # anywhere aborts this wait.
             while not event.flag.wait(0.05):
                 if self.abort.is_set():
                     raise _Aborted()
-                if time.monotonic() > deadline:
-                    raise CommTimeoutError(
-                        f"queue {queue.name} waited past FICCO_TIMEOUT for an event of this rank")
-        queue.tasks.put(wait_for_event)
+        queue.tasks.put(_kind(wait_for_event, WAITS))
 
     def copy(self, dst, src, queue):
-        queue.tasks.put(lambda: dst.copy_(src))
+        queue.tasks.put(_work(lambda: dst.copy_(src), (dst, src)))
 
     def copy_2d(self, dst, src, queue):
-        queue.tasks.put(lambda: dst.copy_(src))
+        queue.tasks.put(_work(lambda: dst.copy_(src), (dst, src)))
 
     def gemm(self, a, b, out, accumulate, queue):
         def run():
             gemm_into(a, b, out, accumulate)
-        queue.tasks.put(run)
+        queue.tasks.put(_work(run, (a, b, out)))
 
     def launch(self, queue, fn):
         queue.tasks.put(fn)
@@ -181,7 +200,7 @@ class CpuBackend(Backend):
     def signal_wait(self, queue, op, deadline):
         def wait():
             wait_on_host(op, deadline, _read, self.abort.is_set, _Aborted)
-        queue.tasks.put(wait)
+        queue.tasks.put(_kind(wait, WAITS))      # the barrier's own deadline bounds it
 
     def signal_now(self, ops, deadline):
         run_on_host(ops, deadline, _read, _write)
@@ -189,32 +208,45 @@ class CpuBackend(Backend):
     def finish(self, queues):
         from ... import config
 
-        markers = []
-        for q in queues:
-            marker = CpuEvent()
-            q.tasks.put(marker)
-            markers.append((q, marker))
         timeout_s = config.timeout_s()
-        # The grace: a queue's own bounded waits (a dma barrier's poll) started their
-        # FICCO_TIMEOUT when enqueued, a moment before this one; they name the late peer,
-        # so they get a moment to report first. Never more than _GRACE_S past the deadline.
-        deadline = time.monotonic() + timeout_s + _GRACE_S
-        for q, marker in markers:
-            while not marker.flag.wait(0.05):
-                if time.monotonic() > deadline:
-                    self.abort.set()
-                    raise self._undrained([q for q, m in markers if not m.flag.is_set()],
-                                          timeout_s)
+        stuck = self._drain([(q, _marker(q)) for q in queues], timeout_s)
+        if stuck:
+            self.abort.set()
+            raise self._undrained(stuck, timeout_s)
         errors, self._errors = self._errors, []
         self.abort.clear()
-        real = [(n, e, s) for n, e, s in errors if not isinstance(e, _Aborted)]
+        real = [(n, e, s, t) for n, e, s, t in errors if not isinstance(e, _Aborted)]
         if real:
-            name, exc, step = real[0]
+            name, exc, step, task = real[0]
             if isinstance(exc, FiccoError):
                 raise name_step(exc, step) if step else exc
             where = f" in {step}" if step else ""
-            raise name_step(FiccoError(f"queue {name} failed{where}: {type(exc).__name__}: "
-                                       f"{exc}"), step) from exc
+            failure = FiccoError(f"queue {name} failed{where}: {type(exc).__name__}: {exc}")
+            # This rank's own work (a GEMM, copy or reduction) or a collective: the executor
+            # names a GEMM's or copy's plan step from the tensors the task held, the runtime
+            # adds rank, op and schedule.
+            failure.ficco_local = getattr(task, "ficco_kind", None) == LOCAL
+            failure.ficco_work = getattr(task, "ficco_work", None)
+            raise name_step(failure, step) from exc
+
+    @staticmethod
+    def _drain(markers, timeout_s: float) -> list:
+        """Wait until every queue reached its marker; returns the queues held past the
+        deadline instead (see the module docstring). The grace: a queue's own bounded waits
+        (a dma barrier's poll) started their FICCO_TIMEOUT a moment before this one; they
+        name the late peer, so they get a moment to report first."""
+        limit = timeout_s + _GRACE_S
+        for _, marker in markers:
+            while not marker.flag.wait(0.05):
+                busy = [w for w, m in markers if not m.flag.is_set()]
+                now = time.monotonic()
+                late = [w for w in busy if w.kind == BOUNDED and now - w.since > limit]
+                if late:
+                    return late
+                computing = any(w.kind == LOCAL for w in busy)
+                if not computing and now - max(w.moved for w, _ in markers) > limit:
+                    return busy           # every queue waits on another: nothing will move
+        return []
 
     @staticmethod
     def _undrained(stuck, timeout_s) -> CommTimeoutError:
@@ -227,9 +259,9 @@ class CpuBackend(Backend):
             f"queue {q.name} did not drain within FICCO_TIMEOUT ({timeout_s:.1f}s){where}")
         return name_step(exc, q.step) if q.step else exc
 
-    def _fail(self, name, exc, step=None):
+    def _fail(self, name, exc, step=None, task=None):
         with self._lock:
-            self._errors.append((name, exc, step))
+            self._errors.append((name, exc, step, task))
         self.abort.set()
 
     def elapsed_s(self, start, end):
@@ -240,17 +272,11 @@ class CpuBackend(Backend):
         bounded by FICCO_TIMEOUT; then the queues take new work normally again."""
         from ... import config
 
-        markers = []
-        for worker in list(self._workers.values()):
-            marker = CpuEvent()
-            worker.tasks.put(marker)
-            markers.append((worker, marker))
-        deadline = time.monotonic() + config.timeout_s()
-        for worker, marker in markers:
-            while not marker.flag.wait(0.05):
-                if time.monotonic() > deadline:
-                    raise CommTimeoutError(f"queue {worker.name} is still busy after "
-                                           f"FICCO_TIMEOUT; its memory stays mapped")
+        stuck = self._drain([(w, _marker(w)) for w in list(self._workers.values())],
+                            config.timeout_s())
+        if stuck:
+            raise CommTimeoutError(f"queue {stuck[0].name} is still busy after FICCO_TIMEOUT; "
+                                   f"its memory stays mapped")
         with self._lock:
             self._errors = []
         self.abort.clear()
@@ -271,6 +297,19 @@ class CpuBackend(Backend):
         for worker in self._workers.values():
             worker.thread.join(timeout=5)
         self._workers.clear()
+
+
+def _marker(worker) -> CpuEvent:
+    marker = CpuEvent()
+    worker.tasks.put(marker)
+    return marker
+
+
+def _work(fn, tensors: tuple):
+    """A GEMM or copy task: this rank's own work, holding its tensors (which name its plan
+    step if it fails)."""
+    fn.ficco_kind, fn.ficco_work = LOCAL, tensors
+    return fn
 
 
 def _read(slot) -> int:
