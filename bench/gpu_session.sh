@@ -34,15 +34,16 @@ case "${1:-}" in
     kernels)
         run kernel-tests 200 "$PY" -m pytest -q -m gpu tests/test_kernels.py tests/test_gated.py \
             -p no:cacheprovider
-        run kernel-bench 380 "$PY" -m ficco.kernels.bench gpu --out "$OUT/kernels" ;;
+        run kernel-bench 380 "$PY" -m ficco.bench kernels gpu --out "$OUT/kernels" ;;
     enqueue)
         # before/after in one run needs git history (--compare loads the old executor from it);
         # a device copy of the tree without .git gets the after columns only
         compare=()
         git cat-file -e 3ab1b5e 2>/dev/null && compare=(--compare 3ab1b5e)
-        run enqueue 420 "$PY" bench/enqueue_overhead.py --gpu "${compare[@]}" \
+        run enqueue 420 "$PY" -m ficco.bench overhead --gpu "${compare[@]}" \
             --out "$OUT/enqueue-overhead-gpu.txt"
-        run enqueue-profile 150 "$PY" bench/gpu_enqueue_profile.py hetero-unfused-1d 20 ;;
+        run enqueue-profile 150 "$PY" -m ficco.bench overhead --gpu --profile hetero-unfused-1d \
+            --calls 20 ;;
     *)
         echo "usage: bash bench/gpu_session.sh {suite|kernels|enqueue}" >&2
         exit 2 ;;

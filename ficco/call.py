@@ -11,7 +11,7 @@ dtypes, the backend and the settings every rank must share (groups: :mod:`ficco.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ import torch
 from . import config
 from .backends import get_backend
 from .errors import InvalidArgumentError
+from .group import key as group_key
 from .problem import Problem, dtype_name
 
 #: The dtypes every op accepts (float64 is for references and tests).
@@ -40,14 +41,16 @@ class Call:
     plain_only: bool = False
     #: FORWARD, or the backward pass this call belongs to (part of what ranks agree on)
     role: str = FORWARD
+    # Read many times per call: set once here rather than looked up through properties.
+    world: int = field(init=False)
+    rank: int = field(init=False)
+    group_key: str = field(init=False)      # ficco.group.key(group): caches and messages
+    target: str = field(init=False)         # backend.target(): cache keys, the signature
 
-    @property
-    def world(self) -> int:
-        return self.problem.world
-
-    @property
-    def rank(self) -> int:
-        return self.problem.rank
+    def __post_init__(self):
+        self.world, self.rank = self.problem.world, self.problem.rank
+        self.group_key = group_key(self.group)
+        self.target = self.backend.target()
 
 
 def normalize_dim(value, ndim: int, name: str) -> int:

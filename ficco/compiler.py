@@ -251,10 +251,10 @@ class CompiledPlan:
         if symm is None:
             ws_key, ws_views = None, None
         else:
-            ws_key = tuple((t.data_ptr(), t.shape, t.stride(), t.storage_offset(), t.dtype,
-                            t.device)
-                           for t in ([buffers.gathered] if buffers.gathered is not None else [])
-                           + list(buffers.partials))
+            ws_key = tuple([(t.data_ptr(), t.shape, t.stride(), t.storage_offset(), t.dtype,
+                             t.device)
+                            for t in ([buffers.gathered] if buffers.gathered is not None else [])
+                            + list(buffers.partials)])
             if old is not None and old.ws_key != ws_key:
                 old = None
             ws_views = old.ws_views if old is not None else \

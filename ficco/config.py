@@ -30,7 +30,9 @@ class Knob:
     choices: tuple | None = None
 
     def read(self) -> Any:
-        override = _overrides().get(self.env, _UNSET)
+        # One Python call per read (ficco reads several settings per call): no helpers here.
+        stack = getattr(_local, "stack", None)
+        override = stack[-1].get(self.env, _UNSET) if stack else _UNSET
         if override is not _UNSET:
             return override
         raw = os.environ.get(self.env)
@@ -175,22 +177,28 @@ def snapshot() -> tuple:
     """The raw FICCO_* environment and this thread's overrides, as a hashable key: equal
     snapshots read to equal settings (callers memoise validated settings by it)."""
     overrides = _overrides()
-    return (tuple(os.environ.get(env) for env in KNOBS),
-            tuple(sorted((k, repr(v)) for k, v in overrides.items())) if overrides else ())
+    environ = os.environ
+    return (tuple([environ.get(env) for env in KNOBS]),
+            tuple(sorted([(k, repr(v)) for k, v in overrides.items()])) if overrides else ())
 
 
-# Typed accessors: the names the rest of ficco uses.
-def backend() -> str | None: return get("FICCO_BACKEND")
-def schedule() -> str | None: return get("FICCO_SCHEDULE")
-def selector() -> str: return get("FICCO_SELECTOR")
-def transport() -> str: return get("FICCO_TRANSPORT")
-def disabled() -> bool: return get("FICCO_DISABLE")
-def profile() -> str | None: return get("FICCO_PROFILE")
-def topology() -> str | None: return get("FICCO_TOPOLOGY")
-def cache_dir() -> str | None: return get("FICCO_CACHE_DIR")
-def tune_candidates() -> tuple[str, ...] | None: return get("FICCO_TUNE_CANDIDATES")
-def timeout_s() -> float: return get("FICCO_TIMEOUT")
-def log_level() -> str: return get("FICCO_LOG")
-def copy_engines() -> int | None: return get("FICCO_COPY_ENGINES")
-def paper_thresholds() -> tuple[float, float]: return get("FICCO_PAPER_LOW"), get("FICCO_PAPER_HIGH")
-def backward_gather() -> str: return get("FICCO_BACKWARD_GATHER")
+# Typed accessors: the names the rest of ficco uses. Each is its knob's bound ``read``, one
+# Python call, since the call path reads a few per call.
+backend: Callable[[], str | None] = KNOBS["FICCO_BACKEND"].read
+schedule: Callable[[], str | None] = KNOBS["FICCO_SCHEDULE"].read
+selector: Callable[[], str] = KNOBS["FICCO_SELECTOR"].read
+transport: Callable[[], str] = KNOBS["FICCO_TRANSPORT"].read
+disabled: Callable[[], bool] = KNOBS["FICCO_DISABLE"].read
+profile: Callable[[], str | None] = KNOBS["FICCO_PROFILE"].read
+topology: Callable[[], str | None] = KNOBS["FICCO_TOPOLOGY"].read
+cache_dir: Callable[[], str | None] = KNOBS["FICCO_CACHE_DIR"].read
+tune_candidates: Callable[[], tuple[str, ...] | None] = KNOBS["FICCO_TUNE_CANDIDATES"].read
+timeout_s: Callable[[], float] = KNOBS["FICCO_TIMEOUT"].read
+log_level: Callable[[], str] = KNOBS["FICCO_LOG"].read
+copy_engines: Callable[[], int | None] = KNOBS["FICCO_COPY_ENGINES"].read
+poison: Callable[[], bool] = KNOBS["FICCO_POISON"].read
+backward_gather: Callable[[], str] = KNOBS["FICCO_BACKWARD_GATHER"].read
+
+
+def paper_thresholds() -> tuple[float, float]:
+    return get("FICCO_PAPER_LOW"), get("FICCO_PAPER_HIGH")

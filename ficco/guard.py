@@ -30,7 +30,6 @@ from . import agreement, config
 from .call import Call
 from .errors import (CommTimeoutError, FiccoError, InvalidArgumentError, MismatchError,
                      PoisonedGroupError, TransportError)
-from .group import key as group_key
 
 _lock = threading.Lock()
 _locks: dict = {}          # group id -> the lock serialising its calls
@@ -40,10 +39,11 @@ _watched: set = set()      # group ids whose destruction we watch
 
 @contextlib.contextmanager
 def serialised(call: Call):
-    gid = group_key(call.group)
+    gid = call.group_key
     with _lock:
         lock = _locks.setdefault(gid, threading.Lock())
-    _watch(call)
+    if call.group is not None and gid not in _watched:
+        _watch(call)
     timeout_s = config.timeout_s()
     if not lock.acquire(timeout=timeout_s):
         raise CommTimeoutError(
@@ -57,7 +57,7 @@ def serialised(call: Call):
 
 
 def refuse_if_poisoned(call: Call) -> None:
-    entry = _poisoned.get(group_key(call.group))
+    entry = _poisoned.get(call.group_key)
     if entry is None:
         return
     reason, sticky = entry
@@ -65,7 +65,7 @@ def refuse_if_poisoned(call: Call) -> None:
            "one: a collective of the failed call may still be pending in it" if sticky else
            "call ficco.shutdown() on every rank, then call again")
     raise PoisonedGroupError(
-        f"rank {call.rank}: an earlier call on group {group_key(call.group)} failed part-way "
+        f"rank {call.rank}: an earlier call on group {call.group_key} failed part-way "
         f"({reason}); ranks may be out of step, so ficco refuses to run on this group: {fix}")
 
 
@@ -80,7 +80,7 @@ def failed(call: Call, exc: BaseException, transport: str | None,
         return exc      # raised alike on every rank, or before communicating: still in step
     summary = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
     with _lock:
-        _poisoned[group_key(call.group)] = (summary, transport == "ccl")
+        _poisoned[call.group_key] = (summary, transport == "ccl")
     if isinstance(exc, CommTimeoutError) and transport == "ccl" and "rank(s)" not in str(exc):
         # A collective that timed out knows no peer: find out which are gone.
         peers, who = _gone(call)
@@ -121,7 +121,7 @@ def check_word_ccl(call: Call, word: int, signature: dict | None = None) -> None
         calls = "; ".join(f"rank {r}: " + ("this call" if w == word else agreement.describe(
             call.group, w)) for r, w in enumerate(seen))
         raise agreement.consistent(MismatchError(
-            f"rank {call.rank}: the ranks of group {group_key(call.group)} are making different "
+            f"rank {call.rank}: the ranks of group {call.group_key} are making different "
             f"{call.op.name} calls ({calls}); each was agreed at an earlier call, nothing was "
             f"computed. Every rank must make the same calls in the same order: "
             f"{agreement.describe(call.group, word)} here"))
@@ -271,7 +271,7 @@ def _watch(call: Call) -> None:
     """When the group is destroyed and dropped, its state goes with it: workspace (after its
     queues drained), agreements, poison, and the backend's queue threads once no watched
     group is left."""
-    gid = group_key(call.group)
+    gid = call.group_key
     if call.group is None or gid in _watched:
         return
     with _lock:

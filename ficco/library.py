@@ -31,7 +31,7 @@ from torch import Tensor
 from . import autograd, config, runtime
 from .call import FORWARD
 from .errors import InvalidArgumentError
-from .group import by_name, name_of, rank_world_of
+from .group import by_name, name_of, rank_world, rank_world_of
 from .ops.all_gather_matmul import SPEC as ALL_GATHER_MATMUL
 from .ops.all_gather_matmul import check_arguments as check_all_gather_matmul
 from .ops.matmul_reduce_scatter import SPEC as MATMUL_REDUCE_SCATTER
@@ -61,8 +61,8 @@ def _moved_shape(a: Tensor, dim: int) -> list[int]:
 def _held_to(t: Tensor, shape, stride, inputs: Sequence[Tensor]) -> Tensor:
     """``t`` in exactly ``(shape, stride)`` and sharing no memory with ``inputs`` (custom ops
     must return fresh tensors); copies only when it is not already so."""
-    fresh = all(t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
-                for x in inputs)
+    ptr = t.untyped_storage().data_ptr()
+    fresh = all([ptr != x.untyped_storage().data_ptr() for x in inputs])
     same_layout = list(t.shape) == list(shape) and (
         t.numel() == 0 or list(t.stride()) == list(stride))
     if fresh and same_layout:
@@ -94,11 +94,11 @@ def all_gather_matmul_op(a: Tensor, bs: list[Tensor], group: str, gather_dim: in
                          ) -> tuple[Tensor, list[Tensor]]:
     """``(all_gather(a, gather_dim) or an empty tensor, [gathered @ b for b in bs])``.
     ``role``: "forward", or the backward pass the call belongs to (agreed across ranks)."""
-    out = _run_all_gather_matmul(a, list(bs), by_name(group), gather_dim, schedule,
-                                 return_gathered, role)
+    pg = by_name(group)
+    out = _run_all_gather_matmul(a, list(bs), pg, gather_dim, schedule, return_gathered, role)
     gathered, outs = out if return_gathered else (None, out)
     gather_dim %= a.dim()
-    _, world = rank_world_of(group)
+    _, world = rank_world(pg)
     moved = _moved_shape(a, gather_dim)
     rows = world * moved[0]
     inputs = [a, *bs]
@@ -164,17 +164,19 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
     """``ficco.all_gather_matmul`` through the ``ficco::all_gather_matmul`` op (see that
     function for the arguments). ``a_shard`` may be a DTensor sharded along ``gather_dim`` on
     a 1-D mesh: its local shard is used and the mesh is the group."""
-    a_shard, group = _local_shard(a_shard, group, gather_dim, "a_shard")
+    if type(a_shard) not in _PLAIN:   # (plain tensors skip the DTensor checks: the hot path)
+        a_shard, group = _local_shard(a_shard, group, gather_dim, "a_shard")
     b_is_list = isinstance(b, (list, tuple))
     bs = list(b) if b_is_list else [b]
-    _refuse_dtensors(bs, "b")
+    if any([type(x) not in _PLAIN for x in bs]):
+        _refuse_dtensors(bs, "b")
     dim = _plain_int(gather_dim)
     if dim is None or not _plain_name(schedule) or _eager_suffices(a_shard, bs):
         # No autograd, autocast, tracing or tensor subclass involved: the dispatcher would
         # add ~100 us of Python per call and change nothing.
         return _run_all_gather_matmul(a_shard, b, group, gather_dim, schedule, return_gathered)
     name = name_of(group)
-    keep = return_gathered or (torch.is_grad_enabled() and any(x.requires_grad for x in bs)
+    keep = return_gathered or (torch.is_grad_enabled() and any([x.requires_grad for x in bs])
                                and _backward_gather() == "save")
     gathered, outs = torch.ops.ficco.all_gather_matmul(a_shard, bs, name, dim, schedule, keep)
     out = outs if b_is_list else outs[0]
@@ -185,8 +187,9 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
     """``ficco.matmul_reduce_scatter`` through the ``ficco::matmul_reduce_scatter`` op."""
     b_is_list = isinstance(b, (list, tuple))
     bs = list(b) if b_is_list else [b]
-    _refuse_dtensors([a], "a")
-    _refuse_dtensors(bs, "b")
+    if type(a) not in _PLAIN or any([type(x) not in _PLAIN for x in bs]):
+        _refuse_dtensors([a], "a")
+        _refuse_dtensors(bs, "b")
     dim = _plain_int(scatter_dim)
     if (dim is None or not isinstance(reduce_op, str) or not _plain_name(schedule)
             or _eager_suffices(a, bs)):
@@ -214,11 +217,11 @@ def _plain_name(value) -> bool:
 def _eager_suffices(a, bs) -> bool:
     if torch.compiler.is_compiling():
         return False
-    if type(a) not in _PLAIN or any(type(x) not in _PLAIN for x in bs):
+    if type(a) not in _PLAIN or any([type(x) not in _PLAIN for x in bs]):
         # subclasses (FakeTensor, FunctionalTensor, ...) need the op; non-tensors get the
         # eager path's argument errors
         return not isinstance(a, Tensor) or not all(isinstance(x, Tensor) for x in bs)
-    if torch.is_grad_enabled() and (a.requires_grad or any(x.requires_grad for x in bs)):
+    if torch.is_grad_enabled() and (a.requires_grad or any([x.requires_grad for x in bs])):
         return False
     return not (torch.is_autocast_enabled(a.device.type)
                 or torch._C._len_torch_dispatch_stack()

@@ -16,6 +16,7 @@ Schedules, selectors and the simulator see only this :class:`Problem`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -48,8 +49,22 @@ def even_split(total: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
+class DtypeFields:
+    """``itemsize`` and ``torch_dtype`` of a problem whose ``dtype`` is a torch dtype name."""
+
+    dtype: str
+
+    @cached_property      # read per op by the simulator: once per problem
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self.dtype]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
 @dataclass(frozen=True)
-class Problem:
+class Problem(DtypeFields):
     """One rank's view of one call: ``all_gather(A, dim=0) @ b_j`` for every ``j``
     (``op="all_gather_matmul"``), or ``reduce_scatter(a @ b_j)`` (``op="matmul_reduce_scatter"``).
 
@@ -94,27 +109,20 @@ class Problem:
             raise InvalidArgumentError(
                 f"dtype {self.dtype!r} is not supported; use one of {sorted(_ITEMSIZE)}")
 
-    @property
+    # The properties a call reads repeatedly are cached on the (frozen) instance.
+    @cached_property
     def reduces(self) -> bool:
         """True for ``matmul_reduce_scatter``."""
         return self.op == MATMUL_REDUCE_SCATTER
 
-    @property
+    @cached_property
     def big_m(self) -> int:
         """Rows M of the local GEMM: the gathered matrix (W * m) or all of ``a`` (m)."""
         return self.m if self.reduces else self.world * self.m
 
-    @property
+    @cached_property
     def n_total(self) -> int:
         return sum(self.ns)
-
-    @property
-    def itemsize(self) -> int:
-        return _ITEMSIZE[self.dtype]
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
 
     def block(self, rank: int) -> tuple[int, int]:
         """(first row, rows) of ``rank``'s rows of the M-row matrix: its shard (all-gather) or
@@ -128,7 +136,7 @@ class Problem:
         """First row of ``rank``'s shard in the gathered matrix."""
         return self.block(rank)[0]
 
-    @property
+    @cached_property
     def block_rows(self) -> int:
         """Rows of this rank's block (reduce-scatter output rows; the shard for all-gather)."""
         return self.block(self.rank)[1]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import statistics
 import threading
 import time
@@ -30,6 +31,13 @@ from .symm_mem.barrier import call_flag
 _PLAN_LIMIT = 256                      # plans kept (LRU); each is a few KB
 _plans: "OrderedDict[tuple, object]" = OrderedDict()
 _plans_lock = threading.Lock()
+_DECISION_LIMIT = 256                  # decisions kept (LRU)
+_decisions: "OrderedDict[tuple, object]" = OrderedDict()
+_decisions_lock = threading.Lock()
+#: The settings a Decision depends on (the transport setting enters through the candidate
+#: transports; timeout, log level and poisoning change how a call runs, not what it picks).
+_DECIDING = operator.itemgetter("selector", "schedule", "schedule_by", "profile", "topology",
+                                "copy_engines", "paper", "tune_candidates")
 _last = threading.local()
 
 
@@ -39,7 +47,7 @@ def settings(call: Call, schedule: str | None = None, transport: str | None = No
     """Every setting of this call, validated before any communication: env values, the forced
     schedule (against the op's schedules), the transport, the device profile. Remembered per
     (environment, overrides, arguments): a repeated call costs one snapshot of FICCO_* values."""
-    key = (config.snapshot(), call.op.name, call.backend.target(), call.world > 1, schedule,
+    key = (config.snapshot(), call.op.name, call.target, call.world > 1, schedule,
            transport, selector)
     cached = _settings_seen.get(key)
     if cached is not None:
@@ -68,12 +76,12 @@ def _settings(call: Call, schedule, transport, selector) -> dict:
             raise ConfigError(f"FICCO_SCHEDULE={s['schedule']!r} is not valid: {exc}") from None
         # Optional schedules (gated-*: Triton) say here, before any communication, why not.
         why = getattr(chosen, "unavailable_reason", None)
-        why = why and why(call.backend.target(), "ccl" if s["transport"] == "ccl" else "dma")
+        why = why and why(call.target, "ccl" if s["transport"] == "ccl" else "dma")
         if why and call.world > 1:
             raise InvalidArgumentError(f"schedule {s['schedule']!r} cannot run here: {why}")
     from .heuristics import profiles
 
-    profiles.resolve(call.backend.target())   # a bad FICCO_PROFILE fails here, alone
+    profiles.resolve(call.target)   # a bad FICCO_PROFILE fails here, alone
     return s
 
 
@@ -115,7 +123,9 @@ def run(call: Call, schedule: str | None = None, transport: str | None = None,
     communication began leaves the group refusing further calls until ``ficco.shutdown()``
     on every rank (or, after a failed ``ccl`` collective, until the group is destroyed).
     """
-    with profiling.call_range(call.op.name, getattr(call, "problem", None)):
+    if not profiling.recording():
+        return _run(call, schedule, transport, selector)
+    with profiling.call_range(call.op.name, call.problem):
         return _run(call, schedule, transport, selector)
 
 
@@ -187,17 +197,32 @@ def candidate_transports(setting: str, same_host: bool) -> tuple[str, ...]:
 
 
 def decide(call: Call, s: dict, agreed: agreement.Agreed):
-    """The Decision for ``call``, identical on every rank: selectors see no rank, and the
-    problem they see has each per-rank width at its widest (``agreed``)."""
+    """The Decision for ``call`` (identical on every rank: selectors see no rank, and the
+    problem they see has each per-rank width at its widest, as ``agreed``), made once per
+    (op, that problem's key, backend target, candidate transports, deciding settings) and then
+    looked up (LRU). Every part of the key is agreed across ranks, and a decision is a pure
+    function of it (``tune``'s measurements are collective and cached by ``tune`` itself), so
+    a rank that forgot a decision the others kept reaches the same one again."""
+    transports = candidate_transports(s["transport"], agreed.same_host)
+    problem = call.op.agreed_problem(call, agreed.per_rank)
+    key = (call.op.name, problem.key(), call.target, transports, _DECIDING(s))
+    with _decisions_lock:
+        decision = _decisions.get(key)
+        if decision is not None:
+            _decisions.move_to_end(key)
+            return decision
     from .heuristics import choose
 
-    transports = candidate_transports(s["transport"], agreed.same_host)
-    return choose(call.op.agreed_problem(call, agreed.per_rank), transport=transports,
-                  target=call.backend.target(),
-                  selector=s["selector"], forced=s["schedule"], forced_by=s["schedule_by"],
-                  measure=lambda name: measure(call, name, transports[0]),
-                  agree=lambda flag: agreement.all_ranks(call.group, call.rank, call.world,
-                                                         flag, what="tune cache check"))
+    decision = choose(problem, transport=transports, target=call.target,
+                      selector=s["selector"], forced=s["schedule"], forced_by=s["schedule_by"],
+                      measure=lambda name: measure(call, name, transports[0]),
+                      agree=lambda flag: agreement.all_ranks(call.group, call.rank, call.world,
+                                                             flag, what="tune cache check"))
+    with _decisions_lock:
+        _decisions[key] = decision
+        while len(_decisions) > _DECISION_LIMIT:
+            _decisions.popitem(last=False)
+    return decision
 
 
 def plan_for(call_or_op, name: str, transport: str, problem):
@@ -242,7 +267,7 @@ def execute(call: Call, name: str, transport: str, trace: bool = False,
         symm.call_flag = call_flag(word)
         symm.first_wait = answer
     buffers = call.op.buffers(call, transport, symm, wide=plan.wide_outputs())
-    if config.get("FICCO_POISON"):
+    if config.poison():
         call.op.poison(buffers)
     try:
         rows = execute_plan(plan, call.backend, buffers, timeout_s=config.timeout_s(),
@@ -321,7 +346,7 @@ def explain(call: Call, schedule: str | None = None):
     def not_measured(name):
         raise _NotTunedYet(name)
 
-    kwargs = dict(transport=transports, target=call.backend.target(), forced=s["schedule"],
+    kwargs = dict(transport=transports, target=call.target, forced=s["schedule"],
                   forced_by=s["schedule_by"],
                   # A tune cache *file* entry counts only once every rank confirmed it (the
                   # real call does that); trusting it here would also put it in this rank's
@@ -359,6 +384,8 @@ def shutdown() -> None:
     workspace.release_all()
     with _plans_lock:
         _plans.clear()
+    with _decisions_lock:
+        _decisions.clear()
     agreement.forget()
     guard.reset()
     close_all()

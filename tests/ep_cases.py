@@ -11,7 +11,7 @@ import torch
 import ficco
 from ficco import config, runtime
 
-from .reference import ROW_TOL, max_row_rel_err
+from .reference import ROW_TOL, invalid_argument_report, max_row_rel_err
 
 EP_OPS = ("all_to_all_grouped_mm", "grouped_mm_all_to_all")
 DTYPES = (torch.float32, torch.bfloat16)
@@ -75,7 +75,8 @@ def round_trip_reference(counts, xs, w, w2, rank):
     return ref
 
 
-def ep_matrix(rank, world, experts, schedule, transport, seed, cases=2, shapes=((16, 8, 8),)):
+def ep_matrix(rank, world, experts, schedule, transport, seed, cases=2, shapes=((16, 8, 8),),
+              dtypes=DTYPES):
     """Dispatch, then combine of its result, for fresh routings x dtypes x shapes; returns
     failures as strings (empty: every output right against float64, the forced schedule ran)."""
     failures = []
@@ -86,7 +87,7 @@ def ep_matrix(rank, world, experts, schedule, transport, seed, cases=2, shapes=(
                 counts, xs, w, w2 = make_case(seed + case, world, experts, k, n, n2)
                 y_ref, recv_ref = dispatch_reference(counts, xs, w, rank, experts)
                 z_ref = round_trip_reference(counts, xs, w, w2, rank)
-                for dtype in DTYPES:
+                for dtype in dtypes:
                     label = f"case {case} K={k} n={n} {dtype} counts={counts}"
                     x = xs[rank].to(dtype)
                     y, recv = ficco.all_to_all_grouped_mm(
@@ -205,8 +206,6 @@ def gradcheck_round_trip(rank, world, experts, plan, seed):
 def bad_inputs(rank, world):
     """Every bad argument raises InvalidArgumentError on the rank that made it, before any
     communication (a rank that waited on its peers would hang here)."""
-    from ficco.errors import InvalidArgumentError
-
     x, w = torch.randn(5, 4), torch.randn(2, 4, 3)
     good = [5] + [0] * (2 * world - 1)
     y = torch.randn(5, 3)
@@ -229,16 +228,7 @@ def bad_inputs(rank, world):
         "unknown send_counts": lambda: ficco.grouped_mm_all_to_all(
             y, recv, w2_(world), send_counts=[9] * (2 * world)),
     }
-    out = {}
-    for label, fn in cases.items():
-        try:
-            fn()
-            out[label] = "no error"
-        except InvalidArgumentError as exc:
-            out[label] = "ok" if str(exc) else "empty message"
-        except Exception as exc:  # noqa: BLE001 - report the wrong kind
-            out[label] = f"{type(exc).__name__}: {exc}"
-    return out
+    return invalid_argument_report(cases)
 
 
 def w2_(world):
@@ -260,11 +250,14 @@ def bad_counts_on_one_rank(rank, world):
     try:
         with config.scope(timeout=3):
             ficco.all_to_all_grouped_mm(x, counts, w)
+        out = "no error"
     except InvalidArgumentError:
-        return "invalid", time.monotonic() - start
+        out = "invalid"
     except CommTimeoutError as exc:
-        return ("timeout" if "rank(s) [0]" in str(exc) else str(exc)), time.monotonic() - start
-    return "no error", time.monotonic() - start
+        out = "timeout" if "rank(s) [0]" in str(exc) else str(exc)
+    took = time.monotonic() - start
+    ficco.shutdown()        # every rank: the group is usable again (a new epoch of exchanges)
+    return out, took
 
 
 def disagree(rank, world):
@@ -301,3 +294,42 @@ def explain_and_choose(rank, world, seed):
     err = max_row_rel_err(z, round_trip_reference(counts, xs, w, w2, rank))
     return (d1.schedule in ficco.schedules.names(op="all_to_all_grouped_mm"), str(d1),
             sorted(d2.scores), first, runtime.last_run(), err)
+
+
+def moe_parity(rank, world, seed, experts_per_rank):
+    """examples/moe_block.py's check: the expert-parallel block trained with ficco against its
+    unsharded twin (losses of every step and the final weights)."""
+    import pathlib
+    import sys
+
+    examples = str(pathlib.Path(__file__).resolve().parents[1] / "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    from moe_block import parity
+
+    loss_diff, weight_diff, _ = parity(rank, world, seed, experts_per_rank=experts_per_rank)
+    return loss_diff, weight_diff
+
+
+def disagree_on_cached_calls(rank, world, seed):
+    """Both widths agreed and cached, then rank 0 calls with the other one: the counts exchange
+    (which carries the call's digest) raises MismatchError on every rank; the next call in step
+    is right against float64."""
+    from ficco.errors import MismatchError
+
+    counts, xs, w, _ = make_case(seed, world, 1)
+    local = slice(rank, rank + 1)
+    y_ref, _ = dispatch_reference(counts, xs, w, rank, 1)
+
+    def call(width):
+        return ficco.all_to_all_grouped_mm(xs[rank].float(), counts[rank],
+                                           w[local, :, :width].float())[0]
+
+    out = [max_row_rel_err(call(8), y_ref), tuple(call(4).shape)]
+    try:
+        call(4 if rank == 0 else 8)
+        out.append("returned")
+    except MismatchError as exc:
+        out.append("mismatch" if "different" in str(exc) else str(exc))
+    out.append(max_row_rel_err(call(8), y_ref))
+    return out

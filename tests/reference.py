@@ -11,6 +11,23 @@ import torch
 ROW_TOL = {torch.float32: 1e-4, torch.float64: 1e-10, torch.bfloat16: 3e-2, torch.float16: 6e-3}
 
 
+def invalid_argument_report(cases: dict) -> dict:
+    """Run every ``label -> fn`` and say how it failed: ``"ok"`` for an InvalidArgumentError
+    with a message, else what happened instead (bad-input tests expect every value "ok")."""
+    from ficco.errors import InvalidArgumentError
+
+    out = {}
+    for label, fn in cases.items():
+        try:
+            fn()
+            out[label] = "no error"
+        except InvalidArgumentError as exc:
+            out[label] = "ok" if str(exc) else "empty message"
+        except Exception as exc:  # noqa: BLE001 - report the wrong kind
+            out[label] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
 def max_row_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Worst row's error over its rounding scale (``ref.scale`` when :func:`make_inputs` set
     it, else ``ref`` itself), NaN counted as infinite."""

@@ -228,6 +228,26 @@ def test_characterize_quick_writes_a_loadable_profile(tmp_path):
         assert _is_png(out / name), name
 
 
+def test_characterize_enqueue_on_cpu_measures_host_op_s_into_the_profile(tmp_path):
+    """Issue 24 item 4: host_op_s comes from a measuring command, not a constant. On CPU
+    ``--parts enqueue`` times eager W = 8 calls of every schedule of both ops on the real CPU
+    backend and the profile it writes holds their fitted cost per op."""
+    from ficco.heuristics import profiles
+
+    out = tmp_path / "enq"
+    _run(["characterize", "--parts", "enqueue", "--no-plots", "--out", str(out)], tmp_path)
+    recs = [json.loads(line) for line in (out / "characterize.jsonl").read_text().splitlines()]
+    assert {r["kind"] for r in recs} == {"enqueue"}
+    assert {r["op"] for r in recs} == {"all_gather_matmul", "matmul_reduce_scatter"}
+    assert all(r["ops"] > 0 and r["enqueue_s"] > 0 and r["world"] == 8 for r in recs)
+    profile = profiles.load(str(out / "profile.json"))
+    assert profile.host_op_s == pytest.approx(profile_fit.fit_host_op(recs))
+    assert "--parts enqueue" in profile.sources["host_op_s"]
+    # the fit is the slope through the origin: it gives back a plan's measured time on average
+    predicted = sum(r["ops"] * profile.host_op_s for r in recs)
+    assert predicted == pytest.approx(sum(r["enqueue_s"] for r in recs), rel=0.5)
+
+
 def test_timeline_two_ranks_draws_measured_and_predicted(tmp_path):
     out = tmp_path / "tl"
     _run(["timeline", "--shape", "64,32,48", "--schedule", "uniform-fused-1d", "--warmup", "1",

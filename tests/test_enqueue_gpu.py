@@ -284,16 +284,11 @@ def test_finish_joins_each_side_stream_once_with_a_reused_event(gpu, monkeypatch
     assert waited[2:] == first and rec.events == made
 
 
-# -- the loopback handle of bench/enqueue_overhead.py --gpu ---------------------------------------
+# -- the loopback handle of python -m ficco.bench overhead --gpu ----------------------------------
 def _bench_module():
-    import importlib.util
-    import pathlib
+    from ficco.bench import overhead
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "enqueue_overhead.py"
-    spec = importlib.util.spec_from_file_location("enqueue_overhead_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return overhead
 
 
 class PadHandle(Handle):

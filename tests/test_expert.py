@@ -126,6 +126,28 @@ def test_grouped_mm_and_gemm_loop_paths_agree_with_reference():
         assert failures == [[]] * 3, f"seed {seed}: {failures}"
 
 
+def test_float16_and_float64_too():
+    seed = random.randrange(1 << 30)
+    failures = harness.pool(2).run(ep_matrix, 2, "hetero-fused-1d", "dma", seed, 1,
+                                   ((16, 8, 8),), (torch.float16, torch.float64))
+    assert failures == [[]] * 2, f"seed {seed}: {failures}"
+
+
+def test_custom_ops_pass_torchs_opcheck():
+    """Schema, autograd registration, fake kernels (data-dependent rows) and AOT dispatch with
+    dynamic shapes, on one rank."""
+    import ficco.expert.library  # noqa: F401 - registers the ops
+
+    x, ws = torch.randn(5, 16), [torch.randn(16, 8), torch.randn(16, 8)]
+    report = torch.library.opcheck(torch.ops.ficco.all_to_all_grouped_mm.default,
+                                   (x, torch.tensor([2, 3]), ws, "", None, None, True))
+    assert set(report.values()) == {"SUCCESS"}, report
+    report = torch.library.opcheck(torch.ops.ficco.grouped_mm_all_to_all.default,
+                                   (torch.randn(5, 8), torch.tensor([[2], [3]]),
+                                    [torch.randn(8, 4)] * 2, "", None, None, None))
+    assert set(report.values()) == {"SUCCESS"}, report
+
+
 @pytest.mark.parametrize("schedule", NAMES)
 def test_world_size_one_is_a_grouped_matmul(schedule):
     seed = random.randrange(1 << 30)
@@ -168,7 +190,7 @@ def test_bad_inputs_raise_before_any_communication():
 
 
 def test_bad_counts_on_one_rank_raise_there_and_time_out_elsewhere():
-    results = harness.run_alone(3, bad_counts_on_one_rank)
+    results = harness.pool(3).run(bad_counts_on_one_rank)
     assert results[0][0] == "invalid" and results[0][1] < 2, results
     assert all(r[0] == "timeout" and r[1] < 15 for r in results[1:]), results
 
@@ -177,9 +199,35 @@ def test_ranks_that_disagree_all_get_mismatch():
     assert harness.pool(2).run(disagree) == [["mismatch", True]] * 2
 
 
+def test_disagreement_on_cached_calls_raises_on_every_rank():
+    from .ep_cases import disagree_on_cached_calls
+
+    for first, shape, mismatched, again in harness.pool(3).run(disagree_on_cached_calls,
+                                                               random.randrange(1 << 30)):
+        assert first <= ROW_TOL[torch.float32] and again <= ROW_TOL[torch.float32]
+        assert mismatched == "mismatch" and shape[1] == 4, (mismatched, shape)
+
+
 def test_explain_and_the_selector_cover_both_ops():
     results = harness.pool(3).run(explain_and_choose, random.randrange(1 << 30))
     assert len({r[3] for r in results}) == 1 and len({r[4] for r in results}) == 1, results
     for known, text, scored, first, second, err in results:
         assert known and "schedule" in text and set(scored) >= set(NAMES)
         assert err <= ROW_TOL[torch.float32]
+
+
+def test_table_i_expert_gemms_are_priced_as_all_to_all():
+    """validate's g13-g16 rows: the dispatch moves 1/W of the all-gather reading's bytes (uniform
+    routing: every rank keeps its own 1/W), its GEMM has the same FLOPs, and every dispatch
+    schedule is priced."""
+    from ficco.bench.validate_expert import EXPERT_GEMMS, expert_rows, table_i_expert_problem
+    from ficco.heuristics.scenarios import table_i_problem
+
+    for name in EXPERT_GEMMS:
+        ep, ag = table_i_expert_problem(name), table_i_problem(name)
+        assert ep.flops == ag.flops and ep.gather_bytes * ep.world == ag.gather_bytes
+    rows = expert_rows()
+    assert [r["gemm"] for r in rows] == list(EXPERT_GEMMS)
+    for r in rows:
+        assert set(r["speedup"]) == {f"{s}/{t}" for s in NAMES for t in ("dma", "ccl")}
+        assert 0 < r["comm_share"] < 1 and all(v > 0 for v in r["speedup"].values())

@@ -32,6 +32,18 @@ def test_builtin_profile_loads_and_cites_every_number(name):
     assert prof.flops("bfloat16") > 0 and prof.hbm_bytes_per_s > 0
 
 
+@pytest.mark.parametrize("name", REQUIRED_PROFILES)
+def test_every_profile_states_its_host_cost_per_op_measured_or_labelled_estimate(name):
+    """Issue 24 item 4: host_op_s is recorded with each profile, with where it was measured
+    or, until a GPU measures it, a source that says ESTIMATE."""
+    raw = json.loads((profiles.PROFILE_DIR / f"{name}.json").read_text())
+    assert raw["host_op_s"] > 0
+    source = raw["sources"]["host_op_s"]
+    assert source.startswith("measured: `python -m ficco.bench characterize --parts enqueue") \
+        or source.startswith("ESTIMATE"), source
+    assert ("characterize --parts enqueue" in source), source
+
+
 def test_mi300x_matches_the_paper_platform():
     prof = profiles.load("mi300x")
     assert (prof.topology, prof.gpus_per_node, prof.link_bytes_per_s) == ("mesh", 8, 64e9)

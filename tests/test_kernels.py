@@ -283,10 +283,10 @@ def test_kernel_benchmark_code_path_runs_in_the_interpreter(tmp_path):
     a script bug; its times mean nothing and are not looked at."""
     import json
 
-    from ficco.kernels.bench import main
+    from ficco.bench.kernels import run
 
     out = tmp_path / "rows.json"
-    assert main(["kernel", "--interpret", "--shape", "48,64,40", "--world", "4", "--dtype",
+    assert run(["kernel", "--interpret", "--shape", "48,64,40", "--world", "4", "--dtype",
                  "bfloat16", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [r["variant"] for r in rows] == ["1d", "2d"]
@@ -294,14 +294,14 @@ def test_kernel_benchmark_code_path_runs_in_the_interpreter(tmp_path):
 
 
 def test_one_device_timeline_command_runs_on_cpu(tmp_path):
-    """``python -m ficco.kernels.bench timeline`` (the GPU session's one-call check) runs end
+    """``python -m ficco.bench kernels timeline`` (the GPU session's one-call check) runs end
     to end here: W ranks spawned on the one device, a traced gated call, its result within
     float32 rounding of float64, a mark per tile, none before its flag's signal op."""
     import json
 
-    from ficco.kernels.bench import main
+    from ficco.bench.kernels import run
 
-    code = main(["timeline", "--world", "2", "--shape", "64,40,24", "--no-plots",
+    code = run(["timeline", "--world", "2", "--shape", "64,40,24", "--no-plots",
                  "--out", str(tmp_path), "--warmup", "0", "--seed", str(random.randrange(99))])
     assert code == 0
     record = json.loads((tmp_path / "timeline.json").read_text())

@@ -1,7 +1,10 @@
 """Backend selection: exactly one backend is active per process.
 
 ``FICCO_BACKEND`` forces one (cpu, cuda, rocm); otherwise the first usable of rocm (torch's
-ROCm build), cuda, cpu — a GPU build with a visible device wins over the CPU.
+ROCm build), cuda, cpu — a GPU build with a visible device wins over the CPU. The automatic
+choice is made once per process (asking the GPU runtimes costs far more than a call's own
+host work); a changed ``FICCO_BACKEND`` is honoured at the next call, since it is read each
+time like every setting.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ _CLASSES = {"cuda": ("ficco.backends.cuda", "CudaBackend"),
             "cpu": ("ficco.backends.cpu", "CpuBackend")}
 _active: dict[str, Backend] = {}
 _lock = threading.Lock()
+_detected: list[str] = []     # the automatic choice, made once per process
 
 
 def backend_class(name: str) -> type[Backend]:
@@ -58,13 +62,23 @@ def unavailable_note() -> str:
 
 
 def _auto_name() -> str:
-    reasons = gpu_reasons()
-    return next((name for name in ("rocm", "cuda") if name not in reasons), "cpu")
+    if not _detected:
+        reasons = gpu_reasons()
+        _detected.append(next((name for name in ("rocm", "cuda") if name not in reasons), "cpu"))
+    return _detected[0]
 
 
 def get_backend(name: str | None = None) -> Backend:
-    """The active backend instance (created on first use)."""
+    """The active backend instance (created on first use): ``name``, else ``FICCO_BACKEND``,
+    else the automatic choice.
+
+    >>> get_backend("cpu") is get_backend("cpu")
+    True
+    """
     name = name or config.backend() or _auto_name()
+    backend = _active.get(name)
+    if backend is not None:
+        return backend
     with _lock:
         if name not in _active:
             cls = backend_class(name)

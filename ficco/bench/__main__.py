@@ -25,6 +25,8 @@ VERBS = {
                 "(run under torchrun)",
     "validate": "hold the simulator against the paper's Table I picks and published results",
     "calls": "count the Python calls and serialisations of one warm call inside ficco",
+    "overhead": "host time to enqueue one W=8 call per op and schedule (null backend or a GPU)",
+    "kernels": "the gated GEMM alone: vs torch.matmul, one-device timelines, offline compile",
 }
 
 

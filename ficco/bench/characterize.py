@@ -15,8 +15,11 @@ Measured:
   size, as a fraction of the best 1D bandwidth seen, plus 2D efficiency by row width (Fig. 9).
 - CIL: an 8-way M piece of each GEMM alone vs. beside copies saturating the copy queues, and
   a copy alone vs. beside back-to-back GEMMs (Fig. 8).
-- GPU only (``--parts paths,enqueue``, :mod:`ficco.bench.gpu_probes`): which device activity
-  each copy path produces, and the host time to enqueue a W = 8 plan.
+- ``--parts enqueue``: the host time to enqueue a W = 8 plan per schedule, fitted into the
+  profile's ``host_op_s`` (CPU: :mod:`ficco.bench.enqueue`, the real CPU backend; GPU:
+  :mod:`ficco.bench.gpu_probes`, which also times the graph replay).
+- GPU only (``--parts paths``, :mod:`ficco.bench.gpu_probes`): which device activity each copy
+  path produces.
 The profile starts from the built-in one for this target and replaces what was measured;
 ``sources`` in the JSON says which numbers came from where.
 """
@@ -41,8 +44,8 @@ EXAMPLES = """\
   python -m ficco.bench characterize --refit bench/runs/characterize-cpu-<date>"""
 
 DIL_WAYS = (8, 64)
-PARTS = ("copy", "dil", "cil")
-GPU_PARTS = ("paths", "enqueue")
+PARTS = ("copy", "dil", "cil", "enqueue")
+GPU_PARTS = ("paths",)
 ROW_WIDTH_2D = 2048          # bytes per row of a 2D copy in the by-size curve (K/8 of bf16 K=8192)
 
 
@@ -99,9 +102,9 @@ def add_arguments(parser) -> None:
                              "full on a GPU")
     parser.add_argument("--quick", action="store_true", help="same as --size quick")
     parser.add_argument("--parts", default="copy,dil,cil",
-                        help="what to measure: copy, dil, cil; on a GPU also paths (copy "
-                             "paths and their device activities) and enqueue (host time per "
-                             "W=8 plan)")
+                        help="what to measure: copy, dil, cil, enqueue (host time per W=8 "
+                             "plan op: the profile's host_op_s); on a GPU also paths (copy "
+                             "paths and their device activities)")
     parser.add_argument("--scale", type=int, default=4,
                         help="full size: divide the paper GEMMs' M by this")
     parser.add_argument("--only", default=None, help="comma list of paper GEMMs, e.g. g1,g2")
@@ -351,12 +354,18 @@ def main(args) -> int:
             recs += measure_dil(timer, st, getattr(torch, dtype), device, work)
         if "cil" in parts:
             recs += measure_cil(timer, st, getattr(torch, dtype), device, work)
-        if gpu_parts:
+        if "paths" in gpu_parts:
             from . import gpu_probes
 
-            if "paths" in gpu_parts:
-                recs += gpu_probes.measure_copy_paths(backend, size == "quick")
-            if "enqueue" in gpu_parts:
+            recs += gpu_probes.measure_copy_paths(backend, size == "quick")
+        if "enqueue" in parts:
+            if device.type == "cpu":
+                from .enqueue import measure_cpu_enqueue
+
+                recs += measure_cpu_enqueue(size == "quick")
+            else:
+                from . import gpu_probes
+
                 recs += gpu_probes.measure_enqueue(backend, size == "quick")
     for r in recs:
         r["env"] = env
@@ -414,15 +423,19 @@ def summary(recs: list[dict], profile) -> str:
              f"copy_latency_s {profile.copy_latency_s:.2e}, "
              f"copy_2d_half_row_bytes {profile.copy_2d_half_row_bytes:.0f}, "
              f"cil dma_gemm {profile.cil['dma_gemm']} dma_copy {profile.cil['dma_copy']}"]
-    for split in ("row", "col"):
+    kinds = {r["kind"] for r in recs}
+    for split in ("row", "col") if "dil" in kinds else ():
         for ways in DIL_WAYS:
             vals = [r["dil"] for r in recs if r["kind"] == "dil" and r["split"] == split
                     and r["ways"] == ways]
             lines.append(f"DIL {split} {ways}-way: geomean {geomean(vals):.3f}x "
                          f"over {len(vals)} GEMMs")
-    for victim in ("gemm", "copy"):
+    for victim in ("gemm", "copy") if "cil" in kinds else ():
         vals = [r["cil"] for r in recs if r["kind"] == "cil" and r["victim"] == victim]
         lines.append(f"CIL {victim}: geomean {geomean(vals):.3f}x")
-    best = max((r["bytes_per_s"] for r in recs if r["kind"] == "copy"), default=0)
-    lines.append(f"best 1D copy bandwidth {best / 1e9:.1f} GB/s")
+    if "copy" in kinds:
+        best = max(r["bytes_per_s"] for r in recs if r["kind"] == "copy")
+        lines.append(f"best 1D copy bandwidth {best / 1e9:.1f} GB/s")
+    if any(r["kind"] == "enqueue" for r in recs):
+        lines.append(f"host_op_s {profile.host_op_s * 1e6:.2f} us per plan op (eager enqueue)")
     return "\n".join(lines)

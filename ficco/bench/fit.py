@@ -22,6 +22,7 @@ def fit_profile(base, recs: list[dict], dtype: str, name: str, measured_on: str)
     - ``dil.gemm_efficiency``: best whole-GEMM FLOP/s over the profile's peak (the peak is
       raised to the measurement when the measurement beats it).
     - ``cil``: see :func:`fit_cil`.
+    - ``host_op_s``: see :func:`fit_host_op` (records of ``--parts enqueue``).
     """
     note = f"measured by ficco bench characterize on {measured_on}"
     changes, sources = {}, dict(base.sources)
@@ -62,7 +63,26 @@ def fit_profile(base, recs: list[dict], dtype: str, name: str, measured_on: str)
         changes["cil"] = cil
         for key in cil_fit:
             sources[f"cil.{key}"] = note
+    enqueue = [r for r in recs if r["kind"] == "enqueue"]
+    if enqueue:
+        changes["host_op_s"] = fit_host_op(enqueue)
+        sources["host_op_s"] = (
+            f"{note}: `python -m ficco.bench characterize --parts enqueue`, least-squares "
+            f"slope through the origin of host enqueue seconds over plan ops, {len(enqueue)} "
+            f"eager W = {enqueue[0].get('world', '?')} calls (schedules of "
+            f"{', '.join(sorted({r.get('op', 'all_gather_matmul') for r in enqueue}))})")
     return dataclasses.replace(base, name=name, sources=sources, **changes)
+
+
+def fit_host_op(recs: list[dict]) -> float:
+    """``host_op_s`` from enqueue records (``ops``, ``enqueue_s``): the least-squares slope
+    through the origin, the form the simulator charges (op ``i`` enqueued at ``(i + 1) x
+    host_op_s``), so a plan's predicted host time matches the measured one on average.
+
+    >>> fit_host_op([dict(ops=10, enqueue_s=2e-5), dict(ops=100, enqueue_s=2e-4)])
+    2e-06
+    """
+    return sum(r["ops"] * r["enqueue_s"] for r in recs) / sum(r["ops"] ** 2 for r in recs)
 
 
 def _on_cpu(recs: list[dict]) -> bool:

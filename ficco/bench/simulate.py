@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .. import config, schedules
 from ..errors import InvalidArgumentError
-from ..heuristics import model, profiles, simulator
+from ..heuristics import bands, model, profiles, simulator
 from ..heuristics.paper import paper_choice
 from ..heuristics.scenarios import PAPER_TABLE_I, gemm_problem
 from ..problem import Problem
@@ -68,18 +68,46 @@ def add_arguments(parser) -> None:
     parser.add_argument("--graph", action="store_true",
                         help="price CUDA-graph replays: no host enqueue time per plan op "
                              "(the profile's host_op_s set to 0)")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the summary as markdown tables (what the docs quote): per "
+                             "scenario the paper rule's, the fastest and the selector's pick "
+                             "with their simulated speedups, the band and what it costs")
+    parser.add_argument("--host-op-us", default=None, metavar="LIST",
+                        help="also print the selector's pick at each of these host costs per "
+                             "plan op, in us (e.g. 0,1,2,3,5,8,14): where eager picks flip")
     parser.add_argument("--optional", action="store_true",
                         help="also simulate the optional schedules (gated-1d, gated-2d: need "
                              "Triton on the device) and let the model pick among them")
 
 
-def _profile(args):
+def _profile(args, host_op_s: float | None = None):
+    from dataclasses import replace
+
     profile = profiles.load(args.profile)
     if getattr(args, "graph", False):
-        from dataclasses import replace
-
         profile = replace(profile, host_op_s=0.0)
+    if host_op_s is not None:
+        profile = replace(profile, host_op_s=host_op_s)
     return profile
+
+
+def selector_pick(problem, profile, topology, transport, engines, names) -> dict:
+    """What the ``model`` selector picks with its error band (:mod:`ficco.heuristics.bands`),
+    weighing ``transport`` and ``ccl`` as ``FICCO_TRANSPORT=auto`` does, and what the band
+    costs: the predicted time of the pick over the fastest candidate's, minus one."""
+    op = problem.op
+    transports = (transport, "ccl") if transport == "dma" else (transport,)
+    width, cls = bands.band(problem, profile, topology)
+    choice = model.banded_choice(problem, profile, topology, transports, engines,
+                                 lambda via: names if via == transport
+                                 else schedules.names(op=op), width, cls)
+    picked_s = choice.scores[choice.schedule]
+    fastest_s = model.predict(choice.fastest, problem, profile, topology,
+                              choice.fastest_transport, engines)
+    return {"schedule": choice.schedule, "transport": choice.transport, "gain": choice.gain,
+            "band": width, "class": cls, "fastest": choice.fastest,
+            "fastest_transport": choice.fastest_transport, "time_s": picked_s,
+            "cost": picked_s / fastest_s - 1 if fastest_s > 0 else 0.0}
 
 
 def _ideal(serial_run, op: str) -> float:
@@ -160,29 +188,112 @@ def run(args) -> dict:
                              if op == "all_gather_matmul" else ("(model)", 0.0))
         serial_run = model.simulate_schedule("serial", problem, profile, topology,
                                              args.transport, engines)
+        selected = selector_pick(problem, profile, topology, args.transport, engines, names)
+        by_host = {}
+        for us in _host_costs(args):
+            priced = _profile(args, us * 1e-6)
+            pick = selector_pick(problem, priced, topology, args.transport, engines, names)
+            by_host[f"{us:g}"] = {k: pick[k] for k in ("schedule", "transport", "gain")}
         report["scenarios"].append({
             "name": name, "M": big_m, "N": n, "K": k, "local_n": problem.n_total,
             "times_s": times,
             "speedup": {s: serial_s / t if t > 0 else 1.0 for s, t in times.items()},
             "ideal_speedup": _ideal(serial_run, op),
-            "picks": {"paper": pick_paper, "model": pick_model}, "paper_score": score})
+            "picks": {"paper": pick_paper, "model": pick_model}, "paper_score": score,
+            "selector": selected, "selector_by_host_op_us": by_host})
     return report
 
 
+def _host_costs(args) -> list[float]:
+    text = getattr(args, "host_op_us", None)
+    if not text:
+        return []
+    try:
+        return [float(v) for v in text.split(",")]
+    except ValueError:
+        raise InvalidArgumentError(f"--host-op-us {text!r}: expected a comma list of "
+                                   f"microseconds, e.g. 0,1,2,5,14") from None
+
+
 def table(report: dict) -> str:
+    """The printed report: simulated speedups over serial, the ``paper`` rule's pick, the
+    fastest schedule (``model``, no band) and the selector's pick with its band and what the
+    band costs; then, with ``--host-op-us``, the selector's pick at each host cost per op."""
     names = report.get("schedules") or schedules.names()
     head = f"{'scenario':<10} {'serial ms':>10} {'ideal':>6} " \
-        + " ".join(f"{short_name(s):>7}" for s in names) + f"  {'paper':<18} {'model':<18}"
+        + " ".join(f"{short_name(s):>7}" for s in names) \
+        + f"  {'paper':<18} {'fastest':<18} {'selector (transport)':<26} {'gain':>5} " \
+          f"{'band':>5} {'cost':>5}"
     lines = [f"{report.get('op', 'all_gather_matmul')}: "
              f"profile {report['profile']} ({report['topology']}), W={report['world']}, "
-             f"{report['dtype']}, transport {report['transport']}; speedup over serial",
-             head, "-" * len(head)]
+             f"{report['dtype']}, transport {report['transport']}; simulated speedup over "
+             f"serial", head, "-" * len(head)]
     for sc in report["scenarios"]:
+        sel = sc["selector"]
         lines.append(
             f"{sc['name']:<10} {sc['times_s']['serial'] * 1e3:>10.3f} "
             f"{sc['ideal_speedup']:>5.2f}x "
             + " ".join(f"{sc['speedup'][s]:>6.2f}x" for s in names)
-            + f"  {sc['picks']['paper']:<18} {sc['picks']['model']:<18}")
+            + f"  {sc['picks']['paper']:<18} {sc['picks']['model']:<18} "
+              f"{sel['schedule'] + ' (' + sel['transport'] + ')':<26} {sel['gain']:>5.0%} "
+              f"{sel['band']:>5.0%} {sel['cost']:>5.0%}")
+    costs = [sc for sc in report["scenarios"] if sc.get("selector_by_host_op_us")]
+    if costs:
+        values = list(costs[0]["selector_by_host_op_us"])
+        lines += ["", "selector's pick (transport, simulated gain over the best serial) by host "
+                      "time per plan op, us:",
+                  f"{'scenario':<10} " + " ".join(f"{v + ' us':<30}" for v in values)]
+        for sc in costs:
+            cells = [f"{p['schedule']} ({p['transport']}) {p['gain']:+.0%}"
+                     for p in sc["selector_by_host_op_us"].values()]
+            lines.append(f"{sc['name']:<10} " + " ".join(f"{c:<30}" for c in cells))
+    return "\n".join(lines)
+
+
+def markdown(report: dict) -> str:
+    """The docs' tables: per scenario the simulated speedup over serial (dma) of the paper
+    rule's pick, of the fastest schedule and of the selector's pick (over dma or ccl, kept
+    only above the band), the band and what it costs; then the picks by host time per op."""
+    op = report.get("op", "all_gather_matmul")
+    names = report.get("schedules") or schedules.names(op=op)
+    lines = [f"simulated on {report['profile']} ({report['topology']}), W={report['world']}, "
+             f"{report['dtype']}; speedups over serial over {report['transport']}", "",
+             "| GEMM (M, N, K) | serial ms | " + " | ".join(names) + " |",
+             "|---|---:|" + "---:|" * len(names)]
+    for sc in report["scenarios"]:
+        best = max(names, key=lambda n: sc["speedup"][n])
+        lines.append(f"| {sc['name']} ({sc['M']}, {sc['N']}, {sc['K']}) | "
+                     f"{sc['times_s']['serial'] * 1e3:.3f} | "
+                     + " | ".join((f"**{sc['speedup'][n]:.2f}**" if n == best
+                                   else f"{sc['speedup'][n]:.2f}") for n in names) + " |")
+    lines += ["", "| GEMM (M, N, K) | serial ms | ideal | paper | fastest | selector | gain "
+                  "| band | cost |", "|---|---:|---:|---|---|---|---:|---:|---:|"]
+    for sc in report["scenarios"]:
+        sel, serial_s = sc["selector"], sc["times_s"]["serial"]
+
+        def cell(name, transport=report["transport"], time_s=None):
+            time_s = time_s if time_s is not None else sc["times_s"].get(name)
+            return f"{name} ({serial_s / time_s:.2f}x)" if time_s else name
+
+        paper = sc["picks"]["paper"]
+        paper_cell = cell(paper) if paper in sc["times_s"] else "-"
+        chosen = cell(sel["schedule"], time_s=sel["time_s"]) + \
+            ("" if sel["transport"] == report["transport"] else f" over {sel['transport']}")
+        lines.append(f"| {sc['name']} ({sc['M']}, {sc['N']}, {sc['K']}) | {serial_s * 1e3:.3f} "
+                     f"| {sc['ideal_speedup']:.2f}x | {paper_cell} | {cell(sc['picks']['model'])} "
+                     f"| {chosen} | {sel['gain']:.0%} | \u00b1{sel['band']:.0%} "
+                     f"| {sel['cost']:.0%} |")
+    costs = [sc for sc in report["scenarios"] if sc.get("selector_by_host_op_us")]
+    if costs:
+        values = list(costs[0]["selector_by_host_op_us"])
+        lines += ["", f"{op}: the selector's pick (simulated gain over the best serial) by host "
+                      f"time per plan op", "",
+                  "| GEMM | " + " | ".join(f"{v} us" for v in values) + " |",
+                  "|---|" + "---|" * len(values)]
+        for sc in costs:
+            cells = [f"{p['schedule']}{'' if p['transport'] == 'dma' else ' (ccl)'} "
+                     f"{p['gain']:+.0%}" for p in sc["selector_by_host_op_us"].values()]
+            lines.append(f"| {sc['name']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -215,7 +326,7 @@ def main(args) -> int:
     out_dir = run_dir("simulate", report["profile"], args.out, stamp=False)
     out_dir.mkdir(parents=True, exist_ok=True)
     text = table(report)
-    print(text)
+    print(markdown(report) if getattr(args, "markdown", False) else text)
     (out_dir / "table.txt").write_text(text + "\n")
     (out_dir / "simulate.json").write_text(json.dumps(report, indent=1) + "\n")
     pngs = [] if args.no_png else draw(report, args, out_dir)

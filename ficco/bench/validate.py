@@ -32,6 +32,7 @@ from ..heuristics import bands, gemm, profiles
 from .paper_runs import (GRAPHS, PAPER_FOUR, as_paper_implemented, fig7_orderings,  # noqa: F401
                          load_profile, paper_picks)
 from .predictors import PREDICTORS, fit_fig8_cil, row_class
+from . import validate_expert
 
 EXAMPLES = """examples:
   python -m ficco.bench validate                  # picks, published rows, fit data
@@ -70,6 +71,7 @@ def main(args) -> int:
               f"{json.dumps(fitted, sort_keys=True)}")
         return 0
     report_picks()
+    validate_expert.report()   # g13-g16 priced as all-to-all (expert parallelism)
     rows = evaluate(read_table(args.table))
     report_rows(rows, args.table)
     fit = gemm_fit_errors()

@@ -30,15 +30,12 @@ import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
-import torch
-
 from ..errors import InvalidArgumentError
-from ..problem import even_split
+from ..problem import _ITEMSIZE, DtypeFields, even_split
 
 DISPATCH = "all_to_all_grouped_mm"
 COMBINE = "grouped_mm_all_to_all"
 EXPERT_OPS = (DISPATCH, COMBINE)
-_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def chunk_of(rows: int, world: int, chunk: int | None) -> tuple[int, int]:
@@ -175,7 +172,7 @@ def representative(world: int, experts: int, mean_rows: int, ratio: float):
 
 
 @dataclass(frozen=True)
-class ExpertProblem:
+class ExpertProblem(DtypeFields):
     """One rank's view of an expert-parallel call, as schedules, selectors and the simulator
     see it. ``k``: columns of the rows moved and multiplied; ``n``: columns of each weight;
     ``experts``: L; ``counts``: a W x E matrix (excluded from ``==`` and ``hash``, see the
@@ -252,14 +249,6 @@ class ExpertProblem:
     def big_m(self) -> int:
         """Rows this rank multiplies: the rows it received (dispatch) or holds (combine)."""
         return self.layout.recv_rows(self.rank)
-
-    @property
-    def itemsize(self) -> int:
-        return _ITEMSIZE[self.dtype]
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
 
     @property
     def flops(self) -> int:

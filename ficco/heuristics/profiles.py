@@ -29,7 +29,8 @@ JSON schema (every key at top level; units in the names)::
       "copy_2d_on_dma": true,                  # false: the runtime runs 2-D peer copies as
                                                # kernels on compute units (ROCm)
       "barrier_latency_s": 1e-05,              # cross-rank barrier over symmetric memory
-      "host_op_s": 1.4e-05,                    # host time to enqueue one plan op (eager)
+      "host_op_s": 6e-06,                      # host time to enqueue one plan op (eager);
+                                               # `bench characterize --parts enqueue`
       "pcie_aggregate_bytes_per_s": 7.9e10,    # all GPUs' peer traffic through the host, total
       "dil": {"tiles": [[256, 256, 1.0], ...], # the GEMM library's tiles: (m, n, sustained
                                                # fraction); the fastest is used (heuristics/gemm.py)
@@ -45,8 +46,9 @@ JSON schema (every key at top level; units in the names)::
               "split_k_workspace_bytes": 79691776,  # ... float32 partials must fit here
               "memory_efficiency": 0.8,        # fraction of HBM bandwidth a copy kernel gets
               "launch_s": 5e-06},              # fixed cost of one kernel
-      "cil": {"dma_gemm": 0.2,                 # GEMM slowdown beside copy_engines copies (x s(MT))
-              "dma_copy": 0.25,                # copy slowdown beside a GEMM (x s(MT))
+      "cil": {"dma_gemm": 0.2,                 # GEMM slowdown rate beside copy_engines copies
+                                               # (x s(MT)), while both run
+              "dma_copy": 0.25,                # copy slowdown rate beside a GEMM (x s(MT))
               "gemm_copies_exp": 0.25,         # GEMM slowdown ~ (copies / copy_engines)^exp
               "copy_copies_exp": 0.7,          # copy slowdown ~ (copies / copy_engines)^exp
               "ccl_gemm": 0.35, "ccl_copy": 0.3,   # the same with collectives on compute units
@@ -100,11 +102,9 @@ DEFAULTS = {
     "copy_2d_half_row_bytes": 256.0,
     "copy_2d_on_dma": True,
     "barrier_latency_s": 10e-6,
-    # Eager enqueue cost per plan op, fitted on one H100 (bench/results/h100/enqueue.jsonl:
-    # enqueue ~ 0.25 ms + 14 us x ops over the eleven W=8 plans, 32 to 248 ops each). It is
-    # host (CPU + Python) time, so the same default serves every GPU profile. Measured before
-    # the executor compiled plans (its share fell ~10x on CPU since): an upper bound for now.
-    "host_op_s": 14e-6,
+    # Host time to enqueue one plan op (eager calls). Every built-in profile states its own,
+    # measured (`bench characterize --parts enqueue`) or a labelled estimate (see its sources).
+    "host_op_s": 6e-6,
     # The whole box's GPU-to-GPU bandwidth through PCIe and the host: an 8-GPU NCCL
     # all-gather without NVLink reached 7.32 GB/s bus bandwidth into each GPU
     # (github.com/NVIDIA/nccl/issues/644, 256 MiB); with ccl.efficiency 0.8 and the copy
@@ -123,9 +123,13 @@ _NESTED = ("dil", "cil", "ccl")
 log = logging.getLogger("ficco")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Profile:
-    """One device's numbers; see the module docstring for the JSON schema and units."""
+    """One device's numbers; see the module docstring for the JSON schema and units. Frozen
+    (``dataclasses.replace`` makes a changed copy) and hashed by its :meth:`fingerprint`,
+    computed once, so caches key on a profile at the cost of a dictionary lookup. Its nested
+    dicts are read-only by convention: a profile in use is never edited in place.
+    """
 
     name: str
     peak_flops: dict
@@ -157,7 +161,7 @@ class Profile:
             raise ConfigError(f"profile {self.name!r}: topology {self.topology!r} is not one of "
                               f"{TOPOLOGIES}")
         for key in _NESTED:   # a characterised profile may give only some of the keys
-            setattr(self, key, {**DEFAULTS[key], **getattr(self, key)})
+            object.__setattr__(self, key, {**DEFAULTS[key], **getattr(self, key)})
         curve = {str(int(float(k))): float(v) for k, v in self.copy_efficiency.items()}
         if not curve:
             raise ConfigError(f"profile {self.name!r}: copy_efficiency needs at least one "
@@ -168,7 +172,7 @@ class Profile:
             log.warning("ficco: profile %r has copy_efficiency fractions outside (0, 1]: %s; "
                         "clamping them", self.name, bad)
             curve = {k: min(max(v, 1e-3), 1.0) for k, v in curve.items()}
-        self.copy_efficiency = curve
+        object.__setattr__(self, "copy_efficiency", curve)
         for name in ("hbm_bytes_per_s", "link_bytes_per_s", "compute_units"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"profile {self.name!r}: {name} must be positive, "
@@ -241,8 +245,19 @@ class Profile:
         return cls(**data)
 
     def fingerprint(self) -> str:
-        """A stable string naming these exact numbers (for decision caches)."""
-        return json.dumps(asdict(self), sort_keys=True)
+        """A stable string naming these exact numbers (for decision caches), made once.
+
+        >>> load("h100").fingerprint() == replace(load("h100")).fingerprint()
+        True
+        """
+        text = self.__dict__.get("_fingerprint")
+        if text is None:
+            text = json.dumps(asdict(self), sort_keys=True)
+            object.__setattr__(self, "_fingerprint", text)
+        return text
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint())
 
 
 def builtin_names() -> list[str]:

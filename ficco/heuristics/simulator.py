@@ -19,23 +19,24 @@ Cost model (every number from :class:`~ficco.heuristics.profiles.Profile`):
   ``copy_engines`` copies progress at once. Where the runtime runs 2-D copies as kernels
   (profile ``copy_2d_on_dma: false``; ROCm's ``hipMemcpy2DAsync`` ignores the NoCU kind), a
   2-D peer copy is a CU copy: same link, but it contends with the GEMM like a collective.
-- Contention (CIL, paper Fig. 8): a GEMM next to ``c`` flowing copies slows by
-  ``1 + cil.dma_gemm x s(MT) x (c / copy_engines)^cil.gemm_copies_exp`` and each copy by
-  ``1 + cil.dma_copy x s(MT) x (c / copy_engines)^cil.copy_copies_exp``, where
-  ``s(MT) = MT^e / (MT^e + mt_half^e)`` rises with the GEMM's memory traffic (a GEMM whose
-  working set spills the last-level cache contends more). MT is the problem's, one shard's
-  rows ``(M / W) x n x K``, the GEMM the paper measured (Fig. 8): every piece of one GEMM
-  streams its operands at the same rate per FLOP, so every piece is priced as exposed. It depends on how many copies run,
-  not only on link utilisation: one shard-sized copy beside a GEMM (shard-level overlap)
-  already costs most of what seven do. Collectives (``ccl``) run on compute units: they take
-  ``ccl.compute_unit_fraction`` of the GEMM's CUs and use the larger ``ccl_*`` factors; a
-  gather or scatter kernel (launched over a full grid) takes ``cil.cu_mem_unit_fraction``.
+- Contention (CIL, paper Fig. 8; :mod:`ficco.heuristics.contention`): while a GEMM runs beside
+  ``c`` flowing copies it slows by ``1 + cil.dma_gemm x s(MT) x (c / copy_engines)^
+  cil.gemm_copies_exp`` and each copy by ``1 + cil.dma_copy x s(MT)^copy_mt_power x (c /
+  copy_engines)^cil.copy_copies_exp``: rates, applied only while both run, calibrated by
+  replaying the paper's Fig. 8 experiments as they ran (``validate --fit-cil``). ``s(MT)``
+  rises with the shard GEMM's memory traffic (a GEMM whose working set spills the last-level
+  cache contends more); every piece of one GEMM is priced as exposed as the shard's GEMM.
+  Collectives (``ccl``) run on compute units: they take ``ccl.compute_unit_fraction`` of the
+  GEMM's CUs and use the larger ``ccl_*`` factors; a gather or scatter kernel (launched over a
+  full grid) takes ``cil.cu_mem_unit_fraction``.
 - Local copies: memory-bound moves (read + write). On a copy queue (a copy engine) a GEMM
   beside it slows as beside the full set of copy engines; on any other queue it is a kernel
   on the compute units (the paper's gathers and scatters) and contends like a collective.
 - Host launch: op i of the plan (events included) is enqueued at ``(i + 1) x host_op_s``
   and cannot start earlier; eager calls of plans with hundreds of ops are launch bound when
-  the GEMM is small (set ``host_op_s`` to 0 in a profile for CUDA-graph replays).
+  the GEMM is small (set ``host_op_s`` to 0 in a profile for CUDA-graph replays). Each profile
+  states its ``host_op_s``, measured by ``bench characterize --parts enqueue`` or a labelled
+  estimate.
 
 Ops are priced by ``op.kind``: kind ``"x"`` is priced by ``_Simulation._price_x`` (a new op
 kind adds one such method).

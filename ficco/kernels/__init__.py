@@ -18,7 +18,7 @@ import importlib.util
 MIN_TRITON = (3, 2)
 
 #: Backend targets (prefixes) the gated GEMM has been *verified* on: the GPU suite passed and
-#: ``python -m ficco.kernels.bench gpu`` measured it (docs/kernels.md). Selectors offer the
+#: ``python -m ficco.bench kernels gpu`` measured it (docs/kernels.md). Selectors offer the
 #: gated schedules only there, so the default selector never picks a kernel no GPU ran yet; a
 #: forced ``schedule="gated-1d"`` (or FICCO_SCHEDULE, FICCO_TUNE_CANDIDATES) runs it anywhere
 #: :func:`unavailable_reason` allows. Empty until a lent GPU has run those commands.

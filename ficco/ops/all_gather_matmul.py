@@ -30,9 +30,9 @@ class AllGatherMatmulCall(Call):
     bs: list = None
     b_is_list: bool = False
     moved_shape: tuple = ()                 # a_shard.movedim(gather_dim, 0).shape
+    ns: tuple = ()                          # the caller's n_j (0 allowed: an empty result)
     gather_dim: int = 0
     return_gathered: bool = False
-    ns: tuple = ()                          # the caller's n_j (0 allowed: an empty result)
 
 
 def check_arguments(a_shard, b, gather_dim) -> tuple[int, list, bool]:
@@ -62,14 +62,14 @@ class AllGatherMatmul(OpSpec):
         rank, world = rank_world(group)
         moved = a_shard.movedim(gather_dim, 0)
         m = moved.numel() // k
-        ns = tuple(int(bj.shape[1]) for bj in bs)
+        ns = tuple([int(bj.shape[1]) for bj in bs])
         # torch accepts shards with no rows (an empty result); no plan has work then, and a
         # plan without a barrier cannot carry the dma call check: the plain path (after the
         # agreement and the call check) returns the empty result. A b with no columns (this
         # rank's share of fewer features than ranks) still takes part in the gather: its GEMM
         # runs on one zero column, cut off again by result().
         bs = [bj if bj.shape[1] else bj.new_zeros(k, 1) for bj in bs]
-        problem = Problem(m=m, k=k, ns=tuple(max(n, 1) for n in ns),
+        problem = Problem(m=m, k=k, ns=ns if min(ns) > 0 else tuple([max(n, 1) for n in ns]),
                           dtype=dtype_name(a_shard.dtype), world=world, rank=rank)
         return AllGatherMatmulCall(self, problem, group, backend, m == 0,
                                    a=moved.reshape(m, k), bs=bs,

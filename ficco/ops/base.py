@@ -55,7 +55,7 @@ class OpSpec(ABC):
         under ``PER_RANK`` those that may differ (a width that never travels). The runtime
         adds the settings; a difference raises MismatchError on every rank."""
         return {"op": self.name, "role": call.role, "problem": call.problem.key(),
-                "backend": call.backend.target()}
+                "backend": call.target}
 
     def agreed_problem(self, call: Call, per_rank: tuple):
         """The Problem every rank decides on (selector, simulator, tune cache): this call's,

@@ -73,13 +73,13 @@ class MatmulReduceScatter(OpSpec):
         moved = a.movedim(scatter_dim, 0)
         unit = math.prod(moved.shape[1:-1])
         m = moved.shape[0] * unit
-        ns = tuple(int(bj.shape[1]) for bj in bs)
+        ns = tuple([int(bj.shape[1]) for bj in bs])
         canon = moved.reshape(m, k)
         if k == 0:
             # This rank holds none of the weight's rows (fewer input features than ranks): its
             # partial products are zero, from one zero column, and it still scatters them.
             canon, bs = canon.new_zeros(m, 1), [bj.new_zeros(1, bj.shape[1]) for bj in bs]
-        problem = Problem(m=m, k=max(k, 1), ns=tuple(max(n, 1) for n in ns),
+        problem = Problem(m=m, k=max(k, 1), ns=ns if min(ns) > 0 else tuple([max(n, 1) for n in ns]),
                           dtype=dtype_name(a.dtype), world=world, rank=rank,
                           op=MATMUL_REDUCE_SCATTER, unit=max(unit, 1), reduce_op=reduce_op)
         # Nothing to overlap without rows or columns: agreed, then the plain path.

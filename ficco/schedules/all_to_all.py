@@ -35,17 +35,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import TRANSPORTS
 from ..errors import InvalidArgumentError
 from ..expert.plan_ops import Exchange, GroupedGemm, Publish, Pull
 from ..expert.problem import COMBINE, DISPATCH, EXPERT_OPS
 from ..plan import COMM, COMPUTE, Plan, PlanBuilder, copy_queue
+from .common import check_transport
 from .reduce_scatter.common import barrier, pad_barriers
 
 
 def _begin(schedule, problem, transport: str, copy_engines: int | None) -> PlanBuilder:
-    if transport not in TRANSPORTS:
-        raise InvalidArgumentError(f"transport must be one of {TRANSPORTS}; got {transport!r}")
+    check_transport(transport)
     if getattr(problem, "op", None) != schedule.op:
         raise InvalidArgumentError(
             f"a {schedule.op} schedule needs an ExpertProblem with op={schedule.op!r}; got "

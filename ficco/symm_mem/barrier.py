@@ -218,7 +218,8 @@ def plan_barrier(backend, handle, channel: int, queue, timeout_s: float, step: i
     if channel not in PLAN_CHANNELS:
         raise InvalidArgumentError(f"plan barriers use channels {PLAN_CHANNELS}; got {channel}")
     flag = getattr(handle, "call_flag", FLAG)
-    program, waits = _flag_program(handle, channel, flag)
+    program, waits = handle._programs.get((channel, flag)) or _flag_program(handle, channel,
+                                                                            flag)
     answer = getattr(handle, "first_wait", None)
     if answer is not None:
         handle.first_wait = None            # the call's first barrier only

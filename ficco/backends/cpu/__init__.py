@@ -24,7 +24,7 @@ import torch
 
 from ...errors import CommTimeoutError, FiccoError, name_step
 from ...host_tasks import LOCAL
-from ...symm_mem.barrier import run_on_host, wait_on_host
+from ...symm_mem.barrier import WRITE, run_on_host, wait_on_host
 from ...symm_mem.cpu import CpuSymmProvider
 from ..base import Backend
 
@@ -48,24 +48,14 @@ class CpuEvent:
         self.flag.set()
 
 
-class _Tasks:
-    """A worker's FIFO. Each task remembers whether its caller was in inference mode: a worker
-    thread starts with torch's default modes, not its caller's (H3, issue 12)."""
-
-    __slots__ = ("_fifo",)
-
-    def __init__(self):
-        self._fifo = queue_mod.SimpleQueue()
-
-    def put(self, task):
-        self._fifo.put((task, torch.is_inference_mode_enabled()))
-
-    def get(self):
-        return self._fifo.get()
-
+# Each task in a worker's FIFO carries whether its caller was in inference mode (a worker thread
+# starts with torch's default modes, not its caller's: H3, issue 12). The enqueueing methods
+# put ``(task, _inference_mode())`` themselves: the executor enqueues one task per plan step,
+# and a helper between would be one more Python call per step.
+_inference_mode = torch.is_inference_mode_enabled
 
 # What a queue's task is, for finish()'s deadline (``task.ficco_kind``; unmarked: BOUNDED).
-#   LOCAL: this rank's own work (GEMM, copy, reduction): never timed out
+#   LOCAL: this rank's own work (GEMM, copy, reduction, event record): never timed out
 WAITS = "waits"       # a wait that ends by another queue's progress or its own deadline
 BOUNDED = "bounded"   # a collective: it may wait on a peer, so at most FICCO_TIMEOUT
 
@@ -75,11 +65,18 @@ def _kind(fn, kind: str):
     return fn
 
 
+def _work(fn, tensors: tuple):
+    """A GEMM or copy task: this rank's own work, holding its tensors (which name its plan
+    step if it fails)."""
+    fn.ficco_kind, fn.ficco_work = LOCAL, tensors
+    return fn
+
+
 class _Worker:
     def __init__(self, name: str, backend: "CpuBackend"):
         self.name = name
         self.backend = backend
-        self.tasks = _Tasks()
+        self.fifo = queue_mod.SimpleQueue()
         self.step = None        # the plan step of the launched task now running, if named
         self.kind = None        # what the running task is (LOCAL, WAITS, BOUNDED; None: idle)
         self.since = self.moved = time.monotonic()   # task started / last task finished
@@ -94,7 +91,7 @@ class _Worker:
         torch.set_grad_enabled(False)
         inference = None            # the entered inference_mode while tasks ask for it
         while True:
-            task, in_inference = self.tasks.get()
+            task, in_inference = self.fifo.get()
             if in_inference != (inference is not None):
                 if inference is not None:
                     inference.__exit__(None, None, None)
@@ -166,7 +163,7 @@ class CpuBackend(Backend):
         return CpuEvent()
 
     def record(self, event, queue):
-        queue.tasks.put(_kind(lambda: event.set(), LOCAL))
+        queue.fifo.put((_kind(lambda: event.set(), LOCAL), _inference_mode()))
 
     def wait(self, event, queue):
         def wait_for_event():
@@ -176,31 +173,44 @@ class CpuBackend(Backend):
             while not event.flag.wait(0.05):
                 if self.abort.is_set():
                     raise _Aborted()
-        queue.tasks.put(_kind(wait_for_event, WAITS))
+        queue.fifo.put((_kind(wait_for_event, WAITS), _inference_mode()))
 
     def copy(self, dst, src, queue):
-        queue.tasks.put(_work(lambda: dst.copy_(src), (dst, src)))
+        queue.fifo.put((_work(lambda: dst.copy_(src), (dst, src)), _inference_mode()))
 
     def copy_2d(self, dst, src, queue):
-        queue.tasks.put(_work(lambda: dst.copy_(src), (dst, src)))
+        queue.fifo.put((_work(lambda: dst.copy_(src), (dst, src)), _inference_mode()))
 
     def gemm(self, a, b, out, accumulate, queue):
         def run():
             gemm_into(a, b, out, accumulate)
-        queue.tasks.put(_work(run, (a, b, out)))
+        queue.fifo.put((_work(run, (a, b, out)), _inference_mode()))
 
     def launch(self, queue, fn):
-        queue.tasks.put(fn)
+        queue.fifo.put((fn, _inference_mode()))
 
     # -- signals (slots are (int32 array, index) pairs over /dev/shm, see symm_mem.cpu) ------
     def signal_write(self, queue, slot, value):
         pad, index = slot
-        queue.tasks.put(lambda: pad.__setitem__(index, value))
+        queue.fifo.put((lambda: pad.__setitem__(index, value), _inference_mode()))
 
     def signal_wait(self, queue, op, deadline):
         def wait():
             wait_on_host(op, deadline, _read, self.abort.is_set, _Aborted)
-        queue.tasks.put(_kind(wait, WAITS))      # the barrier's own deadline bounds it
+        queue.fifo.put((_kind(wait, WAITS), _inference_mode()))   # its own deadline bounds it
+
+    def signal_batch(self, queue, ops, deadline):
+        """A whole barrier program as one task of ``queue``: the primitives in order, as the
+        GPU backends enqueue it in one driver call."""
+        aborted = self.abort.is_set
+
+        def program():
+            for op in ops:
+                if op.kind == WRITE:
+                    _write(op.slot, op.value)
+                else:
+                    wait_on_host(op, deadline, _read, aborted, _Aborted)
+        queue.fifo.put((_kind(program, WAITS), _inference_mode()))   # its own deadline
 
     def signal_now(self, ops, deadline):
         run_on_host(ops, deadline, _read, _write)
@@ -293,7 +303,7 @@ class CpuBackend(Backend):
 
     def close(self):
         for worker in self._workers.values():
-            worker.tasks.put(None)
+            worker.fifo.put((None, False))
         for worker in self._workers.values():
             worker.thread.join(timeout=5)
         self._workers.clear()
@@ -301,15 +311,8 @@ class CpuBackend(Backend):
 
 def _marker(worker) -> CpuEvent:
     marker = CpuEvent()
-    worker.tasks.put(marker)
+    worker.fifo.put((marker, _inference_mode()))
     return marker
-
-
-def _work(fn, tensors: tuple):
-    """A GEMM or copy task: this rank's own work, holding its tensors (which name its plan
-    step if it fails)."""
-    fn.ficco_kind, fn.ficco_work = LOCAL, tensors
-    return fn
 
 
 def _read(slot) -> int:

@@ -1,4 +1,5 @@
-"""Benchmarks of the gated GEMM alone: ``python -m ficco.kernels.bench <verb>``.
+"""Benchmarks of the gated GEMM alone: ``python -m ficco.bench kernels <what>`` (until issue 30,
+``python -m ficco.kernels.bench``; the kernels package no longer reaches up into the API).
 
 ``kernel`` (needs a GPU): the gated GEMM with every arrival flag preset, against
 ``torch.matmul`` on the same device, for Table I layer shapes at per-rank TP sizes (``M``
@@ -9,13 +10,7 @@ segments). Shapes that do not fit the free device memory are skipped and say so.
 ``timeline`` (GPU or CPU): W ranks as processes on ONE device (gloo group, IPC symmetric
 memory on GPUs), one traced gated call, drawn as ``bench timeline`` draws it, with a mark per
 output tile when it saw its chunk's flag, and per chunk when its flags were raised and its
-tiles started. ``compile`` (no GPU): builds every autotune config of a device family offline::
-
-    python -m ficco.kernels.bench kernel --world 8 --dtype bfloat16 --out /tmp/gated.json
-    python -m ficco.kernels.bench kernel --shape 65536,8192,8192 --variant 2d
-    python -m ficco.kernels.bench timeline --world 4 --schedule gated-1d --shape 8192,4096,4096
-    python -m ficco.kernels.bench compile --target rocm:gfx942
-    python -m ficco.kernels.bench gpu --out /tmp/gated      # kernel + both timelines
+tiles started. ``compile`` (no GPU): builds every autotune config of a device family offline.
 """
 from __future__ import annotations
 
@@ -29,6 +24,15 @@ from ..errors import BackendUnavailableError
 from ..heuristics.scenarios import PAPER_TABLE_I
 from ..problem import Problem
 from ..schedules.gated import Gated
+from .cli import BenchUsageError
+
+EXAMPLES = """examples:
+  python -m ficco.bench kernels kernel --world 8 --dtype bfloat16 --out /tmp/gated.json
+  python -m ficco.bench kernels kernel --shape 65536,8192,8192 --variant 2d
+  python -m ficco.bench kernels timeline --world 4 --schedule gated-1d --shape 8192,4096,4096
+  python -m ficco.bench kernels compile --target rocm:gfx942
+  python -m ficco.bench kernels gpu --out /tmp/gated      # kernel + both timelines
+"""
 
 
 def _problem(big_m: int, n: int, k: int, world: int, dtype: str) -> Problem:
@@ -37,8 +41,8 @@ def _problem(big_m: int, n: int, k: int, world: int, dtype: str) -> Problem:
 
 def kernel(args) -> list[dict]:
     """TFLOP/s of the gated GEMM (flags preset) and of torch.matmul, per shape and variant."""
-    from . import configs, unavailable_reason
-    from .gated_gemm import Segment, check_error, gated_gemm
+    from ..kernels import configs, unavailable_reason
+    from ..kernels.gated_gemm import Segment, check_error, gated_gemm
 
     if args.interpret:   # the same code path on CPU, tiny shapes: checks the script, not speed
         dev, target, do_bench = "cpu", "cpu", _wall_ms
@@ -53,6 +57,8 @@ def kernel(args) -> list[dict]:
     if reason:
         raise BackendUnavailableError(reason)
     family = configs.family(target)
+    args.dtype = args.dtype or "bfloat16"
+    args.world = args.world or 8
     dtype = getattr(torch, args.dtype)
     wanted = [n for n in (args.scenarios or "").split(",") if n]
     unknown = [n for n in wanted if n not in PAPER_TABLE_I]
@@ -131,9 +137,9 @@ def _timeline_rank(rank, world, init_file, args, env):
 
     from .. import api, config
     from ..backends import get_backend
-    from ..bench import timeline
-    from ..bench.scenarios import Scenario
-    from .launch import TileTrace
+    from ..kernels.launch import TileTrace
+    from . import timeline
+    from .scenarios import Scenario
 
     torch.set_num_threads(1)
     if torch.cuda.is_available():
@@ -190,8 +196,9 @@ def timeline_one_device(args) -> int:
 
     if args.schedule not in ("gated-1d", "gated-2d"):
         raise BackendUnavailableError(f"timeline draws the gated schedules; got {args.schedule}")
-    if args.shape is None:
-        args.shape = "8192,4096,4096" if torch.cuda.is_available() else "192,64,64"
+    args.world = args.world or 4
+    args.shape = args.shape[-1] if args.shape else (
+        "8192,4096,4096" if torch.cuda.is_available() else "192,64,64")
     fd, init_file = tempfile.mkstemp(prefix="ficco-pg-")
     os.close(fd)
     os.unlink(init_file)
@@ -215,8 +222,8 @@ def timeline_one_device(args) -> int:
 
 def compile_all(args) -> list[dict]:
     """Compile every autotune config of ``args.target``'s family offline."""
-    from . import configs
-    from .gated_gemm import compile_offline
+    from ..kernels import configs
+    from ..kernels.gated_gemm import compile_offline
 
     rows = []
     for config in configs.for_family(configs.family(args.target)):
@@ -246,9 +253,9 @@ def gpu_session(args) -> int:
               for name in ("gated-1d", "gated-2d")]
     failed = []
     for step in steps:
-        print("== python -m ficco.kernels.bench " + " ".join(step), flush=True)
+        print("== python -m ficco.bench kernels " + " ".join(step), flush=True)
         try:
-            if main(step) != 0:
+            if run(step) != 0:
                 failed.append(step[0])
         except Exception:  # noqa: BLE001 - report, then run the next step
             traceback.print_exc()
@@ -257,55 +264,63 @@ def gpu_session(args) -> int:
     return 1 if failed else 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ficco.kernels.bench",
-                                     description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    verbs = parser.add_subparsers(dest="verb", required=True)
-    k = verbs.add_parser("kernel", help="gated GEMM vs torch.matmul (GPU)")
-    k.add_argument("--world", type=int, default=8)
-    k.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    k.add_argument("--shape", action="append", default=[], metavar="M,N,K")
-    k.add_argument("--scenarios", default=None,
-                   help="Table I rows to run, e.g. g1,g6 (default: all 16; --shape replaces)")
-    k.add_argument("--variant", default="both", choices=["1d", "2d", "both"],
-                   help="the segments of gated-1d, gated-2d, or both")
-    k.add_argument("--out", default=None, help="write the rows as JSON here")
-    k.add_argument("--interpret", action="store_true",
-                   help="run on CPU in Triton's interpreter (tiny --shape only): checks the "
-                        "script; its times mean nothing")
-    t = verbs.add_parser("timeline", help="W ranks on one device, one traced gated call")
-    t.add_argument("--world", type=int, default=4)
-    t.add_argument("--schedule", default="gated-1d", choices=["gated-1d", "gated-2d"])
-    t.add_argument("--shape", default=None, metavar="M,N,K",
-                   help="gathered M, N (split over ranks), K (default 8192,4096,4096 on a GPU, "
-                        "192,64,64 on CPU)")
-    t.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
-    t.add_argument("--warmup", type=int, default=1)
-    t.add_argument("--seed", type=int, default=1)
-    t.add_argument("--timeout", type=float, default=120.0)
-    t.add_argument("--profile", default=None)
-    t.add_argument("--no-plots", action="store_true")
-    t.add_argument("--out", default=None, help="directory (default bench/runs/timeline-...)")
-    g = verbs.add_parser("gpu", help="what a GPU session runs, in one call: kernel (Table I, "
-                                     "TP 8), then timeline gated-1d and gated-2d (W = 4)")
-    g.add_argument("--out", required=True, help="directory for every result")
-    g.add_argument("--scenarios", default=None, help="Table I rows for kernel (default all)")
-    c = verbs.add_parser("compile", help="compile every autotune config offline (no GPU)")
-    c.add_argument("--target", default="cuda:sm_90")
-    c.add_argument("--dtype-short", default="bf16", choices=["bf16", "fp16", "fp32"])
-    c.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
-    if args.verb == "gpu":
+def run(argv: list[str]) -> int:
+    """This verb from an argument list, as on the command line after ``kernels``.
+
+    >>> run(["compile", "--help"])  # doctest: +SKIP
+    """
+    from .__main__ import main as bench_main
+
+    return bench_main(["kernels", *argv])
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("what", choices=["kernel", "timeline", "gpu", "compile"],
+                        help="kernel: the gated GEMM vs torch.matmul (GPU); timeline: W ranks on "
+                             "one device, one traced gated call; gpu: what a GPU session runs, "
+                             "kernel (Table I, TP 8) then both timelines (W = 4); compile: every "
+                             "autotune config offline (no GPU)")
+    parser.add_argument("--world", type=int, default=None,
+                        help="ranks (default: 8 for kernel, 4 for timeline)")
+    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                        help="default: bfloat16 for kernel; timeline: bfloat16 on a GPU, "
+                             "float32 on CPU")
+    parser.add_argument("--shape", action="append", default=[], metavar="M,N,K",
+                        help="kernel: shapes to run (repeatable; replaces --scenarios); "
+                             "timeline: gathered M, N (split over ranks), K (default "
+                             "8192,4096,4096 on a GPU, 192,64,64 on CPU)")
+    parser.add_argument("--scenarios", default=None,
+                        help="kernel, gpu: Table I rows, e.g. g1,g6 (default: all 16)")
+    parser.add_argument("--variant", default="both", choices=["1d", "2d", "both"],
+                        help="kernel: the segments of gated-1d, gated-2d, or both")
+    parser.add_argument("--interpret", action="store_true",
+                        help="kernel: run on CPU in Triton's interpreter (tiny --shape only): "
+                             "checks the script; its times mean nothing")
+    parser.add_argument("--schedule", default="gated-1d", choices=["gated-1d", "gated-2d"],
+                        help="timeline: the schedule drawn")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="timeline: calls before the traced one")
+    parser.add_argument("--seed", type=int, default=1, help="timeline: input seed")
+    parser.add_argument("--timeout", type=float, default=120.0, help="timeline: FICCO_TIMEOUT")
+    parser.add_argument("--profile", default=None, help="timeline: device profile drawn below")
+    parser.add_argument("--no-plots", action="store_true", help="timeline: JSON only")
+    parser.add_argument("--target", default="cuda:sm_90", help="compile: the device target")
+    parser.add_argument("--dtype-short", default="bf16", choices=["bf16", "fp16", "fp32"],
+                        help="compile: the element type")
+    parser.add_argument("--out", default=None,
+                        help="kernel, compile: JSON rows here; timeline: a directory (default "
+                             "bench/runs/timeline-...); gpu (required): a directory for all")
+
+
+def main(args) -> int:
+    if args.what == "gpu":
+        if not args.out:
+            raise BenchUsageError("kernels gpu needs --out DIR (a directory for every result)")
         return gpu_session(args)
-    if args.verb == "timeline":
+    if args.what == "timeline":
         return timeline_one_device(args)
-    rows = kernel(args) if args.verb == "kernel" else compile_all(args)
+    rows = kernel(args) if args.what == "kernel" else compile_all(args)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

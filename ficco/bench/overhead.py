@@ -1,4 +1,5 @@
-"""Host time to enqueue one W = 8 call, per op and schedule: issue 18's table.
+"""``python -m ficco.bench overhead``: host time to enqueue one W = 8 call, per op and
+schedule (issue 18's table).
 
 Two ops, every schedule, rank 3 of 8 (null backend) or rank 0 of a pretend 8-rank group on one
 GPU (``--gpu``). Shapes, bfloat16: ``all_gather_matmul`` m=1024 rows per rank, K=8192, n=8192
@@ -15,35 +16,41 @@ M=8192, K=1024 per rank, n=8192.
   host time of a CUDA graph replay of the same call, and the result's error against float32.
 - ``--compare REV``: also times the executor as it was at git revision REV (loaded from git
   into this process), interleaved with today's, so before/after come from one run.
-
-Usage::
-
-    python bench/enqueue_overhead.py [--calls N] [--gpu] [--compare REV] [--op OP]
-                                     [--label TEXT] [--out FILE]
+- ``--gpu --profile SCHEDULE``: instead of the table, cProfile of ``--calls`` eager enqueues
+  of one schedule on the GPU backend, the top functions by own time (where the rest goes).
 
 ``--out`` appends the printed tables to FILE (bench/results/enqueue-overhead-*.txt are the
-sets the docs cite, see bench/results/README.md).
+sets the docs cite, see bench/results/README.md). Until this verb, the script was
+``bench/enqueue_overhead.py`` (and the profile ``bench/gpu_enqueue_profile.py``).
 """
 from __future__ import annotations
 
-import argparse
-import os
+import cProfile
+import pstats
 import statistics
 import subprocess
 import sys
 import time
 import types
+from pathlib import Path
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from .. import executor as current_executor
+from .. import schedules
+from ..backends.base import Backend
+from ..backends.vendor import copy_call_args
+from ..problem import Problem
+from .cli import BenchUsageError
 
-from ficco import executor as current_executor  # noqa: E402
-from ficco import schedules  # noqa: E402
-from ficco.backends.base import Backend  # noqa: E402
-from ficco.backends.vendor import copy_call_args  # noqa: E402
-from ficco.problem import Problem  # noqa: E402
+EXAMPLES = """examples:
+  python -m ficco.bench overhead --calls 300                  # null backend, both ops
+  python -m ficco.bench overhead --calls 300 --compare 3ab1b5e --out bench/runs/overhead.txt
+  python -m ficco.bench overhead --gpu                         # the real backend on one GPU
+  python -m ficco.bench overhead --gpu --profile hetero-unfused-1d --calls 20
+"""
+#: The repository root (``--compare`` reads ficco/executor.py of a git revision from it).
+ROOT = Path(__file__).resolve().parents[2]
 
 WORLD, DTYPE = 8, torch.bfloat16
 OPS = ("all_gather_matmul", "matmul_reduce_scatter")
@@ -166,11 +173,32 @@ class StubHandle:
         return self._data[rank][start: start + shape[0] * shape[1]].view(dtype).view(tuple(shape))
 
 
+class OldContract:
+    """``backend`` as executors before issue 30 called it (``--compare`` with such a
+    revision): also through ``backend.barrier``, which today's executor no longer needs (it
+    runs the barrier protocol itself)."""
+
+    def __init__(self, backend):
+        self._backend = backend
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+    def barrier(self, symm, channel, queue, timeout_s, step):
+        from ..symm_mem.barrier import plan_barrier
+
+        plan_barrier(self._backend, symm, channel, queue, timeout_s, step)
+
+
 def load_executor(rev: str):
     """ficco/executor.py as it was at git revision ``rev``, as a module of this process (its
     relative imports resolve against today's package; the executor's own code is REV's)."""
-    source = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:ficco/executor.py"],
-                            check=True, capture_output=True, text=True).stdout
+    try:
+        source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:ficco/executor.py"],
+                                check=True, capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise BenchUsageError(f"--compare {rev}: cannot read ficco/executor.py at {rev} from "
+                              f"git in {ROOT} ({exc}); run from a git checkout") from None
     module = types.ModuleType(f"ficco._executor_{rev}")
     module.__package__ = "ficco"
     module.__file__ = f"{rev}:ficco/executor.py"
@@ -221,7 +249,7 @@ def null_rows(op: str, calls: int, before) -> list[str]:
         bs = [torch.empty(p.k, n, dtype=DTYPE) for n in p.ns]
         runs = {"now": (current_executor, NullBackend())}
         if before is not None:
-            runs["before"] = (before, NullBackend())
+            runs["before"] = (before, OldContract(NullBackend()))
         made = {k: make_call(ex, plan, be, handle, a, bs, "cpu")[0]
                 for k, (ex, be) in runs.items()}
         times = {k: [] for k in runs}
@@ -264,12 +292,9 @@ class Loopback:
 
 
 def gpu_rows(ops, before) -> list[str]:
-    from ficco.backends import get_backend
-    from ficco.symm_mem.device import single_gpu_group
+    from ..symm_mem.device import single_gpu_group
 
-    backend = get_backend()
-    if not hasattr(backend, "vendor"):
-        sys.exit(f"--gpu needs a GPU backend (cuda or rocm); this process got {backend.name!r}")
+    backend = _gpu_backend()
     dev = backend.device()
     rows = []
     for op in ops:
@@ -286,8 +311,9 @@ def gpu_rows(ops, before) -> list[str]:
             for name in schedules.names(op=op):
                 plan = schedules.get(name, op=op).plan(p, "dma", None)
                 line = f"{op:<22} {name:<20} {len(plan.ops):>4}"
-                for ex in [current_executor] + ([before] if before is not None else []):
-                    line += _gpu_measure(ex, plan, backend, handle, a, bs, dev)
+                line += _gpu_measure(current_executor, plan, backend, handle, a, bs, dev)
+                if before is not None:
+                    line += _gpu_measure(before, plan, OldContract(backend), handle, a, bs, dev)
                 rows.append(line)
                 print(line, flush=True)
         finally:
@@ -332,7 +358,7 @@ def _rel_err(p, buffers, handle, a, bs) -> float:
 
 def _graph_replay(call, box, p, handle, a, bs) -> str:
     """Host us of one replay of a CUDA graph of the call (and its error), or why none."""
-    from ficco.bench.gpu_probes import capture_and_time_replays
+    from .gpu_probes import capture_and_time_replays
 
     try:
         graph, times = capture_and_time_replays(call)
@@ -345,17 +371,65 @@ def _graph_replay(call, box, p, handle, a, bs) -> str:
         return f"n/a: {type(exc).__name__}: {str(exc)[:50]}"
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=200)
+def _gpu_backend():
+    from ..backends import get_backend
+
+    backend = get_backend()
+    if backend.name not in ("cuda", "rocm"):
+        raise BenchUsageError(f"--gpu needs a GPU backend (cuda or rocm); this process got "
+                              f"{backend.name!r}")
+    return backend
+
+
+def gpu_profile(name: str, calls: int, op: str) -> None:
+    """cProfile of ``calls`` eager enqueues of schedule ``name`` as rank 0 of the loopback
+    group on one GPU: the top functions by own time."""
+    from ..symm_mem.device import single_gpu_group
+
+    backend = _gpu_backend()
+    dev = backend.device()
+    p = problem_of(op, rank=0)
+    real = single_gpu_group(backend, WORLD, workspace_numel(p) * 2)
+    handle = Loopback(real)
+    a = torch.randn(p.m, p.k, device=dev).to(DTYPE)
+    bs = [torch.randn(p.k, n, device=dev).to(DTYPE) for n in p.ns]
+    plan = schedules.get(name, op=op).plan(p, "dma", None)
+    call, _ = make_call(current_executor, plan, backend, handle, a, bs, dev)
+
+    def synced():
+        call()
+        torch.cuda.synchronize()
+
+    synced()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        synced()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+    torch.cuda.synchronize()
+    real.close()
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--calls", type=int, default=200, help="timed calls per schedule")
     parser.add_argument("--op", choices=OPS, default=None, help="one op only (default both)")
     parser.add_argument("--gpu", action="store_true", help="the real GPU backend instead")
     parser.add_argument("--compare", metavar="REV", default=None,
                         help="also time ficco/executor.py as of git revision REV")
-    parser.add_argument("--label", default="")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    parser.add_argument("--profile", metavar="SCHEDULE", default=None,
+                        help="with --gpu: cProfile --calls enqueues of SCHEDULE instead")
+    parser.add_argument("--label", default="", help="text appended to the table's title")
+    parser.add_argument("--out", default=None, help="append the printed tables to this file")
+
+
+def main(args) -> int:
     torch.set_num_threads(1)
+    if args.profile:
+        if not args.gpu:
+            raise BenchUsageError("--profile profiles the GPU backend's enqueues: add --gpu")
+        gpu_profile(args.profile, args.calls, args.op or OPS[0])
+        return 0
     before = load_executor(args.compare) if args.compare else None
     ops = (args.op,) if args.op else OPS
     cmp = f" vs ficco/executor.py at {args.compare}" if args.compare else ""
@@ -381,7 +455,4 @@ def main():
     if args.out:
         with open(args.out, "a") as fh:
             fh.write("\n".join(lines) + "\n\n")
-
-
-if __name__ == "__main__":
-    main()
+    return 0
