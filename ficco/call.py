@@ -53,6 +53,19 @@ class Call:
         self.target = self.backend.target()
 
 
+def check_flag(value, name: str) -> bool:
+    """``value`` as a bool, which it must be (a NumPy bool too): a string such as "yes" or
+    "false" is not taken for one.
+
+    >>> check_flag(False, "return_gathered")
+    False
+    """
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise InvalidArgumentError(f"{name} must be True or False; got {type(value).__name__} "
+                               f"{value!r}")
+
+
 def normalize_dim(value, ndim: int, name: str) -> int:
     """``value`` as a dimension index in ``[0, ndim)``; accepts Python and NumPy integers
     (anything with ``__index__``) but not bools."""

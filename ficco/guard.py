@@ -144,7 +144,8 @@ def _check_collective(call: Call, word: int):
     dev = call.backend.device()
     words = torch.empty(call.world, dtype=torch.int64, device=dev)
     mine = torch.tensor([word], dtype=torch.int64, device=dev)
-    return words, dist.all_gather_into_tensor(words, mine, group=call.group, async_op=True)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return words, gather(words, mine, group=call.group, async_op=True)
 
 
 def _done_within(work, seconds: float) -> bool:

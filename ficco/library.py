@@ -23,14 +23,15 @@ chosen by ``FICCO_BACKWARD_GATHER`` (see :mod:`ficco.config`):
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from . import autograd, config, runtime
-from .call import FORWARD
-from .errors import InvalidArgumentError
+from .call import FORWARD, check_flag
+from .errors import FiccoError, InvalidArgumentError
 from .group import by_name, name_of, rank_world, rank_world_of
 from .ops.all_gather_matmul import SPEC as ALL_GATHER_MATMUL
 from .ops.all_gather_matmul import check_arguments as check_all_gather_matmul
@@ -112,7 +113,48 @@ def all_gather_matmul_op(a: Tensor, bs: list[Tensor], group: str, gather_dim: in
     return gathered, outs
 
 
+# -- the fake kernels: shapes only, and the eager path's argument errors -------------------------
+def _errors_reach_the_caller(fake):
+    """A fake kernel whose ficco errors reach the caller as ficco errors under torch.compile.
+
+    Dynamo runs fake kernels while it traces, and re-raises what they raise as its own
+    TorchRuntimeError, which ``except FiccoError`` misses. The one kind it passes on untouched
+    is its graph-break signal, ``Unsupported``: with ``fullgraph=True`` it reaches the caller as
+    is, otherwise dynamo runs the call eagerly, whose validation raises the same error. So the
+    error raised here is the same ficco class, made an ``Unsupported`` too."""
+    @functools.wraps(fake)
+    def checked(*args, **kwargs):
+        try:
+            return fake(*args, **kwargs)
+        except FiccoError as exc:
+            raise _through_dynamo(exc) from None
+    return checked
+
+
+_THROUGH_DYNAMO: dict = {}
+
+
+def _through_dynamo(exc: FiccoError) -> FiccoError:
+    try:
+        from torch._dynamo.exc import Unsupported
+    except ImportError:           # a torch without dynamo: nothing wraps it
+        return exc
+    cls = _THROUGH_DYNAMO.get(type(exc))
+    if cls is None:
+        def init(self, message):
+            Unsupported.__init__(self, message)
+
+        cls = _THROUGH_DYNAMO[type(exc)] = type(
+            type(exc).__name__, (type(exc), Unsupported),
+            {"__init__": init, "__module__": type(exc).__module__,
+             "__doc__": f"{type(exc).__doc__} (raised while torch.compile traces)"})
+    raised = cls(str(exc))
+    raised.__dict__.update({k: v for k, v in vars(exc).items() if k not in vars(raised)})
+    return raised
+
+
 @all_gather_matmul_op.register_fake
+@_errors_reach_the_caller
 def _(a, bs, group, gather_dim, schedule, return_gathered, role=FORWARD):
     gather_dim, _, _ = check_all_gather_matmul(a, bs, gather_dim)   # eager's words
     _, world = rank_world_of(group)
@@ -143,6 +185,7 @@ def matmul_reduce_scatter_op(a: Tensor, bs: list[Tensor], group: str, scatter_di
 
 
 @matmul_reduce_scatter_op.register_fake
+@_errors_reach_the_caller
 def _(a, bs, group, scatter_dim, reduce_op, schedule, role=FORWARD):
     scatter_dim, _, _ = check_matmul_reduce_scatter(a, bs, scatter_dim, reduce_op)
     moved = _moved_shape(a, scatter_dim)
@@ -164,6 +207,8 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
     """``ficco.all_gather_matmul`` through the ``ficco::all_gather_matmul`` op (see that
     function for the arguments). ``a_shard`` may be a DTensor sharded along ``gather_dim`` on
     a 1-D mesh: its local shard is used and the mesh is the group."""
+    if return_gathered is not False and return_gathered is not True:
+        return_gathered = check_flag(return_gathered, "return_gathered")   # or raise
     if type(a_shard) not in _PLAIN:   # (plain tensors skip the DTensor checks: the hot path)
         a_shard, group = _local_shard(a_shard, group, gather_dim, "a_shard")
     b_is_list = isinstance(b, (list, tuple))
@@ -223,6 +268,8 @@ def _eager_suffices(a, bs) -> bool:
         return not isinstance(a, Tensor) or not all(isinstance(x, Tensor) for x in bs)
     if torch.is_grad_enabled() and (a.requires_grad or any([x.requires_grad for x in bs])):
         return False
+    if a.device.type == "meta":
+        return False    # shapes only: the op's fake kernel, as torch's own ops on meta tensors
     return not (torch.is_autocast_enabled(a.device.type)
                 or torch._C._len_torch_dispatch_stack()
                 or torch._C._is_torch_function_mode_enabled())

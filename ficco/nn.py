@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from . import library
+from .errors import InvalidArgumentError
 from .group import NO_GROUP, name_of, rank_world, resolve
 from .problem import even_split
 
@@ -68,8 +69,13 @@ class ColumnParallelLinear(nn.Module):
                     seq_dim: int = 0) -> "ColumnParallelLinear":
         """This rank's shard of ``linears`` (an ``nn.Linear`` or several with one input)."""
         many = not isinstance(linears, nn.Linear)
-        linears = list(linears) if many else [linears]
+        linears = [_linear(lin, f"linears[{j}]") for j, lin in enumerate(linears)] if many \
+            and isinstance(linears, (list, tuple)) else [_linear(linears, "linears")]
         first = linears[0]
+        if len({lin.in_features for lin in linears}) > 1:
+            raise InvalidArgumentError(
+                f"linears share one input, so one in_features; got "
+                f"{[lin.in_features for lin in linears]}")
         sizes = [lin.out_features for lin in linears]
         layer = cls(first.in_features, sizes if many else sizes[0], first.bias is not None,
                     group=group, seq_dim=seq_dim, device=first.weight.device,
@@ -123,6 +129,7 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, group=None, seq_dim: int = 0) -> "RowParallelLinear":
         """This rank's shard of ``linear``: its slice of input features, the whole bias."""
+        linear = _linear(linear, "linear")
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
                     group=group, seq_dim=seq_dim, device=linear.weight.device,
                     dtype=linear.weight.dtype)
@@ -147,6 +154,15 @@ class RowParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (sharded), out_features={self.out_features}, "
                 f"seq_dim={self.seq_dim}, bias={self.bias is not None}")
+
+
+def _linear(layer, name: str) -> nn.Linear:
+    if not isinstance(layer, nn.Linear):
+        raise InvalidArgumentError(
+            f"{name} is a {type(layer).__name__}, not an nn.Linear: from_linear shards a linear "
+            f"layer's (out_features, in_features) weight; construct the parallel layer directly "
+            f"and load the weights yourself for other modules")
+    return layer
 
 
 class _SumGradOverGroup(torch.autograd.Function):

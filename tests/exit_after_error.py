@@ -4,9 +4,12 @@ rank's exit code (a negative one is a signal: SIGSEGV -11, SIGABRT -6).
     python -m tests.exit_after_error sigint   # Ctrl-C on rank 0 during dma calls, then exit
     python -m tests.exit_after_error skip     # rank 1 skips a call; rank 0 times out, exits
     python -m tests.exit_after_error skip 10  # ... ten times in a row
+    python -m tests.exit_after_error clean 50 # no error: calls on both transports, then exit
+    python -m tests.exit_after_error clean-destroy 50   # ... after destroy_process_group()
 
-No rank calls ``destroy_process_group()``: the point is that ficco leaves nothing behind
-(a pending collective, a mapping a queue still uses) that crashes the interpreter's exit.
+No rank calls ``destroy_process_group()`` (but in ``clean-destroy``): the point is that ficco
+leaves nothing behind (a pending collective, a mapping a queue still uses) that crashes the
+interpreter's exit.
 """
 from __future__ import annotations
 
@@ -41,6 +44,16 @@ def _rank(rank: int, world: int, init_file: str, mode: str) -> None:
                     ficco.all_gather_matmul(a, b, schedule="uniform-unfused-1d")
             except (KeyboardInterrupt, ficco.errors.FiccoError):
                 pass
+    elif mode.startswith("clean"):
+        a, b = torch.randn(64, 128, generator=gen), torch.randn(128, 64, generator=gen)
+        for transport in ("dma", "ccl"):
+            with ficco.config.scope(transport=transport):
+                for _ in range(5):
+                    ficco.all_gather_matmul(a, b)
+                    ficco.matmul_reduce_scatter(torch.cat([a] * world), b)
+        if mode == "clean-destroy":
+            ficco.shutdown()
+            dist.destroy_process_group()
     else:
         a, b = torch.randn(8, 16, generator=gen), torch.randn(16, 4, generator=gen)
         if rank == 0:

@@ -312,3 +312,34 @@ def test_a_call_new_to_one_rank_while_its_peer_repeats_an_agreed_one_is_a_fast_m
             results
         assert seconds < 10, results      # a bound far below FICCO_TIMEOUT, not a speed
         assert after[0] == "ok", results
+
+
+# -- issue 29 item 9: queue threads end with the default group too ---------------------------------
+def _destroyed_default_group_threads(rank, world, seed):
+    import gc
+    import threading
+
+    import torch.distributed as dist
+
+    shards, bs, _, refs = make_inputs(seed, world, (6, 8), (3,), torch.float32)
+    with ficco.config.scope(transport="dma"):
+        err = max_row_rel_err(ficco.all_gather_matmul(shards[rank], bs[0], schedule="ring"),
+                              refs[0])
+    before = sorted(t.name for t in threading.enumerate() if t.name.startswith("ficco-"))
+    dist.destroy_process_group()
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        after = sorted(t.name for t in threading.enumerate() if t.name.startswith("ficco-"))
+        if not after:
+            break
+        time.sleep(0.1)
+    return err, before, after
+
+
+def test_queue_threads_end_with_the_default_group():
+    """Before: they outlived `dist.destroy_process_group()` (only groups made by new_group
+    took them along)."""
+    results = harness.run_alone(2, _destroyed_default_group_threads, random.randrange(1 << 30))
+    for err, before, after in results:
+        assert err <= 1e-4 and before and after == [], results

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..agreement import PER_RANK
-from ..call import Call, backend_for, check_tensor, check_weights, row_dim
+from ..call import Call, backend_for, check_flag, check_tensor, check_weights, row_dim
 from ..buffers import Buffers
 from ..group import rank_world, resolve
 from ..problem import Problem, dtype_name
@@ -74,7 +74,8 @@ class AllGatherMatmul(OpSpec):
         return AllGatherMatmulCall(self, problem, group, backend, m == 0,
                                    a=moved.reshape(m, k), bs=bs,
                                    b_is_list=b_is_list, moved_shape=tuple(moved.shape),
-                                   gather_dim=gather_dim, return_gathered=bool(return_gathered),
+                                   gather_dim=gather_dim,
+                                   return_gathered=check_flag(return_gathered, "return_gathered"),
                                    ns=ns)
 
     def signature(self, call: AllGatherMatmulCall) -> dict:

@@ -21,6 +21,7 @@ import threading
 import time
 
 import torch
+import torch.distributed as dist
 
 from ...errors import CommTimeoutError, FiccoError, name_step
 from ...host_tasks import LOCAL
@@ -30,6 +31,10 @@ from ..base import Backend
 
 
 _GRACE_S = 0.5      # finish()'s slack past FICCO_TIMEOUT (see there)
+# An idle queue thread ends after this long once no process group is left (the default group's
+# destruction is not observable otherwise: torch keeps its Python object alive); a later call
+# starts a new one.
+_IDLE_S = 1.0
 
 
 class _Aborted(Exception):
@@ -55,7 +60,7 @@ class CpuEvent:
 _inference_mode = torch.is_inference_mode_enabled
 
 # What a queue's task is, for finish()'s deadline (``task.ficco_kind``; unmarked: BOUNDED).
-#   LOCAL: this rank's own work (GEMM, copy, reduction, event record): never timed out
+#   LOCAL: this rank's own work (GEMM, copy, reduction): never timed out
 WAITS = "waits"       # a wait that ends by another queue's progress or its own deadline
 BOUNDED = "bounded"   # a collective: it may wait on a peer, so at most FICCO_TIMEOUT
 
@@ -91,7 +96,12 @@ class _Worker:
         torch.set_grad_enabled(False)
         inference = None            # the entered inference_mode while tasks ask for it
         while True:
-            task, in_inference = self.fifo.get()
+            try:
+                task, in_inference = self.fifo.get(timeout=_IDLE_S)
+            except queue_mod.Empty:
+                if self.backend._retire(self):
+                    return
+                continue
             if in_inference != (inference is not None):
                 if inference is not None:
                     inference.__exit__(None, None, None)
@@ -156,14 +166,28 @@ class CpuBackend(Backend):
     def queue(self, name):
         worker = self._workers.get(name)
         if worker is None:
-            worker = self._workers[name] = _Worker(name, self)
+            with self._lock:
+                worker = self._workers.get(name)
+                if worker is None:
+                    worker = self._workers[name] = _Worker(name, self)
         return worker
+
+    def _retire(self, worker) -> bool:
+        """Whether idle ``worker`` ends now: when no process group is left (after
+        ``destroy_process_group()``), so ficco's threads do not outlive the group."""
+        if not dist.is_available() or dist.is_initialized():
+            return False
+        with self._lock:
+            if not worker.fifo.empty() or self._workers.get(worker.name) is not worker:
+                return False
+            del self._workers[worker.name]
+            return True
 
     def new_event(self):
         return CpuEvent()
 
     def record(self, event, queue):
-        queue.fifo.put((_kind(lambda: event.set(), LOCAL), _inference_mode()))
+        queue.fifo.put((event.set, _inference_mode()))      # instant: never held
 
     def wait(self, event, queue):
         def wait_for_event():
@@ -282,8 +306,9 @@ class CpuBackend(Backend):
         bounded by FICCO_TIMEOUT; then the queues take new work normally again."""
         from ... import config
 
-        stuck = self._drain([(w, _marker(w)) for w in list(self._workers.values())],
-                            config.timeout_s())
+        with self._lock:
+            workers = list(self._workers.values())
+        stuck = self._drain([(w, _marker(w)) for w in workers], config.timeout_s())
         if stuck:
             raise CommTimeoutError(f"queue {stuck[0].name} is still busy after FICCO_TIMEOUT; "
                                    f"its memory stays mapped")
@@ -302,11 +327,13 @@ class CpuBackend(Backend):
         return self._provider
 
     def close(self):
-        for worker in self._workers.values():
+        with self._lock:
+            workers = list(self._workers.values())
+            self._workers.clear()
+        for worker in workers:
             worker.fifo.put((None, False))
-        for worker in self._workers.values():
+        for worker in workers:
             worker.thread.join(timeout=5)
-        self._workers.clear()
 
 
 def _marker(worker) -> CpuEvent:
