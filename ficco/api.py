@@ -17,7 +17,8 @@ _EXPERT_OPS = ("all_to_all_grouped_mm", "grouped_mm_all_to_all")
 
 
 def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
-                      return_gathered=False):
+                      return_gathered=False, a_scale=None, b_scale=None, out_dtype=None,
+                      bias=None, activation=None):
     """``all_gather(a_shard, gather_dim) @ b``, with the all-gather hidden behind the GEMM.
 
     ``b`` is a ``(K, n)`` tensor or a list of them (one gather feeds several GEMMs); the output
@@ -26,17 +27,35 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
     forces a schedule by name (see ``ficco.schedules.names()``); None lets the selector choose.
     ``return_gathered=True`` returns ``(gathered_a, outputs)``.
 
+    fp8 (``float8_e4m3fn``/``float8_e5m2``; ``*_fnuz`` on MI300X): ``a_scale`` and ``b_scale``
+    as ``torch._scaled_mm`` takes them, tensor-wise (one float32 each; ``a_scale`` the same on
+    every rank) or row-wise (``a_scale`` shaped like ``a_shard``'s rows with a last dim of 1,
+    gathered with its rows; ``b_scale`` ``(1, n)``), a list of ``b_scale`` when ``b`` is a
+    list. ``out_dtype``: the outputs' dtype (fp8: default A's, as torch's; others: A's or
+    float32). ``bias`` ``(n,)`` (a list per b) is added to every row; ``activation`` (``gelu``,
+    ``gelu_tanh``, ``silu``, ``relu``) follows it, applied per output piece as the pieces
+    complete. See docs/fp8.md.
+
     >>> import torch, ficco
     >>> a = torch.randn(4, 8); w = torch.randn(8, 3)
     >>> torch.allclose(ficco.all_gather_matmul(a, w), a @ w)   # world size 1: a plain matmul
     True
+    >>> e4m3, one = torch.float8_e4m3fn, torch.tensor(1.0)
+    >>> a8, w8 = torch.randn(4, 32).to(e4m3), torch.randn(32, 16).to(e4m3)
+    >>> c = ficco.all_gather_matmul(a8, w8, a_scale=one, b_scale=one, out_dtype=torch.bfloat16,
+    ...                             bias=torch.zeros(16))
+    >>> c.dtype, tuple(c.shape)
+    (torch.bfloat16, (4, 16))
     """
     # Through the torch custom op (autograd, autocast, torch.compile); ficco/library.py.
     return library.all_gather_matmul(a_shard, b, group, gather_dim=gather_dim,
-                                     schedule=schedule, return_gathered=return_gathered)
+                                     schedule=schedule, return_gathered=return_gathered,
+                                     a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype,
+                                     bias=bias, activation=activation)
 
 
-def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", schedule=None):
+def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", schedule=None,
+                          a_scale=None, b_scale=None, out_dtype=None, bias=None):
     """``reduce_scatter(a @ b, scatter_dim)`` with the reduce-scatter hidden behind the GEMM:
     the row-parallel half of a TP/SP layer (attention out-projection, MLP down-projection).
 
@@ -47,6 +66,11 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
     the two ops are exact inverses of each other's layout. ``reduce_op`` is ``"sum"`` or
     ``"avg"``; ``schedule`` forces one of ``ficco.schedules.names(op="matmul_reduce_scatter")``.
 
+    fp8 scales and ``out_dtype`` as in :func:`all_gather_matmul` (a row-wise ``a_scale`` is
+    shaped like ``a``'s rows); partial products are summed in float32 and rounded once.
+    ``bias`` ``(n,)`` is added once, to the reduced block (torch's scaled op adds it in every
+    rank's GEMM: ``ficco.compat.fused_scaled_matmul_reduce_scatter`` does as torch).
+
     >>> import torch, ficco
     >>> a = torch.randn(4, 8); w = torch.randn(8, 3)
     >>> torch.allclose(ficco.matmul_reduce_scatter(a, w), a @ w)   # one rank: a plain matmul
@@ -54,10 +78,12 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
     """
     # Through the torch custom op (autograd, autocast, torch.compile); ficco/library.py.
     return library.matmul_reduce_scatter(a, b, group, scatter_dim=scatter_dim,
-                                         reduce_op=reduce_op, schedule=schedule)
+                                         reduce_op=reduce_op, schedule=schedule,
+                                         a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype,
+                                         bias=bias)
 
 
-def _prepare(op, a, b, group, dim, reduce_op, counts=None):
+def _prepare(op, a, b, group, dim, reduce_op, counts=None, epilogue=None):
     if op in _EXPERT_OPS:
         if counts is None:
             raise InvalidArgumentError(f"explain(op={op!r}) needs counts= (the counts, or the "
@@ -67,15 +93,15 @@ def _prepare(op, a, b, group, dim, reduce_op, counts=None):
         spec = get(op)
         return spec.local_view(spec.prepare(a, counts, b, group))
     if op == _ALL_GATHER_MATMUL.name:
-        return _ALL_GATHER_MATMUL.prepare(a, b, group, dim)
+        return _ALL_GATHER_MATMUL.prepare(a, b, group, dim, **(epilogue or {}))
     if op == _MATMUL_REDUCE_SCATTER.name:
-        return _MATMUL_REDUCE_SCATTER.prepare(a, b, group, dim, reduce_op)
+        return _MATMUL_REDUCE_SCATTER.prepare(a, b, group, dim, reduce_op, **(epilogue or {}))
     raise InvalidArgumentError(f"op={op!r} is not a ficco op; use all_gather_matmul, "
                                f"matmul_reduce_scatter, {' or '.join(_EXPERT_OPS)}")
 
 
 def explain(a_shard, b, group=None, *, gather_dim=0, schedule=None, op="all_gather_matmul",
-            scatter_dim=0, reduce_op="sum", counts=None):
+            scatter_dim=0, reduce_op="sum", counts=None, **epilogue):
     """The Decision ``op`` (``all_gather_matmul``, or ``matmul_reduce_scatter`` with
     ``scatter_dim``/``reduce_op``; then ``a_shard`` is the full-row ``a``) would take for these
     arguments: schedule, transport, the selector that chose, its inputs and every candidate's
@@ -85,7 +111,9 @@ def explain(a_shard, b, group=None, *, gather_dim=0, schedule=None, op="all_gath
     prediction and its reason says "not tuned yet" (the first real call measures).
     Expert parallelism: ``op="all_to_all_grouped_mm"`` (``a_shard`` is x, ``b`` is w,
     ``counts=`` its counts) or ``"grouped_mm_all_to_all"`` (h, w2, ``counts=`` recv_counts);
-    without communication it assumes every rank routes like this one.
+    without communication it assumes every rank routes like this one. ``epilogue``: the op's
+    ``a_scale``, ``b_scale``, ``out_dtype``, ``bias`` (and ``activation``), so fp8 calls are
+    priced as fp8.
 
     >>> import torch, ficco
     >>> print(ficco.explain(torch.randn(4, 8), torch.randn(8, 3)).schedule)
@@ -94,7 +122,8 @@ def explain(a_shard, b, group=None, *, gather_dim=0, schedule=None, op="all_gath
     'serial'
     """
     dim = scatter_dim if op == _MATMUL_REDUCE_SCATTER.name else gather_dim
-    return runtime.explain(_prepare(op, a_shard, b, group, dim, reduce_op, counts), schedule)
+    return runtime.explain(_prepare(op, a_shard, b, group, dim, reduce_op, counts, epilogue),
+                           schedule)
 
 
 def traced_all_gather_matmul(a_shard, b, group=None, *, schedule, transport=None,

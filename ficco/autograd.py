@@ -9,6 +9,15 @@ The backward of each op is the other op, overlapped too:
   gathered ``grad_d_j`` reused for ``grad_b_j = a^T @ gathered``.
 
 Gradients are first order only; autocast runs the GEMMs in the region's dtype.
+
+Epilogues (:mod:`ficco.scaled`): a bias gets its gradient (the output gradient summed over
+the rows this rank holds; the reduce-scatter's bias sits in the sequence-parallel region, so
+its per-rank gradients are summed by ``ficco.nn.replicated`` like a norm's). fp8 operands get
+none: autograd hands a gradient to a tensor in the tensor's own dtype, so an fp8 A or B would
+receive an unscaled fp8 gradient; :mod:`ficco.float8` quantizes inside a differentiable
+function instead (fp8 forward, backward in the output dtype). An activation inside the op has
+no gradient either (its backward needs the pre-activation values, which the op does not
+keep): ``ficco.all_gather_matmul`` applies it outside the op when a gradient is needed.
 """
 from __future__ import annotations
 
@@ -51,12 +60,12 @@ def _first_order(backward):
     @functools.wraps(backward)
     def wrapped(ctx, *grads):
         if not torch.is_grad_enabled():
-            return backward(ctx, *grads)
+            return _as_passed(ctx, backward(ctx, *grads))
         flat = [g for x in grads for g in (x if isinstance(x, (list, tuple)) else [x])]
         anchors = [t for t in (*flat, *ctx.saved_tensors)
                    if isinstance(t, Tensor) and t.requires_grad]
         with torch.no_grad():
-            result = backward(ctx, *grads)
+            result = _as_passed(ctx, backward(ctx, *grads))
         if not anchors:
             return result
 
@@ -70,10 +79,11 @@ def _first_order(backward):
     return wrapped
 
 
-def _no_grads(ctx) -> tuple:
-    """None for each non-tensor argument the op was called with: the dispatcher drops a
-    trailing ``role`` equal to its default, so a backward returns one fewer then."""
-    return (None,) * (len(ctx.needs_input_grad) - 2)
+def _as_passed(ctx, grads: tuple) -> tuple:
+    """One gradient per argument the call passed: the dispatcher drops trailing arguments
+    equal to their defaults (the epilogue's Nones, the forward role), and autograd wants
+    exactly as many."""
+    return grads[:len(ctx.needs_input_grad)]
 
 
 def _rows(t: Tensor, dim: int) -> Tensor:
@@ -101,13 +111,46 @@ def _reduce_scatter(t: Tensor, group: str, dim: int) -> Tensor:
     return scatter(t.contiguous(), "sum", dim, group)
 
 
+def refuse_fp8_gradients(a, bs, a_scale, activation=None) -> None:
+    """The epilogues without a gradient (module docstring), refused with the fix."""
+    if a_scale is not None and (a.requires_grad or any(b.requires_grad for b in bs)):
+        raise InvalidArgumentError(
+            "fp8 operands that require grad: autograd would give them an unscaled fp8 "
+            "gradient; quantize inside ficco.float8.all_gather_matmul / "
+            "matmul_reduce_scatter (fp8 forward, backward in the output dtype), or detach "
+            "them (a bias still gets its gradient)")
+    if activation and (a.requires_grad or any(b.requires_grad for b in bs)):
+        raise InvalidArgumentError(
+            f"activation={activation!r} inside the op has no gradient; call "
+            f"ficco.all_gather_matmul, which applies it outside the op when one is needed")
+
+
+def _bias_grads(ctx, grads):
+    """(b_scales' gradients: none, each bias's gradient: its output's gradient summed over
+    this rank's rows), shaped like the inputs (a list where a list was given)."""
+    biases = None if ctx.bias_needs is None else [
+        g.reshape(-1, g.shape[-1]).sum(0) if needs and g is not None else None
+        for g, needs in zip(grads, ctx.bias_needs)]
+    return ctx.no_scale_grads, biases
+
+
+def _save_epilogue(ctx, a, b_scales, biases) -> None:
+    ctx.bias_needs = None if biases is None else [
+        b is not None and b.requires_grad for b in biases]
+    ctx.no_scale_grads = None if b_scales is None else [None] * len(b_scales)
+    ctx.dtype = a.dtype
+
+
 def _ag_setup_context(ctx, inputs, output):
-    a, bs, group, gather_dim, _schedule, return_gathered, *_role = inputs
+    a, bs, group, gather_dim, _schedule, return_gathered, *epilogue = inputs
+    a_scale, b_scales, biases, _out_dtype, activation = (epilogue + [None] * 5)[:5]  # , role
+    refuse_fp8_gradients(a, bs, a_scale, activation)
     gathered, _outs = output
     ctx.set_materialize_grads(False)   # an unused output (the gathered a) gets no zero gradient
     ctx.group, ctx.dim = group, gather_dim % a.dim()
     ctx.a_needs = a.requires_grad
     ctx.b_needs = [b.requires_grad for b in bs]
+    _save_epilogue(ctx, a, b_scales, biases)
     # grad_b needs the gathered a: kept from the forward when it returned it, else the
     # backward gathers the saved shard again (FICCO_BACKWARD_GATHER=regather).
     keep_gathered = return_gathered and any(ctx.b_needs)
@@ -118,6 +161,9 @@ def _ag_setup_context(ctx, inputs, output):
 
 def _ag_backward(ctx, grad_gathered, grad_outs):
     gathered, shard, *bs = ctx.saved_tensors
+    grad_b_scales, grad_biases = _bias_grads(ctx, grad_outs)
+    # an out_dtype wider than the operands (float32 of bf16): the backward GEMMs run in theirs
+    grad_outs = [g if g is None or g.dtype == ctx.dtype else g.to(ctx.dtype) for g in grad_outs]
     grad_a = None
     if ctx.a_needs:
         pairs = [(g, b) for g, b in zip(grad_outs, bs) if g is not None]
@@ -125,9 +171,9 @@ def _ag_backward(ctx, grad_gathered, grad_outs):
             # sum_j grad_c_j @ b_j^T as one GEMM: [grad_c_1 | grad_c_2 ...] @ [b_1^T; b_2^T ...]
             grad_c = pairs[0][0] if len(pairs) == 1 else torch.cat([g for g, _ in pairs], -1)
             b_t = pairs[0][1].t() if len(pairs) == 1 else torch.cat([b.t() for _, b in pairs])
-            grad_a = torch.ops.ficco.matmul_reduce_scatter(grad_c, [b_t], ctx.group, ctx.dim,
-                                                           "sum", None,
-                                                           GRAD_OF_ALL_GATHER_MATMUL)[0]
+            grad_a = torch.ops.ficco.matmul_reduce_scatter(
+                grad_c, [b_t], ctx.group, ctx.dim, "sum", None,
+                role=GRAD_OF_ALL_GATHER_MATMUL)[0]
     if shard is not None:
         # Issued after the checked reduce-scatter (a rank that skipped this backward makes
         # that raise first, so no unchecked collective is left in flight); on GPUs both are
@@ -142,18 +188,22 @@ def _ag_backward(ctx, grad_gathered, grad_outs):
     for g, needs in zip(grad_outs, ctx.b_needs):
         grad_bs.append(_rows(gathered, ctx.dim).t() @ _rows(g, ctx.dim)
                        if needs and g is not None else None)
-    return (grad_a, grad_bs) + _no_grads(ctx)
+    return (grad_a, grad_bs, None, None, None, None, None, grad_b_scales, grad_biases, None,
+            None, None)
 
 
 def _rs_setup_context(ctx, inputs, output):
-    a, bs, group, scatter_dim, reduce_op, _schedule, *_role = inputs
+    a, bs, group, scatter_dim, reduce_op, _schedule, *epilogue = inputs
+    a_scale, b_scales, biases, _out_dtype = (epilogue + [None] * 4)[:4]
+    refuse_fp8_gradients(a, bs, a_scale)
     ctx.set_materialize_grads(False)
     ctx.group, ctx.dim, ctx.reduce_op = group, scatter_dim % a.dim(), reduce_op
     ctx.a_needs = a.requires_grad
     ctx.b_needs = [b.requires_grad for b in bs]
+    _save_epilogue(ctx, a, b_scales, biases)
     _, world = rank_world_of(group)
     rows = a.shape[ctx.dim]
-    if rows % world:
+    if rows % world and (ctx.a_needs or any(ctx.b_needs)):
         raise InvalidArgumentError(
             f"the backward of matmul_reduce_scatter gathers the output gradient, which needs "
             f"equal shards: {rows} rows along scatter_dim={scatter_dim} do not split evenly "
@@ -164,6 +214,8 @@ def _rs_setup_context(ctx, inputs, output):
 
 def _rs_backward(ctx, grad_outs):
     a, *bs = ctx.saved_tensors
+    grad_b_scales, grad_biases = _bias_grads(ctx, grad_outs)
+    grad_outs = [g if g is None or g.dtype == ctx.dtype else g.to(ctx.dtype) for g in grad_outs]
     grad_a, grad_bs = None, []
     for j, (g, b_needs) in enumerate(zip(grad_outs, ctx.b_needs)):
         if g is None:
@@ -174,12 +226,13 @@ def _rs_backward(ctx, grad_outs):
         if ctx.a_needs:
             # grad_a = all_gather(grad_d) @ b^T, the gathered grad_d reused for grad_b.
             gathered, (part,) = torch.ops.ficco.all_gather_matmul(
-                g, [bs[j].t()], ctx.group, ctx.dim, None, b_needs, GRAD_OF_MATMUL_REDUCE_SCATTER)
+                g, [bs[j].t()], ctx.group, ctx.dim, None, b_needs,
+                role=GRAD_OF_MATMUL_REDUCE_SCATTER)
             grad_a = part if grad_a is None else grad_a + part
         elif b_needs:
             gathered = _gather(g, ctx.group, ctx.dim)
         grad_bs.append(_rows(a, ctx.dim).t() @ _rows(gathered, ctx.dim) if b_needs else None)
-    return (grad_a, grad_bs) + _no_grads(ctx)
+    return grad_a, grad_bs, None, None, None, None, None, grad_b_scales, grad_biases, None, None
 
 
 # -- autocast: the GEMMs run in the autocast dtype, as torch.matmul would -------------------------

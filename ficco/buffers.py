@@ -20,7 +20,11 @@ class Buffers:
     ``partials[j]`` this rank's ``M x n_j`` partial products (at byte ``partial_offsets[j]``
     of the workspace with ``dma``) and ``recvs[j]`` the landing buffer of the peers' partials.
     ``symm`` is the symmetric handle whose buffers hold every peer's ``gathered`` or
-    ``partials`` (None with ``ccl``)."""
+    ``partials`` (None with ``ccl``). fp8 and epilogues (:mod:`ficco.scaled`): ``a_scale``
+    (the canonical input's, ``m x 1`` row-wise or one element), ``gathered_scale`` (row-wise
+    all-gather: ``M x 1`` at byte ``gathered_scale_offset`` of the workspace with ``dma``),
+    ``b_scales`` and ``biases`` (``1 x n_j`` or None) per b; ``wide``: the outputs are float32
+    partial sums the op rounds once."""
 
     a: torch.Tensor
     bs: list[torch.Tensor]
@@ -32,6 +36,12 @@ class Buffers:
     recvs: list[torch.Tensor] = field(default_factory=list)
     partial_offsets: tuple[int, ...] = ()
     flags: torch.Tensor | None = None   # arrival flags of gated plans (execute() zeroes them)
+    a_scale: torch.Tensor | None = None
+    gathered_scale: torch.Tensor | None = None
+    gathered_scale_offset: int = 0
+    b_scales: tuple = ()
+    biases: tuple = ()
+    wide: bool = False
     _peers: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
     def peer(self, peer: int, buf: str = "gathered", index: int = 0) -> torch.Tensor:
@@ -44,9 +54,13 @@ class Buffers:
             mine, offset = self.local(buf, index), 0
             if buf == "partial":
                 offset = self.partial_offsets[index] if self.partial_offsets else 0
+            elif buf == "gathered_scale":
+                offset = self.gathered_scale_offset
             self._peers[key] = self.symm.get_buffer(peer, tuple(mine.shape), mine.dtype, offset)
         return self._peers[key]
 
     def local(self, buf: str, index: int = 0) -> torch.Tensor:
         """This rank's copy of symmetric buffer ``buf``."""
+        if buf == "gathered_scale":
+            return self.gathered_scale
         return self.gathered if buf == "gathered" else self.partials[index]

@@ -27,6 +27,9 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 #: The role of a call made by the caller; ficco's backward passes make theirs with a role that
 #: names the op and input they differentiate (ficco.autograd), so the ranks agree on it too.
 FORWARD = "forward"
+#: fp8 operands, taken with scales (ficco.scaled)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
+              torch.float8_e5m2fnuz)
 
 
 @dataclass
@@ -96,20 +99,25 @@ def row_dim(value, t: torch.Tensor, name: str, t_name: str, does: str) -> int:
     return index
 
 
-def check_tensor(t, name: str, *, min_dim: int = 2) -> None:
+def check_tensor(t, name: str, *, min_dim: int = 2, fp8: bool = False) -> None:
+    """``t`` is a tensor of at least ``min_dim`` dims and a supported dtype (fp8 too when
+    ``fp8``: the ops that take scales)."""
     if not isinstance(t, torch.Tensor):
         raise InvalidArgumentError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
     if t.dim() < min_dim:
         raise InvalidArgumentError(
             f"{name} must have at least {min_dim} dims; got shape {tuple(t.shape)}")
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise InvalidArgumentError(f"{name} dtype {t.dtype} is not supported; use one of "
-                                   f"{[dtype_name(d) for d in SUPPORTED_DTYPES]}")
+    allowed = SUPPORTED_DTYPES + (FP8_DTYPES if fp8 else ())
+    if t.dtype not in allowed:
+        extra = "" if fp8 or t.dtype not in FP8_DTYPES else \
+            " here (fp8 operands go to the scaled ops, with a_scale and b_scale)"
+        raise InvalidArgumentError(f"{name} dtype {t.dtype} is not supported{extra}; use one "
+                                   f"of {[dtype_name(d) for d in allowed]}")
 
 
-def check_like(t, ref: torch.Tensor, name: str, ref_name: str) -> None:
-    """``t`` has the dtype and device of ``ref``."""
-    if t.dtype != ref.dtype:
+def check_like(t, ref: torch.Tensor, name: str, ref_name: str, *, dtype: bool = True) -> None:
+    """``t`` has the dtype (unless not ``dtype``) and device of ``ref``."""
+    if dtype and t.dtype != ref.dtype:
         raise InvalidArgumentError(f"{name} is {t.dtype} but {ref_name} is {ref.dtype}; "
                                    f"cast one so both match")
     if t.device != ref.device:
@@ -141,7 +149,9 @@ def check_weights(b, a: torch.Tensor, a_name: str, *, k: int | None = None,
             raise InvalidArgumentError(
                 f"{name} has {bj.shape[0]} rows but {k_from} ({a_name} {tuple(a.shape)}, "
                 f"{name} {tuple(bj.shape)}); they must match")
-        check_like(bj, a, name, a_name)
+        # fp8 forms may mix (e4m3 activations, e5m2 gradients): torch._scaled_mm takes it
+        check_like(bj, a, name, a_name,
+                   dtype=not (a.dtype in FP8_DTYPES and bj.dtype in FP8_DTYPES))
     if k == 0 and not k_may_be_zero:
         raise InvalidArgumentError(f"{a_name} has K=0 columns: {tuple(a.shape)}")
     return bs, b_is_list

@@ -1,5 +1,7 @@
 """Drop-in twins of ``torch.ops.symm_mem.fused_all_gather_matmul`` and
-``fused_matmul_reduce_scatter`` (the latter in ``ficco/ops/matmul_reduce_scatter.py``).
+``fused_matmul_reduce_scatter`` (the latter in ``ficco/ops/matmul_reduce_scatter.py``), and of
+their fp8 forms ``fused_all_gather_scaled_matmul`` and ``fused_scaled_matmul_reduce_scatter``
+(``ficco/compat_scaled.py``).
 
 Same signature, return values, shapes and strides, so swapping one line is enough::
 
@@ -14,6 +16,8 @@ from . import agreement, api
 from .call import backend_for, check_tensor, check_weights, normalize_dim
 from .errors import InvalidArgumentError
 from .group import rank_world, resolve
+from .compat_scaled import (fused_all_gather_scaled_matmul,  # noqa: F401 (re-exported)
+                            fused_scaled_matmul_reduce_scatter)
 from .ops.all_gather_matmul import all_gather_flat
 from .ops.matmul_reduce_scatter import fused_matmul_reduce_scatter  # noqa: F401 (re-exported)
 

@@ -29,9 +29,9 @@ import torch
 from . import host_tasks
 from .buffers import Buffers
 from .errors import InvalidArgumentError
-from .plan import (COMPUTE, SYMMETRIC_BUFFERS, AllGather, AllToAll, Barrier, Block, Copy, Gemm,
-                   GatedGemm, HostOp, Plan, Record, Reduce, ReduceScatter, SendRecv, Signal,
-                   Wait, buffer_shapes, op_label)
+from .plan import (COMPUTE, SCALE_OF, SYMMETRIC_BUFFERS, AllGather, AllToAll, Barrier, Block,
+                   Copy, Gemm, GatedGemm, HostOp, Plan, Record, Reduce, ReduceScatter, SendRecv,
+                   Signal, Wait, buffer_shapes, op_label)
 
 # Step codes; a step is (code, queue index, x, y, z, w) with slot / event numbers in x..w.
 # CALL (x: a prepared copy, called with the queue), GEMM_HERE and LAUNCH_HERE (a GEMM or host
@@ -45,8 +45,8 @@ def _source_of(blk: Block) -> tuple:
     """The slot source of ``blk``: symmetric buffers carry the peer (None: this rank's)."""
     if blk.buf in SYMMETRIC_BUFFERS:
         return (blk.buf, blk.index, blk.peer)
-    if blk.buf == "input":
-        return ("input",)
+    if blk.buf in ("input", "input_scale"):
+        return (blk.buf,)
     return (blk.buf, blk.index)
 
 
@@ -79,7 +79,9 @@ class Binding:
 class CompiledPlan:
     """A plan lowered once to flat steps. ``slots`` lists every distinct view the plan
     touches as ``(source, spec)``: source ``("input",)``, ``("gathered", 0, peer)``,
-    ``("partial", j, peer)``, ``("out", j)``, ``("recv", j)`` or ``("b", j)``; spec ``("rect",
+    ``("partial", j, peer)``, ``("out", j)``, ``("recv", j)``, ``("b", j)`` or an epilogue
+    operand (``("input_scale",)``, ``("gathered_scale", 0, peer)``, ``("b_scale", j)``,
+    ``("bias", j)``); spec ``("whole",)`` (the tensor itself), ``("rect",
     row0, rows, col0, cols)`` (what ``t[row0:row0+rows, col0:col0+cols]`` gives), ``("batched",
     n, rows, cols, row0, col0, spacing)`` or ``("krows", k0, kc, c0, nc)``
     (``b[k0:k0+kc, c0:c0+nc]``)."""
@@ -115,6 +117,27 @@ class CompiledPlan:
             # An empty view of the input: dtype and device for a collective's empty pieces.
             return slot(("input",), ("rect", 0, 0, 0, 0))
 
+        def epilogue_args(op: Gemm) -> tuple:
+            """Slots of a GEMM's fp8 scales and bias (None: none), then accumulate and the
+            activation: the args of host_tasks.gemm_task. The bias and activation go with
+            the GEMM only when it writes the final value (no wide outputs)."""
+            p, out0 = plan.problem, op.out[0]
+            cols = ("rect", 0, 1, out0.col0, out0.cols)
+            if p.scaling == "row":
+                a_scale = blocks_slot(tuple(Block(SCALE_OF[blk.buf], blk.row0, blk.rows, 0, 1,
+                                                  blk.peer) for blk in op.a))
+                b_scale = slot(("b_scale", op.b), cols)
+            elif p.scaling:
+                a_scale, b_scale = slot(("input_scale",), ("whole",)), \
+                    slot(("b_scale", op.b), ("whole",))
+            else:
+                a_scale = b_scale = None
+            last = not wide
+            bias = slot(("bias", op.b), cols) if p.bias and last else None
+            return (a_scale, b_scale, bias, op.accumulate, p.activation if last else "")
+
+        wide = plan.wide_outputs()
+        epilogue = bool(plan.problem.scaling or plan.problem.bias or plan.problem.activation)
         steps, work = [], []   # work: (step number, op index) of every traced op
         for index, op in enumerate(plan.ops):
             q = queue_index[op.queue]
@@ -131,8 +154,13 @@ class CompiledPlan:
             elif isinstance(op, Gemm):
                 out0 = op.out[0]
                 weight = slot(("b", op.b), ("krows", op.k0, op.kc, out0.col0, out0.cols))
-                steps.append((GEMM, q, blocks_slot(op.a), weight, blocks_slot(op.out),
-                              op.accumulate))
+                if epilogue:   # fp8, bias, activation: torch ops run as a host task
+                    steps.append((LAUNCH, q, host_tasks.gemm_task,
+                                  (blocks_slot(op.a), weight, blocks_slot(op.out))
+                                  + epilogue_args(op), 0, 0))
+                else:
+                    steps.append((GEMM, q, blocks_slot(op.a), weight, blocks_slot(op.out),
+                                  op.accumulate))
             elif isinstance(op, Barrier):
                 steps.append((BARRIER, q, op.channel, op.step, 0, 0))
             elif isinstance(op, Reduce):
@@ -253,8 +281,8 @@ class CompiledPlan:
         else:
             ws_key = tuple([(t.data_ptr(), t.shape, t.stride(), t.storage_offset(), t.dtype,
                              t.device)
-                            for t in ([buffers.gathered] if buffers.gathered is not None else [])
-                            + list(buffers.partials)])
+                            for t in [buffers.gathered, buffers.gathered_scale,
+                                      *buffers.partials] if t is not None])
             if old is not None and old.ws_key != ws_key:
                 old = None
             ws_views = old.ws_views if old is not None else \
@@ -348,6 +376,9 @@ class CompiledPlan:
             base = bases.get(source)
             if base is None:
                 t = _source_tensor(source, buffers)
+                if t is None:   # a b without a bias while another b has one
+                    out[i] = None
+                    continue
                 base = bases[source] = (t, t.shape, t.stride(), t.storage_offset())
             out[i] = _make_view(base, spec)
         return out
@@ -382,6 +413,12 @@ def _source_tensor(source, buffers: Buffers) -> torch.Tensor:
         return buffers.local(kind, index) if peer is None else buffers.peer(peer, kind, index)
     if kind == "input":
         return buffers.a
+    if kind == "input_scale":
+        return buffers.a_scale
+    if kind == "b_scale":
+        return buffers.b_scales[source[1]]
+    if kind == "bias":
+        return buffers.biases[source[1]]
     if kind == "out":
         return buffers.outs[source[1]]
     if kind == "recv":
@@ -398,6 +435,8 @@ def _clamp(start: int, length: int, size: int) -> tuple[int, int]:
 def _make_view(base, spec) -> torch.Tensor:
     t, shape, stride, offset = base
     kind = spec[0]
+    if kind == "whole":   # a tensor-wise scale
+        return t
     if kind == "rect":
         _, row0, rows, col0, cols = spec
         r0, nr = _clamp(row0, rows, shape[0])

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .scaled import gemm_into
+
 
 def _reduce(dst, srcs, accumulate, scale):
     """``dst = ((dst if accumulate else 0) + sum(srcs)) * scale``, summed in float32 (float64
@@ -24,6 +26,20 @@ def _reduce(dst, srcs, accumulate, scale):
     dst.copy_(total)
 
 
+def _bytes(t):
+    """fp8 moves as the bytes it is: process groups (gloo, some NCCL builds) have no fp8 type
+    and nothing here adds fp8 values. Other dtypes (and None) unchanged."""
+    if t is not None and t.element_size() == 1 and t.is_floating_point():
+        return t.view(torch.uint8)
+    return t
+
+
+def _like(views, like):
+    """A tensor of the pieces' dtype and device for empty pieces: the first piece, else
+    ``like`` (an empty view of the input)."""
+    return next((v for v in views if v is not None), like)
+
+
 def _flat(views, like):
     return [v.reshape(-1) if v is not None else like.new_empty(0) for v in views]
 
@@ -31,6 +47,8 @@ def _flat(views, like):
 def _all_to_all(srcs, dsts, group, like):
     """``srcs[q]`` to rank q, ``dsts[p]`` from rank p; pieces of any size (None: nothing), in
     one all_to_all_single over packed buffers (gloo's list form needs equal sizes)."""
+    srcs, dsts = [_bytes(s) for s in srcs], [_bytes(d) for d in dsts]
+    like = _bytes(_like([*srcs, *dsts], like))
     sends = _flat(srcs, like)
     inp = torch.cat([s.contiguous() for s in sends]) if sends else like.new_empty(0)
     out_sizes = [0 if d is None else d.numel() for d in dsts]
@@ -43,6 +61,7 @@ def _all_to_all(srcs, dsts, group, like):
 
 def _reduce_scatter(srcs, dst, scale, group, like):
     """Rank q's ``dst`` <- sum over ranks of ``srcs[q]`` (None: an empty block)."""
+    like = _like([*srcs, dst], like)
     inputs = [s.contiguous() for s in _flat(srcs, like)]
     out = like.new_empty(0 if dst is None else dst.numel())
     dist.reduce_scatter(out, inputs, op=dist.ReduceOp.SUM, group=group)
@@ -57,6 +76,7 @@ def _global(group, rank):
 
 
 def _all_gather(src, dsts, group):
+    src, dsts = _bytes(src), [_bytes(d) for d in dsts]
     packed = src.contiguous()
     outs = [d if d.is_contiguous() else torch.empty_like(packed) for d in dsts]
     dist.all_gather(outs, packed, group=group)
@@ -68,6 +88,7 @@ def _all_gather(src, dsts, group):
 def _send_recv(send, send_to, recv, recv_from, group):
     # gloo's point-to-point takes host tensors only (its all-gather accepts device ones).
     via_host = dist.get_backend(group) == "gloo"
+    send, recv = _bytes(send), _bytes(recv)
     ops, landing = [], None
     if send is not None:
         payload = send.contiguous().cpu() if via_host else send.contiguous()
@@ -117,6 +138,15 @@ def reduce_scatter_task(v, group, args):
 def all_gather_task(v, group, args):
     src, dsts = v[args[0]], [v[d] for d in args[1]]
     return lambda: _all_gather(src, dsts, group)
+
+
+def gemm_task(v, group, args):
+    """A GEMM with fp8 scales, a bias or an activation (:func:`ficco.scaled.gemm_into`): slots
+    of a, b, out, a's scale, b's scale and the bias (None: none), then accumulate and the
+    activation."""
+    a, b, out, a_scale, b_scale, bias = _pick(v, args[:6])
+    accumulate, activation = args[6], args[7]
+    return lambda: gemm_into(a, b, out, accumulate, a_scale, b_scale, bias, activation)
 
 
 def send_recv_task(v, group, args):

@@ -35,8 +35,11 @@ from .errors import FiccoError, InvalidArgumentError
 from .group import by_name, name_of, rank_world, rank_world_of
 from .ops.all_gather_matmul import SPEC as ALL_GATHER_MATMUL
 from .ops.all_gather_matmul import check_arguments as check_all_gather_matmul
+from .ops.all_gather_matmul import check_epilogue as check_all_gather_epilogue
 from .ops.matmul_reduce_scatter import SPEC as MATMUL_REDUCE_SCATTER
 from .ops.matmul_reduce_scatter import check_arguments as check_matmul_reduce_scatter
+from .ops.matmul_reduce_scatter import check_epilogue as check_reduce_scatter_epilogue
+from .scaled import activation_fn
 
 # -- layouts -----------------------------------------------------------------------------------
 def restored_layout(moved_shape: Sequence[int], dim: int, rows: int, cols: int):
@@ -73,30 +76,55 @@ def _held_to(t: Tensor, shape, stride, inputs: Sequence[Tensor]) -> Tensor:
 
 
 # -- the real kernels: host work, run at call time -----------------------------------------------
-def _run_all_gather_matmul(a, b, group, gather_dim, schedule, return_gathered, role=FORWARD):
+def _run_all_gather_matmul(a, b, group, gather_dim, schedule, return_gathered, role=FORWARD,
+                           **epilogue):
     """The eager implementation: the real kernel of ``ficco::all_gather_matmul`` and the public
     function's path when the dispatcher adds nothing. Straight to the runtime (``api`` sits
-    above this module). ``role``: FORWARD, or the backward pass the call belongs to."""
-    call = ALL_GATHER_MATMUL.prepare(a, b, group, gather_dim, return_gathered)
+    above this module). ``epilogue``: fp8 scales, out_dtype, bias, activation; ``role``:
+    FORWARD, or the backward pass the call belongs to."""
+    call = ALL_GATHER_MATMUL.prepare(a, b, group, gather_dim, return_gathered, **epilogue)
     call.role = role
     return runtime.run(call, schedule)
 
 
-def _run_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, schedule, role=FORWARD):
-    call = MATMUL_REDUCE_SCATTER.prepare(a, b, group, scatter_dim, reduce_op)
+def _run_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, schedule, role=FORWARD,
+                               **epilogue):
+    call = MATMUL_REDUCE_SCATTER.prepare(a, b, group, scatter_dim, reduce_op, **epilogue)
     call.role = role
     return runtime.run(call, schedule)
+
+
+def _epilogue(a_scale, b_scales, biases, out_dtype, activation=None) -> dict:
+    """The ops' optional fp8/bias/activation arguments as the op specs' keywords."""
+    return {"a_scale": a_scale, "b_scale": None if b_scales is None else list(b_scales),
+            "bias": None if biases is None else list(biases), "out_dtype": out_dtype,
+            **({"activation": activation} if activation else {})}
 
 
 # -- the ops ------------------------------------------------------------------------------------
-@torch.library.custom_op("ficco::all_gather_matmul", mutates_args=())
+# Explicit schemas: the epilogue's optional lists ("Tensor[]?", "Tensor?[]?") have defaults, so
+# calls written before they existed keep working. ``role`` (last, "forward" by default): the
+# backward pass a call belongs to, which the ranks agree on (ficco.autograd passes it).
+_EPILOGUE_SCHEMA = ("Tensor? a_scale=None, Tensor[]? b_scales=None, Tensor?[]? biases=None, "
+                    "ScalarType? out_dtype=None")
+
+
+@torch.library.custom_op(
+    "ficco::all_gather_matmul", mutates_args=(),
+    schema="(Tensor a, Tensor[] bs, str group, int gather_dim, str? schedule, "
+           f"bool return_gathered, {_EPILOGUE_SCHEMA}, str? activation=None, "
+           f"str role=\"{FORWARD}\") -> (Tensor, Tensor[])")
 def all_gather_matmul_op(a: Tensor, bs: list[Tensor], group: str, gather_dim: int,
-                         schedule: Optional[str], return_gathered: bool, role: str = FORWARD
-                         ) -> tuple[Tensor, list[Tensor]]:
-    """``(all_gather(a, gather_dim) or an empty tensor, [gathered @ b for b in bs])``.
-    ``role``: "forward", or the backward pass the call belongs to (agreed across ranks)."""
+                         schedule: Optional[str], return_gathered: bool,
+                         a_scale: Optional[Tensor] = None, b_scales=None, biases=None,
+                         out_dtype: Optional[torch.dtype] = None,
+                         activation: Optional[str] = None,
+                         role: str = FORWARD) -> tuple[Tensor, list[Tensor]]:
+    """``(all_gather(a, gather_dim) or an empty tensor, [gathered @ b for b in bs])``, with
+    fp8 scales, output dtype, bias per b and an activation (:mod:`ficco.scaled`)."""
     pg = by_name(group)
-    out = _run_all_gather_matmul(a, list(bs), pg, gather_dim, schedule, return_gathered, role)
+    out = _run_all_gather_matmul(a, list(bs), pg, gather_dim, schedule, return_gathered, role,
+                                 **_epilogue(a_scale, b_scales, biases, out_dtype, activation))
     gathered, outs = out if return_gathered else (None, out)
     gather_dim %= a.dim()
     _, world = rank_world(pg)
@@ -155,8 +183,11 @@ def _through_dynamo(exc: FiccoError) -> FiccoError:
 
 @all_gather_matmul_op.register_fake
 @_errors_reach_the_caller
-def _(a, bs, group, gather_dim, schedule, return_gathered, role=FORWARD):
-    gather_dim, _, _ = check_all_gather_matmul(a, bs, gather_dim)   # eager's words
+def _(a, bs, group, gather_dim, schedule, return_gathered, a_scale=None, b_scales=None,
+      biases=None, out_dtype=None, activation=None, role=FORWARD):
+    gather_dim, bs, b_is_list = check_all_gather_matmul(a, bs, gather_dim)   # eager's words
+    check_all_gather_epilogue(a, bs, b_is_list, gather_dim,
+                              **_epilogue(a_scale, b_scales, biases, out_dtype, activation))
     _, world = rank_world_of(group)
     moved = _moved_shape(a, gather_dim)
     rows = world * moved[0]
@@ -166,17 +197,22 @@ def _(a, bs, group, gather_dim, schedule, return_gathered, role=FORWARD):
         return a.new_empty_strided(shape, stride, dtype=dtype)
 
     gathered = new(a.shape[-1], a.dtype) if return_gathered else a.new_empty(0)
-    return gathered, [new(b.shape[1], a.dtype) for b in bs]
+    return gathered, [new(b.shape[1], out_dtype or a.dtype) for b in bs]
 
 
-@torch.library.custom_op("ficco::matmul_reduce_scatter", mutates_args=())
+@torch.library.custom_op(
+    "ficco::matmul_reduce_scatter", mutates_args=(),
+    schema="(Tensor a, Tensor[] bs, str group, int scatter_dim, str reduce_op, str? schedule, "
+           f"{_EPILOGUE_SCHEMA}, str role=\"{FORWARD}\") -> Tensor[]")
 def matmul_reduce_scatter_op(a: Tensor, bs: list[Tensor], group: str, scatter_dim: int,
-                             reduce_op: str, schedule: Optional[str], role: str = FORWARD
-                             ) -> list[Tensor]:
-    """``[reduce_scatter(a @ b, scatter_dim, reduce_op) for b in bs]`` (``role``: see
-    ``all_gather_matmul_op``)."""
+                             reduce_op: str, schedule: Optional[str],
+                             a_scale: Optional[Tensor] = None, b_scales=None, biases=None,
+                             out_dtype: Optional[torch.dtype] = None,
+                             role: str = FORWARD) -> list[Tensor]:
+    """``[reduce_scatter(a @ b, scatter_dim, reduce_op) (+ bias) for b in bs]``."""
     outs = _run_matmul_reduce_scatter(a, list(bs), by_name(group), scatter_dim, reduce_op,
-                                      schedule, role)
+                                      schedule, role,
+                                      **_epilogue(a_scale, b_scales, biases, out_dtype))
     scatter_dim %= a.dim()
     moved = _moved_shape(a, scatter_dim)
     rows = _scattered_rows(moved[0], group)
@@ -186,12 +222,15 @@ def matmul_reduce_scatter_op(a: Tensor, bs: list[Tensor], group: str, scatter_di
 
 @matmul_reduce_scatter_op.register_fake
 @_errors_reach_the_caller
-def _(a, bs, group, scatter_dim, reduce_op, schedule, role=FORWARD):
-    scatter_dim, _, _ = check_matmul_reduce_scatter(a, bs, scatter_dim, reduce_op)
+def _(a, bs, group, scatter_dim, reduce_op, schedule, a_scale=None, b_scales=None, biases=None,
+      out_dtype=None, role=FORWARD):
+    scatter_dim, bs, b_is_list = check_matmul_reduce_scatter(a, bs, scatter_dim, reduce_op)
+    check_reduce_scatter_epilogue(a, bs, b_is_list, scatter_dim,
+                                  **_epilogue(a_scale, b_scales, biases, out_dtype))
     moved = _moved_shape(a, scatter_dim)
     rows = _scattered_rows(moved[0], group)
-    return [a.new_empty_strided(*restored_layout(moved, scatter_dim, rows, b.shape[1]))
-            for b in bs]
+    return [a.new_empty_strided(*restored_layout(moved, scatter_dim, rows, b.shape[1]),
+                                dtype=out_dtype or a.dtype) for b in bs]
 
 
 def _scattered_rows(total: int, group: str) -> int:
@@ -203,7 +242,8 @@ def _scattered_rows(total: int, group: str) -> int:
 
 # -- the public functions' front end -------------------------------------------------------------
 def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
-                      return_gathered=False):
+                      return_gathered=False, a_scale=None, b_scale=None, out_dtype=None,
+                      bias=None, activation=None):
     """``ficco.all_gather_matmul`` through the ``ficco::all_gather_matmul`` op (see that
     function for the arguments). ``a_shard`` may be a DTensor sharded along ``gather_dim`` on
     a 1-D mesh: its local shard is used and the mesh is the group."""
@@ -216,19 +256,35 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
     if any([type(x) not in _PLAIN for x in bs]):
         _refuse_dtensors(bs, "b")
     dim = _plain_int(gather_dim)
-    if dim is None or not _plain_name(schedule) or _eager_suffices(a_shard, bs):
+    extra = _op_epilogue(bs, b_is_list, a_scale, b_scale, bias, out_dtype)
+    if (dim is None or not _plain_name(schedule) or not _plain_name(activation) or extra is None
+            or _eager_suffices(a_shard, [*bs, *_tensors(extra)])):
         # No autograd, autocast, tracing or tensor subclass involved: the dispatcher would
         # add ~100 us of Python per call and change nothing.
-        return _run_all_gather_matmul(a_shard, b, group, gather_dim, schedule, return_gathered)
+        return _run_all_gather_matmul(a_shard, b, group, gather_dim, schedule, return_gathered,
+                                      a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype,
+                                      bias=bias,
+                                      **({"activation": activation} if activation else {}))
     name = name_of(group)
-    keep = return_gathered or (torch.is_grad_enabled() and any([x.requires_grad for x in bs])
+    grads = torch.is_grad_enabled() and any(
+        [isinstance(x, Tensor) and x.requires_grad for x in [a_shard, *bs, *_tensors(extra)]])
+    if grads:   # before any communication
+        autograd.refuse_fp8_gradients(a_shard, bs, a_scale)
+    keep = return_gathered or (grads and any([x.requires_grad for x in bs])
                                and _backward_gather() == "save")
-    gathered, outs = torch.ops.ficco.all_gather_matmul(a_shard, bs, name, dim, schedule, keep)
+    # The activation runs inside the op only without a gradient to carry: its backward needs
+    # the pre-activation values, which the op does not keep (torch's keeps them, as unfused).
+    inside = None if grads else activation
+    gathered, outs = torch.ops.ficco.all_gather_matmul(a_shard, bs, name, dim, schedule, keep,
+                                                       *extra, inside)
+    if activation and not inside:
+        outs = [activation_fn(activation)(o) for o in outs]
     out = outs if b_is_list else outs[0]
     return (gathered, out) if return_gathered else out
 
 
-def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", schedule=None):
+def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", schedule=None,
+                          a_scale=None, b_scale=None, out_dtype=None, bias=None):
     """``ficco.matmul_reduce_scatter`` through the ``ficco::matmul_reduce_scatter`` op."""
     b_is_list = isinstance(b, (list, tuple))
     bs = list(b) if b_is_list else [b]
@@ -236,12 +292,56 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
         _refuse_dtensors([a], "a")
         _refuse_dtensors(bs, "b")
     dim = _plain_int(scatter_dim)
+    extra = _op_epilogue(bs, b_is_list, a_scale, b_scale, bias, out_dtype)
     if (dim is None or not isinstance(reduce_op, str) or not _plain_name(schedule)
-            or _eager_suffices(a, bs)):
-        return _run_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, schedule)
+            or extra is None or _eager_suffices(a, [*bs, *_tensors(extra)])):
+        return _run_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, schedule,
+                                          a_scale=a_scale, b_scale=b_scale,
+                                          out_dtype=out_dtype, bias=bias)
+    if torch.is_grad_enabled():   # before any communication
+        autograd.refuse_fp8_gradients(a, bs, a_scale)
     outs = torch.ops.ficco.matmul_reduce_scatter(a, bs, name_of(group), dim, reduce_op,
-                                                 schedule)
+                                                 schedule, *extra)
     return outs if b_is_list else outs[0]
+
+
+_NO_EPILOGUE = (None, None, None, None)
+
+
+def _op_epilogue(bs, b_is_list, a_scale, b_scale, bias, out_dtype):
+    """(a_scale, b_scales, biases, out_dtype) as the ops' schema takes them (lists, one entry
+    per b), or None when they do not fit it (the eager path's validation then names what is
+    wrong)."""
+    if a_scale is None and b_scale is None and bias is None and out_dtype is None:
+        return _NO_EPILOGUE   # the common call: nothing to look at
+    def as_list(value, optional):
+        if value is None:
+            return None
+        values = list(value) if isinstance(value, (list, tuple)) else (
+            None if b_is_list and len(bs) > 1 else [value])
+        if values is None or len(values) != len(bs) or not all(
+                isinstance(v, Tensor) or (optional and v is None) for v in values):
+            raise _NotForTheOp
+        return values
+    try:
+        if not (a_scale is None or isinstance(a_scale, Tensor)) or not (
+                out_dtype is None or isinstance(out_dtype, torch.dtype)):
+            return None
+        return a_scale, as_list(b_scale, False), as_list(bias, True), out_dtype
+    except _NotForTheOp:
+        return None
+
+
+class _NotForTheOp(Exception):
+    pass
+
+
+def _tensors(extra) -> list:
+    """The tensors among the ops' epilogue arguments (scales and biases)."""
+    if extra is _NO_EPILOGUE:
+        return []
+    a_scale, b_scales, biases, _ = extra
+    return [t for t in [a_scale, *(b_scales or ()), *(biases or ())] if t is not None]
 
 
 _PLAIN = (Tensor, torch.nn.Parameter)

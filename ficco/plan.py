@@ -17,6 +17,10 @@ Buffers an op may name (``Block.buf``), all 2-D, row-major (shapes: :func:`buffe
   are reduced, ``W*R x n_j`` for a block of R rows: peer p's at rows ``[p*R, (p+1)*R)``.
 - ``"out"``: output ``Block.index`` j: ``M x n_j`` (all-gather) or this rank's block,
   ``R x n_j`` (reduce-scatter).
+- ``"input_scale"``, ``"gathered_scale"`` (all-gather of fp8 with row-wise scales): the
+  float32 scale of every row of ``input`` (``m x 1``) and of ``gathered`` (``M x 1``,
+  symmetric). Schedules never name them: :class:`PlanBuilder` moves a row's scale with the
+  copy or collective that moves the row's first column (:func:`scale_companion`).
 
 Queues: ``"compute"`` (the caller's stream), ``"copy0"`` … ``"copy{E-1}"`` (copy engines),
 ``"comm"`` (the process group's collectives). Ops on one queue run in list order; a dependency
@@ -34,9 +38,11 @@ from .problem import Problem
 
 COMPUTE = "compute"
 COMM = "comm"
-BUFFERS = ("input", "gathered", "partial", "recv", "out")
+BUFFERS = ("input", "gathered", "partial", "recv", "out", "input_scale", "gathered_scale")
 #: buffers other ranks may read (symmetric memory with ``dma``)
-SYMMETRIC_BUFFERS = ("gathered", "partial")
+SYMMETRIC_BUFFERS = ("gathered", "partial", "gathered_scale")
+#: the row-scale buffer of each buffer that holds rows of A (row-wise fp8 scaling)
+SCALE_OF = {"input": "input_scale", "gathered": "gathered_scale"}
 
 
 def copy_queue(i: int) -> str:
@@ -54,6 +60,10 @@ def buffer_shapes(problem: Problem) -> dict[tuple, tuple[int, int]]:
     """
     p = problem
     shapes = {("input",): (p.m, p.k)}
+    if p.scaling == "row":
+        shapes[("input_scale",)] = (p.m, 1)
+        if not p.reduces:
+            shapes[("gathered_scale",)] = (p.big_m, 1)
     if p.reduces:
         rows = p.block_rows
         for j, n in enumerate(p.ns):
@@ -68,9 +78,27 @@ def buffer_shapes(problem: Problem) -> dict[tuple, tuple[int, int]]:
 
 def source_of(blk: "Block") -> tuple:
     """The :func:`buffer_shapes` key of the buffer ``blk`` lies in (peer not included)."""
-    if blk.buf in ("input", "gathered"):
+    if blk.buf in ("input", "gathered", "input_scale", "gathered_scale"):
         return (blk.buf,)
     return (blk.buf, blk.index)
+
+
+def item_bytes(problem: Problem, buf: str, wide: bool = False) -> int:
+    """Bytes of one element of buffer ``buf``: A's rows in the operands' dtype, row scales in
+    float32, reduce-scatter partials as they travel (:attr:`Problem.partial_itemsize`),
+    outputs in the output dtype (float32 when the plan's outputs are ``wide``).
+
+    >>> item_bytes(Problem(4, 32, (16,), "float8_e4m3fn", 2, scaling="row",
+    ...                    out_dtype="bfloat16"), "out")
+    2
+    """
+    if buf in ("input", "gathered"):
+        return problem.itemsize
+    if buf in ("input_scale", "gathered_scale"):
+        return 4
+    if buf == "out":
+        return 4 if wide and problem.out_itemsize < 4 else problem.out_itemsize
+    return problem.partial_itemsize
 
 
 @dataclass(frozen=True)
@@ -319,11 +347,42 @@ class Plan:
         return Counter(op.kind for op in self.ops if isinstance(op, WORK_OPS))
 
     def wide_outputs(self) -> bool:
-        """Whether this plan adds partial products into a bf16/fp16 output: then its outputs
-        are float32 and rounded once at the end (DESIGN §7), which the runtime allocates and
-        the simulator prices (float32 output traffic plus one cast pass)."""
-        return self.problem.itemsize <= 2 and any(getattr(op, "accumulate", False)
-                                                  for op in self.ops)
+        """Whether this plan's outputs are float32, rounded once at the end (DESIGN §7), which
+        the runtime allocates and the simulator prices (float32 output traffic plus one cast
+        pass): when it adds partial products into a bf16/fp16/fp8 output, or adds them at all
+        while an epilogue (bias, activation) must follow the last one, and for the
+        reduce-scatter's bias (added once, to the float32 sum)."""
+        p = self.problem
+        if p.reduces and p.bias:
+            return True
+        adds = any(getattr(op, "accumulate", False) for op in self.ops)
+        return adds and (p.out_itemsize <= 2 or p.bias or bool(p.activation))
+
+
+def scale_companion(op: Op) -> Op | None:
+    """The op that moves the row scales of the rows ``op`` moves (row-wise fp8 scaling of
+    the all-gather's A), or None. A row's scale travels with the piece holding the row's
+    first column, so 1-D pieces carry their scales and of the 2-D column chunks only the
+    first does (a GEMM of a later chunk waits for that one through queue order: every
+    schedule moves chunk 0 of a row before its other chunks, on the same queue).
+
+    >>> op = Copy("copy0", Block("gathered", 4, 2, 0, 8, peer=1), Block("gathered", 4, 2, 0, 8))
+    >>> scale_companion(op).dst
+    Block(buf='gathered_scale', row0=4, rows=2, col0=0, cols=1, peer=None, index=0)
+    """
+    def scale(blk: Block | None) -> Block | None:
+        if blk is None or blk.buf not in SCALE_OF or blk.col0 != 0:
+            return None
+        return Block(SCALE_OF[blk.buf], blk.row0, blk.rows, 0, 1, blk.peer)
+
+    if isinstance(op, Copy) and scale(op.src) and scale(op.dst):
+        return Copy(op.queue, scale(op.src), scale(op.dst), False, op.step)
+    if isinstance(op, AllGather) and scale(op.src):
+        return AllGather(op.queue, scale(op.src), tuple(map(scale, op.dsts)), op.step)
+    if isinstance(op, SendRecv) and (scale(op.send) or scale(op.recv)):
+        return SendRecv(op.queue, scale(op.send), op.send_to if op.send else None,
+                        scale(op.recv), op.recv_from if op.recv else None, op.step)
+    return None
 
 
 @dataclass
@@ -363,6 +422,7 @@ class PlanBuilder:
         event_of = {d: n for n, d in enumerate(sorted(event_of))}
         ops: list[Op] = []
         waited: dict[str, set] = {}   # a queue that waited for an event once need not again
+        row_scaled = self.problem.scaling == "row" and not self.problem.reduces
         for i, op in enumerate(self._ops):
             seen = waited.setdefault(op.queue, set())
             for d in self._deps[i]:
@@ -370,6 +430,9 @@ class PlanBuilder:
                     seen.add(d)
                     ops.append(Wait(op.queue, event_of[d]))
             ops.append(op)
+            companion = scale_companion(op) if row_scaled else None
+            if companion is not None:   # before the Record: whoever waits for op waits for it
+                ops.append(companion)
             if i in event_of:
                 ops.append(Record(op.queue, event_of[i]))
         queues = tuple(dict.fromkeys([COMPUTE] + queue_of))

@@ -22,11 +22,21 @@ import torch
 
 from .errors import InvalidArgumentError
 
-_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2,
+             # fp8 operands (torch._scaled_mm): OCP forms (H100/H200/B200, MI355X) and the
+             # fnuz forms of MI300X/MI325X
+             "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1}
+#: how A's fp8 operands are scaled (``Problem.scaling``): none, one scale for the whole
+#: matrix, or one per row of A and per column of B (torch._scaled_mm's two recipes)
+SCALINGS = ("", "tensor", "row")
+#: activation epilogues ``all_gather_matmul`` applies per output piece (``Problem.activation``)
+ACTIVATIONS = ("", "gelu", "gelu_tanh", "silu", "relu")
 ALL_GATHER_MATMUL = "all_gather_matmul"
 MATMUL_REDUCE_SCATTER = "matmul_reduce_scatter"
 OPS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER)
 REDUCE_OPS = ("sum", "avg")
+#: fp8 column chunks are cut in whole multiples of this many columns (see Problem.col_chunks)
+FP8_ALIGN = 16
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -50,9 +60,12 @@ def even_split(total: int, parts: int) -> list[tuple[int, int]]:
 
 
 class DtypeFields:
-    """``itemsize`` and ``torch_dtype`` of a problem whose ``dtype`` is a torch dtype name."""
+    """``itemsize`` and ``torch_dtype`` of a problem whose ``dtype`` is a torch dtype name, and
+    its epilogue (:mod:`ficco.scaled`): none unless the problem's own fields say otherwise
+    (:class:`Problem` has them; the expert ops have no epilogue)."""
 
     dtype: str
+    out_dtype, scaling, bias, activation = "", "", False, ""
 
     @cached_property      # read per op by the simulator: once per problem
     def itemsize(self) -> int:
@@ -61,6 +74,17 @@ class DtypeFields:
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
+
+    @property
+    def out_itemsize(self) -> int:
+        """Bytes of one output element (``out_dtype``, else ``dtype``)."""
+        return _ITEMSIZE[self.out_dtype or self.dtype]
+
+    @property
+    def partial_itemsize(self) -> int:
+        """Bytes of one reduce-scatter partial product as it travels: the output's dtype, or
+        float32 for an fp8 output (partials are summed in float32 and rounded once)."""
+        return self.out_itemsize if self.out_itemsize >= 2 else 4
 
 
 @dataclass(frozen=True)
@@ -73,6 +97,9 @@ class Problem(DtypeFields):
     ``world``: group size W; ``rank``: this rank; ``dtype``: torch dtype name.
     Reduce-scatter only: ``unit`` rows make one index of the scattered dimension (blocks are
     whole units), ``reduce_op`` is ``"sum"`` or ``"avg"``.
+    The epilogue (:mod:`ficco.scaled`): ``out_dtype`` of the outputs ("" = ``dtype``),
+    ``scaling`` of fp8 operands ("tensor" or "row"; "" unscaled), whether a ``bias`` is added
+    and which ``activation`` follows it (all-gather only).
 
     >>> p = Problem(m=10, k=4, ns=(3,), dtype="float32", world=4, op="matmul_reduce_scatter")
     >>> [p.block(r) for r in range(4)]
@@ -88,6 +115,10 @@ class Problem(DtypeFields):
     op: str = ALL_GATHER_MATMUL
     unit: int = 1
     reduce_op: str = "sum"
+    out_dtype: str = ""
+    scaling: str = ""
+    bias: bool = False
+    activation: str = ""
 
     def __post_init__(self):
         if self.op not in OPS:
@@ -105,9 +136,18 @@ class Problem(DtypeFields):
         if self.world < 1 or not 0 <= self.rank < self.world:
             raise InvalidArgumentError(
                 f"Problem needs 0 <= rank < world; got rank={self.rank}, world={self.world}")
-        if self.dtype not in _ITEMSIZE:
+        for name, value in (("dtype", self.dtype), ("out_dtype", self.out_dtype or "float32")):
+            if value not in _ITEMSIZE:
+                raise InvalidArgumentError(
+                    f"{name} {value!r} is not supported; use one of {sorted(_ITEMSIZE)}")
+        if self.scaling not in SCALINGS or (self.scaling == "") == (self.itemsize == 1):
             raise InvalidArgumentError(
-                f"dtype {self.dtype!r} is not supported; use one of {sorted(_ITEMSIZE)}")
+                f"Problem.scaling must be 'tensor' or 'row' for fp8 and '' otherwise; got "
+                f"scaling={self.scaling!r} with dtype={self.dtype!r}")
+        if self.activation not in ACTIVATIONS or (self.activation and self.reduces):
+            raise InvalidArgumentError(
+                f"Problem.activation must be one of {ACTIVATIONS[1:]} (all_gather_matmul "
+                f"only) or ''; got {self.activation!r} for op {self.op!r}")
 
     # The properties a call reads repeatedly are cached on the (frozen) instance.
     @cached_property
@@ -146,11 +186,6 @@ class Problem(DtypeFields):
         relative to it (1D FiCCO)."""
         return even_split(self.m if rows is None else rows, self.world)
 
-    def col_chunks(self, cols: int | None = None) -> list[tuple[int, int]]:
-        """The W column chunks (start, cols) of K (2D all-gather) or of ``cols`` output
-        columns (2D reduce-scatter)."""
-        return even_split(self.k if cols is None else cols, self.world)
-
     @property
     def flops(self) -> int:
         """Floating-point operations of the whole local GEMM(s): 2 * M * K * sum(n)."""
@@ -158,9 +193,10 @@ class Problem(DtypeFields):
 
     @property
     def gemm_bytes(self) -> int:
-        """MT: bytes of the GEMM(s) read and written once, (M*K + K*n + M*n) * itemsize."""
-        return (self.big_m * self.k + self.k * self.n_total + self.big_m * self.n_total) \
-            * self.itemsize
+        """MT: bytes of the GEMM(s) read and written once, (M*K + K*n) * itemsize +
+        M*n * out_itemsize."""
+        return (self.big_m * self.k + self.k * self.n_total) * self.itemsize \
+            + self.big_m * self.n_total * self.out_itemsize
 
     @property
     def otb(self) -> float:
@@ -170,16 +206,30 @@ class Problem(DtypeFields):
     @property
     def gather_bytes(self) -> int:
         """Bytes each rank receives: the all-gather's (W - 1) * m * K * itemsize, or the
-        reduce-scatter's W - 1 partial blocks, (W - 1) * rows * sum(n) * itemsize."""
+        reduce-scatter's W - 1 partial blocks, (W - 1) * rows * sum(n) * partial_itemsize."""
         if self.reduces:
-            return (self.world - 1) * self.block_rows * self.n_total * self.itemsize
+            return (self.world - 1) * self.block_rows * self.n_total * self.partial_itemsize
         return (self.world - 1) * self.m * self.k * self.itemsize
 
     def key(self) -> tuple:
         """The part of the problem a decision may depend on (rank excluded on purpose: every
         rank must reach the same decision). The reduce-scatter's starts with its op name; the
-        all-gather's keeps its original 5-tuple (caches and tests key on it)."""
+        all-gather's keeps its original 5-tuple (caches and tests key on it). An epilogue
+        (out_dtype, fp8 scaling, bias, activation) adds one tuple at the end."""
+        extra = (self.out_dtype, self.scaling, self.bias, self.activation)
+        tail = (extra,) if any(extra) else ()
         if self.reduces:
             return (self.op, self.m, self.k, self.ns, self.dtype, self.world, self.unit,
-                    self.reduce_op)
-        return (self.m, self.k, self.ns, self.dtype, self.world)
+                    self.reduce_op) + tail
+        return (self.m, self.k, self.ns, self.dtype, self.world) + tail
+
+    def col_chunks(self, cols: int | None = None) -> list[tuple[int, int]]:
+        """The W column chunks (start, cols) of K (2D all-gather) or of ``cols`` output
+        columns (2D reduce-scatter). fp8 chunks are whole multiples of 16 columns (but the
+        last): ``torch._scaled_mm`` on GPUs takes only such K and n, and every backend cuts
+        alike so the CPU tests run the GPUs' pieces."""
+        total = self.k if cols is None else cols
+        align = FP8_ALIGN if self.itemsize == 1 else 1
+        units = -(-total // align)
+        return [(min(start * align, total), max(min(length * align, total - start * align), 0))
+                for start, length in even_split(units, self.world)]

@@ -19,12 +19,13 @@ import threading
 import time
 from collections import OrderedDict
 
-from . import agreement, config, guard, profiling
+from . import agreement, config, guard, profiling, schedules
 from .backends import close_all
 from .call import Call, settings as read_settings
 from .config import TRANSPORT_SETTINGS
 from .errors import ConfigError, InvalidArgumentError, MismatchError
 from .executor import execute as execute_plan
+from .schedules import epilogue_reason
 from .symm_mem import workspace
 from .symm_mem.barrier import call_flag
 
@@ -49,13 +50,16 @@ def settings(call: Call, schedule: str | None = None, transport: str | None = No
     (environment, overrides, arguments): a repeated call costs one snapshot of FICCO_* values."""
     key = (config.snapshot(), call.op.name, call.target, call.world > 1, schedule,
            transport, selector)
-    cached = _settings_seen.get(key)
-    if cached is not None:
-        return cached
-    s = _settings(call, schedule, transport, selector)
-    if len(_settings_seen) >= 256:
-        _settings_seen.clear()
-    _settings_seen[key] = s
+    s = _settings_seen.get(key)
+    if s is None:
+        s = _settings(call, schedule, transport, selector)
+        if len(_settings_seen) >= 256:
+            _settings_seen.clear()
+        _settings_seen[key] = s
+    if s["schedule"] is not None and call.world > 1:   # per call: the key has no Problem
+        why = epilogue_reason(s["schedule"], call.problem)
+        if why:
+            raise InvalidArgumentError(f"schedule {s['schedule']!r} cannot run this call: {why}")
     return s
 
 
@@ -75,10 +79,11 @@ def _settings(call: Call, schedule, transport, selector) -> dict:
                 raise
             raise ConfigError(f"FICCO_SCHEDULE={s['schedule']!r} is not valid: {exc}") from None
         # Optional schedules (gated-*: Triton) say here, before any communication, why not.
-        why = getattr(chosen, "unavailable_reason", None)
-        why = why and why(call.target, "ccl" if s["transport"] == "ccl" else "dma")
+        why = schedules.why_not_here(chosen.name, call.target,
+                                     "ccl" if s["transport"] == "ccl" else "dma", call.op.name)
         if why and call.world > 1:
             raise InvalidArgumentError(f"schedule {s['schedule']!r} cannot run here: {why}")
+
     from .heuristics import profiles
 
     profiles.resolve(call.target)   # a bad FICCO_PROFILE fails here, alone

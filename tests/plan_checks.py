@@ -21,6 +21,11 @@ built alongside (queue order, events, barriers, collectives). The checks:
 6. with ``dma``, every pull from a peer happens before the plan's last barrier, so no peer
    reuses a buffer still being read.
 
+Row-wise fp8 scaling (``Problem.scaling == "row"``) adds the row-scale buffers: every GEMM
+also reads the scales of the rows it multiplies (so rule 1 says they arrived before it, from
+the same rows), scale copies and collectives move a peer's scales to the same rows, and every
+remote row's scale is received exactly once.
+
 For ``matmul_reduce_scatter`` a product cell also carries the set of ranks whose partials it
 sums, and rules 2 and 3 become: every ``out`` cell of rank r ends as row ``block(r)`` of
 ``sum over all W ranks of a_q @ b_j`` at its own column, each rank's partial added exactly
@@ -40,8 +45,11 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ficco.plan import (SYMMETRIC_BUFFERS, AllGather, AllToAll, Barrier, Block, Copy, Gemm, Plan,
-                        Record, Reduce, ReduceScatter, SendRecv, Wait, buffer_shapes, source_of)
+from ficco.plan import (SCALE_OF, SYMMETRIC_BUFFERS, AllGather, AllToAll, Barrier, Block, Copy,
+                        Gemm, Plan, Record, Reduce, ReduceScatter, SendRecv, Wait, buffer_shapes,
+                        source_of)
+
+SCALES = tuple(SCALE_OF.values())
 
 # Fields of a cell: its symbolic value (the first VALUE), then bookkeeping. P_RANKS: bit q set
 # when rank q's partial is in the sum (reduce-scatter); P_SCALED: times ``avg`` scaled it.
@@ -113,7 +121,22 @@ class _Checker:
         inp[..., A_ROW] = (0 if p.reduces else p.shard_row0(p.rank)) + np.arange(p.m)[:, None]
         inp[..., A_COL] = np.arange(p.k)[None, :]
         inp[..., WRITER] = PRECONDITION
+        if ("input_scale",) in bufs:   # the scale of each of the input's rows
+            scale = bufs[("input_scale",)].cells
+            scale[..., A_ROW] = inp[:, :1, A_ROW]
+            scale[..., A_COL] = 0
+            scale[..., WRITER] = PRECONDITION
         return bufs
+
+    def read_scales(self, rank: int, a_blk: Block, rows: np.ndarray, node: int) -> None:
+        """Row-wise fp8: a GEMM reads the scales of the rows it multiplies."""
+        if self.p.scaling != "row":
+            return
+        blk = Block(SCALE_OF[a_blk.buf], a_blk.row0, a_blk.rows, 0, 1, a_blk.peer)
+        got = self.read(rank, blk, node)[:, 0, A_ROW]
+        if not np.array_equal(got, rows.reshape(-1)):
+            self.fail(f"{self.label(node)} multiplies rows {rows.reshape(-1)[:4]}.. by the "
+                      f"scales of rows {got[:4]}..")
 
     # -- reporting ----------------------------------------------------------------------------
     def fail(self, msg: str):
@@ -204,6 +227,8 @@ class _Checker:
         p, src, dst = self.p, op.src, op.dst
         if p.reduces:
             return self.run_pull_partial(rank, op, node)
+        if src.buf in SCALES:   # a row's scale, moving with the row
+            return self.run_scale_copy(rank, op, node)
         if src.buf == "input":
             expect = Block("gathered", p.shard_row0(rank) + src.row0, src.rows, src.col0, src.cols)
         elif src.buf == "gathered" and src.peer is not None and src.peer != rank:
@@ -222,6 +247,22 @@ class _Checker:
                       f"{p.k} columns")
         value = self.read(rank, src, node).copy()   # src may be dst's own buffer
         self.write(rank, dst, node, value, init=True, received=src.buf != "input")
+
+    def run_scale_copy(self, rank: int, op: Copy, node: int) -> None:
+        p, src = self.p, op.src
+        if src.buf == "input_scale":
+            expect = Block("gathered_scale", p.shard_row0(rank) + src.row0, src.rows, 0, 1)
+        elif src.peer is not None and src.peer != rank \
+                and p.shard_row0(src.peer) <= src.row0 \
+                and src.row0 + src.rows <= p.shard_row0(src.peer) + p.m:
+            expect = replace(src, peer=None)
+        else:
+            self.fail(f"{self.label(node)}: a scale copy must publish input_scale or pull "
+                      f"the scales of a peer's shard rows; got {src}")
+        if op.dst != expect or op.two_d or (src.col0, src.cols) != (0, 1):
+            self.fail(f"{self.label(node)} moves scales {src} to {op.dst}, expected {expect}")
+        self.write(rank, op.dst, node, self.read(rank, src, node).copy(), init=True,
+                   received=src.buf != "input_scale")
 
     def run_pull_partial(self, rank: int, op: Copy, node: int) -> None:
         p, src = self.p, op.src
@@ -256,6 +297,7 @@ class _Checker:
                     or o_blk.buf not in ("partial", "out") or o_blk.peer is not None:
                 self.fail(f"{label}: block shapes do not match ({a_blk} -> {o_blk})")
             rows = self.read(rank, a_blk, node)[:, :1, A_ROW]
+            self.read_scales(rank, a_blk, rows, node)
             # The output row a GEMM writes must be the row of a it multiplies.
             where = o_blk.row0 + (row0 if o_blk.buf == "out" else 0)
             if not np.array_equal(rows[:, 0], np.arange(where, where + o_blk.rows)):
@@ -332,6 +374,7 @@ class _Checker:
                     and (a[..., A_ROW] == rows).all() and rows.min() >= 0):
                 self.fail(f"{label} reads {a_blk}, which does not hold A[:, {op.k0}:"
                           f"{op.k0 + op.kc}] rows")
+            self.read_scales(rank, a_blk, rows, node)
             if op.accumulate:
                 out = self.read(rank, o_blk, node).copy()
                 if not ((out[..., P_ROW] == rows).all() and (out[..., P_B] == op.b).all()
@@ -358,8 +401,12 @@ class _Checker:
             for q, d in enumerate(op.dsts):
                 expect_row0 = self.p.shard_row0(q) + op.src.row0 - self.p.shard_row0(r) \
                     if op.src.buf == "gathered" else self.p.shard_row0(q) + op.src.row0
+                if op.src.buf in SCALES:
+                    expect_row0 = self.p.shard_row0(q) + op.src.row0 - (
+                        self.p.shard_row0(r) if op.src.buf == "gathered_scale" else 0)
+                want = "gathered_scale" if op.src.buf in SCALES else "gathered"
                 if (d.buf, d.peer, d.row0, d.rows, d.col0, d.cols) != (
-                        "gathered", None, expect_row0, op.src.rows, op.src.col0, op.src.cols):
+                        want, None, expect_row0, op.src.rows, op.src.col0, op.src.cols):
                     self.fail(f"{self.label(node)}: destination {q} is {d}, not the "
                               f"same rectangle of shard {q}")
                 self.write(r, d, node, values[q], init=True, received=q != r)
@@ -579,6 +626,12 @@ class _Checker:
                     self.fail(f"rank {r}: remote cells of gathered are received "
                               f"{sorted(set(received.ravel().tolist()))} times, "
                               "expected exactly once")
+                if p.scaling == "row":
+                    sc = bufs[("gathered_scale",)].cells
+                    if not ((sc[..., A_ROW] == rows).all()
+                            and (sc[..., RECEIVED][remote] == 1).all()):
+                        self.fail(f"rank {r}: gathered_scale does not end as every row's "
+                                  f"scale, each remote one received exactly once")
         self.check_closing_barrier()
 
     def check_closing_barrier(self) -> None:

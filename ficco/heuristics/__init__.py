@@ -71,7 +71,8 @@ def _model(problem: Problem, ctx: Context) -> Decision:
     width, cls = bands.band(problem, ctx.profile, ctx.topology)
     # Optional schedules (gated-*: Triton) only where they run on this target.
     choice = banded_choice(problem, ctx.profile, ctx.topology, ctx.transports, ctx.copy_engines,
-                           lambda via: schedules.offered(ctx.target, via, problem.op), width, cls)
+                           lambda via: schedules.offered(ctx.target, via, problem.op, problem),
+                           width, cls)
     return Decision(choice.schedule, choice.transport, "model", ctx.inputs, choice.scores,
                     choice.reason, band=width, band_class=cls)
 

@@ -55,7 +55,8 @@ def parts(problem, profile, topology: str | None = None) -> tuple[float, float]:
     """
     topology = topology or profile.topology
     gemm_s = gemm_cost.gemm_seconds(profile, problem.dtype, [problem.big_m], problem.n_total,
-                                    problem.k, problem.itemsize)
+                                    problem.k, problem.itemsize,
+                                    out_itemsize=problem.out_itemsize)   # fp8: bf16 out
     link = profile.link_for(topology, problem.world)
     ingress = link * (max(problem.world - 1, 1) if topology == "mesh" else 1)
     return gemm_s, problem.gather_bytes / ingress

@@ -9,7 +9,8 @@ JSON schema (every key at top level; units in the names)::
     {
       "name": "mi300x",                        # str
       "peak_flops": {"bfloat16": 1.3074e15,    # dense FLOP/s per torch dtype name
-                     "float16": ..., "float32": ..., "float64": ...},
+                     "float16": ..., "float32": ..., "float64": ...,
+                     "float8_e4m3fnuz": 2.6149e15, ...},   # fp8: the forms the device runs
       "hbm_bytes_per_s": 5.3e12,               # device memory bandwidth
       "hbm_capacity_bytes": 1.92e11,           # device memory size
       "compute_units": 304,                    # CUs (AMD) or SMs (NVIDIA)
@@ -85,6 +86,10 @@ from pathlib import Path
 from ..errors import ConfigError
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
+_FP8 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+#: dtypes priced at another's peak when a profile does not list them (Profile.flops)
+_SIBLINGS = {"float16": ("bfloat16",), "bfloat16": ("float16",),
+             **{f: tuple(g for g in _FP8 if g != f) for f in _FP8}}
 TOPOLOGIES = ("mesh", "switch", "pcie")
 REQUIRED = ("name", "peak_flops", "hbm_bytes_per_s", "compute_units", "topology",
             "link_bytes_per_s")
@@ -180,8 +185,15 @@ class Profile:
 
     # -- derived numbers ---------------------------------------------------------------------
     def flops(self, dtype: str) -> float:
-        """Peak dense FLOP/s for ``dtype``; float16 falls back to bfloat16 and back."""
-        for name in (dtype, {"float16": "bfloat16", "bfloat16": "float16"}.get(dtype)):
+        """Peak dense FLOP/s for ``dtype``; float16 falls back to bfloat16 and back, an fp8
+        form to the device's other fp8 forms (same matrix-unit rate: E4M3 and E5M2 alike, and
+        the fnuz forms of MI300X stand in for the OCP ones there, so fp8 problems price on
+        every fp8 device).
+
+        >>> load("mi300x").flops("float8_e4m3fn") == load("mi300x").flops("float8_e4m3fnuz")
+        True
+        """
+        for name in (dtype, *_SIBLINGS.get(dtype, ())):
             if name in self.peak_flops:
                 return float(self.peak_flops[name])
         raise ConfigError(f"profile {self.name!r} has no peak_flops for {dtype!r}; it has "

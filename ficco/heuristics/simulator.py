@@ -56,7 +56,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import InvalidArgumentError
-from ..plan import COMPUTE, Plan, Record, Wait, buffer_shapes, op_label
+from ..plan import COMPUTE, Plan, Record, Wait, buffer_shapes, item_bytes, op_label
 from . import all_to_all_pricing
 from . import gemm as gemm_cost
 # Contention rates live in .contention; re-exported here for callers of simulator.*.
@@ -107,9 +107,9 @@ class _Simulation:
         self.plan, self.profile, self.topology = plan, profile, topology
         self.problem = plan.problem
         self.itemsize = self.problem.itemsize
-        # bf16/fp16 partial sums accumulate in a float32 output, rounded once at the end.
-        wide = plan.wide_outputs() if wide_outputs is None else wide_outputs
-        self.out_itemsize = 4 if wide and self.itemsize < 4 else self.itemsize
+        # bf16/fp16/fp8 partial sums accumulate in a float32 output, rounded once at the end.
+        self.wide = plan.wide_outputs() if wide_outputs is None else wide_outputs
+        self.out_itemsize = item_bytes(self.problem, "out", self.wide)
         self.link_bytes_per_s = profile.link_for(topology, self.problem.world)
         peers = max(self.problem.world - 1, 1)
         self.ingress_bytes_per_s = self.link_bytes_per_s * (peers if topology == "mesh" else 1)
@@ -183,13 +183,14 @@ class _Simulation:
         """A plan with float32 outputs (:meth:`Plan.wide_outputs`) ends with one cast pass
         on the compute queue after its last op (a ``cast`` row, not a plan op): read 4 bytes,
         write ``itemsize`` per output element."""
-        if self.out_itemsize == self.itemsize:
+        if not self.wide or self.out_itemsize == self.problem.out_itemsize:
             return 0.0
         elements = sum(rows * cols for key, (rows, cols) in buffer_shapes(self.problem).items()
                        if key[0] == "out")
         dil = self.profile.dil
         bandwidth = self.profile.hbm_bytes_per_s * dil["memory_efficiency"]
-        return dil["launch_s"] + elements * (self.out_itemsize + self.itemsize) / bandwidth
+        return dil["launch_s"] + elements * (self.out_itemsize + self.problem.out_itemsize) \
+            / bandwidth
 
     def _issue(self, order, next_op, recorded, busy, active, start, end, now):
         """Start every op whose queue is free and whose waits are satisfied."""
@@ -288,8 +289,14 @@ class _Simulation:
         p = self.problem
         n = p.ns[op.b]
         block_rows = [block.rows for block in op.a]
-        seconds = gemm_cost.gemm_seconds(self.profile, p.dtype, block_rows, n, op.kc,
-                                         self.itemsize, op.accumulate, self.out_itemsize)
+        out_itemsize = self._bytes(op.out[0], 1)
+        if p.scaling:   # torch._scaled_mm is not batched: one launch per block
+            seconds = sum(gemm_cost.gemm_seconds(self.profile, p.dtype, [rows], n, op.kc,
+                                                 self.itemsize, op.accumulate, out_itemsize)
+                          for rows in block_rows)
+        else:
+            seconds = gemm_cost.gemm_seconds(self.profile, p.dtype, block_rows, n, op.kc,
+                                             self.itemsize, op.accumulate, out_itemsize)
         if seconds == 0:
             return _Task("gemm", 0.0, 0.0)
         launch_s = self.profile.dil["launch_s"]
@@ -317,42 +324,48 @@ class _Simulation:
         hipMemcpy2DAsync runs a kernel). A local move on a copy queue is a copy engine's
         (``mem``); on any other queue (the paper's gathers and scatters) a kernel (``cu_mem``)."""
         peer = op.src.peer if op.src.peer is not None else op.dst.peer
-        nbytes = op.src.numel * self.itemsize
+        nbytes = self._bytes(op.src)
         if peer is None or peer == self.problem.rank:
             return self._memory_move(nbytes, on_copy_engine=op.queue.startswith("copy"))
-        task = self._dma(peer, nbytes, op.src.cols * self.itemsize if op.two_d else None)
+        task = self._dma(peer, nbytes, self._bytes(op.src, op.src.cols) if op.two_d else None)
         if op.two_d and not self.profile.copy_2d_on_dma:
             task.category = "cu_copy"
         return task
 
     _price_copy_2d = _price_copy_1d
 
+    def _bytes(self, block, elements: int | None = None) -> int:
+        """Bytes of ``block`` (or of ``elements`` of its elements) in its buffer's dtype: fp8
+        rows, float32 row scales, partials and outputs in theirs (:func:`item_bytes`)."""
+        count = block.numel if elements is None else elements
+        return count * item_bytes(self.problem, block.buf, self.wide)
+
     def _price_all_gather(self, op) -> _Task:
-        return self._collective(op.src.numel * self.itemsize, len(op.dsts) - 1)
+        return self._collective(self._bytes(op.src), len(op.dsts) - 1)
 
     def _price_reduce(self, op) -> _Task:
         """``Reduce`` (reduce-scatter's partial sums): memory-bound on the compute engines,
         reading every source (and the destination when accumulating) and writing it once;
         slowed like any memory-bound op while copies stream beside it."""
         dil = self.profile.dil
-        blocks = len(op.srcs) + (1 if op.accumulate else 0) + 1
-        nbytes = blocks * op.dst.numel * self.itemsize
+        nbytes = sum(map(self._bytes, op.srcs)) + self._bytes(op.dst) * (
+            2 if op.accumulate else 1)
         bandwidth = self.profile.hbm_bytes_per_s * dil["memory_efficiency"]
         return _Task("mem", dil["launch_s"] if op.dst.numel else 0.0, nbytes / bandwidth)
 
     def _price_all_to_all(self, op) -> _Task:
-        sizes = [b.numel * self.itemsize for b in op.dsts if b is not None]
+        sizes = [self._bytes(b) for b in op.dsts if b is not None]
         return self._collective(max(sizes, default=0), len(sizes))
 
     def _price_reduce_scatter(self, op) -> _Task:
         # W-1 peers' pieces of this rank's block cross the links; the collective's own
         # reduction runs on the compute units it holds.
-        block = op.dst.numel * self.itemsize if op.dst is not None else 0
+        block = op.dst.numel * item_bytes(self.problem, "partial") if op.dst is not None else 0
         return self._collective(block, self.problem.world - 1)
 
     def _price_send_recv(self, op) -> _Task:
         block = op.recv if op.recv is not None else op.send
-        return self._collective(block.numel * self.itemsize if block else 0, 1)
+        return self._collective(self._bytes(block) if block else 0, 1)
 
     def _price_expert(self, op) -> _Task:
         """Expert-parallel ops (sizes from the problem's routing counts): priced in

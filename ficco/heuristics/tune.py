@@ -72,14 +72,14 @@ def candidates(problem: Problem, transport: str, target: str) -> list[str]:
     """
     forced = config.tune_candidates()
     if not forced:
-        return schedules.offered(target, transport, problem.op)
+        return schedules.offered(target, transport, problem.op, problem)
     for name in forced:
         try:
-            schedule = schedules.get(name, op=problem.op)
+            schedules.get(name, op=problem.op)
         except InvalidArgumentError as exc:
             raise ConfigError(f"FICCO_TUNE_CANDIDATES: {exc}") from None
-        why = schedule.unavailable_reason(target, transport) \
-            if getattr(schedule, "optional", False) else None
+        why = schedules.why_not_here(name, target, transport, problem.op) \
+            or schedules.epilogue_reason(name, problem)
         if why is not None:
             raise ConfigError(f"FICCO_TUNE_CANDIDATES names {name}, which cannot run on "
                               f"{target} over {transport}: {why}")

@@ -2,7 +2,9 @@
 
 Canonical form: rank r's shard with ``gather_dim`` moved first and leading dims flattened,
 ``m x K``; the gathered matrix ``M x K`` (M = W*m); each ``b_j`` is ``(K, n_j)``. The dma
-workspace holds the gathered matrix (every rank's copy addressable by its peers).
+workspace holds the gathered matrix (every rank's copy addressable by its peers), followed by
+the float32 scale of each of its rows when fp8 operands are scaled row-wise (they travel with
+their rows: :func:`ficco.plan.scale_companion`).
 
 Only rows of A travel, so ``n_j`` may differ across ranks (a column-parallel weight whose
 features do not divide by W, split longer pieces first: 64 over 3 ranks is 22/21/21, and a
@@ -21,6 +23,8 @@ from ..call import Call, backend_for, check_flag, check_tensor, check_weights, r
 from ..buffers import Buffers
 from ..group import rank_world, resolve
 from ..problem import Problem, dtype_name
+from ..scaled import Operands, finish, gemm_into, operands, wide_dtype
+from ..symm_mem import aligned
 from .base import OpSpec
 
 
@@ -33,6 +37,7 @@ class AllGatherMatmulCall(Call):
     ns: tuple = ()                          # the caller's n_j (0 allowed: an empty result)
     gather_dim: int = 0
     return_gathered: bool = False
+    ops: Operands = None                    # fp8 scales, out_dtype, bias, activation
 
 
 def check_arguments(a_shard, b, gather_dim) -> tuple[int, list, bool]:
@@ -44,18 +49,32 @@ def check_arguments(a_shard, b, gather_dim) -> tuple[int, list, bool]:
     >>> check_arguments(torch.randn(4, 8), torch.randn(8, 3), -2)[0]
     0
     """
-    check_tensor(a_shard, "a_shard")
+    check_tensor(a_shard, "a_shard", fp8=True)
     gather_dim = row_dim(gather_dim, a_shard, "gather_dim", "a_shard", "gathers along")
     bs, b_is_list = check_weights(b, a_shard, "a_shard")
     return gather_dim, bs, b_is_list
 
 
+def check_epilogue(a_shard, bs, b_is_list, gather_dim, **epilogue) -> Operands:
+    """The one check of the fp8 scales, out_dtype, bias and activation (:mod:`ficco.scaled`),
+    for the eager path and the fake kernel alike; ``gather_dim`` as :func:`check_arguments`
+    returns it."""
+    def rows_of(t):   # like a_shard's rows: gather_dim first, leading dims flattened
+        return t.movedim(gather_dim, 0).reshape(-1, t.shape[-1])
+    return operands(a_shard, bs, rows_of=rows_of, a_name="a_shard", b_is_list=b_is_list,
+                    **epilogue)
+
+
 class AllGatherMatmul(OpSpec):
     name = "all_gather_matmul"
 
-    def prepare(self, a_shard, b, group=None, gather_dim=0, return_gathered=False
+    def prepare(self, a_shard, b, group=None, gather_dim=0, return_gathered=False, *,
+                a_scale=None, b_scale=None, out_dtype=None, bias=None, activation=None
                 ) -> AllGatherMatmulCall:
         gather_dim, bs, b_is_list = check_arguments(a_shard, b, gather_dim)
+        ops = check_epilogue(a_shard, bs, b_is_list, gather_dim, a_scale=a_scale,
+                             b_scale=b_scale, out_dtype=out_dtype, bias=bias,
+                             activation=activation)
         k = a_shard.shape[-1]
         backend = backend_for(a_shard, "a_shard")
         group = resolve(group)
@@ -70,19 +89,20 @@ class AllGatherMatmul(OpSpec):
         # runs on one zero column, cut off again by result().
         bs = [bj if bj.shape[1] else bj.new_zeros(k, 1) for bj in bs]
         problem = Problem(m=m, k=k, ns=ns if min(ns) > 0 else tuple([max(n, 1) for n in ns]),
-                          dtype=dtype_name(a_shard.dtype), world=world, rank=rank)
+                          dtype=dtype_name(a_shard.dtype), world=world, rank=rank,
+                          **ops.problem_fields(a_shard.dtype))
         return AllGatherMatmulCall(self, problem, group, backend, m == 0,
                                    a=moved.reshape(m, k), bs=bs,
                                    b_is_list=b_is_list, moved_shape=tuple(moved.shape),
                                    gather_dim=gather_dim,
                                    return_gathered=check_flag(return_gathered, "return_gathered"),
-                                   ns=ns)
+                                   ns=ns, ops=ops)
 
     def signature(self, call: AllGatherMatmulCall) -> dict:
-        p = call.problem
-        return {**super().signature(call), "problem": (p.m, p.k, len(p.ns), p.dtype, p.world),
+        key = call.problem.key()      # (m, k, ns, dtype, world) + the epilogue's: ns per rank
+        return {**super().signature(call), "problem": key[:2] + (len(key[2]),) + key[3:],
                 "gather_dim": call.gather_dim, "shard_shape": call.moved_shape,
-                PER_RANK: {"ns": list(call.ns)}}
+                PER_RANK: {"ns": list(call.ns)}, **call.ops.signature()}
 
     def agreed_problem(self, call: AllGatherMatmulCall, per_rank: tuple) -> Problem:
         widest = [max(max(n, 1) for n in ns) for ns in zip(*(r["ns"] for r in per_rank))]
@@ -90,34 +110,67 @@ class AllGatherMatmul(OpSpec):
 
     # -- running ------------------------------------------------------------------------------
     def plain(self, call: AllGatherMatmulCall):
-        p = call.problem
+        p, ops = call.problem, call.ops
         gathered = torch.empty(p.big_m, p.k, dtype=call.a.dtype, device=call.a.device)
+        a_scale = ops.a_scale
         if p.world > 1:
             all_gather_flat(gathered, call.a.contiguous(), call.group)
+            if p.scaling == "row":   # the rows' scales, gathered alike
+                a_scale = a_scale.new_empty(p.big_m, 1)
+                all_gather_flat(a_scale, ops.a_scale, call.group)
         else:
             gathered.copy_(call.a)
-        outs = [gathered @ bj for bj in call.bs]
+        outs = []
+        for j, bj in enumerate(call.bs):
+            out = torch.empty(p.big_m, bj.shape[1], dtype=ops.out_dtype, device=call.a.device)
+            gemm_into(gathered, bj, out, False, a_scale, ops.b_scales[j] if ops.b_scales
+                      else None, ops.biases[j], ops.activation)
+            outs.append(out)
         return self._finish(call, outs, gathered, owned=True)
 
     def workspace_bytes(self, call: AllGatherMatmulCall) -> int:
         p = call.problem
-        return p.big_m * p.k * p.itemsize
+        return self._scale_offset(p) + (p.big_m * 4 if p.scaling == "row" else 0)
+
+    @staticmethod
+    def _scale_offset(p: Problem) -> int:
+        """Byte offset of the gathered rows' scales in the workspace (after the rows)."""
+        return aligned(p.big_m * p.k * p.itemsize)
 
     def buffers(self, call: AllGatherMatmulCall, transport: str, symm, *,
                 wide: bool = False) -> Buffers:
-        p = call.problem
+        p, ops = call.problem, call.ops
         dev = call.a.device
-        out_dtype = torch.float32 if wide else call.a.dtype
+        out_dtype = wide_dtype(ops.out_dtype) if wide else ops.out_dtype
         outs = [torch.empty(p.big_m, n, dtype=out_dtype, device=dev) for n in p.ns]
+        row = p.scaling == "row"
+        scales = None
         if symm is not None:
             gathered = symm.get_buffer(p.rank, (p.big_m, p.k), call.a.dtype)
+            if row:
+                scales = symm.get_buffer(p.rank, (p.big_m, 1), torch.float32,
+                                         self._scale_offset(p))
         else:
             gathered = torch.empty(p.big_m, p.k, dtype=call.a.dtype, device=dev)
-        return Buffers(call.a, call.bs, outs, gathered, symm, call.group)
+            if row:
+                scales = torch.empty(p.big_m, 1, dtype=torch.float32, device=dev)
+        return Buffers(call.a, call.bs, outs, gathered, symm, call.group, a_scale=ops.a_scale,
+                       gathered_scale=scales, gathered_scale_offset=self._scale_offset(p),
+                       b_scales=ops.b_scales, biases=ops.biases, wide=wide)
+
+    def poison(self, buffers: Buffers) -> None:
+        super().poison(buffers)
+        if buffers.gathered_scale is not None:
+            buffers.gathered_scale.fill_(float("nan"))
 
     def result(self, call: AllGatherMatmulCall, buffers: Buffers, transport: str):
         # The symmetric workspace is reused by the next call: the caller gets its own copy.
-        outs = [o if o.dtype == call.a.dtype else o.to(call.a.dtype) for o in buffers.outs]
+        ops = call.ops
+        if buffers.wide:   # float32 partial sums: bias, activation and the one rounding now
+            outs = [finish(o, ops.out_dtype, bias, ops.activation)
+                    for o, bias in zip(buffers.outs, ops.biases)]
+        else:
+            outs = [o if o.dtype == ops.out_dtype else o.to(ops.out_dtype) for o in buffers.outs]
         return self._finish(call, outs, buffers.gathered, owned=buffers.symm is None)
 
     def _finish(self, call: AllGatherMatmulCall, outs, gathered, owned: bool):
@@ -137,7 +190,10 @@ def _restore(call: AllGatherMatmulCall, canon: torch.Tensor) -> torch.Tensor:
 
 
 def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    """``out`` (W*rows, ...) <- every rank's ``inp`` (rows, ...), stacked along dim 0."""
+    """``out`` (W*rows, ...) <- every rank's ``inp`` (rows, ...), stacked along dim 0 (fp8 as
+    its bytes: process groups have no fp8 type)."""
+    if out.element_size() == 1 and out.is_floating_point():
+        out, inp = out.view(torch.uint8), inp.view(torch.uint8)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, inp, group=group)
 

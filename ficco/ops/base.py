@@ -19,8 +19,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
-import torch
-
 from .. import schedules
 from ..call import Call
 
@@ -30,13 +28,9 @@ class OpSpec(ABC):
     name: ClassVar[str]
 
     # -- schedules ----------------------------------------------------------------------------
-    def schedule_names(self) -> list[str]:
-        """Every schedule this op can run."""
-        return _names(self.name)
-
     def schedule(self, name: str):
         """The schedule called ``name``; an unknown name raises with the valid list."""
-        return _get(name, self.name)
+        return schedules.get(name, op=self.name)
 
     # -- the call -----------------------------------------------------------------------------
     @abstractmethod
@@ -88,21 +82,3 @@ class OpSpec(ABC):
 
     def __repr__(self) -> str:
         return f"<op {self.name}>"
-
-
-def _names(op: str) -> list[str]:
-    try:
-        return schedules.names(op=op)
-    except TypeError:   # a schedule registry that knows one op only
-        return schedules.names()
-
-
-def _get(name: str, op: str):
-    try:
-        return schedules.get(name, op=op)
-    except TypeError:
-        return schedules.get(name)
-
-
-def empty_like_rows(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
-    return torch.empty(rows, cols, dtype=like.dtype, device=like.device)

@@ -27,6 +27,7 @@ from ..errors import InvalidArgumentError
 from ..buffers import Buffers
 from ..group import rank_world, resolve
 from ..problem import MATMUL_REDUCE_SCATTER, REDUCE_OPS, Problem, dtype_name
+from ..scaled import Operands, finish, gemm_into, operands, wide_dtype
 from ..symm_mem import aligned
 from .base import OpSpec
 
@@ -39,6 +40,13 @@ class MatmulReduceScatterCall(Call):
     moved_shape: tuple = ()         # a.movedim(scatter_dim, 0).shape
     scatter_dim: int = 0
     ns: tuple = ()                  # the caller's n_j (0 allowed: an empty result)
+    ops: Operands = None            # fp8 scales, out_dtype, bias
+
+    @property
+    def partial_dtype(self) -> torch.dtype:
+        """The dtype partial products travel in: the output's, float32 for an fp8 output."""
+        out = self.ops.out_dtype
+        return out if out.itemsize >= 2 else torch.float32
 
 
 def check_arguments(a, b, scatter_dim, reduce_op) -> tuple[int, list, bool]:
@@ -50,7 +58,7 @@ def check_arguments(a, b, scatter_dim, reduce_op) -> tuple[int, list, bool]:
     >>> check_arguments(torch.randn(4, 8), [torch.randn(8, 3)], -2, "sum")[0]
     0
     """
-    check_tensor(a, "a")
+    check_tensor(a, "a", fp8=True)
     scatter_dim = row_dim(scatter_dim, a, "scatter_dim", "a", "scatters the rows of a @ b along")
     if reduce_op not in REDUCE_OPS:
         raise InvalidArgumentError(f"reduce_op={reduce_op!r} is not supported; use one of "
@@ -60,12 +68,23 @@ def check_arguments(a, b, scatter_dim, reduce_op) -> tuple[int, list, bool]:
     return scatter_dim, bs, b_is_list
 
 
+def check_epilogue(a, bs, b_is_list, scatter_dim, **epilogue) -> Operands:
+    """The one check of the fp8 scales, out_dtype and bias (:mod:`ficco.scaled`), for the eager
+    path and the fake kernel alike; ``scatter_dim`` as :func:`check_arguments` returns it."""
+    def rows_of(t):   # like a's rows: scatter_dim first, leading dims flattened
+        return t.movedim(scatter_dim, 0).reshape(-1, t.shape[-1])
+    return operands(a, bs, rows_of=rows_of, a_name="a", b_is_list=b_is_list,
+                    allow_activation=False, **epilogue)
+
+
 class MatmulReduceScatter(OpSpec):
     name = MATMUL_REDUCE_SCATTER
 
-    def prepare(self, a, b, group=None, scatter_dim=0, reduce_op="sum"
-                ) -> MatmulReduceScatterCall:
+    def prepare(self, a, b, group=None, scatter_dim=0, reduce_op="sum", *, a_scale=None,
+                b_scale=None, out_dtype=None, bias=None) -> MatmulReduceScatterCall:
         scatter_dim, bs, b_is_list = check_arguments(a, b, scatter_dim, reduce_op)
+        ops = check_epilogue(a, bs, b_is_list, scatter_dim, a_scale=a_scale, b_scale=b_scale,
+                             out_dtype=out_dtype, bias=bias)
         k = a.shape[-1]
         backend = backend_for(a, "a")
         group = resolve(group)
@@ -79,42 +98,50 @@ class MatmulReduceScatter(OpSpec):
             # This rank holds none of the weight's rows (fewer input features than ranks): its
             # partial products are zero, from one zero column, and it still scatters them.
             canon, bs = canon.new_zeros(m, 1), [bj.new_zeros(1, bj.shape[1]) for bj in bs]
-        problem = Problem(m=m, k=max(k, 1), ns=ns if min(ns) > 0 else tuple([max(n, 1) for n in ns]),
-                          dtype=dtype_name(a.dtype), world=world, rank=rank,
-                          op=MATMUL_REDUCE_SCATTER, unit=max(unit, 1), reduce_op=reduce_op)
+        problem = Problem(m=m, k=max(k, 1),
+                          ns=ns if min(ns) > 0 else tuple([max(n, 1) for n in ns]),
+                          dtype=dtype_name(a.dtype),
+                          world=world, rank=rank, op=MATMUL_REDUCE_SCATTER, unit=max(unit, 1),
+                          reduce_op=reduce_op, **ops.problem_fields(a.dtype))
         # Nothing to overlap without rows or columns: agreed, then the plain path.
         return MatmulReduceScatterCall(self, problem, group, backend, m == 0 or min(ns) == 0,
                                        a=canon, bs=bs, b_is_list=b_is_list,
                                        moved_shape=tuple(moved.shape), scatter_dim=scatter_dim,
-                                       ns=ns)
+                                       ns=ns, ops=ops)
 
     def signature(self, call: MatmulReduceScatterCall) -> dict:
-        p = call.problem
-        return {**super().signature(call),
-                "problem": (p.op, p.m, p.ns, p.dtype, p.world, p.unit, p.reduce_op),
+        key = call.problem.key()      # (op, m, k, ...) + the epilogue's: k per rank
+        return {**super().signature(call), "problem": key[:2] + key[3:],
                 "scatter_dim": call.scatter_dim, "a_shape": call.moved_shape[:-1],
-                "ns": call.ns, PER_RANK: {"k": call.moved_shape[-1]}}
+                "ns": call.ns, PER_RANK: {"k": call.moved_shape[-1]}, **call.ops.signature()}
 
     def agreed_problem(self, call: MatmulReduceScatterCall, per_rank: tuple) -> Problem:
         return dataclasses.replace(call.problem, k=max(max(r["k"], 1) for r in per_rank))
 
     # -- running ------------------------------------------------------------------------------
     def plain(self, call: MatmulReduceScatterCall):
-        """matmul, then one reduce-scatter of the whole product (FICCO_DISABLE, one rank)."""
-        p = call.problem
+        """matmul, then one reduce-scatter of the whole product (FICCO_DISABLE, one rank);
+        the bias is added once, to the reduced block."""
+        p, ops = call.problem, call.ops
         row0, rows = p.block(p.rank)
         outs = []
-        for bj in call.bs:
-            full = call.a @ bj
+        for j, bj in enumerate(call.bs):
+            sb = ops.b_scales[j] if ops.b_scales else None
             if p.world == 1:
-                outs.append(full)
+                out = call.a.new_empty(p.m, bj.shape[1], dtype=ops.out_dtype)
+                gemm_into(call.a, bj, out, False, ops.a_scale, sb, ops.biases[j])
+                outs.append(out)
                 continue
+            full = call.a.new_empty(p.m, bj.shape[1], dtype=call.partial_dtype)
+            gemm_into(call.a, bj, full, False, ops.a_scale, sb)
             pieces = [full[r0: r0 + n].contiguous() for r0, n in map(p.block, range(p.world))]
             out = full.new_empty(rows, bj.shape[1])
             dist.reduce_scatter(out, pieces, op=dist.ReduceOp.SUM, group=call.group)
             if p.reduce_op == "avg":
                 out.div_(p.world)
-            outs.append(out)
+            bias = ops.biases[j]
+            wide = out if bias is None else out.to(wide_dtype(ops.out_dtype))
+            outs.append(finish(wide, ops.out_dtype, bias))
         return self._finish(call, outs)
 
     def offsets(self, call: MatmulReduceScatterCall) -> list[int]:
@@ -122,7 +149,7 @@ class MatmulReduceScatter(OpSpec):
         p, out, at = call.problem, [], 0
         for n in p.ns:
             out.append(at)
-            at += aligned(p.m * n * p.itemsize)
+            at += aligned(p.m * n * p.partial_itemsize)
         return out + [at]
 
     def workspace_bytes(self, call: MatmulReduceScatterCall) -> int:
@@ -130,12 +157,12 @@ class MatmulReduceScatter(OpSpec):
 
     def buffers(self, call: MatmulReduceScatterCall, transport: str, symm, *,
                 wide: bool = False) -> Buffers:
-        p = call.problem
-        dtype, dev = call.a.dtype, call.a.device
+        p, ops = call.problem, call.ops
+        dtype, dev = call.partial_dtype, call.a.device
         rows = p.block_rows
         # wide: partial sums land in a float32 output, rounded once by result()
-        outs = [torch.empty(rows, n, dtype=torch.float32 if wide else dtype, device=dev)
-                for n in p.ns]
+        out_dtype = wide_dtype(ops.out_dtype) if wide else ops.out_dtype
+        outs = [torch.empty(rows, n, dtype=out_dtype, device=dev) for n in p.ns]
         recvs = [torch.empty(p.world * rows, n, dtype=dtype, device=dev) for n in p.ns]
         offsets = self.offsets(call)[:-1]
         if symm is not None:
@@ -144,14 +171,19 @@ class MatmulReduceScatter(OpSpec):
         else:
             partials = [torch.empty(p.m, n, dtype=dtype, device=dev) for n in p.ns]
         return Buffers(call.a, call.bs, outs, None, symm, call.group, partials=partials,
-                       recvs=recvs, partial_offsets=tuple(offsets))
+                       recvs=recvs, partial_offsets=tuple(offsets), a_scale=ops.a_scale,
+                       b_scales=ops.b_scales, biases=ops.biases, wide=wide)
 
     def poison(self, buffers: Buffers) -> None:
         for t in (*buffers.outs, *buffers.recvs, *buffers.partials):
             t.fill_(float("nan"))
 
     def result(self, call: MatmulReduceScatterCall, buffers: Buffers, transport: str):
-        dtype = call.a.dtype
+        ops = call.ops
+        if buffers.wide:   # the float32 sums: the bias once, then the one rounding
+            return self._finish(call, [finish(o, ops.out_dtype, bias)
+                                       for o, bias in zip(buffers.outs, ops.biases)])
+        dtype = ops.out_dtype
         return self._finish(call, [o if o.dtype == dtype else o.to(dtype) for o in buffers.outs])
 
     def _finish(self, call: MatmulReduceScatterCall, outs):

@@ -62,10 +62,10 @@ def optional_names(op: str = ALL_GATHER_MATMUL) -> list[str]:
     return list(_OPTIONAL[op])
 
 
-def unavailable(target: str, transport: str = "dma", op: str = ALL_GATHER_MATMUL
-                ) -> dict[str, str]:
+def unavailable(target: str, transport: str = "dma", op: str = ALL_GATHER_MATMUL,
+                problem=None) -> dict[str, str]:
     """Optional schedule name -> why selectors do not offer it on backend ``target`` over
-    ``transport``; names that are offered are absent.
+    ``transport`` (for ``problem``, when given); names that are offered are absent.
 
     >>> sorted(unavailable("cpu"))      # CPU runs Triton only in its interpreter
     ['gated-1d', 'gated-2d']
@@ -74,18 +74,43 @@ def unavailable(target: str, transport: str = "dma", op: str = ALL_GATHER_MATMUL
     out = {}
     for name, schedule in _OPTIONAL[op].items():
         reason = schedule.selectable_reason(target, transport)
+        if reason is None and problem is not None:
+            reason = epilogue_reason(name, problem)
         if reason is not None:
             out[name] = reason
     return out
 
 
-def offered(target: str, transport: str = "dma", op: str = ALL_GATHER_MATMUL) -> list[str]:
-    """The schedules a selector may pick for ``op`` on backend ``target`` over ``transport``:
-    :func:`names` plus the optional ones that run there (e.g. ``gated-1d`` on "cuda:sm_90"
-    with Triton installed)."""
-    missing = unavailable(target, transport, op)
+def why_not_here(name: str, target: str, transport: str = "dma",
+                 op: str = ALL_GATHER_MATMUL) -> str | None:
+    """Why schedule ``name`` of ``op`` cannot run on backend ``target`` over ``transport``, or
+    None when it can: only optional schedules (Triton's ``gated-*``) may be unable to.
+
+    >>> why_not_here("ring", "cpu") is None
+    True
+    """
+    optional = _OPTIONAL[op].get(name) if op in _OPTIONAL else None
+    return None if optional is None else optional.unavailable_reason(target, transport)
+
+
+def epilogue_reason(name: str, problem) -> str | None:
+    """Why schedule ``name`` cannot run ``problem``'s epilogue (fp8 scales, out_dtype, bias,
+    activation), or None: the optional gated kernel multiplies plain operands only."""
+    extra = problem.scaling or problem.out_dtype or problem.bias or problem.activation
+    if extra and name in _OPTIONAL.get(problem.op, {}):
+        return (f"{name}'s gated GEMM kernel multiplies plain operands: no fp8 scales, "
+                f"out_dtype, bias or activation")
+    return None
+
+
+def offered(target: str, transport: str = "dma", op: str = ALL_GATHER_MATMUL,
+            problem=None) -> list[str]:
+    """The schedules a selector may pick for ``op`` (and ``problem``, when given) on backend
+    ``target`` over ``transport``: :func:`names` plus the optional ones that run there (e.g.
+    ``gated-1d`` on "cuda:sm_90" with Triton installed)."""
+    missing = unavailable(target, transport, op, problem)
     return names(op) + [name for name in _OPTIONAL[op] if name not in missing]
 
 
-__all__ = ["names", "get", "offered", "optional_names", "unavailable", "Serial", "Ring", "Ficco",
+__all__ = ["names", "get", "offered", "optional_names", "unavailable", "why_not_here", "Serial", "Ring", "Ficco",
            "Gated"]

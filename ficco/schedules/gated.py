@@ -65,7 +65,6 @@ class Gated:
     they land) instead of rows. See the module docstring."""
 
     two_d: bool = False
-    optional = True   # offered only where the kernel runs (see unavailable_reason)
 
     @property
     def name(self) -> str:

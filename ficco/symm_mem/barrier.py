@@ -204,8 +204,8 @@ def _deadline(handle, channel, step, timeout_s, target, program) -> Deadline:
 
 
 def plan_barrier(backend, handle, channel: int, queue, timeout_s: float, step: int) -> None:
-    """A plan's barrier (flag mode), ordered on ``queue``. The executor calls it through
-    ``backend.barrier``.
+    """A plan's barrier (flag mode), ordered on ``queue``: the executor calls it for a plan's
+    barrier step, and it enqueues the program through ``backend.signal_batch``.
 
     >>> from ficco.backends.cpu import CpuBackend
     >>> backend = CpuBackend()

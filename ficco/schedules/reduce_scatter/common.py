@@ -71,10 +71,10 @@ def whole(p: Problem, dest: int, j: int) -> Piece | None:
 
 def chunk(p: Problem, dest: int, c: int, j: int, two_d: bool) -> Piece | None:
     """Chunk ``c`` of ``dest``'s block for ``b_j``: rows ``even_split(R, W)[c]`` (1d) or
-    output columns ``even_split(n_j, W)[c]`` (2d); None when empty."""
+    output columns ``p.col_chunks(n_j)[c]`` (2d); None when empty."""
     rows = p.block(dest)[1]
     if two_d:
-        c0, nc = even_split(p.ns[j], p.world)[c]
+        c0, nc = p.col_chunks(p.ns[j])[c]
         return (0, rows, c0, nc) if rows and nc else None
     r0, nr = even_split(rows, p.world)[c]
     return (r0, nr, 0, p.ns[j]) if nr else None

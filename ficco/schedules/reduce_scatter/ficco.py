@@ -2,7 +2,7 @@
 the all-gather family (paper §V, Fig. 11a) run backwards.
 
 Each destination block (the rows rank d receives) is cut one level finer into W chunks: by
-rows (``1d``, ``even_split(R_d, W)``) or by output columns (``2d``, ``even_split(n_j, W)``:
+rows (``1d``, ``even_split(R_d, W)``) or by output columns (``2d``, ``Problem.col_chunks(n_j)``:
 strided 2-D copies). Step c computes chunk c of every destination block, then every rank
 pulls chunk c of its own block from all W-1 peers at once, one copy per peer on its own copy
 queue (all links busy), while step c+1 computes; ``ccl`` moves a step with one all-to-all.
