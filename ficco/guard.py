@@ -9,11 +9,14 @@ thread from turning into a wrong result.
   call with :class:`~ficco.errors.PoisonedGroupError` until ``ficco.shutdown()`` ran on every
   rank; after a failed process-group collective (``ccl``) until the group is destroyed, since
   the collective itself may still be pending inside it.
-- **A digest per call on ccl**: one 16-byte all-reduce before the collectives (dma calls
-  carry it as the flag value of their plan barriers instead, see ficco.symm_mem.barrier).
+- **A digest per call on ccl**: one all-gather of each rank's 8-byte digest before the
+  collectives, so a difference names every rank's call (dma calls carry it as the flag value
+  of their plan barriers instead, see ficco.symm_mem.barrier). While it waits, the check
+  answers a peer's first-call agreement exchange (ficco.agreement.answer).
 - **Named failures**: a transport error becomes a :class:`~ficco.errors.TransportError`
-  naming rank, op, schedule, the step (agreement, call check or plan step) and the peers
-  that no longer answer, the original as its cause.
+  naming rank, op, schedule, the step (agreement, call check or plan step) and which peers
+  are gone (their process exited) or silent, the original as its cause; a failure of this
+  rank's own work (a GEMM, a copy) names its plan step the same way.
 """
 from __future__ import annotations
 
