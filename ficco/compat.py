@@ -66,3 +66,83 @@ def _gather_last_dim(A_shard, Bs, group_name, return_A):
     A = torch.cat(flat.view(world, *A_shard.shape).unbind(0), dim=-1)
     outs = [torch.matmul(A, B) for B in Bs]
     return (A if return_A else None), outs
+
+
+# -- torch's async TP on ficco ----------------------------------------------------------------------
+class SymmMemOverride:
+    """ficco's kernels registered as the CPU and CUDA (ROCm too: torch's HIP builds dispatch
+    through the CUDA key) implementations of ``torch.ops.symm_mem.fused_all_gather_matmul``,
+    ``fused_matmul_reduce_scatter`` and their fp8 forms ``fused_all_gather_scaled_matmul``,
+    ``fused_scaled_matmul_reduce_scatter``; :meth:`remove` gives torch's kernels back."""
+
+    def __init__(self, device_types):
+        import warnings
+
+        self.device_types = tuple(device_types)
+        self._lib = torch.library.Library("symm_mem", "IMPL")
+        twins = {"fused_all_gather_matmul": _symm_all_gather_matmul,
+                 "fused_matmul_reduce_scatter": fused_matmul_reduce_scatter,
+                 "fused_all_gather_scaled_matmul": fused_all_gather_scaled_matmul,
+                 "fused_scaled_matmul_reduce_scatter": fused_scaled_matmul_reduce_scatter}
+        with warnings.catch_warnings():
+            # torch warns once that a CUDA kernel is overridden: that is the point here
+            warnings.filterwarnings("ignore", message=".*[Oo]verrid")
+            for name, kernel in twins.items():
+                for device_type in self.device_types:
+                    self._lib.impl(name, kernel, _dispatch_key(device_type))
+        self.ops = tuple(twins)
+
+    def remove(self) -> None:
+        """Give torch's kernels back (what ran before :func:`install_symm_mem_override`)."""
+        global _override
+        if self._lib is not None:
+            self._lib._destroy()
+            self._lib = None
+        if _override is self:
+            _override = None
+
+    def __enter__(self) -> "SymmMemOverride":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+_override: SymmMemOverride | None = None
+
+
+def install_symm_mem_override(device_types=("cpu", "cuda")) -> SymmMemOverride:
+    """Run ficco behind torch's own async tensor parallelism.
+
+    torch's compiler pass for async TP (``torch._inductor.config._micro_pipeline_tp = True``,
+    torchtitan's ``enable_async_tensor_parallel``) rewrites ``all_gather -> matmul`` and
+    ``matmul -> reduce_scatter`` in a compiled graph into ``torch.ops.symm_mem.
+    fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter`` (``_scaled_mm`` ones into their
+    scaled forms). After this call those four ops run this module's twins (ficco's schedules,
+    chosen per call) instead of torch's pipelines. Their fake kernels stay torch's, so compiled
+    graphs keep the shapes and strides torch promised. Idempotent; returns a handle whose
+    ``remove()`` (or ``with``) undoes it.
+
+    >>> import ficco
+    >>> with ficco.compat.install_symm_mem_override() as override:   # doctest: +SKIP
+    ...     torch._inductor.config._micro_pipeline_tp = True
+    ...     loss = torch.compile(model)(batch)
+    """
+    global _override
+    if _override is None:
+        import torch.distributed._symmetric_memory  # noqa: F401 - defines the symm_mem ops
+
+        _override = SymmMemOverride(device_types)
+    return _override
+
+
+def _symm_all_gather_matmul(A_shard, Bs, gather_dim, group_name, *, return_A=True):
+    return fused_all_gather_matmul(A_shard, list(Bs), gather_dim, group_name, return_A=return_A)
+
+
+def _dispatch_key(device_type: str) -> str:
+    keys = {"cpu": "CPU", "cuda": "CUDA"}
+    if device_type not in keys:
+        raise InvalidArgumentError(f"device_types holds {device_type!r}; ficco overrides torch's "
+                                   f"symm_mem ops for 'cpu' and 'cuda' (ROCm included)")
+    return keys[device_type]

@@ -46,8 +46,9 @@ class Knob:
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{self.env}={raw!r} is not valid: {exc}; {self.doc}") from None
         if self.choices is not None and value not in self.choices:
-            raise ConfigError(
-                f"{self.env}={raw!r} is not valid; use one of: {', '.join(map(str, self.choices))}")
+            named = ", ".join(str(c) for c in self.choices if c is not None)
+            unset = f", or leave {self.env} unset" if None in self.choices else ""
+            raise ConfigError(f"{self.env}={raw!r} is not valid; use one of: {named}{unset}")
         return value
 
 
@@ -108,7 +109,7 @@ def _names(raw: str) -> tuple[str, ...]:
 
 
 KNOBS: dict[str, Knob] = {k.env: k for k in [
-    Knob("FICCO_BACKEND", None, str, "cpu, cuda or rocm", choices=(None, "cpu", "cuda", "rocm")),
+    Knob("FICCO_BACKEND", None, str.lower, "cpu, cuda or rocm", choices=(None, "cpu", "cuda", "rocm")),
     # Checked against the op's schedules when a call reads it (names depend on the op).
     Knob("FICCO_SCHEDULE", None, str, "a name from ficco.schedules.names()"),
     Knob("FICCO_SELECTOR", "model", str.lower, "which selector picks a schedule",
@@ -117,7 +118,7 @@ KNOBS: dict[str, Knob] = {k.env: k for k in [
          choices=TRANSPORT_SETTINGS),
     Knob("FICCO_DISABLE", False, _flag, "1 runs plain all_gather + matmul"),
     Knob("FICCO_PROFILE", None, str, "a built-in profile name or a JSON file path"),
-    Knob("FICCO_TOPOLOGY", None, str, "mesh, switch or pcie",
+    Knob("FICCO_TOPOLOGY", None, str.lower, "mesh, switch or pcie",
          choices=(None, "mesh", "switch", "pcie")),
     Knob("FICCO_CACHE_DIR", None, str, "a directory for the tune selector's JSON cache"),
     Knob("FICCO_TUNE_CANDIDATES", None, _names,
@@ -128,12 +129,13 @@ KNOBS: dict[str, Knob] = {k.env: k for k in [
     Knob("FICCO_LOG", "warning", str.lower, "log level of ficco's decisions",
          choices=("debug", "info", "warning", "error")),
     Knob("FICCO_COPY_ENGINES", None, _positive_int, "copy queues per rank (default: one per peer)"),
-    Knob("FICCO_SYMM", "ipc", str, "GPU symmetric memory provider",
+    Knob("FICCO_SYMM", "ipc", str.lower, "GPU symmetric memory provider",
          choices=("ipc", "auto", "torch")),
-    Knob("FICCO_SIGNAL_PADS", "auto", str,
-         "where GPU barrier flags live: device memory, or host-mapped memory, which the "
-         "barrier watchdog releases without a stream; auto: host on CUDA when "
-         "CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue), device otherwise",
+    Knob("FICCO_SIGNAL_PADS", "auto", str.lower,
+         "where GPU barrier flags and error words live: host-mapped memory, which the "
+         "barrier watchdog reads and releases without a stream (auto and host), or device "
+         "memory (device: no rescue if a stream shares the stuck one's hardware queue; "
+         "refused with one hardware queue)",
          choices=("auto", "device", "host")),
     Knob("FICCO_POISON", False, _flag,
          "1 fills outputs and workspaces with NaN before each call (debugging, tests)"),

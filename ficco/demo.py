@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .errors import InvalidArgumentError
+
 # (label, rows per rank, n, K)
 SHAPES = [("g6 / 512 (Table I, scaled)", 128, 256, 256), ("uneven 37 x 96 x 200", 37, 96, 200)]
 TOL = 1e-4
@@ -69,6 +71,9 @@ def _rank(rank, world, init_file, results):
 
 
 def main(world: int = 4) -> int:
+    if world < 1:
+        # zero ranks would run nothing and report "0/0 within tolerance" as a pass
+        raise InvalidArgumentError(f"the demo needs at least 1 rank; got world={world}")
     fd, init_file = tempfile.mkstemp(prefix="ficco-demo-")
     os.close(fd)
     os.unlink(init_file)
@@ -92,4 +97,4 @@ def main(world: int = 4) -> int:
           f"about GPUs: see `python -m ficco.bench simulate`.")
     if os.path.exists(init_file):
         os.unlink(init_file)
-    return 1 if failed else 0
+    return 1 if failed or not rows else 0

@@ -15,7 +15,6 @@ from .compiler import (BARRIER, CALL, COPY, COPY_2D, GATED, GEMM, GEMM_HERE, LAU
                        LAUNCH_HERE, RECORD, SIGNAL, WAIT, CompiledPlan, compile_plan)
 from .errors import name_step
 from .kernels.launch import gated_task, raise_flag
-from .kernels.launch import raise_pending as raise_pending_gated
 from .plan import Plan, op_label
 from .symm_mem.barrier import plan_barrier
 
@@ -49,7 +48,6 @@ def execute(plan: Plan, backend, buffers: Buffers, *, timeout_s: float,
     profiled = profiling.recording()
     steps, views = compiled.bind(backend, buffers, events, every_view=trace or profiled)
     if compiled.num_flags:   # zeroed on the compute queue, before the side queues start
-        raise_pending_gated()
         buffers.flags = torch.zeros(compiled.num_flags, dtype=torch.int32,
                                     device=buffers.a.device)
     # Side queues start after everything the caller queued before this call (the input may
@@ -133,7 +131,7 @@ def _run(steps, backend, buffers, queues, events, v, timeout_s) -> None:
             elif code == GATED:
                 backend.launch(queues[q], gated_task(backend, y[0], y[1], v[x[0]], v[x[1]],
                                                      v[x[2]], v[x[3]], buffers.flags,
-                                                     timeout_s))
+                                                     timeout_s, buffers.symm))
             else:   # LAUNCH or LAUNCH_HERE: a host task (a reduction, a collective)
                 task = x(v, buffers.group, y)
                 task.ficco_step = z      # the queue names it if the task fails or hangs

@@ -40,6 +40,12 @@ def resolve(group):
                 f"group is a {group.ndim}-D DeviceMesh {tuple(group.shape)}; pass the 1-D mesh "
                 f"of the dimension to gather over, e.g. mesh['tp']")
         return group.get_group()
+    if (dist.is_available() and type(group) is int
+            and group == dist.GroupMember.NON_GROUP_MEMBER):
+        raise InvalidArgumentError(
+            f"this rank (global rank {dist.get_rank()}) is not a member of the group: "
+            f"dist.new_group returns GroupMember.NON_GROUP_MEMBER on ranks it leaves out; call "
+            f"ficco only on the group's ranks (if group != dist.GroupMember.NON_GROUP_MEMBER)")
     raise InvalidArgumentError(
         f"group must be a torch.distributed ProcessGroup, a group name, a 1-D DeviceMesh or "
         f"None; got {type(group).__name__}")
@@ -63,7 +69,20 @@ def name_of(group) -> str:
     Python, cheap: runs at trace time under ``torch.compile``."""
     if isinstance(group, str):
         return group
+    if _is_1d_mesh(group):
+        # As torch's functional collectives do: under torch.compile a mesh and its ProcessGroup
+        # are FakeScriptObjects (issue 26), its recorded group name a plain str.
+        return group._dim_group_names[0]
     return key(resolve(group))
+
+
+def _is_1d_mesh(group) -> bool:
+    # isinstance, not the type's name: under torch.compile the type is FakeScriptObject
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:          # torch built without distributed
+        return False
+    return isinstance(group, DeviceMesh) and group.ndim == 1
 
 
 def key(group) -> str:

@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import autograd, config, runtime
+from . import autograd, config, dtensor, runtime
 from .call import FORWARD, check_flag
 from .errors import FiccoError, InvalidArgumentError
 from .group import by_name, name_of, rank_world, rank_world_of
@@ -245,16 +245,18 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
                       return_gathered=False, a_scale=None, b_scale=None, out_dtype=None,
                       bias=None, activation=None):
     """``ficco.all_gather_matmul`` through the ``ficco::all_gather_matmul`` op (see that
-    function for the arguments). ``a_shard`` may be a DTensor sharded along ``gather_dim`` on
-    a 1-D mesh: its local shard is used and the mesh is the group."""
+    function for the arguments). DTensor operands placed as the op needs them (``a_shard``
+    ``Shard(gather_dim)``; ``b`` ``Replicate()`` or ``Shard(1)``) are used through their local
+    tensors on their 1-D mesh (ficco/dtensor.py)."""
     if return_gathered is not False and return_gathered is not True:
         return_gathered = check_flag(return_gathered, "return_gathered")   # or raise
-    if type(a_shard) not in _PLAIN:   # (plain tensors skip the DTensor checks: the hot path)
-        a_shard, group = _local_shard(a_shard, group, gather_dim, "a_shard")
     b_is_list = isinstance(b, (list, tuple))
     bs = list(b) if b_is_list else [b]
-    if any([type(x) not in _PLAIN for x in bs]):
-        _refuse_dtensors(bs, "b")
+    if type(a_shard) not in _PLAIN or any([type(x) not in _PLAIN for x in bs]):
+        # (plain tensors skip the DTensor checks: the hot path)
+        a_shard, bs, group = _local_operands("all_gather_matmul", a_shard, bs, group,
+                                             gather_dim)
+        b = bs if b_is_list else bs[0]
     dim = _plain_int(gather_dim)
     extra = _op_epilogue(bs, b_is_list, a_scale, b_scale, bias, out_dtype)
     if (dim is None or not _plain_name(schedule) or not _plain_name(activation) or extra is None
@@ -289,8 +291,8 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
     b_is_list = isinstance(b, (list, tuple))
     bs = list(b) if b_is_list else [b]
     if type(a) not in _PLAIN or any([type(x) not in _PLAIN for x in bs]):
-        _refuse_dtensors([a], "a")
-        _refuse_dtensors(bs, "b")
+        a, bs, group = _local_operands("matmul_reduce_scatter", a, bs, group, scatter_dim)
+        b = bs if b_is_list else bs[0]
     dim = _plain_int(scatter_dim)
     extra = _op_epilogue(bs, b_is_list, a_scale, b_scale, bias, out_dtype)
     if (dim is None or not isinstance(reduce_op, str) or not _plain_name(schedule)
@@ -381,43 +383,20 @@ def _backward_gather() -> str:
     return config.backward_gather()
 
 
-def _local_shard(t, group, dim, name):
-    """(local tensor, group) for a DTensor sharded along ``dim`` on a 1-D mesh; else as given."""
-    if not _is_dtensor(t):
-        return t, group
-    from torch.distributed.tensor import Shard
-
-    mesh, placements = t.device_mesh, t.placements
-    nd = t.dim()
-    wanted = dim % nd if isinstance(dim, int) and -nd <= dim < nd else dim
-    if mesh.ndim != 1 or len(placements) != 1 or not (
-            isinstance(placements[0], Shard) and placements[0].dim == wanted):
+def _local_operands(op: str, a, bs, group, dim):
+    """(a, bs, group) with DTensor operands replaced by their local tensors (ficco/dtensor.py)
+    and their mesh as the group."""
+    a_local, mesh = dtensor.operands(op, "a_shard" if op == "all_gather_matmul" else "a", a,
+                                     dim, None)
+    bs_local = []
+    for j, b in enumerate(bs):
+        local, mesh = dtensor.operands(op, "b" if len(bs) == 1 else f"b[{j}]", b, dim, mesh)
+        bs_local.append(b if local is None else local)
+    if mesh is not None and group is not None and name_of(group) != name_of(mesh):
         raise InvalidArgumentError(
-            f"{name} is a DTensor with placements {tuple(placements)} on a {mesh.ndim}-D mesh; "
-            f"ficco takes a DTensor sharded along the gathered dimension (Shard({wanted})) on a "
-            f"1-D mesh, or a plain tensor: pass {name}.to_local() and group=<the 1-D mesh>")
-    if group is not None and name_of(group) != name_of(mesh):
-        raise InvalidArgumentError(
-            f"{name} is a DTensor on mesh {mesh} but group names another group; leave group "
-            f"as None to use the mesh's")
-    return t.to_local(), mesh
-
-
-def _refuse_dtensors(tensors, name) -> None:
-    for j, t in enumerate(tensors):
-        if _is_dtensor(t):
-            label = name if len(tensors) == 1 else f"{name}[{j}]"
-            raise InvalidArgumentError(
-                f"{label} is a DTensor ({tuple(t.placements)}); ficco takes this rank's local "
-                f"shard: pass {label}.to_local() (and group=<the 1-D mesh>)")
-
-
-def _is_dtensor(t) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return False
-    return isinstance(t, DTensor)
+            f"the DTensor operands are on mesh {mesh} but group names another group; leave "
+            f"group as None to use the mesh's")
+    return (a if a_local is None else a_local), bs_local, (group if mesh is None else mesh)
 
 
 autograd.register(all_gather_matmul_op, matmul_reduce_scatter_op)

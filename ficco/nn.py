@@ -8,12 +8,16 @@ reduce-scatter back to sequence shards after theirs (:class:`RowParallelLinear`,
 bias) see only this rank's rows, so their gradient is summed over the group by
 :func:`replicated`.
 
-Why modules and not ``ParallelStyle``\\ s for ``parallelize_module``: torch's styles turn the
-parameters into DTensors and let DTensor's sharding propagation run the matmul and choose its
-collectives, so ficco could only take over by replacing the module's forward and unwrapping
-every DTensor on every call. These modules hold plain local shards instead: any optimizer,
-``torch.compile(fullgraph=True)`` and state dicts work unchanged, and ``from_linear`` shards an
-existing ``nn.Linear``.
+These modules hold plain local shards (any optimizer, ``torch.compile(fullgraph=True)`` and
+state dicts work unchanged; ``from_linear`` shards an existing ``nn.Linear``). For a model
+parallelized with torch's ``parallelize_module`` and DTensor parameters, use the styles of
+:mod:`ficco.parallel` instead.
+
+``seq_dim`` names the sequence dimension of the input: 1 for batch-first ``(batch, seq,
+hidden)`` as torch models are, 0 for Megatron's ``(seq, batch, hidden)``. It has no default
+for inputs of more than two dimensions: a wrong guess gathers the batch and silently runs
+attention within each rank's chunk of the sequence. Dropout in the sequence-parallel region
+needs a random stream per rank: :class:`ficco.rng.ShardRNG`.
 
 >>> # under torchrun, x_shard: (batch, seq / W, hidden)          # doctest: +SKIP
 >>> up = ColumnParallelLinear.from_linear(nn.Linear(512, 2048), seq_dim=1)
@@ -22,6 +26,7 @@ existing ``nn.Linear``.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import torch
@@ -42,7 +47,7 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int | Sequence[int], bias: bool = True,
-                 *, group=None, seq_dim: int = 0, device=None, dtype=None):
+                 *, group=None, seq_dim: int | None = None, device=None, dtype=None):
         super().__init__()
         self.group, self.seq_dim = group, seq_dim
         self.fused = not isinstance(out_features, int)
@@ -66,11 +71,15 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linears: nn.Linear | Sequence[nn.Linear], *, group=None,
-                    seq_dim: int = 0) -> "ColumnParallelLinear":
-        """This rank's shard of ``linears`` (an ``nn.Linear`` or several with one input)."""
+                    seq_dim: int | None = None) -> "ColumnParallelLinear":
+        """This rank's shard of ``linears`` (an ``nn.Linear`` or several with one input), in
+        new parameters: a weight tied to another module's (an embedding's) stops being tied,
+        so that case warns (see :func:`_warn_if_tied`)."""
         many = not isinstance(linears, nn.Linear)
         linears = [_linear(lin, f"linears[{j}]") for j, lin in enumerate(linears)] if many \
             and isinstance(linears, (list, tuple)) else [_linear(linears, "linears")]
+        for lin in linears:
+            _warn_if_tied(lin, cls.__name__)
         first = linears[0]
         if len({lin.in_features for lin in linears}) > 1:
             raise InvalidArgumentError(
@@ -91,7 +100,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x_shard: Tensor):
         outs = library.all_gather_matmul(x_shard, [w.t() for w in self.weights], self.group,
-                                         gather_dim=self.seq_dim)
+                                         gather_dim=_seq_dim(self.seq_dim, x_shard, "x_shard"))
         if self.biases is not None:
             outs = [o + b for o, b in zip(outs, self.biases)]
         return tuple(outs) if self.fused else outs[0]
@@ -108,7 +117,7 @@ class RowParallelLinear(nn.Module):
     the reduction (once, not once per rank)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None,
-                 seq_dim: int = 0, device=None, dtype=None):
+                 seq_dim: int | None = None, device=None, dtype=None):
         super().__init__()
         self.group, self.seq_dim = group, seq_dim
         rank, world = rank_world(resolve(group))
@@ -127,9 +136,12 @@ class RowParallelLinear(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, group=None, seq_dim: int = 0) -> "RowParallelLinear":
-        """This rank's shard of ``linear``: its slice of input features, the whole bias."""
+    def from_linear(cls, linear: nn.Linear, *, group=None,
+                    seq_dim: int | None = None) -> "RowParallelLinear":
+        """This rank's shard of ``linear``: its slice of input features, the whole bias (new
+        parameters; a tied weight warns, as for ``ColumnParallelLinear.from_linear``)."""
         linear = _linear(linear, "linear")
+        _warn_if_tied(linear, cls.__name__)
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
                     group=group, seq_dim=seq_dim, device=linear.weight.device,
                     dtype=linear.weight.dtype)
@@ -148,7 +160,7 @@ class RowParallelLinear(nn.Module):
         # node first).
         bias = None if self.bias is None else replicated(self.bias, self.group)
         y = library.matmul_reduce_scatter(x, self.weight.t(), self.group,
-                                          scatter_dim=self.seq_dim)
+                                          scatter_dim=_seq_dim(self.seq_dim, x, "x"))
         return y if bias is None else y + bias
 
     def extra_repr(self) -> str:
@@ -163,6 +175,50 @@ def _linear(layer, name: str) -> nn.Linear:
             f"layer's (out_features, in_features) weight; construct the parallel layer directly "
             f"and load the weights yourself for other modules")
     return layer
+
+
+def _seq_dim(seq_dim, x: Tensor, name: str) -> int:
+    """The sequence dimension of ``x``. Unset, it is 0 only where no other row dimension
+    exists: torch models are batch-first (batch, seq, hidden), Megatron's are (seq, batch,
+    hidden), and guessing wrong gathers the batch and silently runs attention within each
+    rank's chunk of the sequence."""
+    if seq_dim is not None:
+        return seq_dim
+    if isinstance(x, Tensor) and x.dim() > 2:
+        raise InvalidArgumentError(
+            f"{name} has shape {tuple(x.shape)} and the layer has no seq_dim: say which "
+            f"dimension holds the sequence, seq_dim=1 for batch-first (batch, seq, hidden) as "
+            f"torch models are, seq_dim=0 for Megatron's (seq, batch, hidden)")
+    return 0
+
+
+def _warn_if_tied(linear: nn.Linear, layer: str) -> None:
+    """Warn when ``linear.weight`` is also a parameter of another module (a head tied to its
+    embedding): ``from_linear`` copies this rank's shard into a new parameter, so the two stop
+    sharing updates and drift apart. Found through the garbage collector's referrers of the
+    weight: the ``_parameters`` dicts that hold it (once per from_linear call)."""
+    import gc
+
+    weight = linear.weight
+    owners = []
+    for holder in gc.get_referrers(weight):
+        if not isinstance(holder, dict) or holder is linear._parameters:
+            continue
+        for ref in gc.get_referrers(holder):
+            if isinstance(ref, nn.Module) and ref._parameters is holder:
+                owners.append(ref)
+            elif isinstance(ref, dict) and ref.get("_parameters") is holder:   # a __dict__
+                owners += [m for m in gc.get_referrers(ref)
+                           if isinstance(m, nn.Module) and m.__dict__ is ref] or ["a module"]
+    if owners:
+        other = owners[0]
+        what = type(other).__name__ if isinstance(other, nn.Module) else other
+        warnings.warn(
+            f"{layer}.from_linear: this linear's weight is also a parameter of {what} (tied "
+            f"weights, e.g. an output head and its embedding); the sharded layer gets a copy, "
+            f"so the two are no longer tied and train apart. Keep them tied by sharding both "
+            f"with ficco.parallel (docs/training.md, 'Embedding and output head')",
+            stacklevel=3)
 
 
 class _SumGradOverGroup(torch.autograd.Function):

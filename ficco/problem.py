@@ -140,9 +140,10 @@ class Problem(DtypeFields):
             if value not in _ITEMSIZE:
                 raise InvalidArgumentError(
                     f"{name} {value!r} is not supported; use one of {sorted(_ITEMSIZE)}")
-        if self.scaling not in SCALINGS or (self.scaling == "") == (self.itemsize == 1):
+        if self.scaling not in SCALINGS or (self.scaling and self.itemsize != 1):
+            # (an fp8 Problem without scaling prices like one: calls always set it)
             raise InvalidArgumentError(
-                f"Problem.scaling must be 'tensor' or 'row' for fp8 and '' otherwise; got "
+                f"Problem.scaling must be 'tensor' or 'row' (fp8 only) or ''; got "
                 f"scaling={self.scaling!r} with dtype={self.dtype!r}")
         if self.activation not in ACTIVATIONS or (self.activation and self.reduces):
             raise InvalidArgumentError(

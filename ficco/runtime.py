@@ -268,6 +268,9 @@ def execute(call: Call, name: str, transport: str, trace: bool = False,
     _last.run = (name, transport)
     symm = None
     if transport == "dma":
+        # Before allocating or enqueuing: a capture the backend cannot replay, or an error
+        # the group owes from an earlier call (GPUs), is raised with nothing sent.
+        call.backend.before_dma(workspace.current(call.group, call.backend))
         symm = workspace.get(call.group, call.backend, call.op.workspace_bytes(call))
         symm.call_flag = call_flag(word)
         symm.first_wait = answer
@@ -291,7 +294,7 @@ def execute(call: Call, name: str, transport: str, trace: bool = False,
         raise
     if symm is not None:
         # GPUs: NaN instead of data if the watchdog had to release one of this call's barriers.
-        call.backend.fence([*buffers.outs, buffers.gathered])
+        call.backend.fence([*buffers.outs, buffers.gathered], symm)
     return buffers, plan, rows
 
 

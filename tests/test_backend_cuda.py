@@ -291,59 +291,73 @@ class _Event:
         pass
 
 
-class _FakeGpu:
+class _Port:
+    """A WatchdogPort that records what the watchdog asks of it."""
+
     def __init__(self, fail_bind=False):
-        self.expired, self.errors, self.fail_bind = [], [], fail_bind
-        self.vendor = type("V", (), {"relax_capture_mode": lambda self: None})()
+        self.released, self.errors, self.fail_bind = [], [], fail_bind
 
     def bind_thread(self):
         if self.fail_bind:
             raise RuntimeError("no device")
 
-    def expire(self, item):
-        self.expired.append(item)
+    def new_event(self):
+        return _Event()
 
-    def set_error(self, error):
+    def reader(self, deadline):
+        return lambda slot: 0
+
+    def release(self, deadline, ops):
+        self.released.append(deadline)
+
+    def died(self, error):
         self.errors.append(error)
+
+
+def _dog(port):
+    from ficco.backends.gpu_watchdog import Watchdog, WatchdogPort
+
+    WatchdogPort.register(_Port)
+    return Watchdog(port)
 
 
 def test_watchdog_deadline_starts_when_the_stream_reaches_the_barrier():
     import time
 
-    from ficco.backends.gpu_watchdog import PendingBarrier, Watchdog
+    from ficco.backends.gpu_watchdog import PendingBarrier
     from ficco.symm_mem.barrier import Deadline
 
-    backend = _FakeGpu()
-    dog = Watchdog(backend)
+    port = _Port()
+    dog = _dog(port)
     arrived, done = _Event(False), _Event(False)
     item = PendingBarrier(arrived, done, Deadline(0, 0, 3, 0.05, 1), None)
     dog.watch(item)
     time.sleep(0.3)               # long past 0.05 s since enqueue, but not yet arrived
-    assert backend.expired == [] and item.deadline.started is None
+    assert port.released == [] and item.deadline.started is None
     arrived.done = True
     for _ in range(200):
-        if backend.expired:
+        if port.released:
             break
         time.sleep(0.01)
-    assert backend.expired == [item]
+    assert port.released == [item.deadline] and item.how == "expired"
     dog.stop()
 
 
 def test_a_dead_watchdog_thread_is_reported_not_swallowed():
     import time
 
-    from ficco.backends.gpu_watchdog import PendingBarrier, Watchdog
+    from ficco.backends.gpu_watchdog import PendingBarrier
     from ficco.symm_mem.barrier import Deadline
 
-    backend = _FakeGpu(fail_bind=True)
-    dog = Watchdog(backend)
+    port = _Port(fail_bind=True)
+    dog = _dog(port)
     dog.watch(PendingBarrier(_Event(), _Event(), Deadline(0, 0, 0, 1.0, 1), None))
     for _ in range(200):
-        if backend.errors:
+        if port.errors:
             break
         time.sleep(0.01)
-    assert backend.errors and "watchdog thread died" in str(backend.errors[0])
-    assert "no device" in str(backend.errors[0])
+    assert port.errors and "watchdog thread died" in str(port.errors[0])
+    assert "no device" in str(port.errors[0])
 
 
 def test_an_input_on_another_gpu_than_the_backends_is_a_clear_error():
@@ -408,17 +422,17 @@ def test_host_pad_registration_calls_match_cuda_python_signatures():
 def test_a_host_barrier_does_not_block_on_a_dead_watchdog():
     import threading
 
-    from ficco.backends.gpu_watchdog import PendingBarrier, Watchdog
+    from ficco.backends.gpu_watchdog import PendingBarrier
     from ficco.symm_mem.barrier import Deadline
 
-    backend = _FakeGpu(fail_bind=True)
-    dog = Watchdog(backend)
+    port = _Port(fail_bind=True)
+    dog = _dog(port)
     item = PendingBarrier(_Event(), _Event(), Deadline(0, 2, 0, 60.0, 1), None)
     dog.watch(item)
     waiter = threading.Thread(target=dog.wait_done, args=(item,), daemon=True)
     waiter.start()
     waiter.join(timeout=5)
-    assert not waiter.is_alive() and backend.errors
+    assert not waiter.is_alive() and port.errors
 
 
 def test_eager_barrier_records_arrival_then_program_then_done(monkeypatch):
@@ -453,9 +467,6 @@ def test_eager_barrier_records_arrival_then_program_then_done(monkeypatch):
     class Fake:
         name, captures_signals = "cuda", True
         vendor, _watchdog = Vendor(), Dog()
-
-        def raise_pending(self):
-            pass
 
     class Queue:
         cuda_stream = 0x77

@@ -52,23 +52,15 @@ def test_memcpy_1d_uses_device_to_device_no_cu():
         "kind": hip.hipMemcpyKind.hipMemcpyDeviceToDeviceNoCU, "stream": 0x77}
 
 
-def test_memcpy_2d_arguments_and_fallback_when_no_cu_is_refused():
+def test_memcpy_2d_arguments_ask_for_what_runs():
+    """hipMemcpy2DAsync runs on compute units whatever kind it is given: it is asked for
+    DeviceToDevice (the NoCU request and its fallback were dead code, issue 25 item 8)."""
     args = Copy2D(dst=0x1000, dpitch=48, src=0x9000, spitch=48, width=10, height=13)
     rec = HipRecorder()
-    vendor = RocmVendor(hip=rec)
-    vendor.copy_2d(args, 0x55)
+    RocmVendor(hip=rec).copy_2d(args, 0x55)
     assert rec.calls["hipMemcpy2DAsync"] == {
         "dst": 0x1000, "dpitch": 48, "src": 0x9000, "spitch": 48, "width": 10, "height": 13,
-        "kind": hip.hipMemcpyKind.hipMemcpyDeviceToDeviceNoCU, "stream": 0x55}
-    # A ROCm that refuses NoCU for 2-D copies: retried once with DeviceToDevice, then kept.
-    rec = HipRecorder({"hipMemcpy2DAsync": [(hip.hipError_t.hipErrorInvalidMemcpyDirection,),
-                                            (hip.hipError_t.hipSuccess,),
-                                            (hip.hipError_t.hipSuccess,)]})
-    vendor = RocmVendor(hip=rec)
-    vendor.copy_2d(args, 0x55)
-    assert rec.calls["hipMemcpy2DAsync"]["kind"] == hip.hipMemcpyKind.hipMemcpyDeviceToDevice
-    vendor.copy_2d(args, 0x55)
-    assert rec.calls["hipMemcpy2DAsync"]["kind"] == hip.hipMemcpyKind.hipMemcpyDeviceToDevice
+        "kind": hip.hipMemcpyKind.hipMemcpyDeviceToDevice, "stream": 0x55}
 
 
 def test_stream_signals_flags_and_mask():
@@ -191,20 +183,57 @@ def test_rocm_without_no_cu_copies_device_to_device_and_says_so():
     assert RocmBackend.copy_2d_on_dma is False     # hipMemcpy2DAsync ignores NoCU
 
 
-# -- barriers: one call per op, in program order; never captured ---------------------------------
-def test_barrier_program_is_enqueued_op_by_op_in_order():
+# -- barriers: one batched call per program (issue 25 item 7); never captured ----------------
+class _Handle:
+    rank, world, _programs = 1, 3, {}
+
+    def slot(self, owner, channel, writer):
+        return 0x5000 + 0x100 * owner + 4 * (channel * 3 + writer)
+
+
+def _decode(address, count):
+    """The hipStreamBatchMemOpParams array at ``address``, read back as HIP's C layout:
+    (operation, address, 32-bit value, flags) per entry."""
+    import ctypes
+
+    from ficco.backends.rocm import MemOpParams
+
+    array = (MemOpParams * count).from_address(address)
+    return [(e.op.operation, e.op.address, e.op.value64 & 0xFFFFFFFF, e.op.flags)
+            for e in array]
+
+
+def test_barrier_program_is_one_batched_call_in_hips_c_layout():
     from ficco.symm_mem.barrier import flag_program
 
-    class Handle:
-        rank, world, _programs = 1, 3, {}
-
-        def slot(self, owner, channel, writer):
-            return 0x5000 + 0x100 * owner + 4 * (channel * 3 + writer)
-
+    program = flag_program(_Handle(), 0, 0x1234)
     rec = HipRecorder()
-    RocmVendor(hip=rec).mem_ops(0x33, flag_program(Handle(), 0), capturing=False)
-    assert rec.order == ["hipStreamWriteValue32"] * 3 + ["hipStreamWaitValue32"] * 3 + \
-        ["hipStreamWriteValue32"] * 3
+    vendor = RocmVendor(hip=rec)
+    vendor.mem_ops(0x33, program, capturing=False)
+    assert rec.order == ["hipStreamBatchMemOp"]
+    call = rec.calls["hipStreamBatchMemOp"]
+    assert (call["stream"], call["count"], call["flags"]) == (0x33, 9, 0)
+    write, wait = int(hip.hipStreamBatchMemOpType.hipStreamMemOpWriteValue32), \
+        int(hip.hipStreamBatchMemOpType.hipStreamMemOpWaitValue32)
+    eq = int(hip.hipStreamWaitValueEq)
+    slot = _Handle().slot
+    assert _decode(call["paramArray"], 9) == (
+        [(write, slot(p, 0, 1), 0x1234, 0) for p in range(3)]          # my flag, every peer
+        + [(wait, slot(1, 0, p), 0x1234, eq) for p in range(3)]       # == flag, my slots
+        + [(write, slot(1, 0, p), 0, 0) for p in range(3)])           # cleared
+    vendor.mem_ops(0x33, program, capturing=False)                    # parameters kept
+    assert rec.calls["hipStreamBatchMemOp"]["paramArray"] == call["paramArray"]
+
+
+def test_barrier_program_falls_back_to_one_call_per_op_where_the_batch_is_refused():
+    from ficco.symm_mem.barrier import flag_program
+
+    rec = HipRecorder({"hipStreamBatchMemOp": (hip.hipError_t.hipErrorNotSupported,)})
+    vendor = RocmVendor(hip=rec)
+    for _ in range(2):
+        vendor.mem_ops(0x33, flag_program(_Handle(), 0), capturing=False)
+    assert rec.order == ["hipStreamBatchMemOp"] + (["hipStreamWriteValue32"] * 3 + [
+        "hipStreamWaitValue32"] * 3 + ["hipStreamWriteValue32"] * 3) * 2
     # the last op clears this rank's own slot of peer 2
     assert rec.calls["hipStreamWriteValue32"] == {"stream": 0x33, "ptr": 0x5000 + 0x100 + 8,
                                                   "value": 0, "flags": 0}
@@ -217,11 +246,16 @@ def test_rocm_refuses_to_capture_a_cross_rank_barrier(monkeypatch):
 
     class Fake:
         name, captures_signals = "rocm", False
+        _capture_refusal = RocmBackend._capture_refusal
 
-        def raise_pending(self):
+        def _raise_died(self):
             pass
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    # refused before the call allocates or enqueues anything (issue 25 item 7) ...
+    with pytest.raises(InvalidArgumentError, match="cannot capture cross-rank barriers"):
+        RocmBackend.before_dma(Fake(), None)
+    # ... and, should a barrier still come under capture, refused there too
     with pytest.raises(InvalidArgumentError, match="cannot capture cross-rank barriers"):
         RocmBackend._enqueue_signals(Fake(), None, (), Deadline(0, 0, 0, 1.0, 1))
 

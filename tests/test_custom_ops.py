@@ -269,18 +269,28 @@ def _dtensor(rank, world, seed):
 
     from ficco.errors import InvalidArgumentError
 
-    shards, bs, full, refs = make_inputs(seed, world, (2, 3, 8), (5,), torch.float32, 1)
+    shards, bs, full, refs = make_inputs(seed, world, (2, 3, 8), (6,), torch.float32, 1)
     mesh = init_device_mesh("cpu", (world,))
     errs = {"mesh": max_row_rel_err(ficco.all_gather_matmul(shards[rank], bs[0], mesh,
                                                             gather_dim=1), refs[0])}
     a_dt = distribute_tensor(full, mesh, [Shard(1)])
     errs["dtensor"] = max_row_rel_err(ficco.all_gather_matmul(a_dt, bs[0], gather_dim=1),
                                       refs[0])
+    # DTensor weights: a replicated one, and this rank's columns (Shard(1)) giving its columns
+    b_rep = distribute_tensor(bs[0], mesh, [Replicate()])
+    errs["replicated weight"] = max_row_rel_err(ficco.all_gather_matmul(a_dt, b_rep,
+                                                                        gather_dim=1), refs[0])
+    cols = ficco.all_gather_matmul(a_dt, distribute_tensor(bs[0], mesh, [Shard(1)]),
+                                   gather_dim=1)
+    start = rank * bs[0].shape[1] // world
+    errs["column-sharded weight"] = max_row_rel_err(
+        cols, refs[0][..., start:start + cols.shape[-1]])
     refused = []
     for call in (lambda: ficco.all_gather_matmul(distribute_tensor(full, mesh, [Replicate()]),
                                                  bs[0], gather_dim=1),
                  lambda: ficco.all_gather_matmul(a_dt, distribute_tensor(bs[0], mesh,
-                                                                         [Replicate()])),
+                                                                         [Shard(0)]),
+                                                 gather_dim=1),
                  lambda: ficco.matmul_reduce_scatter(a_dt, bs[0].T)):
         try:
             call()
@@ -292,12 +302,14 @@ def _dtensor(rank, world, seed):
 
 def test_device_mesh_group_and_dtensor_input():
     """Before: a DeviceMesh was rejected as group and a DTensor failed inside a worker
-    thread. Now a 1-D mesh is a group, a DTensor sharded on gather_dim is used by its local
-    shard, and any other DTensor is refused naming what to pass."""
+    thread; then DTensor weights were refused (issue 26). Now a 1-D mesh is a group, DTensor
+    operands placed as the op needs them are used by their local tensors, and any other
+    DTensor is refused naming the placement to use and what to pass instead."""
     for errs, refused in harness.pool(2).run(_dtensor, random.randrange(1 << 30)):
         assert all(e <= ROW_TOL[torch.float32] for e in errs.values()), errs
         assert refused[0] and "to_local()" in refused[0] and "Shard(1)" in refused[0], refused
-        assert all(r and "to_local()" in r for r in refused[1:]), refused
+        assert refused[1] and "Replicate() or Shard(1)" in refused[1], refused
+        assert refused[2] and "Shard(-1)" in refused[2], refused
 
 
 # -- single process: double backward, export --------------------------------------------------

@@ -165,3 +165,29 @@ def test_simulator_and_explain_price_fp8():
     decision = ficco.explain(a8, w8, a_scale=torch.ones(8, 1), b_scale=torch.ones(1, 16),
                              out_dtype=torch.bfloat16)
     assert "float8_e4m3fn" in str(decision)
+
+
+def test_fp8_calls_compile_with_fullgraph():
+    """torch.compile(fullgraph=True) traces both ops with scales, out_dtype, bias and
+    activation through their fake kernels (the same validator as the eager path) and gets the
+    eager result."""
+    import ficco
+
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    a = torch.randn(8, 32, generator=gen).to(E4M3)
+    b = torch.randn(32, 16, generator=gen).to(E4M3)
+    sa, sb = torch.rand(8, 1, generator=gen) + 0.5, torch.rand(1, 16, generator=gen) + 0.5
+    bias = torch.randn(16, generator=gen)
+
+    def ag(a, b, sa, sb, bias):
+        return ficco.all_gather_matmul(a, b, a_scale=sa, b_scale=sb, out_dtype=torch.bfloat16,
+                                       bias=bias, activation="gelu")
+
+    def rs(a, b, sa, sb, bias):
+        return ficco.matmul_reduce_scatter(a, b, a_scale=sa, b_scale=sb,
+                                           out_dtype=torch.float32, bias=bias)
+
+    for fn in (ag, rs):
+        compiled = torch.compile(fn, fullgraph=True, backend="eager")
+        got, want = compiled(a, b, sa, sb, bias), fn(a, b, sa, sb, bias)
+        assert got.dtype == want.dtype and torch.equal(got, want)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ficco.backends import gpu_fence
-from ficco.backends.gpu_fence import ErrorWord, poison_if_raised
+from ficco.backends.gpu_fence import poison_if_raised
 
 pytest.importorskip("triton")
 
@@ -26,10 +26,10 @@ def _outputs(dtype, seed):
 def test_lowered_word_leaves_outputs_exactly_as_they_were(dtype, monkeypatch):
     monkeypatch.setattr(gpu_fence, "MAX_PROGRAMS", 2)     # programs loop over several blocks
     monkeypatch.setattr(gpu_fence, "BLOCK", 64)
-    word = ErrorWord(torch.device("cpu"), None)
+    word = torch.zeros(1, dtype=torch.int32)
     outs = _outputs(dtype, random.randrange(1 << 30))
     before = [o.clone() for o in outs]
-    poison_if_raised(outs, word.device)
+    poison_if_raised(outs, word)
     assert all(torch.equal(o, b) for o, b in zip(outs, before))
 
 
@@ -40,15 +40,37 @@ def test_raised_word_turns_every_output_element_into_nan(dtype, triton_kernel, m
     monkeypatch.setattr(gpu_fence, "BLOCK", 64)
     if not triton_kernel:                       # no Triton: the torch fallback
         monkeypatch.setattr(gpu_fence, "_kernel", lambda kind: None)
-    word = ErrorWord(torch.device("cpu"), None)
+    word = torch.zeros(1, dtype=torch.int32)
     outs = _outputs(dtype, random.randrange(1 << 30))
     strided = torch.randn(30, 20, dtype=torch.float64).to(dtype)[:, ::3]   # not contiguous
-    word.raise_()
-    poison_if_raised([*outs, strided, None], word.device)
+    word[0] = 1
+    poison_if_raised([*outs, strided, None], word)
     for out in [*outs, strided]:
         assert out.isnan().all(), out
-    word.lower()
+    word[0] = 0
     fresh = _outputs(dtype, random.randrange(1 << 30))
     before = [o.clone() for o in fresh]
-    poison_if_raised(fresh, word.device)
+    poison_if_raised(fresh, word)
     assert all(torch.equal(o, b) for o, b in zip(fresh, before))
+
+
+@pytest.mark.parametrize("target,volatile", [("cuda:90", "ld.volatile.global"),
+                                             ("hip:gfx942", "sc0 sc1")])
+def test_fence_reads_the_error_word_with_a_volatile_load(target, volatile):
+    """Issue 25 item 8: the word is host memory a host thread raises while the GPU runs; the
+    fence's load of it compiles to a volatile / system-coherent load (PTX ``ld.volatile``,
+    AMDGCN ``sc0 sc1`` on gfx942), never a plain one that a cache could serve."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kind, arch = target.split(":")
+    gpu = GPUTarget(kind, int(arch) if kind == "cuda" else arch, 32 if kind == "cuda" else 64)
+    fn = gpu_fence._kernel("cuda")
+    sig = {"out_ptr": "*fp32", "numel": "i32", "err_ptr": "*i32", "BLOCK": "constexpr"}
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={"BLOCK": 1024}),
+                              target=gpu)
+    asm = compiled.asm["ptx" if kind == "cuda" else "amdgcn"]
+    loads = [line for line in asm.splitlines()
+             if "ld.global" in line or "ld.volatile" in line or "global_load" in line]
+    assert loads and all(volatile in line for line in loads), loads

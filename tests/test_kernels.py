@@ -78,6 +78,30 @@ def test_gated_gemm_matches_float64(dtype, two_d, world):
     assert max_row_rel_err(c, _reference(a, b)) <= ROW_TOL[dtype], f"seed {seed}"
 
 
+@pytest.mark.parametrize("programs", [1, 2, 5])
+@pytest.mark.parametrize("two_d", [False, True])
+def test_persistent_grid_smaller_than_the_tiles_computes_every_tile(programs, two_d):
+    """Issue 25 item 1: GPU launches cap the grid below the device's SMs/CUs, so each
+    program walks several tiles (pid, pid + grid, ... in arrival order); every tile is still
+    computed once, right, whatever the cap."""
+    from ficco.kernels import configs
+
+    seed = random.randrange(1 << 30)
+    gen = torch.Generator().manual_seed(seed)
+    world, m, k, n, rank = 3, 40, 37, 70, 2        # 32x32 tiles: more tiles than programs
+    a = torch.randn(world * m, k, generator=gen)
+    b = torch.randn(k, n, generator=gen)
+    c = torch.full((world * m, n), float("nan"))
+    segs = (_segments_2d(world, rank, m, _split(k, world)) if two_d
+            else _segments_1d(world, rank, m, k, _split(m, world)))
+    flags = torch.ones(world * world, dtype=torch.int32)
+    local = a[rank * m:(rank + 1) * m].clone()
+    check_error(gated_gemm(local, a, b, c, segs, flags, local_row0=rank * m,
+                           max_programs=programs))
+    assert max_row_rel_err(c, _reference(a, b)) <= ROW_TOL[torch.float32], f"seed {seed}"
+    assert configs.resident_programs(132) == 128 and configs.resident_programs(1) == 1
+
+
 def test_wait_past_budget_raises_naming_the_chunk():
     """A flag that never comes: the kernel gives up after its spin budget (it never hangs),
     skips only the tiles that needed it, and the host error names the chunk."""

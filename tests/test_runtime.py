@@ -122,8 +122,13 @@ def _warm_serialises(rank, world, seed):
 
     gen = torch.Generator().manual_seed(seed)
     a, b = torch.randn(8, 16, generator=gen), torch.randn(16, 8, generator=gen)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    one, bias = torch.tensor(1.0), torch.randn(8, generator=gen)
     ops = [lambda: ficco.all_gather_matmul(a, b),
-           lambda: ficco.matmul_reduce_scatter(torch.cat([a] * world), b)]
+           lambda: ficco.matmul_reduce_scatter(torch.cat([a] * world), b),
+           # an fp8 call with a bias (issue 27): its epilogue's signature is hashable too
+           lambda: ficco.all_gather_matmul(a8, b8, a_scale=one, b_scale=one, bias=bias,
+                                           out_dtype=torch.bfloat16)]
     for op in ops:
         op()
     seen = []

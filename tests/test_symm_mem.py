@@ -338,22 +338,34 @@ def _host_pads(rank, world, seed):
     return seen, registered, len(vendor.registered), pads.count == SIGNAL_CHANNELS * world
 
 
-@pytest.mark.parametrize("setting,connections,vendor,on_host", [
-    (None, "1", "cuda", True), (None, " 1 ", "cuda", True), (None, None, "cuda", False),
-    (None, "8", "cuda", False), (None, "1", "rocm", False), ("auto", "1", "cuda", True),
-    ("device", "1", "cuda", False), ("host", None, "cuda", True), ("host", None, "rocm", True)])
-def test_signal_pads_go_to_host_memory_where_one_hardware_queue_would_block_the_rescue(
-        monkeypatch, setting, connections, vendor, on_host):
-    """Issue 15 item 5: FICCO_SIGNAL_PADS=auto (the default) takes host pads on CUDA with
-    CUDA_DEVICE_MAX_CONNECTIONS=1, where a stream rescue queues behind the stuck wait."""
+@pytest.mark.parametrize("setting,connections,queues,vendor,on_host", [
+    (None, "1", None, "cuda", True), (None, None, None, "cuda", True),
+    (None, "8", None, "cuda", True), (None, None, "4", "rocm", True),
+    ("auto", "1", None, "cuda", True), ("host", None, None, "rocm", True),
+    ("device", None, None, "cuda", False), ("device", "8", None, "cuda", False),
+    ("device", None, "4", "rocm", False),
+    ("device", "1", None, "cuda", "refused"), ("device", " 1 ", None, "cuda", "refused"),
+    ("device", None, "1", "rocm", "refused")])
+def test_signal_pads_are_host_memory_unless_device_is_asked_where_it_can_be_rescued(
+        monkeypatch, setting, connections, queues, vendor, on_host):
+    """Issue 25 item 2: the watchdog must reach a stuck barrier's slots without a stream, so
+    pads are host-mapped memory by default on CUDA and ROCm alike (issue 15 did so only for
+    CUDA_DEVICE_MAX_CONNECTIONS=1); device pads only when asked, refused where every stream
+    shares one hardware queue."""
+    from ficco.errors import ConfigError
     from ficco.symm_mem import host_pads
 
-    for name, value in (("FICCO_SIGNAL_PADS", setting), ("CUDA_DEVICE_MAX_CONNECTIONS", connections)):
+    for name, value in (("FICCO_SIGNAL_PADS", setting), ("CUDA_DEVICE_MAX_CONNECTIONS", connections),
+                        ("GPU_MAX_HW_QUEUES", queues)):
         if value is None:
             monkeypatch.delenv(name, raising=False)
         else:
             monkeypatch.setenv(name, value)
-    assert host_pads.wanted(vendor) is on_host
+    if on_host == "refused":
+        with pytest.raises(ConfigError, match="cannot be used with"):
+            host_pads.wanted(vendor)
+    else:
+        assert host_pads.wanted(vendor) is on_host
 
 
 def test_host_signal_pads_are_shared_by_every_rank_through_device_addresses():
@@ -364,15 +376,18 @@ def test_host_signal_pads_are_shared_by_every_rank_through_device_addresses():
 
 
 def _expire_on_host_pads(memory: dict, flag: int):
-    """GpuBackend.expire on a flag-mode barrier (call flag ``flag``) whose handle has host pads
-    holding ``memory``; returns the error it left. Any stream or vendor call would fail."""
-    from ficco.backends.gpu import GpuBackend
-    from ficco.backends.gpu_watchdog import PendingBarrier
+    """The watchdog expiring a flag-mode barrier (call flag ``flag``) whose handle has host
+    pads holding ``memory``, through the GPU backend's port (:class:`Rescue`); returns the
+    error left in the group's fault. Any stream or vendor call would fail."""
+    import numpy as np
+
+    from ficco.backends.gpu_rescue import Rescue
+    from ficco.backends.gpu_watchdog import PendingBarrier, Watchdog
     from ficco.symm_mem.barrier import Deadline, SignalOp, WAIT
+    from ficco.symm_mem.fault import GroupFault
 
-    from ficco.backends.gpu_fence import ErrorWord
-
-    word = ErrorWord(torch.device("cpu"), None)
+    fault = GroupFault(0, np.zeros(1, np.int32), None, 0,
+                       [np.zeros(1, np.int32), np.zeros(1, np.int32)])
     released_after_raise = []
 
     class Host:
@@ -380,31 +395,22 @@ def _expire_on_host_pads(memory: dict, flag: int):
 
         @staticmethod
         def write(slot, value):
-            released_after_raise.append(word.raised())
+            released_after_raise.append(fault.failed() and
+                                        all(int(w[0]) == 2 for w in fault.peer_words))
             memory[slot] = value
 
     class Handle:
         host_pads = Host()
 
-    class Fake:
-        errors = []
-        vendor = None     # any vendor call would fail
-        slot_reader = GpuBackend.slot_reader
-
-        def set_error(self, error):
-            self.errors.append(error)
-
-        def error_word(self):
-            return word
-
+    Handle.fault = fault
     waits = tuple(SignalOp(WAIT, 0x100 + 4 * p, flag, p, True) for p in range(3))
     item = PendingBarrier(None, None, Deadline(0, 1, 4, 2.0, flag, waits, Handle()), None)
-    fake = Fake()
-    GpuBackend.expire(fake, item)
-    (error,) = fake.errors
-    # The call's fence must see the error word raised: raised before any slot is released.
+    dog = Watchdog(Rescue(torch.device("cpu"), None, None, None))   # vendor None: unused
+    dog._expire(item, fault)
+    # The call's fence must see the error word raised, and every peer's too (this rank gave
+    # up on the group), before any slot is released.
     assert released_after_raise and all(released_after_raise), released_after_raise
-    return error
+    return fault.take()
 
 
 def test_watchdog_releases_host_pads_without_a_stream():
@@ -445,13 +451,13 @@ def test_watchdog_peeks_find_a_foreign_flag_before_the_deadline():
     deadline = Deadline(0, 0, 1, 600.0, flag, waits)
     deadline.start(100.0)
 
-    class Fake:
+    class Port:
         @staticmethod
-        def slot_reader(_):
+        def reader(_):
             return memory.__getitem__
 
     dog = Watchdog.__new__(Watchdog)
-    dog.backend = Fake()
+    dog.port = Port()
     item = PendingBarrier(None, None, deadline, None)
     assert not dog._foreign(item, 100.001)          # before the first peek
     assert not dog._foreign(item, 100.006)          # a peek: the peer has not arrived
@@ -465,7 +471,13 @@ def test_watchdog_peeks_find_a_foreign_flag_before_the_deadline():
 # -- FICCO_SYMM=torch / auto (torch's _symmetric_memory): its steps are bounded store exchanges.
 # torch's allocator needs a GPU; these fakes stand in for it (and torch.cuda) so the protocol
 # around it runs on the CPU rank pool.
-def _torch_symm_provider(rank, world, seed, failing_rank, symm):
+class _UvaVendor(_HostVendor):
+    """Host pads whose device address is the host address (unified addressing)."""
+
+    OFFSET, name = 0, "cuda"
+
+
+def _torch_symm_provider(rank, world, seed, failing_rank, symm, pads="device"):
     from types import SimpleNamespace
 
     from torch.distributed import _symmetric_memory as torch_symm
@@ -501,8 +513,9 @@ def _torch_symm_provider(rank, world, seed, failing_rank, symm):
     torch.cuda.synchronize, torch.cuda.get_device_properties = (lambda *a: None), properties
     start = time.monotonic()
     try:
-        with ficco.config.scope(timeout=5, symm=symm):
-            handle = AutoSymmProvider(None).allocate(100, None, "cpu")
+        backend = SimpleNamespace(vendor=_UvaVendor(), device=lambda: torch.device("cpu"))
+        with ficco.config.scope(timeout=5, symm=symm, signal_pads=pads):
+            handle = AutoSymmProvider(backend).allocate(100, None, "cpu")
         seen = [torch.equal(handle.get_buffer(p, (64,), torch.uint8),
                             data[p].view(torch.uint8)[:64]) for p in range(world)]
         outcome = ("allocated", all(seen), tuple(handle.signal_pad(rank).shape))
@@ -514,11 +527,12 @@ def _torch_symm_provider(rank, world, seed, failing_rank, symm):
     return outcome, bool(rendezvous_entered), time.monotonic() - start
 
 
-@pytest.mark.parametrize("symm", ["torch", "auto"])
-def test_torch_symm_provider_maps_every_peer_through_bounded_exchanges(symm):
+@pytest.mark.parametrize("symm,pads", [("torch", "device"), ("auto", "device"),
+                                       ("torch", "host")])
+def test_torch_symm_provider_maps_every_peer_through_bounded_exchanges(symm, pads):
     world = 2
     results = harness.pool(world).run(_torch_symm_provider, random.randrange(1 << 30), -1,
-                                      symm, timeout_s=60)
+                                      symm, pads, timeout_s=60)
     for (kind, all_seen, pad_shape), entered, _ in results:
         assert kind == "allocated" and all_seen and entered, results
         assert pad_shape == (ficco.symm_mem.SIGNAL_CHANNELS, world), results

@@ -177,10 +177,23 @@ class Backend(ABC):
         """Raise InvalidArgumentError when ``t`` (argument ``name``) lives on another device
         than the one this backend drives (GPUs: another GPU index)."""
 
-    def fence(self, outputs: list) -> None:
-        """End of a dma call, after ``finish``: backends whose calls return before their
-        barriers completed poison ``outputs`` when one was released by its deadline (GPUs,
-        :mod:`ficco.backends.gpu_fence`). Here a released barrier has raised already."""
+    def before_dma(self, symm: Any) -> None:
+        """Start of a dma call, before it allocates or enqueues anything (``symm``: the
+        group's workspace, None before its first allocation): raise what this backend must
+        refuse now, or what the group still owes from an earlier call whose error could not
+        be raised by that call (GPUs: a barrier released after the call returned). Here a
+        failed call raised already."""
+
+    def fence(self, outputs: list, symm: Any = None) -> None:
+        """End of a dma call on group workspace ``symm``, after ``finish``: backends whose
+        calls return before their barriers completed poison ``outputs`` when one of the
+        group's barriers was released (GPUs, :mod:`ficco.backends.gpu_fence`). Here a
+        released barrier has raised already."""
+
+    def tensor_slot(self, t: torch.Tensor, index: int) -> Any:
+        """Int32 ``t[index]`` as a slot for :meth:`signal_write` / :meth:`signal_wait` (the
+        gated schedules' arrival flags): a (tensor, index) pair here, an address on GPUs."""
+        return (t, index)
 
     def elapsed_s(self, start: Any, end: Any) -> float:
         """Seconds between two recorded events of one call (tracing). Backends whose events

@@ -14,7 +14,6 @@ Queues are torch streams::
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Callable
 
 import torch
@@ -22,10 +21,10 @@ import torch
 from .. import config
 from ..errors import BackendUnavailableError, FiccoError, InvalidArgumentError
 from ..symm_mem.barrier import WAIT, WRITE, Deadline, SignalOp
-from ..symm_mem.device import tensor_at
 from ..symm_mem.torch_symm import AutoSymmProvider
 from .base import Backend
-from .gpu_fence import ErrorWord, poison_if_raised
+from .gpu_fence import poison_if_raised
+from .gpu_rescue import Rescue
 from .gpu_watchdog import PendingBarrier, Watchdog
 from .vendor import Copy2D, Vendor, _nothing, copy_call_args
 
@@ -47,25 +46,29 @@ class GpuBackend(Backend):
         reason = type(self).unavailable_reason()
         if reason is not None:
             raise BackendUnavailableError(f"the {self.name} backend cannot run here: {reason}")
-        index = torch.cuda.current_device() if device is None else torch.device(device).index
-        self._device = torch.device("cuda", torch.cuda.current_device() if index is None
-                                    else index)
+        self._device = self._torch_device(device)
         self.vendor = type(self).make_vendor()
         self.vendor.bind_device(self._device.index)
         self._copy_streams: dict[int, torch.cuda.Stream] = {}
         self._comm_stream: torch.cuda.Stream | None = None
         self._side_stream: torch.cuda.Stream | None = None
-        self._rescue_stream: torch.cuda.Stream | None = None
         self._provider = AutoSymmProvider(self)
-        self._watchdog = Watchdog(self)
+        # Failures of a group live with the group (its workspace's GroupFault, issue 25 item
+        # 5); only the watchdog's own death concerns every group.
+        self._died: FiccoError | None = None
+        self._watchdog = Watchdog(Rescue(self._device, self.vendor, self.bind_thread,
+                                         self._watchdog_died))
         self._plan_events: dict = {}
         self._join_events: dict = {}   # (stream handle, capturing) -> event, for finish()
-        self._error: FiccoError | None = None
-        self._error_lock = threading.Lock()
-        self._error_word: ErrorWord | None = None    # see ficco.backends.gpu_fence
 
     def device(self):
         return self._device
+
+    @staticmethod
+    def _torch_device(device) -> torch.device:
+        """The torch device this backend drives: ``device``'s index, else the current one."""
+        index = torch.cuda.current_device() if device is None else torch.device(device).index
+        return torch.device("cuda", torch.cuda.current_device() if index is None else index)
 
     def bind_thread(self) -> None:
         torch.cuda.set_device(self._device)
@@ -86,13 +89,13 @@ class GpuBackend(Backend):
         caller's current stream with one entry event per call (so work there never overtakes
         the caller's producers of the inputs, and under graph capture the side streams join
         the capture)."""
-        self.raise_pending()
+        self._raise_died()
         return self._queue(name, config.copy_engines() if name.startswith("copy") else None)
 
     def queues(self, names):
         """:meth:`queue` of every name of one call, FICCO_COPY_ENGINES read once (the
         executor's per-call lookup; reading a setting costs about a microsecond)."""
-        self.raise_pending()
+        self._raise_died()
         engines = config.copy_engines()
         return [self._queue(name, engines) for name in names]
 
@@ -152,8 +155,10 @@ class GpuBackend(Backend):
         return start.elapsed_time(end) / 1000.0
 
     def synchronize(self) -> None:
+        """Block until this device finished everything queued; raise the watchdog's death.
+        A group's failure is raised by that group's next call (:meth:`before_dma`)."""
         torch.cuda.synchronize(self._device)
-        self.raise_pending()
+        self._raise_died()
 
     # -- work ---------------------------------------------------------------------------------
     def copy(self, dst, src, queue):
@@ -228,18 +233,13 @@ class GpuBackend(Backend):
         self._enqueue_signals(queue, ops, deadline)
 
     def _enqueue_signals(self, queue, ops, deadline: Deadline | None):
-        self.raise_pending()
         capturing = torch.cuda.is_current_stream_capturing()
         if capturing and not self.captures_signals:
-            raise InvalidArgumentError(
-                f"the {self.name} backend cannot capture cross-rank barriers into a graph (its "
-                f"stream memory operations are not captured, so a replay would run without "
-                f"barriers and race); run multi-rank calls eagerly or with FICCO_TRANSPORT=ccl "
-                f"under graph capture")
+            raise self._capture_refusal()    # before_dma refuses earlier; never mid-capture
         if capturing:
             # Graphs are replayed without a host watching them; the runtime must keep this
             # memory alive while such a graph exists.
-            owner = getattr(deadline, "handle", None)
+            owner = deadline.handle if deadline is not None else None
             if owner is not None:
                 owner.captured = True
             self.vendor.mem_ops(queue.cuda_stream, ops, True)
@@ -258,85 +258,79 @@ class GpuBackend(Backend):
 
     def signal_now(self, ops, deadline):
         """Host barrier: the program runs on a private stream; the host waits for it."""
+        self._raise_died()
         item = self._enqueue_signals(self._side(), ops, deadline)
         if item is not None:
             self._watchdog.wait_done(item)
-        self.raise_pending()
+        self._raise_died()
+        if deadline.fired:
+            # This barrier expired (or its group had failed): raise now, and only once.
+            error = self._take(deadline.handle) if deadline.handle is not None else None
+            raise error if error is not None else deadline.error([])
 
-    def expire(self, item: PendingBarrier) -> None:
-        """Called by the watchdog: a barrier's stream wait outlived its deadline. Reads the
-        awaited slots and writes the awaited values into the short ones, so the stream moves
-        on, then leaves the one timeout error for the next call."""
-        deadline = item.deadline
-        host = getattr(deadline.handle, "host_pads", None)
-        late = deadline.late(self.slot_reader(deadline))
-        by_peer = {peer for peer, _ in late}
-        # Before the stream moves on: the host must find the error once the stream completes
-        # (synchronize() right after), and the fence ending this call must see the word raised.
-        deadline.fired = True
-        self.set_error(deadline.error(late))
-        self.error_word().raise_()
-        if host is not None:
-            # Host-mapped pads: read and release with host loads/stores, never through a
-            # stream (which may sit behind the stuck wait on a shared hardware queue).
-            for op in deadline.waits:
-                if op.peer in by_peer:
-                    host.write(op.slot, op.value)
-        else:
-            # Device pads: through a private stream. This can queue behind the stuck wait
-            # when streams share one hardware queue (FICCO_SIGNAL_PADS=host avoids that).
-            side = self._rescue()
-            for op in deadline.waits:
-                if op.peer in by_peer:
-                    self.vendor.write_value32(side.cuda_stream, op.slot, op.value)
-            side.synchronize()
+    def _capture_refusal(self) -> InvalidArgumentError:
+        return InvalidArgumentError(
+            f"the {self.name} backend cannot capture cross-rank barriers into a graph (its "
+            f"stream memory operations are not captured, so a replay would run without "
+            f"barriers and race); run multi-rank calls eagerly or with FICCO_TRANSPORT=ccl "
+            f"under graph capture")
 
-    def _rescue(self) -> torch.cuda.Stream:
-        if self._rescue_stream is None:
-            self._rescue_stream = torch.cuda.Stream(self._device)
-        return self._rescue_stream
+    # -- a group's failures (ficco.symm_mem.fault) ------------------------------------------
+    def before_dma(self, symm) -> None:
+        """Start of a dma call, before it allocates or enqueues anything: refuse a graph
+        capture this backend cannot replay (HIP: refusing later would break the caller's
+        capture, issue 25 item 7), then raise what the group still owes: the error of an
+        earlier call's released barrier or of a gated GEMM that gave up (issue 25 item 5).
+        ``symm`` is the group's workspace, None before its first allocation."""
+        self._raise_died()
+        if not self.captures_signals and torch.cuda.is_current_stream_capturing():
+            raise self._capture_refusal()
+        if symm is not None:
+            error = self._take(symm)
+            if error is not None:
+                raise error
 
-    def slot_reader(self, deadline: Deadline):
-        """How the watchdog reads a barrier's slots: host loads for host-mapped pads, else a
-        small device-to-host read on the private rescue stream."""
-        host = getattr(deadline.handle, "host_pads", None)
-        if host is not None:
-            return host.read
-        side = self._rescue()
+    def raise_pending(self, symm) -> None:
+        """Raise the group's pending error now (tests, tools); as :meth:`before_dma`."""
+        self.before_dma(symm)
 
-        def read(slot) -> int:
-            with torch.cuda.stream(side):
-                return int(tensor_at(slot, 4, self._device).view(torch.int32).item())
-        return read
-
-    def set_error(self, error: FiccoError) -> None:
-        with self._error_lock:
-            if self._error is None:
-                self._error = error
-
-    def raise_pending(self) -> None:
-        if self._error is None:
-            return
-        with self._error_lock:
-            error, self._error = self._error, None
+    def _take(self, symm) -> FiccoError | None:
+        """The group's pending error, consumed, with its error word lowered in stream order
+        (fences already queued still see it raised)."""
+        fault = symm.fault
+        if fault is None:
+            return None
+        error = fault.gated_error() if fault.error is None else None
         if error is not None:
-            if self._error_word is not None and self._error_word.raised():
-                # Lowered in stream order: the fences already queued still poison their calls.
-                with torch.cuda.stream(torch.cuda.current_stream(self._device)):
-                    self._error_word.device.zero_()
+            return error
+        if not fault.failed():
+            return None
+        error = fault.take()
+        if torch.cuda.is_current_stream_capturing():
+            fault.lower()
+        else:
+            self.vendor.write_value32(torch.cuda.current_stream(self._device).cuda_stream,
+                                      fault.address, 0)
+        return error
+
+    def _watchdog_died(self, error: FiccoError) -> None:
+        self._died = error
+
+    def _raise_died(self) -> None:
+        if self._died is not None:
+            error, self._died = self._died, None
             raise error
 
-    def error_word(self) -> ErrorWord:
-        if self._error_word is None:
-            self._error_word = ErrorWord(self._device, tensor_at)
-        return self._error_word
-
-    def fence(self, outputs) -> None:
+    def fence(self, outputs, symm=None) -> None:
         """End of an eager dma call, on the caller's stream: its outputs become NaN if the
-        watchdog released one of its barriers (:mod:`ficco.backends.gpu_fence`)."""
-        if torch.cuda.is_current_stream_capturing():
+        group's error word is raised when the stream gets there (:mod:`.gpu_fence`)."""
+        if symm is None or symm.fault is None or torch.cuda.is_current_stream_capturing():
             return        # a replayed graph has no watchdog: nothing can raise the word
-        poison_if_raised(outputs, self.error_word().device)
+        poison_if_raised(outputs, symm.fault.word_device)
+
+    def tensor_slot(self, t: torch.Tensor, index: int) -> int:
+        """The device address of int32 ``t[index]``, as signal primitives take slots."""
+        return t.data_ptr() + 4 * index
 
     def _side(self) -> torch.cuda.Stream:
         if self._side_stream is None:
@@ -346,7 +340,6 @@ class GpuBackend(Backend):
     def finish(self, queues):
         """The caller's stream waits for every side stream: one reused event per stream
         (``wait_stream`` would create an event per stream per call)."""
-        self.raise_pending()
         compute = torch.cuda.current_stream(self._device)
         capturing = torch.cuda.is_current_stream_capturing()
         joined = {compute.cuda_stream}
@@ -371,4 +364,4 @@ class GpuBackend(Backend):
         self._watchdog.stop()
         self._copy_streams.clear()
         self._join_events.clear()
-        self._comm_stream = self._side_stream = self._rescue_stream = None
+        self._comm_stream = self._side_stream = None

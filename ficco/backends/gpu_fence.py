@@ -9,7 +9,8 @@ next ficco call. The outputs of the released call cannot be recalled: they were 
 already, and the GEMMs after the released barrier computed them from data that never
 arrived. So they are **poisoned** instead:
 
-- every backend keeps one *error word*, in pinned host memory the GPU reads directly;
+- every group keeps one *error word* per rank (:mod:`ficco.symm_mem.fault`), in host memory
+  the GPU reads directly; a group's calls never see another group's word;
 - the watchdog raises it with a host store **before** it releases any barrier;
 - every dma call ends with a *fence* on the caller's stream, after all of its work: a tiny
   kernel that reads the word and, only when it is raised, fills the call's outputs with NaN.
@@ -44,7 +45,9 @@ def _kernel(device_kind: str):
         return None
 
     def fence(out_ptr, numel, err_ptr, BLOCK: tl.constexpr):
-        if tl.load(err_ptr) != 0:
+        # A volatile load (issue 25 item 8): the word is host memory a host thread wrote
+        # after this kernel's stream was released; a cached or hoisted read could miss it.
+        if tl.load(err_ptr, volatile=True) != 0:
             pid, programs = tl.program_id(0), tl.num_programs(0)
             nan = tl.full((BLOCK,), float("nan"), tl.float32)
             for start in range(pid * BLOCK, numel, programs * BLOCK):
@@ -63,7 +66,7 @@ def poison_if_raised(outputs, word: torch.Tensor) -> None:
     runs only if the int32 ``word`` (a tensor the kernel can read: on GPUs a device view of
     pinned host memory) is nonzero when the stream gets there.
 
-    >>> word = torch.zeros(1, dtype=torch.int32)
+    >>> word = torch.zeros(1, dtype=torch.int32)   # on GPUs a device view of host memory
     >>> out = torch.ones(3, 5)
     >>> poison_if_raised([out], word); bool(out.isnan().any())
     False
@@ -80,27 +83,3 @@ def poison_if_raised(outputs, word: torch.Tensor) -> None:
         numel = out.numel()
         programs = min(MAX_PROGRAMS, -(-numel // BLOCK))
         kernel[(programs,)](out, numel, word, BLOCK=BLOCK)
-
-
-class ErrorWord:
-    """A backend's error word: ``host`` the pinned int32 the watchdog writes with a host
-    store, ``device`` the same memory as a tensor of ``device`` the fence kernel reads."""
-
-    def __init__(self, device: torch.device, view):
-        self.host = torch.zeros(1, dtype=torch.int32, pin_memory=device.type != "cpu")
-        self.device = view(self.host.data_ptr(), 4, device).view(torch.int32) \
-            if device.type != "cpu" else self.host
-
-    def raise_(self) -> None:
-        self.host[0] = 1
-
-    def raised(self) -> bool:
-        return bool(self.host[0])
-
-    def lower(self, write_value32=None, stream=None) -> None:
-        """Lower the word; with ``write_value32`` (a vendor's) stream-ordered on ``stream``,
-        after the fences queued before it (they must still see it raised)."""
-        if write_value32 is None:
-            self.host[0] = 0
-        else:
-            write_value32(stream, self.device.data_ptr(), 0)

@@ -14,6 +14,7 @@ import importlib
 import importlib.util
 import sys
 
+from ..__main__ import version
 from ..errors import FiccoError
 from .cli import BenchUsageError, report_usage_error
 
@@ -56,6 +57,7 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         epilog="examples:\n  python -m ficco.bench simulate --profile h100\n"
                "  python -m ficco.bench characterize\n"
                "  torchrun --nproc-per-node 2 -m ficco.bench sweep --shape 2048,1024,1024")
+    parser.add_argument("--version", action="version", version=version())
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for name, help_text in available.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text,

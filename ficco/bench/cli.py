@@ -15,6 +15,7 @@ import datetime
 import importlib
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -75,11 +76,39 @@ class _NoBar:
         self.close()
 
 
+class _LineBar(_NoBar):
+    """The progress bar where stderr is not a terminal (a log file, CI): a plain line at every
+    tenth of the work, no carriage returns redrawing one line."""
+
+    def __init__(self, verb: str, total: float, unit: str, weighted: bool, stream=None):
+        self.verb, self.total, self.unit, self.weighted = verb, total, unit, weighted
+        self.stream = stream or sys.stderr
+        self.done, self.next_tenth, self.start = 0.0, 1, time.monotonic()
+
+    def update(self, n=1):
+        self.done += n
+        tenth = int(10 * self.done / self.total) if self.total else 10
+        if tenth >= self.next_tenth:
+            self.next_tenth = tenth + 1
+            counts = "" if self.weighted else f" ({self.done:g}/{self.total:g} {self.unit})"
+            print(f"{self.verb}: {min(100, 10 * tenth)}%{counts}, "
+                  f"{time.monotonic() - self.start:.0f} s", file=self.stream, flush=True)
+
+
 def progress_bar(verb: str, total: float, unit: str, disable: bool = False, weighted=False):
-    """A tqdm bar, or without tqdm a silent stand-in after one warning.
+    """A tqdm bar on a terminal; in a redirected log a line per tenth of the work; without
+    tqdm (the ``bench`` extra) a silent stand-in after one warning.
 
     ``weighted``: ``total`` and each ``update`` are estimated seconds of work rather than
     counts, so the bar shows a percentage and its ETA follows the work, not the point count.
+
+    >>> import io
+    >>> log = io.StringIO()                       # not a terminal
+    >>> bar = progress_bar("sweep", 4, "points")
+    >>> bar.stream = log
+    >>> for _ in range(4): bar.update()
+    >>> chr(13) in log.getvalue(), log.getvalue().splitlines()[-1].startswith("sweep: 100% (4/4")
+    (False, True)
     """
     if disable:
         return _NoBar()
@@ -87,6 +116,8 @@ def progress_bar(verb: str, total: float, unit: str, disable: bool = False, weig
         warnings.warn(f"tqdm is not installed, so ficco.bench {verb} runs without a progress "
                       f"bar: {INSTALL_HINT}", stacklevel=2)
         return _NoBar()
+    if not sys.stderr.isatty():
+        return _LineBar(verb, total, unit, weighted)
     from tqdm import tqdm
 
     if weighted:

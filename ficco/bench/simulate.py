@@ -12,6 +12,8 @@ pick). No GPU needed::
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import time
 from pathlib import Path
@@ -57,7 +59,12 @@ def add_arguments(parser) -> None:
                              "over the world, K); repeatable")
     parser.add_argument("--world", type=int, default=8, help="group size W")
     parser.add_argument("--dtype", default="bfloat16",
-                        choices=["bfloat16", "float16", "float32", "float64"])
+                        choices=["bfloat16", "float16", "float32", "float64", "float8_e4m3fn",
+                                 "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"],
+                        help="the operands' dtype; fp8 runs row-wise scaled with bfloat16 "
+                             "outputs (--scaling tensor for one scale each)")
+    parser.add_argument("--scaling", default="row", choices=["row", "tensor"],
+                        help="fp8 scales (docs/fp8.md); ignored for other dtypes")
     parser.add_argument("--scale", type=int, default=1, help="divide every M by this")
     parser.add_argument("--transport", default="dma", choices=["dma", "ccl"])
     parser.add_argument("--topology", default=None, choices=list(profiles.TOPOLOGIES),
@@ -128,10 +135,12 @@ def _op(args) -> str:
 def _problem(args, big_m: int, n: int, k: int):
     """The Problem of one layer GEMM (M, N, K) for the chosen op: all-gather splits N over the
     world, reduce-scatter splits K (each rank holds its K-shard of the weight)."""
+    fp8 = {"scaling": getattr(args, "scaling", "row"), "out_dtype": "bfloat16"} \
+        if args.dtype.startswith("float8") else {}
     if _op(args) == "matmul_reduce_scatter":
         return Problem(big_m, max(k // args.world, 1), (n,), args.dtype, args.world,
-                       op="matmul_reduce_scatter")
-    return gemm_problem(big_m, n, k, args.world, args.dtype)
+                       op="matmul_reduce_scatter", **fp8)
+    return dataclasses.replace(gemm_problem(big_m, n, k, args.world, args.dtype), **fp8)
 
 
 def _llama(args) -> list[tuple[str, tuple[int, int, int]]]:

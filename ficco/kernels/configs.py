@@ -41,6 +41,19 @@ def block_shapes(name: str) -> list[tuple[int, int]]:
     return [(m, n) for m, n, *_ in table]
 
 
+def resident_programs(compute_units: int) -> int:
+    """Most programs of the gated GEMM resident at once on a device with ``compute_units``
+    SMs/CUs: all but a reserve (1/32 of them, at least one). Its tiles spin while their data
+    is missing; whatever must run for the data to arrive and needs a compute unit (ROCm's
+    stream memory operations and 2-D copies, same-device copies on one GPU) keeps at least
+    the reserve. The persistent grid walks tiles in arrival order (issue 25 item 1).
+
+    >>> resident_programs(132), resident_programs(304), resident_programs(2)
+    (128, 295, 1)
+    """
+    return max(1, compute_units - max(1, compute_units // 32))
+
+
 def family(target: str) -> str:
     """The config family of a backend target string ("cuda:sm_90" -> "nvidia")."""
     if target.startswith("cuda"):

@@ -80,93 +80,105 @@ def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, h
                  stride_al, stride_ag, stride_bk, stride_bn, stride_cm,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  IEEE: tl.constexpr, UPCAST: tl.constexpr, TRACE: tl.constexpr = 0):
+    # Persistent: the grid is at most the device's SMs/CUs minus a reserve (launch.py), and
+    # each program walks tiles pid, pid + grid, ... of the arrival-ordered tile list, so
+    # tiles waiting for data never hold every compute unit (issue 25 item 1).
     pid = tl.program_id(0)
-    if TRACE != 0:   # constexpr: with tracing off none of this is compiled in
-        t_start = _clock(TRACE, trace)
-        t_first = t_start
-        t_last = t_start
-        waited = 0
+    programs = tl.num_programs(0)
     tiles_n = (N + BLOCK_N - 1) // BLOCK_N   # not tl.cdiv: a jit helper the interpreter cannot call
-    tile_m = pid // tiles_n
-    tile_n = pid % tiles_n
-    # Which segment holds M-tile ``tile_m``: segments are few (<= W*W+1), walk them.
-    seg = 0
-    first_tile = 0
-    seen = 0
+    num_tiles = 0
     for s in range(0, num_segs):
-        tiles_s = (tl.load(seg_table + s * 4 + 1) + BLOCK_M - 1) // BLOCK_M
-        hit = (tile_m >= seen) & (tile_m < seen + tiles_s)
-        seg = tl.where(hit, s, seg)
-        first_tile = tl.where(hit, seen, first_tile)
-        seen += tiles_s
-    row0 = tl.load(seg_table + seg * 4)
-    rows = tl.load(seg_table + seg * 4 + 1)
-    part0 = tl.load(seg_table + seg * 4 + 2)
-    parts = tl.load(seg_table + seg * 4 + 3)
-    offs_m = (tile_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < rows
-    mask_n = offs_n < N
-    # This rank's own rows come straight from the caller's input: they wait for nothing.
-    if (row0 >= local_row0) & (row0 < local_row0 + local_rows):
-        a_rows = a_local + (row0 - local_row0 + offs_m).to(tl.int64) * stride_al
-    else:
-        a_rows = a_gathered + (row0 + offs_m).to(tl.int64) * stride_ag
-    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)   # tl.zeros is a jit helper too
-    ok = 1
-    for p in range(part0, part0 + parts):
-        k0 = tl.load(part_table + p * 3)
-        kc = tl.load(part_table + p * 3 + 1)
-        flag = tl.load(part_table + p * 3 + 2)
-        if (flag >= 0) & (ok != 0):
-            # Acquire: the rows the copy engine wrote before raising the flag are visible.
-            seen_flag = tl.atomic_add(flags + flag, 0, sem="acquire")
-            spins = 0
-            stop = 0
-            while (seen_flag == 0) & (spins < spin_budget) & (stop == 0):
+        num_tiles += (tl.load(seg_table + s * 4 + 1) + BLOCK_M - 1) // BLOCK_M
+    num_tiles = num_tiles * tiles_n
+    for tile in range(pid, num_tiles, programs):
+        if TRACE != 0:   # constexpr: with tracing off none of this is compiled in
+            t_start = _clock(TRACE, trace)
+            t_first = t_start
+            t_last = t_start
+            waited = 0
+        tile_m = tile // tiles_n
+        tile_n = tile % tiles_n
+        # Which segment holds M-tile ``tile_m``: segments are few (<= W*W+1), walk them.
+        seg = 0
+        first_tile = 0
+        seen = 0
+        for s in range(0, num_segs):
+            tiles_s = (tl.load(seg_table + s * 4 + 1) + BLOCK_M - 1) // BLOCK_M
+            hit = (tile_m >= seen) & (tile_m < seen + tiles_s)
+            seg = tl.where(hit, s, seg)
+            first_tile = tl.where(hit, seen, first_tile)
+            seen += tiles_s
+        row0 = tl.load(seg_table + seg * 4)
+        rows = tl.load(seg_table + seg * 4 + 1)
+        part0 = tl.load(seg_table + seg * 4 + 2)
+        parts = tl.load(seg_table + seg * 4 + 3)
+        offs_m = (tile_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_m = offs_m < rows
+        mask_n = offs_n < N
+        # This rank's own rows come straight from the caller's input: they wait for nothing.
+        if (row0 >= local_row0) & (row0 < local_row0 + local_rows):
+            a_rows = a_local + (row0 - local_row0 + offs_m).to(tl.int64) * stride_al
+        else:
+            a_rows = a_gathered + (row0 + offs_m).to(tl.int64) * stride_ag
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)   # tl.zeros is a jit helper too
+        # Once the group failed (halt raised) no tile is computed: its output is NaN anyway.
+        ok = tl.where(tl.load(halt, volatile=True) == 0, 1, 0)
+        for p in range(part0, part0 + parts):
+            k0 = tl.load(part_table + p * 3)
+            kc = tl.load(part_table + p * 3 + 1)
+            flag = tl.load(part_table + p * 3 + 2)
+            if (flag >= 0) & (ok != 0):
+                # Acquire: the rows the copy engine wrote before raising the flag are visible.
                 seen_flag = tl.atomic_add(flags + flag, 0, sem="acquire")
-                stop = tl.load(halt, volatile=True)   # the host gave up: deadline or abort
-                spins += 1
-            if seen_flag == 0:
-                tl.atomic_cas(err, 0, flag + 1)
-                ok = 0
-            if TRACE != 0:   # when this tile saw its (first, latest) flag
-                t_last = _clock(TRACE, trace)
-                t_first = tl.where(waited == 0, t_last, t_first)
-                waited = 1
+                # The halt word is the group's error word (host memory a host thread raises
+                # when the group failed): read volatile, so every poll sees it.
+                stop = tl.load(halt, volatile=True)
+                spins = 0
+                while (seen_flag == 0) & (spins < spin_budget) & (stop == 0):
+                    seen_flag = tl.atomic_add(flags + flag, 0, sem="acquire")
+                    stop = tl.load(halt, volatile=True)   # the group failed: stop waiting
+                    spins += 1
+                if seen_flag == 0:
+                    tl.atomic_cas(err, 0, flag + 1)
+                    ok = 0
+                if TRACE != 0:   # when this tile saw its (first, latest) flag
+                    t_last = _clock(TRACE, trace)
+                    t_first = tl.where(waited == 0, t_last, t_first)
+                    waited = 1
+            if ok != 0:
+                for k in range(k0, k0 + kc, BLOCK_K):
+                    offs_k = k + tl.arange(0, BLOCK_K)
+                    mask_k = offs_k < k0 + kc
+                    a_tile = tl.load(a_rows[:, None] + offs_k[None, :],
+                                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                    b_tile = tl.load(b + offs_k[:, None].to(tl.int64) * stride_bk
+                                     + offs_n[None, :] * stride_bn,
+                                     mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+                    if UPCAST:
+                        # The interpreter keeps bf16 as raw uint16 and its dot multiplies those
+                        # integers (triton 3.9): multiply exact fp32 copies instead.
+                        acc = tl.dot(a_tile.to(tl.float32), b_tile.to(tl.float32), acc,
+                                     input_precision="ieee")
+                    elif IEEE:
+                        acc = tl.dot(a_tile, b_tile, acc, input_precision="ieee")
+                    else:
+                        acc = tl.dot(a_tile, b_tile, acc)
         if ok != 0:
-            for k in range(k0, k0 + kc, BLOCK_K):
-                offs_k = k + tl.arange(0, BLOCK_K)
-                mask_k = offs_k < k0 + kc
-                a_tile = tl.load(a_rows[:, None] + offs_k[None, :],
-                                 mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-                b_tile = tl.load(b + offs_k[:, None].to(tl.int64) * stride_bk
-                                 + offs_n[None, :] * stride_bn,
-                                 mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-                if UPCAST:
-                    # The interpreter keeps bf16 as raw uint16 and its dot multiplies those
-                    # integers (triton 3.9): multiply exact fp32 copies instead.
-                    acc = tl.dot(a_tile.to(tl.float32), b_tile.to(tl.float32), acc,
-                                 input_precision="ieee")
-                elif IEEE:
-                    acc = tl.dot(a_tile, b_tile, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a_tile, b_tile, acc)
-    if ok != 0:
-        c_ptrs = c + (row0 + offs_m)[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-        tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-    if TRACE != 0:
-        t_end = _clock(TRACE, trace)
-        rec = trace + 1 + pid.to(tl.int64) * TRACE_WORDS
-        tl.store(rec + 0, t_start)
-        tl.store(rec + 1, t_first)
-        tl.store(rec + 2, t_last)
-        tl.store(rec + 3, t_end)
-        tl.store(rec + 4, seg.to(tl.int64))
-        tl.store(rec + 5, ((tile_m - first_tile) * BLOCK_M).to(tl.int64))
-        tl.store(rec + 6, (tile_n * BLOCK_N).to(tl.int64))
-        tl.store(rec + 7, BLOCK_M * 65536 + BLOCK_N)
-        tl.store(rec + 8, ok)
+            c_ptrs = c + (row0 + offs_m)[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+            tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        if TRACE != 0:
+            t_end = _clock(TRACE, trace)
+            rec = trace + 1 + tile * TRACE_WORDS   # (int32: tiles * 9 stays far below 2**31)
+            tl.store(rec + 0, t_start)
+            tl.store(rec + 1, t_first)
+            tl.store(rec + 2, t_last)
+            tl.store(rec + 3, t_end)
+            tl.store(rec + 4, seg.to(tl.int64))
+            tl.store(rec + 5, ((tile_m - first_tile) * BLOCK_M).to(tl.int64))
+            tl.store(rec + 6, (tile_n * BLOCK_N).to(tl.int64))
+            tl.store(rec + 7, BLOCK_M * 65536 + BLOCK_N)
+            tl.store(rec + 8, ok)
 
 
 @functools.lru_cache(maxsize=None)
@@ -201,14 +213,18 @@ def gated_gemm(a_local: torch.Tensor, a_gathered: torch.Tensor, b: torch.Tensor,
                local_row0: int, err: torch.Tensor | None = None,
                halt: torch.Tensor | None = None, timeout_s: float = 300.0,
                family: str = "cpu", device_kind: str | None = None,
-               trace: torch.Tensor | None = None, trace_mode: int = TRACE_OFF) -> torch.Tensor:
+               trace: torch.Tensor | None = None, trace_mode: int = TRACE_OFF,
+               max_programs: int | None = None) -> torch.Tensor:
     """Launch the gated GEMM on the current stream: ``c[rows of s] = A[rows of s] @ b`` for
     every segment, A's rows read from ``a_local`` (this rank's shard, rows ``[local_row0,
     local_row0 + a_local.shape[0])``) or ``a_gathered``. Returns the error word (int32, 0
     when every wait succeeded); pass it to :func:`check_error` once the kernel finished.
     ``flags`` is int32, one word per flag index named in ``segments``. A nonzero ``halt``
     word (int32, written by another thread or process) ends every wait at once: the host's
-    deadline or abort, exactly timed where the poll count is not.
+    deadline or abort, exactly timed where the poll count is not. ``max_programs`` caps the
+    grid (a persistent kernel: each program walks tiles in arrival order); GPU launches pass
+    :func:`~ficco.kernels.configs.resident_programs` of the device, so waiting tiles never
+    hold every SM/CU.
 
     ``trace`` (from :func:`~ficco.kernels.trace.trace_buffer`) with ``trace_mode``
     (:func:`~ficco.kernels.trace.clock_mode`) records per program when it started, saw its
@@ -238,7 +254,8 @@ def gated_gemm(a_local: torch.Tensor, a_gathered: torch.Tensor, b: torch.Tensor,
 
     def grid(meta):
         tiles_m = sum(triton.cdiv(s.rows, meta["BLOCK_M"]) for s in segments)
-        return (tiles_m * triton.cdiv(n, meta["BLOCK_N"]),)
+        tiles = tiles_m * triton.cdiv(n, meta["BLOCK_N"])
+        return (max(1, min(tiles, max_programs or tiles)),)
 
     ieee = c.dtype == torch.float32 or a_gathered.dtype == torch.float32
     if fixed is not None:

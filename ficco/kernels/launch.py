@@ -7,11 +7,13 @@ flags. A flag is raised *stream-ordered* after its copy: on GPUs with a stream m
 (``cuStreamWriteValue32`` / ``hipStreamWriteValue32``, no compute unit involved), on CPU by the
 copy queue's worker thread right after the copy.
 
-Errors: on CPU the kernel runs synchronously on the compute worker, so a timed-out wait raises
-:class:`~ficco.errors.CommTimeoutError` at once and the call fails. On GPUs the launch is
-asynchronous: the error word is copied to pinned host memory behind the kernel and checked
-when the next gated call starts (or :func:`raise_pending` is called), as GPU barrier timeouts
-are; the kernel itself never spins past its budget.
+Errors: on the CPU backend the kernel runs synchronously on the compute worker, so a timed-out
+wait raises :class:`~ficco.errors.CommTimeoutError` at once and the call fails. On GPUs the
+launch is asynchronous: the kernel polls the group's error word as its halt (so once the
+group failed, every queued or running launch of it stops waiting at once, issue 25 item 3),
+its own error is copied to host memory behind it and raised by the group's next call, as GPU
+barrier timeouts are; the kernel never spins past its budget. The grid is persistent and at
+most :func:`~ficco.kernels.configs.resident_programs` of the device (issue 25 item 1).
 """
 from __future__ import annotations
 
@@ -25,10 +27,9 @@ from ..schedules.gated import describe_flag
 
 def raise_flag(backend, queue, flags: torch.Tensor, index: int) -> None:
     """Enqueue ``flags[index] = 1`` on ``queue`` after the work already there, through the
-    backend's ``signal_write`` (the barrier protocol's primitive: slots are (array, index)
-    pairs on CPU, device addresses on GPUs)."""
-    slot = (flags, index) if flags.device.type == "cpu" else flags.data_ptr() + 4 * index
-    backend.signal_write(queue, slot, 1)
+    backend's ``signal_write`` (the barrier protocol's primitive) at the backend's slot for
+    that word."""
+    backend.signal_write(queue, backend.tensor_slot(flags, index), 1)
 
 
 class TileTrace:
@@ -74,28 +75,12 @@ class TileTrace:
         return out
 
 
-_pending: list = []
-_pending_lock = threading.Lock()
-
-
-def raise_pending() -> None:
-    """Raise the first recorded timeout of an earlier asynchronous (GPU) gated launch; the
-    executor calls it before it enqueues anything of a gated plan, so a half-enqueued call
-    never leaves peers waiting at a barrier this rank will not reach."""
-    with _pending_lock:
-        done = [item for item in _pending if item[0].query()]
-        for item in done:
-            _pending.remove(item)
-    for _, word, describe, timeout_s in done:
-        from .gated_gemm import check_error
-
-        check_error(word, describe, timeout_s)
-
-
-def gated_task(backend, problem, op, a_local, gathered, b, out, flags, timeout_s: float):
+def gated_task(backend, problem, op, a_local, gathered, b, out, flags, timeout_s: float,
+               symm=None):
     """The host function that launches ``op`` (a :class:`~ficco.plan.GatedGemm`) when the
     compute queue runs it: at once on GPUs (the launch is stream-ordered), in order on the CPU
-    worker (which then runs the interpreter)."""
+    worker (which then runs the interpreter). ``symm``: the call's workspace; on GPUs its
+    group fault gives the halt word and takes the launch's error."""
     from . import configs
     from .gated_gemm import Segment, check_error, gated_gemm
     from .trace import clock_mode, trace_buffer, trace_supported
@@ -116,29 +101,61 @@ def gated_task(backend, problem, op, a_local, gathered, b, out, flags, timeout_s
     def describe(flag: int) -> str:
         return describe_flag(problem, flag)
 
+    fault = symm.fault if symm is not None else None
+    # The call's deadline, from when the host enqueued it: the kernel now launches after the
+    # copies are queued, and the CPU interpreter may start it late (the GIL), but the call's
+    # other waits count from enqueue too.
+    expires = time.monotonic() + timeout_s
+
     def run() -> None:
         if out.numel() == 0:
             return
         a = a_local if a_local.stride(-1) == 1 else a_local.contiguous()
-        if out.device.type == "cpu":
+        if fault is None:     # the CPU backend: synchronous, a host thread holds the halt
             if traced:   # the host clock the tiles read: times count from this launch
                 traced_launch["origin"] = time.perf_counter_ns()
             halt = torch.zeros(1, dtype=torch.int32)
-            with _Watch(halt, backend.cancelled, timeout_s):
+            with _Watch(halt, backend.cancelled, expires):
                 err = gated_gemm(a, gathered, b, out, segments, flags,
                                  local_row0=local_row0, halt=halt, timeout_s=timeout_s,
                                  family=family, **traced)
             check_error(err, describe, timeout_s)
             return
         err = gated_gemm(a, gathered, b, out, segments, flags, local_row0=local_row0,
-                         timeout_s=timeout_s, family=family, **traced)
-        word = torch.empty(1, dtype=torch.int32, pin_memory=True)
+                         halt=fault.word_device, timeout_s=timeout_s, family=family,
+                         max_programs=_resident(out.device), **traced)
+        word = torch.empty(1, dtype=torch.int32, pin_memory=out.device.type != "cpu")
         word.copy_(err, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        with _pending_lock:
-            _pending.append((done, word, describe, timeout_s))
+        fault.gated.append((done, lambda: _error(word, describe, timeout_s)))
     return run
+
+
+def _error(word, describe, timeout_s):
+    from ..errors import CommTimeoutError
+    from .gated_gemm import check_error
+
+    try:
+        check_error(word, describe, timeout_s)
+    except CommTimeoutError as exc:
+        return exc
+    return None
+
+
+def _resident(device) -> int:
+    """:func:`~ficco.kernels.configs.resident_programs` of ``device`` (looked up once)."""
+    index = device.index or 0
+    limit = _resident_cache.get(index)
+    if limit is None:
+        from . import configs
+
+        units = torch.cuda.get_device_properties(index).multi_processor_count
+        limit = _resident_cache[index] = configs.resident_programs(units)
+    return limit
+
+
+_resident_cache: dict = {}
 
 
 class _Watch:
@@ -146,8 +163,8 @@ class _Watch:
     call's deadline or when another queue of this rank failed (``backend.cancelled()``), so
     a wait ends on time and never outlives a failed call; the poll budget stays as backstop."""
 
-    def __init__(self, halt: torch.Tensor, cancelled, timeout_s: float):
-        self.halt, self.cancelled, self.timeout_s = halt, cancelled, timeout_s
+    def __init__(self, halt: torch.Tensor, cancelled, expires: float):
+        self.halt, self.cancelled, self.expires = halt, cancelled, expires
         self.done = threading.Event()
 
     def _loop(self, deadline: float) -> None:
@@ -158,7 +175,7 @@ class _Watch:
 
     def __enter__(self):
         self.thread = threading.Thread(target=self._loop, name="ficco-gated-watch",
-                                       args=(time.monotonic() + self.timeout_s,), daemon=True)
+                                       args=(self.expires,), daemon=True)
         self.thread.start()
         return self
 

@@ -99,10 +99,10 @@ class AllGatherMatmul(OpSpec):
                                    ns=ns, ops=ops)
 
     def signature(self, call: AllGatherMatmulCall) -> dict:
-        key = call.problem.key()      # (m, k, ns, dtype, world) + the epilogue's: ns per rank
-        return {**super().signature(call), "problem": key[:2] + (len(key[2]),) + key[3:],
-                "gather_dim": call.gather_dim, "shard_shape": call.moved_shape,
-                PER_RANK: {"ns": list(call.ns)}, **call.ops.signature()}
+        sig = {**super().signature(call), "gather_dim": call.gather_dim,
+               "shard_shape": call.moved_shape, **call.ops.signature()}
+        del sig["ns"]         # this rank's output widths: only rows travel (PER_RANK)
+        return {**sig, "outputs": len(call.ns), PER_RANK: {"ns": list(call.ns)}}
 
     def agreed_problem(self, call: AllGatherMatmulCall, per_rank: tuple) -> Problem:
         widest = [max(max(n, 1) for n in ns) for ns in zip(*(r["ns"] for r in per_rank))]

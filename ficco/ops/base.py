@@ -46,10 +46,15 @@ class OpSpec(ABC):
 
     def signature(self, call: Call) -> dict:
         """Small, comparable fields every rank must pass alike (shapes, dtypes, layout), and
-        under ``PER_RANK`` those that may differ (a width that never travels). The runtime
-        adds the settings; a difference raises MismatchError on every rank."""
-        return {"op": self.name, "role": call.role, "problem": call.problem.key(),
-                "backend": call.target}
+        under ``PER_RANK`` those that may differ (a width that never travels: the op moves it
+        there). The runtime adds the settings; a difference raises MismatchError on every
+        rank."""
+        p = call.problem
+        epilogue = (p.out_dtype, p.scaling, p.bias, p.activation)    # fp8, bias, activation
+        # Named fields, not problem.key()'s tuple: a MismatchError prints them by name.
+        return {"op": self.name, "role": call.role, "rows m": p.m, "K": p.k, "ns": p.ns,
+                "dtype": p.dtype, "world": p.world, "unit": p.unit, "reduce_op": p.reduce_op,
+                "backend": call.target, **({"epilogue": epilogue} if any(epilogue) else {})}
 
     def agreed_problem(self, call: Call, per_rank: tuple):
         """The Problem every rank decides on (selector, simulator, tune cache): this call's,

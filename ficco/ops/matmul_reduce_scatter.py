@@ -110,10 +110,10 @@ class MatmulReduceScatter(OpSpec):
                                        ns=ns, ops=ops)
 
     def signature(self, call: MatmulReduceScatterCall) -> dict:
-        key = call.problem.key()      # (op, m, k, ...) + the epilogue's: k per rank
-        return {**super().signature(call), "problem": key[:2] + key[3:],
-                "scatter_dim": call.scatter_dim, "a_shape": call.moved_shape[:-1],
-                "ns": call.ns, PER_RANK: {"k": call.moved_shape[-1]}, **call.ops.signature()}
+        sig = {**super().signature(call), "scatter_dim": call.scatter_dim,
+               "a_shape": call.moved_shape[:-1], "ns": call.ns, **call.ops.signature()}
+        del sig["K"]          # this rank's K: only rows of the products travel (PER_RANK)
+        return {**sig, PER_RANK: {"k": call.moved_shape[-1]}}
 
     def agreed_problem(self, call: MatmulReduceScatterCall, per_rank: tuple) -> Problem:
         return dataclasses.replace(call.problem, k=max(max(r["k"], 1) for r in per_rank))

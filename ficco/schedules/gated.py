@@ -10,7 +10,8 @@ unit moves bytes::
     publish  : input -> my rows of gathered (copy0), barrier 0 there
     for c    : for each peer q (queue (q - r - 1) % E): gathered[q, chunk c] <- peer q
                                                         then flag[c*W + q] = 1   (Signal)
-    compute  : G = ONE gated GEMM per b_j, launched at t=0:
+    compute  : G = ONE gated GEMM per b_j, launched once its copies are queued; a persistent
+               grid of fewer programs than the device has SMs/CUs:
                1d  tiles: my shard (no wait), then chunk 0 of every peer, chunk 1, ...
                2d  tiles: my shard (all K, no wait), then each peer's shard, accumulating
                    its K chunks c = 0, 1, ... as they land (fp32, rounded once)
@@ -119,9 +120,6 @@ class Gated:
             remote = tuple((p.shard_row0(q) + c.row0, c.rows,
                             ((0, p.k, flag_index(p, q, c.index)),))
                            for c in todo for q in peers)
-        # Enqueued before the copies: its own rows start at once and the host's time to issue
-        # the copies (and flags) overlaps them; the flags, not the queue order, gate the rest.
-        _gated_gemms(b, (local,) + remote)
         last_pull = {}
         for chunk in todo:
             for lane, q in enumerate(peers):
@@ -131,6 +129,11 @@ class Gated:
                 # Same queue, right after the copy: queue order is the whole dependency.
                 last_pull[queue] = b.add(Signal(copy_queue(queue),
                                                 flag_index(p, q, chunk.index), step=chunk.index))
+        # Launched after its copies and flag writes are queued (issue 25 item 1): where they
+        # share a hardware queue with the compute stream, or need compute units the waiting
+        # tiles hold, a kernel launched first could starve its own producers. Its grid is
+        # persistent and smaller than the device (ficco.kernels.configs.resident_programs).
+        _gated_gemms(b, (local,) + remote)
         common.close(b, transport, list(last_pull.values()))
         return b.build()
 

@@ -46,6 +46,13 @@ class SymmHandle(ABC):
     #: set by the runtime per call, taken by the call's first plan barrier: what its wait runs
     #: now and then to answer a peer's agreement exchange (see ficco.symm_mem.barrier)
     first_wait: Any = None
+    #: GPUs: the group's error slot and error word (:class:`ficco.symm_mem.fault.GroupFault`);
+    #: None where a failed barrier raises from the call itself (the CPU backend)
+    fault: Any = None
+    #: GPUs: :class:`ficco.symm_mem.host_pads.HostPads` when the signal pads are host memory
+    host_pads: Any = None
+    #: GPUs: set once a graph captured a barrier on this handle (kept mapped until exit)
+    captured: bool = False
 
     def _init_signals(self, backend) -> None:
         self.backend = backend

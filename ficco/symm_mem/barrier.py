@@ -82,9 +82,10 @@ class SignalOp:
     def met(self, seen: int) -> bool:
         return seen == self.value if self.exact else seen >= self.value
 
-    def foreign(self, seen: int) -> bool:
-        """A flag-mode slot holding another call's flag: a peer making another call."""
-        return self.exact and seen != 0 and seen != self.value
+    def foreign(self, seen: int | None) -> bool:
+        """A flag-mode slot holding another call's flag: a peer making another call (None:
+        the slot could not be read)."""
+        return self.exact and seen is not None and seen != 0 and seen != self.value
 
 
 class Deadline:
@@ -143,11 +144,28 @@ class Deadline:
             return mismatch
         peers = [p for p, _ in late]
         values = [v for _, v in late]
+        held = "whose signal slots could not be read" if None in values else \
+            f"whose signal slots held {values}"
         return CommTimeoutError(
             f"rank {self.rank}{where}: barrier channel {self.channel} (waiting for value "
-            f"{self.target}) waited {self.timeout_s:.1f}s for rank(s) {peers or '?'} whose "
-            f"signal slots held {values}; they are dead, stuck, or called with other arguments. "
+            f"{self.target}) waited {self.timeout_s:.1f}s for rank(s) {peers or '?'} {held}; "
+            f"they are dead, stuck, or called with other arguments. "
             f"Raise FICCO_TIMEOUT if they are only slow")
+
+
+    def given_up(self, by: int | None, late: list[tuple[int, int | None]]) -> CommTimeoutError:
+        """The error of a barrier released before its deadline because its group had already
+        failed on this rank: ``by`` the rank that gave up first (None: this rank, at an
+        earlier barrier), ``late`` the peers not arrived here either."""
+        where = f" at step {self.step}" if self.step is not None and self.step >= 0 else ""
+        who = "an earlier barrier of this rank" if by is None else f"rank {by}"
+        peers = [p for p, _ in late]
+        return CommTimeoutError(
+            f"rank {self.rank}{where}: barrier channel {self.channel} was released without "
+            f"waiting: {who} gave up on this group (a barrier passed FICCO_TIMEOUT)"
+            + (f"; rank(s) {peers} had not reached this barrier either" if peers else "")
+            + ". Nothing this rank computed since is returned: call ficco.shutdown() on every "
+              "rank, then call again")
 
 
 def _check_channel(handle, channel: int) -> None:

@@ -5,12 +5,14 @@ a backend module, so ``backends.gpu`` → ``symm_mem`` is one-way.
 """
 from __future__ import annotations
 
+import ctypes
 from typing import Callable
 
 import torch
 
 from ..errors import BackendCallError, FiccoError, InvalidArgumentError
 from . import SIGNAL_CHANNELS, SymmHandle, aligned
+from .fault import host_pad_fault, private_fault
 
 #: host barrier channel used by close(); plans use channels 0 and 1
 CLOSE_CHANNEL = SIGNAL_CHANNELS - 1
@@ -29,6 +31,11 @@ class _DeviceSpan:
 
 
 def _wrap_interface(address, nbytes, device):
+    if device.type == "cpu":
+        # Host memory (the CPU stand-in of a GPU in tests/fake_gpu.py): a view through a
+        # ctypes array of the address, never a copy.
+        return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(address),
+                                dtype=torch.uint8)
     return torch.as_tensor(_DeviceSpan(address, nbytes), device=device)
 
 
@@ -85,6 +92,9 @@ class GpuSymmHandle(SymmHandle):
         self.host_pads = host_pads
         self._pad_base = list(host_pads.device) if host_pads is not None else \
             [int(p.data_ptr()) for p in pads]
+        #: this group's error slot and error word on this rank (:mod:`.fault`)
+        self.fault = host_pad_fault(rank, backend.device(), host_pads, tensor_at) \
+            if host_pads is not None else private_fault(rank, backend.device(), tensor_at)
         self._closed = False
         #: set when a barrier on this handle was captured into a graph (the runtime must keep
         #: the memory alive as long as such a graph may replay)

@@ -5,15 +5,19 @@ the driver gives for them.
 
 Why: a barrier's watchdog must release a stream stuck in a wait whose peer never came. With
 pads in device memory the release is a stream write (and the read for the error message a
-device-to-host copy), which queues behind the stuck wait when streams share one hardware queue
-(``CUDA_DEVICE_MAX_CONNECTIONS=1``, as Megatron's sequence parallelism requires; ROCm's few
-hardware queues). Here the watchdog reads and writes the slot with plain host loads and stores.
-It is also memory HIP documents as coherent for polled flags.
+device-to-host copy), which queues behind the stuck wait whenever the rescue stream shares the
+stuck stream's hardware queue: always with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (Megatron's
+sequence parallelism), by chance with 8 connections or ROCm's few hardware queues. Here the
+watchdog reads and writes the slot with plain host loads and stores. It is also memory HIP
+documents as coherent for polled flags.
 
-``FICCO_SIGNAL_PADS=auto`` (the default) takes host pads exactly where a device-pad rescue
-can queue behind the stuck wait that it must release: CUDA with
-``CUDA_DEVICE_MAX_CONNECTIONS=1``. Elsewhere device pads stay (ROCm keeps its uncached signal
-memory). Not yet run on a GPU (see docs/gpu.md).
+Each pad ends with one more int32, the rank's *error word* for this group
+(:mod:`.fault`): kernels read it, and peers raise it when they give up on the group.
+
+``FICCO_SIGNAL_PADS=auto`` (the default) and ``host`` both put pads here, on CUDA and ROCm
+(issue 25 item 2). ``device`` keeps them in device memory where the user asks (lower flag
+latency; the watchdog then releases through a stream it never waits for) and is refused
+where a stream rescue is certain to queue behind the stuck wait (one hardware queue).
 """
 from __future__ import annotations
 
@@ -30,34 +34,46 @@ SHM_DIR = "/dev/shm"
 
 
 def wanted(vendor_name: str) -> bool:
-    """Whether this process puts its GPU signal pads in host memory (``FICCO_SIGNAL_PADS``).
+    """Whether this process puts its GPU signal pads in host memory (``FICCO_SIGNAL_PADS``):
+    yes for ``auto`` and ``host``; ``device`` is refused with one hardware queue.
 
     >>> import os; os.environ["FICCO_SIGNAL_PADS"] = "auto"
-    >>> os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     >>> wanted("cuda"), wanted("rocm")
-    (True, False)
-    >>> del os.environ["CUDA_DEVICE_MAX_CONNECTIONS"]; wanted("cuda")
+    (True, True)
+    >>> os.environ["FICCO_SIGNAL_PADS"] = "device"; wanted("cuda")
     False
-    >>> del os.environ["FICCO_SIGNAL_PADS"]
+    >>> os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"; wanted("cuda")
+    Traceback (most recent call last):
+    ficco.errors.ConfigError: FICCO_SIGNAL_PADS=device cannot be used with CUDA_DEVICE_MAX_...
+    >>> del os.environ["CUDA_DEVICE_MAX_CONNECTIONS"], os.environ["FICCO_SIGNAL_PADS"]
     """
     from .. import config
+    from ..errors import ConfigError
 
     setting = config.get("FICCO_SIGNAL_PADS")
-    if setting == "auto":
-        return vendor_name == "cuda" and \
-            os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() == "1"
-    return setting == "host"
+    if setting != "device":
+        return True
+    knob = {"cuda": "CUDA_DEVICE_MAX_CONNECTIONS", "rocm": "GPU_MAX_HW_QUEUES"}.get(vendor_name)
+    if knob is not None and os.environ.get(knob, "").strip() == "1":
+        raise ConfigError(
+            f"FICCO_SIGNAL_PADS=device cannot be used with {knob}=1: every stream then shares "
+            f"one hardware queue, so the barrier watchdog could never release a stream stuck "
+            f"on a dead peer (its rescue would queue behind the stuck wait). Use "
+            f"FICCO_SIGNAL_PADS=auto (host-mapped pads)")
+    return False
 
 
 class HostPads:
     """Rank ``rank``'s view of the ``world`` host pads of one handle; ``device[p]`` is the
-    device address of pad ``p``, ``arrays[p]`` its int32 host view (flat,
-    ``SIGNAL_CHANNELS * world``)."""
+    device address of pad ``p``, ``arrays[p]`` its int32 host view (flat: ``count =
+    SIGNAL_CHANNELS * world`` slots, then the error word at ``word_index``)."""
 
     def __init__(self, vendor, group, rank: int, world: int):
         self.vendor, self.rank, self.world = vendor, rank, world
         self.count = SIGNAL_CHANNELS * world
-        nbytes = max(mmap.PAGESIZE, self.count * 4)
+        self.word_index = self.count
+        words = self.count + 1
+        nbytes = max(mmap.PAGESIZE, words * 4)
         self._registered: list[int] = []
         self._fd = None
         where, failure = None, None
@@ -81,7 +97,7 @@ class HostPads:
                                         mmap.PROT_READ | mmap.PROT_WRITE)
                 finally:
                     os.close(handle)
-                array = np.frombuffer(mapping, dtype=np.int32, count=self.count)
+                array = np.frombuffer(mapping, dtype=np.int32, count=words)
                 host = array.ctypes.data
                 vendor.host_register(host, nbytes)
                 self._registered.append(host)
@@ -91,7 +107,7 @@ class HostPads:
             failure = f"mapping the host pad of rank {peer}: {type(exc).__name__}: {exc}"
         exchange_or_fail(group, rank, world, True, failure, "map host signal pads",
                          on_failure=self.close)
-        self._ends = [(base, base + self.count * 4, p) for p, base in enumerate(self.device)]
+        self._ends = [(base, base + words * 4, p) for p, base in enumerate(self.device)]
 
     def _locate(self, slot: int) -> tuple[np.ndarray, int]:
         for start, end, p in self._ends:

@@ -3,7 +3,7 @@ its signal pad (``vendor.malloc_signal``: memory the vendor documents for polled
 handles travel through ``all_gather_object``, every rank maps every peer. Works for any number
 of processes per GPU (how the GPU tests run) and one process per GPU alike.
 
-With ``FICCO_SIGNAL_PADS=host`` the pads are host memory instead (:mod:`.host_pads`).
+The pads are host-mapped memory (:mod:`.host_pads`) unless ``FICCO_SIGNAL_PADS=device``.
 
 Every local step ends in an exchange of (result, failure) (:func:`.agree.exchange_or_fail`), so
 a rank that fails to allocate or map makes every rank raise instead of leaving them in a
@@ -120,7 +120,8 @@ class IpcSymmProvider(Provider):
                 host.close()
                 freeing(peers_done)
 
-            pads = [torch.from_numpy(a).view(SIGNAL_CHANNELS, world) for a in host.arrays]
+            pads = [torch.from_numpy(a[: host.count]).view(SIGNAL_CHANNELS, world)
+                    for a in host.arrays]
             return GpuSymmHandle(self.backend, rank, world, nbytes, spans, pads, release, host)
         pads = [p[: SIGNAL_CHANNELS * world * 4].view(torch.int32).view(SIGNAL_CHANNELS, world)
                 for p in pads]

@@ -11,12 +11,14 @@ from ..group import rank_world, resolve
 from . import Provider, SIGNAL_CHANNELS, aligned
 from .agree import exchange_or_fail
 from .device import GpuSymmHandle, pad_bytes
+from .host_pads import HostPads, wanted as host_pads_wanted
 from .ipc import IpcSymmProvider
 
 
 class TorchSymmProvider(Provider):
     """torch's ``_symmetric_memory`` (one rank per GPU, CUDA; ROCm where torch supports it).
-    The signal pad is carved out of the same allocation so barriers work as with IPC."""
+    Signal pads are host-mapped (:mod:`.host_pads`) as with IPC, or with
+    ``FICCO_SIGNAL_PADS=device`` carved out of the same allocation."""
 
     def __init__(self, backend):
         self.backend = backend
@@ -26,12 +28,14 @@ class TorchSymmProvider(Provider):
 
         group = resolve(group)
         rank, world = rank_world(group)
-        total = aligned(nbytes) + pad_bytes(world)
+        on_host = host_pads_wanted(self.backend.vendor.name)
+        total = aligned(nbytes) + (0 if on_host else pad_bytes(world))
         local = handle = None
         failure = None
         try:
             local = torch_symm.empty(total, dtype=torch.uint8, device=device)
-            local[aligned(nbytes):].zero_()
+            if not on_host:
+                local[aligned(nbytes):].zero_()
             torch.cuda.synchronize(device)  # pads are zero before any peer can write them
         except Exception as exc:  # noqa: BLE001 - exchange_or_fail reports it everywhere
             failure = f"{type(exc).__name__}: {exc}"
@@ -51,10 +55,23 @@ class TorchSymmProvider(Provider):
         # Every rank mapped every peer before anyone signals (was a raw dist.barrier).
         exchange_or_fail(group, rank, world, True, failure, "map torch symmetric memory",
                          on_failure=keep.clear)
+        spans = [w[: aligned(nbytes)] for w in whole]
+        if on_host:
+            try:
+                host = HostPads(self.backend.vendor, group, rank, world)   # collective
+            except BaseException:
+                keep.clear()
+                raise
+            pads = [torch.from_numpy(a[: host.count]).view(SIGNAL_CHANNELS, world)
+                    for a in host.arrays]
+
+            def release(peers_done=True):
+                host.close()
+                keep.clear()
+            return GpuSymmHandle(self.backend, rank, world, nbytes, spans, pads, release, host)
         pads = [w[aligned(nbytes): aligned(nbytes) + SIGNAL_CHANNELS * world * 4]
                 .view(torch.int32).view(SIGNAL_CHANNELS, world) for w in whole]
-        return GpuSymmHandle(self.backend, rank, world, nbytes,
-                             [w[: aligned(nbytes)] for w in whole], pads,
+        return GpuSymmHandle(self.backend, rank, world, nbytes, spans, pads,
                              release=lambda peers_done=True: keep.clear())
 
 

@@ -50,6 +50,12 @@ def get(group, backend, nbytes: int):
     return handle
 
 
+def current(group, backend):
+    """The workspace of (``group``, ``backend``) as it is now, or None (never allocates)."""
+    with _lock:
+        return _workspaces.get(key_of(group, backend))
+
+
 def held(group, backend) -> bool:
     return key_of(group, backend) in _workspaces
 
@@ -67,9 +73,15 @@ def drop(group, backend) -> None:
 
 
 def _close(handle, backend) -> None:
-    if getattr(handle, "captured", False):
+    if handle.captured:
         # A CUDA graph captured a barrier on this workspace and may still replay it: its
-        # memory stays mapped until exit (issue 15 item 2: never free what a graph references).
+        # memory stays mapped until exit (issue 15 item 2: never free what a graph references;
+        # issue 25 item 6: ficco.shutdown() included).
+        _kept.append(handle)
+        return
+    if handle.fault is not None and handle.fault.failed():
+        # A barrier of this group was released: a peer may be dead (its close barrier would
+        # only time out) or late (still pulling from this memory). Kept until exit.
         _kept.append(handle)
         return
     if backend is not None and not drain(backend):
@@ -165,4 +177,4 @@ def release_all(backend=None) -> None:
         _kept.extend(handles)
         return
     for handle in handles:
-        handle.close()
+        _close(handle, None)     # captured or failed workspaces are kept (see _close)

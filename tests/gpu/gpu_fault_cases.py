@@ -58,41 +58,11 @@ def capture_then_grow_then_replay(rank, world, seed):
     return failures
 
 
-def stalled_rank_never_returns_data(rank, world, timeout_s):
-    """The last rank skips a call: every other rank must raise CommTimeoutError naming it,
-    from the call itself or at the latest from the backend's synchronize right after it,
-    within a few deadlines; nobody hangs."""
-    backend = get_backend()
-    device = backend.device()
-    shards, bs, _, _ = make_inputs(1, world, (8, 16), (4,), torch.float32)
-    a, b = shards[rank].to(device), bs[0].to(device)
-    with ficco.config.scope(transport="dma"):
-        ficco.all_gather_matmul(a, b, schedule="ring")
-    torch.cuda.synchronize()
-    if rank == world - 1:
-        time.sleep(4 * timeout_s)
-        ficco.shutdown()
-        return "stalled"
-    start = time.monotonic()
-    outcome, out = "returned data", None
-    try:
-        with ficco.config.scope(transport="dma", timeout=timeout_s):
-            out = ficco.all_gather_matmul(a, b, schedule="ring")
-            backend.synchronize()
-    except FiccoError as exc:
-        outcome = f"{time.monotonic() - start:.1f} {type(exc).__name__}: {exc}"
-    torch.cuda.synchronize()
-    # The call returned before its barrier was released: its outputs must be NaN (the fence).
-    poisoned = out is None or bool(out.isnan().all())
-    ficco.shutdown()
-    return f"{outcome}" if poisoned else f"{outcome} (and its outputs were not poisoned)"
-
-
 def disagreement_on_a_cached_shape(rank, world, seed):
     """Issue 13 on GPU dma: both shapes agreed and cached, then rank 0 calls with the small
     one and the others with the large one: every rank raises MismatchError (from the call or
-    the synchronize after it) well before FICCO_TIMEOUT, outputs poisoned; the next calls in
-    step are right."""
+    the group's next call, issue 25 item 5) well before FICCO_TIMEOUT, outputs poisoned;
+    after ficco.shutdown() the next calls in step are right."""
     from ficco.errors import MismatchError
 
     backend = get_backend()
@@ -110,11 +80,13 @@ def disagreement_on_a_cached_shape(rank, world, seed):
         try:
             out = ficco.all_gather_matmul(shards[rank].to(device), bs[0].to(device),
                                           schedule="ring")
-            backend.synchronize()
+            torch.cuda.synchronize()
+            ficco.all_gather_matmul(shards[rank].to(device), bs[0].to(device), schedule="ring")
         except MismatchError as exc:
             outcome = f"MismatchError after {time.monotonic() - start:.1f}s: {exc}"
         torch.cuda.synchronize()
         report.append((outcome, out is None or bool(out.isnan().all())))
+        ficco.shutdown()
         for _ in range(2):
             shards, bs, _, refs = small
             try:
@@ -128,8 +100,8 @@ def disagreement_on_a_cached_shape(rank, world, seed):
 
 
 def failing_rank_makes_everyone_raise(rank, world, seed):
-    """Rank 1's GEMM raises once mid-call: every rank raises; after shutdown() on every rank
-    the next call is right."""
+    """Rank 1's GEMM raises once mid-call: every rank raises (the others at their group's next
+    call at the latest); after shutdown() on every rank the next call is right."""
     backend = get_backend()
     device = backend.device()
     shards, bs, _, refs = make_inputs(seed, world, (8, 16), (4,), torch.float32)
@@ -139,7 +111,8 @@ def failing_rank_makes_everyone_raise(rank, world, seed):
     try:
         with ficco.config.scope(transport="dma", timeout=3):
             ficco.all_gather_matmul(shards[rank].to(device), bs[0].to(device), schedule="ring")
-            backend.synchronize()
+            torch.cuda.synchronize()
+            ficco.all_gather_matmul(shards[rank].to(device), bs[0].to(device), schedule="ring")
         failed = "returned"
     except FiccoError as exc:
         failed = str(exc)

@@ -4,22 +4,27 @@ expose, made through hip-python (``from hip import hip``, imported only when use
 
 - 1-D copies: ``hipMemcpyAsync`` with ``hipMemcpyDeviceToDeviceNoCU`` so the copy runs on an
   SDMA engine and never takes compute units;
-- 2-D copies: ``hipMemcpy2DAsync``, asked for NoCU as well and falling back to
-  ``hipMemcpyDeviceToDevice`` once if this ROCm refuses that kind for 2-D copies;
-- signals: ``hipStreamWriteValue32`` / ``hipStreamWaitValue32`` with ``hipStreamWaitValueEq``
-  (plan flags) or ``hipStreamWaitValueGte`` (host barriers' counts)
-  and an all-ones mask (the mask is ANDed with the slot before comparing: 0 would never wait),
-  one call per op (``hipStreamBatchMemOp`` is marked beta in HIP and hip-python takes it as
-  one pointer to a packed union array; not worth the risk untested);
-- signal pads in uncached device memory (``hipExtMallocWithFlags(..., hipDeviceMallocUncached)``),
-  the kind HIP documents for memory polled while peers write it; data spans in ``hipMalloc``;
+- 2-D copies: ``hipMemcpy2DAsync`` with ``hipMemcpyDeviceToDevice`` (it runs as a kernel on
+  compute units whatever kind it is given, so asking for NoCU only pretended otherwise);
+- signals: a whole barrier program in one ``hipStreamBatchMemOp`` call (issue 25 item 7: one
+  call per op was 24 per barrier at W = 8), its parameter array built once per program in the
+  C layout of ``hipStreamBatchMemOpParams`` with ctypes (hip-python 10.0's generated struct
+  drops the ``value`` union, so its own setters would write ``flags`` where HIP reads the
+  value); if this ROCm refuses the batch call, one ``hipStreamWriteValue32`` /
+  ``hipStreamWaitValue32`` per op from then on (``hipStreamWaitValueEq`` for plan flags,
+  ``hipStreamWaitValueGte`` for host barriers' counts, an all-ones mask: the mask is ANDed
+  with the slot before comparing, so 0 would never wait);
+- signal pads in host-mapped memory (:mod:`ficco.symm_mem.host_pads`, the default) or, with
+  ``FICCO_SIGNAL_PADS=device``, in uncached device memory (``hipExtMallocWithFlags(...,
+  hipDeviceMallocUncached)``, the kind HIP documents for memory polled while peers write it);
+  data spans in ``hipMalloc``;
 - symmetric memory: ``hipIpcGetMemHandle`` / ``hipIpcOpenMemHandle``.
 
 Graph capture: HIP does not capture stream memory operations (CLR has no capture path for
 them), so a captured multi-rank dma plan would replay without barriers and race; the backend
 refuses such a capture with a clear error (``captures_signals = False``). 2-D copies run on
-compute units on ROCm (``hipMemcpy2DAsync`` ignores the NoCU kind): ``copy_2d_on_dma`` is
-False so the selector need not price ``*-2d`` schedules as DMA. ROCm before 6.1 has no
+compute units on ROCm (``hipMemcpy2DAsync`` runs as a kernel): ``copy_2d_on_dma`` is False
+so the selector prices ``*-2d`` schedules' copies as compute-unit copies. ROCm before 6.1 has no
 ``hipMemcpyDeviceToDeviceNoCU``: 1-D copies then use ``hipMemcpyDeviceToDevice`` (the runtime
 picks the engine) and ``copy_1d_on_dma`` says so.
 
@@ -34,13 +39,35 @@ True
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from ...errors import BackendUnavailableError
+from ...symm_mem.barrier import WRITE
 from ..gpu import GpuBackend
 from ..vendor import Copy2D, Vendor, handle_bytes
 
 IPC_HANDLE_BYTES = 64
+#: hipStreamBatchMemOp takes fewer than 256 operations per call
+BATCH_LIMIT = 255
+#: hipStreamBatchMemOpType values (hip_runtime_api.h)
+MEM_OP_WAIT_VALUE_32, MEM_OP_WRITE_VALUE_32 = 1, 2
+
+
+class MemOp(ctypes.Structure):
+    """``hipStreamBatchMemOpParams``' waitValue / writeValue member, as hip_runtime_api.h lays
+    it out: operation, address, a 32/64-bit value union, flags, alias (40 bytes)."""
+
+    _fields_ = [("operation", ctypes.c_uint32), ("address", ctypes.c_uint64),
+                ("value64", ctypes.c_uint64), ("flags", ctypes.c_uint32),
+                ("alias", ctypes.c_uint64)]
+
+
+class MemOpParams(ctypes.Union):
+    """``hipStreamBatchMemOpParams``: the union, padded to 6 uint64 (48 bytes)."""
+
+    _fields_ = [("op", MemOp), ("pad", ctypes.c_uint64 * 6)]
 ALL_BITS = 0xFFFFFFFF
 #: hipDeviceMallocUncached from hip_runtime_api.h (hip-python 10.0 does not export it; its
 #: hipExtMallocWithFlags docstring lists it among the accepted flags)
@@ -69,7 +96,9 @@ class RocmVendor(Vendor):
         #: False on ROCm < 6.1 (no NoCU kind): the runtime then picks the engine itself
         self.copy_1d_on_dma = no_cu is not None
         self._copy_kind = no_cu if no_cu is not None else hip.hipMemcpyKind.hipMemcpyDeviceToDevice
-        self._copy_2d_kind = self._copy_kind
+        self._batches: dict[int, tuple] = {}   # id(program) -> (program, [params arrays])
+        #: None until the first batch call; False once this ROCm refused hipStreamBatchMemOp
+        self.batches_mem_ops: bool | None = None
 
     def _describe(self, status) -> str:
         try:
@@ -94,19 +123,11 @@ class RocmVendor(Vendor):
                    self.hip.hipMemcpyAsync(dst, src, nbytes, self._copy_kind, stream))
 
     def copy_2d(self, args: Copy2D, stream):
-        def call(kind):
-            return self.hip.hipMemcpy2DAsync(args.dst, args.dpitch, args.src, args.spitch,
-                                             args.width, args.height, kind, stream)
-
-        result = call(self._copy_2d_kind)
-        refused = (self.hip.hipError_t.hipErrorInvalidMemcpyDirection,
-                   self.hip.hipError_t.hipErrorInvalidValue)
-        if _status(result) in refused and \
-                self._copy_2d_kind == self.hip.hipMemcpyKind.hipMemcpyDeviceToDeviceNoCU:
-            # The documented kinds for 2-D copies do not include NoCU; older ROCm refuse it.
-            self._copy_2d_kind = self.hip.hipMemcpyKind.hipMemcpyDeviceToDevice
-            result = call(self._copy_2d_kind)
-        self.check("hipMemcpy2DAsync", result)
+        self.check("hipMemcpy2DAsync",
+                   self.hip.hipMemcpy2DAsync(args.dst, args.dpitch, args.src, args.spitch,
+                                             args.width, args.height,
+                                             self.hip.hipMemcpyKind.hipMemcpyDeviceToDevice,
+                                             stream))
 
     def write_value32(self, stream, address, value):
         self.check("hipStreamWriteValue32",
@@ -116,6 +137,44 @@ class RocmVendor(Vendor):
         how = self.hip.hipStreamWaitValueEq if exact else self.hip.hipStreamWaitValueGte
         self.check("hipStreamWaitValue32",
                    self.hip.hipStreamWaitValue32(stream, address, value, how, ALL_BITS))
+
+    def mem_ops(self, stream, ops, capturing):
+        if self.batches_mem_ops is False:
+            super().mem_ops(stream, ops, capturing)
+            return
+        for chunk in self.batch_params(ops):
+            result = self.hip.hipStreamBatchMemOp(stream, len(chunk), ctypes.addressof(chunk), 0)
+            if self.batches_mem_ops is None and _status(result) != \
+                    self.hip.hipError_t.hipSuccess:
+                # Beta in HIP: a runtime without it answers before enqueuing anything.
+                self.batches_mem_ops = False
+                super().mem_ops(stream, ops, capturing)
+                return
+            self.check("hipStreamBatchMemOp", result)
+            self.batches_mem_ops = True
+
+    def batch_params(self, ops) -> list:
+        """``hipStreamBatchMemOpParams`` arrays for a barrier program, built once per program
+        (programs are cached per handle and channel: a dict hit per barrier)."""
+        cached = self._batches.get(id(ops))
+        if cached is not None and cached[0] is ops:
+            return cached[1]
+        eq, gte = int(self.hip.hipStreamWaitValueEq), int(self.hip.hipStreamWaitValueGte)
+        chunks = []
+        for start in range(0, len(ops), BATCH_LIMIT):
+            part = ops[start: start + BATCH_LIMIT]
+            array = (MemOpParams * len(part))()
+            for entry, op in zip(array, part):
+                write = op.kind == WRITE
+                entry.op.operation = MEM_OP_WRITE_VALUE_32 if write else MEM_OP_WAIT_VALUE_32
+                entry.op.address = op.slot
+                entry.op.value64 = op.value & 0xFFFFFFFF
+                entry.op.flags = 0 if write else (eq if op.exact else gte)
+            chunks.append(array)
+        if len(self._batches) > 4096:   # count-mode programs are per call: stay bounded
+            self._batches.clear()
+        self._batches[id(ops)] = (ops, chunks)
+        return chunks
 
     def malloc(self, nbytes):
         return address_of(self.check("hipMalloc", self.hip.hipMalloc(max(nbytes, 1))))

@@ -1,0 +1,203 @@
+"""torch's tensor-parallel styles, with the linears run on ficco's overlapped ops.
+
+A plan written for ``torch.distributed.tensor.parallel`` runs on ficco by changing the import::
+
+    from ficco.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+    parallelize_module(model, tp_mesh, {"attention.wq": ColwiseParallel(), ...})
+
+Each style takes torch's constructor arguments (``input_layouts``, ``output_layouts``,
+``use_local_output``; ``sequence_dim``) and leaves the parameters as torch's style would: DTensors
+with torch's placements, so optimizers, ``state_dict`` and ``clip_grad_norm_`` see exactly what
+they see with torch's styles. Only the ``nn.Linear`` GEMM changes:
+
+- ``ColwiseParallel`` whose input arrives sharded along a row dimension (the sequence, e.g.
+  ``input_layouts=Shard(1)`` or a ``SequenceParallel`` norm's output) runs
+  ``ficco.all_gather_matmul``: the gather is hidden behind the GEMM.
+- ``RowwiseParallel`` whose output is sharded along a row dimension (``output_layouts=Shard(1)``)
+  runs ``ficco.matmul_reduce_scatter``: the reduce-scatter is hidden behind the GEMM.
+- Everything else runs torch's own path unchanged: a replicated input (nothing to gather), a
+  replicated output (an all-reduce, which ficco does not overlap), a sequence that does not
+  split evenly over the mesh, ``nn.Embedding``, an ``nn.Linear`` subclass with its own forward.
+
+Why the GEMM is swapped and not the collective: torch's styles hand DTensors to ``F.linear`` and
+let sharding propagation issue the all-gather or reduce-scatter as a separate step; ficco needs
+the gather and the GEMM in one call to overlap them, so the style's forward takes the local
+shards, calls the op, and wraps the result back into the DTensor torch's style would return.
+
+``PrepareModuleInput`` is torch's, except that an input declared ``Shard(d)`` with a desired
+``Replicate()`` stays sharded (the same global value, still a DTensor), so the ``ColwiseParallel``
+linears inside gather it overlapped. torch's usual sequence-parallel plan gathers the attention
+input there, before Q/K/V; with torch's ``PrepareModuleInput`` Q/K/V get a replicated input and
+run plain GEMMs (see docs/training.md, "Which linears overlap").
+
+>>> from torch.distributed.tensor import Shard
+>>> ColwiseParallel(input_layouts=Shard(1))
+ColwiseParallel(input_layouts=(Shard(dim=1),), output_layouts=(Shard(dim=-1),), use_local_output=True)
+"""
+from __future__ import annotations
+
+import types
+import warnings
+from functools import partial
+
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import style as _torch
+
+from . import library
+from .errors import InvalidArgumentError
+from .nn import replicated
+
+__all__ = [
+    "ColwiseParallel",
+    "PrepareModuleInput",
+    "PrepareModuleInputOutput",
+    "PrepareModuleOutput",
+    "RowwiseParallel",
+    "SequenceParallel",
+]
+
+#: torch's, unchanged: norms and dropout compute on their shard; nothing to overlap there.
+SequenceParallel = _torch.SequenceParallel
+PrepareModuleOutput = _torch.PrepareModuleOutput
+
+
+class ColwiseParallel(_torch.ColwiseParallel):
+    """torch's ``ColwiseParallel``; an ``nn.Linear`` whose input arrives sharded along a row
+    dimension gathers it inside ``ficco.all_gather_matmul``. Output: ``Shard(-1)`` (or
+    ``output_layouts``), a local tensor when ``use_local_output``.
+
+    >>> style = ColwiseParallel(use_local_output=False)   # as for torch's
+    """
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if not _runs_on_ficco(module, "ColwiseParallel", device_mesh):
+            return super()._apply(module, device_mesh)
+        distribute_module(module, device_mesh, self._partition_linear_fn,
+                          partial(_as_dtensor, self.input_layouts),
+                          partial(self._prepare_output_fn, self.output_layouts,
+                                  self.use_local_output))
+        module.forward = types.MethodType(
+            partial(_colwise_forward, self.input_layouts, self.desired_input_layouts), module)
+        return module
+
+
+class RowwiseParallel(_torch.RowwiseParallel):
+    """torch's ``RowwiseParallel``; an ``nn.Linear`` whose output is sharded along a row
+    dimension (``output_layouts=Shard(1)``, sequence parallelism) reduce-scatters inside
+    ``ficco.matmul_reduce_scatter``. The bias stays replicated and is added once, after the
+    reduction.
+
+    >>> from torch.distributed.tensor import Shard
+    >>> style = RowwiseParallel(output_layouts=Shard(1))
+    """
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if not _runs_on_ficco(module, "RowwiseParallel", device_mesh):
+            return super()._apply(module, device_mesh)
+        self.desired_input_layouts = (Shard(-1),)
+        distribute_module(module, device_mesh, self._partition_linear_fn,
+                          partial(_as_dtensor, self.input_layouts),
+                          partial(self._prepare_output_fn, self.output_layouts,
+                                  self.use_local_output))
+        module.forward = types.MethodType(
+            partial(_rowwise_forward, self.input_layouts, self.output_layouts[0]), module)
+        return module
+
+
+class PrepareModuleInput(_torch.PrepareModuleInput):
+    """torch's ``PrepareModuleInput``, except that an input declared ``Shard(d)`` whose desired
+    layout is ``Replicate()`` is handed on still sharded (a DTensor with the same global value),
+    so ficco's ``ColwiseParallel`` linears that read it gather it behind their GEMM. With
+    ``use_local_output=True`` the module gets plain tensors, so it is gathered here, as torch does.
+
+    >>> from torch.distributed.tensor import Replicate, Shard
+    >>> style = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
+    """
+
+    def _prepare_input_arg(self, input, mesh, input_layout, desired_layout):
+        if (not self.use_local_output and isinstance(input_layout, Shard)
+                and isinstance(desired_layout, Replicate)):
+            desired_layout = None
+        return super()._prepare_input_arg(input, mesh, input_layout, desired_layout)
+
+
+class PrepareModuleInputOutput(_torch.PrepareModuleInputOutput):
+    """torch's ``PrepareModuleInputOutput`` with ficco's :class:`PrepareModuleInput` inside."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        # torch's constructor built its own PrepareModuleInput; ficco's has the same state
+        self.prepare_module_input.__class__ = PrepareModuleInput
+        return super()._apply(module, device_mesh)
+
+
+# -- what runs ------------------------------------------------------------------------------------
+def _runs_on_ficco(module: nn.Module, style: str, mesh) -> bool:
+    """Whether ``module`` gets ficco's forward: an ``nn.Linear`` with nn.Linear's own forward."""
+    if not isinstance(module, nn.Linear):
+        return False            # nn.Embedding: torch's sharding (docs/training.md)
+    if type(module).forward is not nn.Linear.forward:
+        warnings.warn(f"ficco.parallel.{style}: {type(module).__name__} overrides "
+                      f"nn.Linear.forward, so it keeps its forward and runs torch's {style} "
+                      f"(no overlap)", stacklevel=3)
+        return False
+    if mesh.ndim != 1:
+        raise InvalidArgumentError(f"ficco.parallel.{style} takes a 1-D DeviceMesh; got a {mesh.ndim}-D "
+                         f"mesh {tuple(mesh.shape)}: pass the tensor-parallel dimension, e.g. "
+                         f"mesh['tp']")
+    return True
+
+
+def _as_dtensor(input_layouts, module, inputs, mesh):
+    """The forward pre-hook: a plain input becomes a DTensor with the declared layout (what
+    torch's styles do first); nothing is moved yet."""
+    x = inputs[0]
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, input_layouts, run_check=False)
+    return (x, *inputs[1:])
+
+
+def _row_shard_dim(placement, x: DTensor) -> int | None:
+    """The dimension ``placement`` shards, if ficco's ops can work along it for ``x``: a row
+    dimension (not the last, K) of a tensor whose length there splits evenly over the mesh
+    (DTensor's and ficco's chunk rules agree only then)."""
+    if not isinstance(placement, Shard) or x.dim() < 2:
+        return None
+    dim = placement.dim % x.dim()
+    if dim == x.dim() - 1 or x.shape[dim] % x.device_mesh.size():
+        return None
+    return dim
+
+
+def _colwise_forward(input_layouts, desired_input_layouts, self: nn.Linear, x: DTensor):
+    mesh = self.weight.device_mesh
+    dim = _row_shard_dim(x.placements[0], x) if x.device_mesh == mesh else None
+    if dim is None or self.out_features % mesh.size():
+        # torch's path: its input hook's redistribution, then DTensor's linear
+        x = _torch.ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, self,
+                                                     (x,), mesh)
+        return F.linear(x, self.weight, self.bias)
+    out = library.all_gather_matmul(x.to_local(), self.weight.to_local().t(), mesh,
+                                    gather_dim=dim)
+    if self.bias is not None:
+        # cast as F.linear does under autocast (the bias joins the GEMM's dtype)
+        out = out + self.bias.to_local().to(out.dtype)
+    return DTensor.from_local(out, mesh, (Shard(out.dim() - 1),), run_check=False)
+
+
+def _rowwise_forward(input_layouts, output_layout, self: nn.Linear, x: DTensor):
+    mesh = self.weight.device_mesh
+    x = _torch.RowwiseParallel._prepare_input_fn(input_layouts, (Shard(-1),), self, (x,), mesh)
+    placement = x.placements[0]
+    dim = _row_shard_dim(output_layout, x) if x.device_mesh == mesh else None
+    k_sharded = isinstance(placement, Shard) and placement.dim % x.dim() == x.dim() - 1
+    if dim is None or not k_sharded:
+        return F.linear(x, self.weight, self.bias)      # torch's path
+    out = library.matmul_reduce_scatter(x.to_local(), self.weight.to_local().t(), mesh,
+                                        scatter_dim=dim)
+    if self.bias is not None:
+        # Each rank adds the replicated bias to its own rows once; the gradient of the bias is
+        # summed over the ranks' rows, so it stays a full Replicate() gradient as with torch.
+        out = out + replicated(self.bias.to_local(), mesh).to(out.dtype)
+    return DTensor.from_local(out, mesh, (Shard(dim),), run_check=False)

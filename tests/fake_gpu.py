@@ -1,0 +1,534 @@
+"""A GPU made of host threads, so the GPU backend's host logic (``GpuBackend``, the compiled
+plan binding, the watchdog, the error word, the fence) runs multi-rank on CPU in CI.
+
+What is modelled, because ficco's GPU code relies on it:
+
+- **hardware queues.** Streams are dealt to ``hw_queues`` queues round-robin as they are made
+  (CUDA_DEVICE_MAX_CONNECTIONS, ROCm's GPU_MAX_HW_QUEUES). A queue runs its commands one at a
+  time in submission order, so a stream memory wait at its head blocks every stream that
+  shares it (head-of-line blocking: the reason a rescue through a stream can hang).
+- **stream memory operations** over host memory: an int32 store, and a wait that polls an
+  int32 until it is >= or == a value (``cuStreamWriteValue32`` / ``cuStreamWaitValue32``).
+- **events**: record / wait / query / synchronize, a wait binding to the last record made.
+- **kernels**: the torch work the backend issues (GEMMs, host tasks, the fence, the gated GEMM)
+  runs in stream order on the CPU (:class:`FakeGpuBackend` queues it on the current stream).
+- **memory**: allocations are unlinked /dev/shm files, so IPC handles (``pid:fd``) open in
+  other rank processes and nothing outlives them; freed or closed memory is poisoned, and a copy or memory operation touching
+  it later is a device fault raised by the next ``synchronize``.
+- **graph capture**: work issued while capturing is recorded; ``replay`` issues it again;
+  a synchronize during capture invalidates the capture, as on CUDA.
+- **blocking host calls** (``Stream.synchronize``, ``Event.synchronize``, device
+  synchronize) are logged per thread, so a test can assert the watchdog thread never blocks.
+
+Use ``install(vendor="cuda", hw_queues=8)`` in a process (rank functions call :func:`ensure`,
+which reads ``FICCO_FAKE_GPU`` = ``"cuda:8"``), then ``ficco`` runs on the fake backend; the
+tensors are CPU tensors. :func:`uninstall` stops it.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import queue as queue_mod
+import threading
+import time
+import uuid
+
+import torch
+
+SHM_DIR = "/dev/shm"
+_tls = threading.local()
+
+
+class DeviceFault(RuntimeError):
+    """What a real device would report as an illegal address or a failed command."""
+
+
+class _Stopped(BaseException):
+    """Unblocks the device's threads at uninstall."""
+
+
+# -- memory ---------------------------------------------------------------------------------------
+class Memory:
+    """/dev/shm-backed allocations, shared with other processes through their descriptors
+    (``/proc/<pid>/fd/<fd>``, as ficco's host pads are): each file is unlinked as soon as it is
+    made, so nothing outlives the processes. Nothing is ever unmapped (a late command must
+    fault, not crash the process); freed ranges are poisoned (0xFF: NaN as floats, -1 as int32)
+    and remembered."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.live: dict[int, tuple[int, int | None]] = {}  # address -> (end, own descriptor)
+        self.dead: list[tuple[int, int, str]] = []         # (start, end, why)
+        self._maps: list = []
+
+    def _map(self, fd: int) -> tuple[int, int]:
+        size = os.fstat(fd).st_size
+        m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        view = (ctypes.c_char * size).from_buffer(m)
+        self._maps.append((m, view))
+        return ctypes.addressof(view), size
+
+    def alloc(self, nbytes: int) -> int:
+        path = os.path.join(SHM_DIR, f"ficco-fakegpu-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.unlink(path)          # only descriptors keep it: nothing outlives the processes
+        os.ftruncate(fd, max(nbytes, 1))
+        address, size = self._map(fd)
+        with self._lock:
+            self.live[address] = (address + size, fd)
+        return address
+
+    def export(self, address: int) -> bytes:
+        return f"{os.getpid()}:{self.live[address][1]}".encode().ljust(64, b"\0")
+
+    def open(self, handle: bytes) -> int:
+        pid, fd = bytes(handle).rstrip(b"\0").decode().split(":")
+        peer_fd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+        try:
+            address, size = self._map(peer_fd)
+        finally:
+            os.close(peer_fd)
+        with self._lock:
+            self.live[address] = (address + size, None)
+        return address
+
+    def release(self, address: int, why: str) -> None:
+        with self._lock:
+            end, fd = self.live.pop(address)
+            self.dead.append((address, end, why))
+        ctypes.memset(address, 0xFF, end - address)
+        if fd is not None:
+            os.close(fd)
+
+    def check(self, address: int, nbytes: int, what: str) -> None:
+        with self._lock:
+            for start, end, why in self.dead:
+                if start < address + max(nbytes, 1) and address < end:
+                    raise DeviceFault(f"{what} touches {address:#x} (+{nbytes} bytes): memory "
+                                      f"{why} (illegal address)")
+
+    def close(self) -> None:
+        for _, fd in list(self.live.values()):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
+def _read32(address: int) -> int:
+    return ctypes.c_int32.from_address(address).value
+
+
+def _write32(address: int, value: int) -> None:
+    ctypes.c_int32.from_address(address).value = ctypes.c_int32(value).value
+
+
+# -- the device: hardware queues, streams, events, capture ----------------------------------------
+class Device:
+    def __init__(self, hw_queues: int = 8, sms: int = 16):
+        self.hw_queues, self.sms = hw_queues, sms
+        self.memory = Memory()
+        self.faults: list[BaseException] = []
+        self.blocking: list[tuple[str, str]] = []    # (thread name, call) of blocking host calls
+        self.cond = threading.Condition()
+        self.stopped = False
+        self._fifos = [queue_mod.SimpleQueue() for _ in range(hw_queues)]
+        self._threads = [threading.Thread(target=self._loop, args=(f,), daemon=True,
+                                          name=f"fakegpu-hwq{i}")
+                         for i, f in enumerate(self._fifos)]
+        for t in self._threads:
+            t.start()
+        self.streams: dict[int, FakeStream] = {}
+        self.made = 0
+        self.default = FakeStream(self)
+
+    # commands --------------------------------------------------------------------------------
+    def submit(self, stream: "FakeStream", fn) -> None:
+        graph = getattr(_tls, "capture", None)
+        if graph is not None:
+            graph.nodes.append((stream, fn, False))
+            return
+        with self.cond:
+            stream.pending += 1
+        self._fifos[stream.hw].put((stream, fn))
+
+    def _loop(self, fifo):
+        while True:
+            stream, fn = fifo.get()
+            if fn is None:
+                return
+            _tls.stream = stream
+            try:
+                if not self.stopped:
+                    fn()
+            except _Stopped:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - a device fault, raised at sync
+                with self.cond:
+                    self.faults.append(exc)
+            finally:
+                with self.cond:
+                    stream.pending -= 1
+                    self.cond.notify_all()
+
+    def spin(self, ready, what: str) -> None:
+        """Block the calling hardware queue until ``ready()`` (a stream wait)."""
+        nap = 2e-5
+        while not ready():
+            if self.stopped:
+                raise _Stopped()
+            time.sleep(nap)
+            nap = min(2 * nap, 1e-3)
+
+    def host_wait(self, done, what: str) -> None:
+        """A blocking host call: logged with the calling thread's name."""
+        self.blocking.append((threading.current_thread().name, what))
+        with self.cond:
+            while not done():
+                if self.stopped:
+                    raise _Stopped()
+                self.cond.wait(0.01)
+
+    def synchronize(self) -> None:
+        graph = getattr(_tls, "capture", None)
+        if graph is not None:
+            graph.invalidated = "synchronize() during capture"
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.host_wait(lambda: all(s.pending == 0 for s in list(self.streams.values())),
+                       "device synchronize")
+        if self.faults:
+            fault = self.faults.pop(0)
+            raise DeviceFault(f"fake device fault: {type(fault).__name__}: {fault}")
+
+    def stop(self) -> None:
+        self.stopped = True
+        for f in self._fifos:
+            f.put((None, None))
+        for t in self._threads:
+            t.join(timeout=5)
+        self.memory.close()
+
+
+class FakeStream:
+    def __init__(self, device=None, priority=0):
+        dev = _device() if not isinstance(device, Device) else device
+        self.device = dev
+        self.hw = dev.made % dev.hw_queues
+        dev.made += 1
+        self.cuda_stream = 0x5000 + 0x10 * dev.made
+        self.pending = 0
+        dev.streams[self.cuda_stream] = self
+
+    def enqueue(self, fn) -> None:
+        self.device.submit(self, fn)
+
+    def wait_event(self, event) -> None:
+        event.wait(self)
+
+    def synchronize(self) -> None:
+        self.device.host_wait(lambda: self.pending == 0, "Stream.synchronize")
+
+    def query(self) -> bool:
+        return self.pending == 0
+
+    def __eq__(self, other):
+        return isinstance(other, FakeStream) and other.cuda_stream == self.cuda_stream
+
+    def __hash__(self):
+        return self.cuda_stream
+
+
+class FakeEvent:
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+        self.recorded = 0     # records enqueued
+        self.reached = 0      # records the stream reached
+        self.time_s = None
+
+    def record(self, stream=None):
+        stream = stream or current_stream()
+        graph = getattr(_tls, "capture", None)
+        if graph is not None:     # an event node: completes per replay
+            self.graph, self.replays = graph, set()
+            graph.nodes.append((stream, lambda run: self.replays.add(run), True))
+            return
+        self.recorded += 1
+        gen = self.recorded
+
+        def mark():
+            self.time_s = time.perf_counter()
+            self.reached = max(self.reached, gen)
+        stream.enqueue(mark)
+
+    def wait(self, stream=None):
+        stream = stream or current_stream()
+        graph = getattr(_tls, "capture", None)
+        if graph is not None and getattr(self, "graph", None) is graph:
+            dev = stream.device
+            graph.nodes.append((stream, lambda run: dev.spin(lambda: run in self.replays,
+                                                             "event node"), True))
+            return
+        gen = self.recorded
+        dev = stream.device
+        stream.enqueue(lambda: dev.spin(lambda: self.reached >= gen, "event wait"))
+
+    def query(self) -> bool:
+        return self.reached >= self.recorded
+
+    def synchronize(self) -> None:
+        gen = self.recorded
+        _device().host_wait(lambda: self.reached >= gen, "Event.synchronize")
+
+    def elapsed_time(self, end) -> float:
+        return (end.time_s - self.time_s) * 1000.0
+
+
+class FakeGraph:
+    """What ``capture`` recorded; ``replay()`` issues it again, in order."""
+
+    def __init__(self):
+        self.nodes: list = []      # (stream, fn, whether fn takes the replay number)
+        self.invalidated: str | None = None
+        self.runs = 0
+
+    def replay(self) -> None:
+        assert self.invalidated is None, self.invalidated
+        self.runs += 1
+        run = self.runs
+        for stream, fn, per_run in self.nodes:
+            stream.device.submit(stream, (lambda f=fn: f(run)) if per_run else fn)
+
+
+@contextlib.contextmanager
+def capture():
+    """Record every command this thread issues (``torch.cuda.graph`` stand-in)."""
+    graph = FakeGraph()
+    _tls.capture = graph
+    try:
+        yield graph
+    finally:
+        _tls.capture = None
+
+
+def current_stream(device=None) -> FakeStream:
+    return getattr(_tls, "stream", None) or _device().default
+
+
+@contextlib.contextmanager
+def stream_context(s):
+    saved = getattr(_tls, "stream", None)
+    _tls.stream = s
+    try:
+        yield
+    finally:
+        _tls.stream = saved
+
+
+# -- the vendor: copies and memory operations as stream commands -----------------------------------
+def vendor_class(vendor_name: str):
+    from ficco.backends.vendor import Vendor
+    from ficco.symm_mem.barrier import WRITE
+
+    class FakeVendor(Vendor):
+        name = vendor_name
+
+        def __init__(self):
+            self.dev = _device()
+            self.calls: list[tuple[str, int]] = []     # (call, stream) in issue order
+
+        def _describe(self, status):
+            return str(status)
+
+        def bind_device(self, index):
+            pass
+
+        def relax_capture_mode(self):
+            pass
+
+        def _on(self, stream: int, call: str, fn):
+            self.calls.append((call, stream))
+            self.dev.streams[stream].enqueue(fn)
+
+        def copy_1d(self, dst, src, nbytes, stream):
+            def run():
+                self.dev.memory.check(src, nbytes, "copy source")
+                self.dev.memory.check(dst, nbytes, "copy destination")
+                ctypes.memmove(dst, src, nbytes)
+            self._on(stream, "copy_1d", run)
+
+        def copy_2d(self, args, stream):
+            def run():
+                for row in range(args.height):
+                    s, d = args.src + row * args.spitch, args.dst + row * args.dpitch
+                    self.dev.memory.check(s, args.width, "2-D copy source")
+                    self.dev.memory.check(d, args.width, "2-D copy destination")
+                    ctypes.memmove(d, s, args.width)
+            self._on(stream, "copy_2d", run)
+
+        def write_value32(self, stream, address, value):
+            def run():
+                self.dev.memory.check(address, 4, "stream write")
+                _write32(address, value)
+            self._on(stream, "write_value32", run)
+
+        def wait_value32(self, stream, address, value, exact):
+            def met():
+                self.dev.memory.check(address, 4, "stream wait")
+                seen = _read32(address)
+                return seen == value if exact else seen >= value
+            self._on(stream, "wait_value32",
+                     lambda: self.dev.spin(met, f"wait {address:#x}"))
+
+        def mem_ops(self, stream, ops, capturing):
+            for op in ops:
+                if op.kind == WRITE:
+                    self.write_value32(stream, op.slot, op.value)
+                else:
+                    self.wait_value32(stream, op.slot, op.value, op.exact)
+
+        def malloc(self, nbytes):
+            return self.dev.memory.alloc(nbytes)
+
+        def free(self, address):
+            self.dev.memory.release(address, "freed")
+
+        def ipc_export(self, address):
+            return self.dev.memory.export(address)
+
+        def ipc_open(self, handle):
+            return self.dev.memory.open(handle)
+
+        def ipc_close(self, address):
+            self.dev.memory.release(address, "closed (IPC import)")
+
+        def host_register(self, address, nbytes):
+            pass
+
+        def host_device_pointer(self, address):
+            return address       # unified addressing: the host address
+
+        def host_unregister(self, address):
+            pass
+
+    return FakeVendor
+
+
+# -- the backend -----------------------------------------------------------------------------------
+def backend_class(vendor_name: str):
+    """A CudaBackend / RocmBackend whose torch work runs in stream order on the fake device."""
+    from ficco.backends.cuda import CudaBackend
+    from ficco.backends.gpu import GpuBackend
+    from ficco.backends.rocm import RocmBackend
+
+    base = CudaBackend if vendor_name == "cuda" else RocmBackend
+
+    class FakeGpuBackend(base):
+        make_vendor = vendor_class(vendor_name)
+
+        @classmethod
+        def unavailable_reason(cls):
+            return None
+
+        @staticmethod
+        def _torch_device(device):
+            return torch.device("cpu")             # tensors are CPU tensors
+
+        def target(self):
+            return "cuda:sm_90" if vendor_name == "cuda" else "rocm:gfx942"
+
+        def check_device(self, t, name):
+            pass
+
+        def gemm_current(self, a, b, out, accumulate):
+            current_stream().enqueue(
+                lambda: GpuBackend.gemm_current(self, a, b, out, accumulate))
+
+        def launch(self, queue, fn):
+            queue.enqueue(fn)
+
+        def launch_current(self, fn):
+            current_stream().enqueue(fn)
+
+        def fence(self, outputs, *args):
+            if torch.cuda.is_current_stream_capturing():
+                return GpuBackend.fence(self, outputs, *args)
+            current_stream().enqueue(lambda: GpuBackend.fence(self, outputs, *args))
+
+    return FakeGpuBackend
+
+
+# -- install ---------------------------------------------------------------------------------------
+_state: dict = {}
+_PATCHED = ("Stream", "Event", "current_stream", "stream", "current_device", "set_device",
+            "synchronize", "is_current_stream_capturing", "get_device_properties",
+            "get_device_capability", "device_count")
+
+
+def _device() -> Device:
+    return _state["device"]
+
+
+class _Properties:
+    def __init__(self, sms):
+        self.multi_processor_count = sms
+        self.name, self.gcnArchName, self.major, self.minor = "fake GPU", "gfx942", 9, 0
+
+
+def install(vendor: str = "cuda", hw_queues: int = 8, sms: int = 16):
+    """Replace ``torch.cuda``'s streams and events by the fake device's and make the fake
+    backend ficco's ``vendor`` backend (``FICCO_BACKEND=vendor``). Returns the device."""
+    from ficco import backends
+
+    uninstall()
+    device = Device(hw_queues, sms)
+    _state.update(device=device, vendor=vendor, hw_queues=hw_queues,
+                  saved={name: getattr(torch.cuda, name) for name in _PATCHED})
+    patched = {"Stream": FakeStream, "Event": FakeEvent, "current_stream": current_stream,
+               "stream": stream_context, "current_device": lambda: 0,
+               "set_device": lambda d: None,
+               "synchronize": lambda device=None: _device().synchronize(),
+               "is_current_stream_capturing": lambda: getattr(_tls, "capture", None) is not None,
+               "get_device_properties": lambda d=None: _Properties(_device().sms),
+               "get_device_capability": lambda d=None: (9, 0), "device_count": lambda: 1}
+    for name, value in patched.items():
+        setattr(torch.cuda, name, value)
+    os.environ["FICCO_BACKEND"] = vendor
+    with backends._lock:
+        backends._active[vendor] = backend_class(vendor)()
+    return device
+
+
+def uninstall() -> None:
+    from ficco import backends
+
+    if "device" not in _state:
+        return
+    with backends._lock:
+        backend = backends._active.pop(_state["vendor"], None)
+    if backend is not None:
+        backend.close()
+    _state["device"].stop()
+    for name, value in _state["saved"].items():
+        setattr(torch.cuda, name, value)
+    os.environ.pop("FICCO_BACKEND", None)
+    _state.clear()
+
+
+def ensure(vendor: str = "cuda", hw_queues: int = 8) -> Device:
+    """The fake device of this process with this configuration, (re)installed as needed (rank
+    functions call it first; ``ficco.shutdown()`` closes the backend, so a new one is made)."""
+    from ficco import backends
+
+    if _state.get("vendor") != vendor or _state.get("hw_queues") != hw_queues:
+        install(vendor, hw_queues)
+    elif vendor not in backends._active:
+        with backends._lock:
+            backends._active[vendor] = backend_class(vendor)()
+    os.environ["FICCO_BACKEND"] = vendor
+    return _device()
+
+
+def device() -> Device:
+    return _device()

@@ -1,0 +1,97 @@
+"""Issue 25: the GPU backend's failure handling, multi-rank on the CPU. ``GpuBackend`` itself
+(queues, events, barriers, watchdog, error words, fence) runs over the fake GPU of
+``tests/fake_gpu.py``: streams on host-thread hardware queues with head-of-line blocking,
+stream memory operations over host memory, IPC memory in /dev/shm."""
+from __future__ import annotations
+
+import pytest
+
+import random
+
+from . import fault_cases as cases
+from . import harness
+
+T = 1.0     # FICCO_TIMEOUT of the failing calls, seconds
+
+
+def _pool(world=3):
+    return harness.pool(world, {"FICCO_TIMEOUT": "20"})
+
+
+def _tag():
+    return random.randrange(1 << 40)
+
+
+# -- finding 2: the rescue of a stuck stream must not go through a stream ------------------------
+@pytest.mark.parametrize("vendor,hw_queues,env", [
+    ("rocm", 2, {}),                                          # ROCm: few hardware queues
+    ("cuda", 1, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}),       # Megatron's setting
+    ("cuda", 8, {}),
+    ("cuda", 8, {"FICCO_SIGNAL_PADS": "device"}),          # asked for: reads are async
+], ids=["rocm-2-queues", "cuda-connections-1", "cuda-connections-8", "cuda-8-device-pads"])
+def test_a_dead_peer_is_released_without_a_stream_and_the_watchdog_never_blocks(
+        vendor, hw_queues, env):
+    results = _pool().run(cases.stalled_peer, _tag(), vendor, hw_queues, env, "ring", 1, T,
+                          timeout_s=90)
+    for seconds, poisoned, nxt, blocked, _ in results[:-1]:
+        assert seconds != "hung", results           # the device drained: the stream was freed
+        assert poisoned, results                     # the released call's outputs are NaN
+        assert nxt.startswith("CommTimeoutError") and "[2]" in nxt, results
+        assert blocked == [], results                # no Stream/Event/device synchronize
+    assert results[-1] == "stalled"
+
+
+# -- finding 3: one FICCO_TIMEOUT per dead peer, not one per queued barrier -------------------
+@pytest.mark.parametrize("schedule,calls", [("ring", 4), ("gated-1d", 2)])
+def test_barriers_queued_behind_a_dead_peer_are_released_at_once(schedule, calls):
+    """``calls`` calls queued behind a dead peer (2 barriers each): the device drains about
+    one FICCO_TIMEOUT after the first barrier, not 2 * calls of them (as it did)."""
+    results = _pool().run(cases.stalled_peer, _tag(), "cuda", 8, {}, schedule, calls, T,
+                          timeout_s=120)
+    for seconds, poisoned, nxt, blocked, outcomes in results[:-1]:
+        assert seconds != "hung" and seconds < 2.5 * T + 1.0, results
+        assert poisoned and "[2]" in nxt, results
+        assert outcomes["expired"] <= 1, results          # one deadline, the rest released
+        assert outcomes["expired"] + outcomes["released"] >= 2 * calls - 1, results
+
+
+# -- finding 5: failures stay in their group ---------------------------------------------------
+def test_a_timeout_on_one_group_leaves_another_groups_results_and_calls_alone():
+    results = _pool().run(cases.two_groups, _tag(), T, timeout_s=120)
+    for rank, (b_errors, b_next, a_next) in enumerate(results):
+        assert all(e <= 1e-4 for e in b_errors), (rank, results)    # not NaN, not raised
+        assert isinstance(b_next, float) and b_next <= 1e-4, (rank, results)
+        if rank < 2:
+            assert a_next.startswith("CommTimeoutError") and "[2]" in a_next, (rank, results)
+
+
+# -- finding 6: no read of freed memory, no stale pull ---------------------------------------------
+def test_a_captured_graph_replays_right_after_shutdown():
+    results = _pool().run(cases.replay_after_shutdown, random.randrange(1 << 20), timeout_s=120)
+    for errors in results:
+        assert all(isinstance(e, float) and e <= 1e-4 for e in errors), results
+
+
+def test_a_late_peer_never_pulls_rows_of_the_next_call():
+    results = _pool().run(cases.late_peer, _tag(), T, timeout_s=120)
+    for drained in results[:-1]:
+        assert drained == "ok", results
+    late = results[-1]
+    assert late == "NaN" or late.startswith("CommTimeoutError"), results
+    assert "gave up" in late or late == "NaN", results
+
+
+# -- finding 7: HIP capture refused before anything is captured -------------------------------------
+def test_hip_capture_is_refused_before_it_begins():
+    for outcome, nodes, invalidated, err in _pool().run(
+            cases.hip_capture_is_refused_before_it_begins, timeout_s=120):
+        assert "cannot capture cross-rank barriers" in outcome, outcome
+        assert nodes == 0 and invalidated is None, (nodes, invalidated)
+        assert err <= 1e-4
+
+
+# -- finding 1: the gated GEMM is launched after the copies it waits for ------------------------
+def test_gated_gemm_never_waits_in_front_of_its_own_copies():
+    names = ["gated-1d", "gated-2d"]
+    for errors in _pool().run(cases.gated_with_one_hardware_queue, names, 3.0, timeout_s=180):
+        assert all(isinstance(errors[n], float) and errors[n] <= 1e-4 for n in names), errors
