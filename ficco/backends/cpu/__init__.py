@@ -289,8 +289,13 @@ class CpuBackend(Backend):
         (it waits on another queue of this rank)."""
         q = next((w for w in stuck if w.step), stuck[0])
         where = f": it is still in {q.step}" if q.step else " (waiting on another queue)"
+        now = time.monotonic()
+        states = "; ".join(
+            f"{w.name}: {w.kind or 'between tasks'} for {now - (w.since if w.kind else w.moved):.1f}s"
+            f", {w.fifo.qsize()} queued" for w in stuck)
         exc = CommTimeoutError(
-            f"queue {q.name} did not drain within FICCO_TIMEOUT ({timeout_s:.1f}s){where}")
+            f"queue {q.name} did not drain within FICCO_TIMEOUT ({timeout_s:.1f}s){where} "
+            f"[{states}]")
         return name_step(exc, q.step) if q.step else exc
 
     def _fail(self, name, exc, step=None, task=None):
