@@ -1,6 +1,6 @@
 """Train an expert-parallel mixture-of-experts block with ficco, on CPU or GPUs:
 
-    torchrun --nproc-per-node 4 examples/moe_block.py
+    torchrun --nproc-per-node 4 examples/moe_block.py [--compile]
 
 E experts are spread over the W ranks (L = E / W each). Every rank routes its own tokens to
 their top-2 experts: ``ficco.moe.MoELayer`` sends them over (the all-to-all hidden behind the
@@ -8,11 +8,14 @@ experts' first grouped GEMM), runs the experts, and brings the results back (the
 hiding the return trip); backward runs the same two ops the other way round. The router's
 weight is replicated, so its gradient is summed over the ranks. The script trains a few SGD
 steps and checks every step's loss and every weight against the same block trained unsharded
-(all experts, all tokens) on each rank.
+(all experts, all tokens) on each rank. ``--compile`` trains the sharded layer under
+``torch.compile(fullgraph=True)``: forward and backward of the whole layer, routing included,
+in one graph each (docs/expert_parallel.md, "torch.compile").
 """
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -57,13 +60,16 @@ def sharded_from(reference: MoEBlock, group=None) -> MoELayer:
     return layer
 
 
-def train(model, x, target, count: int, steps: int, lr: float, group=None) -> list[float]:
+def train(model, x, target, count: int, steps: int, lr: float, group=None,
+          compiled: bool = False) -> list[float]:
     """SGD on the squared error summed over every rank's tokens / ``count``; returns the global
     loss of every step. ``group``: the model is sharded over it (sum the replicated router's
-    gradient and the losses); None: unsharded."""
+    gradient and the losses); None: unsharded. ``compiled``: forward (and so backward) through
+    ``torch.compile(model, fullgraph=True)``."""
+    forward = torch.compile(model, fullgraph=True) if compiled else model
     losses = []
     for _ in range(steps):
-        loss = ((model(x) - target) ** 2).sum() / count
+        loss = ((forward(x) - target) ** 2).sum() / count
         model.zero_grad()
         loss.backward()
         total = loss.detach().clone()
@@ -78,9 +84,11 @@ def train(model, x, target, count: int, steps: int, lr: float, group=None) -> li
 
 
 def parity(rank: int, world: int, seed: int, tokens: int = 6, hidden: int = 16,
-           ffn_hidden: int = 32, experts_per_rank: int = 2, steps: int = 3, lr: float = 0.05):
-    """(worst relative loss difference, worst weight difference) of the sharded block against
-    its unsharded twin after ``steps`` SGD steps (every rank trains the twin on all tokens)."""
+           ffn_hidden: int = 32, experts_per_rank: int = 2, steps: int = 3, lr: float = 0.05,
+           compiled: bool = False):
+    """(worst relative loss difference, worst weight difference, the sharded losses) of the
+    sharded block (``compiled``: under torch.compile) against its unsharded twin after
+    ``steps`` SGD steps (every rank trains the twin on all tokens)."""
     torch.manual_seed(seed)                      # same weights and data on every rank
     num_experts = experts_per_rank * world
     reference = MoEBlock(hidden, ffn_hidden, num_experts)
@@ -89,13 +97,14 @@ def parity(rank: int, world: int, seed: int, tokens: int = 6, hidden: int = 16,
     target = torch.randn(world * tokens, hidden)
     mine = slice(rank * tokens, (rank + 1) * tokens)
     group = dist.group.WORLD if world > 1 else None
-    sharded = train(layer, x[mine], target[mine], target.numel(), steps, lr, group)
+    sharded = train(layer, x[mine], target[mine], target.numel(), steps, lr, group, compiled)
     plain = train(reference, x, target, target.numel(), steps, lr)
     loss_diff = max(abs(a - b) / abs(b) for a, b in zip(sharded, plain))
     experts = slice(rank * experts_per_rank, (rank + 1) * experts_per_rank)
     pairs = [(layer.router.weight, reference.router.weight),
              (layer.experts.w1, reference.w1[experts]), (layer.experts.w2, reference.w2[experts])]
-    weight_diff = max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
+    weight_diff = max(float((a - b).detach().abs().max() / b.detach().abs().max())
+                      for a, b in pairs)
     return loss_diff, weight_diff, sharded
 
 
@@ -104,12 +113,14 @@ def main():
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         torch.set_default_device("cuda")
-    loss_diff, weight_diff, losses = parity(rank, world, seed=0)
+    compiled = "--compile" in sys.argv[1:]
+    loss_diff, weight_diff, losses = parity(rank, world, seed=0, compiled=compiled)
     if rank == 0:
-        print(f"W={world} losses {[f'{v:.5f}' for v in losses]}; worst relative difference from "
-              f"the unsharded block: loss {loss_diff:.1e}, weights {weight_diff:.1e}")
+        print(f"W={world}{' compiled' if compiled else ''} losses {[f'{v:.5f}' for v in losses]}; "
+              f"worst relative difference from the unsharded block: loss {loss_diff:.1e}, "
+              f"weights {weight_diff:.1e}")
     assert loss_diff < 1e-4 and weight_diff < 1e-4, (loss_diff, weight_diff)
     ficco.shutdown()
     dist.destroy_process_group()

@@ -19,15 +19,16 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ficco  # noqa: E402
-from sp_block import Block, SPTPBlock, train  # noqa: E402
+from sp_block import Block, SPTPBlock, train
+
+import ficco
 
 
 def main(batch=2, seq=32, dim=64, heads=8, ffn=128, steps=3):
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else "cpu"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else "cpu"
     if cuda:
         torch.cuda.set_device(device)
     torch.manual_seed(0)                               # same full weights and data everywhere

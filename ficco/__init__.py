@@ -7,11 +7,28 @@
 from __future__ import annotations
 
 from . import compat, config, errors, schedules, symm_mem
-from .api import (all_gather_matmul, all_to_all_grouped_mm, explain, grouped_mm_all_to_all,
-                  matmul_reduce_scatter, shutdown)
+from .api import (
+                  all_gather_matmul,
+                  all_to_all_grouped_mm,
+                  explain,
+                  grouped_mm_all_to_all,
+                  matmul_reduce_scatter,
+                  shutdown,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "all_to_all_grouped_mm",
-           "grouped_mm_all_to_all", "explain", "shutdown", "schedules", "compat", "config",
-           "errors", "symm_mem", "__version__"]
+__all__ = [
+                  "__version__",
+                  "all_gather_matmul",
+                  "all_to_all_grouped_mm",
+                  "compat",
+                  "config",
+                  "errors",
+                  "explain",
+                  "grouped_mm_all_to_all",
+                  "matmul_reduce_scatter",
+                  "schedules",
+                  "shutdown",
+                  "symm_mem",
+]

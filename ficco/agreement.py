@@ -40,7 +40,7 @@ from .group import key as group_key
 #: the signature key whose value may differ across ranks (see the module docstring)
 PER_RANK = "per_rank"
 _AGREED_LIMIT = 1024                     # distinct (group, signature) entries kept (LRU)
-_agreed: "OrderedDict[tuple, Agreed]" = OrderedDict()
+_agreed: OrderedDict[tuple, Agreed] = OrderedDict()
 _ranks: dict = {}                        # group id -> (Process of every rank)
 _sequence: dict = {}                     # group id -> number of exchanges in this epoch
 _epoch = [0]                             # ficco.shutdown() calls: a reset every rank makes
@@ -74,6 +74,7 @@ def digest(signature: dict) -> int:
     """
     if PER_RANK in signature:
         signature = shared(signature)
+    key: frozenset | None
     try:
         # Values of one field keep their type from call to call (an int field never holds a
         # bool), so equal item sets mean equal JSON.
@@ -272,7 +273,7 @@ def wait_bounded(work, *, rank: int, what: str) -> None:
     timeout_s = config.timeout_s()
     try:
         ok = work.wait(datetime.timedelta(seconds=timeout_s))
-    except Exception as exc:  # noqa: BLE001 - gloo/nccl raise RuntimeError subclasses
+    except Exception as exc:
         if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
             raise      # a broken transport: the caller names the peers (guard.failed)
         raise CommTimeoutError(f"rank {rank}: {what} passed FICCO_TIMEOUT "
@@ -319,7 +320,7 @@ def _store(group):
 
     try:
         return _get_process_group_store(group)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise FiccoError(f"the process group {group_key(group)} has no store ficco can use to "
                          f"agree across ranks: {exc}") from exc
 
@@ -350,5 +351,5 @@ def _has(store, key: str) -> bool:
 def _delete(store, key: str) -> None:
     try:
         store.delete_key(key)
-    except Exception:  # noqa: BLE001 - stores without delete keep a few bytes per exchange
+    except Exception:  # noqa: BLE001, S110 - stores without delete keep a few bytes each
         pass

@@ -6,11 +6,14 @@ them imports another for it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from .expert.context import ExpertContext
 
 
 @dataclass
@@ -20,11 +23,15 @@ class Buffers:
     ``partials[j]`` this rank's ``M x n_j`` partial products (at byte ``partial_offsets[j]``
     of the workspace with ``dma``) and ``recvs[j]`` the landing buffer of the peers' partials.
     ``symm`` is the symmetric handle whose buffers hold every peer's ``gathered`` or
-    ``partials`` (None with ``ccl``). fp8 and epilogues (:mod:`ficco.scaled`): ``a_scale``
-    (the canonical input's, ``m x 1`` row-wise or one element), ``gathered_scale`` (row-wise
-    all-gather: ``M x 1`` at byte ``gathered_scale_offset`` of the workspace with ``dma``),
-    ``b_scales`` and ``biases`` (``1 x n_j`` or None) per b; ``wide``: the outputs are float32
-    partial sums the op rounds once."""
+    ``partials`` (None with ``ccl``); ``group`` the process group ``ccl`` collectives run on.
+    fp8 and epilogues (:mod:`ficco.scaled`): ``a_scale`` (the canonical input's, ``m x 1``
+    row-wise or one element), ``gathered_scale`` (row-wise all-gather: ``M x 1`` at byte
+    ``gathered_scale_offset`` of the workspace with ``dma``), ``b_scales`` and ``biases``
+    (``1 x n_j`` or None) per b; ``wide``: the outputs are float32 partial sums the op rounds
+    once. Expert parallelism: ``expert`` is the call's routing and row buffers, which its host
+    tasks size their work from at launch (its plans never name rows, :mod:`ficco.expert`).
+
+    Every host task is called ``task(views, buffers, args)`` and reads the fields it needs."""
 
     a: torch.Tensor
     bs: list[torch.Tensor]
@@ -42,6 +49,7 @@ class Buffers:
     b_scales: tuple = ()
     biases: tuple = ()
     wide: bool = False
+    expert: ExpertContext | None = None
     _peers: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
     def peer(self, peer: int, buf: str = "gathered", index: int = 0) -> torch.Tensor:
@@ -63,4 +71,8 @@ class Buffers:
         """This rank's copy of symmetric buffer ``buf``."""
         if buf == "gathered_scale":
             return self.gathered_scale
-        return self.gathered if buf == "gathered" else self.partials[index]
+        if buf != "gathered":
+            return self.partials[index]
+        if self.gathered is None:
+            raise InvalidArgumentError("plan reads the gathered buffer but the call has none")
+        return self.gathered

@@ -195,6 +195,8 @@ def settings(schedule: str | None = None, transport: str | None = None,
         "copy_engines": knobs["FICCO_COPY_ENGINES"],
         "symm": knobs.get("FICCO_SYMM"),
         "signal_pads": knobs.get("FICCO_SIGNAL_PADS"),
+        # the selector prices one hardware queue differently (issue 25 item 4): agreed
+        "hardware_queues": (config.hardware_queues("cuda"), config.hardware_queues("rocm")),
         "backward_gather": knobs.get("FICCO_BACKWARD_GATHER"),
         "paper": (low, high),
     }

@@ -14,12 +14,11 @@ import torch
 
 from . import agreement, api
 from .call import backend_for, check_tensor, check_weights, normalize_dim
+from .compat_scaled import fused_all_gather_scaled_matmul, fused_scaled_matmul_reduce_scatter
 from .errors import InvalidArgumentError
 from .group import rank_world, resolve
-from .compat_scaled import (fused_all_gather_scaled_matmul,  # noqa: F401 (re-exported)
-                            fused_scaled_matmul_reduce_scatter)
 from .ops.all_gather_matmul import all_gather_flat
-from .ops.matmul_reduce_scatter import fused_matmul_reduce_scatter  # noqa: F401 (re-exported)
+from .ops.matmul_reduce_scatter import fused_matmul_reduce_scatter
 
 
 def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: list[torch.Tensor], gather_dim: int,
@@ -101,7 +100,7 @@ class SymmMemOverride:
         if _override is self:
             _override = None
 
-    def __enter__(self) -> "SymmMemOverride":
+    def __enter__(self) -> SymmMemOverride:  # noqa: PYI034 - typing.Self needs Python 3.11
         return self
 
     def __exit__(self, *exc) -> None:

@@ -22,16 +22,37 @@ when the workspace handle dies or the call brings another handle or other worksp
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
+
 import torch
 
 from . import host_tasks
 from .buffers import Buffers
 from .errors import InvalidArgumentError
-from .plan import (COMPUTE, SCALE_OF, SYMMETRIC_BUFFERS, AllGather, AllToAll, Barrier, Block,
-                   Copy, Gemm, GatedGemm, HostOp, Plan, Record, Reduce, ReduceScatter, SendRecv,
-                   Signal, Wait, buffer_shapes, op_label)
+from .plan import (
+    COMPUTE,
+    SCALE_OF,
+    SYMMETRIC_BUFFERS,
+    AllGather,
+    AllToAll,
+    Barrier,
+    Block,
+    Copy,
+    GatedGemm,
+    Gemm,
+    HostOp,
+    Plan,
+    Record,
+    Reduce,
+    ReduceScatter,
+    SendRecv,
+    Signal,
+    Wait,
+    buffer_shapes,
+    op_label,
+)
 
 # Step codes; a step is (code, queue index, x, y, z, w) with slot / event numbers in x..w.
 # CALL (x: a prepared copy, called with the queue), GEMM_HERE and LAUNCH_HERE (a GEMM or host
@@ -69,7 +90,7 @@ class Binding:
     Never changed once made: a call that needs other steps makes a new one, so a thread that
     read the old one still runs consistent steps."""
 
-    __slots__ = ("backend", "ref", "ws_key", "ws_views", "call_key", "steps", "events")
+    __slots__ = ("backend", "call_key", "events", "ref", "steps", "ws_key", "ws_views")
 
     def __init__(self, backend, ref, ws_key, ws_views, call_key, steps, events):
         self.backend, self.ref, self.ws_key, self.ws_views = backend, ref, ws_key, ws_views
@@ -138,7 +159,8 @@ class CompiledPlan:
 
         wide = plan.wide_outputs()
         epilogue = bool(plan.problem.scaling or plan.problem.bias or plan.problem.activation)
-        steps, work = [], []   # work: (step number, op index) of every traced op
+        steps: list[tuple] = []
+        work = []   # (step number, op index) of every traced op
         for index, op in enumerate(plan.ops):
             q = queue_index[op.queue]
             if isinstance(op, Record):
@@ -241,19 +263,20 @@ class CompiledPlan:
             _, row0, rows, col0, cols = spec
             if col0 == 0 and cols == shape[1] and rows > 0 and row0 + rows <= shape[0]:
                 rows_of.setdefault(source, []).append((row0, rows, i))
-        splits, covered = [], set()
+        splits: list[tuple] = []
+        covered: set[int] = set()
         for source, blocks in rows_of.items():
             if len(blocks) < 2:
                 continue
             total = shapes[source][0]
             cuts = sorted({0, total} | {r for r0, n, _ in blocks for r in (r0, r0 + n)})
             piece = {start: k for k, start in enumerate(cuts[:-1])}
-            nxt = dict(zip(cuts[:-1], cuts[1:]))
+            nxt = dict(itertools.pairwise(cuts))
             # A block must be exactly one piece: no cut strictly inside it.
             pieces = tuple((i, piece[r0]) for r0, n, i in blocks if nxt[r0] == r0 + n)
             if len(pieces) < 2:
                 continue
-            sizes = [b - a for a, b in zip(cuts[:-1], cuts[1:])]
+            sizes = [b - a for a, b in itertools.pairwise(cuts)]
             splits.append((source, shapes[source], sizes, pieces))
             covered.update(i for i, _ in pieces)
         return tuple(splits), covered

@@ -16,8 +16,9 @@ import contextlib
 import math
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from .errors import ConfigError
 
@@ -191,12 +192,17 @@ def _overrides_stack() -> list:
     return _local.stack
 
 
+#: what a snapshot reads: every knob, and the vendors' hardware-queue settings the call's
+#: settings include (:func:`hardware_queues`)
+_SNAPSHOT_ENV = (*KNOBS, "CUDA_DEVICE_MAX_CONNECTIONS", "GPU_MAX_HW_QUEUES")
+
+
 def snapshot() -> tuple:
     """The raw FICCO_* environment and this thread's overrides, as a hashable key: equal
     snapshots read to equal settings (callers memoise validated settings by it)."""
     overrides = _overrides()
     environ = os.environ
-    return (tuple([environ.get(env) for env in KNOBS]),
+    return (tuple([environ.get(env) for env in _SNAPSHOT_ENV]),
             tuple(sorted([(k, repr(v)) for k, v in overrides.items()])) if overrides else ())
 
 
@@ -220,3 +226,21 @@ backward_gather: Callable[[], str] = KNOBS["FICCO_BACKWARD_GATHER"].read
 
 def paper_thresholds() -> tuple[float, float]:
     return get("FICCO_PAPER_LOW"), get("FICCO_PAPER_HIGH")
+
+
+def hardware_queues(vendor: str) -> int | None:
+    """How many hardware queues this process's GPU streams share, from the vendor's own
+    setting: ``CUDA_DEVICE_MAX_CONNECTIONS`` (CUDA; Megatron's sequence parallelism sets 1),
+    ``GPU_MAX_HW_QUEUES`` (ROCm). None where unset (the driver's default) or not a GPU.
+
+    >>> import os; os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = " 1 "
+    >>> hardware_queues("cuda"), hardware_queues("rocm"), hardware_queues("cpu")
+    (1, None, None)
+    >>> del os.environ["CUDA_DEVICE_MAX_CONNECTIONS"]
+    """
+    knob = {"cuda": "CUDA_DEVICE_MAX_CONNECTIONS", "rocm": "GPU_MAX_HW_QUEUES"}.get(vendor)
+    value = os.environ.get(knob, "").strip() if knob else ""
+    try:
+        return int(value) if value else None
+    except ValueError:
+        raise ConfigError(f"{knob}={value!r} is not a whole number of hardware queues") from None

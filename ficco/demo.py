@@ -4,6 +4,7 @@ few shapes (one scaled from the FiCCO paper's Table I), check each against a flo
 reference and print a table. No torchrun needed; finishes in about a minute."""
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import tempfile
@@ -54,7 +55,7 @@ def _rank(rank, world, init_file, results):
                     with ficco.config.scope(transport=transport):
                         out = run()
                         err = ((out.double() - ref).norm() / ref.norm()).item()
-                        worst = max(worst, err if err == err else float("inf"))
+                        worst = max(worst, float("inf") if math.isnan(err) else err)
                         if case == 0:
                             for _ in range(3):
                                 dist.barrier()

@@ -1,6 +1,8 @@
 """The errors ficco raises. Each message says what failed, the values seen and the fix."""
 from __future__ import annotations
 
+from typing import TypeVar
+
 
 class FiccoError(RuntimeError):
     """Base of every ficco error."""
@@ -17,9 +19,16 @@ class ConfigError(FiccoError, ValueError):
 class MismatchError(FiccoError):
     """Ranks of one group called with different shapes, dtypes or schedules."""
 
+    #: True when every rank raises it from the same data: the ranks stay in step and the group
+    #: stays usable (``ficco.agreement.consistent``, the plan barriers' call-flag check).
+    consistent: bool = False
+
 
 class CommTimeoutError(FiccoError, TimeoutError):
     """A cross-rank wait passed its deadline (FICCO_TIMEOUT): a peer is dead or stuck."""
+
+    #: the ranks that did not arrive, where the wait could tell
+    missing: list[int] = []   # noqa: RUF012 - read-only default; instances set their own
 
 
 class BackendUnavailableError(FiccoError):
@@ -40,7 +49,10 @@ class TransportError(FiccoError):
     names the rank, op, schedule and peers, and the original error is the cause."""
 
 
-def name_step(exc: BaseException, step: str) -> BaseException:
+_E = TypeVar("_E", bound=BaseException)
+
+
+def name_step(exc: _E, step: str) -> _E:
     """Remember on ``exc`` the plan step it came from (``ficco.guard.failed`` puts it in the
     message); the first step named wins. Returns ``exc``.
 
@@ -49,7 +61,7 @@ def name_step(exc: BaseException, step: str) -> BaseException:
     """
     if getattr(exc, "ficco_step", None) is None:
         try:
-            exc.ficco_step = step
+            setattr(exc, "ficco_step", step)  # noqa: B010 - any exception type
         except AttributeError:      # an exception type without a __dict__
             pass
     return exc

@@ -11,8 +11,22 @@ import torch
 
 from . import profiling
 from .buffers import Buffers
-from .compiler import (BARRIER, CALL, COPY, COPY_2D, GATED, GEMM, GEMM_HERE, LAUNCH,
-                       LAUNCH_HERE, RECORD, SIGNAL, WAIT, CompiledPlan, compile_plan)
+from .compiler import (
+    BARRIER,
+    CALL,
+    COPY,
+    COPY_2D,
+    GATED,
+    GEMM,
+    GEMM_HERE,
+    LAUNCH,
+    LAUNCH_HERE,
+    RECORD,
+    SIGNAL,
+    WAIT,
+    CompiledPlan,
+    compile_plan,
+)
 from .errors import name_step
 from .kernels.launch import gated_task, raise_flag
 from .plan import Plan, op_label

@@ -59,7 +59,7 @@ def by_name(name: str):
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     try:
-        return _resolve_process_group(name)
+        return _resolve_process_group(name)  # type: ignore[arg-type]  # a GroupName is a str
     except Exception as exc:  # noqa: BLE001 - torch raises several kinds here
         raise InvalidArgumentError(f"group name {name!r} names no process group: {exc}") from None
 

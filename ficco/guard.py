@@ -31,8 +31,14 @@ import torch.distributed as dist
 
 from . import agreement, config
 from .call import Call
-from .errors import (CommTimeoutError, FiccoError, InvalidArgumentError, MismatchError,
-                     PoisonedGroupError, TransportError)
+from .errors import (
+    CommTimeoutError,
+    FiccoError,
+    InvalidArgumentError,
+    MismatchError,
+    PoisonedGroupError,
+    TransportError,
+)
 
 _lock = threading.Lock()
 _locks: dict = {}          # group id -> the lock serialising its calls

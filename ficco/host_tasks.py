@@ -2,8 +2,9 @@
 partial products and the process-group collectives of ``ccl`` plans. On GPUs they enqueue torch
 kernels and NCCL/RCCL calls on the queue's stream (it is current while they run).
 
-Each ``*_task(views, group, args)`` takes the call's views by slot number and the slot
-arguments the compiler stored in the step, and returns the function to launch.
+Each ``*_task(views, buffers, args)`` takes the call's views by slot number, the call's
+:class:`~ficco.buffers.Buffers` (the collectives read its ``group``) and the slot arguments the
+compiler stored in the step, and returns the function to launch.
 """
 from __future__ import annotations
 
@@ -104,8 +105,8 @@ def _send_recv(send, send_to, recv, recv_from, group):
         recv.copy_(landing)
 
 
-# Each takes (views, group, slot arguments) and returns the host function to launch.
-def reduce_task(v, group, args):
+# Each takes (views, buffers, slot arguments) and returns the host function to launch.
+def reduce_task(v, buffers, args):
     dst, srcs, accumulate, scale = v[args[0]], [v[s] for s in args[1]], args[2], args[3]
     return local(lambda: _reduce(dst, srcs, accumulate, scale))
 
@@ -125,22 +126,22 @@ def _pick(v, slots):
     return [None if s is None else v[s] for s in slots]
 
 
-def all_to_all_task(v, group, args):
+def all_to_all_task(v, buffers, args):
     srcs, dsts, like = _pick(v, args[0]), _pick(v, args[1]), v[args[2]]
-    return lambda: _all_to_all(srcs, dsts, group, like)
+    return lambda: _all_to_all(srcs, dsts, buffers.group, like)
 
 
-def reduce_scatter_task(v, group, args):
+def reduce_scatter_task(v, buffers, args):
     srcs, dst, scale, like = _pick(v, args[0]), _pick(v, (args[1],))[0], args[2], v[args[3]]
-    return lambda: _reduce_scatter(srcs, dst, scale, group, like)
+    return lambda: _reduce_scatter(srcs, dst, scale, buffers.group, like)
 
 
-def all_gather_task(v, group, args):
+def all_gather_task(v, buffers, args):
     src, dsts = v[args[0]], [v[d] for d in args[1]]
-    return lambda: _all_gather(src, dsts, group)
+    return lambda: _all_gather(src, dsts, buffers.group)
 
 
-def gemm_task(v, group, args):
+def gemm_task(v, buffers, args):
     """A GEMM with fp8 scales, a bias or an activation (:func:`ficco.scaled.gemm_into`): slots
     of a, b, out, a's scale, b's scale and the bias (None: none), then accumulate and the
     activation."""
@@ -149,8 +150,8 @@ def gemm_task(v, group, args):
     return lambda: gemm_into(a, b, out, accumulate, a_scale, b_scale, bias, activation)
 
 
-def send_recv_task(v, group, args):
+def send_recv_task(v, buffers, args):
     send_slot, send_to, recv_slot, recv_from = args
     send = v[send_slot] if send_slot is not None else None
     recv = v[recv_slot] if recv_slot is not None else None
-    return lambda: _send_recv(send, send_to, recv, recv_from, group)
+    return lambda: _send_recv(send, send_to, recv, recv_from, buffers.group)

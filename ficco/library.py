@@ -24,7 +24,7 @@ chosen by ``FICCO_BACKWARD_GATHER`` (see :mod:`ficco.config`):
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -41,8 +41,10 @@ from .ops.matmul_reduce_scatter import check_arguments as check_matmul_reduce_sc
 from .ops.matmul_reduce_scatter import check_epilogue as check_reduce_scatter_epilogue
 from .scaled import activation_fn
 
+
 # -- layouts -----------------------------------------------------------------------------------
-def restored_layout(moved_shape: Sequence[int], dim: int, rows: int, cols: int):
+def restored_layout(moved_shape: Sequence[int], dim: int, rows: int,
+                    cols: int) -> tuple[list[int], list[int]]:
     """(shape, stride) of a canonical contiguous ``(rows * prod(moved_shape[1:-1]), cols)``
     matrix viewed as ``(rows, *moved_shape[1:-1], cols)`` with dim 0 moved to ``dim``: the
     layout both ops return (the fake kernels promise it; the real ones are held to it)."""
@@ -66,7 +68,7 @@ def _held_to(t: Tensor, shape, stride, inputs: Sequence[Tensor]) -> Tensor:
     """``t`` in exactly ``(shape, stride)`` and sharing no memory with ``inputs`` (custom ops
     must return fresh tensors); copies only when it is not already so."""
     ptr = t.untyped_storage().data_ptr()
-    fresh = all([ptr != x.untyped_storage().data_ptr() for x in inputs])
+    fresh = ptr not in {x.untyped_storage().data_ptr() for x in inputs}
     same_layout = list(t.shape) == list(shape) and (
         t.numel() == 0 or list(t.stride()) == list(stride))
     if fresh and same_layout:
@@ -115,10 +117,10 @@ _EPILOGUE_SCHEMA = ("Tensor? a_scale=None, Tensor[]? b_scales=None, Tensor?[]? b
            f"bool return_gathered, {_EPILOGUE_SCHEMA}, str? activation=None, "
            f"str role=\"{FORWARD}\") -> (Tensor, Tensor[])")
 def all_gather_matmul_op(a: Tensor, bs: list[Tensor], group: str, gather_dim: int,
-                         schedule: Optional[str], return_gathered: bool,
-                         a_scale: Optional[Tensor] = None, b_scales=None, biases=None,
-                         out_dtype: Optional[torch.dtype] = None,
-                         activation: Optional[str] = None,
+                         schedule: str | None, return_gathered: bool,
+                         a_scale: Tensor | None = None, b_scales=None, biases=None,
+                         out_dtype: torch.dtype | None = None,
+                         activation: str | None = None,
                          role: str = FORWARD) -> tuple[Tensor, list[Tensor]]:
     """``(all_gather(a, gather_dim) or an empty tensor, [gathered @ b for b in bs])``, with
     fp8 scales, output dtype, bias per b and an activation (:mod:`ficco.scaled`)."""
@@ -134,6 +136,7 @@ def all_gather_matmul_op(a: Tensor, bs: list[Tensor], group: str, gather_dim: in
     outs = [_held_to(o, *restored_layout(moved, gather_dim, rows, b.shape[1]), inputs)
             for o, b in zip(outs, bs)]
     if return_gathered:
+        assert gathered is not None   # the runtime returned (gathered, outs)
         gathered = _held_to(gathered, *restored_layout(moved, gather_dim, rows, a.shape[-1]),
                             [*inputs, *outs])
     else:
@@ -205,9 +208,9 @@ def _(a, bs, group, gather_dim, schedule, return_gathered, a_scale=None, b_scale
     schema="(Tensor a, Tensor[] bs, str group, int scatter_dim, str reduce_op, str? schedule, "
            f"{_EPILOGUE_SCHEMA}, str role=\"{FORWARD}\") -> Tensor[]")
 def matmul_reduce_scatter_op(a: Tensor, bs: list[Tensor], group: str, scatter_dim: int,
-                             reduce_op: str, schedule: Optional[str],
-                             a_scale: Optional[Tensor] = None, b_scales=None, biases=None,
-                             out_dtype: Optional[torch.dtype] = None,
+                             reduce_op: str, schedule: str | None,
+                             a_scale: Tensor | None = None, b_scales=None, biases=None,
+                             out_dtype: torch.dtype | None = None,
                              role: str = FORWARD) -> list[Tensor]:
     """``[reduce_scatter(a @ b, scatter_dim, reduce_op) (+ bias) for b in bs]``."""
     outs = _run_matmul_reduce_scatter(a, list(bs), by_name(group), scatter_dim, reduce_op,
@@ -252,7 +255,7 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
         return_gathered = check_flag(return_gathered, "return_gathered")   # or raise
     b_is_list = isinstance(b, (list, tuple))
     bs = list(b) if b_is_list else [b]
-    if type(a_shard) not in _PLAIN or any([type(x) not in _PLAIN for x in bs]):
+    if type(a_shard) not in _PLAIN or any([type(x) not in _PLAIN for x in bs]):  # noqa: C419
         # (plain tensors skip the DTensor checks: the hot path)
         a_shard, bs, group = _local_operands("all_gather_matmul", a_shard, bs, group,
                                              gather_dim)
@@ -268,12 +271,13 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
                                       bias=bias,
                                       **({"activation": activation} if activation else {}))
     name = name_of(group)
+    tensors = [a_shard, *bs, *_tensors(extra)]
     grads = torch.is_grad_enabled() and any(
-        [isinstance(x, Tensor) and x.requires_grad for x in [a_shard, *bs, *_tensors(extra)]])
-    if grads:   # before any communication
+        [isinstance(x, Tensor) and x.requires_grad for x in tensors])  # noqa: C419 - see _PLAIN
+    if grads and a_scale is not None:   # before any communication
         autograd.refuse_fp8_gradients(a_shard, bs, a_scale)
-    keep = return_gathered or (grads and any([x.requires_grad for x in bs])
-                               and _backward_gather() == "save")
+    wants_grad = any([x.requires_grad for x in bs])  # noqa: C419 - see _PLAIN
+    keep = return_gathered or (grads and wants_grad and _backward_gather() == "save")
     # The activation runs inside the op only without a gradient to carry: its backward needs
     # the pre-activation values, which the op does not keep (torch's keeps them, as unfused).
     inside = None if grads else activation
@@ -290,7 +294,7 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
     """``ficco.matmul_reduce_scatter`` through the ``ficco::matmul_reduce_scatter`` op."""
     b_is_list = isinstance(b, (list, tuple))
     bs = list(b) if b_is_list else [b]
-    if type(a) not in _PLAIN or any([type(x) not in _PLAIN for x in bs]):
+    if type(a) not in _PLAIN or any([type(x) not in _PLAIN for x in bs]):  # noqa: C419
         a, bs, group = _local_operands("matmul_reduce_scatter", a, bs, group, scatter_dim)
         b = bs if b_is_list else bs[0]
     dim = _plain_int(scatter_dim)
@@ -300,7 +304,7 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
         return _run_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, schedule,
                                           a_scale=a_scale, b_scale=b_scale,
                                           out_dtype=out_dtype, bias=bias)
-    if torch.is_grad_enabled():   # before any communication
+    if a_scale is not None and torch.is_grad_enabled():   # before any communication
         autograd.refuse_fp8_gradients(a, bs, a_scale)
     outs = torch.ops.ficco.matmul_reduce_scatter(a, bs, name_of(group), dim, reduce_op,
                                                  schedule, *extra)
@@ -346,6 +350,9 @@ def _tensors(extra) -> list:
     return [t for t in [a_scale, *(b_scales or ()), *(biases or ())] if t is not None]
 
 
+# The per-tensor checks here are list comprehensions inside any(): one Python call per warm
+# call where a generator makes one per tensor, and plain enough for torch.compile to trace
+# (map with operator.attrgetter is not).
 _PLAIN = (Tensor, torch.nn.Parameter)
 
 
@@ -364,11 +371,12 @@ def _plain_name(value) -> bool:
 def _eager_suffices(a, bs) -> bool:
     if torch.compiler.is_compiling():
         return False
-    if type(a) not in _PLAIN or any([type(x) not in _PLAIN for x in bs]):
+    if type(a) not in _PLAIN or any([type(x) not in _PLAIN for x in bs]):  # noqa: C419 - see _PLAIN
         # subclasses (FakeTensor, FunctionalTensor, ...) need the op; non-tensors get the
         # eager path's argument errors
         return not isinstance(a, Tensor) or not all(isinstance(x, Tensor) for x in bs)
-    if torch.is_grad_enabled() and (a.requires_grad or any([x.requires_grad for x in bs])):
+    wants_grad = any([x.requires_grad for x in bs])  # noqa: C419 - see _PLAIN
+    if torch.is_grad_enabled() and (a.requires_grad or wants_grad):
         return False
     if a.device.type == "meta":
         return False    # shapes only: the op's fake kernel, as torch's own ops on meta tensors

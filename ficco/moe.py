@@ -84,7 +84,7 @@ class ExpertParallelFFN(nn.Module):
                              f"{world} (every rank holds the same number of experts)")
         self.group, self.activation, self.schedule = group, activation, schedule
         self.num_experts, self.local_experts = num_experts, num_experts // world
-        shape = dict(device=device, dtype=dtype)
+        shape = {"device": device, "dtype": dtype}
         self.w1 = nn.Parameter(torch.empty(self.local_experts, hidden, ffn_hidden, **shape))
         self.w2 = nn.Parameter(torch.empty(self.local_experts, ffn_hidden, hidden, **shape))
         self.reset_parameters()

@@ -27,7 +27,7 @@ needs a random stream per rank: :class:`ficco.rng.ShardRNG`.
 from __future__ import annotations
 
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -52,7 +52,7 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.seq_dim = group, seq_dim
         self.fused = not isinstance(out_features, int)
         rank, world = rank_world(resolve(group))
-        sizes = list(out_features) if self.fused else [out_features]
+        sizes = [out_features] if isinstance(out_features, int) else list(out_features)
         self.in_features, self.out_features = in_features, tuple(sizes)
         self.weights = nn.ParameterList(
             nn.Parameter(torch.empty(even_split(n, world)[rank][1], in_features, device=device,
@@ -71,7 +71,7 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linears: nn.Linear | Sequence[nn.Linear], *, group=None,
-                    seq_dim: int | None = None) -> "ColumnParallelLinear":
+                    seq_dim: int | None = None) -> ColumnParallelLinear:
         """This rank's shard of ``linears`` (an ``nn.Linear`` or several with one input), in
         new parameters: a weight tied to another module's (an embedding's) stops being tied,
         so that case warns (see :func:`_warn_if_tied`)."""
@@ -137,7 +137,7 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, group=None,
-                    seq_dim: int | None = None) -> "RowParallelLinear":
+                    seq_dim: int | None = None) -> RowParallelLinear:
         """This rank's shard of ``linear``: its slice of input features, the whole bias (new
         parameters; a tied weight warns, as for ``ColumnParallelLinear.from_linear``)."""
         linear = _linear(linear, "linear")

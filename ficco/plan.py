@@ -31,7 +31,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Union
 
 from .errors import InvalidArgumentError
 from .problem import Problem
@@ -59,7 +58,7 @@ def buffer_shapes(problem: Problem) -> dict[tuple, tuple[int, int]]:
     ((12, 3), (3, 3))
     """
     p = problem
-    shapes = {("input",): (p.m, p.k)}
+    shapes: dict[tuple, tuple[int, int]] = {("input",): (p.m, p.k)}
     if p.scaling == "row":
         shapes[("input_scale",)] = (p.m, 1)
         if not p.reduces:
@@ -76,7 +75,7 @@ def buffer_shapes(problem: Problem) -> dict[tuple, tuple[int, int]]:
     return shapes
 
 
-def source_of(blk: "Block") -> tuple:
+def source_of(blk: Block) -> tuple:
     """The :func:`buffer_shapes` key of the buffer ``blk`` lies in (peer not included)."""
     if blk.buf in ("input", "gathered", "input_scale", "gathered_scale"):
         return (blk.buf,)
@@ -284,19 +283,19 @@ class GatedGemm:
 
 
 class HostOp:
-    """Base of plan ops whose work is one host task sized at launch from the call's context
-    (``Buffers.group``), for op families whose sizes are data: expert parallelism's routing
+    """Base of plan ops whose work is one host task sized at launch from the call's buffers
+    (``Buffers.expert``), for op families whose sizes are data: expert parallelism's routing
     counts change every call, so its plans name (expert, source, chunk) and one plan serves
     every routing (:mod:`ficco.expert`). Subclasses are frozen dataclasses with ``queue`` and
     ``step``, a ``kind`` (the simulator prices kind ``x`` with ``_price_x``) and a static
-    ``host_task(views, context, op) -> fn`` that the executor launches on the op's queue."""
+    ``host_task(views, buffers, op) -> fn`` that the executor launches on the op's queue."""
 
     queue: str
     step: int
 
 
-Op = Union[Copy, Gemm, Reduce, AllGather, AllToAll, ReduceScatter, SendRecv, Barrier, Record,
-           Wait, Signal, GatedGemm, HostOp]
+Op = (Copy | Gemm | Reduce | AllGather | AllToAll | ReduceScatter | SendRecv | Barrier | Record
+      | Wait | Signal | GatedGemm | HostOp)
 WORK_OPS = (Copy, Gemm, Reduce, AllGather, AllToAll, ReduceScatter, SendRecv, Barrier, Signal,
             GatedGemm, HostOp)
 
@@ -352,11 +351,14 @@ class Plan:
         pass): when it adds partial products into a bf16/fp16/fp8 output, or adds them at all
         while an epilogue (bias, activation) must follow the last one, and for the
         reduce-scatter's bias (added once, to the float32 sum)."""
-        p = self.problem
-        if p.reduces and p.bias:
-            return True
-        adds = any(getattr(op, "accumulate", False) for op in self.ops)
-        return adds and (p.out_itemsize <= 2 or p.bias or bool(p.activation))
+        wide = self.__dict__.get("_wide")   # asked every call: found once per plan
+        if wide is None:
+            p = self.problem
+            adds = any(getattr(op, "accumulate", False) for op in self.ops)
+            wide = (p.reduces and p.bias) or (
+                adds and (p.out_itemsize <= 2 or p.bias or bool(p.activation)))
+            object.__setattr__(self, "_wide", bool(wide))
+        return wide
 
 
 def scale_companion(op: Op) -> Op | None:

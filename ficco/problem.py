@@ -165,6 +165,11 @@ class Problem(DtypeFields):
     def n_total(self) -> int:
         return sum(self.ns)
 
+    @property
+    def output_elements(self) -> int:
+        """Elements of this rank's outputs (what a float32 output's rounding pass reads)."""
+        return (self.block_rows if self.reduces else self.big_m) * self.n_total
+
     def block(self, rank: int) -> tuple[int, int]:
         """(first row, rows) of ``rank``'s rows of the M-row matrix: its shard (all-gather) or
         the block it receives (reduce-scatter, whole ``unit`` s, longer blocks first)."""

@@ -55,7 +55,7 @@ class ShardRNG:
                       for d in self.devices}
         self._saved = None
 
-    def __enter__(self) -> ShardRNG:
+    def __enter__(self) -> ShardRNG:  # noqa: PYI034 - typing.Self needs Python 3.11
         if self._saved is not None:
             raise FiccoError("this ShardRNG is already entered; enter it once at a time")
         self._saved = {d: _get(d) for d in self.devices}

@@ -21,7 +21,8 @@ from collections import OrderedDict
 
 from . import agreement, config, guard, profiling, schedules
 from .backends import close_all
-from .call import Call, settings as read_settings
+from .call import Call
+from .call import settings as read_settings
 from .config import TRANSPORT_SETTINGS
 from .errors import ConfigError, InvalidArgumentError, MismatchError
 from .executor import execute as execute_plan
@@ -30,10 +31,10 @@ from .symm_mem import workspace
 from .symm_mem.barrier import call_flag
 
 _PLAN_LIMIT = 256                      # plans kept (LRU); each is a few KB
-_plans: "OrderedDict[tuple, object]" = OrderedDict()
+_plans: OrderedDict[tuple, object] = OrderedDict()
 _plans_lock = threading.Lock()
 _DECISION_LIMIT = 256                  # decisions kept (LRU)
-_decisions: "OrderedDict[tuple, object]" = OrderedDict()
+_decisions: OrderedDict[tuple, object] = OrderedDict()
 _decisions_lock = threading.Lock()
 #: The settings a Decision depends on (the transport setting enters through the candidate
 #: transports; timeout, log level and poisoning change how a call runs, not what it picks).
@@ -242,7 +243,7 @@ def plan_for(call_or_op, name: str, transport: str, problem):
             return plan
     plan = op.schedule(name).plan(problem, transport, engines)
     if config.log_level() == "debug":
-        counts = {}
+        counts: dict[str, int] = {}
         for item in plan.ops:
             counts[item.kind] = counts.get(item.kind, 0) + 1
         logging.getLogger("ficco").debug(
@@ -354,12 +355,12 @@ def explain(call: Call, schedule: str | None = None):
     def not_measured(name):
         raise _NotTunedYet(name)
 
-    kwargs = dict(transport=transports, target=call.target, forced=s["schedule"],
-                  forced_by=s["schedule_by"],
+    kwargs = {"transport": transports, "target": call.target, "forced": s["schedule"],
+                  "forced_by": s["schedule_by"],
                   # A tune cache *file* entry counts only once every rank confirmed it (the
                   # real call does that); trusting it here would also put it in this rank's
                   # memory alone and split the ranks at the next call.
-                  agree=lambda flag: False)
+                  "agree": lambda flag: False}
     # The widths every rank agreed on, once agreed (before: this rank's own).
     problem = call.problem if known is None else call.op.agreed_problem(call, known.per_rank)
     try:

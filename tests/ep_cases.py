@@ -184,7 +184,7 @@ def gradcheck_round_trip(rank, world, experts, plan, seed):
                     for e in range(q * experts, (q + 1) * experts)) for q in range(world))
     failures = []
     for schedule, transport in plan:
-        def f(x, w, w2):
+        def f(x, w, w2, schedule=schedule):
             y, recv = ficco.all_to_all_grouped_mm(_Mine.apply(x, rank, mine), counts[rank],
                                                   _Mine.apply(w, rank, experts),
                                                   schedule=schedule)
@@ -221,7 +221,7 @@ def bad_inputs(rank, world):
         "w 2-D": lambda: ficco.all_to_all_grouped_mm(x, good, torch.randn(4, 3)),
         "ragged experts": lambda: ficco.all_to_all_grouped_mm(
             x, good, [torch.randn(4, 3), torch.randn(4, 2)]),
-        "schedule": lambda: ficco.all_to_all_grouped_mm(x, good, w, schedule="ring"),
+        "schedule": lambda: ficco.all_to_all_grouped_mm(x, good, w, schedule="ring-bidir"),
         "recv_counts sum": lambda: ficco.grouped_mm_all_to_all(y, [[1] * world] * 2, w2_(world)),
         "recv_counts shape": lambda: ficco.grouped_mm_all_to_all(y, [5], w2_(world)),
         "combine dtype": lambda: ficco.grouped_mm_all_to_all(y.double(), recv, w2_(world)),
@@ -296,9 +296,11 @@ def explain_and_choose(rank, world, seed):
             sorted(d2.scores), first, runtime.last_run(), err)
 
 
-def moe_parity(rank, world, seed, experts_per_rank):
+def moe_parity(rank, world, seed, experts_per_rank, compiled=False):
     """examples/moe_block.py's check: the expert-parallel block trained with ficco against its
-    unsharded twin (losses of every step and the final weights)."""
+    unsharded twin (losses of every step and the final weights). ``compiled``: the layer under
+    ``torch.compile(fullgraph=True)`` (default backend); also returns the graph breaks and
+    graphs dynamo made."""
     import pathlib
     import sys
 
@@ -307,8 +309,18 @@ def moe_parity(rank, world, seed, experts_per_rank):
         sys.path.insert(0, examples)
     from moe_block import parity
 
-    loss_diff, weight_diff, _ = parity(rank, world, seed, experts_per_rank=experts_per_rank)
-    return loss_diff, weight_diff
+    if not compiled:
+        loss_diff, weight_diff, _ = parity(rank, world, seed, experts_per_rank=experts_per_rank)
+        return loss_diff, weight_diff
+    from torch._dynamo import reset
+    from torch._dynamo.utils import counters
+
+    reset()
+    counters.clear()
+    loss_diff, weight_diff, _ = parity(rank, world, seed, experts_per_rank=experts_per_rank,
+                                       compiled=True)
+    return (loss_diff, weight_diff, sum(counters["graph_break"].values()),
+            counters["stats"]["unique_graphs"])
 
 
 def disagree_on_cached_calls(rank, world, seed):
@@ -333,3 +345,43 @@ def disagree_on_cached_calls(rank, world, seed):
         out.append("mismatch" if "different" in str(exc) else str(exc))
     out.append(max_row_rel_err(call(8), y_ref))
     return out
+
+
+def compiled_graphs(rank, world, seed):
+    """The forward and backward graphs torch.compile makes of an expert-parallel FFN (dispatch,
+    activation, combine) on this rank, and the largest difference of its output and gradients
+    from eager. torch.compile caches both graphs under a key made from the forward graph alone
+    (the same on every rank), so they must not depend on the rank."""
+    from torch._dynamo import reset
+    from torch._dynamo.backends.common import aot_autograd
+
+    from ficco.moe import ExpertParallelFFN
+
+    graphs = []
+
+    def record(gm, _inputs):
+        graphs.append(gm.code)
+        return gm
+
+    torch.manual_seed(seed)               # the same weights everywhere
+    ffn = ExpertParallelFFN(16, 16, 2 * world)
+    # every rank its own routing of the same number of rows (a rank's graph is specialised
+    # to its shapes, as any graph is; the routing is data)
+    torch.manual_seed(seed + 1 + rank)
+    experts = torch.randint(0, 2 * world, (6,))
+    counts = torch.bincount(experts, minlength=2 * world)
+    rows = torch.randn(6, 16).requires_grad_()
+
+    def step(fn):
+        out = fn(rows, counts)
+        (out * torch.arange(out.numel()).view(out.shape).sin()).sum().backward()
+        grads = [rows.grad.clone(), ffn.w1.grad.clone(), ffn.w2.grad.clone()]
+        rows.grad = ffn.w1.grad = ffn.w2.grad = None
+        return [out.detach(), *grads]
+
+    reset()
+    compiled = step(torch.compile(ffn, fullgraph=True,
+                                  backend=aot_autograd(fw_compiler=record, bw_compiler=record)))
+    eager = step(ffn)
+    diff = max(float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(compiled, eager))
+    return graphs, diff

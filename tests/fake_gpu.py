@@ -146,7 +146,7 @@ class Device:
         self.default = FakeStream(self)
 
     # commands --------------------------------------------------------------------------------
-    def submit(self, stream: "FakeStream", fn) -> None:
+    def submit(self, stream: FakeStream, fn) -> None:
         graph = getattr(_tls, "capture", None)
         if graph is not None:
             graph.nodes.append((stream, fn, False))

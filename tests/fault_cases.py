@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from typing import ClassVar
 
 import torch
 
@@ -83,7 +84,7 @@ def _real() -> bool:
 
 
 class _RealDevice:
-    blocking: list = []       # a real device cannot tell which thread blocked
+    blocking: ClassVar[list] = []   # a real device cannot tell which thread blocked
 
 
 def _setup(vendor, hw_queues, env=None):
@@ -191,6 +192,17 @@ def two_groups(rank, world, tag, timeout_s):
     b_next = max_row_rel_err(b_next[1], refs[0]) if b_next[0] == "ok" else _outcome(b_next)
     a_next = "stalled" if stalled else _outcome(
         _bounded(lambda: _call(shards[rank], bs[0], "ring", timeout_s, group_a), 15))
+    # The groups go now, on every rank alike (their release runs collective steps), not
+    # whenever the garbage collector gets to them during a later test.
+    torch.cuda.synchronize()
+    dist.barrier()
+    ficco.shutdown()
+    for g in (group_a, group_b):
+        dist.destroy_process_group(g)
+    del group_a, group_b
+    import gc
+
+    gc.collect()
     return b_errors, b_next, a_next
 
 
@@ -200,9 +212,8 @@ def replay_after_shutdown(rank, world, seed):
     _setup("cuda", 8)
     shards, bs = _warm_up(rank, world, "uniform-fused-1d", shape=(8, 16), n=4)
     a, b = shards[rank].clone(), bs[0].clone()
-    with _capture() as graph:
-        with ficco.config.scope(transport="dma"):
-            out = ficco.all_gather_matmul(a, b, schedule="uniform-fused-1d")
+    with _capture() as graph, ficco.config.scope(transport="dma"):
+        out = ficco.all_gather_matmul(a, b, schedule="uniform-fused-1d")
     errors = []
     for i in range(2):
         if i == 1:
@@ -221,9 +232,9 @@ def late_peer(rank, world, tag, timeout_s):
     call 2 (other data, same shapes) right behind. When the late rank finally makes call 1, it
     must raise or return NaN, never a result built from the others' call-2 rows."""
     _setup("cuda", 8)
-    shards, bs = _warm_up(rank, world, "ring")
+    _shards, _bs = _warm_up(rank, world, "ring")
     x1, b1, _, refs1 = _inputs(300, world)
-    x2, b2, _, _ = _inputs(301, world)
+    x2, _b2, _, _ = _inputs(301, world)
     if rank == world - 1:
         _stall(tag, world, 30 + 8 * timeout_s)        # until the others drained both calls
         result = _bounded(lambda: _call(x1[rank], b1[0], "ring", timeout_s), 15)

@@ -101,7 +101,7 @@ def ag_grid(rank, world, cases, seed):
                                                            full.view(torch.uint8)):
             failures.append(f"{label}: gathered A differs")
         with oracle():
-            want_a, want = torch.distributed._symmetric_memory \
+            _want_a, want = torch.distributed._symmetric_memory \
                 ._fused_all_gather_scaled_matmul_fallback(
                     shards[rank], list(bs), scales[rank], list(b_scales), case["gather_dim"],
                     group_name, [bias, None], [None, None], [torch.bfloat16] * 2, [False] * 2)
@@ -310,18 +310,18 @@ def bad_scales(rank, world):
     b = torch.randn(32, 16).to(E4M3)
     one = torch.tensor(1.0)
     cases = {
-        "a_scale shape": dict(a_scale=torch.ones(3, 1), b_scale=one),
-        "a_scale dtype": dict(a_scale=torch.tensor(1.0, dtype=torch.float64), b_scale=one),
-        "a_scale device": dict(a_scale=torch.ones((), device="meta"), b_scale=one),
-        "b_scale shape": dict(a_scale=torch.ones(4, 1), b_scale=torch.ones(16, 1)),
-        "b_scale recipe": dict(a_scale=torch.ones(4, 1), b_scale=one),
-        "b_scale dtype": dict(a_scale=one, b_scale=one.bfloat16()),
-        "missing b_scale": dict(a_scale=one),
-        "bias shape": dict(a_scale=one, b_scale=one, bias=torch.ones(15)),
-        "bias device": dict(a_scale=one, b_scale=one, bias=torch.ones(16, device="meta")),
-        "out_dtype": dict(a_scale=one, b_scale=one, out_dtype=torch.int32),
-        "activation": dict(a_scale=one, b_scale=one, activation="tanh"),
-        "scales on bf16": dict(a_scale=one, b_scale=one, bf16=True),
+        "a_scale shape": {"a_scale": torch.ones(3, 1), "b_scale": one},
+        "a_scale dtype": {"a_scale": torch.tensor(1.0, dtype=torch.float64), "b_scale": one},
+        "a_scale device": {"a_scale": torch.ones((), device="meta"), "b_scale": one},
+        "b_scale shape": {"a_scale": torch.ones(4, 1), "b_scale": torch.ones(16, 1)},
+        "b_scale recipe": {"a_scale": torch.ones(4, 1), "b_scale": one},
+        "b_scale dtype": {"a_scale": one, "b_scale": one.bfloat16()},
+        "missing b_scale": {"a_scale": one},
+        "bias shape": {"a_scale": one, "b_scale": one, "bias": torch.ones(15)},
+        "bias device": {"a_scale": one, "b_scale": one, "bias": torch.ones(16, device="meta")},
+        "out_dtype": {"a_scale": one, "b_scale": one, "out_dtype": torch.int32},
+        "activation": {"a_scale": one, "b_scale": one, "activation": "tanh"},
+        "scales on bf16": {"a_scale": one, "b_scale": one, "bf16": True},
     }
     seen = []
     for label, kwargs in cases.items():

@@ -45,9 +45,24 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ficco.plan import (SCALE_OF, SYMMETRIC_BUFFERS, AllGather, AllToAll, Barrier, Block, Copy,
-                        Gemm, Plan, Record, Reduce, ReduceScatter, SendRecv, Wait, buffer_shapes,
-                        source_of)
+from ficco.plan import (
+    SCALE_OF,
+    SYMMETRIC_BUFFERS,
+    AllGather,
+    AllToAll,
+    Barrier,
+    Block,
+    Copy,
+    Gemm,
+    Plan,
+    Record,
+    Reduce,
+    ReduceScatter,
+    SendRecv,
+    Wait,
+    buffer_shapes,
+    source_of,
+)
 
 SCALES = tuple(SCALE_OF.values())
 
@@ -73,7 +88,7 @@ class _Buffer:
     reads: list = field(default_factory=list)
 
     @classmethod
-    def empty(cls, rows: int, cols: int) -> "_Buffer":
+    def empty(cls, rows: int, cols: int) -> _Buffer:
         cells = np.zeros((rows, cols, VALUE + 4), dtype=np.int64)
         cells[..., [A_ROW, A_COL, P_ROW, P_B, P_COL, WRITER]] = -1
         return cls(cells)
@@ -477,7 +492,7 @@ class _Checker:
                 self.fail(f"rank {r}: ops on queues {sorted(extra)} missing from Plan.queues")
         pos = [{q: 0 for q in qs} for qs in queues]
         last = [{q: None for q in qs} for qs in queues]
-        recorded = [dict() for _ in self.plans]
+        recorded = [{} for _ in self.plans]
 
         def head(r, q):
             i = pos[r][q]

@@ -42,7 +42,7 @@ def test_world_size_one_is_a_plain_matmul(schedule):
 
 def _selector_picks(rank, world, seed):
     """With no schedule forced, the selector's pick runs, agrees on every rank, and is right."""
-    shards, bs, full, refs = make_inputs(seed, world, (24, 32), (40,), torch.float32)
+    shards, bs, _full, refs = make_inputs(seed, world, (24, 32), (40,), torch.float32)
     decision = ficco.explain(shards[rank], bs[0])
     out = ficco.all_gather_matmul(shards[rank], bs[0])
     return decision.schedule, decision.transport, runtime.last_run(), max_row_rel_err(out, refs[0])
@@ -78,7 +78,7 @@ def _tune_with_uneven_caches(rank, world, seed, root):
 
     cache = os.path.join(root, f"rank{rank}")
     os.makedirs(cache, exist_ok=True)
-    shards, bs, full, refs = make_inputs(seed, world, (8, 16), (6,), torch.float32)
+    shards, bs, _full, refs = make_inputs(seed, world, (8, 16), (6,), torch.float32)
     with ficco.config.scope(cache_dir=cache, selector="tune"):
         if rank == 0:
             problem = ops.get("all_gather_matmul").prepare(shards[rank], bs[0]).problem
@@ -108,7 +108,7 @@ def _auto_transport(rank, world, seed):
 
     out = []
     for case, (m, k, n) in enumerate([(2, 8, 8), (96, 192, 160)]):
-        shards, bs, full, refs = make_inputs(seed + case, world, (m, k), (n,), torch.float32)
+        shards, bs, _full, refs = make_inputs(seed + case, world, (m, k), (n,), torch.float32)
         with ficco.config.scope(transport="auto", selector="model"):
             decision = ficco.explain(shards[rank], bs[0])
             result = ficco.all_gather_matmul(shards[rank], bs[0])

@@ -12,8 +12,8 @@ import torch
 
 from ficco.backends.base import Backend
 from ficco.backends.cuda import CudaBackend, CudaVendor
-from ficco.backends.vendor import Copy2D, copy_2d_args
 from ficco.backends.rocm import RocmBackend
+from ficco.backends.vendor import Copy2D, copy_2d_args
 from ficco.errors import BackendCallError, BackendUnavailableError, InvalidArgumentError
 from ficco.problem import Problem
 
@@ -218,7 +218,7 @@ def test_flag_barrier_is_one_batch_mem_op_with_the_protocols_fields():
     program = flag_program(handle, 1, flag)
     vendor.mem_ops(77, program, capturing=False)
     assert [name for name, _ in drv.calls] == ["cuStreamBatchMemOp"]
-    name, args = drv.calls[0]
+    _name, args = drv.calls[0]
     assert len(args) == len(signature_params(driver.cuStreamBatchMemOp))
     stream, count, params, flags = args
     assert (stream, count, flags) == (77, 12, 0) and len(params) == 12

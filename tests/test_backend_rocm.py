@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ficco.backends.vendor import Copy2D
 from ficco.backends.rocm import ALL_BITS, RocmBackend, RocmVendor, address_of, hip_python_mismatch
+from ficco.backends.vendor import Copy2D
 from ficco.errors import BackendCallError, BackendUnavailableError
 
 hip = pytest.importorskip("hip", reason="hip-python is not installed").hip
@@ -169,7 +169,7 @@ def test_signal_pads_come_from_uncached_device_memory():
 class _Rocm60Recorder(HipRecorder):
     """hip-python for ROCm 6.0: hipMemcpyKind without the NoCU kind."""
 
-    class hipMemcpyKind:   # noqa: N801 - mirrors hip-python's enum name
+    class hipMemcpyKind:
         hipMemcpyDeviceToDevice = hip.hipMemcpyKind.hipMemcpyDeviceToDevice
 
 
@@ -194,7 +194,6 @@ class _Handle:
 def _decode(address, count):
     """The hipStreamBatchMemOpParams array at ``address``, read back as HIP's C layout:
     (operation, address, 32-bit value, flags) per entry."""
-    import ctypes
 
     from ficco.backends.rocm import MemOpParams
 

@@ -37,7 +37,7 @@ def _bench(args: list[str], tmp_path: Path, block: tuple[str, ...] = (), env_ext
         env.pop(name, None)
     env.update(env_extra or {})
     return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, check=False)
 
 
 @pytest.mark.parametrize("verb", sorted(VERB_OPTIONS))
@@ -80,8 +80,8 @@ def test_missing_matplotlib_is_one_line_before_any_work(verb, args, flag, tmp_pa
                   block=("matplotlib",))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert lines == [f"error: ficco.bench {verb} draws its plots with matplotlib, which is not "
-                     f"installed: pip install 'ficco[bench]' (or pass {flag})"]
+    assert lines == [(f"error: ficco.bench {verb} draws its plots with matplotlib, which is not "
+                     f"installed: pip install 'ficco[bench]' (or pass {flag})")]
     assert not (tmp_path / "out").exists()
 
 
@@ -105,9 +105,11 @@ def test_multi_rank_verbs_without_torchrun_say_how_to_start(verb, tmp_path):
 
 
 def test_characterize_defaults_to_quick_sizes_on_cpu(tmp_path):
-    from ficco.bench import characterize
     import argparse
+
     import torch
+
+    from ficco.bench import characterize
 
     parser = argparse.ArgumentParser()
     characterize.add_arguments(parser)
@@ -123,7 +125,9 @@ def test_characterize_bar_weighs_points_by_their_work():
     """The bar's share of a point follows its estimated time: a Table I GEMM weighs more than
     a 4 KiB copy (the old bar counted both as one point, so its ETA was wrong by minutes)."""
     import argparse
+
     import torch
+
     from ficco.bench import characterize
     from ficco.heuristics import profiles
 
@@ -142,6 +146,7 @@ def test_characterize_bar_weighs_points_by_their_work():
 
 def test_sweep_refuses_a_scenario_too_big_for_memory(monkeypatch):
     import torch
+
     from ficco.bench import scenarios, sweep
     from ficco.errors import InvalidArgumentError
 
@@ -161,6 +166,7 @@ def test_sweep_refuses_a_scenario_too_big_for_memory(monkeypatch):
 
 def test_speedup_plot_keeps_a_readable_width(tmp_path):
     import struct
+
     from ficco.bench import plots, results
 
     recs = results.read_jsonl(REPO / "bench/results/sweep-cpu-20261122-191934/results.jsonl")

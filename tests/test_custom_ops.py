@@ -33,7 +33,7 @@ def _rs_reference(a_full_per_rank, bs, world, scatter_dim):
 # -- the defects of issue 12 ---------------------------------------------------------------------
 def _modes(rank, world, seed):
     """One W=2 forward in each mode a training/inference loop uses; returns errors by mode."""
-    shards, bs, full, refs = make_inputs(seed, world, (6, 8), (5,), torch.float32)
+    shards, bs, _full, refs = make_inputs(seed, world, (6, 8), (5,), torch.float32)
     a = shards[rank]
     w = bs[0].clone().requires_grad_(True)
     errs = {}

@@ -18,8 +18,8 @@ import torch
 from ficco import schedules
 from ficco.backends.cpu import CpuBackend
 from ficco.backends.vendor import Copy2D, copy_call_args
-from ficco.errors import InvalidArgumentError
 from ficco.buffers import Buffers
+from ficco.errors import InvalidArgumentError
 from ficco.executor import compile_plan, execute
 from ficco.plan import WORK_OPS
 from ficco.problem import Problem

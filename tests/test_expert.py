@@ -16,13 +16,30 @@ import torch
 import ficco
 from ficco import schedules
 from ficco.errors import InvalidArgumentError
-from ficco.expert.problem import (COMBINE, DISPATCH, ExpertProblem, Layout, bucket,
-                                  representative, summary)
+from ficco.expert.problem import (
+    COMBINE,
+    DISPATCH,
+    ExpertProblem,
+    Layout,
+    bucket,
+    representative,
+    summary,
+)
 from ficco.plan import Barrier
 
 from . import harness
-from .ep_cases import (DTYPES, EP_OPS, bad_counts_on_one_rank, bad_inputs, disagree, ep_matrix,
-                       explain_and_choose, gradcheck_round_trip, make_case, send_counts_skip)
+from .ep_cases import (
+    DTYPES,
+    EP_OPS,
+    bad_counts_on_one_rank,
+    bad_inputs,
+    disagree,
+    ep_matrix,
+    explain_and_choose,
+    gradcheck_round_trip,
+    make_case,
+    send_counts_skip,
+)
 from .reference import ROW_TOL, max_row_rel_err
 
 NAMES = schedules.names(op=DISPATCH)
@@ -31,8 +48,9 @@ NAMES = schedules.names(op=DISPATCH)
 # -- the registry, problems and plans ---------------------------------------------------------------
 def test_names_per_op():
     assert NAMES == schedules.names(op=COMBINE) == [
-        "serial", "uniform-fused-1d", "uniform-unfused-1d", "hetero-fused-1d",
-        "hetero-unfused-1d"]
+        "serial", "ring", "uniform-fused-1d", "uniform-unfused-1d", "hetero-fused-1d",
+        "hetero-unfused-1d", "uniform-fused-2d", "uniform-unfused-2d", "hetero-fused-2d",
+        "hetero-unfused-2d"]
     with pytest.raises(InvalidArgumentError, match="op='all_to_all_grouped_mm'"):
         schedules.get("serial", op=DISPATCH).plan(ExpertProblem(4, 4, 1, "float32", 2,
                                                                 op=COMBINE))
@@ -92,8 +110,8 @@ def test_every_rank_meets_the_same_barriers(op, transport):
 
 def test_hetero_dispatch_starts_with_its_own_block_and_combine_ends_with_it():
     p = ExpertProblem(8, 4, 2, "float32", 4, 2)
-    first = [o for o in schedules.get("hetero-fused-1d", op=DISPATCH).plan(p, "dma").ops
-             if o.kind == "expert_gemm"][0]
+    first = next(o for o in schedules.get("hetero-fused-1d", op=DISPATCH).plan(p, "dma").ops
+                 if o.kind == "expert_gemm")
     assert first.sources == (2,) and first.chunk is None
     q = ExpertProblem(8, 4, 2, "float32", 4, 2, op=COMBINE)
     last = [o for o in schedules.get("hetero-fused-1d", op=COMBINE).plan(q, "dma").ops
@@ -101,10 +119,50 @@ def test_hetero_dispatch_starts_with_its_own_block_and_combine_ends_with_it():
     assert last.sources == (2,) and last.chunk is None
 
 
+@pytest.mark.parametrize("op", EP_OPS)
+def test_2d_plans_cut_the_moved_columns(op):
+    """2d chunks are column chunks of what crosses the links (dispatch K, combine n); a chunk
+    with no columns is dropped on every rank; dispatch adds every chunk after the first into
+    y, float32 for bf16 (combine's chunks are whole-K products: nothing to add)."""
+    for name in ("uniform-fused-2d", "hetero-unfused-2d"):
+        for transport in ("dma", "ccl"):
+            # K = 3 (dispatch) or n = 3 (combine) over W = 4: chunk 3 has no columns
+            problem = {"k": 3, "n": 5} if op == DISPATCH else {"k": 5, "n": 3}
+            plans = [schedules.get(name, op=op).plan(
+                ExpertProblem(**problem, experts=2, dtype="bfloat16", world=4, rank=r, op=op),
+                transport) for r in range(4)]
+            for pl in plans:
+                moving = [o for o in pl.ops if o.kind in ("expert_copy", "expert_all_to_all")]
+                assert {o.chunk for o in moving} == {0, 1, 2} and all(o.two_d for o in moving)
+                gemms = [o for o in pl.ops if o.kind == "expert_gemm" and o.chunk is not None]
+                assert all(o.two_d for o in gemms)
+                assert [o.accumulate for o in gemms] == [
+                    op == DISPATCH and o.chunk != 0 for o in gemms]
+                assert pl.wide_outputs() == (op == DISPATCH)
+            assert len({tuple(o.channel for o in pl.ops if isinstance(o, Barrier))
+                        for pl in plans}) == 1
+    fp32 = ExpertProblem(8, 4, 2, "float32", 4, 1, op=op)
+    assert not schedules.get("uniform-fused-2d", op=op).plan(fp32, "dma").wide_outputs()
+
+
+@pytest.mark.parametrize("op", EP_OPS)
+def test_ring_moves_one_peer_per_step_on_one_queue(op):
+    p = ExpertProblem(8, 4, 2, "float32", 4, 1, op=op)
+    dma = schedules.get("ring", op=op).plan(p, "dma")
+    pulls = [o for o in dma.ops if o.kind == "expert_copy"]
+    assert [o.peer for o in pulls] == [2, 3, 0] and {o.queue for o in pulls} == {"copy0"}
+    gemms = [o.sources for o in dma.ops if o.kind == "expert_gemm"]
+    # dispatch: own block first, then each peer's as it lands; combine: the blocks bound for
+    # r - i at step i (pulled back by that rank), the own block last
+    assert gemms == ([(1,), (2,), (3,), (0,)] if op == DISPATCH else [(0,), (3,), (2,), (1,)])
+    ccl = schedules.get("ring", op=op).plan(p, "ccl")
+    assert [o.shift for o in ccl.ops if o.kind == "expert_all_to_all"] == [1, 2, 3]
+
+
 # -- end to end ---------------------------------------------------------------------------------------
 def _grid():
     """Every (schedule, transport) at each W in 2-4, L cycling 1-3 along the list so each W sees
-    every L: 30 pool calls, each covering two routings x both dtypes x dispatch and combine."""
+    every L: 60 pool calls, each covering two routings x both dtypes x dispatch and combine."""
     combos = [(s, t) for s in NAMES for t in ("dma", "ccl")]
     return [(w, 1 + (i + w) % 3, s, t) for w in (2, 3, 4) for i, (s, t) in enumerate(combos)]
 
@@ -118,12 +176,26 @@ def test_schedule_matches_reference(world, experts, schedule, transport):
 
 def test_grouped_mm_and_gemm_loop_paths_agree_with_reference():
     """K, n whose rows are not 16-byte multiples take the loop of GEMMs; the default shapes
-    take torch._grouped_mm (on CPU for float32/bfloat16): both right, dma and ccl."""
+    take torch._grouped_mm (on CPU for float32/bfloat16): both right, dma and ccl. 2d: K or n
+    narrower than W (chunks with no columns), and column chunks of the weights that
+    torch._grouped_mm takes (K=72: 24-row chunks of w) or not (n2=40: 14-column chunks of w2,
+    56 bytes: a loop of GEMMs)."""
     seed = random.randrange(1 << 30)
-    for transport, schedule in (("dma", "uniform-fused-1d"), ("ccl", "hetero-unfused-1d")):
-        failures = harness.pool(3).run(ep_matrix, 2, schedule, transport, seed, 1,
-                                       ((6, 5, 3), (16, 8, 8)))
+    for transport, schedule in (("dma", "uniform-fused-1d"), ("ccl", "hetero-unfused-1d"),
+                                ("dma", "uniform-fused-2d"), ("ccl", "hetero-fused-2d")):
+        shapes = ((6, 5, 3), (16, 8, 8)) if schedule.endswith("1d") else \
+            ((2, 5, 2), (72, 40, 40))
+        failures = harness.pool(3).run(ep_matrix, 2, schedule, transport, seed, 1, shapes)
         assert failures == [[]] * 3, f"seed {seed}: {failures}"
+
+
+def test_grouped_mm_takes_aligned_chunks_of_the_stacked_weights():
+    from ficco.expert.tasks import _grouped_view_runs
+
+    stacked = torch.randn(2, 72, 40)
+    assert _grouped_view_runs(stacked) and _grouped_view_runs(stacked[:, 24:48])
+    assert not _grouped_view_runs(stacked[:, :, 14:27])
+    assert _grouped_view_runs(stacked[:, :, 16:32])
 
 
 def test_float16_and_float64_too():
@@ -220,7 +292,11 @@ def test_table_i_expert_gemms_are_priced_as_all_to_all():
     """validate's g13-g16 rows: the dispatch moves 1/W of the all-gather reading's bytes (uniform
     routing: every rank keeps its own 1/W), its GEMM has the same FLOPs, and every dispatch
     schedule is priced."""
-    from ficco.bench.validate_expert import EXPERT_GEMMS, expert_rows, table_i_expert_problem
+    from ficco.bench.validate_expert import (
+        EXPERT_GEMMS,
+        expert_rows,
+        table_i_expert_problem,
+    )
     from ficco.heuristics.scenarios import table_i_problem
 
     for name in EXPERT_GEMMS:

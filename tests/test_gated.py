@@ -288,5 +288,5 @@ def test_without_triton_ficco_imports_and_gated_schedules_say_why():
         "assert 'triton' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
         "print('ok')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, check=False)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

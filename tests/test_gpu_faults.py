@@ -4,9 +4,9 @@
 stream memory operations over host memory, IPC memory in /dev/shm."""
 from __future__ import annotations
 
-import pytest
-
 import random
+
+import pytest
 
 from . import fault_cases as cases
 from . import harness

@@ -39,8 +39,7 @@ def test_every_profile_states_its_host_cost_per_op_measured_or_labelled_estimate
     raw = json.loads((profiles.PROFILE_DIR / f"{name}.json").read_text())
     assert raw["host_op_s"] > 0
     source = raw["sources"]["host_op_s"]
-    assert source.startswith("measured: `python -m ficco.bench characterize --parts enqueue") \
-        or source.startswith("ESTIMATE"), source
+    assert source.startswith(("measured: `python -m ficco.bench characterize --parts enqueue", "ESTIMATE")), source
     assert ("characterize --parts enqueue" in source), source
 
 

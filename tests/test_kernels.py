@@ -16,10 +16,10 @@ import torch
 
 pytest.importorskip("triton", reason="Triton is an optional extra (pip install 'ficco[triton]')")
 
-from ficco.errors import CommTimeoutError  # noqa: E402
-from ficco.kernels.gated_gemm import Segment, check_error, gated_gemm  # noqa: E402
+from ficco.errors import CommTimeoutError
+from ficco.kernels.gated_gemm import Segment, check_error, gated_gemm
 
-from .reference import ROW_TOL, max_row_rel_err  # noqa: E402
+from .reference import ROW_TOL, max_row_rel_err
 
 
 def _reference(a, b):
@@ -143,7 +143,7 @@ def test_interpreted_kernel_waits_for_a_flag_raised_by_another_process():
     written after the launch (NaN before), so the wait is real."""
     seed = random.randrange(1 << 30)
     gen = torch.Generator().manual_seed(seed)
-    world, rank, m, k, n = 2, 0, 3, 8, 5
+    world, _rank, m, k, n = 2, 0, 3, 8, 5
     a = torch.randn(world * m, k, generator=gen)
     b = torch.randn(k, n, generator=gen)
     path = f"/dev/shm/ficco-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"

@@ -16,8 +16,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def sdist(tmp_path_factory) -> tarfile.TarFile:
-    from setuptools import build_meta
     import os
+
+    from setuptools import build_meta
 
     out = tmp_path_factory.mktemp("sdist")
     cwd = os.getcwd()

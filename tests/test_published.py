@@ -80,7 +80,7 @@ def test_an_installed_wheel_validates_from_anywhere(tmp_path):
                            cwd=elsewhere, env=env, capture_output=True, text=True, check=True)
     assert where.stdout.startswith(str(site)), where.stdout
     run = subprocess.run([sys.executable, "-m", "ficco.bench", "validate"], cwd=elsewhere,
-                         env=env, capture_output=True, text=True, timeout=300)
+                         env=env, capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "point checks, both ops" in run.stdout and "agreement" in run.stdout
     assert "bench/results is not in this install" in run.stdout

@@ -18,8 +18,8 @@ from ficco.schedules.reduce_scatter import Ficco, Ring
 
 from . import harness
 from .plan_checks import PlanCheckError, check_plans
-from .rs_cases import DTYPES, SHAPES, make_inputs, run_matrix
 from .reference import ROW_TOL, max_row_rel_err
+from .rs_cases import DTYPES, SHAPES, make_inputs, run_matrix
 
 OP = "matmul_reduce_scatter"
 NAMES = schedules.names(op=OP)

@@ -4,6 +4,7 @@ queue semantics. Never a fitted number: those are held against published results
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 
@@ -12,7 +13,18 @@ from ficco.bench import validate
 from ficco.errors import InvalidArgumentError
 from ficco.heuristics import gemm, model, profiles, simulator
 from ficco.heuristics.scenarios import PAPER_TABLE_I, gemm_problem, table_i_problem
-from ficco.plan import COMPUTE, AllGather, Barrier, Block, Copy, Gemm, Plan, PlanBuilder, Record, Wait
+from ficco.plan import (
+    COMPUTE,
+    AllGather,
+    Barrier,
+    Block,
+    Copy,
+    Gemm,
+    Plan,
+    PlanBuilder,
+    Record,
+    Wait,
+)
 from ficco.problem import Problem
 
 MI300X = profiles.load("mi300x")
@@ -204,7 +216,7 @@ def test_queue_order_and_events_are_respected():
         for row in result.rows:
             by_queue.setdefault(row["queue"], []).append(row)
         for rows in by_queue.values():
-            for before, after in zip(rows, rows[1:]):
+            for before, after in itertools.pairwise(rows):
                 assert after["start_s"] >= before["end_s"] - 1e-15
         assert result.makespan_s == pytest.approx(max(r["end_s"] for r in result.rows))
         gemm_start = min(r["start_s"] for r in result.rows if r["kind"] == "gemm")
@@ -445,3 +457,53 @@ def test_a_gather_kernel_takes_more_compute_units_than_a_collective():
         prof = dataclasses.replace(MI300X, cil={**MI300X.cil, "cu_mem_unit_fraction": share})
         times.append(simulator.simulate(plan, prof).makespan_s)
     assert times == sorted(times) and times[0] < times[-1], times
+
+
+# -- issue 25 item 4: one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) ---------------------------
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
+def test_one_hardware_queue_dispatches_in_issue_order_and_serialises_barriers_and_copies(op):
+    """With every stream on one hardware queue ops start in the host's issue order, nothing
+    issued after a barrier starts before it ended, DMA copies run one at a time. (A schedule
+    may still come out faster: copies one at a time slow the GEMM beside them less.)"""
+    from dataclasses import replace as changed
+
+    from ficco import schedules
+
+    prof = profiles.load("h100")
+    one = changed(prof, hardware_queues=1)
+    p = Problem(m=2048, k=8192, ns=(2048,), dtype="bfloat16", world=8, op=op)
+    names = [n for n in schedules.names(op=op) if not n.startswith("gated")]
+
+    def total(profile):
+        return sum(simulator.simulate(schedules.get(n, op=op).plan(p, "dma"), profile).makespan_s
+                   for n in names)
+    slower = 0
+    for name in names:
+        plan = schedules.get(name, op=op).plan(p, "dma")
+        base = simulator.simulate(plan, prof)
+        result = simulator.simulate(plan, one)
+        slower += result.makespan_s > base.makespan_s * 1.01
+        rows = sorted(result.rows, key=lambda r: r["op_index"])
+        starts = [r["start_s"] for r in rows]
+        assert starts == sorted(starts), name                      # issue order
+        for r in rows:
+            if r["kind"] == "barrier":
+                later = [x for x in rows if x["op_index"] > r["op_index"]]
+                assert all(x["start_s"] >= r["end_s"] - 1e-12 for x in later), name
+        copies = [r for r in rows if r["kind"].startswith("copy") and r["queue"] != "compute"]
+        for a in copies:     # never two copies flowing at once
+            overlap = [b for b in copies if b is not a and b["start_s"] < a["end_s"] - 1e-9
+                       and a["start_s"] < b["end_s"] - 1e-9]
+            assert not overlap or all(b["end_s"] - b["start_s"] < 1e-12 for b in overlap), name
+    assert slower >= 1      # not a no-op (the reduce-scatter's plans are host-issue bound here)
+    assert total(one) > total(prof)
+
+
+def test_the_profile_follows_cuda_device_max_connections(monkeypatch):
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    assert profiles.resolve("cuda:sm_90").hardware_queues == 1
+    assert profiles.resolve("rocm:gfx942").hardware_queues is None
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    monkeypatch.setenv("GPU_MAX_HW_QUEUES", "1")
+    assert profiles.resolve("rocm:gfx942").hardware_queues == 1
+    assert profiles.resolve("cuda:sm_90").hardware_queues is None

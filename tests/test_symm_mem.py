@@ -327,7 +327,7 @@ def _host_pads(rank, world, seed):
 
     vendor = _HostVendor()
     pads = HostPads(vendor, dist.group.WORLD, rank, world)
-    slot = lambda owner, ch, writer: pads.device[owner] + 4 * (ch * world + writer)  # noqa: E731
+    slot = lambda owner, ch, writer: pads.device[owner] + 4 * (ch * world + writer)
     for peer in range(world):
         pads.write(slot(peer, 3, rank), seed + rank)
     dist.barrier()
@@ -383,7 +383,7 @@ def _expire_on_host_pads(memory: dict, flag: int):
 
     from ficco.backends.gpu_rescue import Rescue
     from ficco.backends.gpu_watchdog import PendingBarrier, Watchdog
-    from ficco.symm_mem.barrier import Deadline, SignalOp, WAIT
+    from ficco.symm_mem.barrier import WAIT, Deadline, SignalOp
     from ficco.symm_mem.fault import GroupFault
 
     fault = GroupFault(0, np.zeros(1, np.int32), None, 0,
@@ -443,7 +443,7 @@ def test_watchdog_peeks_find_a_foreign_flag_before_the_deadline():
     """The watchdog's peek (not the deadline) expires a flag-mode barrier whose slot holds
     another call's flag, and only once a peek is due."""
     from ficco.backends.gpu_watchdog import PendingBarrier, Watchdog
-    from ficco.symm_mem.barrier import Deadline, SignalOp, WAIT
+    from ficco.symm_mem.barrier import WAIT, Deadline, SignalOp
 
     flag = random.randrange(2, 1 << 30)
     memory = {0x100: flag, 0x104: 0}

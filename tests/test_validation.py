@@ -61,9 +61,8 @@ def test_env_is_read_when_used_and_scope_overrides(monkeypatch):
     with ficco.config.scope(timeout=2):
         assert ficco.config.timeout_s() == 2
     assert ficco.config.timeout_s() == 7.5
-    with pytest.raises(ConfigError, match="unknown ficco setting"):
-        with ficco.config.scope(tiemout=2):
-            pass
+    with pytest.raises(ConfigError, match="unknown ficco setting"), ficco.config.scope(tiemout=2):
+        pass
 
 
 def test_cpu_tensors_with_a_forced_gpu_backend_fail_clearly(monkeypatch):

@@ -96,5 +96,11 @@ def close_all() -> None:
         _active.clear()
 
 
-__all__ = ["Backend", "get_backend", "backend_class", "close_all", "gpu_reasons",
-           "unavailable_note"]
+__all__ = [
+    "Backend",
+    "backend_class",
+    "close_all",
+    "get_backend",
+    "gpu_reasons",
+    "unavailable_note",
+]

@@ -11,7 +11,8 @@ plan :class:`~ficco.plan.Block` s to tensors, the backend only moves and multipl
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 

@@ -14,7 +14,7 @@ Queues are torch streams::
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

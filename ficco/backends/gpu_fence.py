@@ -35,7 +35,7 @@ MAX_PROGRAMS = 1024
 BLOCK = 1024
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernel(device_kind: str):
     """The fence kernel: compiled for GPUs, interpreted on CPU (tests); None without Triton."""
     try:

@@ -16,7 +16,7 @@ return, and a watchdog thread that blocks leaves every other barrier without a d
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

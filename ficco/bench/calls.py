@@ -61,7 +61,8 @@ def count(stats: pstats.Stats, calls: int) -> dict:
     ficco_calls = all_calls = 0
     serial = {"json": 0, "pickle": 0}
     top = []
-    for func, (_cc, nc, _tt, _ct, _callers) in stats.stats.items():
+    raw = stats.stats  # type: ignore[attr-defined]  # the documented table; typeshed lacks it
+    for func, (_cc, nc, _tt, _ct, _callers) in raw.items():
         all_calls += nc
         kind = _serialisation(func)
         if kind:

@@ -32,10 +32,10 @@ import torch
 
 from ..errors import InvalidArgumentError
 from . import results
-from .fit import fit_profile
 from .cli import progress_bar, require_plots, run_dir
-from .timing import Timer, _cover, backend_for_characterize
+from .fit import fit_profile
 from .scenarios import Scenario, paper
+from .timing import Timer, _cover, backend_for_characterize
 
 EXAMPLES = """\
   python -m ficco.bench characterize                 # sizes that fit the device (CPU: quick)
@@ -167,12 +167,12 @@ def measure_dil(timer: Timer, st: Settings, dtype: torch.dtype, device, progress
             for ways in DIL_WAYS:
                 sharded_s = timer.alone(timer.compute, build(backend, a, b, out, ways),
                                         st.warmup, st.repeat)
-                out_records.append(dict(
-                    schema=results.CHARACTERIZE_SCHEMA, kind="dil", gemm=g.name, M=g.big_m,
-                    N=g.n, K=g.k, split=split, ways=ways, whole_s=whole_s, sharded_s=sharded_s,
-                    dil=sharded_s / whole_s, flops_per_s=2 * g.big_m * g.n * g.k / whole_s))
+                out_records.append({
+                    "schema": results.CHARACTERIZE_SCHEMA, "kind": "dil", "gemm": g.name, "M": g.big_m,
+                    "N": g.n, "K": g.k, "split": split, "ways": ways, "whole_s": whole_s, "sharded_s": sharded_s,
+                    "dil": sharded_s / whole_s, "flops_per_s": 2 * g.big_m * g.n * g.k / whole_s})
         progress.dil(g)
-        del a, b, out
+        a = b = out = None   # freed before the next GEMM's operands are made
     return out_records
 
 
@@ -180,8 +180,8 @@ def _copy_pair(nbytes: int, width: int | None, device, to_host: bool = False):
     """(dst, src) byte views: contiguous for 1D; for 2D, ``width``-byte rows of a block 8x as
     wide (a column chunk of an 8-way split), so each row is strided. ``to_host``: the
     destination is pinned host memory, so a GPU moves it with a copy engine for sure."""
-    where = dict(device="cpu", pin_memory=True) if to_host and device.type != "cpu" \
-        else dict(device=device)
+    where = {"device": "cpu", "pin_memory": True} if to_host and device.type != "cpu" \
+        else {"device": device}
     if width is None:
         return (torch.empty(nbytes, dtype=torch.uint8, **where),
                 torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device))
@@ -261,9 +261,9 @@ def measure_copies(timer: Timer, st: Settings, device, progress) -> list[dict]:
             dst, src = _copy_pair(nbytes, width, device, st.copy_to_host)
             move = _mover(backend, st, two_d=width is not None)
             seconds = timer.alone(q, lambda qq: move(dst, src, qq), st.warmup, st.repeat)
-            recs.append(dict(schema=results.CHARACTERIZE_SCHEMA, kind="copy", shape=shape,
-                             bytes=dst.numel(), width_bytes=width or nbytes, time_s=seconds,
-                             bytes_per_s=dst.numel() / seconds))
+            recs.append({"schema": results.CHARACTERIZE_SCHEMA, "kind": "copy", "shape": shape,
+                             "bytes": dst.numel(), "width_bytes": width or nbytes, "time_s": seconds,
+                             "bytes_per_s": dst.numel() / seconds})
             progress.copy(nbytes)
     best = max(r["bytes_per_s"] for r in recs if r["shape"] == "1d")
     for r in recs:
@@ -274,10 +274,10 @@ def measure_copies(timer: Timer, st: Settings, device, progress) -> list[dict]:
     for width in st.widths_2d:
         dst, src = _copy_pair(st.width_probe_bytes, width, device, st.copy_to_host)
         seconds = timer.alone(q, lambda qq: two_d(dst, src, qq), st.warmup, st.repeat)
-        recs.append(dict(schema=results.CHARACTERIZE_SCHEMA, kind="copy_width", shape="2d",
-                         bytes=dst.numel(), width_bytes=width, time_s=seconds,
-                         bytes_per_s=dst.numel() / seconds,
-                         ratio_to_1d=(dst.numel() / seconds) / (flat_dst.numel() / flat_s)))
+        recs.append({"schema": results.CHARACTERIZE_SCHEMA, "kind": "copy_width", "shape": "2d",
+                         "bytes": dst.numel(), "width_bytes": width, "time_s": seconds,
+                         "bytes_per_s": dst.numel() / seconds,
+                         "ratio_to_1d": (dst.numel() / seconds) / (flat_dst.numel() / flat_s)})
         progress.copy(st.width_probe_bytes)
     return recs
 
@@ -286,28 +286,28 @@ def measure_cil(timer: Timer, st: Settings, dtype: torch.dtype, device, progress
     backend = timer.backend
     noise_dst, noise_src = _copy_pair(st.noise_copy_bytes, None, device, st.copy_to_host)
     move = _mover(backend, st, two_d=False)
-    noise_copy = lambda q: move(noise_dst, noise_src, q)  # noqa: E731
+    noise_copy = lambda q: move(noise_dst, noise_src, q)
     copy_s = timer.alone(timer.copies[0], noise_copy, st.warmup, st.repeat)
     recs = []
     for g in st.gemms:
         piece = Scenario(g.name, max(1, g.big_m // 8), g.n, g.k)
         a, b, out = _operands(piece, dtype, device)
-        gemm = lambda q: backend.gemm(a, b, out, False, q)  # noqa: E731
+        gemm = lambda q: backend.gemm(a, b, out, False, q)
         mt = (piece.big_m * piece.k + piece.k * piece.n + piece.big_m * piece.n) * a.element_size()
         gemm_alone = timer.alone(timer.compute, gemm, st.warmup, st.repeat)
         gemm_beside = timer.beside(timer.compute, gemm, timer.copies, noise_copy,
                                    _cover(gemm_alone, copy_s), st.repeat)
         copy_beside = timer.beside(timer.copies[0], noise_copy, [timer.compute], gemm,
                                    _cover(copy_s, gemm_alone), st.repeat)
-        common = dict(schema=results.CHARACTERIZE_SCHEMA, kind="cil", gemm=g.name,
-                      M=piece.big_m, N=piece.n, K=piece.k, mt_bytes=mt,
-                      copy_bytes=st.noise_copy_bytes, copy_queues=len(timer.copies))
+        common = {"schema": results.CHARACTERIZE_SCHEMA, "kind": "cil", "gemm": g.name,
+                      "M": piece.big_m, "N": piece.n, "K": piece.k, "mt_bytes": mt,
+                      "copy_bytes": st.noise_copy_bytes, "copy_queues": len(timer.copies)}
         recs.append(dict(common, victim="gemm", alone_s=gemm_alone, beside_s=gemm_beside,
                          cil=gemm_beside / gemm_alone))
         recs.append(dict(common, victim="copy", alone_s=copy_s, beside_s=copy_beside,
                          cil=copy_beside / copy_s))
         progress.cil(g)
-        del a, b, out
+        a = b = out = None   # freed before the next GEMM's operands are made
     return recs
 
 
@@ -419,10 +419,10 @@ def summary(recs: list[dict], profile) -> str:
     """A few lines for the terminal: geomean DIL per variant, CIL, copy numbers."""
     from .plots import geomean
 
-    lines = [f"profile {profile.name}: gemm_efficiency {profile.dil['gemm_efficiency']}, "
+    lines = [(f"profile {profile.name}: gemm_efficiency {profile.dil['gemm_efficiency']}, "
              f"copy_latency_s {profile.copy_latency_s:.2e}, "
              f"copy_2d_half_row_bytes {profile.copy_2d_half_row_bytes:.0f}, "
-             f"cil dma_gemm {profile.cil['dma_gemm']} dma_copy {profile.cil['dma_copy']}"]
+             f"cil dma_gemm {profile.cil['dma_gemm']} dma_copy {profile.cil['dma_copy']}")]
     kinds = {r["kind"] for r in recs}
     for split in ("row", "col") if "dil" in kinds else ():
         for ways in DIL_WAYS:

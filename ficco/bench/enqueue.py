@@ -115,10 +115,10 @@ def measure_cpu_enqueue(quick: bool, names: list[str] | None = None, progress=No
                     execute(plan, backend, buffers, timeout_s=60.0)
                     if i >= 3:
                         times.append(backend.handed_over_at - start)
-                recs.append(dict(schema=results.CHARACTERIZE_SCHEMA, kind="enqueue",
-                                 op=problem.op, schedule=name, world=WORLD,
-                                 shape=[problem.big_m, n, k], ops=len(plan.ops),
-                                 enqueue_s=statistics.median(times)))
+                recs.append({"schema": results.CHARACTERIZE_SCHEMA, "kind": "enqueue",
+                                 "op": problem.op, "schedule": name, "world": WORLD,
+                                 "shape": [problem.big_m, n, k], "ops": len(plan.ops),
+                                 "enqueue_s": statistics.median(times)})
                 if progress is not None:
                     progress.update(1)
     finally:

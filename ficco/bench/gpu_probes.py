@@ -66,8 +66,8 @@ def measure_copy_paths(backend, quick: bool, progress=None) -> list[dict]:
         for name, (queue, fn) in paths.items():
             nbytes = m * k * src.element_size()
             seconds = _time_s(backend, queue, fn, inner=max(1, min(100, 2 ** 26 // nbytes)))
-            rec = dict(schema=results.CHARACTERIZE_SCHEMA, kind="copy_path", path=name,
-                       bytes=nbytes, time_s=seconds, bytes_per_s=nbytes / seconds)
+            rec = {"schema": results.CHARACTERIZE_SCHEMA, "kind": "copy_path", "path": name,
+                       "bytes": nbytes, "time_s": seconds, "bytes_per_s": nbytes / seconds}
             if mib == 4 or (quick and mib == 1):
                 backend.synchronize()
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -79,7 +79,7 @@ def measure_copy_paths(backend, quick: bool, progress=None) -> list[dict]:
             recs.append(rec)
         if progress is not None:
             progress.update(1)
-        del src, dst
+        src = dst = None   # freed before the next size is made
     return recs
 
 
@@ -139,10 +139,10 @@ def measure_enqueue(backend, quick: bool, progress=None) -> list[dict]:
                 backend.synchronize()
                 enqueue.append(t1 - t0)
                 wall.append(time.perf_counter() - t0)
-            rec = dict(schema=results.CHARACTERIZE_SCHEMA, kind="enqueue", schedule=name,
-                       world=world, shape=[world * m, n, k], ops=len(plan.ops),
-                       plan_build_s=build_s, enqueue_s=statistics.median(enqueue),
-                       call_wall_s=statistics.median(wall))
+            rec = {"schema": results.CHARACTERIZE_SCHEMA, "kind": "enqueue", "schedule": name,
+                       "world": world, "shape": [world * m, n, k], "ops": len(plan.ops),
+                       "plan_build_s": build_s, "enqueue_s": statistics.median(enqueue),
+                       "call_wall_s": statistics.median(wall)}
             rec.update(_graph_replay(call, handle, world, m, k, b, out))
             recs.append(rec)
             if progress is not None:

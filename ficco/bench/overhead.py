@@ -33,6 +33,7 @@ import sys
 import time
 import types
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -163,7 +164,7 @@ class StubHandle:
     def __init__(self, rank: int, world: int, numel: int):
         self.rank, self.world, self.nbytes = rank, world, numel * 2
         self._data = [torch.empty(numel, dtype=DTYPE) for _ in range(world)]
-        self._programs = {}
+        self._programs: dict = {}
 
     def slot(self, owner, channel, writer):
         return 0x1000 * owner + 4 * (channel * self.world + writer)   # an address, as on GPUs
@@ -203,7 +204,7 @@ def load_executor(rev: str):
     module.__package__ = "ficco"
     module.__file__ = f"{rev}:ficco/executor.py"
     sys.modules[module.__name__] = module   # dataclasses look their module up
-    exec(compile(source, module.__file__, "exec"), module.__dict__)
+    exec(compile(source, module.__file__, "exec"), module.__dict__)  # noqa: S102 - our own git history
     return module
 
 
@@ -247,12 +248,12 @@ def null_rows(op: str, calls: int, before) -> list[str]:
         handle = StubHandle(p.rank, WORLD, workspace_numel(p))
         a = torch.empty(p.m, p.k, dtype=DTYPE)
         bs = [torch.empty(p.k, n, dtype=DTYPE) for n in p.ns]
-        runs = {"now": (current_executor, NullBackend())}
+        runs: dict[str, tuple[Any, Any]] = {"now": (current_executor, NullBackend())}
         if before is not None:
             runs["before"] = (before, OldContract(NullBackend()))
         made = {k: make_call(ex, plan, be, handle, a, bs, "cpu")[0]
                 for k, (ex, be) in runs.items()}
-        times = {k: [] for k in runs}
+        times: dict[str, list[float]] = {k: [] for k in runs}
         for _ in range(5):
             for call in made.values():
                 call()

@@ -134,8 +134,8 @@ def paper_picks(profile_name: str = "mi300x", as_paper_ran: bool = True) -> list
         else:
             times = {s: model.predict(s, problem, prof) for s in PAPER_FOUR}
         best = min(times, key=times.get)
-        out.append(dict(gemm=name, paper=pick, model=best, agree=pick == best,
-                        margin=times[pick] / times[best] - 1))
+        out.append({"gemm": name, "paper": pick, "model": best, "agree": pick == best,
+                        "margin": times[pick] / times[best] - 1})
     return out
 
 

@@ -91,7 +91,7 @@ def timing_summary(times_s: list[float]) -> dict:
 
 def _run_quietly(cmd: list[str]) -> str:
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=False)
         return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout else ""
     except (OSError, subprocess.SubprocessError, IndexError):
         return ""
@@ -121,7 +121,7 @@ def environment(world: int, backend_target: str = "", device=None) -> dict:
         device_name = f"{device_name} ({os.cpu_count()} cpus)"
     try:
         topology = config.topology() or "auto"
-    except Exception as exc:  # a bad FICCO_TOPOLOGY must not lose a whole sweep's results
+    except Exception as exc:  # noqa: BLE001 - a bad FICCO_TOPOLOGY must not lose a sweep
         topology = f"invalid ({exc})"
     return {"env_device": device_name, "env_driver": driver, "env_backend": backend_target,
             "env_torch": torch.__version__, "env_ficco": ficco_version(), "env_world": world,
@@ -139,7 +139,7 @@ def ficco_version() -> str:
         from importlib.metadata import version as dist_version
 
         return dist_version("ficco")
-    except Exception:
+    except Exception:  # noqa: BLE001 - not installed as a distribution (a source tree)
         return "unknown"
 
 

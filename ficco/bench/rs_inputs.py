@@ -87,6 +87,7 @@ def traced_run(sc, args, world: int, rank: int, dtype: str, device):
     """``timeline --op matmul-reduce-scatter``: warm up, run one traced call; returns
     (plan, this rank's measured rows, max |error| over checked rows of its block)."""
     import ficco
+
     from .. import api, config
 
     p = problem(sc, world, rank, dtype)

@@ -22,9 +22,9 @@ from ..problem import Problem
 
 # Public model configurations: hidden size, attention heads, KV heads, head dim, MLP width.
 LLAMA_MODELS = {
-    "8B": dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, mlp=14336),
-    "70B": dict(hidden=8192, heads=64, kv_heads=8, head_dim=128, mlp=28672),
-    "405B": dict(hidden=16384, heads=128, kv_heads=8, head_dim=128, mlp=53248),
+    "8B": {"hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128, "mlp": 14336},
+    "70B": {"hidden": 8192, "heads": 64, "kv_heads": 8, "head_dim": 128, "mlp": 28672},
+    "405B": {"hidden": 16384, "heads": 128, "kv_heads": 8, "head_dim": 128, "mlp": 53248},
 }
 
 SETS = ("paper", "llama")

@@ -13,7 +13,6 @@ pick). No GPU needed::
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import time
 from pathlib import Path
@@ -233,10 +232,10 @@ def table(report: dict) -> str:
         + " ".join(f"{short_name(s):>7}" for s in names) \
         + f"  {'paper':<18} {'fastest':<18} {'selector (transport)':<26} {'gain':>5} " \
           f"{'band':>5} {'cost':>5}"
-    lines = [f"{report.get('op', 'all_gather_matmul')}: "
+    lines = [(f"{report.get('op', 'all_gather_matmul')}: "
              f"profile {report['profile']} ({report['topology']}), W={report['world']}, "
              f"{report['dtype']}, transport {report['transport']}; simulated speedup over "
-             f"serial", head, "-" * len(head)]
+             f"serial"), head, "-" * len(head)]
     for sc in report["scenarios"]:
         sel = sc["selector"]
         lines.append(
@@ -249,8 +248,8 @@ def table(report: dict) -> str:
     costs = [sc for sc in report["scenarios"] if sc.get("selector_by_host_op_us")]
     if costs:
         values = list(costs[0]["selector_by_host_op_us"])
-        lines += ["", "selector's pick (transport, simulated gain over the best serial) by host "
-                      "time per plan op, us:",
+        lines += ["", ("selector's pick (transport, simulated gain over the best serial) by host "
+                      "time per plan op, us:"),
                   f"{'scenario':<10} " + " ".join(f"{v + ' us':<30}" for v in values)]
         for sc in costs:
             cells = [f"{p['schedule']} ({p['transport']}) {p['gain']:+.0%}"
@@ -265,8 +264,8 @@ def markdown(report: dict) -> str:
     only above the band), the band and what it costs; then the picks by host time per op."""
     op = report.get("op", "all_gather_matmul")
     names = report.get("schedules") or schedules.names(op=op)
-    lines = [f"simulated on {report['profile']} ({report['topology']}), W={report['world']}, "
-             f"{report['dtype']}; speedups over serial over {report['transport']}", "",
+    lines = [(f"simulated on {report['profile']} ({report['topology']}), W={report['world']}, "
+             f"{report['dtype']}; speedups over serial over {report['transport']}"), "",
              "| GEMM (M, N, K) | serial ms | " + " | ".join(names) + " |",
              "|---|---:|" + "---:|" * len(names)]
     for sc in report["scenarios"]:
@@ -275,8 +274,8 @@ def markdown(report: dict) -> str:
                      f"{sc['times_s']['serial'] * 1e3:.3f} | "
                      + " | ".join((f"**{sc['speedup'][n]:.2f}**" if n == best
                                    else f"{sc['speedup'][n]:.2f}") for n in names) + " |")
-    lines += ["", "| GEMM (M, N, K) | serial ms | ideal | paper | fastest | selector | gain "
-                  "| band | cost |", "|---|---:|---:|---|---|---|---:|---:|---:|"]
+    lines += ["", ("| GEMM (M, N, K) | serial ms | ideal | paper | fastest | selector | gain "
+                  "| band | cost |"), "|---|---:|---:|---|---|---|---:|---:|---:|"]
     for sc in report["scenarios"]:
         sel, serial_s = sc["selector"], sc["times_s"]["serial"]
 
@@ -295,8 +294,8 @@ def markdown(report: dict) -> str:
     costs = [sc for sc in report["scenarios"] if sc.get("selector_by_host_op_us")]
     if costs:
         values = list(costs[0]["selector_by_host_op_us"])
-        lines += ["", f"{op}: the selector's pick (simulated gain over the best serial) by host "
-                      f"time per plan op", "",
+        lines += ["", (f"{op}: the selector's pick (simulated gain over the best serial) by host "
+                      f"time per plan op"), "",
                   "| GEMM | " + " | ".join(f"{v} us" for v in values) + " |",
                   "|---|" + "---|" * len(values)]
         for sc in costs:

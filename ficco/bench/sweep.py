@@ -21,8 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InvalidArgumentError
-from . import rs_inputs
-from . import results, scenarios
+from . import results, rs_inputs, scenarios
 
 # max |C - ref| / max |ref| above which a schedule's result counts as wrong
 RELATIVE_TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "float16": 1e-2, "bfloat16": 2e-2}
@@ -200,6 +199,7 @@ def _ficco_call(op: str, a, b, name: str, transport: str):
     """The ficco call timed for (schedule ``name``, ``transport``): ``op`` is the Problem's op,
     the name of the public function."""
     import ficco
+
     from .. import config
 
     fn = getattr(ficco, op)
@@ -237,7 +237,7 @@ def _picks(problem, target: str) -> dict[str, str]:
         try:
             picks[sel] = heuristics.choose(problem, transport="dma", target=target,
                                            selector=sel).schedule
-        except Exception:  # noqa: BLE001 - a selector that cannot decide just has no pick
+        except Exception:  # noqa: BLE001, S112 - a selector that cannot decide has no pick
             continue
     return picks
 
@@ -279,13 +279,13 @@ def run_scenario(sc, entries, args, dtype: str, device, rank: int, world: int, e
     comm_times = time_calls(comm_fn, args.warmup, args.repeat, device)
     gemm_s = results.timing_summary(gemm_times)["median_s"]
     comm_s = results.timing_summary(comm_times)["median_s"]
-    base = dict(schema=results.SWEEP_SCHEMA, scenario=sc.name, source=sc.source,
-                op=problem.op,
-                big_m=problem.big_m, n=n, n_layer=sc.n, k=sc.k, m=problem.m, dtype=dtype,
-                world=world,
-                warmup=args.warmup, repeat=args.repeat, gemm_s=gemm_s, comm_s=comm_s,
-                gemm_comm_ratio=gemm_s / comm_s if comm_s else None,
-                ideal_speedup=(gemm_s + comm_s) / max(gemm_s, comm_s), env=env)
+    base = {"schema": results.SWEEP_SCHEMA, "scenario": sc.name, "source": sc.source,
+                "op": problem.op,
+                "big_m": problem.big_m, "n": n, "n_layer": sc.n, "k": sc.k, "m": problem.m, "dtype": dtype,
+                "world": world,
+                "warmup": args.warmup, "repeat": args.repeat, "gemm_s": gemm_s, "comm_s": comm_s,
+                "gemm_comm_ratio": gemm_s / comm_s if comm_s else None,
+                "ideal_speedup": (gemm_s + comm_s) / max(gemm_s, comm_s), "env": env}
     records = []
     for name, transport, kind in entries:
         rec = dict(base, schedule=name, transport=transport, kind=kind, status="ok", reason="",
@@ -384,6 +384,7 @@ def start_run(dtype_arg: str | None):
 
 def main(args) -> int:
     import ficco
+
     from .. import config
     from .cli import progress_bar, require_plots, require_torchrun, run_dir
 

@@ -24,8 +24,7 @@ import torch.distributed as dist
 
 from ..errors import InvalidArgumentError
 from ..kernels.launch import TileTrace
-from . import rs_inputs
-from . import results, scenarios
+from . import results, rs_inputs, scenarios
 from .cli import require_plots, require_torchrun, run_dir
 from .sweep import agree_on_failure, all_gather_rows, check_memory, start_run, synchronize
 
@@ -134,6 +133,7 @@ def chunk_summary(plan, rows: list[dict]) -> list[dict]:
 
 def main(args) -> int:
     import ficco
+
     from .. import api
 
     require_plots("timeline", not args.no_plots, "--no-plots")

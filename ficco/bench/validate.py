@@ -29,10 +29,16 @@ import statistics
 from pathlib import Path
 
 from ..heuristics import bands, gemm, profiles
-from .paper_runs import (GRAPHS, PAPER_FOUR, as_paper_implemented, fig7_orderings,  # noqa: F401
-                         load_profile, paper_picks)
-from .predictors import PREDICTORS, fit_fig8_cil, row_class
 from . import validate_expert
+from .paper_runs import (  # noqa: F401
+    GRAPHS,
+    PAPER_FOUR,
+    as_paper_implemented,
+    fig7_orderings,
+    load_profile,
+    paper_picks,
+)
+from .predictors import PREDICTORS, fit_fig8_cil, row_class
 
 EXAMPLES = """examples:
   python -m ficco.bench validate                  # picks, published rows, fit data

@@ -13,7 +13,7 @@ Runs are priced launched from graphs (``mi300x:graphs``, as for the other Table 
 What the paper measured for these four is a figure (Fig. 12b) without numbers in its text;
 what its text states is that its rule picked the fastest of its four schedules on every
 Table I GEMM (§VI-C). So beside each simulated all-to-all speedup this prints the paper rule's
-pick (its measured fastest) and the model's pick among the FiCCO 1d points ficco runs for
+pick (its measured fastest) and the model's pick among the same four FiCCO points run as
 all-to-all, and the speedup the all-gather reading predicts (ficco's own all-gather plans, as
 ``validate`` priced these four before). All speedups here are simulated.
 
@@ -32,8 +32,8 @@ from ..heuristics.paper import paper_choice
 from ..heuristics.scenarios import PAPER_TABLE_I, table_i_problem
 
 EXPERT_GEMMS = ("g13", "g14", "g15", "g16")
-#: the paper's three 1d points (its fourth, uniform-fused-2d, has no all-to-all form here)
-PAPER_1D = ("uniform-fused-1d", "hetero-fused-1d", "hetero-unfused-1d")
+#: the paper's four schedules (its rule picks among them, §VI-C)
+PAPER_POINTS = ("uniform-fused-1d", "hetero-fused-1d", "hetero-unfused-1d", "uniform-fused-2d")
 
 
 def table_i_expert_problem(name: str, world: int = 8, experts: int = 1,
@@ -52,7 +52,7 @@ def table_i_expert_problem(name: str, world: int = 8, experts: int = 1,
 
 def expert_rows(profile_name: str = "mi300x") -> list[dict]:
     """Per g13-g16: simulated seconds of every dispatch schedule over dma and ccl, the paper
-    rule's pick, the model's pick among :data:`PAPER_1D`, and the all-gather reading's
+    rule's pick, the model's pick among :data:`PAPER_POINTS`, and the all-gather reading's
     best speedup."""
     # launched from graphs: no host time per op (validate.load_profile's ":graphs")
     prof = dataclasses.replace(profiles.load(profile_name), host_op_s=0.0)
@@ -63,13 +63,13 @@ def expert_rows(profile_name: str = "mi300x") -> list[dict]:
                  for s in schedules.names(op=DISPATCH) for t in ("dma", "ccl")}
         serial = times["serial", "ccl"]
         gathered = table_i_problem(name)
-        ag = {s: model.predict(s, gathered, prof) for s in ("serial", *PAPER_1D)}
+        ag = {s: model.predict(s, gathered, prof) for s in ("serial", *PAPER_POINTS)}
         pick = paper_choice(gathered, prof)[0]
-        best_1d = min(PAPER_1D, key=lambda s: times[s, "dma"])
-        out.append({"gemm": name, "paper_pick": pick, "model_pick": best_1d,
-                    "agree": pick == best_1d,
+        best = min(PAPER_POINTS, key=lambda s: times[s, "dma"])
+        out.append({"gemm": name, "paper_pick": pick, "model_pick": best,
+                    "agree": pick == best,
                     "speedup": {f"{s}/{t}": serial / v for (s, t), v in times.items()},
-                    "all_gather_best": ag["serial"] / min(ag[s] for s in PAPER_1D),
+                    "all_gather_best": ag["serial"] / min(ag[s] for s in PAPER_POINTS),
                     "comm_share": _comm_share(problem, prof)})
     return out
 
@@ -86,14 +86,17 @@ def report(profile_name: str = "mi300x") -> None:
     rows = expert_rows(profile_name)
     print("Table I g13-g16 as expert parallelism (all-to-all + grouped GEMM), MI300X, W=8, "
           "uniform routing; speedups over serial over ccl, simulated")
-    print(f"  {'gemm':5}{'a2a share':>10} {'serial/dma':>11} {'best 1d/dma':>12} "
-          f"{'best 1d/ccl':>12} {'all-gather reading':>19}  picks (paper / model)")
+    print(f"  {'gemm':5}{'a2a share':>10} {'serial/dma':>11} {'ring/dma':>9} {'best 1d/dma':>12} "
+          f"{'best 2d/dma':>12} {'best FiCCO/ccl':>15} {'all-gather reading':>19}  "
+          f"picks (paper / model)")
     for r in rows:
         sp = r["speedup"]
-        dma = max(sp[f"{s}/dma"] for s in PAPER_1D)
-        ccl = max(sp[f"{s}/ccl"] for s in PAPER_1D)
+        best = {d: max(v for key, v in sp.items() if key.endswith(f"-{d}/dma"))
+                for d in ("1d", "2d")}
+        ccl = max(v for key, v in sp.items() if key.endswith("d/ccl"))
         mark = "=" if r["agree"] else "x"
         print(f"  {r['gemm']:5}{r['comm_share']:>10.1%} {sp['serial/dma']:>10.2f}x "
-              f"{dma:>11.2f}x {ccl:>11.2f}x {r['all_gather_best']:>18.2f}x  "
+              f"{sp['ring/dma']:>8.2f}x {best['1d']:>11.2f}x {best['2d']:>11.2f}x "
+              f"{ccl:>14.2f}x {r['all_gather_best']:>18.2f}x  "
               f"{r['paper_pick']} / {r['model_pick']} {mark}")
     print(f"picks agree {sum(r['agree'] for r in rows)}/{len(rows)}\n")

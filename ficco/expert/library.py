@@ -13,10 +13,14 @@ The backward of each is the other, overlapped too:
 Each forward returns its agreed routing (the W x E matrix) and each backward hands it to the
 other op, so the backward exchanges no counts. Row counts are data, so the fake kernels give
 the outputs a data-dependent number of rows.
+
+A backward reads nothing of the process but its saved tensors (combine's forward returns this
+rank's row of the routing for its backward's dispatch): torch.compile caches a compiled
+forward and backward under a key made from the forward graph alone, which is the same on
+every rank, so a rank number read while tracing a backward would be baked into a graph every
+rank may load.
 """
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -39,7 +43,7 @@ def _counts_tensor(counts) -> Tensor:
 # -- the ops ------------------------------------------------------------------------------------
 @torch.library.custom_op("ficco::all_to_all_grouped_mm", mutates_args=())
 def dispatch_op(x: Tensor, counts: Tensor, ws: list[Tensor], group: str,
-                schedule: Optional[str], routing: Optional[Tensor], return_received: bool
+                schedule: str | None, routing: Tensor | None, return_received: bool
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(y, recv_counts, received or an empty tensor, routing)``."""
     call = DISPATCH_SPEC.prepare(x, counts, ws, groups.by_name(group), routing=routing,
@@ -65,12 +69,14 @@ def _(x, counts, ws, group, schedule, routing, return_received):
 
 @torch.library.custom_op("ficco::grouped_mm_all_to_all", mutates_args=())
 def combine_op(h: Tensor, recv_counts: Tensor, ws: list[Tensor], group: str,
-               schedule: Optional[str], routing: Optional[Tensor],
-               send_counts: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """``(z, routing)``."""
+               schedule: str | None, routing: Tensor | None,
+               send_counts: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(z, routing, this rank's row of the routing)``: the counts of z's rows, what the
+    backward's dispatch takes."""
     call = COMBINE_SPEC.prepare(h, recv_counts, ws, groups.by_name(group), routing=routing,
                                 send_counts=send_counts)
-    return runtime.run(call, schedule)
+    z, agreed = runtime.run(call, schedule)
+    return z, agreed, agreed[call.rank].clone()
 
 
 @combine_op.register_fake
@@ -78,7 +84,8 @@ def _(h, recv_counts, ws, group, schedule, routing, send_counts):
     _, world = groups.rank_world_of(group)
     rows = torch.library.get_ctx().new_dynamic_size()
     return (h.new_empty(rows, ws[0].shape[1]),
-            torch.empty(world, world * len(ws), dtype=torch.int64, device="cpu"))
+            torch.empty(world, world * len(ws), dtype=torch.int64, device="cpu"),
+            torch.empty(world * len(ws), dtype=torch.int64, device="cpu"))
 
 
 # -- autograd -----------------------------------------------------------------------------------
@@ -121,24 +128,23 @@ def _dispatch_backward(ctx, grad_y, _grad_counts, _grad_received, _grad_routing)
 
 def _combine_setup(ctx, inputs, output):
     h, recv_counts, ws, group, _schedule, _routing, _send = inputs
-    _z, routing = output
+    _z, routing, counts = output
     ctx.set_materialize_grads(False)
     ctx.group, ctx.h_needs = group, h.requires_grad
     ctx.w_needs = [w.requires_grad for w in ws]
-    ctx.save_for_backward(recv_counts, routing, h if any(ctx.w_needs) else None,
+    ctx.save_for_backward(recv_counts, routing, counts, h if any(ctx.w_needs) else None,
                           *(ws if ctx.h_needs else ()))
 
 
-def _combine_backward(ctx, grad_z, _grad_routing):
-    recv_counts, routing, h, *ws = ctx.saved_tensors
+def _combine_backward(ctx, grad_z, _grad_routing, _grad_counts):
+    recv_counts, routing, counts, h, *ws = ctx.saved_tensors
     if grad_z is None:
         return None, None, [None] * len(ctx.w_needs), None, None, None, None
-    rank, _ = groups.rank_world_of(ctx.group)
     # Without grad_h only the moved rows are needed: multiply them by one column of zeros.
     w_t = [w.t() for w in ws] if ctx.h_needs else \
         [grad_z.new_zeros(grad_z.shape[1], 1) for _ in ctx.w_needs]
     grad_h, _, routed, _ = torch.ops.ficco.all_to_all_grouped_mm(
-        grad_z, routing[rank], w_t, ctx.group, None, routing, any(ctx.w_needs))
+        grad_z, counts, w_t, ctx.group, None, routing, any(ctx.w_needs))
     grad_ws = _grad_weights(h, routed, recv_counts, ctx.w_needs) \
         if any(ctx.w_needs) else [None] * len(ctx.w_needs)
     return grad_h if ctx.h_needs else None, None, grad_ws, None, None, None, None

@@ -3,8 +3,9 @@ launch from the call's routing (:mod:`ficco.expert.tasks`), so a plan never depe
 counts. Each is a :class:`~ficco.plan.HostOp`; the simulator prices them from the problem's
 counts (:mod:`ficco.heuristics.all_to_all_pricing`).
 
-``chunk`` is the FiCCO chunk index: chunk c of every block is ``even_split(rows, W)[c]``;
-``None`` is the whole block.
+``chunk`` is the FiCCO chunk index: chunk c of every block is ``even_split(rows, W)[c]`` of
+its rows (1d) or, with ``two_d``, of the columns that cross the links (dispatch: K, combine:
+n; :func:`~ficco.expert.problem.piece_of`); ``None`` is the whole block.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class Pull(HostOp):
     peer: int
     chunk: int | None
     step: int = 0
+    two_d: bool = False
     kind = "expert_copy"
     host_task = staticmethod(tasks.move_task)
 
@@ -41,22 +43,29 @@ class Pull(HostOp):
 @dataclass(frozen=True)
 class GroupedGemm(HostOp):
     """One grouped GEMM over ``chunk`` of blocks ``(l, s)`` for every local expert l and every
-    s in ``sources``: block rows times ``w[l]``."""
+    s in ``sources``: block rows times ``w[l]``. 2d dispatch: K columns ``chunk`` times those
+    rows of ``w[l]``, added into the output with ``accumulate`` (every chunk after the first);
+    2d combine: output columns ``chunk``."""
 
     queue: str
     sources: tuple[int, ...]
     chunk: int | None
     step: int = 0
+    two_d: bool = False
+    accumulate: bool = False
     kind = "expert_gemm"
     host_task = staticmethod(tasks.gemm_task)
 
 
 @dataclass(frozen=True)
 class Exchange(HostOp):
-    """``ccl``: ``chunk`` of every block to and from every peer in one all-to-all."""
+    """``ccl``: ``chunk`` of every block to and from every peer in one all-to-all; with
+    ``shift`` (ring) only to rank r - shift and from rank r + shift."""
 
     queue: str
     chunk: int | None
     step: int = 0
+    two_d: bool = False
+    shift: int | None = None
     kind = "expert_all_to_all"
     host_task = staticmethod(tasks.exchange_task)

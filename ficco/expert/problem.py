@@ -50,6 +50,19 @@ def chunk_of(rows: int, world: int, chunk: int | None) -> tuple[int, int]:
     return even_split(rows, world)[chunk]
 
 
+def piece_of(rows: int, cols: int, world: int, chunk: int | None,
+             two_d: bool) -> tuple[int, int, int, int]:
+    """(first row, rows, first column, columns) of chunk ``chunk`` of a ``rows x cols`` block:
+    a row chunk (1d) or a column chunk (2d), the other extent whole.
+
+    >>> piece_of(10, 8, 4, 1, False), piece_of(10, 8, 4, 1, True)
+    ((3, 3, 0, 8), (0, 10, 2, 2))
+    """
+    if two_d:
+        return (0, rows, *chunk_of(cols, world, chunk))
+    return (*chunk_of(rows, world, chunk), 0, cols)
+
+
 @dataclass(frozen=True)
 class Layout:
     """The agreed routing of one call: ``counts`` is the W x E matrix (rank s's row gives how
@@ -166,7 +179,7 @@ def representative(world: int, experts: int, mean_rows: int, ratio: float):
     """A W x E matrix with ``summary`` ``(mean_rows, ratio)``: every entry ``mean_rows``, and
     global expert 0 (rank 0's first) ``ratio`` times that from every source: the slow rank a
     skewed router makes."""
-    hot = int(round(mean_rows * ratio))
+    hot = round(mean_rows * ratio)
     return tuple(tuple(hot if e == 0 else mean_rows for e in range(world * experts))
                  for _ in range(world))
 
@@ -238,6 +251,18 @@ class ExpertProblem(DtypeFields):
     def n_total(self) -> int:
         """Columns each row is multiplied into (one expert per row)."""
         return self.n
+
+    @property
+    def output_elements(self) -> int:
+        """Elements of y (R, n) or z (T, n): one output for all experts."""
+        return self.big_m * self.n if self.op == DISPATCH else \
+            self.layout.send_rows(self.rank) * self.n
+
+    @property
+    def moved_cols(self) -> int:
+        """Columns of the rows that cross the links: dispatch moves x (K), combine the
+        products (n). ``2d`` schedules cut these columns."""
+        return self.k if self.op == DISPATCH else self.n
 
     @property
     def m(self) -> int:

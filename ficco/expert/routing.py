@@ -23,11 +23,11 @@ from collections import OrderedDict
 import torch
 
 from .. import agreement
-from ..group import key as group_key
 from ..errors import InvalidArgumentError, MismatchError
+from ..group import key as group_key
 
 _MEMO_LIMIT = 512                 # dispatch routings kept per process (all groups), LRU
-_memo: "OrderedDict[tuple, tuple]" = OrderedDict()
+_memo: OrderedDict[tuple, tuple] = OrderedDict()
 _lock = threading.Lock()
 
 

@@ -23,8 +23,9 @@ from ..ops.base import OpSpec
 from ..problem import dtype_name
 from ..symm_mem import aligned
 from . import routing
+from .context import ExpertContext
 from .problem import COMBINE, DISPATCH, ExpertProblem, Layout
-from .tasks import Context, exchange_task, gemm_task, grouped_mm_runs
+from .tasks import exchange_task, gemm_task, grouped_mm_runs
 
 
 @dataclass
@@ -143,17 +144,19 @@ class ExpertSpec(OpSpec):
         counts: the most rows any rank publishes)."""
 
     @abstractmethod
-    def context(self, call: ExpertCall, symm) -> Context:
-        """The host tasks' context of one run (``symm``: the workspace, or None for ccl)."""
+    def context(self, call: ExpertCall, symm, wide: bool = False) -> ExpertContext:
+        """The expert part of one run's buffers (``symm``: the workspace, or None for ccl;
+        ``wide``: the plan accumulates bf16/fp16 products, so the output is float32)."""
 
     def buffers(self, call: ExpertCall, transport: str, symm, *, wide: bool = False) -> Buffers:
-        ctx = self.context(call, symm)
+        ctx = self.context(call, symm, wide)
+        # shared is the symmetric buffer peers pull from: Buffers.peer knows it by these names
         return Buffers(call.inp, call.weights, [ctx.out],
-                       ctx.shared if self.name == DISPATCH else None, symm, ctx,
-                       partials=[ctx.shared] if self.name == COMBINE else [])
+                       ctx.shared if self.name == DISPATCH else None, symm, call.group,
+                       partials=[ctx.shared] if self.name == COMBINE else [], expert=ctx)
 
     def poison(self, buffers: Buffers) -> None:
-        ctx = buffers.group
+        ctx = buffers.expert
         for t in (ctx.out, ctx.landing, ctx.shared):
             if t is not None:
                 t.fill_(float("nan"))
@@ -161,23 +164,23 @@ class ExpertSpec(OpSpec):
     def plain(self, call: ExpertCall):
         """The unoverlapped path: one all-to-all of the process group and one grouped GEMM
         (FICCO_DISABLE), or the grouped GEMM alone (one rank)."""
-        ctx = self.context(call, None)
+        buffers = self.buffers(call, "ccl", None)
         order = [exchange_task, gemm_task] if self.name == DISPATCH else [gemm_task, exchange_task]
         if call.world == 1:
             order = [gemm_task]
-        from .plan_ops import Exchange, GroupedGemm   # plan ops name what the tasks do
+        from .plan_ops import Exchange, GroupedGemm  # plan ops name what the tasks do
 
         op_of = {exchange_task: Exchange("comm", None),
                  gemm_task: GroupedGemm("compute", tuple(range(call.world)), None)}
         for task in order:
-            task(None, ctx, op_of[task])()
-        return self.finish(call, ctx)
+            task(None, buffers, op_of[task])()
+        return self.finish(call, buffers.expert)
 
     def result(self, call: ExpertCall, buffers: Buffers, transport: str):
-        return self.finish(call, buffers.group)
+        return self.finish(call, buffers.expert)
 
     @abstractmethod
-    def finish(self, call: ExpertCall, ctx: Context):
+    def finish(self, call: ExpertCall, ctx: ExpertContext):
         """The caller's result from a finished run's context."""
 
 

@@ -1,125 +1,18 @@
-"""The host tasks of expert-parallel plans, and the per-call context they read.
-
-An expert-parallel plan names work by (local expert, source rank, chunk), never by rows: the
-rows are data (the routing counts), resolved here at launch from the call's :class:`Context`
-(the executor hands it to every host task as ``Buffers.group``). So one plan serves every
-routing, and the work of a block that is empty in this call is skipped at no cost.
+"""The host tasks of expert-parallel plans (:mod:`ficco.expert.plan_ops`) and the grouped GEMM
+they run. Each sizes its work at launch from the call's routing (``Buffers.expert``, an
+:class:`~ficco.expert.context.ExpertContext`; the executor hands every host task the call's
+:class:`~ficco.buffers.Buffers`), so one plan serves every routing and the work of a block that
+is empty in this call is skipped at no cost.
 
 On GPUs each task enqueues torch kernels or copies on its queue's stream (the executor makes
 it current); on CPU a worker thread runs them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
-from .problem import DISPATCH, Layout, chunk_of
-
-
-@dataclass
-class Context:
-    """What the host tasks of one call read. Dispatch: ``inp`` is x (T, K), ``out`` is y (R, n),
-    ``landing`` receives the peers' rows in y's order (R, K), ``shared`` is this rank's
-    symmetric copy of x (dma; peers pull from theirs). Combine: ``inp`` is h (R, K2), ``out`` is
-    z (T, n2), ``shared`` holds this rank's products in h's order (symmetric with dma, peers
-    pull their rows from it)."""
-
-    kind: str
-    group: Any
-    layout: Layout
-    rank: int
-    inp: torch.Tensor
-    weights: list
-    out: torch.Tensor
-    shared: torch.Tensor | None = None
-    landing: torch.Tensor | None = None
-    symm: Any = None
-    stacked: torch.Tensor | None = None     # (L, K, n) when torch._grouped_mm runs
-    _peers: dict = field(default_factory=dict)
-
-    @property
-    def world(self) -> int:
-        return self.layout.world
-
-    @property
-    def experts(self) -> int:
-        return self.layout.experts
-
-    def peer_shared(self, peer: int) -> torch.Tensor:
-        """``peer``'s copy of the symmetric buffer (the source of a pull)."""
-        view = self._peers.get(peer)
-        if view is None:
-            view = self._peers[peer] = self.symm.get_buffer(peer, tuple(self.shared.shape),
-                                                            self.shared.dtype)
-        return view
-
-    # -- the rows of one piece of work -------------------------------------------------------
-    def pulls(self, peer: int, chunk: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(destination, source) row blocks ``peer`` contributes to this rank in ``chunk``."""
-        lay, r, big_l, out = self.layout, self.rank, self.experts, []
-        src_buf = self.peer_shared(peer)
-        for l in range(big_l):
-            if self.kind == DISPATCH:   # peer's rows for my expert l -> block (l, peer)
-                rows = lay.block_rows(r, l, peer)
-                src0, dst0, dst = lay.send_offset(peer, r * big_l + l), \
-                    lay.block_offset(r, l, peer), self.landing
-            else:                       # my rows back from peer's expert l -> where they were
-                rows = lay.block_rows(peer, l, r)
-                src0, dst0, dst = lay.block_offset(peer, l, r), \
-                    lay.send_offset(r, peer * big_l + l), self.out
-            c0, cn = chunk_of(rows, self.world, chunk)
-            if cn:
-                out.append((dst[dst0 + c0: dst0 + c0 + cn], src_buf[src0 + c0: src0 + c0 + cn]))
-        return out
-
-    def gemm_pieces(self, sources, chunk) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """(local expert, rows in, rows out) of blocks ``(l, s)`` for s in ``sources``."""
-        lay, r, big_l, out = self.layout, self.rank, self.experts, []
-        for l in range(big_l):
-            for s in sources:
-                c0, cn = chunk_of(lay.block_rows(r, l, s), self.world, chunk)
-                if not cn:
-                    continue
-                at = lay.block_offset(r, l, s) + c0
-                home = lay.send_offset(r, r * big_l + l) + c0   # the own block in x / z
-                if self.kind == DISPATCH:
-                    a = self.inp[home: home + cn] if s == r else self.landing[at: at + cn]
-                    dst = self.out[at: at + cn]
-                else:
-                    a = self.inp[at: at + cn]
-                    dst = self.out[home: home + cn] if s == r else self.shared[at: at + cn]
-                out.append((l, a, dst))
-        return out
-
-    def exchange_pieces(self, chunk) -> tuple[list[list], list[list]]:
-        """Per peer, the row blocks this rank sends it and those it receives from it in
-        ``chunk`` (the own rank's lists stay empty: its block never travels)."""
-        lay, r, big_l, w = self.layout, self.rank, self.experts, self.world
-        sends, recvs = [[] for _ in range(w)], [[] for _ in range(w)]
-        for q in range(w):
-            if q == r:
-                continue
-            for l in range(big_l):
-                if self.kind == DISPATCH:
-                    send_rows, send0 = lay.counts[r][q * big_l + l], \
-                        lay.send_offset(r, q * big_l + l)
-                    recv_rows, recv0 = lay.block_rows(r, l, q), lay.block_offset(r, l, q)
-                    src, dst = self.inp, self.landing
-                else:
-                    send_rows, send0 = lay.block_rows(r, l, q), lay.block_offset(r, l, q)
-                    recv_rows, recv0 = lay.counts[r][q * big_l + l], \
-                        lay.send_offset(r, q * big_l + l)
-                    src, dst = self.shared, self.out
-                c0, cn = chunk_of(send_rows, w, chunk)
-                if cn:
-                    sends[q].append(src[send0 + c0: send0 + c0 + cn])
-                c0, cn = chunk_of(recv_rows, w, chunk)
-                if cn:
-                    recvs[q].append(dst[recv0 + c0: recv0 + c0 + cn])
-        return sends, recvs
+from ..buffers import Buffers
 
 
 # -- grouped GEMMs ---------------------------------------------------------------------------
@@ -139,36 +32,61 @@ def grouped_mm_runs(dtype: torch.dtype, k: int, n: int, device: torch.device) ->
     return False
 
 
-def run_grouped(pieces, weights: list, stacked: torch.Tensor | None) -> None:
-    """``out = a @ weights[l]`` for every piece ``(l, a, out)``: one ``torch._grouped_mm`` over
-    all pieces when ``stacked`` (the (L, K, n) weights) is given and there is more than one,
-    else one GEMM each, written in place."""
+def _grouped_view_runs(stacked: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes this (L, k, n) view of the stacked weights (a 2d
+    chunk's columns): the same rule as the whole, and a 16-byte aligned start and row."""
+    size = stacked.element_size()
+    return grouped_mm_runs(stacked.dtype, stacked.shape[1], stacked.shape[2], stacked.device) \
+        and (stacked.storage_offset() * size) % 16 == 0 and (stacked.stride(1) * size) % 16 == 0
+
+
+def _write(out: torch.Tensor, product: torch.Tensor, accumulate: bool) -> None:
+    if accumulate:
+        out.add_(product)
+    else:
+        out.copy_(product)
+
+
+def run_grouped(pieces, stacked: torch.Tensor | None, accumulate: bool = False) -> None:
+    """``out (+)= a @ b`` for every piece ``(l, a, b, out)``: one ``torch._grouped_mm`` over
+    all pieces when ``stacked`` (the (L, k, n) weights the ``b`` are cut from) is given and
+    there is more than one, else one GEMM each, written in place. Products are made in the
+    operands' dtype; ``accumulate`` adds them into ``out`` (float32 for bf16/fp16 2d plans:
+    the sum of the K chunks is rounded once, by the caller)."""
     pieces = [p for p in pieces if p[1].shape[0]]
     if stacked is None or len(pieces) < 2:
-        for l, a, out in pieces:
-            torch.matmul(a, weights[l], out=out)
+        for _, a, b, out in pieces:
+            if out.dtype != a.dtype:
+                _write(out, a @ b, accumulate)
+            elif accumulate:
+                out.addmm_(a, b)
+            else:
+                torch.matmul(a, b, out=out)
         return
     pieces.sort(key=lambda p: p[0])       # groups in expert order; sort is stable
     rows = [0] * stacked.shape[0]
-    for l, a, _ in pieces:
+    for l, a, _, _ in pieces:
         rows[l] += a.shape[0]
     ends = torch.tensor(rows, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    a = torch.cat([a for _, a, _ in pieces])
+    a = torch.cat([a for _, a, _, _ in pieces])
     result = torch._grouped_mm(a, stacked, offs=ends.to(a.device))
-    for (_, _, out), part in zip(pieces, result.split([p[1].shape[0] for p in pieces])):
-        out.copy_(part)
+    for (_, _, _, out), part in zip(pieces, result.split([p[1].shape[0] for p in pieces])):
+        _write(out, part, accumulate)
 
 
-# -- the tasks (the executor calls task(views, context, op) -> fn, launched on op.queue) ------
-def publish_task(views, ctx: Context, op):
+# -- the tasks (the executor calls task(views, buffers, op) -> fn, launched on op.queue) ------
+def publish_task(views, buffers: Buffers, op):
     """Dispatch, dma: x into this rank's symmetric buffer, where its peers pull from."""
+    ctx = buffers.expert
     rows = ctx.inp.shape[0]
     return lambda: ctx.shared[:rows].copy_(ctx.inp)
 
 
-def move_task(views, ctx: Context, op):
-    """Pull ``op.chunk`` of every block ``op.peer`` holds for this rank (one copy per expert)."""
-    pairs = ctx.pulls(op.peer, op.chunk)
+def move_task(views, buffers: Buffers, op):
+    """Pull ``op.chunk`` of every block ``op.peer`` holds for this rank (one copy per expert;
+    2d: a strided column block each)."""
+    ctx = buffers.expert
+    pairs = ctx.pulls(op.peer, op.chunk, op.two_d, buffers.peer(op.peer, ctx.shared_name))
 
     def run():
         for dst, src in pairs:
@@ -176,16 +94,25 @@ def move_task(views, ctx: Context, op):
     return run
 
 
-def gemm_task(views, ctx: Context, op):
+def gemm_task(views, buffers: Buffers, op):
     """One grouped GEMM over ``op.chunk`` of the blocks of ``op.sources`` (every expert)."""
-    pieces = ctx.gemm_pieces(op.sources, op.chunk)
-    return lambda: run_grouped(pieces, ctx.weights, ctx.stacked)
+    ctx = buffers.expert
+    pieces = ctx.gemm_pieces(op.sources, op.chunk, op.two_d)
+    stacked = ctx.stacked_piece(op.chunk, op.two_d)
+    if stacked is not None and op.two_d and not _grouped_view_runs(stacked):
+        stacked = None
+    return lambda: run_grouped(pieces, stacked, op.accumulate)
 
 
-def exchange_task(views, ctx: Context, op):
+def exchange_task(views, buffers: Buffers, op):
     """``ccl``: ``op.chunk`` of every block moved by one ``all_to_all_single`` of the process
-    group (packed: gloo needs one flat buffer, NCCL is faster with one)."""
-    sends, recvs = ctx.exchange_pieces(op.chunk)
+    group (packed: gloo needs one flat buffer, NCCL is faster with one). ``op.shift`` (ring):
+    only to rank r - shift and from rank r + shift; the other peers' sizes are zero."""
+    ctx = buffers.expert
+    send_to = recv_from = None
+    if op.shift is not None:
+        send_to, recv_from = (ctx.rank - op.shift) % ctx.world, (ctx.rank + op.shift) % ctx.world
+    sends, recvs = ctx.exchange_pieces(op.chunk, op.two_d, send_to, recv_from)
     like = ctx.inp
 
     def run():
@@ -194,7 +121,7 @@ def exchange_task(views, ctx: Context, op):
         flat = [t.reshape(-1) for pieces in sends for t in pieces]
         packed = torch.cat(flat) if flat else like.new_empty(0)
         got = like.new_empty(sum(recv_sizes))
-        dist.all_to_all_single(got, packed, recv_sizes, send_sizes, group=ctx.group)
+        dist.all_to_all_single(got, packed, recv_sizes, send_sizes, group=buffers.group)
         at = 0
         for pieces in recvs:
             for t in pieces:

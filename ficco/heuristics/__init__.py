@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 from .. import config, schedules
 from ..config import TRANSPORTS
@@ -164,4 +164,4 @@ def _logged_once(problem: Problem, decision: Decision) -> Decision:
     return decision
 
 
-__all__ = ["choose", "Decision", "SELECTORS", "profiles"]
+__all__ = ["SELECTORS", "Decision", "choose", "profiles"]

@@ -56,8 +56,8 @@ class Decision:
         return sorted(self.scores.items(), key=lambda item: (item[1], item[0]))
 
     def __str__(self) -> str:
-        lines = [f"schedule  {self.schedule}  (transport {self.transport}, "
-                 f"selector {self.selector})",
+        lines = [(f"schedule  {self.schedule}  (transport {self.transport}, "
+                 f"selector {self.selector})"),
                  f"reason    {self.reason}",
                  "inputs    " + " ".join(f"{k}={_fmt(v)}" for k, v in self.inputs.items())]
         if "otb" in self.inputs:

@@ -32,6 +32,8 @@ JSON schema (every key at top level; units in the names)::
       "barrier_latency_s": 1e-05,              # cross-rank barrier over symmetric memory
       "host_op_s": 6e-06,                      # host time to enqueue one plan op (eager);
                                                # `bench characterize --parts enqueue`
+      "hardware_queues": null,                 # 1: one queue for all streams (set from
+                                               # CUDA_DEVICE_MAX_CONNECTIONS=1 by resolve())
       "pcie_aggregate_bytes_per_s": 7.9e10,    # all GPUs' peer traffic through the host, total
       "dil": {"tiles": [[256, 256, 1.0], ...], # the GEMM library's tiles: (m, n, sustained
                                                # fraction); the fastest is used (heuristics/gemm.py)
@@ -156,6 +158,10 @@ class Profile:
     copy_2d_on_dma: bool = DEFAULTS["copy_2d_on_dma"]
     barrier_latency_s: float = DEFAULTS["barrier_latency_s"]
     host_op_s: float = DEFAULTS["host_op_s"]
+    #: hardware queues a rank's streams share; 1 (CUDA_DEVICE_MAX_CONNECTIONS=1) makes the
+    #: simulator dispatch in issue order, a barrier block every queue, copies run one at a
+    #: time; None: one per stream (the simulator's queues are independent)
+    hardware_queues: int | None = None
     dil: dict = field(default_factory=lambda: dict(DEFAULTS["dil"]))
     cil: dict = field(default_factory=lambda: dict(DEFAULTS["cil"]))
     ccl: dict = field(default_factory=lambda: dict(DEFAULTS["ccl"]))
@@ -245,7 +251,7 @@ class Profile:
         os.replace(tmp, path)
 
     @classmethod
-    def from_dict(cls, data: dict, origin: str = "profile") -> "Profile":
+    def from_dict(cls, data: dict, origin: str = "profile") -> Profile:
         missing = [k for k in REQUIRED if k not in data]
         if missing:
             raise ConfigError(f"{origin}: missing required profile keys {missing}; required: "
@@ -355,7 +361,7 @@ def _local_device_name() -> str | None:
 
         if torch.cuda.is_available():
             return torch.cuda.get_device_name()
-    except Exception:   # detection is best effort; the target alone still picks a profile
+    except Exception:  # noqa: BLE001 - best effort; the target alone still picks a profile
         return None
     return None
 
@@ -364,7 +370,8 @@ def resolve(target: str = "cpu") -> Profile:
     """The profile in force: ``FICCO_PROFILE`` (name or path) if set, else :func:`detect`.
     On a target whose backend runs 2-D copies on compute units (ROCm:
     ``RocmBackend.copy_2d_on_dma``) the profile says so whatever its file says, so the
-    ``model`` selector never prices ``*-2d`` schedules' copies as DMA there.
+    ``model`` selector never prices ``*-2d`` schedules' copies as DMA there; likewise its
+    ``hardware_queues`` follow ``CUDA_DEVICE_MAX_CONNECTIONS`` (ROCm: ``GPU_MAX_HW_QUEUES``).
 
     >>> resolve("rocm:gfx942").copy_2d_on_dma
     False
@@ -374,6 +381,10 @@ def resolve(target: str = "cpu") -> Profile:
     profile = load(config.profile() or detect(target))
     if profile.copy_2d_on_dma and not target_copies_2d_on_dma(target):
         profile = replace(profile, copy_2d_on_dma=False)
+    queues = config.hardware_queues(target.split(":")[0])
+    if queues is not None and queues != profile.hardware_queues:
+        # CUDA_DEVICE_MAX_CONNECTIONS / GPU_MAX_HW_QUEUES, as the process runs (issue 25 item 4)
+        profile = replace(profile, hardware_queues=queues)
     return profile
 
 

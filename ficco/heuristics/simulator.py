@@ -32,6 +32,11 @@ Cost model (every number from :class:`~ficco.heuristics.profiles.Profile`):
 - Local copies: memory-bound moves (read + write). On a copy queue (a copy engine) a GEMM
   beside it slows as beside the full set of copy engines; on any other queue it is a kernel
   on the compute units (the paper's gathers and scatters) and contends like a collective.
+- One hardware queue (profile ``hardware_queues`` 1: ``CUDA_DEVICE_MAX_CONNECTIONS=1``, as
+  Megatron's sequence parallelism sets): every stream feeds one queue, so ops are dispatched
+  in the host's issue order, an op whose stream is still busy holds back every op issued
+  after it, a barrier blocks every queue until it passes, and copies run one at a time (the
+  per-peer pulls serialise). Issue 25 item 4.
 - Host launch: op i of the plan (events included) is enqueued at ``(i + 1) x host_op_s``
   and cannot start earlier; eager calls of plans with hundreds of ops are launch bound when
   the GEMM is small (set ``host_op_s`` to 0 in a profile for CUDA-graph replays). Each profile
@@ -56,11 +61,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import InvalidArgumentError
-from ..plan import COMPUTE, Plan, Record, Wait, buffer_shapes, item_bytes, op_label
+from ..plan import COMPUTE, Plan, Record, Wait, item_bytes, op_label
 from . import all_to_all_pricing
 from . import gemm as gemm_cost
+
 # Contention rates live in .contention; re-exported here for callers of simulator.*.
-from .contention import dma_contention, mt_factor, shard_mt_factor  # noqa: F401
+from .contention import dma_contention, mt_factor, shard_mt_factor
 from .profiles import Profile
 
 _EPS = 1e-12
@@ -120,6 +126,9 @@ class _Simulation:
         # The host enqueues ops one after another (``host_op_s`` each): op i cannot start on
         # its queue before the host has issued it. A plan of many small ops pays this.
         self.issue_s = [(origin[i] + 1) * profile.host_op_s for i in range(len(plan.ops))]
+        #: one hardware queue: ops dispatch in plan (issue) order; ``head`` is the next one
+        self.one_queue = profile.hardware_queues == 1
+        self.head = 0
 
     # -- event loop --------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -185,8 +194,7 @@ class _Simulation:
         write ``itemsize`` per output element."""
         if not self.wide or self.out_itemsize == self.problem.out_itemsize:
             return 0.0
-        elements = sum(rows * cols for key, (rows, cols) in buffer_shapes(self.problem).items()
-                       if key[0] == "out")
+        elements = self.problem.output_elements
         dil = self.profile.dil
         bandwidth = self.profile.hbm_bytes_per_s * dil["memory_efficiency"]
         return dil["launch_s"] + elements * (self.out_itemsize + self.problem.out_itemsize) \
@@ -194,6 +202,9 @@ class _Simulation:
 
     def _issue(self, order, next_op, recorded, busy, active, start, end, now):
         """Start every op whose queue is free and whose waits are satisfied."""
+        if self.one_queue:
+            self._issue_in_order(next_op, recorded, busy, active, start, end, now)
+            return
         progressed = True
         while progressed:
             progressed = False
@@ -214,6 +225,29 @@ class _Simulation:
                         active[i] = self._task(op)
                         busy.add(queue)
 
+    def _issue_in_order(self, next_op, recorded, busy, active, start, end, now):
+        """One hardware queue: the next op in issue order starts once the host issued it, its
+        own stream is free and, if it is a Wait, its event was recorded; no op passes an
+        earlier barrier that has not ended (its wait sits at the head of the one queue)."""
+        ops = self.plan.ops
+        while self.head < len(ops):
+            i = self.head
+            op = ops[i]
+            if self.issue_s[i] > now + _EPS or op.queue in busy:
+                return
+            if isinstance(op, Wait) and op.event not in recorded:
+                return
+            if any(ops[j].kind == "barrier" for j in active):
+                return
+            self.head += 1
+            next_op[op.queue] += 1
+            start[i] = end[i] = now
+            if isinstance(op, Record):
+                recorded.add(op.event)
+            elif not isinstance(op, Wait):
+                active[i] = self._task(op)
+                busy.add(op.queue)
+
     # -- rates -------------------------------------------------------------------------------
     def _rates(self, active: dict[int, _Task]) -> dict[int, float]:
         """Speed of every running op (1 = as fast as when alone) given who else runs."""
@@ -223,8 +257,10 @@ class _Simulation:
         # (ROCm's 2-D copies), on compute units ("cu_copy"); both cross the same links.
         copies = [t for t in flowing.values() if t.category in ("dma", "cu_copy")]
         engine_copies = sum(t.category == "dma" for t in copies)
-        # Only copy_engines DMA copies move at once; the engines are then shared over the links.
-        engine_share = min(1.0, prof.copy_engines / engine_copies) if engine_copies else 1.0
+        # Only copy_engines DMA copies move at once (one, through one hardware queue); the
+        # engines are then shared over the links.
+        engines = 1 if self.one_queue else prof.copy_engines
+        engine_share = min(1.0, engines / engine_copies) if engine_copies else 1.0
         demand_by_link: dict[tuple, float] = {}
         for t in copies:
             demand_by_link[t.resource] = demand_by_link.get(t.resource, 0.0) \

@@ -32,8 +32,8 @@ import json
 import os
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from .. import config, schedules
 from ..errors import ConfigError, InvalidArgumentError

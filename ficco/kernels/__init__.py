@@ -25,7 +25,7 @@ MIN_TRITON = (3, 2)
 VERIFIED_TARGETS: tuple[str, ...] = ()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def triton_reason() -> str | None:
     """None when a usable Triton imports, else why not and how to fix it."""
     if importlib.util.find_spec("triton") is None:
@@ -79,4 +79,4 @@ def selectable_reason(target: str) -> str | None:
     return reason
 
 
-__all__ = ["unavailable_reason", "selectable_reason", "triton_reason", "MIN_TRITON"]
+__all__ = ["MIN_TRITON", "selectable_reason", "triton_reason", "unavailable_reason"]

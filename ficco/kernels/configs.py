@@ -86,4 +86,5 @@ def current_target() -> str:
         return "cpu"
     if torch.version.hip:
         return "rocm:" + torch.cuda.get_device_properties(0).gcnArchName.split(":")[0]
-    return "cuda:sm_%d%d" % torch.cuda.get_device_capability()
+    major, minor = torch.cuda.get_device_capability()
+    return f"cuda:sm_{major}{minor}"

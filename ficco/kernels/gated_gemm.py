@@ -39,16 +39,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import CommTimeoutError, InvalidArgumentError
-from . import configs
-
 # Triton is an optional extra: only the gated schedules' launch, the kernel benchmark and the
 # tests import this module, after ficco.kernels.unavailable_reason() found Triton.
 import triton
 import triton.language as tl
 
+from ..errors import CommTimeoutError, InvalidArgumentError
+from . import configs
+
 # The kernel reads _clock and TRACE_WORDS as globals (the trace is in its own module).
-from .trace import TRACE_OFF, TRACE_WORDS, _clock, trace_supported  # noqa: F401
+from .trace import TRACE_OFF, TRACE_WORDS, _clock, trace_supported
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, h
     programs = tl.num_programs(0)
     tiles_n = (N + BLOCK_N - 1) // BLOCK_N   # not tl.cdiv: a jit helper the interpreter cannot call
     num_tiles = 0
-    for s in range(0, num_segs):
+    for s in range(num_segs):
         num_tiles += (tl.load(seg_table + s * 4 + 1) + BLOCK_M - 1) // BLOCK_M
     num_tiles = num_tiles * tiles_n
     for tile in range(pid, num_tiles, programs):
@@ -102,7 +102,7 @@ def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, h
         seg = 0
         first_tile = 0
         seen = 0
-        for s in range(0, num_segs):
+        for s in range(num_segs):
             tiles_s = (tl.load(seg_table + s * 4 + 1) + BLOCK_M - 1) // BLOCK_M
             hit = (tile_m >= seen) & (tile_m < seen + tiles_s)
             seg = tl.where(hit, s, seg)
@@ -181,7 +181,7 @@ def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, h
             tl.store(rec + 8, ok)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(device_kind: str, family: str):
     """The kernel for one device kind: the interpreter on CPU, else triton.jit wrapped in the
     autotuner with this family's configs (one Autotuner per family, so its per-key cache is

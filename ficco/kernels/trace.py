@@ -15,10 +15,9 @@ import functools
 import time
 
 import torch
+import triton.language as tl  # optional extra: imported only with the kernel
 
 from . import configs
-
-import triton.language as tl   # optional extra: imported only with the kernel
 
 # -- per-tile trace (off by default) ---------------------------------------------------------------
 #: ``TRACE`` values (a constexpr of the kernel: 0 compiles no tracing code at all).
@@ -67,7 +66,7 @@ def _clock(mode, counter, _semantic=None):
 setattr(_clock, tl.core.TRITON_BUILTIN, True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def trace_supported() -> bool:
     """Whether this Triton calls builtins with ``_semantic`` (as :func:`_clock` expects);
     older ones (3.2, 3.3) pass ``_builder``. Tracing off never compiles ``_clock`` in."""
@@ -123,7 +122,7 @@ def ticks_per_s(mode: int, device_index: int = 0) -> float | None:
             hip.hipDeviceAttribute_t.hipDeviceAttributeWallClockRate, device_index)
         if status == hip.hipError_t.hipSuccess and khz > 0:
             return khz * 1e3
-    except Exception:  # noqa: BLE001 - no hip-python: the documented CDNA rate
+    except Exception:  # noqa: BLE001, S110 - no hip-python: the documented CDNA rate
         pass
     return 1e8
 

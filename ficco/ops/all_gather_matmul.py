@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from ..agreement import PER_RANK
-from ..call import Call, backend_for, check_flag, check_tensor, check_weights, row_dim
 from ..buffers import Buffers
+from ..call import Call, backend_for, check_flag, check_tensor, check_weights, row_dim
 from ..group import rank_world, resolve
 from ..problem import Problem, dtype_name
 from ..scaled import Operands, finish, gemm_into, operands, wide_dtype

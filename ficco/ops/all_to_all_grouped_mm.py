@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from ..expert import routing
+from ..expert.context import ExpertContext
 from ..expert.problem import DISPATCH
 from ..expert.spec import ExpertCall, ExpertSpec
-from ..expert.tasks import Context
 
 
 class AllToAllGroupedMm(ExpertSpec):
@@ -30,17 +30,17 @@ class AllToAllGroupedMm(ExpertSpec):
     def shared_shape(self, call: ExpertCall) -> tuple[int, int]:
         return call.layout.max_send_rows, call.problem.k
 
-    def context(self, call: ExpertCall, symm) -> Context:
+    def context(self, call: ExpertCall, symm, wide: bool = False) -> ExpertContext:
         lay, r, x = call.layout, call.rank, call.inp
         rows = lay.recv_rows(r)
         shared = None
         if symm is not None:
             shared = symm.get_buffer(r, self.shared_shape(call), x.dtype)
         landing = x.new_empty(rows, x.shape[1]) if call.world > 1 else None
-        return Context(DISPATCH, call.group, lay, r, x, call.weights,
-                       x.new_empty(rows, call.n), shared, landing, symm, call.stacked)
+        out = x.new_empty(rows, call.n, dtype=torch.float32 if wide else x.dtype)
+        return ExpertContext(DISPATCH, lay, r, x, call.weights, out, shared, landing, call.stacked)
 
-    def finish(self, call: ExpertCall, ctx: Context):
+    def finish(self, call: ExpertCall, ctx: ExpertContext):
         """``(y, recv_counts, received or None, routing)``: ``received`` (with
         ``return_received``) is the rows y was made from, in y's order (for the weight
         gradient); ``routing`` the agreed W x E matrix (the handle combine may take)."""
@@ -54,7 +54,8 @@ class AllToAllGroupedMm(ExpertSpec):
                     home = lay.send_offset(r, r * lay.experts + l)
                     received[at: at + rows].copy_(ctx.inp[home: home + rows])
         recv_counts = torch.tensor(lay.recv_counts(r), dtype=torch.int64)
-        return ctx.out, recv_counts, received, torch.tensor(lay.counts, dtype=torch.int64)
+        y = ctx.out if ctx.out.dtype == ctx.inp.dtype else ctx.out.to(ctx.inp.dtype)
+        return y, recv_counts, received, torch.tensor(lay.counts, dtype=torch.int64)
 
 
 SPEC = AllToAllGroupedMm()

@@ -14,9 +14,9 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ..expert import routing
+from ..expert.context import ExpertContext
 from ..expert.problem import COMBINE
 from ..expert.spec import ExpertCall, ExpertSpec
-from ..expert.tasks import Context
 
 
 class GroupedMmAllToAll(ExpertSpec):
@@ -57,16 +57,16 @@ class GroupedMmAllToAll(ExpertSpec):
     def shared_shape(self, call: ExpertCall) -> tuple[int, int]:
         return call.layout.max_recv_rows, call.n
 
-    def context(self, call: ExpertCall, symm) -> Context:
+    def context(self, call: ExpertCall, symm, wide: bool = False) -> ExpertContext:
         lay, r, h = call.layout, call.rank, call.inp
         if symm is not None:
             shared = symm.get_buffer(r, self.shared_shape(call), h.dtype)
         else:
             shared = h.new_empty(h.shape[0], call.n) if call.world > 1 else None
-        return Context(COMBINE, call.group, lay, r, h, call.weights,
-                       h.new_empty(lay.send_rows(r), call.n), shared, None, symm, call.stacked)
+        return ExpertContext(COMBINE, lay, r, h, call.weights, h.new_empty(lay.send_rows(r), call.n),
+                             shared, None, call.stacked)
 
-    def finish(self, call: ExpertCall, ctx: Context):
+    def finish(self, call: ExpertCall, ctx: ExpertContext):
         """``(z, routing)``: the rows back in this rank's order, and the agreed matrix."""
         return ctx.out, torch.tensor(ctx.layout.counts, dtype=torch.int64)
 

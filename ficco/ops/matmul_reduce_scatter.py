@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from ..agreement import PER_RANK
+from ..buffers import Buffers
 from ..call import Call, backend_for, check_tensor, check_weights, normalize_dim, row_dim
 from ..errors import InvalidArgumentError
-from ..buffers import Buffers
 from ..group import rank_world, resolve
 from ..problem import MATMUL_REDUCE_SCATTER, REDUCE_OPS, Problem, dtype_name
 from ..scaled import Operands, finish, gemm_into, operands, wide_dtype
@@ -123,7 +123,7 @@ class MatmulReduceScatter(OpSpec):
         """matmul, then one reduce-scatter of the whole product (FICCO_DISABLE, one rank);
         the bias is added once, to the reduced block."""
         p, ops = call.problem, call.ops
-        row0, rows = p.block(p.rank)
+        _row0, rows = p.block(p.rank)
         outs = []
         for j, bj in enumerate(call.bs):
             sb = ops.b_scales[j] if ops.b_scales else None
@@ -209,7 +209,7 @@ def fused_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str
     ``scatter_dim`` may be the last dimension (the output columns), as in torch's op: no
     overlapped schedule splits those, so ficco runs the plain matmul + reduce-scatter.
     """
-    from .. import runtime   # late: the runtime runs op specs; api sits above both
+    from .. import runtime  # late: the runtime runs op specs; api sits above both
 
     if not isinstance(A, torch.Tensor) or not isinstance(B, torch.Tensor):
         raise InvalidArgumentError("A and B must be tensors")

@@ -112,5 +112,15 @@ def offered(target: str, transport: str = "dma", op: str = ALL_GATHER_MATMUL,
     return names(op) + [name for name in _OPTIONAL[op] if name not in missing]
 
 
-__all__ = ["names", "get", "offered", "optional_names", "unavailable", "why_not_here", "Serial", "Ring", "Ficco",
-           "Gated"]
+__all__ = [
+    "Ficco",
+    "Gated",
+    "Ring",
+    "Serial",
+    "get",
+    "names",
+    "offered",
+    "optional_names",
+    "unavailable",
+    "why_not_here",
+]

@@ -112,7 +112,7 @@ class Provider(ABC):
 
 
 # -- tensors allocated through empty(), waiting for rendezvous ---------------------------------
-_owned: "weakref.WeakValueDictionary[int, SymmHandle]" = weakref.WeakValueDictionary()
+_owned: weakref.WeakValueDictionary[int, SymmHandle] = weakref.WeakValueDictionary()
 
 
 def _owner_of(tensor: torch.Tensor) -> SymmHandle | None:
@@ -132,7 +132,7 @@ def empty(shape, dtype: torch.dtype = torch.float32, device=None, group=None) ->
     rank's part; ``rendezvous(t, group)`` returns its handle."""
     from .workspace import allocate_symmetric
 
-    handle, tensor = allocate_symmetric(shape, dtype, device, group)
+    _handle, tensor = allocate_symmetric(shape, dtype, device, group)
     return tensor
 
 

@@ -4,7 +4,8 @@ collective it will not join. Each step ends in one exchange of ``(payload, failu
 replaces the plain ``dist.barrier`` the step needed anyway."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..agreement import consistent, exchange
 from ..errors import FiccoError, MismatchError

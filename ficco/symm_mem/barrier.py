@@ -42,8 +42,9 @@ until it passed, no peer can have finished this call, so a peer's exchange is th
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import CommTimeoutError, InvalidArgumentError, MismatchError
 
@@ -93,8 +94,18 @@ class Deadline:
     ops; ``started`` is set by the backend when its queue reaches the first wait. (A plain
     class with slots: one is made per barrier per call, on the enqueue hot path.)"""
 
-    __slots__ = ("rank", "channel", "step", "timeout_s", "target", "waits", "started", "fired",
-                 "handle", "answer")
+    __slots__ = (
+        "answer",
+        "channel",
+        "fired",
+        "handle",
+        "rank",
+        "started",
+        "step",
+        "target",
+        "timeout_s",
+        "waits",
+    )
 
     def __init__(self, rank: int, channel: int, step: int, timeout_s: float, target: int,
                  waits: tuple = (), handle: Any = None, answer: Callable[[], None] | None = None):
@@ -280,7 +291,7 @@ def wait_on_host(op: SignalOp, deadline: Deadline, read: Callable[[Any], int],
             deadline.fired = True
             raise deadline.error(deadline.late(read))
         if abandoned is not None and abandoned():
-            raise abandon_error()
+            raise (abandon_error or CommTimeoutError)(f"rank {deadline.rank}: barrier abandoned")
         now = time.monotonic()
         if now > expiry:
             deadline.fired = True

@@ -6,7 +6,7 @@ a backend module, so ``backends.gpu`` → ``symm_mem`` is one-way.
 from __future__ import annotations
 
 import ctypes
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

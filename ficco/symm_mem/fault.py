@@ -67,6 +67,8 @@ class GroupFault:
         #: gated GEMM launches still to report: (done event, check) where check() returns the
         #: launch's error or None (:mod:`ficco.kernels.launch`)
         self.gated: list = []
+        #: what owns the word's memory where ``word`` is only a view of it (pinned host memory)
+        self._keep: object = None
 
     def failed(self) -> bool:
         """Whether this group failed on this rank: an error is pending or the word is raised

@@ -53,8 +53,8 @@ def wanted(vendor_name: str) -> bool:
     setting = config.get("FICCO_SIGNAL_PADS")
     if setting != "device":
         return True
-    knob = {"cuda": "CUDA_DEVICE_MAX_CONNECTIONS", "rocm": "GPU_MAX_HW_QUEUES"}.get(vendor_name)
-    if knob is not None and os.environ.get(knob, "").strip() == "1":
+    if config.hardware_queues(vendor_name) == 1:
+        knob = {"cuda": "CUDA_DEVICE_MAX_CONNECTIONS"}.get(vendor_name, "GPU_MAX_HW_QUEUES")
         raise ConfigError(
             f"FICCO_SIGNAL_PADS=device cannot be used with {knob}=1: every stream then shares "
             f"one hardware queue, so the barrier watchdog could never release a stream stuck "
@@ -133,7 +133,7 @@ class HostPads:
         for host in self._registered:
             try:
                 self.vendor.host_unregister(host)
-            except Exception:  # noqa: BLE001 - teardown continues; the mapping stays valid
+            except Exception:  # noqa: BLE001, S110 - teardown goes on; the mapping stays valid
                 pass
         self._registered = []
         self._close_fd()

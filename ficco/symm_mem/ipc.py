@@ -19,10 +19,11 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ..group import rank_world, resolve
-from . import Provider, SIGNAL_CHANNELS, aligned
+from . import SIGNAL_CHANNELS, Provider, aligned
 from .agree import exchange_or_fail
 from .device import GpuSymmHandle, pad_bytes, tensor_at
-from .host_pads import HostPads, wanted as host_pads_wanted
+from .host_pads import HostPads
+from .host_pads import wanted as host_pads_wanted
 
 
 class IpcSymmProvider(Provider):
@@ -116,7 +117,7 @@ class IpcSymmProvider(Provider):
                 raise
             freeing = release
 
-            def release(peers_done: bool = False):   # noqa: F811 - the host pads go too
+            def release(peers_done: bool = False):
                 host.close()
                 freeing(peers_done)
 

@@ -8,10 +8,11 @@ import torch
 
 from .. import config
 from ..group import rank_world, resolve
-from . import Provider, SIGNAL_CHANNELS, aligned
+from . import SIGNAL_CHANNELS, Provider, aligned
 from .agree import exchange_or_fail
 from .device import GpuSymmHandle, pad_bytes
-from .host_pads import HostPads, wanted as host_pads_wanted
+from .host_pads import HostPads
+from .host_pads import wanted as host_pads_wanted
 from .ipc import IpcSymmProvider
 
 

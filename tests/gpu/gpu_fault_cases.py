@@ -13,8 +13,8 @@ from ficco.backends import get_backend
 from ficco.errors import FiccoError
 
 from ..cases import fail_next_gemm
-from .gpu_cases import capture, replays_match_float64
 from ..reference import make_inputs, max_row_rel_err
+from .gpu_cases import capture, replays_match_float64
 
 
 def peer_views_are_views(rank, world):

@@ -51,7 +51,7 @@ def test_graph_captured_call_replays_correctly(world, schedule):
 
 
 # -- issue 15 --------------------------------------------------------------------------------------
-from . import gpu_fault_cases  # noqa: E402
+from . import gpu_fault_cases
 
 
 def test_peer_views_are_views_not_copies():

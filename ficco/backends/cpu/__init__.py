@@ -29,7 +29,6 @@ from ...symm_mem.barrier import WRITE, run_on_host, wait_on_host
 from ...symm_mem.cpu import CpuSymmProvider
 from ..base import Backend
 
-
 _GRACE_S = 0.5      # finish()'s slack past FICCO_TIMEOUT (see there)
 # An idle queue thread ends after this long once no process group is left (the default group's
 # destruction is not observable otherwise: torch keeps its Python object alive); a later call
@@ -78,10 +77,10 @@ def _work(fn, tensors: tuple):
 
 
 class _Worker:
-    def __init__(self, name: str, backend: "CpuBackend"):
+    def __init__(self, name: str, backend: CpuBackend):
         self.name = name
         self.backend = backend
-        self.fifo = queue_mod.SimpleQueue()
+        self.fifo: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
         self.step = None        # the plan step of the launched task now running, if named
         self.kind = None        # what the running task is (LOCAL, WAITS, BOUNDED; None: idle)
         self.since = self.moved = time.monotonic()   # task started / last task finished

@@ -198,7 +198,7 @@ class CudaBackend(GpuBackend):
                     "build of torch, e.g. pip install torch --index-url "
                     "https://download.pytorch.org/whl/cu130")
         try:
-            import cuda.bindings.driver  # noqa: F401
+            import cuda.bindings.driver
             import cuda.bindings.runtime  # noqa: F401
         except ImportError as exc:
             major = torch.version.cuda.split(".")[0]

@@ -104,7 +104,7 @@ class RocmVendor(Vendor):
         try:
             name = self.hip.hipGetErrorName(status)[1]
             text = self.hip.hipGetErrorString(status)[1]
-            decode = lambda v: v.decode() if isinstance(v, bytes) else str(v)  # noqa: E731
+            decode = lambda v: v.decode() if isinstance(v, bytes) else str(v)
             return f"{decode(name)}: {decode(text)}"
         except Exception:  # noqa: BLE001 - describing an error must never hide it
             return getattr(status, "name", str(status))

@@ -13,4 +13,4 @@ SCHEDULES = (Serial(), Ring(), Ring(bidirectional=True),
              *(Ficco(u, f, t, reduce_each_step=f and not t)
                for t in (False, True) for u in (True, False) for f in (True, False)))
 
-__all__ = ["SCHEDULES", "Serial", "Ring", "Ficco"]
+__all__ = ["SCHEDULES", "Ficco", "Ring", "Serial"]

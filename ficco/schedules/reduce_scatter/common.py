@@ -14,8 +14,18 @@ from __future__ import annotations
 
 from ...config import TRANSPORTS
 from ...errors import InvalidArgumentError
-from ...plan import (COMM, COMPUTE, AllToAll, Barrier, Block, Copy, Gemm, PlanBuilder, Reduce,
-                     copy_queue)
+from ...plan import (
+    COMM,
+    COMPUTE,
+    AllToAll,
+    Barrier,
+    Block,
+    Copy,
+    Gemm,
+    PlanBuilder,
+    Reduce,
+    copy_queue,
+)
 from ...problem import Problem, even_split
 
 #: a rectangle of one destination block, relative to the block: (row0, rows, col0, cols)

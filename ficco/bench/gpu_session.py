@@ -1,0 +1,340 @@
+"""What ``bench/gpu_session.sh`` runs on a lent GPU that no other verb does (issue 25): several
+ranks as processes sharing one GPU (gloo group, IPC symmetric memory), each part writing JSON
+lines and a short table.
+
+- ``check``: one medium shape (thousands of rows) through every schedule of both ops, the
+  gated ones included, against a float64 reference computed on the GPU, with each
+  schedule's time (median of timed calls, slowest rank);
+- ``sanitize``: a few small calls, one per kind of copy and barrier, to run under
+  ``compute-sanitizer --tool memcheck``;
+- ``host``: host time of one warm call end to end (``ficco.all_gather_matmul`` /
+  ``matmul_reduce_scatter`` entry to return, i.e. dispatch, runtime, executor and the fence's
+  launch), the fence on and off, per schedule; plus ``host_op_s`` fitted over the plans' op
+  counts (seconds per plan op, slope through the origin: the simulator's form), written as a
+  profile fragment ``host_op_s.json`` (``{"host_op_s": ..., "sources": {...}}``);
+- ``timeline``: one traced call per queue (run it under CUDA_DEVICE_MAX_CONNECTIONS=1 and
+  8 to compare), rows as JSON and a Gantt PNG.
+
+Example (from the repository root, on a GPU machine)::
+
+    python -m ficco.bench.gpu_session check --world 4 --out bench/runs/gpu-check
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+#: the medium shape of ``check`` and ``host``: rows per rank, K, n (bf16)
+MEDIUM = (1024, 4096, 4096)
+
+
+# -- ranks ----------------------------------------------------------------------------------------
+def _rank_main(rank, world, init_file, part, args, out_dir):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=240))
+    try:
+        result = PARTS[part](rank, world, args)
+        error = None
+    except BaseException:  # noqa: BLE001 - reported by the parent
+        import traceback
+
+        result, error = None, traceback.format_exc()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"result": result, "error": error}))
+    try:
+        import ficco
+
+        ficco.shutdown()
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - the result is written already
+        print(f"rank {rank}: teardown: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+
+def spawn(part: str, world: int, args) -> list:
+    """Run ``part`` on ``world`` ranks sharing the GPU(s); every rank's result, in rank order
+    (raises with every failing rank's traceback)."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="ficco-gpu-session-") as tmp:
+        init_file = os.path.join(tmp, "pg")
+        mp.start_processes(_rank_main, args=(world, init_file, part, args, tmp), nprocs=world,
+                           join=True, start_method="spawn")
+        answers = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+    failed = [(r, a["error"]) for r, a in enumerate(answers) if a["error"]]
+    if failed:
+        raise RuntimeError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in failed))
+    return [a["result"] for a in answers]
+
+
+def _inputs(op: str, rank: int, world: int, m: int, k: int, n: int, dtype, seed: int):
+    """This rank's (a, b) on the GPU and its float64 reference block (on the GPU: a CPU
+    float64 GEMM of this size per rank would take minutes), with the rounding scale."""
+    from ..backends import get_backend
+    from ..problem import even_split
+
+    gen = torch.Generator().manual_seed(seed)
+    dev = get_backend().device()
+    if op == "all_gather_matmul":
+        shards = [torch.randn(m, k, generator=gen) for _ in range(world)]
+        b = torch.randn(k, n, generator=gen)
+        full = torch.cat(shards).to(dev, dtype).double()
+        bd = b.to(dev, dtype).double()
+        return shards[rank].to(dev, dtype), b.to(dev, dtype), full @ bd, full.abs() @ bd.abs()
+    a_s = [torch.randn(world * m, k, generator=gen) for _ in range(world)]
+    b_s = [torch.randn(k, n, generator=gen) for _ in range(world)]
+    ref = torch.zeros(world * m, n, dtype=torch.float64, device=dev)
+    scale = torch.zeros_like(ref)
+    for a, b in zip(a_s, b_s):
+        ad, bd = a.to(dev, dtype).double(), b.to(dev, dtype).double()
+        ref += ad @ bd
+        scale += ad.abs() @ bd.abs()
+    start, rows = even_split(world * m, world)[rank]
+    return (a_s[rank].to(dev, dtype), b_s[rank].to(dev, dtype), ref[start:start + rows],
+            scale[start:start + rows])
+
+
+def _row_error(out, ref, scale) -> float:
+    """Worst row's error over its rounding scale (tests/reference.py's measure); NaN: inf."""
+    out64 = out.double()
+    if torch.isnan(out64).any() or out64.shape != ref.shape:
+        return float("inf")
+    return float(((out64 - ref).norm(dim=1) / scale.norm(dim=1).clamp_min(1e-30)).max())
+
+
+def _call(op, a, b, schedule):
+    import ficco
+
+    fn = ficco.all_gather_matmul if op == "all_gather_matmul" else ficco.matmul_reduce_scatter
+    with ficco.config.scope(transport="dma"):
+        return fn(a, b, schedule=schedule)
+
+
+def _slowest(value: float) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0])
+
+
+def _ops_of(op, schedule, world, m, k, n, dtype_name) -> int:
+    """Ops of the plan this rank runs (events included), the simulator's host_op_s unit."""
+    from .. import schedules
+    from ..problem import Problem
+
+    p = Problem(m=m if op == "all_gather_matmul" else world * m, k=k, ns=(n,), dtype=dtype_name,
+                world=world, op=op)
+    return len(schedules.get(schedule, op=op).plan(p, "dma").ops)
+
+
+def _schedules(op: str, args: dict, gated: bool = True) -> list[str]:
+    """Every schedule of ``op`` (``args["schedules"]``: only those)."""
+    from .. import schedules
+
+    every = schedules.names(op=op) + (schedules.optional_names(op=op) if gated else [])
+    return [s for s in every if not args.get("schedules") or s in args["schedules"]]
+
+
+# -- parts --------------------------------------------------------------------------------------------
+TOL = {"bfloat16": 3e-2, "float16": 6e-3, "float32": 1e-4}
+
+
+def check(rank, world, args):
+    """Every schedule of both ops at the medium shape: error against float64 and time."""
+    import torch.distributed as dist
+
+    m, k, n = args["shape"]
+    dtype = getattr(torch, args["dtype"])
+    rows = []
+    for op in ("all_gather_matmul", "matmul_reduce_scatter"):
+        for i, schedule in enumerate(_schedules(op, args)):
+            a, b, ref, scale = _inputs(op, rank, world, m, k, n, dtype, args["seed"] + i)
+            try:
+                out = _call(op, a, b, schedule)
+                torch.cuda.synchronize()
+                err = _row_error(out, ref, scale)
+                times = []
+                for _ in range(args["repeat"]):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    _call(op, a, b, schedule)
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - start)
+                seconds, failure = _slowest(statistics.median(times)), None
+            except Exception as exc:  # noqa: BLE001 - one schedule's failure is a row
+                err, seconds, failure = float("inf"), None, f"{type(exc).__name__}: {exc}"
+            rows.append({"op": op, "schedule": schedule, "world": world, "rows_per_rank": m,
+                         "k": k, "n": n, "dtype": args["dtype"], "error": err,
+                         "tolerance": TOL[args["dtype"]], "ok": err <= TOL[args["dtype"]],
+                         "median_s": seconds, "failure": failure})
+    return rows
+
+
+def sanitize(rank, world, args):
+    """Small calls of one schedule of each kind (row and column pulls, gated, both ops)."""
+    dtype = torch.bfloat16
+    errors = {}
+    for i, (op, schedule) in enumerate([("all_gather_matmul", "ring"),
+                                        ("all_gather_matmul", "uniform-fused-2d"),
+                                        ("all_gather_matmul", "gated-1d"),
+                                        ("matmul_reduce_scatter", "uniform-unfused-1d")]):
+        a, b, ref, scale = _inputs(op, rank, world, 64, 256, 128, dtype, 7 + i)
+        out = _call(op, a, b, schedule)
+        torch.cuda.synchronize()
+        errors[f"{op}/{schedule}"] = _row_error(out, ref, scale)
+    return errors
+
+
+def host(rank, world, args):
+    """Host seconds of one warm call end to end, fence on and off, every schedule of both
+    ops (the device is synchronised between calls, outside the timed region)."""
+    from ..backends import get_backend
+
+    m, k, n = args["shape"]
+    dtype = getattr(torch, args["dtype"])
+    backend = get_backend()
+    real_fence = backend.fence
+    rows = []
+    for op in ("all_gather_matmul", "matmul_reduce_scatter"):
+        for schedule in _schedules(op, args, gated=False):
+            a, b, _, _ = _inputs(op, rank, world, m, k, n, dtype, 11)
+            ops = _ops_of(op, schedule, world, m, k, n, args["dtype"])
+            for fence in (True, False):
+                backend.fence = real_fence if fence else (lambda outputs, symm=None: None)
+                try:
+                    for _ in range(3):     # warm: agreement, plan, binding, autotune
+                        _call(op, a, b, schedule)
+                    torch.cuda.synchronize()
+                    times = []
+                    for _ in range(args["calls"]):
+                        start = time.perf_counter()
+                        _call(op, a, b, schedule)
+                        times.append(time.perf_counter() - start)
+                        torch.cuda.synchronize()
+                finally:
+                    backend.fence = real_fence
+                rows.append({"op": op, "schedule": schedule, "world": world, "ops": ops,
+                             "fence": fence, "host_us_median": 1e6 * statistics.median(times),
+                             "host_us_p10": 1e6 * sorted(times)[len(times) // 10],
+                             "calls": len(times)})
+    return rows
+
+
+def timeline(rank, world, args):
+    """One traced call of ``args['schedule']`` (rank 0's rows, relative to its first op)."""
+    from .. import api
+
+    m, k, n = args["shape"]
+    a, b, _, _ = _inputs("all_gather_matmul", rank, world, m, k, n, torch.bfloat16, 3)
+    for _ in range(3):
+        _call("all_gather_matmul", a, b, args["schedule"])
+    torch.cuda.synchronize()
+    import ficco
+
+    with ficco.config.scope(transport="dma"):
+        _, _, rows = api.traced_all_gather_matmul(a, b, schedule=args["schedule"])
+    torch.cuda.synchronize()
+    return rows
+
+
+PARTS = {"check": check, "sanitize": sanitize, "host": host, "timeline": timeline}
+
+
+# -- what the parent writes ---------------------------------------------------------------------------
+def fit_host_op(rows: list[dict]) -> float:
+    """Seconds per plan op: least-squares slope through the origin of host time against op
+    count (fence on), the simulator's ``host_op_s`` form.
+
+    >>> round(fit_host_op([{"ops": 10, "host_us_median": 20.0, "fence": True},
+    ...                    {"ops": 20, "host_us_median": 40.0, "fence": True}]) * 1e6, 3)
+    2.0
+    """
+    on = [r for r in rows if r["fence"]]
+    return sum(r["ops"] * r["host_us_median"] for r in on) / \
+        sum(r["ops"] ** 2 for r in on) / 1e6
+
+
+def _write(out: Path, name: str, rows: list[dict]) -> None:
+    with open(out / name, "w") as fh:
+        fh.writelines(json.dumps(row) + "\n" for row in rows)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ficco.bench.gpu_session",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("part", choices=sorted(PARTS))
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--shape", default=",".join(map(str, MEDIUM)),
+                        help="rows per rank, K, n (default %(default)s)")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(TOL))
+    parser.add_argument("--repeat", type=int, default=5, help="check: timed calls")
+    parser.add_argument("--calls", type=int, default=30, help="host: timed calls")
+    parser.add_argument("--schedule", default="uniform-fused-1d", help="timeline: schedule")
+    parser.add_argument("--label", default="", help="timeline: file name suffix")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--out", default="bench/runs/gpu-session")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    shape = tuple(int(v) for v in args.shape.split(","))
+    world = 2 if args.part == "sanitize" else args.world
+    spec = {"shape": shape, "dtype": args.dtype, "repeat": args.repeat, "calls": args.calls,
+            "schedule": args.schedule, "seed": args.seed}
+    results = spawn(args.part, world, spec)
+    if args.part == "check":
+        rows = results[0]
+        _write(out, "check.jsonl", rows)
+        for r in rows:
+            time_ms = f"{r['median_s'] * 1e3:8.3f} ms" if r["median_s"] else "   failed"
+            print(f"{r['op']:22s} {r['schedule']:20s} err {r['error']:.2e} "
+                  f"{'ok ' if r['ok'] else 'BAD'} {time_ms} {r['failure'] or ''}")
+        return 0 if all(r["ok"] for rank_rows in results for r in rank_rows) else 1
+    if args.part == "sanitize":
+        print(json.dumps(results))
+        return 0 if all(e <= 3e-2 for errs in results for e in errs.values()) else 1
+    if args.part == "host":
+        rows = results[0]
+        _write(out, "host.jsonl", rows)
+        per_op = fit_host_op(rows)
+        target = f"cuda:sm_{''.join(map(str, torch.cuda.get_device_capability()))}" \
+            if not torch.version.hip else "rocm"
+        fragment = {"host_op_s": per_op, "sources": {"host_op_s": (
+            f"measured: python -m ficco.bench.gpu_session host --world {world} on "
+            f"{torch.cuda.get_device_name()} ({target}), {datetime.date.today()}: host time of "
+            f"a warm ficco call end to end (entry to return, fence launched) over both ops' "
+            f"schedules, slope through the origin per plan op")}}
+        (out / "host_op_s.json").write_text(json.dumps(fragment, indent=1) + "\n")
+        for r in rows:
+            print(f"{r['op']:22s} {r['schedule']:20s} ops {r['ops']:4d} fence "
+                  f"{'on ' if r['fence'] else 'off'} {r['host_us_median']:8.1f} us")
+        print(f"host_op_s = {per_op * 1e6:.2f} us per plan op")
+        return 0
+    rows = results[0]
+    name = f"timeline-{args.schedule}{args.label}"
+    (out / f"{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
+    try:
+        from .gantt import draw_gantt
+
+        draw_gantt(rows, out / f"{name}.png", f"{args.schedule}, rank 0, "
+                   f"CUDA_DEVICE_MAX_CONNECTIONS={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')}")
+    except ImportError as exc:   # matplotlib missing: the JSON is the result
+        print(f"no PNG: {exc}", file=sys.stderr)
+    span = max((r["end_s"] for r in rows), default=0.0)
+    print(f"{name}: {len(rows)} ops, makespan {span * 1e3:.3f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
