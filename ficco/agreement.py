@@ -144,7 +144,7 @@ class Process:
     pid: int
 
     @classmethod
-    def this(cls) -> "Process":
+    def this(cls) -> Process:
         try:
             namespace = os.readlink("/proc/self/ns/pid")
         except OSError:                   # no /proc (not Linux): the host alone decides
@@ -231,7 +231,7 @@ def exchange(group, rank: int, world: int, payload, *, what: str) -> list:
     try:
         store.set(keys[rank], pickle.dumps((what, payload)))
         _wait_keys(store, keys, timeout_s)
-    except Exception as exc:  # noqa: BLE001 - torch raises DistStoreError or RuntimeError
+    except Exception as exc:  # torch raises DistStoreError or RuntimeError
         if not _has(store, keys[rank]):
             # Not even this rank's own key: the store itself does not answer (missing None).
             raise _missing(None, CommTimeoutError(

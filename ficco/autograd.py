@@ -180,11 +180,10 @@ def _ag_backward(ctx, grad_gathered, grad_outs):
         # that raise first, so no unchecked collective is left in flight); on GPUs both are
         # queued on streams and still overlap.
         gathered = _gather(shard, ctx.group, ctx.dim)
-    if ctx.a_needs:
-        if grad_gathered is not None and grad_gathered.numel():
-            # The caller used the gathered a itself: its gradient is reduce-scattered too.
-            extra = _reduce_scatter(grad_gathered, ctx.group, ctx.dim)
-            grad_a = extra if grad_a is None else grad_a + extra
+    if ctx.a_needs and grad_gathered is not None and grad_gathered.numel():
+        # The caller used the gathered a itself: its gradient is reduce-scattered too.
+        extra = _reduce_scatter(grad_gathered, ctx.group, ctx.dim)
+        grad_a = extra if grad_a is None else grad_a + extra
     grad_bs = []
     for g, needs in zip(grad_outs, ctx.b_needs):
         grad_bs.append(_rows(gathered, ctx.dim).t() @ _rows(g, ctx.dim)

@@ -234,13 +234,18 @@ def _gone(call: Call) -> tuple[list[int], str]:
     quiet = [r for r in quiet or () if r not in dead]
     live = [r for r in quiet if r in local]
     elsewhere = [r for r in quiet if r not in local]
-    said = ([f"rank(s) {dead} are gone (their processes exited)"] if dead else []) + \
-        ([f"rank(s) {live} are alive but did not answer a liveness check (busy in another "
-          f"wait, or slow)"] if live else []) + \
-        ([f"rank(s) {elsewhere} did not answer a liveness check" + (
-            " (on other hosts: gone, busy or slow)" if known else "")] if elsewhere else []) + \
-        (["the group's store does not answer (the process hosting it, rank 0 with a tcp:// "
-          "or env:// rendezvous, is gone)"] if store_gone else [])
+    said = []
+    if dead:
+        said.append(f"rank(s) {dead} are gone (their processes exited)")
+    if live:
+        said.append(f"rank(s) {live} are alive but did not answer a liveness check (busy in "
+                    f"another wait, or slow)")
+    if elsewhere:
+        said.append(f"rank(s) {elsewhere} did not answer a liveness check"
+                    + (" (on other hosts: gone, busy or slow)" if known else ""))
+    if store_gone:
+        said.append("the group's store does not answer (the process hosting it, rank 0 with a "
+                    "tcp:// or env:// rendezvous, is gone)")
     if said:
         return sorted(dead + quiet), "; ".join(said)
     return [], "every peer answers a liveness check"

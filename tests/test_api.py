@@ -140,9 +140,8 @@ def test_ficco_timeout_must_be_a_finite_number_of_seconds(monkeypatch, value):
     if value.lower().startswith("inf"):
         assert "86400" in str(caught.value), caught.value     # says what to use instead
     monkeypatch.delenv("FICCO_TIMEOUT")
-    with pytest.raises(ConfigError, match="timeout"):
-        with ficco.config.scope(timeout=float(value)):
-            pass
+    with pytest.raises(ConfigError, match="timeout"), ficco.config.scope(timeout=float(value)):
+        pass
 
 
 def test_from_linear_takes_only_linears():

@@ -290,10 +290,10 @@ def _local_gemm_fails(rank, world, seed, schedule, transport, where):
         cpu.gemm_into = real
         raise RuntimeError("injected GEMM failure")
 
-    shards, bs, _, refs = make_inputs(seed, world, (8, 16), (4,), torch.float32)
+    shards, bs, _, _ = make_inputs(seed, world, (8, 16), (4,), torch.float32)
     with ficco.config.scope(transport=transport, timeout=5):
         ficco.all_gather_matmul(shards[rank], bs[0], schedule=schedule)   # agreed, warm
-        restore = lambda: None  # noqa: E731
+        restore = lambda: None
         if rank == 1 and where == "queue":
             cpu.gemm_into = broken
         elif rank == 1:
@@ -335,8 +335,6 @@ def _slow_gemms(rank, world, seed, transport):
         return real(*args)
 
     shards, bs, _, refs = make_inputs(seed, world, (8, 16), (4,), torch.float32)
-    a_rs = torch.randn(6, 8, generator=torch.Generator().manual_seed(seed))
-    b_rs = torch.randn(8, 3, generator=torch.Generator().manual_seed(seed + rank))
     out = []
     with ficco.config.scope(transport=transport):
         ficco.all_gather_matmul(shards[rank], bs[0], schedule="hetero-fused-1d")   # agreed

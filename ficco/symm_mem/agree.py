@@ -34,9 +34,8 @@ def exchange_or_fail(group, rank: int, world: int, payload: Any, failure: str | 
                         what=f"symmetric memory: {what}")
     failed = [(r, f) for r, (_, f, _) in enumerate(everyone) if f is not None]
     sizes = [n for _, _, n in everyone]
-    if failed or len(set(sizes)) > 1:
-        if on_failure is not None:
-            on_failure()
+    if (failed or len(set(sizes)) > 1) and on_failure is not None:
+        on_failure()
     if failed:
         detail = "; ".join(f"rank {r}: {f}" for r, f in failed)
         raise SymmAllocationError(f"rank {rank}: could not {what} because {detail}. Every rank "
@@ -45,6 +44,6 @@ def exchange_or_fail(group, rank: int, world: int, payload: Any, failure: str | 
         raise consistent(MismatchError(
             f"rank {rank}: could not {what}: the ranks asked for different sizes ("
             + ", ".join(f"rank {r}: {n} bytes" for r, n in enumerate(sizes)) + "), so they are "
-            f"making different calls (other shapes or dtypes). Every rank raised, nothing stays "
-            f"allocated; every rank must make the same calls in the same order"))
+            "making different calls (other shapes or dtypes). Every rank raised, nothing stays "
+            "allocated; every rank must make the same calls in the same order"))
     return [p for p, _, _ in everyone]
