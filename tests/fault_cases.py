@@ -199,7 +199,6 @@ def two_groups(rank, world, tag, timeout_s):
     ficco.shutdown()
     for g in (group_a, group_b):
         dist.destroy_process_group(g)
-    del group_a, group_b
     import gc
 
     gc.collect()

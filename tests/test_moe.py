@@ -85,7 +85,8 @@ def test_compiled_graphs_are_the_same_on_every_rank_and_match_eager():
     graphs are identical on every rank, and the compiled FFN matches eager."""
     from .ep_cases import compiled_graphs
 
-    results = harness.pool(2).run(compiled_graphs, random.randrange(1 << 30))
+    results = harness.pool(2, COMPILE_ENV).run(compiled_graphs, random.randrange(1 << 30),
+                                             timeout_s=900)
     assert len(results[0][0]) == 2 and results[0][0] == results[1][0]
     assert all(diff < 1e-5 for _, diff in results), [diff for _, diff in results]
 
