@@ -147,7 +147,7 @@ def _run(steps, backend, buffers, queues, events, v, timeout_s) -> None:
                                                      v[x[2]], v[x[3]], buffers.flags,
                                                      timeout_s, buffers.symm))
             else:   # LAUNCH or LAUNCH_HERE: a host task (a reduction, a collective)
-                task = x(v, buffers.group, y)
+                task = x(v, buffers, y)
                 task.ficco_step = z      # the queue names it if the task fails or hangs
                 if code == LAUNCH_HERE:
                     launch_here(task)

@@ -6,6 +6,7 @@ rank's exit code (a negative one is a signal: SIGSEGV -11, SIGABRT -6).
     python -m tests.exit_after_error skip 10  # ... ten times in a row
     python -m tests.exit_after_error clean 50 # no error: calls on both transports, then exit
     python -m tests.exit_after_error clean-destroy 50   # ... after destroy_process_group()
+    python -m tests.exit_after_error gloo 50  # no ficco at all: gloo collectives, then exit
 
 No rank calls ``destroy_process_group()`` (but in ``clean-destroy``): the point is that ficco
 leaves nothing behind (a pending collective, a mapping a queue still uses) that crashes the
@@ -27,12 +28,17 @@ def _rank(rank: int, world: int, init_file: str, mode: str) -> None:
     import torch
     import torch.distributed as dist
 
-    import ficco
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     gen = torch.Generator().manual_seed(rank)
+    if mode == "gloo":     # torch alone: how often does its own exit abort?
+        t = torch.randn(64, 64, generator=gen)
+        for _ in range(10):
+            dist.all_reduce(t)
+        sys.exit(0)
+    import ficco
+
     if mode == "sigint":
         a, b = torch.randn(256, 512, generator=gen), torch.randn(512, 256, generator=gen)
         with ficco.config.scope(transport="dma"):
