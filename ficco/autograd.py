@@ -29,6 +29,12 @@ from torch import Tensor
 from .errors import FiccoError, InvalidArgumentError
 from .group import NO_GROUP, rank_world_of
 
+# The roles of the calls a backward makes (ficco.call.FORWARD is the caller's): part of what
+# the ranks agree on, so a rank that skipped a backward never pairs its next forward with the
+# peers' backward (in an SP MLP they have the same shapes).
+GRAD_OF_ALL_GATHER_MATMUL = "backward of all_gather_matmul (grad of a_shard)"
+GRAD_OF_MATMUL_REDUCE_SCATTER = "backward of matmul_reduce_scatter (grad of a)"
+
 
 # -- autograd: the backward of each op is the other op ------------------------------------------
 class _FirstOrderOnly(torch.autograd.Function):
@@ -75,7 +81,8 @@ def _first_order(backward):
 
 def _as_passed(ctx, grads: tuple) -> tuple:
     """One gradient per argument the call passed: the dispatcher drops trailing arguments
-    equal to their defaults (the epilogue's Nones), and autograd wants exactly as many."""
+    equal to their defaults (the epilogue's Nones, the forward role), and autograd wants
+    exactly as many."""
     return grads[:len(ctx.needs_input_grad)]
 
 
@@ -158,8 +165,6 @@ def _ag_backward(ctx, grad_gathered, grad_outs):
     grad_b_scales, grad_biases = _bias_grads(ctx, grad_outs)
     # an out_dtype wider than the operands (float32 of bf16): the backward GEMMs run in theirs
     grad_outs = [g if g is None or g.dtype == ctx.dtype else g.to(ctx.dtype) for g in grad_outs]
-    if shard is not None:
-        gathered = _gather(shard, ctx.group, ctx.dim)   # in flight during the reduce-scatter
     grad_a = None
     if ctx.a_needs:
         pairs = [(g, b) for g, b in zip(grad_outs, bs) if g is not None]
@@ -167,18 +172,24 @@ def _ag_backward(ctx, grad_gathered, grad_outs):
             # sum_j grad_c_j @ b_j^T as one GEMM: [grad_c_1 | grad_c_2 ...] @ [b_1^T; b_2^T ...]
             grad_c = pairs[0][0] if len(pairs) == 1 else torch.cat([g for g, _ in pairs], -1)
             b_t = pairs[0][1].t() if len(pairs) == 1 else torch.cat([b.t() for _, b in pairs])
-            grad_a = torch.ops.ficco.matmul_reduce_scatter(grad_c, [b_t], ctx.group, ctx.dim,
-                                                           "sum", None)[0]
-        if grad_gathered is not None and grad_gathered.numel():
-            # The caller used the gathered a itself: its gradient is reduce-scattered too.
-            extra = _reduce_scatter(grad_gathered, ctx.group, ctx.dim)
-            grad_a = extra if grad_a is None else grad_a + extra
+            grad_a = torch.ops.ficco.matmul_reduce_scatter(
+                grad_c, [b_t], ctx.group, ctx.dim, "sum", None,
+                role=GRAD_OF_ALL_GATHER_MATMUL)[0]
+    if shard is not None:
+        # Issued after the checked reduce-scatter (a rank that skipped this backward makes
+        # that raise first, so no unchecked collective is left in flight); on GPUs both are
+        # queued on streams and still overlap.
+        gathered = _gather(shard, ctx.group, ctx.dim)
+    if ctx.a_needs and grad_gathered is not None and grad_gathered.numel():
+        # The caller used the gathered a itself: its gradient is reduce-scattered too.
+        extra = _reduce_scatter(grad_gathered, ctx.group, ctx.dim)
+        grad_a = extra if grad_a is None else grad_a + extra
     grad_bs = []
     for g, needs in zip(grad_outs, ctx.b_needs):
         grad_bs.append(_rows(gathered, ctx.dim).t() @ _rows(g, ctx.dim)
                        if needs and g is not None else None)
     return (grad_a, grad_bs, None, None, None, None, None, grad_b_scales, grad_biases, None,
-            None)
+            None, None)
 
 
 def _rs_setup_context(ctx, inputs, output):
@@ -216,12 +227,13 @@ def _rs_backward(ctx, grad_outs):
         if ctx.a_needs:
             # grad_a = all_gather(grad_d) @ b^T, the gathered grad_d reused for grad_b.
             gathered, (part,) = torch.ops.ficco.all_gather_matmul(
-                g, [bs[j].t()], ctx.group, ctx.dim, None, b_needs)
+                g, [bs[j].t()], ctx.group, ctx.dim, None, b_needs,
+                role=GRAD_OF_MATMUL_REDUCE_SCATTER)
             grad_a = part if grad_a is None else grad_a + part
         elif b_needs:
             gathered = _gather(g, ctx.group, ctx.dim)
         grad_bs.append(_rows(a, ctx.dim).t() @ _rows(gathered, ctx.dim) if b_needs else None)
-    return grad_a, grad_bs, None, None, None, None, None, grad_b_scales, grad_biases, None
+    return grad_a, grad_bs, None, None, None, None, None, grad_b_scales, grad_biases, None, None
 
 
 # -- autocast: the GEMMs run in the autocast dtype, as torch.matmul would -------------------------

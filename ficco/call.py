@@ -25,6 +25,9 @@ from .problem import Problem, dtype_name
 
 #: The dtypes every op accepts (float64 is for references and tests).
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+#: The role of a call made by the caller; ficco's backward passes make theirs with a role that
+#: names the op and input they differentiate (ficco.autograd), so the ranks agree on it too.
+FORWARD = "forward"
 #: fp8 operands, taken with scales (ficco.scaled)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
               torch.float8_e5m2fnuz)
@@ -40,6 +43,8 @@ class Call:
     backend: Any
     #: nothing to overlap (e.g. an output with no columns): agreed, then the op's plain path
     plain_only: bool = False
+    #: FORWARD, or the backward pass this call belongs to (part of what ranks agree on)
+    role: str = FORWARD
     # Read many times per call: set once here rather than looked up through properties.
     world: int = field(init=False)
     rank: int = field(init=False)
@@ -67,12 +72,14 @@ class Call:
 class Reuse:
     """What the runtime derives from a call's key (op, shapes, dtypes, group, backend) and
     reuses at every warm call of the key (STYLE guideline 11): the agreed signature and digest
-    per settings, the workspace size, the byte offsets of the op's buffers in it."""
+    per settings and role, the problem decided on per agreement, the workspace size, the byte
+    offsets of the op's buffers in it."""
 
-    __slots__ = ("offsets", "signed", "workspace_bytes")
+    __slots__ = ("agreed", "offsets", "signed", "workspace_bytes")
 
     def __init__(self):
-        self.signed: dict = {}          # id(settings) -> (settings, signature, digest)
+        self.signed: dict = {}    # (id(settings), role) -> (settings, signature, digest)
+        self.agreed: tuple | None = None   # (Agreed, the problem decided on, its key)
         self.workspace_bytes: int | None = None
         self.offsets: tuple[int, ...] | None = None   # the op spec's
 
@@ -140,6 +147,19 @@ def forget() -> None:
     _known.clear()
 
 
+def check_flag(value, name: str) -> bool:
+    """``value`` as a bool, which it must be (a NumPy bool too): a string such as "yes" or
+    "false" is not taken for one.
+
+    >>> check_flag(False, "return_gathered")
+    False
+    """
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise InvalidArgumentError(f"{name} must be True or False; got {type(value).__name__} "
+                               f"{value!r}")
+
+
 def normalize_dim(value, ndim: int, name: str) -> int:
     """``value`` as a dimension index in ``[0, ndim)``; accepts Python and NumPy integers
     (anything with ``__index__``) but not bools."""
@@ -198,10 +218,11 @@ def check_like(t, ref: torch.Tensor, name: str, ref_name: str, *, dtype: bool = 
 
 def check_weights(b, a: torch.Tensor, a_name: str, *, k: int | None = None,
                   k_from: str | None = None, list_name: str = "b",
-                  role: str = "") -> tuple[list, bool]:
+                  role: str = "", k_may_be_zero: bool = False) -> tuple[list, bool]:
     """``(weights as a list, whether b was a list)``, each a 2-D ``(k, n)`` tensor with the
     dtype and device of ``a``. ``k`` defaults to ``a``'s last dim; ``k_from`` says where a
-    different ``k`` comes from (for the error message); ``role`` adds what the weight is."""
+    different ``k`` comes from (for the error message); ``role`` adds what the weight is;
+    ``k_may_be_zero``: this rank may hold none of K (a reduce-scatter's shard of it)."""
     b_is_list = isinstance(b, (list, tuple))
     bs = list(b) if b_is_list else [b]
     if not bs:
@@ -222,7 +243,7 @@ def check_weights(b, a: torch.Tensor, a_name: str, *, k: int | None = None,
         # fp8 forms may mix (e4m3 activations, e5m2 gradients): torch._scaled_mm takes it
         check_like(bj, a, name, a_name,
                    dtype=not (a.dtype in FP8_DTYPES and bj.dtype in FP8_DTYPES))
-    if k == 0:
+    if k == 0 and not k_may_be_zero:
         raise InvalidArgumentError(f"{a_name} has K=0 columns: {tuple(a.shape)}")
     return bs, b_is_list
 

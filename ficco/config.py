@@ -13,6 +13,7 @@ Precedence for a decision: call argument > env/scope > selector.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 from collections.abc import Callable
@@ -29,6 +30,8 @@ class Knob:
     parse: Callable[[str], Any]
     doc: str
     choices: tuple | None = None
+    #: ``parse`` also checks values set from Python (numbers), not only env strings
+    checks_values: bool = False
 
     def read(self) -> Any:
         # One Python call per read (ficco reads several settings per call): no helpers here.
@@ -71,6 +74,18 @@ def _positive_float(raw: str) -> float:
     return value
 
 
+def _seconds(raw) -> float:
+    value = float(raw)
+    if math.isinf(value) and value > 0:
+        # No call may wait forever (a dead peer must make the others fail); a day is "never"
+        # for any healthy wait and still ends.
+        raise ValueError("ficco never waits forever; give a large finite number of seconds "
+                         "instead, e.g. 86400 (a day)")
+    if not value > 0:
+        raise ValueError("must be a positive, finite number of seconds")
+    return value
+
+
 def _positive_int(raw: str) -> int:
     value = int(raw)
     if value <= 0:
@@ -110,7 +125,8 @@ KNOBS: dict[str, Knob] = {k.env: k for k in [
     Knob("FICCO_TUNE_CANDIDATES", None, _names,
          "the schedules the tune selector measures, e.g. serial,ring,gated-1d (default: every "
          "schedule offered on this backend; gated-* only where Triton runs, never on CPU)"),
-    Knob("FICCO_TIMEOUT", 300.0, _positive_float, "seconds before a cross-rank wait fails"),
+    Knob("FICCO_TIMEOUT", 300.0, _seconds, "seconds before a cross-rank wait fails (finite)",
+         checks_values=True),
     Knob("FICCO_LOG", "warning", str.lower, "log level of ficco's decisions",
          choices=("debug", "info", "warning", "error")),
     Knob("FICCO_COPY_ENGINES", None, _positive_int, "copy queues per rank (default: one per peer)"),
@@ -155,7 +171,7 @@ def scope(**settings):
         if env is None:
             raise ConfigError(f"unknown ficco setting {name!r}; known: {', '.join(sorted(_NAMES))}")
         knob = KNOBS[env]
-        if isinstance(value, str):
+        if isinstance(value, str) or knob.checks_values:
             try:
                 value = knob.parse(value)
             except (TypeError, ValueError) as exc:

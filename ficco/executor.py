@@ -19,6 +19,7 @@ from .compiler import (
     GATED,
     GEMM,
     GEMM_HERE,
+    LAUNCH,
     LAUNCH_HERE,
     RECORD,
     SIGNAL,
@@ -68,16 +69,49 @@ def execute(plan: Plan, backend, buffers: Buffers, *, timeout_s: float,
     backend.record(entry, queues[compiled.compute])
     for i in compiled.side_queues:
         backend.wait(entry, queues[i])
-    if trace:
-        return _run_traced(compiled, steps, backend, buffers, queues, events, views, timeout_s)
-    if profiled:   # named ranges for torch.profiler traces; off: one flag read
-        profiling.run_with_ranges(compiled, lambda steps: _run(
-            steps, backend, buffers, queues, events, views, timeout_s),
-            lambda op: op_label(op, plan.problem.rank))
-    else:
-        _run(steps, backend, buffers, queues, events, views, timeout_s)
-    backend.finish(queues)
+    try:
+        if trace:
+            return _run_traced(compiled, steps, backend, buffers, queues, events, views,
+                               timeout_s)
+        if profiled:   # named ranges for torch.profiler traces; off: one flag read
+            profiling.run_with_ranges(compiled, lambda steps: _run(
+                steps, backend, buffers, queues, events, views, timeout_s),
+                lambda op: op_label(op, plan.problem.rank))
+        else:
+            _run(steps, backend, buffers, queues, events, views, timeout_s)
+        backend.finish(queues)
+    except BaseException as exc:
+        _name_work_step(exc, compiled, steps, views)
+        raise
     return None
+
+
+def _name_work_step(exc: BaseException, compiled: CompiledPlan, steps, views) -> None:
+    """This rank's own work failed (a GEMM or copy): mark ``exc`` as such (``ficco_local``)
+    and name its plan step, found by the step being enqueued (``exc.ficco_at``, a backend
+    that raised at once) or by the tensors the failed task held (``exc.ficco_work``, a queue
+    that ran it later). Error path only."""
+    at, work = getattr(exc, "ficco_at", None), getattr(exc, "ficco_work", None)
+    index = dict(compiled.work)
+    for number, step in enumerate(steps):
+        code, _, x, y, z, _ = step
+        if code in (GEMM, GEMM_HERE):
+            held = (views[x], views[y], views[z])
+        elif code in (COPY, COPY_2D, CALL):
+            held = (views[x], views[y]) if code != CALL else ()
+        else:
+            continue
+        found = step is at or (work is not None and len(held) == len(work) and all(
+            h is t for h, t in zip(held, work)))
+        if found and number in index:
+            op = compiled.plan.ops[index[number]]
+            try:
+                exc.ficco_local = True
+            except AttributeError:       # an exception type without a __dict__
+                return
+            name_step(exc, f"plan step {index[number]} "
+                           f"({op_label(op, compiled.plan.problem.rank)}, queue {op.queue})")
+            return
 
 
 def _run(steps, backend, buffers, queues, events, v, timeout_s) -> None:
@@ -86,40 +120,48 @@ def _run(steps, backend, buffers, queues, events, v, timeout_s) -> None:
     # only bound steps use GEMM_HERE / LAUNCH_HERE (backends with compute_on_current)
     gemm_here, launch_here = backend.gemm_current, backend.launch_current
     record, wait = backend.record, backend.wait
-    for code, q, x, y, z, w in steps:
-        if code == WAIT:
-            wait(events[x], queues[q])
-        elif code == RECORD:
-            record(events[x], queues[q])
-        elif code == CALL:
-            x(queues[q])          # a copy the backend prepared when the plan was bound
-        elif code == GEMM_HERE:
-            gemm_here(v[x], v[y], v[z], w)
-        elif code == GEMM:
-            gemm(v[x], v[y], v[z], w, queues[q])
-        elif code == COPY:
-            copy(v[x], v[y], queues[q])
-        elif code == COPY_2D:
-            copy_2d(v[x], v[y], queues[q])
-        elif code == BARRIER:
-            plan_barrier(backend, buffers.symm, x, queues[q], timeout_s, y)
-        elif code == SIGNAL:
-            raise_flag(backend, queues[q], buffers.flags, x)
-        elif code == GATED:
-            backend.launch(queues[q], gated_task(backend, y[0], y[1], v[x[0]], v[x[1]],
-                                                 v[x[2]], v[x[3]], buffers.flags, timeout_s,
-                                                 buffers.symm))
-        else:   # LAUNCH or LAUNCH_HERE: a host task (a reduction, a collective)
-            task = x(v, buffers, y)
-            task.ficco_step = z      # the queue names it if the task fails or hangs
-            try:
+    step = None
+    try:
+        for step in steps:
+            code, q, x, y, z, w = step
+            if code == WAIT:
+                wait(events[x], queues[q])
+            elif code == RECORD:
+                record(events[x], queues[q])
+            elif code == CALL:
+                x(queues[q])          # a copy the backend prepared when the plan was bound
+            elif code == GEMM_HERE:
+                gemm_here(v[x], v[y], v[z], w)
+            elif code == GEMM:
+                gemm(v[x], v[y], v[z], w, queues[q])
+            elif code == COPY:
+                copy(v[x], v[y], queues[q])
+            elif code == COPY_2D:
+                copy_2d(v[x], v[y], queues[q])
+            elif code == BARRIER:
+                plan_barrier(backend, buffers.symm, x, queues[q], timeout_s, y)
+            elif code == SIGNAL:
+                raise_flag(backend, queues[q], buffers.flags, x)
+            elif code == GATED:
+                backend.launch(queues[q], gated_task(backend, y[0], y[1], v[x[0]], v[x[1]],
+                                                     v[x[2]], v[x[3]], buffers.flags,
+                                                     timeout_s, buffers.symm))
+            else:   # LAUNCH or LAUNCH_HERE: a host task (a reduction, a collective)
+                task = x(v, buffers, y)
+                task.ficco_step = z      # the queue names it if the task fails or hangs
                 if code == LAUNCH_HERE:
                     launch_here(task)
                 else:
                     backend.launch(queues[q], task)
-            except BaseException as exc:   # a backend that runs the task right here
-                name_step(exc, z)
-                raise
+    except BaseException as exc:     # a backend that raised at once (a GPU launch)
+        if step is not None and step[0] in (LAUNCH, LAUNCH_HERE):
+            name_step(exc, step[4])
+        else:
+            try:
+                exc.ficco_at = step      # execute() names it (_name_work_step)
+            except AttributeError:
+                pass
+        raise
 
 
 def _run_traced(compiled, steps, backend, buffers, queues, events, views,

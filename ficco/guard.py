@@ -9,15 +9,20 @@ thread from turning into a wrong result.
   call with :class:`~ficco.errors.PoisonedGroupError` until ``ficco.shutdown()`` ran on every
   rank; after a failed process-group collective (``ccl``) until the group is destroyed, since
   the collective itself may still be pending inside it.
-- **A digest per call on ccl**: one 16-byte all-reduce before the collectives (dma calls
-  carry it as the flag value of their plan barriers instead, see ficco.symm_mem.barrier).
+- **A digest per call on ccl**: one all-gather of each rank's 8-byte digest before the
+  collectives, so a difference names every rank's call (dma calls carry it as the flag value
+  of their plan barriers instead, see ficco.symm_mem.barrier). While it waits, the check
+  answers a peer's first-call agreement exchange (ficco.agreement.answer).
 - **Named failures**: a transport error becomes a :class:`~ficco.errors.TransportError`
-  naming rank, op, schedule, the step (agreement, call check or plan step) and the peers
-  that no longer answer, the original as its cause.
+  naming rank, op, schedule, the step (agreement, call check or plan step) and which peers
+  are gone (their process exited) or silent, the original as its cause; a failure of this
+  rank's own work (a GEMM, a copy) names its plan step the same way.
 """
 from __future__ import annotations
 
+import os
 import threading
+import time
 import weakref
 
 import torch
@@ -82,38 +87,104 @@ def failed(call: Call, exc: BaseException, transport: str | None,
     with _lock:
         _poisoned[call.group_key] = (summary, transport == "ccl")
     if isinstance(exc, CommTimeoutError) and transport == "ccl" and "rank(s)" not in str(exc):
-        # A collective that timed out knows no peer: ask who still answers.
-        peers = _unanswering(call)
+        # A collective that timed out knows no peer: find out which are gone.
+        peers, who = _gone(call)
         named = CommTimeoutError(
             f"rank {call.rank}: {_doing(call, 'ccl', schedule, exc, step)} passed "
             f"FICCO_TIMEOUT ({summary}); "
-            + (f"rank(s) {peers} did not answer a liveness check" if peers else
-               "every peer answers a liveness check (one is slow or made another call)"))
+            + (who if peers else f"{who} (one is slow or made another call)"))
         named.missing = peers
         return named
+    if getattr(exc, "ficco_local", False):
+        # This rank's own work failed (a GEMM, a copy, a reduction): say where.
+        return FiccoError(
+            f"rank {call.rank}: {_doing(call, transport, schedule, exc, step)} failed on this "
+            f"rank ({summary}); peers waiting for it raise at their deadline. The group is out "
+            f"of step: see the error-handling section of the README")
     if isinstance(exc, (CommTimeoutError, MismatchError, KeyboardInterrupt, SystemExit)) or \
             not _from_transport(exc):
         return exc
-    peers = _unanswering(call)
-    who = f"rank(s) {peers} no longer answer" if peers else "every peer still answers"
+    _, who = _gone(call)
     return TransportError(
         f"rank {call.rank}: {_doing(call, transport, schedule, exc, step)} failed "
         f"({summary}); {who}. The group is out of step: see the error-handling section of "
         f"the README")
 
 
-def check_word_ccl(call: Call, word: int) -> None:
-    """Every rank is about to run a call with digest ``word`` (one small all-reduce)."""
-    values = torch.tensor([word, -word], dtype=torch.int64, device=call.backend.device())
-    work = dist.all_reduce(values, op=dist.ReduceOp.MAX, group=call.group, async_op=True)
-    agreement.wait_bounded(work, rank=call.rank, what=f"{call.op.name} call check")
-    high, low = int(values[0]), -int(values[1])
-    if high != low:
+def check_word_ccl(call: Call, word: int, signature: dict | None = None) -> None:
+    """Every rank is about to run a call with digest ``word``: one all-gather of one int64.
+    While it waits it answers a peer's agreement exchange with ``signature`` (a peer whose
+    call is new to it: see ficco.agreement.answer), so that peer and this rank raise one
+    MismatchError naming both calls rather than both waiting for FICCO_TIMEOUT."""
+    words, work = _check_collective(call, word)
+    what = f"{call.op.name} call check"
+    if signature is not None and not _done_within(work, _ANSWER_AFTER_S):
+        _wait_answering(call, work, signature, what)
+    agreement.wait_bounded(work, rank=call.rank, what=what)
+    seen = [int(w) for w in words.tolist()]
+    if len(set(seen)) > 1:
+        calls = "; ".join(f"rank {r}: " + ("this call" if w == word else agreement.describe(
+            call.group, w)) for r, w in enumerate(seen))
         raise agreement.consistent(MismatchError(
             f"rank {call.rank}: the ranks of group {call.group_key} are making different "
-            f"{call.op.name} calls (other shapes, dtypes, settings or op; each was agreed at "
-            f"an earlier call); nothing was computed. Every rank must make the same calls in "
-            f"the same order"))
+            f"{call.op.name} calls ({calls}); each was agreed at an earlier call, nothing was "
+            f"computed. Every rank must make the same calls in the same order: "
+            f"{agreement.describe(call.group, word)} here"))
+
+
+def flush_check(call: Call) -> None:
+    """Complete the check collective of peers that answered this rank's agreement exchange
+    from inside their own call check (``MismatchError.joined["ccl"]``): the same all-gather,
+    so nothing stays in flight in the process group."""
+    _, work = _check_collective(call, 0)
+    agreement.wait_bounded(work, rank=call.rank, what=f"{call.op.name} call check (flush)")
+
+
+# A check that has not completed after this long starts answering peers' agreement exchanges,
+# then asks again at this period (the numbers of ficco.symm_mem.barrier's first barrier).
+_ANSWER_AFTER_S, _ANSWER_EVERY_S = 0.1, 0.25
+
+
+def _check_collective(call: Call, word: int):
+    dev = call.backend.device()
+    words = torch.empty(call.world, dtype=torch.int64, device=dev)
+    mine = torch.tensor([word], dtype=torch.int64, device=dev)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return words, gather(words, mine, group=call.group, async_op=True)
+
+
+def _done_within(work, seconds: float) -> bool:
+    try:
+        future = work.get_future()
+    except RuntimeError:              # a process group without futures: poll
+        deadline = time.monotonic() + seconds
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(1e-4)
+        return True
+    done = threading.Event()
+    future.add_done_callback(lambda _: done.set())
+    return done.wait(seconds)
+
+
+def _wait_answering(call: Call, work, signature: dict, what: str) -> None:
+    """Wait for the check (bounded), answering peers' agreement exchanges now and then."""
+    timeout_s = config.timeout_s()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            agreement.answer(call.group, call.rank, call.world, signature, "ccl")
+        except MismatchError:
+            # The peers complete this check's collective (flush_check): wait for it.
+            agreement.wait_bounded(work, rank=call.rank, what=f"{what} (flush)")
+            raise
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CommTimeoutError(f"rank {call.rank}: {what} did not finish within "
+                                   f"FICCO_TIMEOUT ({timeout_s:.1f}s)")
+        if _done_within(work, min(_ANSWER_EVERY_S, left)):
+            return
 
 
 def reset(keep_sticky: bool = True) -> None:
@@ -140,8 +211,62 @@ def _from_transport(exc: BaseException) -> bool:
         word in text for word in ("connection", "gloo", "nccl", "peer", "socket", "closed"))
 
 
-def _unanswering(call: Call) -> list[int]:
-    """Ranks that do not answer a short liveness exchange through the store."""
+def _gone(call: Call) -> tuple[list[int], str]:
+    """The peers that did not come after a failure, and a sentence that tells the dead from
+    the live: a peer on this host (in this pid namespace) is gone when its process is; the
+    others are asked to answer a short liveness exchange through the store, and one that does
+    not is named as alive but silent (busy in its own wait, or slow) when its process runs,
+    as silent when it runs elsewhere. Never this rank; never an empty list."""
+    ranks = agreement.ranks_of(call.group)
+    here = agreement.Process.this()
+    known = ranks is not None and len(ranks) == call.world
+    local = [r for r, p in enumerate(ranks) if r != call.rank and
+             (p.host, p.pid_namespace) == (here.host, here.pid_namespace)] if known else []
+    quiet = _unanswering(call)
+    # After the exchange: a peer whose process was still exiting when this rank failed had
+    # up to 3 s to be gone.
+    dead = [r for r in local if not _alive(ranks[r].pid)]
+    store_gone = quiet is None
+    quiet = [r for r in quiet or () if r not in dead]
+    live = [r for r in quiet if r in local]
+    elsewhere = [r for r in quiet if r not in local]
+    said = []
+    if dead:
+        said.append(f"rank(s) {dead} are gone (their processes exited)")
+    if live:
+        said.append(f"rank(s) {live} are alive but did not answer a liveness check (busy in "
+                    f"another wait, or slow)")
+    if elsewhere:
+        said.append(f"rank(s) {elsewhere} did not answer a liveness check"
+                    + (" (on other hosts: gone, busy or slow)" if known else ""))
+    if store_gone:
+        said.append("the group's store does not answer (the process hosting it, rank 0 with a "
+                    "tcp:// or env:// rendezvous, is gone)")
+    if said:
+        return sorted(dead + quiet), "; ".join(said)
+    return [], "every peer answers a liveness check"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` (of this pid namespace) runs; a zombie does not."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:                       # no /proc: signal 0 tells whether it exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def _unanswering(call: Call) -> list[int] | None:
+    """Ranks that do not answer a short liveness exchange through the store (never this
+    rank), or None when the store itself does not answer."""
     try:
         with config.scope(timeout=min(config.timeout_s(), 3.0)):
             agreement.exchange(call.group, call.rank, call.world, True,

@@ -108,7 +108,18 @@ def _send_recv(send, send_to, recv, recv_from, group):
 # Each takes (views, buffers, slot arguments) and returns the host function to launch.
 def reduce_task(v, buffers, args):
     dst, srcs, accumulate, scale = v[args[0]], [v[s] for s in args[1]], args[2], args[3]
-    return lambda: _reduce(dst, srcs, accumulate, scale)
+    return local(lambda: _reduce(dst, srcs, accumulate, scale))
+
+
+#: ``task.ficco_kind`` of a host task that is this rank's own work (a reduction): a backend
+#: that bounds its queues by FICCO_TIMEOUT (the CPU's) never times it out. Unmarked host tasks
+#: are collectives, which may wait on a peer.
+LOCAL = "local"
+
+
+def local(fn):
+    fn.ficco_kind = LOCAL
+    return fn
 
 
 def _pick(v, slots):

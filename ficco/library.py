@@ -30,7 +30,8 @@ import torch
 from torch import Tensor
 
 from . import autograd, config, dtensor, runtime
-from .errors import InvalidArgumentError
+from .call import FORWARD, check_flag
+from .errors import FiccoError, InvalidArgumentError
 from .group import by_name, name_of, rank_world, rank_world_of
 from .ops.all_gather_matmul import SPEC as ALL_GATHER_MATMUL
 from .ops.all_gather_matmul import check_arguments as check_all_gather_matmul
@@ -83,16 +84,21 @@ def _fresh(ts: Sequence[Tensor], layouts, inputs: Sequence[Tensor]) -> list[Tens
 
 
 # -- the real kernels: host work, run at call time -----------------------------------------------
-def _run_all_gather_matmul(a, b, group, gather_dim, schedule, return_gathered, **epilogue):
+def _run_all_gather_matmul(a, b, group, gather_dim, schedule, return_gathered, role=FORWARD,
+                           **epilogue):
     """The eager implementation: the real kernel of ``ficco::all_gather_matmul`` and the public
     function's path when the dispatcher adds nothing. Straight to the runtime (``api`` sits
-    above this module). ``epilogue``: fp8 scales, out_dtype, bias, activation."""
+    above this module). ``epilogue``: fp8 scales, out_dtype, bias, activation; ``role``:
+    FORWARD, or the backward pass the call belongs to."""
     call = ALL_GATHER_MATMUL.prepare(a, b, group, gather_dim, return_gathered, **epilogue)
+    call.role = role
     return runtime.run(call, schedule)
 
 
-def _run_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, schedule, **epilogue):
+def _run_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, schedule, role=FORWARD,
+                               **epilogue):
     call = MATMUL_REDUCE_SCATTER.prepare(a, b, group, scatter_dim, reduce_op, **epilogue)
+    call.role = role
     return runtime.run(call, schedule)
 
 
@@ -105,7 +111,8 @@ def _epilogue(a_scale, b_scales, biases, out_dtype, activation=None) -> dict:
 
 # -- the ops ------------------------------------------------------------------------------------
 # Explicit schemas: the epilogue's optional lists ("Tensor[]?", "Tensor?[]?") have defaults, so
-# calls written before they existed keep working.
+# calls written before they existed keep working. ``role`` (last, "forward" by default): the
+# backward pass a call belongs to, which the ranks agree on (ficco.autograd passes it).
 _EPILOGUE_SCHEMA = ("Tensor? a_scale=None, Tensor[]? b_scales=None, Tensor?[]? biases=None, "
                     "ScalarType? out_dtype=None")
 
@@ -113,20 +120,21 @@ _EPILOGUE_SCHEMA = ("Tensor? a_scale=None, Tensor[]? b_scales=None, Tensor?[]? b
 @torch.library.custom_op(
     "ficco::all_gather_matmul", mutates_args=(),
     schema="(Tensor a, Tensor[] bs, str group, int gather_dim, str? schedule, "
-           f"bool return_gathered, {_EPILOGUE_SCHEMA}, str? activation=None) "
-           "-> (Tensor, Tensor[])")
+           f"bool return_gathered, {_EPILOGUE_SCHEMA}, str? activation=None, "
+           f"str role=\"{FORWARD}\") -> (Tensor, Tensor[])")
 def all_gather_matmul_op(a: Tensor, bs: list[Tensor], group: str, gather_dim: int,
                          schedule: str | None, return_gathered: bool,
                          a_scale: Tensor | None = None, b_scales=None, biases=None,
                          out_dtype: torch.dtype | None = None,
-                         activation: str | None = None) -> tuple[Tensor, list[Tensor]]:
+                         activation: str | None = None,
+                         role: str = FORWARD) -> tuple[Tensor, list[Tensor]]:
     """``(all_gather(a, gather_dim) or an empty tensor, [gathered @ b for b in bs])``, with
     fp8 scales, output dtype, bias per b and an activation (:mod:`ficco.scaled`)."""
     pg = by_name(group)
     epilogue = {} if (a_scale is None and b_scales is None and biases is None
                       and out_dtype is None and activation is None) else \
         _epilogue(a_scale, b_scales, biases, out_dtype, activation)
-    out = _run_all_gather_matmul(a, list(bs), pg, gather_dim, schedule, return_gathered,
+    out = _run_all_gather_matmul(a, list(bs), pg, gather_dim, schedule, return_gathered, role,
                                  **epilogue)
     gathered, outs = out if return_gathered else (None, out)
     gather_dim %= a.dim()
@@ -142,9 +150,50 @@ def all_gather_matmul_op(a: Tensor, bs: list[Tensor], group: str, gather_dim: in
     return gathered, outs
 
 
+# -- the fake kernels: shapes only, and the eager path's argument errors -------------------------
+def _errors_reach_the_caller(fake):
+    """A fake kernel whose ficco errors reach the caller as ficco errors under torch.compile.
+
+    Dynamo runs fake kernels while it traces, and re-raises what they raise as its own
+    TorchRuntimeError, which ``except FiccoError`` misses. The one kind it passes on untouched
+    is its graph-break signal, ``Unsupported``: with ``fullgraph=True`` it reaches the caller as
+    is, otherwise dynamo runs the call eagerly, whose validation raises the same error. So the
+    error raised here is the same ficco class, made an ``Unsupported`` too."""
+    @functools.wraps(fake)
+    def checked(*args, **kwargs):
+        try:
+            return fake(*args, **kwargs)
+        except FiccoError as exc:
+            raise _through_dynamo(exc) from None
+    return checked
+
+
+_THROUGH_DYNAMO: dict = {}
+
+
+def _through_dynamo(exc: FiccoError) -> FiccoError:
+    try:
+        from torch._dynamo.exc import Unsupported
+    except ImportError:           # a torch without dynamo: nothing wraps it
+        return exc
+    cls = _THROUGH_DYNAMO.get(type(exc))
+    if cls is None:
+        def init(self, message):
+            Unsupported.__init__(self, message)
+
+        cls = _THROUGH_DYNAMO[type(exc)] = type(
+            type(exc).__name__, (type(exc), Unsupported),
+            {"__init__": init, "__module__": type(exc).__module__,
+             "__doc__": f"{type(exc).__doc__} (raised while torch.compile traces)"})
+    raised = cls(str(exc))
+    raised.__dict__.update({k: v for k, v in vars(exc).items() if k not in vars(raised)})
+    return raised
+
+
 @all_gather_matmul_op.register_fake
+@_errors_reach_the_caller
 def _(a, bs, group, gather_dim, schedule, return_gathered, a_scale=None, b_scales=None,
-      biases=None, out_dtype=None, activation=None):
+      biases=None, out_dtype=None, activation=None, role=FORWARD):
     gather_dim, bs, b_is_list = check_all_gather_matmul(a, bs, gather_dim)   # eager's words
     check_all_gather_epilogue(a, bs, b_is_list, gather_dim,
                               **_epilogue(a_scale, b_scales, biases, out_dtype, activation))
@@ -163,16 +212,17 @@ def _(a, bs, group, gather_dim, schedule, return_gathered, a_scale=None, b_scale
 @torch.library.custom_op(
     "ficco::matmul_reduce_scatter", mutates_args=(),
     schema="(Tensor a, Tensor[] bs, str group, int scatter_dim, str reduce_op, str? schedule, "
-           f"{_EPILOGUE_SCHEMA}) -> Tensor[]")
+           f"{_EPILOGUE_SCHEMA}, str role=\"{FORWARD}\") -> Tensor[]")
 def matmul_reduce_scatter_op(a: Tensor, bs: list[Tensor], group: str, scatter_dim: int,
                              reduce_op: str, schedule: str | None,
                              a_scale: Tensor | None = None, b_scales=None, biases=None,
-                             out_dtype: torch.dtype | None = None) -> list[Tensor]:
+                             out_dtype: torch.dtype | None = None,
+                             role: str = FORWARD) -> list[Tensor]:
     """``[reduce_scatter(a @ b, scatter_dim, reduce_op) (+ bias) for b in bs]``."""
     pg = by_name(group)
     epilogue = {} if (a_scale is None and b_scales is None and biases is None
                       and out_dtype is None) else _epilogue(a_scale, b_scales, biases, out_dtype)
-    outs = _run_matmul_reduce_scatter(a, list(bs), pg, scatter_dim, reduce_op, schedule,
+    outs = _run_matmul_reduce_scatter(a, list(bs), pg, scatter_dim, reduce_op, schedule, role,
                                       **epilogue)
     scatter_dim %= a.dim()
     moved = _moved_shape(a, scatter_dim)
@@ -182,8 +232,9 @@ def matmul_reduce_scatter_op(a: Tensor, bs: list[Tensor], group: str, scatter_di
 
 
 @matmul_reduce_scatter_op.register_fake
+@_errors_reach_the_caller
 def _(a, bs, group, scatter_dim, reduce_op, schedule, a_scale=None, b_scales=None, biases=None,
-      out_dtype=None):
+      out_dtype=None, role=FORWARD):
     scatter_dim, bs, b_is_list = check_matmul_reduce_scatter(a, bs, scatter_dim, reduce_op)
     check_reduce_scatter_epilogue(a, bs, b_is_list, scatter_dim,
                                   **_epilogue(a_scale, b_scales, biases, out_dtype))
@@ -207,6 +258,8 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
     function for the arguments). DTensor operands placed as the op needs them (``a_shard``
     ``Shard(gather_dim)``; ``b`` ``Replicate()`` or ``Shard(1)``) are used through their local
     tensors on their 1-D mesh (ficco/dtensor.py)."""
+    if return_gathered is not False and return_gathered is not True:
+        return_gathered = check_flag(return_gathered, "return_gathered")   # or raise
     b_is_list = isinstance(b, (list, tuple))
     bs = list(b) if b_is_list else [b]
     plain = type(a_shard) in _PLAIN and not any([type(x) not in _PLAIN for x in bs])  # noqa: C419
@@ -344,6 +397,8 @@ def _eager_suffices(a, bs, plain: bool = False) -> bool:
     if torch.is_grad_enabled() and (
             a.requires_grad or any([x.requires_grad for x in bs])):  # noqa: C419 - see _PLAIN
         return False
+    if a.device.type == "meta":
+        return False    # shapes only: the op's fake kernel, as torch's own ops on meta tensors
     return not (torch.is_autocast_enabled(a.device.type)
                 or torch._C._len_torch_dispatch_stack()
                 or torch._C._is_torch_function_mode_enabled())

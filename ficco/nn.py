@@ -76,10 +76,15 @@ class ColumnParallelLinear(nn.Module):
         new parameters: a weight tied to another module's (an embedding's) stops being tied,
         so that case warns (see :func:`_warn_if_tied`)."""
         many = not isinstance(linears, nn.Linear)
-        linears = list(linears) if many else [linears]
+        linears = [_linear(lin, f"linears[{j}]") for j, lin in enumerate(linears)] if many \
+            and isinstance(linears, (list, tuple)) else [_linear(linears, "linears")]
         for lin in linears:
             _warn_if_tied(lin, cls.__name__)
         first = linears[0]
+        if len({lin.in_features for lin in linears}) > 1:
+            raise InvalidArgumentError(
+                f"linears share one input, so one in_features; got "
+                f"{[lin.in_features for lin in linears]}")
         sizes = [lin.out_features for lin in linears]
         layer = cls(first.in_features, sizes if many else sizes[0], first.bias is not None,
                     group=group, seq_dim=seq_dim, device=first.weight.device,
@@ -135,6 +140,7 @@ class RowParallelLinear(nn.Module):
                     seq_dim: int | None = None) -> RowParallelLinear:
         """This rank's shard of ``linear``: its slice of input features, the whole bias (new
         parameters; a tied weight warns, as for ``ColumnParallelLinear.from_linear``)."""
+        linear = _linear(linear, "linear")
         _warn_if_tied(linear, cls.__name__)
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
                     group=group, seq_dim=seq_dim, device=linear.weight.device,
@@ -148,13 +154,27 @@ class RowParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: Tensor) -> Tensor:
+        # The bias enters the graph first, so the backward runs the (checked) all_gather_matmul
+        # before the bias gradient's all-reduce: a rank that skipped this backward makes the
+        # peers raise before that unchecked collective is in flight (autograd runs the later
+        # node first).
+        bias = None if self.bias is None else replicated(self.bias, self.group)
         y = library.matmul_reduce_scatter(x, self.weight.t(), self.group,
                                           scatter_dim=_seq_dim(self.seq_dim, x, "x"))
-        return y if self.bias is None else y + replicated(self.bias, self.group)
+        return y if bias is None else y + bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (sharded), out_features={self.out_features}, "
                 f"seq_dim={self.seq_dim}, bias={self.bias is not None}")
+
+
+def _linear(layer, name: str) -> nn.Linear:
+    if not isinstance(layer, nn.Linear):
+        raise InvalidArgumentError(
+            f"{name} is a {type(layer).__name__}, not an nn.Linear: from_linear shards a linear "
+            f"layer's (out_features, in_features) weight; construct the parallel layer directly "
+            f"and load the weights yourself for other modules")
+    return layer
 
 
 def _seq_dim(seq_dim, x: Tensor, name: str) -> int:

@@ -25,7 +25,7 @@ from .call import Call
 from .call import forget as forget_known_calls
 from .call import settings as read_settings
 from .config import TRANSPORT_SETTINGS
-from .errors import ConfigError, InvalidArgumentError
+from .errors import ConfigError, InvalidArgumentError, MismatchError
 from .executor import execute as execute_plan
 from .schedules import epilogue_reason
 from .symm_mem import workspace
@@ -102,10 +102,10 @@ def signature(call: Call, s: dict) -> dict:
 def signed(call: Call, s: dict) -> tuple[dict, int]:
     """``(signature, digest)`` of ``call`` under settings ``s``, a forced schedule checked
     against the call's epilogue first (no communication yet): made once per (call key,
-    settings) and then looked up, since both depend on nothing else. (A signature field that
-    is not a function of the call key and the settings, say one set on the Call after
-    ``prepare``, must join the lookup's key.)"""
-    seen = call.reuse.signed.get(id(s))
+    settings, role) and then looked up, since they depend on nothing else. (A signature field
+    that is not a function of those, say another one set on the Call after ``prepare``, must
+    join the lookup's key.)"""
+    seen = call.reuse.signed.get((id(s), call.role))
     if seen is not None and seen[0] is s:   # (the entry holds s: its id is not reused)
         return seen[1], seen[2]
     if s["schedule"] is not None and call.world > 1:
@@ -116,8 +116,30 @@ def signed(call: Call, s: dict) -> tuple[dict, int]:
     word = agreement.digest(sig)
     if len(call.reuse.signed) >= 16:
         call.reuse.signed.clear()
-    call.reuse.signed[id(s)] = (s, sig, word)
+    call.reuse.signed[(id(s), call.role)] = (s, sig, word)
     return sig, word
+
+
+def _joined(call: Call, exc: BaseException, via: str | None) -> None:
+    """After a MismatchError of an agreement exchange that peers joined from their per-call
+    check (``via`` is this rank's own check, None when it opened the exchange): complete the
+    check collective they left in flight, and drop the workspace whose pads their barriers
+    wrote, so the ranks are in step again (every rank sees the same ``exc.joined``)."""
+    joined = getattr(exc, "joined", None)
+    if not joined:
+        return
+    if joined["ccl"] and via != "ccl":
+        guard.flush_check(call)
+    if joined["dma"] and via != "dma":       # a dma check drops its workspace as it fails
+        workspace.drain(call.backend, cancel=True)
+        workspace.drop(call.group, call.backend)
+
+
+def _answer(call: Call, sig: dict, via: str):
+    """What a per-call check runs while it waits (see ficco.agreement.answer)."""
+    def answer():
+        agreement.answer(call.group, call.rank, call.world, sig, via)
+    return answer
 
 
 # -- running ----------------------------------------------------------------------------------------
@@ -144,38 +166,57 @@ def _run(call: Call, schedule, transport, selector):
     try:
         workspace.settle(call.backend)   # before any communication of this call
         sig, word = signed(call, s)
-        stage = {"transport": None, "schedule": None, "step": "the first-call agreement"}
+        # check: the per-call check running (None: the agreement; "ccl": the check collective;
+        # "dma": the plan, whose first barrier checks)
+        stage = {"transport": None, "schedule": None, "step": "the first-call agreement",
+                 "check": None}
         try:
-            same_host = agreement.confirm_same_call(call.group, call.rank, call.world, sig,
-                                                    call.op.name, word)
+            agreed = agreement.confirm_same_call(call.group, call.rank, call.world, sig,
+                                                 call.op.name, word)
             if call.op.exchanges:
                 stage["step"] = "the exchange of the call's data"
                 call, word = call.op.exchange(call, word)   # e.g. expert routing counts
             stage["step"] = None
             if s["disable"] or call.plain_only:
-                stage.update(transport="ccl", schedule="plain",
+                stage.update(transport="ccl", schedule="plain", check="ccl",
                              step="the call check before the plain path")
                 # The plain path is a collective too: check the call like every ccl call.
-                guard.check_word_ccl(call, word)
+                guard.check_word_ccl(call, word, sig)
                 stage["step"] = "the plain path's collective"
                 return call.op.plain(call)
-            decision = decide(call, s, same_host)
+            decision = decide(call, s, agreed)
             stage.update(transport=decision.transport, schedule=decision.schedule,
-                         step="the call check before the plan")
+                         step="the call check before the plan", check=decision.transport)
             if decision.transport == "ccl":
-                guard.check_word_ccl(call, word)
+                guard.check_word_ccl(call, word, sig)
             stage["step"] = None      # from here the executor names the plan step
             buffers, _, _ = execute(call, decision.schedule, decision.transport, word=word,
-                                    settings=s)
+                                    settings=s, answer=_answer(call, sig, "dma"))
             return call.op.result(call, buffers, decision.transport)
         except BaseException as exc:
-            named = guard.failed(call, exc, stage["transport"], stage["schedule"],
-                                 stage["step"])
+            if isinstance(exc, MismatchError):
+                _joined(call, exc, stage["check"])
+            named = guard.failed(call, _described(call, exc, word), stage["transport"],
+                                 stage["schedule"], stage["step"])
             if named is exc:
                 raise
             raise named from exc
     finally:
         lock.release()
+
+
+def _described(call: Call, exc: BaseException, word: int) -> BaseException:
+    """A barrier's MismatchError (it knows only the peers' call flags) with the calls those
+    flags stand for, as this rank agreed them (their op, role and shapes)."""
+    flags = getattr(exc, "flags", None)
+    if not flags:
+        return exc
+    calls = "; ".join(f"rank {peer}: " + agreement.describe(call.group, flag=flag,
+                                                            flag_of=call_flag)
+                      for peer, flag in sorted(flags.items()))
+    named = MismatchError(f"{exc}. The peers' calls: {calls}; this rank's: "
+                          f"{agreement.describe(call.group, word)}")
+    return agreement.consistent(named)
 
 
 def candidate_transports(setting: str, same_host: bool) -> tuple[str, ...]:
@@ -186,14 +227,22 @@ def candidate_transports(setting: str, same_host: bool) -> tuple[str, ...]:
     return ("dma", "ccl") if same_host else ("ccl",)
 
 
-def decide(call: Call, s: dict, same_host: bool):
-    """The Decision for ``call`` (identical on every rank: selectors see no rank), made once
-    per (op, problem key, backend target, candidate transports, deciding settings) and then
+def decide(call: Call, s: dict, agreed: agreement.Agreed):
+    """The Decision for ``call`` (identical on every rank: selectors see no rank, and the
+    problem they see has each per-rank width at its widest, as ``agreed``), made once per
+    (op, that problem's key, backend target, candidate transports, deciding settings) and then
     looked up (LRU). Every part of the key is agreed across ranks, and a decision is a pure
     function of it (``tune``'s measurements are collective and cached by ``tune`` itself), so
     a rank that forgot a decision the others kept reaches the same one again."""
-    transports = candidate_transports(s["transport"], same_host)
-    key = (call.op.name, call.problem.key(), call.target, transports, _DECIDING(s))
+    transports = candidate_transports(s["transport"], agreed.same_host)
+    seen = call.reuse.agreed
+    if seen is not None and seen[0] is agreed:   # a function of the call key and agreed
+        problem, problem_key = seen[1], seen[2]
+    else:
+        problem = call.op.agreed_problem(call, agreed.per_rank)
+        problem_key = problem.key()
+        call.reuse.agreed = (agreed, problem, problem_key)
+    key = (call.op.name, problem_key, call.target, transports, _DECIDING(s))
     with _decisions_lock:
         decision = _decisions.get(key)
         if decision is not None:
@@ -201,7 +250,7 @@ def decide(call: Call, s: dict, same_host: bool):
             return decision
     from .heuristics import choose
 
-    decision = choose(call.problem, transport=transports, target=call.target,
+    decision = choose(problem, transport=transports, target=call.target,
                       selector=s["selector"], forced=s["schedule"], forced_by=s["schedule_by"],
                       measure=lambda name: measure(call, name, transports[0]),
                       agree=lambda flag: agreement.all_ranks(call.group, call.rank, call.world,
@@ -241,13 +290,14 @@ def plan_for(call_or_op, name: str, transport: str, problem, engines=...):
 
 
 def execute(call: Call, name: str, transport: str, trace: bool = False,
-            word: int | None = None, settings: dict | None = None):
+            word: int | None = None, settings: dict | None = None, answer=None):
     """Run schedule ``name`` over ``transport`` once: returns (buffers, plan, trace rows).
     With ``word`` (the call's digest) a dma run's barriers carry its call flag, so ranks making
     different calls raise MismatchError on every rank at the plan's first barrier (see
     :mod:`ficco.symm_mem.barrier`); without it (benchmarks) every rank uses the same flag.
     ``settings``: the call's (:func:`settings`), else the knobs are read now. The caller has
-    settled the backend's queues (``workspace.settle``)."""
+    settled the backend's queues (``workspace.settle``). ``answer``: what that first barrier
+    runs while it waits (ficco.agreement.answer)."""
     if settings is None:
         engines, poison, timeout_s = config.copy_engines(), config.poison(), config.timeout_s()
     else:
@@ -265,6 +315,7 @@ def execute(call: Call, name: str, transport: str, trace: bool = False,
             call.backend.before_dma(workspace.current(call.group, call.backend))
         symm = workspace.get(call.group, call.backend, nbytes, call.group_key)
         symm.call_flag = call_flag(word)
+        symm.first_wait = answer
     buffers = call.op.buffers(call, transport, symm, wide=plan.wide_outputs())
     if poison:
         call.op.poison(buffers)
@@ -315,7 +366,7 @@ def traced(call: Call, schedule: str, transport: str | None = None):
     try:
         workspace.settle(call.backend)
         same_host = agreement.confirm_same_call(
-            call.group, call.rank, call.world, sig, call.op.name, word) \
+            call.group, call.rank, call.world, sig, call.op.name, word).same_host \
             if call.world > 1 else True
         if call.world > 1 and call.op.exchanges:
             call, _ = call.op.exchange(call, word)
@@ -345,8 +396,9 @@ def explain(call: Call, schedule: str | None = None):
 
     s = settings(call, schedule)
     sig, _ = signed(call, s)
-    known = agreement.known(call.group, sig) if call.world > 1 else True
-    transports = candidate_transports(s["transport"], True if known is None else known)
+    known = agreement.known(call.group, sig) if call.world > 1 else None
+    transports = candidate_transports(s["transport"], True if known is None else
+                                      known.same_host)
 
     def not_measured(name):
         raise _NotTunedYet(name)
@@ -357,10 +409,12 @@ def explain(call: Call, schedule: str | None = None):
                   # real call does that); trusting it here would also put it in this rank's
                   # memory alone and split the ranks at the next call.
                   "agree": lambda flag: False}
+    # The widths every rank agreed on, once agreed (before: this rank's own).
+    problem = call.problem if known is None else call.op.agreed_problem(call, known.per_rank)
     try:
-        decision = choose(call.problem, selector=s["selector"], measure=not_measured, **kwargs)
+        decision = choose(problem, selector=s["selector"], measure=not_measured, **kwargs)
     except _NotTunedYet:
-        model = choose(call.problem, selector="model", **kwargs)
+        model = choose(problem, selector="model", **kwargs)
         decision = dataclasses.replace(
             model, selector="tune", reason=f"not tuned yet (or only in a cache file the "
                                            f"first call confirms with every rank): the model "

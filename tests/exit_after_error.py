@@ -4,9 +4,13 @@ rank's exit code (a negative one is a signal: SIGSEGV -11, SIGABRT -6).
     python -m tests.exit_after_error sigint   # Ctrl-C on rank 0 during dma calls, then exit
     python -m tests.exit_after_error skip     # rank 1 skips a call; rank 0 times out, exits
     python -m tests.exit_after_error skip 10  # ... ten times in a row
+    python -m tests.exit_after_error clean 50 # no error: calls on both transports, then exit
+    python -m tests.exit_after_error clean-destroy 50   # ... after destroy_process_group()
+    python -m tests.exit_after_error gloo 50  # no ficco at all: gloo collectives, then exit
 
-No rank calls ``destroy_process_group()``: the point is that ficco leaves nothing behind
-(a pending collective, a mapping a queue still uses) that crashes the interpreter's exit.
+No rank calls ``destroy_process_group()`` (but in ``clean-destroy``): the point is that ficco
+leaves nothing behind (a pending collective, a mapping a queue still uses) that crashes the
+interpreter's exit.
 """
 from __future__ import annotations
 
@@ -24,12 +28,17 @@ def _rank(rank: int, world: int, init_file: str, mode: str) -> None:
     import torch
     import torch.distributed as dist
 
-    import ficco
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     gen = torch.Generator().manual_seed(rank)
+    if mode == "gloo":     # torch alone: how often does its own exit abort?
+        t = torch.randn(64, 64, generator=gen)
+        for _ in range(10):
+            dist.all_reduce(t)
+        sys.exit(0)
+    import ficco
+
     if mode == "sigint":
         a, b = torch.randn(256, 512, generator=gen), torch.randn(512, 256, generator=gen)
         with ficco.config.scope(transport="dma"):
@@ -41,6 +50,16 @@ def _rank(rank: int, world: int, init_file: str, mode: str) -> None:
                     ficco.all_gather_matmul(a, b, schedule="uniform-unfused-1d")
             except (KeyboardInterrupt, ficco.errors.FiccoError):
                 pass
+    elif mode.startswith("clean"):
+        a, b = torch.randn(64, 128, generator=gen), torch.randn(128, 64, generator=gen)
+        for transport in ("dma", "ccl"):
+            with ficco.config.scope(transport=transport):
+                for _ in range(5):
+                    ficco.all_gather_matmul(a, b)
+                    ficco.matmul_reduce_scatter(torch.cat([a] * world), b)
+        if mode == "clean-destroy":
+            ficco.shutdown()
+            dist.destroy_process_group()
     else:
         a, b = torch.randn(8, 16, generator=gen), torch.randn(16, 4, generator=gen)
         if rank == 0:

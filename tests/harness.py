@@ -37,7 +37,7 @@ def bind_device(rank: int) -> None:
         torch.cuda.set_device(rank % count)
 
 
-def _rank_main(rank, world, init_file, env, pg_backend, conn):
+def _rank_main(rank, world, init_method, env, pg_backend, conn):
     os.environ.update(env)
     import torch
     import torch.distributed as dist
@@ -45,7 +45,7 @@ def _rank_main(rank, world, init_file, env, pg_backend, conn):
     torch.set_num_threads(1)
     try:
         bind_device(rank)
-        dist.init_process_group(pg_backend, init_method=f"file://{init_file}", rank=rank,
+        dist.init_process_group(pg_backend, init_method=init_method, rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=60))
         conn.send(("ready", None))
     except BaseException:  # noqa: BLE001
@@ -74,19 +74,24 @@ def _rank_main(rank, world, init_file, env, pg_backend, conn):
 
 
 class RankPool:
+    """``store``: "file" (a FileStore: outlives every rank) or "tcp" (a TCPStore that rank 0
+    hosts, as torchrun's env:// rendezvous makes it: it dies with rank 0)."""
+
     def __init__(self, world: int, env: dict | None = None, pg_backend: str = "gloo",
-                 start_timeout_s: float = 120):
+                 start_timeout_s: float = 120, store: str = "file"):
         self.world = world
         self.env = {**DEFAULT_ENV, **(env or {})}
         ctx = mp.get_context("spawn")
         fd, self._init_file = tempfile.mkstemp(prefix="ficco-pg-")
         os.close(fd)
         os.unlink(self._init_file)
+        init_method = f"file://{self._init_file}" if store == "file" else \
+            f"tcp://127.0.0.1:{_free_port()}"
         self.conns, self.procs = [], []
         for rank in range(world):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_rank_main, daemon=True,
-                               args=(rank, world, self._init_file, self.env, pg_backend, child))
+                               args=(rank, world, init_method, self.env, pg_backend, child))
             proc.start()
             child.close()
             self.conns.append(parent)
@@ -169,11 +174,13 @@ def pool(world: int, env: dict | None = None, pg_backend: str = "gloo") -> RankP
     return current
 
 
-def run_alone(world: int, fn, *args, timeout_s: float = 120, raw: bool = False):
+def run_alone(world: int, fn, *args, timeout_s: float = 120, raw: bool = False,
+              store: str = "file"):
     """``fn`` on a pool of its own, closed afterwards: for cases that kill or stall a rank,
     leave threads or files behind, or time how long ranks take. ``raw``: every rank's
-    ``("ok" | "err", value)``, a dead rank included, instead of raising on a failed rank."""
-    own = RankPool(world)
+    ``("ok" | "err", value)``, a dead rank included, instead of raising on a failed rank.
+    ``store``: see :class:`RankPool`."""
+    own = RankPool(world, store=store)
     try:
         if raw:
             own.send(fn, *args)
@@ -181,6 +188,14 @@ def run_alone(world: int, fn, *args, timeout_s: float = 120, raw: bool = False):
         return own.run(fn, *args, timeout_s=timeout_s)
     finally:
         own.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def close_all():

@@ -196,3 +196,150 @@ def test_exit_right_after_a_caught_error_never_crashes():
     codes = proc.stdout.split("exitcodes", 1)[-1].split()
     assert proc.returncode == 0 and len(codes) == 12 and set(codes) == {"0"}, \
         (proc.stdout[-1000:], proc.stderr[-3000:])
+
+
+# -- issue 29 item 1: a rank that skips a backward never pairs its peers' backward with its
+# own next forward -------------------------------------------------------------------------------
+def _sp_mlp(seed, world, rank):
+    """The SP MLP of issue 29: a ColumnParallelLinear then a RowParallelLinear (16 -> 32 -> 16),
+    their unsharded twins, and one batch (sequence 8)."""
+    from torch import nn
+
+    from ficco.nn import ColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(seed)
+    up, down = nn.Linear(16, 32), nn.Linear(32, 16)
+    col = ColumnParallelLinear.from_linear(up)
+    row = RowParallelLinear.from_linear(down)
+    return col, row, up, down
+
+
+def _mlp_step(col, row, up, down, x, rank, world, backward=True):
+    """One step of the sharded MLP on this rank's rows of ``x``: "wrong output", "wrong
+    gradient" or "ok" against the unsharded twins (raises what ficco raises)."""
+    loss = row(torch.relu(col(x.chunk(world)[rank]))).square().sum()
+    ref = down(torch.relu(up(x))).chunk(world)[rank].square().sum()
+    if abs(float(loss.detach()) - float(ref.detach())) > 1e-4 * abs(float(ref.detach())):
+        return "wrong output"
+    if not backward:
+        return "ok"
+    for p in (*col.parameters(), *row.parameters(), *up.parameters(), *down.parameters()):
+        p.grad = None
+    loss.backward()
+    down(torch.relu(up(x))).square().sum().backward()
+    pairs = [(col.weights[0].grad, up.weight.grad.chunk(world)[rank]),
+             (col.biases[0].grad, up.bias.grad.chunk(world)[rank]),
+             (row.weight.grad, down.weight.grad.chunk(world, dim=1)[rank]),
+             (row.bias.grad, down.bias.grad)]        # all-reduced over the group
+    for mine, want in pairs:
+        if not torch.allclose(mine, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+            return "wrong gradient"
+    return "ok"
+
+
+def _skip_one_backward(rank, world, seed, transport, skip_step, backward_gather):
+    col, row, up, down = _sp_mlp(seed, world, rank)
+    outcomes = []
+    with ficco.config.scope(transport=transport, timeout=20, backward_gather=backward_gather):
+        for step in range(4):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(seed + step))
+            skip = rank == 1 and step == skip_step    # e.g. `if torch.isfinite(loss):`
+            try:
+                outcome = _mlp_step(col, row, up, down, x, rank, world, backward=not skip)
+            except Exception as exc:  # noqa: BLE001 - the test judges every kind
+                outcomes.append((step, f"{type(exc).__name__}: {exc}"))
+                break
+            outcomes.append((step, "skipped backward" if skip else outcome))
+        # Every rank raised alike: the group is in step again, nothing left in flight.
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(seed + 99))
+        outcomes.append(("after", _mlp_step(col, row, up, down, x, rank, world)))
+    ficco.shutdown()
+    return outcomes
+
+
+@pytest.mark.parametrize("transport, backward_gather", [("dma", "save"), ("ccl", "save"),
+                                                        ("dma", "regather")])
+def test_a_rank_that_skips_a_backward_makes_every_rank_raise_mismatch(transport,
+                                                                      backward_gather):
+    """Before: in the SP MLP the Row layer's backward (an all_gather_matmul) has the Column
+    layer's forward signature, so rank 0's backward paired with rank 1's next forward: wrong
+    gradients and outputs, nothing raised. Now the call's role is part of what ranks agree on:
+    rank 0 raises in its backward of step 1, rank 1 in its forward of step 2, both
+    MismatchError naming the roles; no collective is left in flight, so the next step is
+    right on both ranks."""
+    results = harness.pool(2).run(_skip_one_backward, random.randrange(1 << 30), transport, 1,
+                                  backward_gather)
+    rank0, rank1 = results
+    assert rank0[0] == rank1[0] == (0, "ok"), results
+    assert rank0[1][0] == 1 and rank0[1][1].startswith("MismatchError"), results
+    assert rank1[1] == (1, "skipped backward"), results
+    assert rank1[2][0] == 2 and rank1[2][1].startswith("MismatchError"), results
+    for message in (rank0[1][1], rank1[2][1]):
+        assert "backward" in message and "forward" in message, results   # the roles
+    assert rank0[-1] == rank1[-1] == ("after", "ok"), results
+
+
+# -- issue 29 item 8: a call new to one rank while its peers repeat an agreed one -----------------
+def _uneven_sequence_after_a_normal_step(rank, world, seed, transport):
+    """seq 8 (4 rows each), then seq 9: rank 0's 5 rows are new to it, rank 1's 4 rows were
+    agreed at the first call."""
+    w = torch.randn(16, 8, generator=torch.Generator().manual_seed(seed))
+    outcomes = []
+    with ficco.config.scope(transport=transport, timeout=20):
+        for seq in (8, 9):
+            x = torch.randn(seq, 16, generator=torch.Generator().manual_seed(seed + seq))
+            outcomes.append(_outcome(lambda: max_row_rel_err(
+                ficco.all_gather_matmul(x.tensor_split(world)[rank], w), x.double() @ w.double())))
+        x = torch.randn(8, 16)
+        outcomes.append(_outcome(lambda: ficco.all_gather_matmul(x.chunk(world)[rank], w)))
+    ficco.shutdown()
+    return outcomes
+
+
+@pytest.mark.parametrize("transport", ["dma", "ccl"])
+def test_a_call_new_to_one_rank_while_its_peer_repeats_an_agreed_one_is_a_fast_mismatch(
+        transport):
+    """Before: rank 0 (new shape) waited in the first-call exchange while rank 1 (agreed
+    shape) waited in its call check: both timed out at FICCO_TIMEOUT (20 s here), without
+    shapes. Now rank 1's waiting check answers rank 0's exchange: MismatchError on both,
+    naming both shard shapes, well before the deadline; the next call runs."""
+    results = harness.pool(2).run(_uneven_sequence_after_a_normal_step,
+                                  random.randrange(1 << 30), transport)
+    for first, uneven, after in results:
+        assert first[0] == "ok" and first[1] <= 1e-4, results
+        kind, message, seconds = uneven
+        assert kind == "MismatchError" and "(5, 16)" in message and "(4, 16)" in message, \
+            results
+        assert seconds < 10, results      # a bound far below FICCO_TIMEOUT, not a speed
+        assert after[0] == "ok", results
+
+
+# -- issue 29 item 9: queue threads end with the default group too ---------------------------------
+def _destroyed_default_group_threads(rank, world, seed):
+    import gc
+    import threading
+
+    import torch.distributed as dist
+
+    shards, bs, _, refs = make_inputs(seed, world, (6, 8), (3,), torch.float32)
+    with ficco.config.scope(transport="dma"):
+        err = max_row_rel_err(ficco.all_gather_matmul(shards[rank], bs[0], schedule="ring"),
+                              refs[0])
+    before = sorted(t.name for t in threading.enumerate() if t.name.startswith("ficco-"))
+    dist.destroy_process_group()
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        after = sorted(t.name for t in threading.enumerate() if t.name.startswith("ficco-"))
+        if not after:
+            break
+        time.sleep(0.1)
+    return err, before, after
+
+
+def test_queue_threads_end_with_the_default_group():
+    """Before: they outlived `dist.destroy_process_group()` (only groups made by new_group
+    took them along)."""
+    results = harness.run_alone(2, _destroyed_default_group_threads, random.randrange(1 << 30))
+    for err, before, after in results:
+        assert err <= 1e-4 and before and after == [], results

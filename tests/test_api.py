@@ -125,3 +125,45 @@ def test_auto_transport_runs_the_transport_the_model_predicts_faster():
         for chosen, predicted_best, ran, decided, err in per_rank:
             assert chosen == predicted_best and ran == decided, per_rank
             assert err <= ROW_TOL[torch.float32]
+
+
+# -- issue 29 items 6 and 9: bad input gets ficco's errors ------------------------------------------
+@pytest.mark.parametrize("value", ["inf", "Infinity", "nan", "-1", "0"])
+def test_ficco_timeout_must_be_a_finite_number_of_seconds(monkeypatch, value):
+    """Before: FICCO_TIMEOUT=inf passed validation and the first wait raised OverflowError
+    (no call may wait forever: a large finite value is the way to wait long)."""
+    from ficco.errors import ConfigError
+
+    monkeypatch.setenv("FICCO_TIMEOUT", value)
+    with pytest.raises(ConfigError, match="FICCO_TIMEOUT") as caught:
+        ficco.config.timeout_s()
+    if value.lower().startswith("inf"):
+        assert "86400" in str(caught.value), caught.value     # says what to use instead
+    monkeypatch.delenv("FICCO_TIMEOUT")
+    with pytest.raises(ConfigError, match="timeout"), ficco.config.scope(timeout=float(value)):
+        pass
+
+
+def test_from_linear_takes_only_linears():
+    """Before: `TypeError` (nn.Conv1d has no in_features)."""
+    from torch import nn
+
+    from ficco.errors import InvalidArgumentError
+    from ficco.nn import ColumnParallelLinear, RowParallelLinear
+
+    conv = nn.Conv1d(4, 4, 1)
+    for make in (lambda: ColumnParallelLinear.from_linear(conv),
+                 lambda: ColumnParallelLinear.from_linear([nn.Linear(4, 4), conv]),
+                 lambda: RowParallelLinear.from_linear(conv)):
+        with pytest.raises(InvalidArgumentError, match="Conv1d"):
+            make()
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None, torch.tensor(True)])
+def test_return_gathered_must_be_a_bool(value):
+    """Before: `return_gathered="yes"` was taken as True."""
+    from ficco.errors import InvalidArgumentError
+
+    for w in (torch.randn(8, 3), torch.randn(8, 3, requires_grad=True)):   # eager, the op
+        with pytest.raises(InvalidArgumentError, match="return_gathered"):
+            ficco.all_gather_matmul(torch.randn(4, 8), w, return_gathered=value)

@@ -388,3 +388,49 @@ def test_bad_arguments_on_the_autograd_path_get_ficco_errors():
         ficco.all_gather_matmul(torch.randn(4, 8), w, gather_dim=1)
     with pytest.raises(InvalidArgumentError):
         ficco.matmul_reduce_scatter(torch.randn(4, 6), w)
+
+
+# -- issue 29 item 6: bad input gets ficco's errors, compiled too; meta tensors are shapes -------
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_validation_errors_under_torch_compile_are_ficco_errors(fullgraph):
+    """Before: torch.compile wrapped the fake kernel's InvalidArgumentError in dynamo's
+    TorchRuntimeError, so `except ficco.errors.FiccoError` missed it."""
+    from ficco.errors import FiccoError, InvalidArgumentError
+
+    a, w = torch.randn(4, 8), torch.randn(8, 3)
+    bad = [(lambda a, w: ficco.all_gather_matmul(a, [w], gather_dim=1), "gather_dim"),
+           (lambda a, w: ficco.all_gather_matmul(a, [w[:6]]), "6 rows"),
+           (lambda a, w: ficco.matmul_reduce_scatter(a, [w], scatter_dim=-1), "scatter_dim")]
+    for call, words in bad:
+        torch._dynamo.reset()
+        with pytest.raises(FiccoError, match=words) as caught:
+            torch.compile(call, fullgraph=fullgraph, backend="eager")(a, w)
+        assert isinstance(caught.value, InvalidArgumentError), type(caught.value).__mro__
+
+
+def test_meta_tensors_give_meta_outputs_of_the_right_shape():
+    """Before: `RuntimeError: unknown device type for autocast` from ficco's front end. Now,
+    as torch's own ops do, meta tensors give meta outputs shaped as the plain expression, with
+    no communication, and a backward on them does the same."""
+    a = torch.randn(2, 4, 8, device="meta", requires_grad=True)
+    w = torch.randn(8, 3, device="meta", requires_grad=True)
+    out = ficco.all_gather_matmul(a, w, gather_dim=1)
+    assert out.device.type == "meta" and out.shape == (2, 4, 3)
+    out.sum().backward()
+    assert a.grad.shape == a.shape and w.grad.shape == w.shape
+    d = ficco.matmul_reduce_scatter(a.detach(), [w.detach(), w.detach()], scatter_dim=1)
+    assert [t.device.type for t in d] == ["meta"] * 2 and d[0].shape == (2, 4, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ficco.all_gather_matmul(a, w, gather_dim=1).shape == (2, 4, 3)
+
+
+def _meta_on_ranks(rank, world):
+    a = torch.randn(3, 8, device="meta")
+    return tuple(ficco.all_gather_matmul(a, torch.randn(8, 5, device="meta")).shape), \
+        tuple(ficco.matmul_reduce_scatter(torch.randn(7, 8, device="meta"),
+                                          torch.randn(8, 5, device="meta")).shape)
+
+
+def test_meta_tensors_on_a_group_are_shapes_with_no_communication():
+    results = harness.pool(2).run(_meta_on_ranks)
+    assert results == [((6, 5), (4, 5)), ((6, 5), (3, 5))], results

@@ -257,3 +257,39 @@ def test_explain_and_selectors_cover_the_new_op():
         assert paper_selector == "model" and "paper's rule covers all_gather_matmul only" in reason
         assert set(scored) >= set(NAMES) and ran == (schedule, transport)
         assert err <= ROW_TOL[torch.float32]
+
+
+# -- issue 29 item 9: where bf16 partial sums are rounded ------------------------------------------
+def _bf16_sums(rank, world, seed):
+    """Each rank's bf16 partial a_r @ b_r is the GEMM's own rounding; what differs is how the
+    W partials are summed: in fp32 and rounded once (dma; ring and FiCCO over ccl), or by the
+    process group's reduce-scatter, which gloo does in bf16 (serial over ccl)."""
+    gen = torch.Generator().manual_seed(seed)
+    a = [torch.randn(32, 64, generator=gen).to(torch.bfloat16) for _ in range(world)]
+    b = [torch.randn(64, 48, generator=gen).to(torch.bfloat16) for _ in range(world)]
+    partials = [a[r] @ b[r] for r in range(world)]       # what every plan's GEMM produces
+    once = sum(p.float() for p in partials).to(torch.bfloat16).chunk(world)[rank]
+    chained = partials[0]
+    for p in partials[1:]:
+        chained = chained + p                               # bf16 + bf16: rounded each time
+    out = {}
+    for name, transport in (("serial", "dma"), ("uniform-fused-1d", "dma"), ("serial", "ccl")):
+        with ficco.config.scope(transport=transport):
+            got = ficco.matmul_reduce_scatter(a[rank], b[rank], schedule=name)
+        out[f"{name}/{transport}"] = (torch.equal(got, once),
+                                      float((got != once).double().mean()))
+    ficco.shutdown()
+    return out, float((chained.chunk(world)[rank] != once).double().mean())
+
+
+def test_bf16_partials_are_summed_in_fp32_except_by_the_process_groups_reduce_scatter():
+    """The docs say which paths round at every addition (serial over ccl: the process group's
+    reduce-scatter sums bf16 in bf16); this holds them to it."""
+    results = harness.pool(4).run(_bf16_sums, random.randrange(1 << 30))
+    for out, chained in results:
+        assert out["serial/dma"][0] and out["uniform-fused-1d/dma"][0], out   # rounded once
+        assert not out["serial/ccl"][0] and chained > 0, out      # rounded at each addition
+    import pathlib
+
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "reduce_scatter.md").read_text()
+    assert "rounded at every addition" in doc and "serial" in doc, "docs/reduce_scatter.md"

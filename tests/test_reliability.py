@@ -274,3 +274,124 @@ def test_2d_schedules_round_bf16_once_like_ring(world):
         ring = per_rank.pop("ring")
         for name, wrong in per_rank.items():
             assert wrong <= ring + 0.01, (name, wrong, ring)
+
+
+# -- issue 29 items 4 and 7: failures that start on this rank name it; a slow GEMM is no failure ---
+def _local_gemm_fails(rank, world, seed, schedule, transport, where):
+    """Rank 1's next GEMM raises: in its queue's thread (the CPU backend runs GEMMs there) or
+    while the executor enqueues it (as a GPU launch error would)."""
+    from ficco.backends import cpu, get_backend
+
+    from .cases import fail_next_gemm
+
+    real = cpu.gemm_into
+
+    def broken(*args):
+        cpu.gemm_into = real
+        raise RuntimeError("injected GEMM failure")
+
+    shards, bs, _, _ = make_inputs(seed, world, (8, 16), (4,), torch.float32)
+    with ficco.config.scope(transport=transport, timeout=5):
+        ficco.all_gather_matmul(shards[rank], bs[0], schedule=schedule)   # agreed, warm
+        restore = lambda: None
+        if rank == 1 and where == "queue":
+            cpu.gemm_into = broken
+        elif rank == 1:
+            restore = fail_next_gemm(get_backend())
+        outcome = _outcome(lambda: ficco.all_gather_matmul(shards[rank], bs[0],
+                                                           schedule=schedule))
+        restore()
+        cpu.gemm_into = real
+    ficco.shutdown()
+    return outcome
+
+
+@pytest.mark.parametrize("schedule, transport, where", [
+    ("uniform-unfused-1d", "dma", "queue"), ("ring", "ccl", "queue"),
+    ("hetero-fused-2d", "dma", "enqueue")])
+def test_a_local_gemm_failure_names_rank_op_schedule_and_step(schedule, transport, where):
+    """Before: `FiccoError: queue compute failed: RuntimeError: injected GEMM failure`, naming
+    neither rank, op, schedule nor step (the README promises all four); raised while
+    enqueuing, a TransportError blaming a live peer."""
+    results = harness.run_alone(2, _local_gemm_fails, random.randrange(1 << 30), schedule,
+                                transport, where, timeout_s=120)
+    status, message = results[1]
+    assert status == "raised" and "injected GEMM failure" in message, results
+    assert message.startswith("FiccoError") and "no longer answer" not in message, message
+    for part in ("rank 1", "all_gather_matmul", schedule, transport, "plan step", "gemm",
+                 "queue compute"):
+        assert part in message, (part, message)
+
+
+def _slow_gemms(rank, world, seed, transport):
+    """Every GEMM of both ranks takes 1.5 s, with FICCO_TIMEOUT=0.5: no cross-rank wait waits
+    for a GEMM of another rank longer than its own, so nothing may time out."""
+    from ficco.backends import cpu
+
+    real = cpu.gemm_into
+
+    def slow(*args):
+        time.sleep(1.5)
+        return real(*args)
+
+    shards, bs, _, refs = make_inputs(seed, world, (8, 16), (4,), torch.float32)
+    out = []
+    with ficco.config.scope(transport=transport):
+        ficco.all_gather_matmul(shards[rank], bs[0], schedule="hetero-fused-1d")   # agreed
+        cpu.gemm_into = slow
+        try:
+            with ficco.config.scope(timeout=0.5):
+                out.append(_outcome(lambda: max_row_rel_err(
+                    ficco.all_gather_matmul(shards[rank], bs[0], schedule="hetero-fused-1d"),
+                    refs[0])))
+        finally:
+            cpu.gemm_into = real
+        out.append(_outcome(lambda: max_row_rel_err(
+            ficco.all_gather_matmul(shards[rank], bs[0], schedule="hetero-fused-1d"), refs[0])))
+    ficco.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("transport", ["dma", "ccl"])
+def test_a_local_gemm_longer_than_ficco_timeout_is_no_failure(transport):
+    """Before: `CommTimeoutError: queue compute did not drain within FICCO_TIMEOUT` and a
+    poisoned group, though FICCO_TIMEOUT bounds cross-rank waits only."""
+    results = harness.run_alone(2, _slow_gemms, random.randrange(1 << 30), transport,
+                                timeout_s=120)
+    for slow, after in results:
+        assert slow[0] == "ok" and slow[1] <= 1e-4, results
+        assert after[0] == "ok" and after[1] <= 1e-4, results
+
+
+# -- issue 29 item 5: the ranks named as gone after a failure are the dead ones, only -------------
+def _one_dies(rank, world, seed, dead, late, transport):
+    """One normal call, then rank ``dead`` exits and the others call again (rank ``late``
+    8 s later: alive, but busy while the first to fail looks for the dead)."""
+    shards, bs, _, _ = make_inputs(seed, world, (8, 16), (4,), torch.float32)
+    with ficco.config.scope(transport=transport):
+        ficco.all_gather_matmul(shards[rank], bs[0], schedule="ring")
+        if rank == dead:
+            os._exit(17)
+        if rank == late:
+            time.sleep(8)
+        with ficco.config.scope(timeout=3):
+            return _outcome(lambda: ficco.all_gather_matmul(shards[rank], bs[0],
+                                                            schedule="ring"))
+
+
+@pytest.mark.parametrize("dead, late, store", [(2, 1, "file"), (0, None, "tcp")])
+def test_the_ranks_named_gone_after_a_failure_are_exactly_the_dead_ones(dead, late, store):
+    """Before: the list of ranks that "no longer answer" came from a 3 s store exchange, so it
+    named a live peer still inside its own collective, or every rank, the reporting one
+    included, when rank 0 (the TCP store's host) had died, or an empty list."""
+    world = 3
+    results = harness.run_alone(world, _one_dies, random.randrange(1 << 30), dead, late, "ccl",
+                                timeout_s=120, raw=True, store=store)
+    assert results[dead][0] == "err", results
+    for rank in sorted(set(range(world)) - {dead}):
+        status, (kind, message) = results[rank]
+        assert status == "ok" and kind == "raised", results[rank]
+        assert f"rank {rank}:" in message, message
+        assert f"rank(s) [{dead}] are gone" in message and "[]" not in message, message
+        if late is not None and rank != late:      # alive, and said so
+            assert f"rank(s) [{late}] are alive" in message, message

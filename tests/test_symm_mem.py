@@ -545,3 +545,42 @@ def test_torch_symm_allocation_failing_on_one_rank_raises_on_every_rank_before_r
         assert kind == "SymmAllocationError" and "rank 1" in message, results
         assert "injected" in message and not entered, results   # nobody enters rendezvous
         assert elapsed < 5, results
+
+
+# -- issue 29 item 3: ranks that ask for workspaces of different sizes ----------------------------
+def _disagree_twice_on_cached_shapes(rank, world, seed):
+    """Both shapes agreed and cached; then two disagreeing calls in a row (the first, caught
+    by the barrier, drops the workspace on both ranks, so the second allocates one of a
+    different size on each)."""
+    from .reference import make_inputs, max_row_rel_err
+
+    small = make_inputs(seed, world, (8, 16), (4,), torch.float32)
+    large = make_inputs(seed + 1, world, (40, 16), (4,), torch.float32)
+    outcomes = []
+
+    def call(inputs):
+        shards, bs, _, refs = inputs
+        try:
+            return ("ok", max_row_rel_err(ficco.all_gather_matmul(shards[rank], bs[0],
+                                                                  schedule="ring"), refs[0]))
+        except Exception as exc:  # noqa: BLE001 - the test judges every kind
+            return (type(exc).__name__, str(exc))
+
+    with ficco.config.scope(transport="dma", timeout=10):
+        outcomes += [call(small), call(large)]
+        outcomes += [call(small if rank == 0 else large) for _ in range(2)]
+        outcomes.append(call(small))
+    ficco.shutdown()
+    return outcomes
+
+
+def test_ranks_allocating_workspaces_of_different_sizes_all_raise_a_mismatch():
+    """Before: rank 1 mapped rank 0's smaller file with its own length: a raw `ValueError:
+    mmap length is greater than file size` there, a timeout on rank 0."""
+    results = harness.pool(2).run(_disagree_twice_on_cached_shapes, random.randrange(1 << 30))
+    for outcomes in results:
+        assert outcomes[0][0] == outcomes[1][0] == "ok", results
+        for kind, message in outcomes[2:4]:
+            assert kind == "MismatchError", results
+        assert outcomes[4][0] == "ok" and outcomes[4][1] <= 1e-4, results
+    assert any("bytes" in m for _, m in results[0][2:4]), results     # names the sizes

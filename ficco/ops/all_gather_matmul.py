@@ -5,17 +5,33 @@ Canonical form: rank r's shard with ``gather_dim`` moved first and leading dims 
 workspace holds the gathered matrix (every rank's copy addressable by its peers), followed by
 the float32 scale of each of its rows when fp8 operands are scaled row-wise (they travel with
 their rows: :func:`ficco.plan.scale_companion`).
+
+Only rows of A travel, so ``n_j`` may differ across ranks (a column-parallel weight whose
+features do not divide by W, split longer pieces first: 64 over 3 ranks is 22/21/21, and a
+rank may have none); the ranks agree on everything else and decide on the widest ``n_j``.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from ..agreement import PER_RANK
 from ..backends import get_backend
 from ..buffers import Buffers
-from ..call import Call, backend_for, check_tensor, check_weights, key_of, known, remember, row_dim
+from ..call import (
+    Call,
+    backend_for,
+    check_flag,
+    check_tensor,
+    check_weights,
+    key_of,
+    known,
+    remember,
+    row_dim,
+)
 from ..group import rank_world, resolve
 from ..problem import Problem, dtype_name
 from ..scaled import Operands, finish, gemm_into, operands, wide_dtype
@@ -93,24 +109,34 @@ class AllGatherMatmul(OpSpec):
         moved = a_shard.movedim(gather_dim, 0)
         m = moved.numel() // k
         ns = tuple([int(bj.shape[1]) for bj in bs])
-        # torch accepts b with no columns and shards with no rows (an empty result); no plan
-        # has work then, and a plan without a barrier cannot carry the dma call check: the
-        # plain path (after the agreement and the call check) returns the empty result.
+        # torch accepts shards with no rows (an empty result); no plan has work then, and a
+        # plan without a barrier cannot carry the dma call check: the plain path (after the
+        # agreement and the call check) returns the empty result. A b with no columns (this
+        # rank's share of fewer features than ranks) still takes part in the gather: its GEMM
+        # runs on one zero column, cut off again by result().
+        bs = [bj if bj.shape[1] else bj.new_zeros(k, 1) for bj in bs]
         problem = Problem(m=m, k=k, ns=ns if min(ns) > 0 else tuple([max(n, 1) for n in ns]),
                           dtype=dtype_name(a_shard.dtype), world=world, rank=rank,
                           **ops.problem_fields(a_shard.dtype))
-        call = AllGatherMatmulCall(self, problem, group, backend, m == 0 or min(ns) == 0,
+        call = AllGatherMatmulCall(self, problem, group, backend, m == 0,
                                    a=moved.reshape(m, k), bs=bs,
                                    b_is_list=b_is_list, moved_shape=tuple(moved.shape),
-                                   gather_dim=gather_dim, return_gathered=bool(return_gathered),
+                                   gather_dim=gather_dim,
+                                   return_gathered=check_flag(return_gathered, "return_gathered"),
                                    ns=ns, ops=ops)
-        if key is not None:
+        if key is not None and min(ns) > 0:   # (a warm call takes the caller's bs as they are)
             remember(key, call, a=None, bs=None, ops=ops.without_tensors())
         return call
 
     def signature(self, call: AllGatherMatmulCall) -> dict:
-        return {**super().signature(call), "gather_dim": call.gather_dim,
-                "shard_shape": call.moved_shape, "ns": call.ns, **call.ops.signature()}
+        sig = {**super().signature(call), "gather_dim": call.gather_dim,
+               "shard_shape": call.moved_shape, **call.ops.signature()}
+        del sig["ns"]         # this rank's output widths: only rows travel (PER_RANK)
+        return {**sig, "outputs": len(call.ns), PER_RANK: {"ns": list(call.ns)}}
+
+    def agreed_problem(self, call: AllGatherMatmulCall, per_rank: tuple) -> Problem:
+        widest = [max(max(n, 1) for n in ns) for ns in zip(*(r["ns"] for r in per_rank))]
+        return dataclasses.replace(call.problem, ns=tuple(widest))
 
     # -- running ------------------------------------------------------------------------------
     def plain(self, call: AllGatherMatmulCall):
@@ -179,10 +205,11 @@ class AllGatherMatmul(OpSpec):
         return self._finish(call, outs, buffers.gathered, owned=buffers.symm is None)
 
     def _finish(self, call: AllGatherMatmulCall, outs, gathered, owned: bool):
-        # Canonical (M, x) back to the caller's layout: gathered dim at gather_dim.
+        # Canonical (M, x) back to the caller's layout: gathered dim at gather_dim (each output
+        # cut back to this rank's width: a b with no columns ran as one).
         moved, dim = call.moved_shape, call.gather_dim
         lead = (call.problem.world * moved[0], *moved[1:-1])
-        results = [o.view(*lead, o.shape[-1]).movedim(0, dim) for o in outs]
+        results = [o[:, :n].view(*lead, n).movedim(0, dim) for o, n in zip(outs, call.ns)]
         out = results if call.b_is_list else results[0]
         if not call.return_gathered:
             return out

@@ -6,6 +6,7 @@ plans, workspaces, executing, measuring) is shared and lives in :mod:`ficco.runt
 
     call = spec.prepare(*args, **kwargs)        # validate -> canonical Call, no communication
     spec.signature(call)                        # fields every rank must share
+    spec.agreed_problem(call, per_rank)         # the Problem every rank decides on
     spec.plain(call)                            # FICCO_DISABLE and a world of one
     spec.workspace_bytes(call)                  # symmetric bytes a dma plan needs
     buffers = spec.buffers(call, transport, symm, wide=...)   # the tensors the plan names
@@ -47,13 +48,22 @@ class OpSpec(ABC):
         return call, word
 
     def signature(self, call: Call) -> dict:
-        """Small, comparable fields every rank must pass alike (shapes, dtypes, layout).
-        The runtime adds the settings; a difference raises MismatchError on every rank."""
+        """Small, comparable fields every rank must pass alike (shapes, dtypes, layout), and
+        under ``PER_RANK`` those that may differ (a width that never travels: the op moves it
+        there). The runtime adds the settings; a difference raises MismatchError on every
+        rank."""
         p = call.problem
+        epilogue = (p.out_dtype, p.scaling, p.bias, p.activation)    # fp8, bias, activation
         # Named fields, not problem.key()'s tuple: a MismatchError prints them by name.
-        return {"op": self.name, "rows m": p.m, "K": p.k, "ns": p.ns, "dtype": p.dtype,
-                "world": p.world, "unit": p.unit, "reduce_op": p.reduce_op,
-                "backend": call.target}
+        return {"op": self.name, "role": call.role, "rows m": p.m, "K": p.k, "ns": p.ns,
+                "dtype": p.dtype, "world": p.world, "unit": p.unit, "reduce_op": p.reduce_op,
+                "backend": call.target, **({"epilogue": epilogue} if any(epilogue) else {})}
+
+    def agreed_problem(self, call: Call, per_rank: tuple):
+        """The Problem every rank decides on (selector, simulator, tune cache): this call's,
+        with each per-rank width replaced by the widest rank's (``per_rank``: every rank's
+        ``PER_RANK`` fields, as agreed), so no decision depends on which rank decides."""
+        return call.problem
 
     @abstractmethod
     def plain(self, call: Call) -> Any:

@@ -7,15 +7,21 @@ shard of the weight. Rank r receives rows :meth:`Problem.block` ``(r)`` of
 chunk rule (``even_split``, longer blocks first), so with W dividing that dimension
 ``all_gather_matmul`` undoes the layout exactly. The ``dma`` workspace holds the partial
 products ``a @ b_j`` (every rank's addressable by its peers, who pull their blocks).
+
+Only rows of the partial products travel, so K may differ across ranks (a row-parallel weight
+whose input features do not divide by W: 64 over 3 ranks is 22/21/21; a rank with none adds a
+zero partial); the ranks agree on everything else and decide on the widest K.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from ..agreement import PER_RANK
 from ..backends import get_backend
 from ..buffers import Buffers
 from ..call import (
@@ -64,7 +70,8 @@ def check_arguments(a, b, scatter_dim, reduce_op) -> tuple[int, list, bool]:
     if reduce_op not in REDUCE_OPS:
         raise InvalidArgumentError(f"reduce_op={reduce_op!r} is not supported; use one of "
                                    f"{', '.join(REDUCE_OPS)}")
-    bs, b_is_list = check_weights(b, a, "a", role=" (this rank's K rows of the weight)")
+    bs, b_is_list = check_weights(b, a, "a", role=" (this rank's K rows of the weight)",
+                                  k_may_be_zero=True)
     return scatter_dim, bs, b_is_list
 
 
@@ -107,23 +114,34 @@ class MatmulReduceScatter(OpSpec):
         unit = math.prod(moved.shape[1:-1])
         m = moved.shape[0] * unit
         ns = tuple([int(bj.shape[1]) for bj in bs])
-        problem = Problem(m=m, k=k, ns=ns if min(ns) > 0 else tuple([max(n, 1) for n in ns]),
+        canon = moved.reshape(m, k)
+        if k == 0:
+            # This rank holds none of the weight's rows (fewer input features than ranks): its
+            # partial products are zero, from one zero column, and it still scatters them.
+            canon, bs = canon.new_zeros(m, 1), [bj.new_zeros(1, bj.shape[1]) for bj in bs]
+        problem = Problem(m=m, k=max(k, 1),
+                          ns=ns if min(ns) > 0 else tuple([max(n, 1) for n in ns]),
                           dtype=dtype_name(a.dtype),
                           world=world, rank=rank, op=MATMUL_REDUCE_SCATTER, unit=max(unit, 1),
                           reduce_op=reduce_op, **ops.problem_fields(a.dtype))
         # Nothing to overlap without rows or columns: agreed, then the plain path.
         call = MatmulReduceScatterCall(self, problem, group, backend, m == 0 or min(ns) == 0,
-                                       a=moved.reshape(m, k), bs=bs, b_is_list=b_is_list,
+                                       a=canon, bs=bs, b_is_list=b_is_list,
                                        moved_shape=tuple(moved.shape), scatter_dim=scatter_dim,
                                        ns=ns, ops=ops, partial_dtype=ops.out_dtype
                                        if ops.out_dtype.itemsize >= 2 else torch.float32)
-        if key is not None:
+        if key is not None and k > 0:   # (a warm call takes the caller's a and bs as they are)
             remember(key, call, a=None, bs=None, ops=ops.without_tensors())
         return call
 
     def signature(self, call: MatmulReduceScatterCall) -> dict:
-        return {**super().signature(call), "scatter_dim": call.scatter_dim,
-                "a_shape": call.moved_shape, "ns": call.ns, **call.ops.signature()}
+        sig = {**super().signature(call), "scatter_dim": call.scatter_dim,
+               "a_shape": call.moved_shape[:-1], "ns": call.ns, **call.ops.signature()}
+        del sig["K"]          # this rank's K: only rows of the products travel (PER_RANK)
+        return {**sig, PER_RANK: {"k": call.moved_shape[-1]}}
+
+    def agreed_problem(self, call: MatmulReduceScatterCall, per_rank: tuple) -> Problem:
+        return dataclasses.replace(call.problem, k=max(max(r["k"], 1) for r in per_rank))
 
     # -- running ------------------------------------------------------------------------------
     def plain(self, call: MatmulReduceScatterCall):

@@ -43,6 +43,9 @@ class SymmHandle(ABC):
     world: int
     nbytes: int
     backend: Any
+    #: set by the runtime per call, taken by the call's first plan barrier: what its wait runs
+    #: now and then to answer a peer's agreement exchange (see ficco.symm_mem.barrier)
+    first_wait: Any = None
     #: GPUs: the group's error slot and error word (:class:`ficco.symm_mem.fault.GroupFault`);
     #: None where a failed barrier raises from the call itself (the CPU backend)
     fault: Any = None

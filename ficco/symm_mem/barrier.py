@@ -31,6 +31,13 @@ addresses never change while the handle lives (a barrier costs no per-call looku
 
 The deadline counts from when the queue *reaches* the wait, not from when the host enqueued
 it: work queued before the barrier may legitimately take longer than FICCO_TIMEOUT.
+
+The first plan barrier of a call also *answers* (``Deadline.answer``, set by the runtime per
+call through ``handle.first_wait``): a host thread that has waited there a moment asks whether
+a peer is in a first-call agreement exchange instead (its call is new to it, this rank's was
+agreed before) and joins it, so the two raise a MismatchError naming both calls at once rather
+than both waiting for FICCO_TIMEOUT (:func:`ficco.agreement.answer`). Only the first barrier:
+until it passed, no peer can have finished this call, so a peer's exchange is this call's.
 """
 from __future__ import annotations
 
@@ -47,6 +54,9 @@ PLAN_CHANNELS = (0, 1)
 FLAG = 1
 WRITE, WAIT = "write", "wait"
 _FLAG_PROGRAMS_KEPT = 64          # flag programs per handle (one per channel and call flag)
+# A first barrier that waits this long starts answering peers' agreement exchanges, then asks
+# again at this period: a store lookup per peer, never on a call whose peers are on time.
+_ANSWER_AFTER_S, _ANSWER_EVERY_S = 0.1, 0.25
 
 
 def call_flag(word: int | None) -> int:
@@ -85,6 +95,7 @@ class Deadline:
     class with slots: one is made per barrier per call, on the enqueue hot path.)"""
 
     __slots__ = (
+        "answer",
         "channel",
         "fired",
         "handle",
@@ -97,12 +108,13 @@ class Deadline:
     )
 
     def __init__(self, rank: int, channel: int, step: int, timeout_s: float, target: int,
-                 waits: tuple = (), handle: Any = None):
+                 waits: tuple = (), handle: Any = None, answer: Callable[[], None] | None = None):
         self.rank, self.channel, self.step = rank, channel, step
         self.timeout_s, self.target, self.waits = timeout_s, target, waits
         self.started: float | None = None
         self.fired = False
         self.handle = handle   # the SymmHandle (GPU: marked when captured into a graph)
+        self.answer = answer   # the call's first barrier: answers a peer's agreement exchange
 
     def start(self, now: float | None = None) -> float:
         """Start the clock (first caller wins); returns the monotonic expiry time."""
@@ -139,6 +151,7 @@ class Deadline:
             # Every rank sees another's flag and raises alike: the group stays usable (the
             # mark ficco.agreement.consistent sets; not imported: symm_mem sits below it).
             mismatch.consistent = True
+            mismatch.flags = dict(foreign)      # the runtime names the calls they stand for
             return mismatch
         peers = [p for p, _ in late]
         values = [v for _, v in late]
@@ -236,8 +249,11 @@ def plan_barrier(backend, handle, channel: int, queue, timeout_s: float, step: i
     flag = getattr(handle, "call_flag", FLAG)
     program, waits = handle._programs.get((channel, flag)) or _flag_program(handle, channel,
                                                                             flag)
+    answer = getattr(handle, "first_wait", None)
+    if answer is not None:
+        handle.first_wait = None            # the call's first barrier only
     backend.signal_batch(queue, program, Deadline(handle.rank, channel, step, timeout_s, flag,
-                                                  waits, handle))
+                                                  waits, handle, answer))
 
 
 def host_barrier(backend, handle, channel: int, timeout_s: float, step=None) -> None:
@@ -268,6 +284,7 @@ def wait_on_host(op: SignalOp, deadline: Deadline, read: Callable[[Any], int],
     the deadline's error once it passes (its clock starts at the first wait reached), or at
     once a MismatchError when the slot holds another call's flag."""
     expiry = deadline.start()
+    answer_at = deadline.started + _ANSWER_AFTER_S
     nap = 2e-5
     while not op.met(seen := read(op.slot)):
         if op.foreign(seen):
@@ -275,9 +292,13 @@ def wait_on_host(op: SignalOp, deadline: Deadline, read: Callable[[Any], int],
             raise deadline.error(deadline.late(read))
         if abandoned is not None and abandoned():
             raise (abandon_error or CommTimeoutError)(f"rank {deadline.rank}: barrier abandoned")
-        if time.monotonic() > expiry:
+        now = time.monotonic()
+        if now > expiry:
             deadline.fired = True
             raise deadline.error(deadline.late(read))
+        if deadline.answer is not None and now >= answer_at:
+            answer_at = now + _ANSWER_EVERY_S
+            deadline.answer()      # raises the MismatchError of a peer's differing call
         time.sleep(nap)
         nap = min(nap * 2, 1e-3)
 

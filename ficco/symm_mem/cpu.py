@@ -57,7 +57,8 @@ class CpuSymmHandle(SymmHandle):
         except OSError as exc:
             failure = f"could not create its /dev/shm file: {exc}"
         wheres = exchange_or_fail(group, self.rank, self.world, where, failure,
-                                  "allocate CPU symmetric memory", on_failure=self.close)
+                                  "allocate CPU symmetric memory", on_failure=self.close,
+                                  nbytes=nbytes)
         maps: list[mmap.mmap] = []
         failure = None
         try:

@@ -75,7 +75,7 @@ class IpcSymmProvider(Provider):
             failure = f"{type(exc).__name__}: {exc}"
         everyone = exchange_or_fail(group, rank, world, where, failure,
                                     "allocate GPU symmetric memory",
-                                    on_failure=lambda: release(True))
+                                    on_failure=lambda: release(True), nbytes=nbytes)
         hosts = sorted({host for host, _, _, _ in everyone})
         pads_where = {("host" if h else "device") for _, _, _, h in everyone}
         if len(pads_where) > 1:

@@ -42,7 +42,8 @@ class TorchSymmProvider(Provider):
             failure = f"{type(exc).__name__}: {exc}"
         # torch's rendezvous is a collective of its own, bounded only by the group's timeout:
         # every rank enters it only once every rank allocated (a bounded store exchange).
-        exchange_or_fail(group, rank, world, True, failure, "allocate torch symmetric memory")
+        exchange_or_fail(group, rank, world, True, failure, "allocate torch symmetric memory",
+                         nbytes=nbytes)
         keep = [local]  # torch frees the allocation once these are dropped
         whole = []
         try:
