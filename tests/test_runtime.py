@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ficco
-from ficco import backends, config, heuristics, runtime
+from ficco import agreement, backends, config, heuristics, runtime
 from ficco.heuristics import profiles
 from ficco.ops.all_gather_matmul import SPEC as ALL_GATHER_MATMUL
 from ficco.problem import Problem
@@ -23,6 +23,11 @@ def _call(m=16, k=32, n=24, world=2):
     """A canonical call as rank 0 of ``world`` (no group: decide() never communicates)."""
     call = ALL_GATHER_MATMUL.prepare(torch.randn(m, k), torch.randn(k, n))
     return dataclasses.replace(call, problem=dataclasses.replace(call.problem, world=world))
+
+
+def _agreed(call, same_host=True):
+    """What the ranks agreed for ``call`` when every rank passed its widths."""
+    return agreement.Agreed(same_host, {}, ({"ns": list(call.ns)},) * call.world)
 
 
 @pytest.fixture
@@ -44,29 +49,33 @@ def counted(monkeypatch):
 def test_a_decision_is_made_once_per_key_and_again_when_a_deciding_setting_changes(counted,
                                                                                    monkeypatch):
     call = _call()
-    first = runtime.decide(call, runtime.settings(call), True)
-    assert runtime.decide(_call(), runtime.settings(call), True) is first   # fresh tensors
+    first = runtime.decide(call, runtime.settings(call), _agreed(call))
+    fresh = _call()                                  # fresh tensors, the same key
+    assert runtime.decide(fresh, runtime.settings(call), _agreed(fresh)) is first
     assert len(counted) == 1
     # config.scope and the environment are part of the key, through the settings
     with config.scope(selector="paper"):
-        paper = runtime.decide(call, runtime.settings(call), True)
+        paper = runtime.decide(call, runtime.settings(call), _agreed(call))
     assert paper.selector == "paper" and len(counted) == 2
     monkeypatch.setenv("FICCO_SCHEDULE", "hetero-fused-1d")
-    forced = runtime.decide(call, runtime.settings(call), True)
+    forced = runtime.decide(call, runtime.settings(call), _agreed(call))
     assert (forced.schedule, forced.selector) == ("hetero-fused-1d", "forced")
     monkeypatch.delenv("FICCO_SCHEDULE")
     monkeypatch.setenv("FICCO_PROFILE", "mi300x")
-    assert runtime.decide(call, runtime.settings(call), True).inputs["profile"] == "mi300x"
+    decision = runtime.decide(call, runtime.settings(call), _agreed(call))
+    assert decision.inputs["profile"] == "mi300x"
     monkeypatch.delenv("FICCO_PROFILE")
     # transports offered (same host or not) and the problem key are part of it too
-    assert runtime.decide(call, runtime.settings(call), False).transport == "ccl"
-    runtime.decide(_call(n=40), runtime.settings(call), True)
+    apart = _agreed(call, same_host=False)
+    assert runtime.decide(call, runtime.settings(call), apart).transport == "ccl"
+    wider = _call(n=40)
+    runtime.decide(wider, runtime.settings(call), _agreed(wider))
     assert len(counted) == 6
     # back to the first settings: still cached
-    assert runtime.decide(call, runtime.settings(call), True) is first
+    assert runtime.decide(call, runtime.settings(call), _agreed(call)) is first
     # timeouts and logging do not decide: no new decision
     with config.scope(timeout=7.0):
-        assert runtime.decide(call, runtime.settings(call), True) is first
+        assert runtime.decide(call, runtime.settings(call), _agreed(call)) is first
     assert len(counted) == 6
 
 
@@ -75,13 +84,13 @@ def test_the_decision_cache_is_bounded_lru(counted, monkeypatch):
     s = runtime.settings(_call())
     calls = [_call(n=n) for n in (8, 16, 24, 32)]
     for call in calls[:3]:
-        runtime.decide(call, s, True)
-    runtime.decide(calls[0], s, True)          # the oldest, used again: now the newest
-    runtime.decide(calls[3], s, True)          # evicts n=16, the least recently used
+        runtime.decide(call, s, _agreed(call))
+    runtime.decide(calls[0], s, _agreed(calls[0]))   # the oldest, used again: now the newest
+    runtime.decide(calls[3], s, _agreed(calls[3]))   # evicts n=16, the least recently used
     assert len(counted) == 4
-    runtime.decide(calls[0], s, True)
+    runtime.decide(calls[0], s, _agreed(calls[0]))
     assert len(counted) == 4
-    runtime.decide(calls[1], s, True)
+    runtime.decide(calls[1], s, _agreed(calls[1]))
     assert len(counted) == 5
 
 
