@@ -448,3 +448,44 @@ def moe_skip_one_backward(rank, world, seed, transport, skip_step=1):
             outcomes.append(("after", f"{type(exc).__name__}: {exc}"))
     ficco.shutdown()
     return outcomes
+
+
+def slow_grouped_gemms(rank, world, seed, schedule, transport):
+    """Dispatch then combine, agreed at normal speed, then again with every grouped GEMM of
+    every rank taking 1.5 s under FICCO_TIMEOUT=0.5 (no cross-rank wait waits for a peer's
+    GEMM longer than for its own), then once more at normal speed: the row errors against
+    float64 ("ok", err) or what was raised."""
+    import time
+
+    from ficco.expert import tasks
+
+    counts, xs, w, w2 = make_case(seed, world, 1)
+    local = slice(rank, rank + 1)
+    z_ref = round_trip_reference(counts, xs, w, w2, rank)
+    real = tasks.run_grouped
+
+    def slow(*args):
+        time.sleep(1.5)
+        return real(*args)
+
+    def round_trip():
+        try:
+            y, recv = ficco.all_to_all_grouped_mm(xs[rank].float(), counts[rank],
+                                                  w[local].float(), schedule=schedule)
+            z = ficco.grouped_mm_all_to_all(y, recv, w2[local].float(), schedule=schedule)
+            return "ok", max_row_rel_err(z, z_ref)
+        except Exception as exc:  # noqa: BLE001 - the test judges every kind
+            return "raised", f"{type(exc).__name__}: {exc}"
+
+    out = []
+    with config.scope(transport=transport):
+        out.append(round_trip())
+        tasks.run_grouped = slow
+        try:
+            with config.scope(timeout=0.5):
+                out.append(round_trip())
+        finally:
+            tasks.run_grouped = real
+        out.append(round_trip())
+    ficco.shutdown()
+    return out
