@@ -124,14 +124,55 @@ def answer(group, rank: int, world: int, signature: dict, via: str) -> None:
         prefix = f"ficco/{_epoch[0]}/{_sequence.get(gid, 0) + 1}/"
     for peer in range(world):
         if peer != rank and _has(store, f"{prefix}{peer}"):
-            what = pickle.loads(store.get(f"{prefix}{peer}"))[0]
+            what, theirs = pickle.loads(store.get(f"{prefix}{peer}"))
             break
     else:
+        return
+    if isinstance(theirs, CallData):
+        # A call's data exchange (expert routing counts): the peer makes a call this check's
+        # call cannot be (that one carries no exchange), so the digests differ and the
+        # exchange raises on every rank; equal digests would be a peer a call ahead: wait.
+        word = digest(signature)
+        if theirs.word != word:
+            exchange_call_data(group, rank, world, word, None, summary(signature), what=what,
+                               via=via)
         return
     if not what.endswith(" agreement"):
         return         # another kind of exchange: not this check's business
     everyone = exchange(group, rank, world, _payload(signature, via), what=what)
     _settle(group, digest(signature), signature, everyone, what.removesuffix(" agreement"))
+
+
+@dataclass(frozen=True)
+class CallData:
+    """One rank's part of a call's data exchange (:func:`exchange_call_data`): the call's
+    digest, its data, what the call is (for messages), and the per-call check it joined from
+    (None: the rank makes this exchange itself)."""
+
+    word: int
+    data: object
+    call: str
+    via: str | None = None
+
+
+def exchange_call_data(group, rank: int, world: int, word: int, data, call: str, *, what: str,
+                       via: str | None = None) -> list:
+    """Every rank's ``data`` for a call with digest ``word`` (described as ``call``), in rank
+    order: one bounded exchange. Ranks whose digests differ raise one MismatchError on every
+    rank naming each rank's call; a peer waiting in a per-call check joins it
+    (:func:`answer`), so its ``joined`` says which checks to complete."""
+    everyone = exchange(group, rank, world, CallData(word, data, call, via), what=what)
+    if len({part.word for part in everyone}) > 1:
+        calls = "; ".join(f"rank {r}: {part.call}" for r, part in enumerate(everyone))
+        exc = consistent(MismatchError(
+            f"rank {rank}: the ranks of group {group_key(group)} are making different calls "
+            f"({calls}); nothing was computed. Every rank must make the same calls in the "
+            f"same order (a rank that skipped a backward, or called with other shapes, "
+            f"dtypes, settings or op)"))
+        exc.joined = {v: [r for r, part in enumerate(everyone) if part.via == v]
+                      for v in ("ccl", "dma")}
+        raise exc
+    return [part.data for part in everyone]
 
 
 @dataclass(frozen=True)
@@ -204,10 +245,13 @@ def describe(group, word: int | None = None, *, flag: int | None = None, flag_of
 def summary(signature: dict) -> str:
     """``all_gather_matmul forward, shard (4, 16)``: a signature's op, role and input shape."""
     role = signature.get("role", "forward")
-    shape = ("shard", signature["shard_shape"]) if "shard_shape" in signature else \
-        ("a", signature.get("a_shape"))
-    return (f"{signature.get('op')} {role if role == 'forward' else 'in the ' + role}, "
-            f"{shape[0]} {shape[1]}")
+    if "shard_shape" in signature or "a_shape" in signature:
+        shape = ("shard", signature["shard_shape"]) if "shard_shape" in signature else \
+            ("a", signature.get("a_shape"))
+        shape_text = f"{shape[0]} {shape[1]}"
+    else:   # the expert ops: rows are data, the widths say which call
+        shape_text = f"K {signature.get('k')}, n {signature.get('n')}"
+    return f"{signature.get('op')} {role if role == 'forward' else 'in the ' + role}, {shape_text}"
 
 
 def ranks_of(group) -> tuple | None:

@@ -385,3 +385,107 @@ def compiled_graphs(rank, world, seed):
     eager = step(ffn)
     diff = max(float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(compiled, eager))
     return graphs, diff
+
+
+# -- issue 29 follow-up: a rank that skips a backward of an MoE layer ---------------------------
+def _moe_step(layer, reference, x, rank, world, backward=True):
+    """One step of the sharded MoE layer on this rank's tokens of ``x``: "wrong output",
+    "wrong gradient" or "ok" against the unsharded twin (raises what ficco raises). The
+    experts' gradients are those of every rank's loss (their tokens come from every rank),
+    the router's of this rank's loss alone (the test does not all-reduce it)."""
+    mine = x.chunk(world)[rank]
+    out = layer(mine)
+    ref = reference(x)
+    if not torch.allclose(out, ref.chunk(world)[rank], rtol=1e-4, atol=1e-5):
+        return "wrong output"
+    if not backward:
+        return "ok"
+    layer.zero_grad()
+    out.square().sum().backward()
+    local = slice(rank * layer.experts.local_experts, (rank + 1) * layer.experts.local_experts)
+    grad_w1, grad_w2 = torch.autograd.grad(ref.square().sum(), [reference.w1, reference.w2],
+                                           retain_graph=True)
+    (grad_router,) = torch.autograd.grad(ref.chunk(world)[rank].square().sum(),
+                                         [reference.router.weight])
+    pairs = [(layer.experts.w1.grad, grad_w1[local]), (layer.experts.w2.grad, grad_w2[local]),
+             (layer.router.weight.grad, grad_router)]
+    for got, want in pairs:
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+            return "wrong gradient"
+    return "ok"
+
+
+def moe_skip_one_backward(rank, world, seed, transport, skip_step=1):
+    """An MoE layer (ficco.moe) trained against its unsharded twin; rank 1 skips the backward
+    of ``skip_step`` (e.g. ``if torch.isfinite(loss):``). Returns (step, outcome) per step,
+    stopping at the first exception, then ("after", outcome) of one more full step."""
+    import pathlib
+    import sys
+
+    examples = str(pathlib.Path(__file__).resolve().parents[1] / "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    from moe_block import MoEBlock, sharded_from
+
+    torch.manual_seed(seed)                      # same weights on every rank
+    reference = MoEBlock(16, 32, 2 * world)
+    layer = sharded_from(reference)
+    outcomes = []
+    with config.scope(transport=transport, timeout=20):
+        for step in range(4):
+            x = torch.randn(6 * world, 16, generator=torch.Generator().manual_seed(seed + step))
+            skip = rank == 1 and step == skip_step
+            try:
+                outcome = _moe_step(layer, reference, x, rank, world, backward=not skip)
+            except Exception as exc:  # noqa: BLE001 - the test judges every kind
+                outcomes.append((step, f"{type(exc).__name__}: {exc}"))
+                break
+            outcomes.append((step, "skipped backward" if skip else outcome))
+        x = torch.randn(6 * world, 16, generator=torch.Generator().manual_seed(seed + 99))
+        try:
+            outcomes.append(("after", _moe_step(layer, reference, x, rank, world)))
+        except Exception as exc:  # noqa: BLE001
+            outcomes.append(("after", f"{type(exc).__name__}: {exc}"))
+    ficco.shutdown()
+    return outcomes
+
+
+def slow_grouped_gemms(rank, world, seed, schedule, transport):
+    """Dispatch then combine, agreed at normal speed, then again with every grouped GEMM of
+    every rank taking 1.5 s under FICCO_TIMEOUT=0.5 (no cross-rank wait waits for a peer's
+    GEMM longer than for its own), then once more at normal speed: the row errors against
+    float64 ("ok", err) or what was raised."""
+    import time
+
+    from ficco.expert import tasks
+
+    counts, xs, w, w2 = make_case(seed, world, 1)
+    local = slice(rank, rank + 1)
+    z_ref = round_trip_reference(counts, xs, w, w2, rank)
+    real = tasks.run_grouped
+
+    def slow(*args):
+        time.sleep(1.5)
+        return real(*args)
+
+    def round_trip():
+        try:
+            y, recv = ficco.all_to_all_grouped_mm(xs[rank].float(), counts[rank],
+                                                  w[local].float(), schedule=schedule)
+            z = ficco.grouped_mm_all_to_all(y, recv, w2[local].float(), schedule=schedule)
+            return "ok", max_row_rel_err(z, z_ref)
+        except Exception as exc:  # noqa: BLE001 - the test judges every kind
+            return "raised", f"{type(exc).__name__}: {exc}"
+
+    out = []
+    with config.scope(transport=transport):
+        out.append(round_trip())
+        tasks.run_grouped = slow
+        try:
+            with config.scope(timeout=0.5):
+                out.append(round_trip())
+        finally:
+            tasks.run_grouped = real
+        out.append(round_trip())
+    ficco.shutdown()
+    return out

@@ -307,3 +307,18 @@ def test_table_i_expert_gemms_are_priced_as_all_to_all():
     for r in rows:
         assert set(r["speedup"]) == {f"{s}/{t}" for s in NAMES for t in ("dma", "ccl")}
         assert 0 < r["comm_share"] < 1 and all(v > 0 for v in r["speedup"].values())
+
+
+@pytest.mark.parametrize("schedule, transport", [("hetero-fused-1d", "dma"), ("ring", "ccl")])
+def test_a_grouped_gemm_longer_than_ficco_timeout_is_no_failure(schedule, transport):
+    """Issue 29 item 7 for the expert ops. Before: their grouped GEMMs, copies and pulls were
+    unmarked host tasks, which the CPU backend bounds by FICCO_TIMEOUT like a collective:
+    `CommTimeoutError: queue compute did not drain within FICCO_TIMEOUT` and a poisoned
+    group. Now they are marked local work: a healthy GEMM takes as long as it takes."""
+    from .ep_cases import slow_grouped_gemms
+
+    results = harness.run_alone(2, slow_grouped_gemms, random.randrange(1 << 30), schedule,
+                                transport, timeout_s=120)
+    for outcomes in results:
+        for kind, value in outcomes:
+            assert kind == "ok" and value <= 1e-4, results

@@ -94,3 +94,25 @@ def test_compiled_graphs_are_the_same_on_every_rank_and_match_eager():
 def test_layer_shape_of_a_batch():
     layer = MoELayer(8, 16, num_experts=4, k=2)
     assert layer(torch.randn(2, 3, 8)).shape == (2, 3, 8)
+
+
+@pytest.mark.parametrize("transport", ["dma", "ccl"])
+def test_a_rank_that_skips_a_backward_of_an_moe_layer_makes_every_rank_raise_mismatch(
+        transport):
+    """Issue 29 item 1 for the expert-parallel ops. Before: rank 0's backward (a dispatch and
+    a combine handed the forward's routing: no counts exchange, straight to the call check)
+    waited in its check while rank 1's next forward waited in its counts exchange: both timed
+    out at FICCO_TIMEOUT and the group was poisoned. Now the backward's calls carry their
+    role, and a waiting check answers the peer's counts exchange: MismatchError on every rank
+    naming both calls, and the next step is right."""
+    from .ep_cases import moe_skip_one_backward
+
+    results = harness.pool(2).run(moe_skip_one_backward, random.randrange(1 << 30), transport)
+    rank0, rank1 = results
+    assert rank0[0] == rank1[0] == (0, "ok"), results
+    assert rank0[1][0] == 1 and rank0[1][1].startswith("MismatchError"), results
+    assert rank1[1] == (1, "skipped backward"), results
+    assert rank1[2][0] == 2 and rank1[2][1].startswith("MismatchError"), results
+    for message in (rank0[1][1], rank1[2][1]):
+        assert "backward" in message and "forward" in message, results   # the roles
+    assert rank0[-1] == rank1[-1] == ("after", "ok"), results

@@ -28,8 +28,15 @@ from torch import Tensor
 from .. import group as groups
 from .. import library, runtime
 from ..autograd import _first_order, _register_autocast
+from ..call import FORWARD
 from ..ops.all_to_all_grouped_mm import SPEC as DISPATCH_SPEC
 from ..ops.grouped_mm_all_to_all import SPEC as COMBINE_SPEC
+
+# The roles of the calls a backward makes: part of what the ranks agree on (its signature, its
+# digest in the counts exchange, the barriers' flag, the ccl check), so a rank that skipped a
+# backward never pairs its next forward with its peers' backward (issue 29).
+GRAD_OF_DISPATCH = "backward of all_to_all_grouped_mm (grad of x)"
+GRAD_OF_COMBINE = "backward of grouped_mm_all_to_all (grad of h)"
 
 
 def _counts_tensor(counts) -> Tensor:
@@ -43,11 +50,13 @@ def _counts_tensor(counts) -> Tensor:
 # -- the ops ------------------------------------------------------------------------------------
 @torch.library.custom_op("ficco::all_to_all_grouped_mm", mutates_args=())
 def dispatch_op(x: Tensor, counts: Tensor, ws: list[Tensor], group: str,
-                schedule: str | None, routing: Tensor | None, return_received: bool
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(y, recv_counts, received or an empty tensor, routing)``."""
+                schedule: str | None, routing: Tensor | None, return_received: bool,
+                role: str = FORWARD) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(y, recv_counts, received or an empty tensor, routing)``; ``role``: FORWARD, or the
+    backward this call belongs to."""
     call = DISPATCH_SPEC.prepare(x, counts, ws, groups.by_name(group), routing=routing,
                                  return_received=return_received)
+    call.role = role
     y, recv_counts, received, agreed = runtime.run(call, schedule)
     if received is None:
         received = x.new_empty(0, x.shape[1])
@@ -57,7 +66,7 @@ def dispatch_op(x: Tensor, counts: Tensor, ws: list[Tensor], group: str,
 
 
 @dispatch_op.register_fake
-def _(x, counts, ws, group, schedule, routing, return_received):
+def _(x, counts, ws, group, schedule, routing, return_received, role=FORWARD):
     _, world = groups.rank_world_of(group)
     rows = torch.library.get_ctx().new_dynamic_size()
     big_l = len(ws)
@@ -70,17 +79,19 @@ def _(x, counts, ws, group, schedule, routing, return_received):
 @torch.library.custom_op("ficco::grouped_mm_all_to_all", mutates_args=())
 def combine_op(h: Tensor, recv_counts: Tensor, ws: list[Tensor], group: str,
                schedule: str | None, routing: Tensor | None,
-               send_counts: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+               send_counts: Tensor | None, role: str = FORWARD
+               ) -> tuple[Tensor, Tensor, Tensor]:
     """``(z, routing, this rank's row of the routing)``: the counts of z's rows, what the
-    backward's dispatch takes."""
+    backward's dispatch takes; ``role`` as for dispatch."""
     call = COMBINE_SPEC.prepare(h, recv_counts, ws, groups.by_name(group), routing=routing,
                                 send_counts=send_counts)
+    call.role = role
     z, agreed = runtime.run(call, schedule)
     return z, agreed, agreed[call.rank].clone()
 
 
 @combine_op.register_fake
-def _(h, recv_counts, ws, group, schedule, routing, send_counts):
+def _(h, recv_counts, ws, group, schedule, routing, send_counts, role=FORWARD):
     _, world = groups.rank_world_of(group)
     rows = torch.library.get_ctx().new_dynamic_size()
     return (h.new_empty(rows, ws[0].shape[1]),
@@ -104,7 +115,7 @@ def _grad_weights(rows_in: Tensor, grad_out: Tensor, recv_counts: Tensor, needs)
 
 
 def _dispatch_setup(ctx, inputs, output):
-    x, _counts, ws, group, _schedule, _routing, _ = inputs
+    x, _counts, ws, group, _schedule, _routing, *_ = inputs
     _y, recv_counts, received, routing = output
     ctx.set_materialize_grads(False)
     ctx.group, ctx.x_needs = group, x.requires_grad
@@ -116,18 +127,19 @@ def _dispatch_setup(ctx, inputs, output):
 def _dispatch_backward(ctx, grad_y, _grad_counts, _grad_received, _grad_routing):
     recv_counts, routing, received, *ws = ctx.saved_tensors
     if grad_y is None:
-        return None, None, [None] * len(ctx.w_needs), None, None, None, None
+        return None, None, [None] * len(ctx.w_needs), None, None, None, None, None
     grad_x = None
     if ctx.x_needs:
         grad_x = torch.ops.ficco.grouped_mm_all_to_all(
-            grad_y, recv_counts, [w.t() for w in ws], ctx.group, None, routing, None)[0]
+            grad_y, recv_counts, [w.t() for w in ws], ctx.group, None, routing, None,
+            GRAD_OF_DISPATCH)[0]
     grad_ws = _grad_weights(received, grad_y, recv_counts, ctx.w_needs) \
         if any(ctx.w_needs) else [None] * len(ctx.w_needs)
-    return grad_x, None, grad_ws, None, None, None, None
+    return grad_x, None, grad_ws, None, None, None, None, None
 
 
 def _combine_setup(ctx, inputs, output):
-    h, recv_counts, ws, group, _schedule, _routing, _send = inputs
+    h, recv_counts, ws, group, _schedule, _routing, *_ = inputs
     _z, routing, counts = output
     ctx.set_materialize_grads(False)
     ctx.group, ctx.h_needs = group, h.requires_grad
@@ -139,15 +151,15 @@ def _combine_setup(ctx, inputs, output):
 def _combine_backward(ctx, grad_z, _grad_routing, _grad_counts):
     recv_counts, routing, counts, h, *ws = ctx.saved_tensors
     if grad_z is None:
-        return None, None, [None] * len(ctx.w_needs), None, None, None, None
+        return None, None, [None] * len(ctx.w_needs), None, None, None, None, None
     # Without grad_h only the moved rows are needed: multiply them by one column of zeros.
     w_t = [w.t() for w in ws] if ctx.h_needs else \
         [grad_z.new_zeros(grad_z.shape[1], 1) for _ in ctx.w_needs]
     grad_h, _, routed, _ = torch.ops.ficco.all_to_all_grouped_mm(
-        grad_z, counts, w_t, ctx.group, None, routing, any(ctx.w_needs))
+        grad_z, counts, w_t, ctx.group, None, routing, any(ctx.w_needs), GRAD_OF_COMBINE)
     grad_ws = _grad_weights(h, routed, recv_counts, ctx.w_needs) \
         if any(ctx.w_needs) else [None] * len(ctx.w_needs)
-    return grad_h if ctx.h_needs else None, None, grad_ws, None, None, None, None
+    return grad_h if ctx.h_needs else None, None, grad_ws, None, None, None, None, None
 
 
 dispatch_op.register_autograd(_first_order(_dispatch_backward), setup_context=_dispatch_setup)

@@ -23,7 +23,7 @@ from collections import OrderedDict
 import torch
 
 from .. import agreement
-from ..errors import InvalidArgumentError, MismatchError
+from ..errors import InvalidArgumentError
 from ..group import key as group_key
 
 _MEMO_LIMIT = 512                 # dispatch routings kept per process (all groups), LRU
@@ -96,16 +96,12 @@ def check_counts(row: list, *, rows: int, experts_total: int, name: str) -> list
 
 def agree_counts(call, word: int, part) -> list:
     """Every rank's ``part`` (in rank order), exchanged with the call's digest ``word``;
-    MismatchError on every rank when the ranks are making different calls."""
-    everyone = agreement.exchange(call.group, call.rank, call.world, (word, part),
-                                  what=f"{call.op.name} counts exchange")
-    words = {w for w, _ in everyone}
-    if len(words) > 1:
-        raise agreement.consistent(MismatchError(
-            f"rank {call.rank}: the ranks of group {group_key(call.group)} are making different "
-            f"{call.op.name} calls (other shapes, dtypes, settings or op); nothing was "
-            f"computed. Every rank must make the same calls in the same order"))
-    return [p for _, p in everyone]
+    MismatchError on every rank, naming each rank's call, when the ranks are making different
+    calls (a peer waiting in the per-call check of another call joins this exchange: see
+    :func:`ficco.agreement.answer`)."""
+    return agreement.exchange_call_data(
+        call.group, call.rank, call.world, word, part,
+        agreement.summary(call.op.signature(call)), what=f"{call.op.name} counts exchange")
 
 
 def folded(word: int, counts) -> int:

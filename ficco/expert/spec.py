@@ -100,7 +100,7 @@ class ExpertSpec(OpSpec):
 
     def signature(self, call: ExpertCall) -> dict:
         # Counts differ per rank and per call: agreed by exchange(), not here.
-        return {"op": self.name, "k": call.problem.k, "n": call.n,
+        return {"op": self.name, "role": call.role, "k": call.problem.k, "n": call.n,
                 "experts": call.problem.experts, "dtype": call.problem.dtype,
                 "world": call.world, "backend": call.backend.target(),
                 "routing": call.routing is not None, "send_counts": call.send_counts is not None}

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..buffers import Buffers
+from ..host_tasks import local
 
 
 # -- grouped GEMMs ---------------------------------------------------------------------------
@@ -75,11 +76,14 @@ def run_grouped(pieces, stacked: torch.Tensor | None, accumulate: bool = False) 
 
 
 # -- the tasks (the executor calls task(views, buffers, op) -> fn, launched on op.queue) ------
+# GEMMs and copies are this rank's own work (``host_tasks.local``): a backend that bounds its
+# queues by FICCO_TIMEOUT (the CPU's) lets them take as long as they take; the exchange is a
+# collective, bounded.
 def publish_task(views, buffers: Buffers, op):
     """Dispatch, dma: x into this rank's symmetric buffer, where its peers pull from."""
     ctx = buffers.expert
     rows = ctx.inp.shape[0]
-    return lambda: ctx.shared[:rows].copy_(ctx.inp)
+    return local(lambda: ctx.shared[:rows].copy_(ctx.inp))
 
 
 def move_task(views, buffers: Buffers, op):
@@ -91,7 +95,7 @@ def move_task(views, buffers: Buffers, op):
     def run():
         for dst, src in pairs:
             dst.copy_(src)
-    return run
+    return local(run)     # the peer's rows are there (a barrier came before): a copy
 
 
 def gemm_task(views, buffers: Buffers, op):
@@ -101,7 +105,7 @@ def gemm_task(views, buffers: Buffers, op):
     stacked = ctx.stacked_piece(op.chunk, op.two_d)
     if stacked is not None and op.two_d and not _grouped_view_runs(stacked):
         stacked = None
-    return lambda: run_grouped(pieces, stacked, op.accumulate)
+    return local(lambda: run_grouped(pieces, stacked, op.accumulate))
 
 
 def exchange_task(views, buffers: Buffers, op):
