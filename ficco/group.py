@@ -94,7 +94,10 @@ def name_rank_world(group) -> tuple[str, int, int]:
     if _is_1d_mesh(group):
         return group._dim_group_names[0], group.get_local_rank(), group.size()
     pg = resolve(group)
-    return (key(pg), *rank_world(pg))
+    if pg is None:
+        return NO_GROUP, 0, 1
+    # rank_world's numbers (a member's group rank), as two C++ calls: on every op call
+    return key(pg), pg.rank(), pg.size()
 
 
 @torch.compiler.assume_constant_result
@@ -121,13 +124,12 @@ def world_arg(op: str, name: str, world: int | None) -> int:
         f"ficco.group.name_rank_world(group)[2])")
 
 
-def check_world_arg(op: str, name: str, world: int | None, actual: int) -> None:
-    """In a real kernel of ``torch.ops.ficco.<op>``: its ``world`` argument (None: not given)
-    is the group's size ``actual``, else an error before any communication."""
-    if world is not None and world != actual:
-        raise InvalidArgumentError(
-            f"torch.ops.ficco.{op}: world={world} but group {name!r} has {actual} ranks; "
-            f"pass the group's size (ficco.group.name_rank_world(group)[2]) or call ficco.{op}")
+def wrong_world(op: str, group, world: int, actual: int) -> InvalidArgumentError:
+    """The error of a real kernel of ``torch.ops.ficco.<op>`` given a ``world`` that is not its
+    group's size ``actual`` (raised before any communication)."""
+    return InvalidArgumentError(
+        f"torch.ops.ficco.{op}: world={world} but group {name_of(group)!r} has {actual} ranks; "
+        f"pass the group's size (ficco.group.name_rank_world(group)[2]) or call ficco.{op}")
 
 
 def _is_1d_mesh(group) -> bool:

@@ -51,7 +51,8 @@ def dispatch_op(x: Tensor, counts: Tensor, ws: list[Tensor], group: str,
     (:func:`ficco.group.name_rank_world`)."""
     call = DISPATCH_SPEC.prepare(x, counts, ws, groups.by_name(group), routing=routing,
                                  return_received=return_received)
-    groups.check_world_arg("all_to_all_grouped_mm", group, world, call.world)
+    if world is not None and world != call.world:
+        raise groups.wrong_world("all_to_all_grouped_mm", group, world, call.world)
     y, recv_counts, received, agreed = runtime.run(call, schedule)
     if received is None:
         received = x.new_empty(0, x.shape[1])
@@ -80,7 +81,8 @@ def combine_op(h: Tensor, recv_counts: Tensor, ws: list[Tensor], group: str,
     backward's dispatch takes."""
     call = COMBINE_SPEC.prepare(h, recv_counts, ws, groups.by_name(group), routing=routing,
                                 send_counts=send_counts)
-    groups.check_world_arg("grouped_mm_all_to_all", group, world, call.world)
+    if world is not None and world != call.world:
+        raise groups.wrong_world("grouped_mm_all_to_all", group, world, call.world)
     z, agreed = runtime.run(call, schedule)
     return z, agreed, agreed[call.rank].clone()
 
