@@ -14,6 +14,7 @@ torch.distributed is not initialised), a group name, a ProcessGroup or a 1-D Dev
 """
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from .errors import InvalidArgumentError
@@ -75,6 +76,61 @@ def name_of(group) -> str:
         # are FakeScriptObjects (issue 26), its recorded group name a plain str.
         return group._dim_group_names[0]
     return key(resolve(group))
+
+
+def name_rank_world(group) -> tuple[str, int, int]:
+    """``(name, rank, world)`` of ``group`` (anything :func:`resolve` accepts): the group
+    arguments of the torch ops. Called by the public functions, where torch.compile traces:
+    dynamo folds ``ProcessGroup`` and ``DeviceMesh`` lookups (and a name's, through
+    :func:`_rank_world_by_name`) into constants of the graph, so the graph, and so the key
+    under which torch.compile caches what it compiles on disk (shared by every process of a
+    machine), carries them. The ops' fake kernels and backward formulas read only these
+    arguments, never the process (a cached graph would give one rank another's sizes).
+
+    >>> name_rank_world(None)
+    ('', 0, 1)
+    """
+    if isinstance(group, str):
+        return (group, *_rank_world_by_name(group))
+    if _is_1d_mesh(group):
+        return group._dim_group_names[0], group.get_local_rank(), group.size()
+    pg = resolve(group)
+    if pg is None:
+        return NO_GROUP, 0, 1
+    # rank_world's numbers (a member's group rank), as two C++ calls: on every op call
+    return key(pg), pg.rank(), pg.size()
+
+
+@torch.compiler.assume_constant_result
+def _rank_world_by_name(name: str) -> tuple[int, int]:
+    # dynamo cannot trace a name's lookup (torch's resolver is a C++ function it skips):
+    # called while tracing, its result becomes a constant, as ProcessGroup.rank() does
+    return rank_world_of(name)
+
+
+def world_arg(op: str, name: str, world: int | None) -> int:
+    """The group size a fake kernel or backward formula of ``torch.ops.ficco.<op>`` uses: its
+    ``world`` argument. None (a call written before the argument existed) is a world of one for
+    :data:`NO_GROUP`; for any other group it is refused, with why and the fix."""
+    if world is not None:
+        return world
+    if name == NO_GROUP:
+        return 1
+    raise InvalidArgumentError(
+        f"torch.ops.ficco.{op} on group {name!r} was traced without its world argument: its "
+        f"fake kernel and backward read sizes only from their arguments (torch.compile caches "
+        f"a compiled graph on disk under a key made of them, shared by every rank and job of "
+        f"a machine, so a size read from this process would reach others); call "
+        f"ficco.{op}, which passes them, or pass world= (the group's size, "
+        f"ficco.group.name_rank_world(group)[2])")
+
+
+def wrong_world(op: str, group, world: int, actual: int) -> InvalidArgumentError:
+    """The error of a real kernel of ``torch.ops.ficco.<op>`` given a ``world`` that is not its
+    group's size ``actual`` (raised before any communication)."""
+    return InvalidArgumentError(
+        f"torch.ops.ficco.{op}: world={world} but group {name_of(group)!r} has {actual} ranks; "
+        f"pass the group's size (ficco.group.name_rank_world(group)[2]) or call ficco.{op}")
 
 
 def _is_1d_mesh(group) -> bool:

@@ -18,7 +18,9 @@ A backward reads nothing of the process but its saved tensors (combine's forward
 rank's row of the routing for its backward's dispatch): torch.compile caches a compiled
 forward and backward under a key made from the forward graph alone, which is the same on
 every rank, so a rank number read while tracing a backward would be baked into a graph every
-rank may load.
+rank may load. For the same reason the fake kernels take the group's size as an argument
+(``world``, which the public functions read where torch.compile traces them, so the graph
+carries it), and the backwards take it from the routing's shape.
 """
 from __future__ import annotations
 
@@ -51,11 +53,15 @@ def _counts_tensor(counts) -> Tensor:
 @torch.library.custom_op("ficco::all_to_all_grouped_mm", mutates_args=())
 def dispatch_op(x: Tensor, counts: Tensor, ws: list[Tensor], group: str,
                 schedule: str | None, routing: Tensor | None, return_received: bool,
-                role: str = FORWARD) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                role: str = FORWARD, world: int | None = None
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(y, recv_counts, received or an empty tensor, routing)``; ``role``: FORWARD, or the
-    backward this call belongs to."""
+    backward this call belongs to; ``world``: the group's size
+    (:func:`ficco.group.name_rank_world`)."""
     call = DISPATCH_SPEC.prepare(x, counts, ws, groups.by_name(group), routing=routing,
                                  return_received=return_received)
+    if world is not None and world != call.world:
+        raise groups.wrong_world("all_to_all_grouped_mm", group, world, call.world)
     call.role = role
     y, recv_counts, received, agreed = runtime.run(call, schedule)
     if received is None:
@@ -66,8 +72,8 @@ def dispatch_op(x: Tensor, counts: Tensor, ws: list[Tensor], group: str,
 
 
 @dispatch_op.register_fake
-def _(x, counts, ws, group, schedule, routing, return_received, role=FORWARD):
-    _, world = groups.rank_world_of(group)
+def _(x, counts, ws, group, schedule, routing, return_received, role=FORWARD, world=None):
+    world = groups.world_arg("all_to_all_grouped_mm", group, world)
     rows = torch.library.get_ctx().new_dynamic_size()
     big_l = len(ws)
     return (x.new_empty(rows, ws[0].shape[1]),
@@ -79,20 +85,22 @@ def _(x, counts, ws, group, schedule, routing, return_received, role=FORWARD):
 @torch.library.custom_op("ficco::grouped_mm_all_to_all", mutates_args=())
 def combine_op(h: Tensor, recv_counts: Tensor, ws: list[Tensor], group: str,
                schedule: str | None, routing: Tensor | None,
-               send_counts: Tensor | None, role: str = FORWARD
+               send_counts: Tensor | None, role: str = FORWARD, world: int | None = None
                ) -> tuple[Tensor, Tensor, Tensor]:
     """``(z, routing, this rank's row of the routing)``: the counts of z's rows, what the
     backward's dispatch takes; ``role`` as for dispatch."""
     call = COMBINE_SPEC.prepare(h, recv_counts, ws, groups.by_name(group), routing=routing,
                                 send_counts=send_counts)
+    if world is not None and world != call.world:
+        raise groups.wrong_world("grouped_mm_all_to_all", group, world, call.world)
     call.role = role
     z, agreed = runtime.run(call, schedule)
     return z, agreed, agreed[call.rank].clone()
 
 
 @combine_op.register_fake
-def _(h, recv_counts, ws, group, schedule, routing, send_counts, role=FORWARD):
-    _, world = groups.rank_world_of(group)
+def _(h, recv_counts, ws, group, schedule, routing, send_counts, role=FORWARD, world=None):
+    world = groups.world_arg("grouped_mm_all_to_all", group, world)
     rows = torch.library.get_ctx().new_dynamic_size()
     return (h.new_empty(rows, ws[0].shape[1]),
             torch.empty(world, world * len(ws), dtype=torch.int64, device="cpu"),
@@ -115,7 +123,7 @@ def _grad_weights(rows_in: Tensor, grad_out: Tensor, recv_counts: Tensor, needs)
 
 
 def _dispatch_setup(ctx, inputs, output):
-    x, _counts, ws, group, _schedule, _routing, *_ = inputs
+    x, _counts, ws, group, *_ = inputs
     _y, recv_counts, received, routing = output
     ctx.set_materialize_grads(False)
     ctx.group, ctx.x_needs = group, x.requires_grad
@@ -132,14 +140,14 @@ def _dispatch_backward(ctx, grad_y, _grad_counts, _grad_received, _grad_routing)
     if ctx.x_needs:
         grad_x = torch.ops.ficco.grouped_mm_all_to_all(
             grad_y, recv_counts, [w.t() for w in ws], ctx.group, None, routing, None,
-            GRAD_OF_DISPATCH)[0]
+            GRAD_OF_DISPATCH, world=routing.shape[0])[0]
     grad_ws = _grad_weights(received, grad_y, recv_counts, ctx.w_needs) \
         if any(ctx.w_needs) else [None] * len(ctx.w_needs)
-    return grad_x, None, grad_ws, None, None, None, None, None
+    return grad_x, None, grad_ws, None, None, None, None, None, None
 
 
 def _combine_setup(ctx, inputs, output):
-    h, recv_counts, ws, group, _schedule, _routing, *_ = inputs
+    h, recv_counts, ws, group, *_ = inputs
     _z, routing, counts = output
     ctx.set_materialize_grads(False)
     ctx.group, ctx.h_needs = group, h.requires_grad
@@ -156,10 +164,11 @@ def _combine_backward(ctx, grad_z, _grad_routing, _grad_counts):
     w_t = [w.t() for w in ws] if ctx.h_needs else \
         [grad_z.new_zeros(grad_z.shape[1], 1) for _ in ctx.w_needs]
     grad_h, _, routed, _ = torch.ops.ficco.all_to_all_grouped_mm(
-        grad_z, counts, w_t, ctx.group, None, routing, any(ctx.w_needs), GRAD_OF_COMBINE)
+        grad_z, counts, w_t, ctx.group, None, routing, any(ctx.w_needs), GRAD_OF_COMBINE,
+        world=routing.shape[0])
     grad_ws = _grad_weights(h, routed, recv_counts, ctx.w_needs) \
         if any(ctx.w_needs) else [None] * len(ctx.w_needs)
-    return grad_h if ctx.h_needs else None, None, grad_ws, None, None, None, None, None
+    return grad_h if ctx.h_needs else None, None, grad_ws, None, None, None, None, None, None
 
 
 dispatch_op.register_autograd(_first_order(_dispatch_backward), setup_context=_dispatch_setup)
@@ -178,9 +187,10 @@ def all_to_all_grouped_mm(x, counts, w, group=None, *, schedule=None):
             schedule, (str, type(None))) or library._eager_suffices(x, list(ws)):
         y, recv_counts, _, _ = runtime.run(DISPATCH_SPEC.prepare(x, counts, w, group), schedule)
         return y, recv_counts
+    name, _, world = groups.name_rank_world(group)
     y, recv_counts, _, _ = torch.ops.ficco.all_to_all_grouped_mm(
-        x, _counts_tensor(counts), list(ws), groups.name_of(group), schedule, None,
-        torch.is_grad_enabled() and any(t.requires_grad for t in ws))
+        x, _counts_tensor(counts), list(ws), name, schedule, None,
+        torch.is_grad_enabled() and any(t.requires_grad for t in ws), world=world)
     return y, recv_counts
 
 
@@ -193,6 +203,7 @@ def grouped_mm_all_to_all(h, recv_counts, w2, group=None, *, schedule=None, send
         call = COMBINE_SPEC.prepare(h, recv_counts, w2, group, send_counts=send_counts)
         return runtime.run(call, schedule)[0]
     send = None if send_counts is None else _counts_tensor(send_counts)
+    name, _, world = groups.name_rank_world(group)
     return torch.ops.ficco.grouped_mm_all_to_all(
         h, recv_counts if isinstance(recv_counts, Tensor) else torch.tensor(recv_counts),
-        list(ws), groups.name_of(group), schedule, None, send)[0]
+        list(ws), name, schedule, None, send, world=world)[0]
