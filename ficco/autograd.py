@@ -10,6 +10,11 @@ The backward of each op is the other op, overlapped too:
 
 Gradients are first order only; autocast runs the GEMMs in the region's dtype.
 
+A backward reads the group's size and the rows it gets from the op's arguments and saved
+tensors, never from the process: torch.compile traces the backward from the forward's graph
+and caches both on disk under that graph's key, which every rank and job of a machine shares
+(:mod:`ficco.library` says how the sizes get into the graph).
+
 Epilogues (:mod:`ficco.scaled`): a bias gets its gradient (the output gradient summed over
 the rows this rank holds; the reduce-scatter's bias sits in the sequence-parallel region, so
 its per-rank gradients are summed by ``ficco.nn.replicated`` like a norm's). fp8 operands get
@@ -27,7 +32,7 @@ import torch
 from torch import Tensor
 
 from .errors import FiccoError, InvalidArgumentError
-from .group import NO_GROUP, rank_world_of
+from .group import rank_world_of
 
 # The roles of the calls a backward makes (ficco.call.FORWARD is the caller's): part of what
 # the ranks agree on, so a rank that skipped a backward never pairs its next forward with the
@@ -91,24 +96,38 @@ def _rows(t: Tensor, dim: int) -> Tensor:
     return t.movedim(dim, 0).reshape(-1, t.shape[-1])
 
 
-def _gather(t: Tensor, group: str, dim: int) -> Tensor:
-    """all_gather(t, dim) as a functional collective: traceable, and in eager mode it waits only
-    where the result is first used, so work issued in between overlaps it."""
-    if group == NO_GROUP:
+def _world(group: str) -> int:
+    """The size of ``group`` for an op called without ``world``: an eager call written before
+    the argument existed (the fake kernels refuse a traced one), so this reads the group at run
+    time, as its real kernel just did."""
+    return rank_world_of(group)[1]
+
+
+# The two collectives of the backwards call torch's functional collective ops with the group's
+# size as an argument (torch's functional collectives read it from the group: the backward,
+# traced from the forward's graph and cached under that graph's key, reads nothing else).
+def _gather(t: Tensor, group: str, world: int, dim: int) -> Tensor:
+    """all_gather(t, dim) over the ``world`` ranks of ``group``: traceable, and in eager mode it
+    waits only where the result is first used, so work issued in between overlaps it."""
+    if world == 1:
         return t
     from torch.distributed import _functional_collectives as funcol
 
-    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-    return gather(t.contiguous(), dim, group)  # type: ignore[arg-type]  # a group name
+    out = funcol._maybe_wrap_tensor(torch.ops._c10d_functional.all_gather_into_tensor(
+        t.contiguous(), world, group))
+    return out if dim == 0 else torch.cat(out.chunk(world), dim)
 
 
-def _reduce_scatter(t: Tensor, group: str, dim: int) -> Tensor:
-    if group == NO_GROUP:
+def _reduce_scatter(t: Tensor, group: str, world: int, dim: int) -> Tensor:
+    """reduce_scatter(t, dim) (sum) over the ``world`` ranks of ``group``; equal blocks."""
+    if world == 1:
         return t
     from torch.distributed import _functional_collectives as funcol
 
-    scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
-    return scatter(t.contiguous(), "sum", dim, group)  # type: ignore[arg-type]  # a name
+    if dim:   # the blocks along dim, stacked along 0, where the collective cuts
+        t = torch.cat(t.chunk(world, dim), 0)
+    return funcol._maybe_wrap_tensor(torch.ops._c10d_functional.reduce_scatter_tensor(
+        t.contiguous(), "sum", world, group))
 
 
 def refuse_fp8_gradients(a, bs, a_scale, activation=None) -> None:
@@ -143,12 +162,13 @@ def _save_epilogue(ctx, a, b_scales, biases) -> None:
 
 def _ag_setup_context(ctx, inputs, output):
     a, bs, group, gather_dim, _schedule, return_gathered, *epilogue = inputs
-    a_scale, b_scales, biases, _out_dtype, activation = (epilogue + [None] * 5)[:5]
+    a_scale, b_scales, biases, _out_dtype, activation, _role, world = (epilogue + [None] * 7)[:7]
     if a_scale is not None or activation:   # (the common call skips the check's frame)
         refuse_fp8_gradients(a, bs, a_scale, activation)
     gathered, _outs = output
     ctx.set_materialize_grads(False)   # an unused output (the gathered a) gets no zero gradient
     ctx.group, ctx.dim = group, gather_dim % a.dim()
+    ctx.world = world if world is not None else _world(group)
     ctx.a_needs = a.requires_grad
     ctx.b_needs = [b.requires_grad for b in bs]
     _save_epilogue(ctx, a, b_scales, biases)
@@ -174,27 +194,28 @@ def _ag_backward(ctx, grad_gathered, grad_outs):
             b_t = pairs[0][1].t() if len(pairs) == 1 else torch.cat([b.t() for _, b in pairs])
             grad_a = torch.ops.ficco.matmul_reduce_scatter(
                 grad_c, [b_t], ctx.group, ctx.dim, "sum", None,
-                role=GRAD_OF_ALL_GATHER_MATMUL)[0]
+                role=GRAD_OF_ALL_GATHER_MATMUL, world=ctx.world,
+                out_rows=grad_c.shape[ctx.dim] // ctx.world)[0]   # the shard's rows
     if shard is not None:
         # Issued after the checked reduce-scatter (a rank that skipped this backward makes
         # that raise first, so no unchecked collective is left in flight); on GPUs both are
         # queued on streams and still overlap.
-        gathered = _gather(shard, ctx.group, ctx.dim)
+        gathered = _gather(shard, ctx.group, ctx.world, ctx.dim)
     if ctx.a_needs and grad_gathered is not None and grad_gathered.numel():
         # The caller used the gathered a itself: its gradient is reduce-scattered too.
-        extra = _reduce_scatter(grad_gathered, ctx.group, ctx.dim)
+        extra = _reduce_scatter(grad_gathered, ctx.group, ctx.world, ctx.dim)
         grad_a = extra if grad_a is None else grad_a + extra
     grad_bs = []
     for g, needs in zip(grad_outs, ctx.b_needs):
         grad_bs.append(_rows(gathered, ctx.dim).t() @ _rows(g, ctx.dim)
                        if needs and g is not None else None)
     return (grad_a, grad_bs, None, None, None, None, None, grad_b_scales, grad_biases, None,
-            None, None)
+            None, None, None)
 
 
 def _rs_setup_context(ctx, inputs, output):
     a, bs, group, scatter_dim, reduce_op, _schedule, *epilogue = inputs
-    a_scale, b_scales, biases, _out_dtype = (epilogue + [None] * 4)[:4]
+    a_scale, b_scales, biases, _out_dtype, _role, world = (epilogue + [None] * 6)[:6]
     if a_scale is not None:   # (the common call skips the check's frame)
         refuse_fp8_gradients(a, bs, a_scale)
     ctx.set_materialize_grads(False)
@@ -202,7 +223,8 @@ def _rs_setup_context(ctx, inputs, output):
     ctx.a_needs = a.requires_grad
     ctx.b_needs = [b.requires_grad for b in bs]
     _save_epilogue(ctx, a, b_scales, biases)
-    _, world = rank_world_of(group)
+    if world is None:
+        world = _world(group)
     rows = a.shape[ctx.dim]
     if rows % world and (ctx.a_needs or any(ctx.b_needs)):
         raise InvalidArgumentError(
@@ -228,12 +250,13 @@ def _rs_backward(ctx, grad_outs):
             # grad_a = all_gather(grad_d) @ b^T, the gathered grad_d reused for grad_b.
             gathered, (part,) = torch.ops.ficco.all_gather_matmul(
                 g, [bs[j].t()], ctx.group, ctx.dim, None, b_needs,
-                role=GRAD_OF_MATMUL_REDUCE_SCATTER)
+                role=GRAD_OF_MATMUL_REDUCE_SCATTER, world=ctx.world)
             grad_a = part if grad_a is None else grad_a + part
         elif b_needs:
-            gathered = _gather(g, ctx.group, ctx.dim)
+            gathered = _gather(g, ctx.group, ctx.world, ctx.dim)
         grad_bs.append(_rows(a, ctx.dim).t() @ _rows(gathered, ctx.dim) if b_needs else None)
-    return grad_a, grad_bs, None, None, None, None, None, grad_b_scales, grad_biases, None, None
+    return (grad_a, grad_bs, None, None, None, None, None, grad_b_scales, grad_biases, None, None,
+            None, None)
 
 
 # -- autocast: the GEMMs run in the autocast dtype, as torch.matmul would -------------------------

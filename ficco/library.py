@@ -9,8 +9,17 @@ and the host work a call does (validation, cross-rank agreement, schedule select
 execution on worker threads) runs only in the op's real kernel, at run time, never traced.
 
 The ops take a group *name* (a string), so a traced graph carries no ProcessGroup object;
-:func:`ficco.group.name_of` turns what the public functions accept (None, a name, a
-ProcessGroup, a 1-D DeviceMesh) into it.
+:func:`ficco.group.name_rank_world` turns what the public functions accept (None, a name, a
+ProcessGroup, a 1-D DeviceMesh) into it, with the sizes that depend on the rank or the group:
+``world`` (the group's size, as torch's functional collectives take ``group_size``) and, for
+the reduce-scatter, ``out_rows`` (this rank's rows of the output: blocks of uneven rows differ
+by rank, as torch's ``all_to_all_single`` takes its output sizes). The public functions read
+them where torch.compile traces them, so they are constants of the graph; the fake kernels and
+backward formulas read only these arguments, never the process. torch.compile caches what it
+compiles on disk under a key made of the graph and its inputs, shared by every process of a
+machine: a size read from the process while tracing would reach another rank (rank 1 loading
+rank 0's 3 rows of 5) or another job (W=3 loading a W=2 graph). So a graph that depends on the
+rank differs by rank, and each rank compiles its own.
 
 Backward of ``c_j = all_gather(a) @ b_j`` needs the gathered ``a`` for ``grad_b_j``. Two ways,
 chosen by ``FICCO_BACKWARD_GATHER`` (see :mod:`ficco.config`):
@@ -32,7 +41,7 @@ from torch import Tensor
 from . import autograd, config, dtensor, runtime
 from .call import FORWARD, check_flag
 from .errors import FiccoError, InvalidArgumentError
-from .group import by_name, name_of, rank_world, rank_world_of
+from .group import by_name, name_of, name_rank_world, rank_world, world_arg, wrong_world
 from .ops.all_gather_matmul import SPEC as ALL_GATHER_MATMUL
 from .ops.all_gather_matmul import check_arguments as check_all_gather_matmul
 from .ops.all_gather_matmul import check_epilogue as check_all_gather_epilogue
@@ -85,20 +94,32 @@ def _fresh(ts: Sequence[Tensor], layouts, inputs: Sequence[Tensor]) -> list[Tens
 
 # -- the real kernels: host work, run at call time -----------------------------------------------
 def _run_all_gather_matmul(a, b, group, gather_dim, schedule, return_gathered, role=FORWARD,
-                           **epilogue):
+                           world=None, **epilogue):
     """The eager implementation: the real kernel of ``ficco::all_gather_matmul`` and the public
     function's path when the dispatcher adds nothing. Straight to the runtime (``api`` sits
     above this module). ``epilogue``: fp8 scales, out_dtype, bias, activation; ``role``:
-    FORWARD, or the backward pass the call belongs to."""
+    FORWARD, or the backward pass the call belongs to; ``world``: the op's argument, checked."""
     call = ALL_GATHER_MATMUL.prepare(a, b, group, gather_dim, return_gathered, **epilogue)
     call.role = role
+    if world is not None and world != call.world:
+        raise wrong_world("all_gather_matmul", group, world, call.world)
     return runtime.run(call, schedule)
 
 
 def _run_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, schedule, role=FORWARD,
-                               **epilogue):
+                               world=None, out_rows=None, **epilogue):
     call = MATMUL_REDUCE_SCATTER.prepare(a, b, group, scatter_dim, reduce_op, **epilogue)
     call.role = role
+    if world is not None and world != call.world:
+        raise wrong_world("matmul_reduce_scatter", group, world, call.world)
+    if out_rows is not None:
+        rows = scattered_rows(a.shape[scatter_dim], call.rank, call.world)
+        if out_rows != rows:
+            raise InvalidArgumentError(
+                f"torch.ops.ficco.matmul_reduce_scatter: out_rows={out_rows}, but rank "
+                f"{call.rank} of {call.world} gets {rows} of the {a.shape[scatter_dim]} rows "
+                f"along scatter_dim (longer blocks first); pass ficco.library.scattered_rows("
+                f"rows, rank, world) or call ficco.matmul_reduce_scatter")
     return runtime.run(call, schedule)
 
 
@@ -111,8 +132,10 @@ def _epilogue(a_scale, b_scales, biases, out_dtype, activation=None) -> dict:
 
 # -- the ops ------------------------------------------------------------------------------------
 # Explicit schemas: the epilogue's optional lists ("Tensor[]?", "Tensor?[]?") have defaults, so
-# calls written before they existed keep working. ``role`` (last, "forward" by default): the
+# calls written before they existed keep working. ``role`` ("forward" by default): the
 # backward pass a call belongs to, which the ranks agree on (ficco.autograd passes it).
+# ``world`` and ``out_rows`` (last, see the module docstring): None only in calls written
+# before they existed, which run eagerly as before and are refused by the fake kernels.
 _EPILOGUE_SCHEMA = ("Tensor? a_scale=None, Tensor[]? b_scales=None, Tensor?[]? biases=None, "
                     "ScalarType? out_dtype=None")
 
@@ -121,24 +144,26 @@ _EPILOGUE_SCHEMA = ("Tensor? a_scale=None, Tensor[]? b_scales=None, Tensor?[]? b
     "ficco::all_gather_matmul", mutates_args=(),
     schema="(Tensor a, Tensor[] bs, str group, int gather_dim, str? schedule, "
            f"bool return_gathered, {_EPILOGUE_SCHEMA}, str? activation=None, "
-           f"str role=\"{FORWARD}\") -> (Tensor, Tensor[])")
+           f"str role=\"{FORWARD}\", int? world=None) -> (Tensor, Tensor[])")
 def all_gather_matmul_op(a: Tensor, bs: list[Tensor], group: str, gather_dim: int,
                          schedule: str | None, return_gathered: bool,
                          a_scale: Tensor | None = None, b_scales=None, biases=None,
                          out_dtype: torch.dtype | None = None,
-                         activation: str | None = None,
-                         role: str = FORWARD) -> tuple[Tensor, list[Tensor]]:
+                         activation: str | None = None, role: str = FORWARD,
+                         world: int | None = None) -> tuple[Tensor, list[Tensor]]:
     """``(all_gather(a, gather_dim) or an empty tensor, [gathered @ b for b in bs])``, with
-    fp8 scales, output dtype, bias per b and an activation (:mod:`ficco.scaled`)."""
+    fp8 scales, output dtype, bias per b and an activation (:mod:`ficco.scaled`); ``world``:
+    the group's size."""
     pg = by_name(group)
     epilogue = {} if (a_scale is None and b_scales is None and biases is None
                       and out_dtype is None and activation is None) else \
         _epilogue(a_scale, b_scales, biases, out_dtype, activation)
     out = _run_all_gather_matmul(a, list(bs), pg, gather_dim, schedule, return_gathered, role,
-                                 **epilogue)
+                                 world, **epilogue)
     gathered, outs = out if return_gathered else (None, out)
     gather_dim %= a.dim()
-    _, world = rank_world(pg)
+    if world is None:   # a call written before the argument existed
+        _, world = rank_world(pg)
     moved = _moved_shape(a, gather_dim)
     rows = world * moved[0]
     layouts = [_layout(moved, gather_dim, rows, b.shape[1]) for b in bs]
@@ -193,11 +218,11 @@ def _through_dynamo(exc: FiccoError) -> FiccoError:
 @all_gather_matmul_op.register_fake
 @_errors_reach_the_caller
 def _(a, bs, group, gather_dim, schedule, return_gathered, a_scale=None, b_scales=None,
-      biases=None, out_dtype=None, activation=None, role=FORWARD):
+      biases=None, out_dtype=None, activation=None, role=FORWARD, world=None):
     gather_dim, bs, b_is_list = check_all_gather_matmul(a, bs, gather_dim)   # eager's words
     check_all_gather_epilogue(a, bs, b_is_list, gather_dim,
                               **_epilogue(a_scale, b_scales, biases, out_dtype, activation))
-    _, world = rank_world_of(group)
+    world = world_arg("all_gather_matmul", group, world)
     moved = _moved_shape(a, gather_dim)
     rows = world * moved[0]
 
@@ -212,42 +237,58 @@ def _(a, bs, group, gather_dim, schedule, return_gathered, a_scale=None, b_scale
 @torch.library.custom_op(
     "ficco::matmul_reduce_scatter", mutates_args=(),
     schema="(Tensor a, Tensor[] bs, str group, int scatter_dim, str reduce_op, str? schedule, "
-           f"{_EPILOGUE_SCHEMA}, str role=\"{FORWARD}\") -> Tensor[]")
+           f"{_EPILOGUE_SCHEMA}, str role=\"{FORWARD}\", int? world=None, "
+           "SymInt? out_rows=None) -> Tensor[]")
 def matmul_reduce_scatter_op(a: Tensor, bs: list[Tensor], group: str, scatter_dim: int,
                              reduce_op: str, schedule: str | None,
                              a_scale: Tensor | None = None, b_scales=None, biases=None,
-                             out_dtype: torch.dtype | None = None,
-                             role: str = FORWARD) -> list[Tensor]:
-    """``[reduce_scatter(a @ b, scatter_dim, reduce_op) (+ bias) for b in bs]``."""
+                             out_dtype: torch.dtype | None = None, role: str = FORWARD,
+                             world: int | None = None, out_rows: int | None = None
+                             ) -> list[Tensor]:
+    """``[reduce_scatter(a @ b, scatter_dim, reduce_op) (+ bias) for b in bs]``; ``world``: the
+    group's size, ``out_rows``: this rank's rows of the output along ``scatter_dim``."""
     pg = by_name(group)
     epilogue = {} if (a_scale is None and b_scales is None and biases is None
                       and out_dtype is None) else _epilogue(a_scale, b_scales, biases, out_dtype)
     outs = _run_matmul_reduce_scatter(a, list(bs), pg, scatter_dim, reduce_op, schedule, role,
-                                      **epilogue)
+                                      world, out_rows, **epilogue)
     scatter_dim %= a.dim()
     moved = _moved_shape(a, scatter_dim)
-    rank, world = rank_world(pg)
-    rows = _scattered_rows(moved[0], rank, world)
+    rows = out_rows if out_rows is not None else scattered_rows(moved[0], *rank_world(pg))
     return _fresh(outs, [_layout(moved, scatter_dim, rows, b.shape[1]) for b in bs], [a, *bs])
 
 
 @matmul_reduce_scatter_op.register_fake
 @_errors_reach_the_caller
 def _(a, bs, group, scatter_dim, reduce_op, schedule, a_scale=None, b_scales=None, biases=None,
-      out_dtype=None, role=FORWARD):
+      out_dtype=None, role=FORWARD, world=None, out_rows=None):
     scatter_dim, bs, b_is_list = check_matmul_reduce_scatter(a, bs, scatter_dim, reduce_op)
     check_reduce_scatter_epilogue(a, bs, b_is_list, scatter_dim,
                                   **_epilogue(a_scale, b_scales, biases, out_dtype))
     moved = _moved_shape(a, scatter_dim)
-    rows = _scattered_rows(moved[0], *rank_world_of(group))
+    if world_arg("matmul_reduce_scatter", group, world) == 1:
+        rows = moved[0]       # a world of one keeps every row
+    elif out_rows is None:
+        raise InvalidArgumentError(
+            f"torch.ops.ficco.matmul_reduce_scatter on group {group!r} was traced without "
+            f"out_rows (this rank's rows of the output): its fake kernel reads sizes only from "
+            f"its arguments; call ficco.matmul_reduce_scatter, which passes them, or pass "
+            f"out_rows=ficco.library.scattered_rows(rows, rank, world)")
+    else:
+        rows = out_rows
     return [a.new_empty_strided(*restored_layout(moved, scatter_dim, rows, b.shape[1]),
                                 dtype=out_dtype or a.dtype) for b in bs]
 
 
-def _scattered_rows(total: int, rank: int, world: int) -> int:
-    """This rank's rows of ``total``: the chunk rule both ops share (longer pieces first)."""
-    # problem.even_split's rule, written so a symbolic (dynamic-shape) total works too
-    return total // world + (1 if rank < total % world else 0)
+def scattered_rows(total, rank: int, world: int):
+    """This rank's rows of ``total`` rows scattered over ``world`` ranks: the chunk rule both
+    ops share (longer blocks first). Branch-free, so a symbolic (dynamic-shape) ``total``
+    gives an expression and no guard.
+
+    >>> [scattered_rows(5, rank, 2) for rank in range(2)]
+    [3, 2]
+    """
+    return (total - rank + world - 1) // world
 
 
 # -- the public functions' front end -------------------------------------------------------------
@@ -281,7 +322,7 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
                                       a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype,
                                       bias=bias,
                                       **({"activation": activation} if activation else {}))
-    name = name_of(group)
+    name, _, world = name_rank_world(group)
     wants_grad = any([x.requires_grad for x in bs])  # noqa: C419 - see _PLAIN
     grads = torch.is_grad_enabled() and (wants_grad or a_shard.requires_grad or (
         tensors is not bs and any([x.requires_grad for x in tensors])))  # noqa: C419
@@ -292,7 +333,7 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
     # the pre-activation values, which the op does not keep (torch's keeps them, as unfused).
     inside = None if grads else activation
     gathered, outs = torch.ops.ficco.all_gather_matmul(a_shard, bs, name, dim, schedule, keep,
-                                                       *extra, inside)
+                                                       *extra, inside, world=world)
     if activation and not inside:
         outs = [activation_fn(activation)(o) for o in outs]
     out = outs if b_is_list else outs[0]
@@ -321,8 +362,11 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
                                           out_dtype=out_dtype, bias=bias)
     if a_scale is not None and torch.is_grad_enabled():   # before any communication
         autograd.refuse_fp8_gradients(a, bs, a_scale)
-    outs = torch.ops.ficco.matmul_reduce_scatter(a, bs, name_of(group), dim, reduce_op,
-                                                 schedule, *extra)
+    name, rank, world = name_rank_world(group)
+    # (a dim out of range: no out_rows, and the op's validation names the problem)
+    out_rows = scattered_rows(a.shape[dim], rank, world) if -a.dim() <= dim < a.dim() else None
+    outs = torch.ops.ficco.matmul_reduce_scatter(a, bs, name, dim, reduce_op, schedule, *extra,
+                                                 world=world, out_rows=out_rows)
     return outs if b_is_list else outs[0]
 
 

@@ -141,3 +141,121 @@ def test_all_gather_rows_follow_the_world_size_under_a_shared_cache(tmp_path):
     for world in (2, 3):
         _check(harness.pool(world, COMPILE_ENV).run(
             compile_in_turn, str(tmp_path), "all_gather_matmul", 2, seed, True, timeout_s=900))
+
+
+def test_fake_kernels_read_sizes_only_from_their_arguments():
+    """Under fake tensors, on a group this process does not have, the four ops' outputs take
+    their sizes from world and out_rows; a traced call without them is refused, naming them."""
+    import pytest
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    import ficco.expert.library  # noqa: F401 - registers the expert ops
+    from ficco.errors import InvalidArgumentError
+
+    ops = torch.ops.ficco
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        a, w = mode.from_tensor(torch.randn(5, K)), mode.from_tensor(torch.randn(K, N))
+        _, (out,) = ops.all_gather_matmul(a, [w], "elsewhere", 0, None, False, world=3)
+        assert tuple(out.shape) == (15, N)
+        (out,) = ops.matmul_reduce_scatter(a, [w], "elsewhere", 0, "sum", None, world=2,
+                                           out_rows=2)
+        assert tuple(out.shape) == (2, N)
+        counts = mode.from_tensor(torch.tensor([1, 0, 2, 0, 1, 1]))   # 3 ranks x 2 experts
+        ws = [mode.from_tensor(torch.randn(K, N)) for _ in range(2)]
+        _, recv_counts, _, routing = ops.all_to_all_grouped_mm(a, counts, ws, "elsewhere",
+                                                               None, None, False, world=3)
+        assert (tuple(recv_counts.shape), tuple(routing.shape)) == ((2, 3), (3, 6))
+        _, routing, row = ops.grouped_mm_all_to_all(a, recv_counts, ws, "elsewhere", None,
+                                                    None, None, world=3)
+        assert (tuple(routing.shape), tuple(row.shape)) == ((3, 6), (6,))
+        for call, missing in (
+                (lambda: ops.all_gather_matmul(a, [w], "elsewhere", 0, None, False), "world"),
+                (lambda: ops.matmul_reduce_scatter(a, [w], "elsewhere", 0, "sum", None,
+                                                   world=2), "out_rows"),
+                (lambda: ops.all_to_all_grouped_mm(a, counts, ws, "elsewhere", None, None,
+                                                   False), "world")):
+            with pytest.raises(InvalidArgumentError, match=f"traced without {missing}|"
+                                                           f"without its {missing} argument"):
+                call()
+
+
+def old_and_wrong_calls(rank, world, seed):
+    """(the old positional calls' results equal the new ones', the errors of a wrong world and
+    of wrong out_rows)."""
+    from ficco import library
+    from ficco.errors import InvalidArgumentError
+    from ficco.group import name_rank_world
+
+    name, _, _ = name_rank_world(None)
+    a, b = _inputs("matmul_reduce_scatter", world, 5, seed)[rank]
+    ops = torch.ops.ficco
+    same = [torch.equal(ops.all_gather_matmul(a, [b], name, 0, None, False)[1][0],
+                        ops.all_gather_matmul(a, [b], name, 0, None, False, world=world)[1][0]),
+            torch.equal(ops.matmul_reduce_scatter(a, [b], name, 0, "sum", None)[0],
+                        ops.matmul_reduce_scatter(
+                            a, [b], name, 0, "sum", None, world=world,
+                            out_rows=library.scattered_rows(5, rank, world))[0])]
+    errors = []
+    for call in (lambda: ops.all_gather_matmul(a, [b], name, 0, None, False, world=world + 1),
+                 lambda: ops.matmul_reduce_scatter(a, [b], name, 0, "sum", None, world=world,
+                                                   out_rows=5)):
+        try:
+            call()
+            errors.append(None)
+        except InvalidArgumentError as exc:
+            errors.append(str(exc))
+    return same, errors
+
+
+def test_old_positional_calls_run_eagerly_and_wrong_sizes_are_refused():
+    """Calls written before world/out_rows existed run eagerly as before; a world or out_rows
+    that is not the group's is refused on every rank before any communication."""
+    for same, (world_error, rows_error) in harness.pool(2).run(old_and_wrong_calls,
+                                                                random.randrange(1 << 20)):
+        assert same == [True, True]
+        assert world_error and "world=3 but group" in world_error and "has 2 ranks" in world_error
+        assert rows_error and "out_rows=5" in rows_error and "gets" in rows_error
+
+
+def graphs_carry_sizes(rank, world, seed):
+    """For each form of group (None, a ProcessGroup, a group name, a 1-D DeviceMesh): the code
+    of the graph torch.compile(fullgraph=True) captures of both ops (uneven rows for the
+    reduce-scatter), and the largest difference of the compiled results from eager."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import ficco
+
+    sub = dist.new_group(list(range(world)))
+    groups = {"None": None, "ProcessGroup": sub, "name": sub.group_name,
+              "DeviceMesh": init_device_mesh("cpu", (world,))}
+    a, b = _inputs("matmul_reduce_scatter", world, 2 * world + 1, seed)[rank]
+    found, diff = {}, 0.0
+    for form, group in groups.items():
+        def fn(a, b, group=group):
+            return (ficco.all_gather_matmul(a * 1, b, group),
+                    ficco.matmul_reduce_scatter(a * 1, b, group))
+        codes = []
+
+        def record(gm, _inputs):
+            codes.append(gm.code)
+            return gm
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True, backend=record)(a, b)
+        diff = max([diff, *(float((x - y).abs().max()) for x, y in zip(compiled, fn(a, b)))])
+        found[form] = codes
+    return found, diff
+
+
+def test_graphs_carry_the_world_and_this_ranks_rows_for_every_form_of_group():
+    """The sizes are constants of the captured graph (so of every cache key), with no graph
+    break, whether the group is None, a ProcessGroup, a name or a 1-D DeviceMesh: rank 0's
+    graph scatters 3 of 5 rows to itself, rank 1's 2."""
+    for rank, (found, diff) in enumerate(harness.pool(2).run(graphs_carry_sizes,
+                                                             random.randrange(1 << 20))):
+        assert diff < 1e-5, diff
+        for form, codes in found.items():
+            assert len(codes) == 1, (form, codes)
+            assert codes[0].count("world = 2") == 2, (form, codes[0])
+            assert f"out_rows = {3 - rank}" in codes[0], (form, rank, codes[0])

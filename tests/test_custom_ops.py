@@ -233,9 +233,12 @@ def _layouts(rank, world, seed):
 
         def call(a, bs):
             if op == "ag":
-                g, outs = torch.ops.ficco.all_gather_matmul(a, bs, name, dim, None, ret)
+                g, outs = torch.ops.ficco.all_gather_matmul(a, bs, name, dim, None, ret,
+                                                            world=world)
                 return [g, *outs] if ret else list(outs)
-            return list(torch.ops.ficco.matmul_reduce_scatter(a, bs, name, dim, "sum", None))
+            return list(torch.ops.ficco.matmul_reduce_scatter(
+                a, bs, name, dim, "sum", None, world=world,
+                out_rows=lib.scattered_rows(a.shape[dim], rank, world)))
 
         def layout(ts):
             return [(tuple(t.shape), tuple(t.stride()) if t.numel() else None, t.dtype)
