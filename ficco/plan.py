@@ -30,7 +30,9 @@ inserts from the ``after=`` handles a schedule gives it.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from .errors import InvalidArgumentError
 from .problem import Problem
@@ -292,6 +294,8 @@ class HostOp:
 
     queue: str
     step: int
+    kind: ClassVar[str]
+    host_task: ClassVar[Callable[..., Callable[[], object]]]
 
 
 Op = (Copy | Gemm | Reduce | AllGather | AllToAll | ReduceScatter | SendRecv | Barrier | Record
