@@ -115,6 +115,8 @@ class AllGatherMatmul(OpSpec):
         # rank's share of fewer features than ranks) still takes part in the gather: its GEMM
         # runs on one zero column, cut off again by result().
         bs = [bj if bj.shape[1] else bj.new_zeros(k, 1) for bj in bs]
+        if min(ns) == 0:
+            ops = ops.one_column(ns)
         problem = Problem(m=m, k=k, ns=ns if min(ns) > 0 else tuple([max(n, 1) for n in ns]),
                           dtype=dtype_name(a_shard.dtype), world=world, rank=rank,
                           **ops.problem_fields(a_shard.dtype))
