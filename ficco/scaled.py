@@ -243,7 +243,7 @@ def rebound(ops: Operands, bs: list, *, rows_of, a_scale=None, b_scale=None, bia
 
 
 def _biases(a, bs, bias, b_is_list, dtypes) -> tuple:
-    out = []
+    out: list[torch.Tensor | None] = []     # None: no bias for that weight
     for j, (bj, v) in enumerate(zip(bs, _as_list(bias, len(bs), b_is_list, "bias"))):
         if v is None:
             out.append(None)
