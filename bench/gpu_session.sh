@@ -9,6 +9,8 @@
 # Every command is bounded by `timeout`: a step's bounds add up to at most 6.6 minutes (the
 # device tool's limit per call is 10), the three to 19.6, so the session ends inside 25
 # minutes with the machine's start (1-3 minutes) and the transfers.
+# With the 15 minutes of device time the tool lends now (start included): suite, then measure
+# if status shows >= 480 s left; check in the next session (docs/gpu.md).
 # PY must name the Python that has torch for this GPU (the device image's is python3; ficco
 # runs from this checkout, nothing is installed). Nothing here reads git history: the copy a
 # device machine gets has none.

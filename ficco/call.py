@@ -13,7 +13,7 @@ from __future__ import annotations
 import operator
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
@@ -21,7 +21,7 @@ from . import config
 from .backends import get_backend
 from .errors import InvalidArgumentError
 from .group import key as group_key
-from .problem import Problem, dtype_name
+from .problem import dtype_name
 
 #: The dtypes every op accepts (float64 is for references and tests).
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -33,12 +33,27 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
               torch.float8_e5m2fnuz)
 
 
+class _RankView(Protocol):
+    """What a Call reads of its problem: a :class:`~ficco.problem.Problem`, or the expert ops'
+    :class:`~ficco.expert.problem.ExpertProblem` (a problem of its own, not a Problem)."""
+
+    @property
+    def world(self) -> int: ...
+
+    @property
+    def rank(self) -> int: ...
+
+
+_P = TypeVar("_P", bound=_RankView)
+
+
 @dataclass
-class Call:
-    """One validated call in canonical form; an op spec subclasses it with its tensors."""
+class Call(Generic[_P]):
+    """One validated call in canonical form; an op spec subclasses it with its tensors and
+    the kind of problem it decides on (``Call[Problem]``)."""
 
     op: Any                 # the op spec (ficco.ops.base.OpSpec)
-    problem: Problem
+    problem: _P
     group: Any              # a ProcessGroup, or None for a world of one
     backend: Any
     #: nothing to overlap (e.g. an output with no columns): agreed, then the op's plain path
@@ -53,13 +68,13 @@ class Call:
     #: what the runtime derives from this call's key, shared by every warm call of that key
     reuse: Reuse = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.world, self.rank = self.problem.world, self.problem.rank
         self.group_key = group_key(self.group)
         self.target = self.backend.target()
         self.reuse = Reuse()
 
-    def clone(self, **tensors) -> Call:
+    def clone(self, **tensors: Any) -> Call:
         """This call with other tensors: a warm call of a known key (:func:`known`) takes
         every checked and derived field of the call that key first produced, sets its own
         tensors and validates nothing again (the key holds all the checks looked at)."""
@@ -77,7 +92,7 @@ class Reuse:
 
     __slots__ = ("agreed", "offsets", "signed", "workspace_bytes")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.signed: dict = {}    # (id(settings), role) -> (settings, signature, digest)
         self.agreed: tuple | None = None   # (Agreed, the problem decided on, its key)
         self.workspace_bytes: int | None = None

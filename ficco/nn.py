@@ -200,7 +200,7 @@ def _warn_if_tied(linear: nn.Linear, layer: str) -> None:
     import gc
 
     weight = linear.weight
-    owners = []
+    owners: list[nn.Module | str] = []    # "a module": its __dict__ found, the module not
     for holder in gc.get_referrers(weight):
         if not isinstance(holder, dict) or holder is linear._parameters:
             continue

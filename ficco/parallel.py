@@ -170,34 +170,43 @@ def _row_shard_dim(placement, x: DTensor) -> int | None:
     return dim
 
 
+def _distributed(linear: nn.Linear) -> tuple[DTensor, DTensor | None]:
+    """The weight and bias of a linear the style distributed: DTensors since its partition fn
+    ran (nn.Linear declares plain tensors)."""
+    weight, bias = linear.weight, linear.bias
+    assert isinstance(weight, DTensor) and (bias is None or isinstance(bias, DTensor))
+    return weight, bias
+
+
 def _colwise_forward(input_layouts, desired_input_layouts, self: nn.Linear, x: DTensor):
-    mesh = self.weight.device_mesh
+    weight, bias = _distributed(self)
+    mesh = weight.device_mesh
     dim = _row_shard_dim(x.placements[0], x) if x.device_mesh == mesh else None
     if dim is None or self.out_features % mesh.size():
         # torch's path: its input hook's redistribution, then DTensor's linear
         x = _torch.ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, self,
                                                      (x,), mesh)
         return F.linear(x, self.weight, self.bias)
-    out = library.all_gather_matmul(x.to_local(), self.weight.to_local().t(), mesh,
-                                    gather_dim=dim)
-    if self.bias is not None:
+    out = library.all_gather_matmul(x.to_local(), weight.to_local().t(), mesh, gather_dim=dim)
+    if bias is not None:
         # cast as F.linear does under autocast (the bias joins the GEMM's dtype)
-        out = out + self.bias.to_local().to(out.dtype)
+        out = out + bias.to_local().to(out.dtype)
     return DTensor.from_local(out, mesh, (Shard(out.dim() - 1),), run_check=False)
 
 
 def _rowwise_forward(input_layouts, output_layout, self: nn.Linear, x: DTensor):
-    mesh = self.weight.device_mesh
+    weight, bias = _distributed(self)
+    mesh = weight.device_mesh
     x = _torch.RowwiseParallel._prepare_input_fn(input_layouts, (Shard(-1),), self, (x,), mesh)
     placement = x.placements[0]
     dim = _row_shard_dim(output_layout, x) if x.device_mesh == mesh else None
     k_sharded = isinstance(placement, Shard) and placement.dim % x.dim() == x.dim() - 1
     if dim is None or not k_sharded:
         return F.linear(x, self.weight, self.bias)      # torch's path
-    out = library.matmul_reduce_scatter(x.to_local(), self.weight.to_local().t(), mesh,
+    out = library.matmul_reduce_scatter(x.to_local(), weight.to_local().t(), mesh,
                                         scatter_dim=dim)
-    if self.bias is not None:
+    if bias is not None:
         # Each rank adds the replicated bias to its own rows once; the gradient of the bias is
         # summed over the ranks' rows, so it stays a full Replicate() gradient as with torch.
-        out = out + replicated(self.bias.to_local(), mesh).to(out.dtype)
+        out = out + replicated(bias.to_local(), mesh).to(out.dtype)
     return DTensor.from_local(out, mesh, (Shard(dim),), run_check=False)

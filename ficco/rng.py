@@ -53,7 +53,7 @@ class ShardRNG:
         self.devices = [torch.device(d) for d in devices]
         self._mine = {d: torch.Generator(device=d).manual_seed(self.rank_seed).get_state()
                       for d in self.devices}
-        self._saved = None
+        self._saved: dict[torch.device, torch.Tensor] | None = None   # the states entering replaced
 
     def __enter__(self) -> ShardRNG:  # noqa: PYI034 - typing.Self needs Python 3.11
         if self._saved is not None:
@@ -64,9 +64,11 @@ class ShardRNG:
         return self
 
     def __exit__(self, *exc) -> None:
+        saved = self._saved
+        assert saved is not None   # a with statement enters before it exits
         for d in self.devices:
             self._mine[d] = _get(d)
-            _set(d, self._saved[d])
+            _set(d, saved[d])
         self._saved = None
 
 

@@ -74,6 +74,22 @@ class Operands:
         return dataclasses.replace(self, a_scale=None, b_scales=(),
                                    biases=(None,) * len(self.biases))
 
+    def one_column(self, ns) -> Operands:
+        """This epilogue for a call whose b_j with no columns (``ns[j] == 0``) runs as one zero
+        column: that column's bias a zero and its row-wise scale a one, so the GEMM and its
+        epilogue see matching widths (the column is cut off again with the output).
+
+        >>> ops = Operands(torch.float32, biases=(torch.ones(1, 0),))
+        >>> ops.one_column((0,)).biases[0].shape
+        torch.Size([1, 1])
+        """
+        def widen(t, fill):
+            return t if t is None or t.numel() else t.new_full((1, 1), fill)
+
+        biases = tuple(widen(b, 0.0) if n == 0 else b for b, n in zip(self.biases, ns))
+        scales = tuple(widen(s, 1.0) if n == 0 else s for s, n in zip(self.b_scales, ns))
+        return dataclasses.replace(self, biases=biases, b_scales=scales)
+
     def problem_fields(self, a_dtype: torch.dtype) -> dict:
         """The :class:`~ficco.problem.Problem` fields of this epilogue."""
         out = "" if self.out_dtype == a_dtype else dtype_name(self.out_dtype)
@@ -227,7 +243,7 @@ def rebound(ops: Operands, bs: list, *, rows_of, a_scale=None, b_scale=None, bia
 
 
 def _biases(a, bs, bias, b_is_list, dtypes) -> tuple:
-    out = []
+    out: list[torch.Tensor | None] = []     # None: no bias for that weight
     for j, (bj, v) in enumerate(zip(bs, _as_list(bias, len(bs), b_is_list, "bias"))):
         if v is None:
             out.append(None)

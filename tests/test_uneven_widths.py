@@ -78,6 +78,65 @@ def test_every_schedule_and_transport_takes_per_rank_widths(world):
         assert results == [[]] * world, (seed, dtype, results)
 
 
+def _zero_width_epilogues(rank, world, seed):
+    """W=3 with 2 output features (all_gather_matmul) and 2 input features
+    (matmul_reduce_scatter): rank 2 holds none of them. Each op with a bias, fp8 with
+    tensor-wise and row-wise scales, on both transports, against float64."""
+    gen = torch.Generator().manual_seed(seed)
+    f8 = torch.float8_e4m3fn
+    shards = [torch.randn(4, 16, generator=gen) for _ in range(world)]
+    b, bias = torch.randn(16, 2, generator=gen), torch.randn(2, generator=gen)
+    a_rs, b_rs = torch.randn(6, 2, generator=gen), torch.randn(2, 16, generator=gen)
+    bias_rs = torch.randn(16, generator=gen)
+    row_a = torch.rand(world * 4, 1, generator=gen) + 0.5      # row-wise scales (fp8)
+    col_b = torch.rand(1, 2, generator=gen) + 0.5
+    start, n = even_split(2, world)[rank]
+    cols = slice(start, start + n)
+    first, rows = even_split(6, world)[rank]
+    gathered = torch.cat(shards)
+    failures = []
+
+    def check(what, out, ref):
+        if out.shape != ref.shape or (out.numel() and not torch.allclose(
+                out.double(), ref, rtol=1e-5, atol=1e-5)):
+            failures.append(f"{what}: {tuple(out.shape)} vs {tuple(ref.shape)}")
+
+    for transport in ("dma", "ccl"):
+        with ficco.config.scope(transport=transport):
+            ref = (gathered.double() @ b.double() + bias.double())[:, cols]
+            check(f"{transport} ag bias",
+                  ficco.all_gather_matmul(shards[rank], b[:, cols], bias=bias[cols]), ref)
+            a8, b8 = gathered.to(f8), b.t().contiguous().to(f8).t()
+            for scaling, sa, sb in (("tensor", torch.tensor(0.5), torch.tensor(2.0)),
+                                    ("row", row_a, col_b)):
+                mine_sa = sa if sa.dim() == 0 else sa[rank * 4:(rank + 1) * 4]
+                mine_sb = sb if sb.dim() == 0 else sb[:, cols]
+                ref = ((a8.double() * sa.double()) @ (b8.double() * sb.double())
+                       + bias.double())[:, cols]
+                out = ficco.all_gather_matmul(a8[rank * 4:(rank + 1) * 4], b8[:, cols],
+                                              a_scale=mine_sa, b_scale=mine_sb,
+                                              out_dtype=torch.float32, bias=bias[cols])
+                check(f"{transport} ag fp8 {scaling}-wise bias", out, ref)
+            ref = (a_rs.double() @ b_rs.double() + bias_rs.double())[first:first + rows]
+            check(f"{transport} rs bias",
+                  ficco.matmul_reduce_scatter(a_rs[:, cols], b_rs[cols], bias=bias_rs), ref)
+            a8, b8 = a_rs.to(f8), b_rs.t().contiguous().to(f8).t()
+            one = torch.tensor(1.5)
+            ref = ((a8.double() @ b8.double()) * 2.25 + bias_rs.double())[first:first + rows]
+            check(f"{transport} rs fp8 bias",
+                  ficco.matmul_reduce_scatter(a8[:, cols], b8[cols], a_scale=one, b_scale=one,
+                                              out_dtype=torch.float32, bias=bias_rs), ref)
+    ficco.shutdown()
+    return failures
+
+
+def test_a_rank_with_no_features_takes_a_bias_and_fp8_scales():
+    """Before: rank 2 failed in its GEMM's epilogue (its b ran as one zero column, its bias
+    and scales kept none: "expanded size ... (1) must match ... (0)"), poisoning the group."""
+    seed = random.randrange(1 << 30)
+    assert harness.pool(3).run(_zero_width_epilogues, seed) == [[]] * 3, seed
+
+
 def _decided_alike(rank, world, seed):
     """The selector's choice with widths 1 and 4096 on different ranks: the same everywhere
     (it sees the widest), and right."""

@@ -76,9 +76,9 @@ def settings_for(args, device: torch.device) -> Settings:
     """``quick``: a few tiny GEMMs and copies (CPU seconds). ``full``: the paper's GEMMs as
     one GPU of eight runs them, M divided by ``--scale``, and copies from 4 KiB to 256 MiB."""
     if size_for(args, device) == "quick":
-        gemms = (Scenario("tall", 1024, 128, 256, "quick"),
-                 Scenario("wide", 256, 128, 1024, "quick"),
-                 Scenario("square", 512, 256, 512, "quick"))
+        gemms: tuple[Scenario, ...] = (Scenario("tall", 1024, 128, 256, "quick"),
+                                       Scenario("wide", 256, 128, 1024, "quick"),
+                                       Scenario("square", 512, 256, 512, "quick"))
         return Settings(gemms, tuple(2 ** p for p in range(12, 21, 2)), (64, 256, 1024, 4096),
                         1 << 20, 1 << 20, args.copy_queues or 2, 1, args.repeat or 3,
                         args.copy_to == "host")

@@ -24,22 +24,21 @@ import time
 import numpy as np
 import torch
 
+from ..symm_mem import SIGNAL_CHANNELS, SymmHandle
 from . import results
 
 WORLD = 8
 
 
-class LoopbackHandle:
+class LoopbackHandle(SymmHandle):
     """Symmetric memory of rank 0 of a ``world``-rank group that lives in this process: one
     buffer per "peer" (so copies move real bytes) and one signal pad. A write meant for peer
     ``p``'s pad (writer 0) lands in rank 0's own pad in ``p``'s column, as ``p``'s own write
     would have: barriers run their real signal ops and always pass."""
 
     def __init__(self, backend, world: int, nbytes: int):
-        from ..symm_mem import SIGNAL_CHANNELS, SymmHandle
-
         self.rank, self.world, self.nbytes = 0, world, nbytes
-        SymmHandle._init_signals(self, backend)
+        self._init_signals(backend)
         self._data = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(world)]
         self._pad = np.zeros(SIGNAL_CHANNELS * world, dtype=np.int32)
         self._channels = SIGNAL_CHANNELS

@@ -25,7 +25,10 @@ def fit_profile(base, recs: list[dict], dtype: str, name: str, measured_on: str)
     - ``host_op_s``: see :func:`fit_host_op` (records of ``--parts enqueue``).
     """
     note = f"measured by ficco bench characterize on {measured_on}"
-    changes, sources = {}, dict(base.sources)
+    # Values of several types (floats, per-size tuples, nested dicts): dataclasses.replace
+    # checks each against its Profile field.
+    changes: dict[str, object] = {}
+    sources = dict(base.sources)
     one_d = sorted((r for r in recs if r["kind"] == "copy" and r["shape"] == "1d"),
                    key=lambda r: r["bytes"])
     if len(one_d) >= 2:
@@ -151,4 +154,5 @@ def fit_cil(cil_recs: list[dict]) -> dict:
             fit[key] = round(coef, 4)
         if best is None or sse < best[0] - 1e-12:
             best = (sse, fit)
+    assert best is not None     # the exponent range is not empty, so the loop set it
     return best[1]

@@ -79,7 +79,7 @@ def measure_copy_paths(backend, quick: bool, progress=None) -> list[dict]:
             recs.append(rec)
         if progress is not None:
             progress.update(1)
-        src = dst = None   # freed before the next size is made
+        src = dst = torch.empty(0)   # this size's buffers freed before the next is made
     return recs
 
 

@@ -22,6 +22,7 @@ import torch
 
 from ..errors import BackendUnavailableError
 from ..heuristics.scenarios import PAPER_TABLE_I
+from ..plan import GatedGemm
 from ..problem import Problem
 from ..schedules.gated import Gated
 from .cli import BenchUsageError
@@ -47,7 +48,9 @@ def kernel(args) -> list[dict]:
     if args.interpret:   # the same code path on CPU, tiny shapes: checks the script, not speed
         dev, target, do_bench = "cpu", "cpu", _wall_ms
     else:
-        from triton.testing import do_bench
+        from triton.testing import do_bench as triton_do_bench
+
+        do_bench = triton_do_bench
 
         if not torch.cuda.is_available():
             raise BackendUnavailableError("the kernel benchmark needs a CUDA or ROCm GPU "
@@ -89,7 +92,7 @@ def kernel(args) -> list[dict]:
         flop = 2 * p.big_m * p.ns[0] * k
         for variant in variants:
             op = next(o for o in Gated(two_d=variant == "2d").plan(p, "dma").ops
-                      if o.kind == "gated_gemm")
+                      if isinstance(o, GatedGemm))
             segments = tuple(Segment(*s) for s in op.segments)
             flags = torch.ones(op.num_flags, dtype=torch.int32, device=dev)
             local = a[:p.m]
@@ -111,7 +114,8 @@ def kernel(args) -> list[dict]:
             print(f"{name:<10} {variant} M={p.big_m:<7} n={p.ns[0]:<6} K={k:<6} gated "
                   f"{row['gated_tflops']:7.1f} TFLOP/s  torch {row['torch_tflops']:7.1f}  "
                   f"ratio {row['ratio']:.2f}  err {worst:.1e}", flush=True)
-        a = b = c = ref = None   # free this shape's buffers before the next one
+        # free this shape's buffers before the next one (an empty tensor holds no memory)
+        a = b = c = ref = torch.empty(0)
         if dev == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -232,6 +236,7 @@ def compile_all(args) -> list[dict]:
         asm = compile_offline(args.target, args.dtype_short, block, config.num_warps,
                               config.num_stages, **meta)
         binary = asm.get("cubin") or asm.get("hsaco")
+        assert binary is not None   # compile_offline's targets: cuda makes a cubin, rocm an hsaco
         rows.append({"block": block, "num_warps": config.num_warps,
                      "num_stages": config.num_stages, **meta, "bytes": len(binary)})
         print(f"{args.target} {block} warps={config.num_warps} stages={config.num_stages} "

@@ -22,7 +22,7 @@ from .. import schedules
 from ..heuristics import gemm, profiles, simulator
 from ..heuristics.paper import paper_choice
 from ..heuristics.scenarios import PAPER_TABLE_I, table_i_problem
-from ..plan import COMPUTE, Block, Copy, Plan, Record, Wait
+from ..plan import COMPUTE, Block, Copy, Gemm, Op, Plan, Record, Wait
 from ..problem import Problem
 
 #: The paper's four schedules (§V-B), among which its rule picks.
@@ -82,19 +82,22 @@ def as_paper_implemented(plan: Plan) -> Plan:
     the local shard's GEMM read their rows in place, as in ficco. Simulate the result with
     ``wide_outputs=False``: the paper's 2D GEMMs add into the bf16 output."""
     fused = "-fused-" in plan.schedule and plan.schedule.endswith("-1d")
-    ops, waits, event = [], [], plan.num_events
+    ops: list[Op] = []
+    waits: list[Wait] = []
+    event = plan.num_events
     for op in plan.ops:
-        if op.kind == "copy_2d":
-            op = dataclasses.replace(op, two_d=False)
-        if op.kind == "copy_1d" and op.src.buf == "input" and op.dst.peer is None:
-            continue   # the publish: the paper's inputs sat in symmetric memory already
+        if isinstance(op, Copy):
+            if op.two_d:
+                op = dataclasses.replace(op, two_d=False)
+            if op.src.buf == "input" and op.dst.peer is None:
+                continue   # the publish: the paper's inputs sat in symmetric memory already
         if op.queue != COMPUTE:
             ops.append(op)
             continue
-        if op.kind == "wait":
+        if isinstance(op, Wait):
             waits.append(op)
             continue
-        if not (fused and op.kind == "gemm" and op.a[0].buf != "input"):
+        if not (fused and isinstance(op, Gemm) and op.a[0].buf != "input"):
             ops.extend(waits + [op])
             waits = []
             continue
@@ -109,7 +112,7 @@ def as_paper_implemented(plan: Plan) -> Plan:
                 Copy("scatter", out, out, step=op.step)]
         event += 1
     queues = tuple(dict.fromkeys(plan.queues + ("gather", "scatter")))
-    return dataclasses.replace(plan, ops=tuple(ops + waits), queues=queues, num_events=event)
+    return dataclasses.replace(plan, ops=(*ops, *waits), queues=queues, num_events=event)
 
 
 def paper_run(name: str, problem: Problem, prof) -> simulator.SimResult:
@@ -133,7 +136,7 @@ def paper_picks(profile_name: str = "mi300x", as_paper_ran: bool = True) -> list
             times = {s: paper_run(s, problem, prof).makespan_s for s in PAPER_FOUR}
         else:
             times = {s: model.predict(s, problem, prof) for s in PAPER_FOUR}
-        best = min(times, key=times.get)
+        best = min(times, key=times.__getitem__)
         out.append({"gemm": name, "paper": pick, "model": best, "agree": pick == best,
                         "margin": times[pick] / times[best] - 1})
     return out

@@ -138,7 +138,7 @@ def plot_ratio(records: list[dict], path) -> Path:
         xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
         ax.plot(xs, [ideal_speedup(x) for x in xs], color="black",
                 label="ideal, serial = GEMM + all-gather")
-    series = {"best ficco": [], "ring": [], "ring-bidir": []}
+    series: dict[str, list[dict]] = {"best ficco": [], "ring": [], "ring-bidir": []}
     ticks = {}
     for sc in _scenarios(ok):
         recs = [r for r in ok if r["scenario"] == sc]

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 from ..heuristics import bands, gemm, simulator
-from ..plan import COMPUTE, AllGather, Block, Copy, Gemm, Plan, ReduceScatter
+from ..plan import COMPUTE, AllGather, Block, Copy, Gemm, Op, Plan, ReduceScatter
 from ..problem import Problem
 from .paper_runs import PAPER_FOUR, emulated_2d, fraction_of_ideal, geomean, paper_run, table_i
 
@@ -34,6 +35,7 @@ def fig8_experiment(prof, problem: Problem, copies: int) -> tuple[float, float]:
     world, rows, n, k = problem.world, problem.m, problem.n_total, problem.k
     gemm = Gemm(COMPUTE, (Block("gathered", 0, rows, 0, k),),
                 (Block("out", 0, rows, 0, n, index=0),), 0, 0, k)
+    moves: tuple[Copy, ...]
     if copies == 1:
         moves = (Copy("copy0", Block("input", 0, rows, 0, k, peer=1),
                       Block("gathered", rows, rows, 0, k)),)
@@ -107,7 +109,7 @@ def fit_fig8_cil(prof, rounds: int = 4) -> dict:
             if k in ("dma_gemm", "dma_copy", "gemm_copies_exp", "copy_copies_exp")}
 
 
-def copy_dil(prof, ways: str = "8") -> float:
+def copy_dil(prof, ways: int | str = "8") -> float:
     """Geomean over Table I of the DMA all-gather's time with copies ``ways`` times smaller
     (issued ``ways`` times) over its time in one piece per peer (paper §IV-C2, Fig. 9)."""
     ways = int(ways)
@@ -172,7 +174,8 @@ def fraction_2d(prof) -> float:
 
 
 # -- collectives and GEMMs timed by other projects ----------------------------------------------
-def nccl_all_gather_us(prof, total_bytes: str, world: str = "8", topology: str = "") -> float:
+def nccl_all_gather_us(prof, total_bytes: int | str, world: int | str = "8",
+                       topology: str = "") -> float:
     """Microseconds of one NCCL all-gather whose output is ``total_bytes`` over ``world`` GPUs."""
     world = int(world)
     per_rank = int(total_bytes) // world // 2      # bf16 elements each rank contributes
@@ -184,7 +187,7 @@ def nccl_all_gather_us(prof, total_bytes: str, world: str = "8", topology: str =
     return simulator.simulate(plan, no_host, topology or None).makespan_s * 1e6
 
 
-def nccl_reduce_scatter_us(prof, total_bytes: str, world: str = "8", topology: str = "",
+def nccl_reduce_scatter_us(prof, total_bytes: int | str, world: int | str = "8", topology: str = "",
                            dtype: str = "float16") -> float:
     """Microseconds of one NCCL reduce-scatter of a ``total_bytes`` input per rank over
     ``world`` GPUs (each receives ``total_bytes / world`` of the sum)."""
@@ -199,7 +202,8 @@ def nccl_reduce_scatter_us(prof, total_bytes: str, world: str = "8", topology: s
     return simulator.simulate(plan, no_host, topology or None).makespan_s * 1e6
 
 
-def independent_overlap_ms(prof, m: str, n: str, k: str, ag_in_bytes: str, world: str = "8",
+def independent_overlap_ms(prof, m: int | str, n: int | str, k: int | str,
+                           ag_in_bytes: int | str, world: int | str = "8",
                            mode: str = "sequential", dtype: str = "float16") -> float:
     """Milliseconds of one eager iteration of an ``(m, k) @ (k, n)`` GEMM and an independent
     all-gather of ``ag_in_bytes`` per rank over ``world`` GPUs (no data dependence): one
@@ -212,6 +216,7 @@ def independent_overlap_ms(prof, m: str, n: str, k: str, ag_in_bytes: str, world
     gemm_op = Gemm(COMPUTE, (Block("input", 0, m, 0, k),), (Block("out", 0, m, 0, n, index=0),),
                    0, 0, k)
     src = Block("recv", 0, elems, 0, 1)
+    ops: tuple[Op, ...]
     if mode == "overlap_ce":
         copies = tuple(Copy(f"copy{q - 1}", Block("recv", 0, elems, 0, 1, peer=q),
                             Block("gathered", q * elems, elems, 0, 1)) for q in range(1, world))
@@ -225,7 +230,7 @@ def independent_overlap_ms(prof, m: str, n: str, k: str, ag_in_bytes: str, world
     return simulator.simulate(plan, prof).makespan_s * 1e3
 
 
-def ag_then_mm_us(prof, m: str, n: str, k: str, world: str = "8",
+def ag_then_mm_us(prof, m: int | str, n: int | str, k: int | str, world: int | str = "8",
                   dtype: str = "bfloat16") -> float:
     """Microseconds of an NCCL all-gather of an ``(m, k)`` shard per rank over ``world``
     GPUs followed by the ``(world * m, k) @ (k, n)`` GEMM, launches queued ahead (no host
@@ -241,8 +246,8 @@ def ag_then_mm_us(prof, m: str, n: str, k: str, world: str = "8",
     return simulator.simulate(plan, dataclasses.replace(prof, host_op_s=0.0)).makespan_s * 1e6
 
 
-def schedule_us(prof, op: str, schedule: str, transport: str, m: str, n: str, k: str,
-                world: str = "8", dtype: str = "bfloat16") -> float:
+def schedule_us(prof, op: str, schedule: str, transport: str, m: int | str, n: int | str,
+                k: int | str, world: int | str = "8", dtype: str = "bfloat16") -> float:
     """Microseconds of ficco's ``schedule`` over ``transport`` for one shape of ``op``, the
     slower of the representative ranks (as the ``model`` selector prices it). ``m, n, k`` are
     the call's: for ``matmul_reduce_scatter`` every rank multiplies ``(m, k) @ (k, n)`` and
@@ -257,11 +262,13 @@ def schedule_us(prof, op: str, schedule: str, transport: str, m: str, n: str, k:
                for rank in model.representative_ranks(problem.world)) * 1e6
 
 
-def _problem(op: str, m, n, k, world, dtype) -> Problem:
+def _problem(op: str, m: int | str, n: int | str, k: int | str, world: int | str,
+             dtype: str) -> Problem:
     return Problem(int(m), int(k), (int(n),), dtype, int(world), op=op)
 
 
-PREDICTORS = {
+#: Each called with the row's profile and its ``shapes`` (strings; ints work as well).
+PREDICTORS: dict[str, Callable[..., float]] = {
     "gemm_cil_geomean": gemm_cil,
     "copy_cil_geomean": copy_cil,
     "copy_dil_geomean": copy_dil,

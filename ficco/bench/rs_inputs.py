@@ -51,7 +51,8 @@ def block_reference(p: Problem, a, b, limit: int, ref_dtype):
                               device=a.device).round().long().unique()
         part = a[row0 + rows].to(ref_dtype) @ b.to(ref_dtype)
         if p.world > 1:
-            dist.reduce(part, dst=dist.get_global_rank(dist.group.WORLD, r), op=dist.ReduceOp.SUM)
+            # dst is a global rank: the default group's ranks are the global ranks
+            dist.reduce(part, dst=r, op=dist.ReduceOp.SUM)
         if r == p.rank:
             mine = (rows, part)
     return mine
@@ -75,12 +76,14 @@ def torch_fused_call(a, b, device, world: int):
         from torch.distributed import _symmetric_memory as symm_mem
 
         group = dist.group.WORLD
+        assert group is not None    # timed runs initialise the default group first
+        group_name = group.group_name
         if hasattr(symm_mem, "enable_symm_mem_for_group"):
-            symm_mem.enable_symm_mem_for_group(group.group_name)
+            symm_mem.enable_symm_mem_for_group(group_name)
         op = torch.ops.symm_mem.fused_matmul_reduce_scatter
     except Exception as exc:  # noqa: BLE001 - any failure only means "skip this baseline"
         return None, f"torch symmetric memory unavailable: {type(exc).__name__}: {exc}"
-    return (lambda: op(a, b, "sum", 0, group.group_name)), None
+    return (lambda: op(a, b, "sum", 0, group_name)), None
 
 
 def traced_run(sc, args, world: int, rank: int, dtype: str, device):

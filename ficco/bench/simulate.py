@@ -134,12 +134,15 @@ def _op(args) -> str:
 def _problem(args, big_m: int, n: int, k: int):
     """The Problem of one layer GEMM (M, N, K) for the chosen op: all-gather splits N over the
     world, reduce-scatter splits K (each rank holds its K-shard of the weight)."""
-    fp8 = {"scaling": getattr(args, "scaling", "row"), "out_dtype": "bfloat16"} \
-        if args.dtype.startswith("float8") else {}
+    fp8 = args.dtype.startswith("float8")
+    # "" is Problem's own default for both: no epilogue unless the dtype is fp8
+    scaling: str = getattr(args, "scaling", "row") if fp8 else ""
+    out_dtype = "bfloat16" if fp8 else ""
     if _op(args) == "matmul_reduce_scatter":
         return Problem(big_m, max(k // args.world, 1), (n,), args.dtype, args.world,
-                       op="matmul_reduce_scatter", **fp8)
-    return dataclasses.replace(gemm_problem(big_m, n, k, args.world, args.dtype), **fp8)
+                       op="matmul_reduce_scatter", out_dtype=out_dtype, scaling=scaling)
+    return dataclasses.replace(gemm_problem(big_m, n, k, args.world, args.dtype),
+                               out_dtype=out_dtype, scaling=scaling)
 
 
 def _llama(args) -> list[tuple[str, tuple[int, int, int]]]:

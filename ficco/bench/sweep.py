@@ -228,7 +228,7 @@ def _torch_fused_call(a, b, device):
 
 
 def _picks(problem, target: str) -> dict[str, str]:
-    picks = {}
+    picks: dict[str, str] = {}
     try:
         from .. import heuristics
     except ImportError:

@@ -115,7 +115,11 @@ def chunk_summary(plan, rows: list[dict]) -> list[dict]:
     Signal op began (``early``; 0 when gated - on GPUs up to the launch latency the alignment
     leaves out)."""
     world = plan.problem.world
-    raised, signal_start, started, early = {}, {}, {}, {}
+    # keyed by chunk (raised, started, early) or flag (signal_start)
+    raised: dict[int, float] = {}
+    signal_start: dict[int, float] = {}
+    started: dict[int, list[float]] = {}
+    early: dict[int, int] = {}
     for r in rows:
         if r["kind"] == "signal":
             flag = plan.ops[r["op_index"]].flag
@@ -175,13 +179,14 @@ def main(args) -> int:
             ficco.all_gather_matmul(a, b, schedule=args.schedule)
     synchronize(device)
     gated = getattr(ficco.schedules.get(args.schedule), "optional", False)
-    with (TileTrace() if gated else contextlib.nullcontext()) as tiles:
+    trace = TileTrace() if gated else None
+    with trace if trace is not None else contextlib.nullcontext():
         out, plan, rows = api.traced_all_gather_matmul(a, b, schedule=args.schedule,
                                                        transport=args.transport)
     synchronize(device)
     summary = None
-    if gated:
-        rows = rows + tile_rows(plan, rows, tiles.tiles())
+    if trace is not None:
+        rows = rows + tile_rows(plan, rows, trace.tiles())
         summary = chunk_summary(plan, rows)
     gathered = torch.empty(problem.big_m, scenario.k, device=device, dtype=a.dtype)
     all_gather_rows(gathered, a)

@@ -52,6 +52,18 @@ class ExpertContext:
     def moved_cols(self) -> int:
         return self.inp.shape[1] if self.kind == DISPATCH else self.out.shape[1]
 
+    # landing (dispatch) and shared (combine; dma: dispatch too) exist wherever rows travel:
+    # None only in a world of one with ccl, whose plans have no piece that reads them.
+    def landed(self) -> torch.Tensor:
+        """``landing``, where a peer's rows are read or written."""
+        assert self.landing is not None, "dispatch lands its peers' rows in landing"
+        return self.landing
+
+    def staged(self) -> torch.Tensor:
+        """``shared``, where a peer's rows are read or written."""
+        assert self.shared is not None, "rows that travel are staged in shared"
+        return self.shared
+
     def _piece(self, rows: int, chunk, two_d: bool) -> tuple[int, int, slice]:
         r0, rn, c0, cn = piece_of(rows, self.moved_cols, self.world, chunk, two_d)
         return r0, (rn if cn else 0), slice(c0, c0 + cn)
@@ -66,7 +78,7 @@ class ExpertContext:
             if self.kind == DISPATCH:   # peer's rows for my expert l -> block (l, peer)
                 rows = lay.block_rows(r, l, peer)
                 src0, dst0, dst = lay.send_offset(peer, r * big_l + l), \
-                    lay.block_offset(r, l, peer), self.landing
+                    lay.block_offset(r, l, peer), self.landed()
             else:                       # my rows back from peer's expert l -> where they were
                 rows = lay.block_rows(peer, l, r)
                 src0, dst0, dst = lay.block_offset(peer, l, r), \
@@ -90,10 +102,10 @@ class ExpertContext:
                 at = lay.block_offset(r, l, s) + c0
                 home = lay.send_offset(r, r * big_l + l) + c0   # the own block in x / z
                 if self.kind == DISPATCH:
-                    a = self.inp[home: home + cn] if s == r else self.landing[at: at + cn]
+                    a = self.inp[home: home + cn] if s == r else self.landed()[at: at + cn]
                     out.append((l, a[:, cols], self.weights[l][cols], self.out[at: at + cn]))
                 else:
-                    dst = self.out[home: home + cn] if s == r else self.shared[at: at + cn]
+                    dst = self.out[home: home + cn] if s == r else self.staged()[at: at + cn]
                     out.append((l, self.inp[at: at + cn], self.weights[l][:, cols],
                                 dst[:, cols]))
         return out
@@ -111,7 +123,8 @@ class ExpertContext:
         (the own rank's lists stay empty: its block never travels). ``send_to``/``recv_from``
         (ring): only that peer's blocks, every other list empty."""
         lay, r, big_l, w = self.layout, self.rank, self.experts, self.world
-        sends, recvs = [[] for _ in range(w)], [[] for _ in range(w)]
+        sends: list[list[torch.Tensor]] = [[] for _ in range(w)]
+        recvs: list[list[torch.Tensor]] = [[] for _ in range(w)]
         for q in range(w):
             if q == r:
                 continue
@@ -120,12 +133,12 @@ class ExpertContext:
                     send_rows, send0 = lay.counts[r][q * big_l + l], \
                         lay.send_offset(r, q * big_l + l)
                     recv_rows, recv0 = lay.block_rows(r, l, q), lay.block_offset(r, l, q)
-                    src, dst = self.inp, self.landing
+                    src, dst = self.inp, self.landed()
                 else:
                     send_rows, send0 = lay.block_rows(r, l, q), lay.block_offset(r, l, q)
                     recv_rows, recv0 = lay.counts[r][q * big_l + l], \
                         lay.send_offset(r, q * big_l + l)
-                    src, dst = self.shared, self.out
+                    src, dst = self.staged(), self.out
                 c0, cn, cols = self._piece(send_rows, chunk, two_d)
                 if cn and send_to in (None, q):
                     sends[q].append(src[send0 + c0: send0 + c0 + cn, cols])

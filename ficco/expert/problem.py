@@ -87,10 +87,10 @@ class Layout:
         return tuple(out)
 
     @cached_property
-    def _recv_starts(self) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    def _recv_starts(self) -> tuple[tuple[tuple[tuple[int, ...], ...], int], ...]:
         """Per receiving rank q: per local expert l, per source s, the block's first row in
         q's dispatch output (grouped by local expert, then source); plus q's total rows."""
-        out = []
+        out: list[tuple[tuple[tuple[int, ...], ...], int]] = []
         big_l = self.experts
         for q in range(self.world):
             at, blocks = 0, []

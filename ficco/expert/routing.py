@@ -31,7 +31,7 @@ _memo: OrderedDict[tuple, tuple] = OrderedDict()
 _lock = threading.Lock()
 
 
-def as_int_list(counts, name: str, shape: tuple[int, ...]) -> list:
+def as_int_list(counts, name: str, shape: tuple[int | None, ...]) -> list:
     """``counts`` (an integer tensor, or nested sequences of ints) as nested Python lists of
     ``shape`` (None: any length); anything else raises naming ``name``."""
     if isinstance(counts, torch.Tensor):

@@ -25,23 +25,29 @@ from ..symm_mem import aligned
 from . import routing
 from .context import ExpertContext
 from .problem import COMBINE, DISPATCH, ExpertProblem, Layout
-from .tasks import exchange_task, gemm_task, grouped_mm_runs
+from .tasks import context_of, exchange_task, gemm_task, grouped_mm_runs
 
 
-@dataclass
-class ExpertCall(Call):
-    inp: torch.Tensor = None            # x (T, K) or h (R, K2)
-    weights: list = None                # L tensors (K, n)
+@dataclass(kw_only=True)     # (its tensors follow Call's defaulted fields and have none)
+class ExpertCall(Call[ExpertProblem]):
+    inp: torch.Tensor                   # x (T, K) or h (R, K2)
+    weights: list                       # L tensors (K, n)
     stacked: torch.Tensor | None = None  # (L, K, n) where torch._grouped_mm runs
     n: int = 0
-    part: list = None                   # this rank's counts row (E,) or recv_counts (L, W)
+    part: list                          # this rank's counts row (E,) or recv_counts (L, W)
     layout: Layout | None = None        # the agreed routing (after exchange)
     routing: list | None = None         # a matrix handed in (combine: a dispatch's)
     send_counts: list | None = None     # combine: the dispatch counts the caller passed
     return_received: bool = False
 
+    def agreed_layout(self) -> Layout:
+        """``layout``, which exchange() sets (prepare(), in a world of one) before the runtime
+        sizes a workspace or makes buffers."""
+        assert self.layout is not None, "an expert call's routing is agreed before it runs"
+        return self.layout
 
-class ExpertSpec(OpSpec):
+
+class ExpertSpec(OpSpec[ExpertCall]):
     """What both expert-parallel ops share; subclasses say which way rows move."""
 
     exchanges = True    # the routing counts (exchange)
@@ -153,12 +159,14 @@ class ExpertSpec(OpSpec):
     def buffers(self, call: ExpertCall, transport: str, symm, *, wide: bool = False) -> Buffers:
         ctx = self.context(call, symm, wide)
         # shared is the symmetric buffer peers pull from: Buffers.peer knows it by these names
+        # (a world of one has none with ccl: nothing travels, nothing reads it)
+        partials = [ctx.shared] if self.name == COMBINE and ctx.shared is not None else []
         return Buffers(call.inp, call.weights, [ctx.out],
                        ctx.shared if self.name == DISPATCH else None, symm, call.group,
-                       partials=[ctx.shared] if self.name == COMBINE else [], expert=ctx)
+                       partials=partials, expert=ctx)
 
     def poison(self, buffers: Buffers) -> None:
-        ctx = buffers.expert
+        ctx = context_of(buffers)
         for t in (ctx.out, ctx.landing, ctx.shared):
             if t is not None:
                 t.fill_(float("nan"))
@@ -176,10 +184,10 @@ class ExpertSpec(OpSpec):
                  gemm_task: GroupedGemm("compute", tuple(range(call.world)), None)}
         for task in order:
             task(None, buffers, op_of[task])()
-        return self.finish(call, buffers.expert)
+        return self.finish(call, context_of(buffers))
 
     def result(self, call: ExpertCall, buffers: Buffers, transport: str):
-        return self.finish(call, buffers.expert)
+        return self.finish(call, context_of(buffers))
 
     @abstractmethod
     def finish(self, call: ExpertCall, ctx: ExpertContext):

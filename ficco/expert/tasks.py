@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..buffers import Buffers
 from ..host_tasks import local
+from .context import ExpertContext
 
 
 # -- grouped GEMMs ---------------------------------------------------------------------------
@@ -75,21 +76,29 @@ def run_grouped(pieces, stacked: torch.Tensor | None, accumulate: bool = False) 
         _write(out, part, accumulate)
 
 
+def context_of(buffers: Buffers) -> ExpertContext:
+    """The expert part of an expert call's Buffers (:meth:`ficco.expert.spec.ExpertSpec.buffers`
+    always sets it; other ops' Buffers never reach these tasks)."""
+    ctx = buffers.expert
+    assert ctx is not None, "an expert op's Buffers hold its ExpertContext"
+    return ctx
+
+
 # -- the tasks (the executor calls task(views, buffers, op) -> fn, launched on op.queue) ------
 # GEMMs and copies are this rank's own work (``host_tasks.local``): a backend that bounds its
 # queues by FICCO_TIMEOUT (the CPU's) lets them take as long as they take; the exchange is a
 # collective, bounded.
 def publish_task(views, buffers: Buffers, op):
     """Dispatch, dma: x into this rank's symmetric buffer, where its peers pull from."""
-    ctx = buffers.expert
-    rows = ctx.inp.shape[0]
-    return local(lambda: ctx.shared[:rows].copy_(ctx.inp))
+    ctx = context_of(buffers)
+    rows, shared = ctx.inp.shape[0], ctx.staged()
+    return local(lambda: shared[:rows].copy_(ctx.inp))
 
 
 def move_task(views, buffers: Buffers, op):
     """Pull ``op.chunk`` of every block ``op.peer`` holds for this rank (one copy per expert;
     2d: a strided column block each)."""
-    ctx = buffers.expert
+    ctx = context_of(buffers)
     pairs = ctx.pulls(op.peer, op.chunk, op.two_d, buffers.peer(op.peer, ctx.shared_name))
 
     def run():
@@ -100,7 +109,7 @@ def move_task(views, buffers: Buffers, op):
 
 def gemm_task(views, buffers: Buffers, op):
     """One grouped GEMM over ``op.chunk`` of the blocks of ``op.sources`` (every expert)."""
-    ctx = buffers.expert
+    ctx = context_of(buffers)
     pieces = ctx.gemm_pieces(op.sources, op.chunk, op.two_d)
     stacked = ctx.stacked_piece(op.chunk, op.two_d)
     if stacked is not None and op.two_d and not _grouped_view_runs(stacked):
@@ -112,7 +121,7 @@ def exchange_task(views, buffers: Buffers, op):
     """``ccl``: ``op.chunk`` of every block moved by one ``all_to_all_single`` of the process
     group (packed: gloo needs one flat buffer, NCCL is faster with one). ``op.shift`` (ring):
     only to rank r - shift and from rank r + shift; the other peers' sizes are zero."""
-    ctx = buffers.expert
+    ctx = context_of(buffers)
     send_to = recv_from = None
     if op.shift is not None:
         send_to, recv_from = (ctx.rank - op.shift) % ctx.world, (ctx.rank + op.shift) % ctx.world

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .. import schedules
+from ..expert.problem import ExpertProblem
 from ..problem import Problem
 from .profiles import Profile
 from .simulator import SimResult, simulate
@@ -36,17 +37,18 @@ def representative_ranks(world: int) -> list[int]:
     return sorted({0, world // 2})
 
 
-def simulate_schedule(name: str, problem: Problem, profile: Profile, topology: str | None = None,
-                      transport: str = "dma", copy_engines: int | None = None,
-                      rank: int = 0) -> SimResult:
+def simulate_schedule(name: str, problem: Problem | ExpertProblem, profile: Profile,
+                      topology: str | None = None, transport: str = "dma",
+                      copy_engines: int | None = None, rank: int = 0) -> SimResult:
     """Simulate schedule ``name`` for ``problem`` as seen by ``rank``."""
     plan = schedules.get(name, op=problem.op).plan(replace(problem, rank=rank), transport,
                                                   copy_engines)
     return simulate(plan, profile, topology)
 
 
-def predict(name: str, problem: Problem, profile: Profile, topology: str | None = None,
-            transport: str = "dma", copy_engines: int | None = None) -> float:
+def predict(name: str, problem: Problem | ExpertProblem, profile: Profile,
+            topology: str | None = None, transport: str = "dma",
+            copy_engines: int | None = None) -> float:
     """Predicted seconds of schedule ``name``: the slowest representative rank's makespan."""
     key = (name, problem.key(), profile.fingerprint(), topology, transport, copy_engines)
     if key not in _cache:

@@ -39,16 +39,16 @@ from ..symm_mem import aligned
 from .base import OpSpec, warm_call
 
 
-@dataclass
-class AllGatherMatmulCall(Call):
-    a: torch.Tensor = None                  # m x K, this rank's shard with gather_dim first
-    bs: list = None
+@dataclass(kw_only=True)     # (its tensors follow Call's defaulted fields and have none)
+class AllGatherMatmulCall(Call[Problem]):
+    a: torch.Tensor                         # m x K, this rank's shard with gather_dim first
+    bs: list
     b_is_list: bool = False
     moved_shape: tuple = ()                 # a_shard.movedim(gather_dim, 0).shape
     ns: tuple = ()                          # the caller's n_j (0 allowed: an empty result)
     gather_dim: int = 0
     return_gathered: bool = False
-    ops: Operands = None                    # fp8 scales, out_dtype, bias, activation
+    ops: Operands                           # fp8 scales, out_dtype, bias, activation
 
 
 def check_arguments(a_shard, b, gather_dim) -> tuple[int, list, bool]:
@@ -80,7 +80,7 @@ def check_epilogue(a_shard, bs, b_is_list, gather_dim, **epilogue) -> Operands:
                     b_is_list=b_is_list, **epilogue)
 
 
-class AllGatherMatmul(OpSpec):
+class AllGatherMatmul(OpSpec[AllGatherMatmulCall]):
     name = "all_gather_matmul"
 
     def prepare(self, a_shard, b, group=None, gather_dim=0, return_gathered=False, *,
@@ -94,8 +94,10 @@ class AllGatherMatmul(OpSpec):
                 (a_scale, b_scale, out_dtype, bias, activation)
             key = key_of(self.name, a_shard, b, group, backend, (gather_dim, return_gathered),
                          epilogue)
+            # A warm call: checked and derived when the key was new (the key names the op, so
+            # what is known for it is this op's call, or None).
             seen = known(key, group)
-            if seen is not None:   # a warm call: checked and derived when the key was new
+            if isinstance(seen, AllGatherMatmulCall):
                 return warm_call(seen, group, a_shard, b, epilogue, seen.gather_dim,
                                  _rows_of)
         gather_dim, bs, b_is_list = check_arguments(a_shard, b, gather_dim)
@@ -115,6 +117,8 @@ class AllGatherMatmul(OpSpec):
         # rank's share of fewer features than ranks) still takes part in the gather: its GEMM
         # runs on one zero column, cut off again by result().
         bs = [bj if bj.shape[1] else bj.new_zeros(k, 1) for bj in bs]
+        if min(ns) == 0:
+            ops = ops.one_column(ns)
         problem = Problem(m=m, k=k, ns=ns if min(ns) > 0 else tuple([max(n, 1) for n in ns]),
                           dtype=dtype_name(a_shard.dtype), world=world, rank=rank,
                           **ops.problem_fields(a_shard.dtype))
@@ -146,7 +150,8 @@ class AllGatherMatmul(OpSpec):
         if p.world > 1:
             all_gather_flat(gathered, call.a.contiguous(), call.group)
             if p.scaling == "row":   # the rows' scales, gathered alike
-                a_scale = a_scale.new_empty(p.big_m, 1)
+                assert ops.a_scale is not None   # scaled operands always carry one (operands())
+                a_scale = ops.a_scale.new_empty(p.big_m, 1)
                 all_gather_flat(a_scale, ops.a_scale, call.group)
         else:
             gathered.copy_(call.a)

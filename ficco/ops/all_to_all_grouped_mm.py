@@ -28,10 +28,10 @@ class AllToAllGroupedMm(ExpertSpec):
         return parts
 
     def shared_shape(self, call: ExpertCall) -> tuple[int, int]:
-        return call.layout.max_send_rows, call.problem.k
+        return call.agreed_layout().max_send_rows, call.problem.k
 
     def context(self, call: ExpertCall, symm, wide: bool = False) -> ExpertContext:
-        lay, r, x = call.layout, call.rank, call.inp
+        lay, r, x = call.agreed_layout(), call.rank, call.inp
         rows = lay.recv_rows(r)
         shared = None
         if symm is not None:

@@ -17,14 +17,17 @@ Adding an op adds one module to ``ficco/ops/`` defining ``SPEC`` (see ``ops/__in
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from .. import schedules
 from ..call import Call
 from ..scaled import rebound
 
+#: the op's own Call subclass, which its methods take (each op reads its own fields)
+C = TypeVar("C", bound=Call)
 
-class OpSpec(ABC):
+
+class OpSpec(ABC, Generic[C]):
     #: the op's public name, also the ``op`` of its Problems and cache keys
     name: ClassVar[str]
     #: whether :meth:`exchange` has data to exchange (the runtime calls it only then)
@@ -37,17 +40,17 @@ class OpSpec(ABC):
 
     # -- the call -----------------------------------------------------------------------------
     @abstractmethod
-    def prepare(self, *args, **kwargs) -> Call:
+    def prepare(self, *args, **kwargs) -> C:
         """Validate the caller's arguments and return the canonical Call. Never communicates."""
 
-    def exchange(self, call: Call, word: int) -> tuple[Call, int]:
+    def exchange(self, call: C, word: int) -> tuple[C, int]:
         """Data every rank must learn from the others before a plan can be chosen, agreed
         once per call right after the agreement (expert parallelism's routing counts):
         returns the completed call and the call's digest ``word`` with that data folded in.
         Default: nothing to exchange."""
         return call, word
 
-    def signature(self, call: Call) -> dict:
+    def signature(self, call: C) -> dict:
         """Small, comparable fields every rank must pass alike (shapes, dtypes, layout), and
         under ``PER_RANK`` those that may differ (a width that never travels: the op moves it
         there). The runtime adds the settings; a difference raises MismatchError on every
@@ -59,22 +62,22 @@ class OpSpec(ABC):
                 "dtype": p.dtype, "world": p.world, "unit": p.unit, "reduce_op": p.reduce_op,
                 "backend": call.target, **({"epilogue": epilogue} if any(epilogue) else {})}
 
-    def agreed_problem(self, call: Call, per_rank: tuple):
+    def agreed_problem(self, call: C, per_rank: tuple):
         """The Problem every rank decides on (selector, simulator, tune cache): this call's,
         with each per-rank width replaced by the widest rank's (``per_rank``: every rank's
         ``PER_RANK`` fields, as agreed), so no decision depends on which rank decides."""
         return call.problem
 
     @abstractmethod
-    def plain(self, call: Call) -> Any:
+    def plain(self, call: C) -> Any:
         """The unoverlapped result (collective + matmul, or a plain matmul for one rank)."""
 
     @abstractmethod
-    def workspace_bytes(self, call: Call) -> int:
+    def workspace_bytes(self, call: C) -> int:
         """Bytes of symmetric memory per rank a ``dma`` plan needs."""
 
     @abstractmethod
-    def buffers(self, call: Call, transport: str, symm, *, wide: bool = False) -> Any:
+    def buffers(self, call: C, transport: str, symm, *, wide: bool = False) -> Any:
         """The executor's Buffers for one run; ``symm`` is the workspace handle (dma) or None.
         ``wide``: the plan accumulates partial sums into a bf16/fp16 output, so make the
         outputs float32 (rounded once by :meth:`result`), never rounded per partial sum."""
@@ -85,7 +88,7 @@ class OpSpec(ABC):
             t.fill_(float("nan"))
 
     @abstractmethod
-    def result(self, call: Call, buffers, transport: str) -> Any:
+    def result(self, call: C, buffers, transport: str) -> Any:
         """The caller's result from the canonical buffers of a finished run."""
 
     def __repr__(self) -> str:

@@ -55,10 +55,10 @@ class GroupedMmAllToAll(ExpertSpec):
                 for s in range(world)]
 
     def shared_shape(self, call: ExpertCall) -> tuple[int, int]:
-        return call.layout.max_recv_rows, call.n
+        return call.agreed_layout().max_recv_rows, call.n
 
     def context(self, call: ExpertCall, symm, wide: bool = False) -> ExpertContext:
-        lay, r, h = call.layout, call.rank, call.inp
+        lay, r, h = call.agreed_layout(), call.rank, call.inp
         if symm is not None:
             shared = symm.get_buffer(r, self.shared_shape(call), h.dtype)
         else:

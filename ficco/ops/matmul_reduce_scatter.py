@@ -43,15 +43,15 @@ from ..symm_mem import aligned
 from .base import OpSpec, warm_call
 
 
-@dataclass
-class MatmulReduceScatterCall(Call):
-    a: torch.Tensor = None          # M x K, scatter_dim moved first, leading dims flattened
-    bs: list = None
+@dataclass(kw_only=True)     # (its tensors follow Call's defaulted fields and have none)
+class MatmulReduceScatterCall(Call[Problem]):
+    a: torch.Tensor                 # M x K, scatter_dim moved first, leading dims flattened
+    bs: list
     b_is_list: bool = False
     moved_shape: tuple = ()         # a.movedim(scatter_dim, 0).shape
     scatter_dim: int = 0
     ns: tuple = ()                  # the caller's n_j (0 allowed: an empty result)
-    ops: Operands = None            # fp8 scales, out_dtype, bias
+    ops: Operands                   # fp8 scales, out_dtype, bias
     #: the dtype partial products travel in: the output's, float32 for an fp8 output
     partial_dtype: torch.dtype = torch.float32
 
@@ -88,7 +88,7 @@ def check_epilogue(a, bs, b_is_list, scatter_dim, **epilogue) -> Operands:
                     allow_activation=False, **epilogue)
 
 
-class MatmulReduceScatter(OpSpec):
+class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
     name = MATMUL_REDUCE_SCATTER
 
     def prepare(self, a, b, group=None, scatter_dim=0, reduce_op="sum", *, a_scale=None,
@@ -99,8 +99,10 @@ class MatmulReduceScatter(OpSpec):
             epilogue = () if (a_scale is None and b_scale is None and out_dtype is None
                               and bias is None) else (a_scale, b_scale, out_dtype, bias, None)
             key = key_of(self.name, a, b, group, backend, (scatter_dim, reduce_op), epilogue)
+            # A warm call: checked and derived when the key was new (the key names the op, so
+            # what is known for it is this op's call, or None).
             seen = known(key, group)
-            if seen is not None:   # a warm call: checked and derived when the key was new
+            if isinstance(seen, MatmulReduceScatterCall):
                 return warm_call(seen, group, a, b, epilogue, seen.scatter_dim,
                                  _rows_of)
         scatter_dim, bs, b_is_list = check_arguments(a, b, scatter_dim, reduce_op)
