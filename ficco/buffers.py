@@ -70,6 +70,9 @@ class Buffers:
     def local(self, buf: str, index: int = 0) -> torch.Tensor:
         """This rank's copy of symmetric buffer ``buf``."""
         if buf == "gathered_scale":
+            if self.gathered_scale is None:
+                raise InvalidArgumentError(
+                    "plan reads the gathered rows' fp8 scales but the call has none")
             return self.gathered_scale
         if buf != "gathered":
             return self.partials[index]

@@ -145,6 +145,8 @@ class CompiledPlan:
             the GEMM only when it writes the final value (no wide outputs)."""
             p, out0 = plan.problem, op.out[0]
             cols = ("rect", 0, 1, out0.col0, out0.cols)
+            a_scale: int | None
+            b_scale: int | None
             if p.scaling == "row":
                 a_scale = blocks_slot(tuple(Block(SCALE_OF[blk.buf], blk.row0, blk.rows, 0, 1,
                                                   blk.peer) for blk in op.a))
@@ -439,6 +441,8 @@ def _source_tensor(source, buffers: Buffers) -> torch.Tensor:
     if kind == "input":
         return buffers.a
     if kind == "input_scale":
+        if buffers.a_scale is None:
+            raise InvalidArgumentError("plan reads the input's fp8 scale but the call has none")
         return buffers.a_scale
     if kind == "b_scale":
         return buffers.b_scales[source[1]]

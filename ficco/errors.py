@@ -22,13 +22,20 @@ class MismatchError(FiccoError):
     #: True when every rank raises it from the same data: the ranks stay in step and the group
     #: stays usable (``ficco.agreement.consistent``, the plan barriers' call-flag check).
     consistent: bool = False
+    #: an agreement exchange's mismatch: per transport ("ccl", "dma"), the ranks that joined it
+    #: from their per-call check, so the runtime completes those checks (ficco.agreement)
+    joined: dict[str, list[int]] | None = None
+    #: a plan barrier's mismatch: peer rank -> the call flag its slot held, which the runtime
+    #: turns into the calls they stand for (ficco.symm_mem.barrier)
+    flags: dict[int, int] | None = None
 
 
 class CommTimeoutError(FiccoError, TimeoutError):
     """A cross-rank wait passed its deadline (FICCO_TIMEOUT): a peer is dead or stuck."""
 
-    #: the ranks that did not arrive, where the wait could tell
-    missing: list[int] = []   # noqa: RUF012 - read-only default; instances set their own
+    #: the ranks that did not arrive, where the wait could tell (None: the store itself did
+    #: not answer, so no rank could be asked)
+    missing: list[int] | None = []   # noqa: RUF012 - read-only default; instances set their own
 
 
 class BackendUnavailableError(FiccoError):

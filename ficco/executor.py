@@ -95,6 +95,7 @@ def _name_work_step(exc: BaseException, compiled: CompiledPlan, steps, views) ->
     index = dict(compiled.work)
     for number, step in enumerate(steps):
         code, _, x, y, z, _ = step
+        held: tuple
         if code in (GEMM, GEMM_HERE):
             held = (views[x], views[y], views[z])
         elif code in (COPY, COPY_2D, CALL):
@@ -106,7 +107,7 @@ def _name_work_step(exc: BaseException, compiled: CompiledPlan, steps, views) ->
         if found and number in index:
             op = compiled.plan.ops[index[number]]
             try:
-                exc.ficco_local = True
+                setattr(exc, "ficco_local", True)  # noqa: B010 - any exception type
             except AttributeError:       # an exception type without a __dict__
                 return
             name_step(exc, f"plan step {index[number]} "
@@ -158,7 +159,8 @@ def _run(steps, backend, buffers, queues, events, v, timeout_s) -> None:
             name_step(exc, step[4])
         else:
             try:
-                exc.ficco_at = step      # execute() names it (_name_work_step)
+                # execute() names it (_name_work_step)
+                setattr(exc, "ficco_at", step)  # noqa: B010 - any exception type
             except AttributeError:
                 pass
         raise

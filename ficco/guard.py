@@ -217,11 +217,13 @@ def _gone(call: Call) -> tuple[list[int], str]:
     others are asked to answer a short liveness exchange through the store, and one that does
     not is named as alive but silent (busy in its own wait, or slow) when its process runs,
     as silent when it runs elsewhere. Never this rank; never an empty list."""
-    ranks = agreement.ranks_of(call.group)
+    found = agreement.ranks_of(call.group)
+    known = found is not None and len(found) == call.world
+    # not known (no agreement yet, or of another size): no peer is local
+    ranks = found if found is not None and known else ()
     here = agreement.Process.this()
-    known = ranks is not None and len(ranks) == call.world
     local = [r for r, p in enumerate(ranks) if r != call.rank and
-             (p.host, p.pid_namespace) == (here.host, here.pid_namespace)] if known else []
+             (p.host, p.pid_namespace) == (here.host, here.pid_namespace)]
     quiet = _unanswering(call)
     # After the exchange: a peer whose process was still exiting when this rank failed had
     # up to 3 s to be gone.

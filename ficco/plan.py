@@ -203,11 +203,12 @@ class AllToAll:
 class ReduceScatter:
     """Collective over the process group: rank q's ``dst`` <- the sum over ranks of their
     ``srcs[q]`` (then ``*= scale``). The reduction runs inside the collective (NCCL/RCCL's
-    kernels): the ``ccl`` baseline of ``serial``."""
+    kernels): the ``ccl`` baseline of ``serial``. Entries and ``dst`` may be None (an empty
+    block: a rank with no rows)."""
 
     queue: str
-    srcs: tuple[Block, ...]
-    dst: Block
+    srcs: tuple[Block | None, ...]
+    dst: Block | None
     step: int = 0
     scale: float | None = None
     kind = "reduce_scatter"
@@ -381,10 +382,15 @@ def scale_companion(op: Op) -> Op | None:
             return None
         return Block(SCALE_OF[blk.buf], blk.row0, blk.rows, 0, 1, blk.peer)
 
-    if isinstance(op, Copy) and scale(op.src) and scale(op.dst):
-        return Copy(op.queue, scale(op.src), scale(op.dst), False, op.step)
-    if isinstance(op, AllGather) and scale(op.src):
-        return AllGather(op.queue, scale(op.src), tuple(map(scale, op.dsts)), op.step)
+    if isinstance(op, Copy):
+        src, dst = scale(op.src), scale(op.dst)
+        if src and dst:
+            return Copy(op.queue, src, dst, False, op.step)
+    if isinstance(op, AllGather) and (src := scale(op.src)):
+        dsts = tuple(map(scale, op.dsts))
+        # an all-gather lands every rank's rectangle in place (same buffer and columns as src)
+        assert all(dsts), f"an all-gather's src moves column 0 but a dst does not: {op}"
+        return AllGather(op.queue, src, tuple(d for d in dsts if d), op.step)
     if isinstance(op, SendRecv) and (scale(op.send) or scale(op.recv)):
         return SendRecv(op.queue, scale(op.send), op.send_to if op.send else None,
                         scale(op.recv), op.recv_from if op.recv else None, op.step)

@@ -43,7 +43,7 @@ class GpuBackend(Backend):
     #: capture path for hipStreamWaitValue32/WriteValue32, so a replay would skip barriers)
     captures_signals = True
 
-    def __init__(self, device=None):
+    def __init__(self, device=None) -> None:
         reason = type(self).unavailable_reason()
         if reason is not None:
             raise BackendUnavailableError(f"the {self.name} backend cannot run here: {reason}")

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..errors import FiccoError
 from ..symm_mem.device import tensor_at
 from .gpu_watchdog import WatchdogPort
 from .vendor import Vendor
@@ -32,7 +33,7 @@ class Rescue(WatchdogPort):
     backend's; reads and releases go through host pads, or the vendor's stream writes."""
 
     def __init__(self, device: torch.device, vendor: Vendor, bind_thread: Callable[[], None],
-                 died: Callable[[BaseException], None]):
+                 died: Callable[[FiccoError], None]):
         self._device, self.vendor = device, vendor
         self._bind, self._died = bind_thread, died
         self._stream = None
@@ -45,7 +46,7 @@ class Rescue(WatchdogPort):
     def new_event(self):
         return torch.cuda.Event()
 
-    def died(self, error) -> None:
+    def died(self, error: FiccoError) -> None:
         self._died(error)
 
     def _side(self):

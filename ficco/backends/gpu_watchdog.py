@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import BackendCallError
+from ..errors import BackendCallError, FiccoError
 
 
 @dataclass(eq=False)
@@ -71,7 +71,7 @@ class WatchdogPort(ABC):
         """Write each WAIT ``op``'s awaited value into its slot, so the stream moves on."""
 
     @abstractmethod
-    def died(self, error) -> None:
+    def died(self, error: FiccoError) -> None:
         """The watchdog thread died with ``error``: every later call must raise it."""
 
 

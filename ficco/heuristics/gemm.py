@@ -95,6 +95,7 @@ def _tile_seconds(profile, dtype, block_rows, n, k, tile) -> float:
     # One compute unit's sustained FLOP/s with this tile when the whole machine is busy.
     unit_flops = profile.flops(dtype) * dil["gemm_efficiency"] * tile_eff / units
     best = math.inf
+    candidates: tuple[int, ...]
     if dil.get("split_k_rule") == "hipblaslt_auto":
         candidates = (_auto_gsu(profile, count, k, tile_m * tile_n),)
     else:

@@ -84,6 +84,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Literal, TypedDict
 
 from ..errors import ConfigError
 
@@ -96,7 +97,29 @@ TOPOLOGIES = ("mesh", "switch", "pcie")
 REQUIRED = ("name", "peak_flops", "hbm_bytes_per_s", "compute_units", "topology",
             "link_bytes_per_s")
 
-DEFAULTS = {
+
+class _Defaults(TypedDict):
+    """The types of :data:`DEFAULTS` (each key's type is the Profile field's)."""
+
+    hbm_capacity_bytes: float
+    copy_engines: int
+    copy_engine_bytes_per_s: float | None
+    gpus_per_node: int
+    pcie_bytes_per_s: float
+    copy_latency_s: float
+    llc_bytes: float
+    copy_efficiency: dict[str, float]
+    copy_2d_half_row_bytes: float
+    copy_2d_on_dma: bool
+    barrier_latency_s: float
+    host_op_s: float
+    pcie_aggregate_bytes_per_s: float
+    dil: dict[str, object]
+    cil: dict[str, float]
+    ccl: dict[str, float]
+
+
+DEFAULTS: _Defaults = {
     "hbm_capacity_bytes": 80e9,
     "copy_engines": 8,
     "copy_engine_bytes_per_s": None,     # None: as fast as the link
@@ -125,7 +148,7 @@ DEFAULTS = {
             "copy_mt_power": 1.0, "cu_mem_unit_fraction": 0.5},
     "ccl": {"efficiency": 0.8, "latency_s": 20e-6, "compute_unit_fraction": 0.1},
 }
-_NESTED = ("dil", "cil", "ccl")
+_NESTED: tuple[Literal["dil", "cil", "ccl"], ...] = ("dil", "cil", "ccl")
 
 log = logging.getLogger("ficco")
 

@@ -58,16 +58,21 @@ Example::
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidArgumentError
-from ..plan import COMPUTE, Plan, Record, Wait, item_bytes, op_label
+from ..plan import COMPUTE, GatedGemm, Op, Plan, Record, Wait, item_bytes, op_label
 from . import all_to_all_pricing
 from . import gemm as gemm_cost
 
 # Contention rates live in .contention; re-exported here for callers of simulator.*.
 from .contention import dma_contention, mt_factor, shard_mt_factor
 from .profiles import Profile
+
+if TYPE_CHECKING:   # as _lower_gated: the schedules package is loaded only for gated plans
+    from ..schedules.gated import GatedPiece
 
 _EPS = 1e-12
 #: Plan ops that only order queues: they take no time and are not drawn.
@@ -109,8 +114,9 @@ def simulate(plan: Plan, profile: Profile, topology: str | None = None,
 class _Simulation:
     def __init__(self, plan: Plan, profile: Profile, topology: str,
                  wide_outputs: bool | None = None):
-        plan, origin = _lower_gated(plan)
         self.plan, self.profile, self.topology = plan, profile, topology
+        #: the ops it times: the plan's, gated GEMMs split into pieces
+        self.ops, origin = _lower_gated(plan)
         self.problem = plan.problem
         self.itemsize = self.problem.itemsize
         # bf16/fp16/fp8 partial sums accumulate in a float32 output, rounded once at the end.
@@ -125,14 +131,14 @@ class _Simulation:
         self.size_scale = max(1.0, native / self.link_bytes_per_s)
         # The host enqueues ops one after another (``host_op_s`` each): op i cannot start on
         # its queue before the host has issued it. A plan of many small ops pays this.
-        self.issue_s = [(origin[i] + 1) * profile.host_op_s for i in range(len(plan.ops))]
+        self.issue_s = [(origin[i] + 1) * profile.host_op_s for i in range(len(self.ops))]
         #: one hardware queue: ops dispatch in plan (issue) order; ``head`` is the next one
         self.one_queue = profile.hardware_queues == 1
         self.head = 0
 
     # -- event loop --------------------------------------------------------------------------
     def run(self) -> SimResult:
-        ops = self.plan.ops
+        ops = self.ops
         order: dict[str, list[int]] = {}
         for i, op in enumerate(ops):
             order.setdefault(op.queue, []).append(i)
@@ -211,7 +217,7 @@ class _Simulation:
             for queue, indices in order.items():
                 while queue not in busy and next_op[queue] < len(indices):
                     i = indices[next_op[queue]]
-                    op = self.plan.ops[i]
+                    op = self.ops[i]
                     if self.issue_s[i] > now + _EPS:
                         break
                     if isinstance(op, Wait) and op.event not in recorded:
@@ -229,7 +235,7 @@ class _Simulation:
         """One hardware queue: the next op in issue order starts once the host issued it, its
         own stream is free and, if it is a Wait, its event was recorded; no op passes an
         earlier barrier that has not ended (its wait sits at the head of the one queue)."""
-        ops = self.plan.ops
+        ops = self.ops
         while self.head < len(ops):
             i = self.head
             op = ops[i]
@@ -449,11 +455,12 @@ class _Simulation:
         return _Task("ccl", prof.ccl["latency_s"], volume / bandwidth)
 
 
-def _lower_gated(plan: Plan):
-    """(plan, origin): gated GEMMs split into pieces gated on their flags' Signals, and per op
-    the index of the op the host enqueued for it (see ficco.schedules.gated)."""
-    if not any(op.kind == "gated_gemm" for op in plan.ops):
-        return plan, range(len(plan.ops))
+def _lower_gated(plan: Plan) -> tuple[tuple[Op | GatedPiece, ...], Sequence[int]]:
+    """(ops, origin): the plan's ops with gated GEMMs split into pieces gated on their flags'
+    Signals, and per op the index of the op the host enqueued for it (see
+    ficco.schedules.gated)."""
+    if not any(isinstance(op, GatedGemm) for op in plan.ops):
+        return plan.ops, range(len(plan.ops))
     from ..schedules.gated import lower_for_simulation
 
     return lower_for_simulation(plan)

@@ -66,7 +66,8 @@ def tables(segments: tuple[Segment, ...], device) -> tuple[torch.Tensor, torch.T
     """The int32 segment table ``(row0, rows, first part, parts)`` and part table
     ``(k0, kc, flag)`` the kernel walks (cached: a plan's segments never change, and a copy
     to the device per launch would cost more than the lookup)."""
-    seg_rows, part_rows = [], []
+    seg_rows: list[tuple[int, int, int, int]] = []
+    part_rows: list[tuple[int, int, int]] = []
     for s in segments:
         seg_rows.append((s.row0, s.rows, len(part_rows), len(s.parts)))
         part_rows.extend(s.parts)
@@ -174,7 +175,8 @@ def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, h
             tl.store(rec + 1, t_first)
             tl.store(rec + 2, t_last)
             tl.store(rec + 3, t_end)
-            tl.store(rec + 4, seg.to(tl.int64))
+            # tl.cast is seg.to: seg starts as a Python int and is a tensor once tl.where set it
+            tl.store(rec + 4, tl.cast(seg, tl.int64))
             tl.store(rec + 5, ((tile_m - first_tile) * BLOCK_M).to(tl.int64))
             tl.store(rec + 6, (tile_n * BLOCK_N).to(tl.int64))
             tl.store(rec + 7, BLOCK_M * 65536 + BLOCK_N)

@@ -46,7 +46,7 @@ class TileTrace:
 
     _local = threading.local()
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.launches: list = []   # dicts: b, segments, n, trace, mode, device, origin
 
     def __enter__(self):
@@ -83,17 +83,18 @@ def gated_task(backend, problem, op, a_local, gathered, b, out, flags, timeout_s
     group fault gives the halt word and takes the launch's error."""
     from . import configs
     from .gated_gemm import Segment, check_error, gated_gemm
-    from .trace import clock_mode, trace_buffer, trace_supported
+    from .trace import TRACE_OFF, clock_mode, trace_buffer, trace_supported
 
     segments = tuple(Segment(*s) for s in op.segments)
     local_row0 = problem.shard_row0(problem.rank)
     family = configs.family(backend.target())
-    traced = {}
+    trace: torch.Tensor | None = None    # the per-tile trace, in clock mode ``mode``
+    mode = TRACE_OFF
+    traced_launch: dict = {}
     sink = TileTrace.active()   # read here, on the caller's thread (run() may run elsewhere)
     if sink is not None and out.numel() and trace_supported():   # else: no marks drawn
         mode = clock_mode(backend.target())
         trace = trace_buffer(segments, out.shape[1], family, out.device)
-        traced = {"trace": trace, "trace_mode": mode}
         traced_launch = {"b": op.b, "segments": segments, "n": out.shape[1], "trace": trace,
                          "mode": mode, "device": out.device.index or 0, "origin": None}
         sink.launches.append(traced_launch)
@@ -112,18 +113,18 @@ def gated_task(backend, problem, op, a_local, gathered, b, out, flags, timeout_s
             return
         a = a_local if a_local.stride(-1) == 1 else a_local.contiguous()
         if fault is None:     # the CPU backend: synchronous, a host thread holds the halt
-            if traced:   # the host clock the tiles read: times count from this launch
+            if trace is not None:   # the host clock the tiles read: times count from this launch
                 traced_launch["origin"] = time.perf_counter_ns()
             halt = torch.zeros(1, dtype=torch.int32)
             with _Watch(halt, backend.cancelled, expires):
                 err = gated_gemm(a, gathered, b, out, segments, flags,
                                  local_row0=local_row0, halt=halt, timeout_s=timeout_s,
-                                 family=family, **traced)
+                                 family=family, trace=trace, trace_mode=mode)
             check_error(err, describe, timeout_s)
             return
         err = gated_gemm(a, gathered, b, out, segments, flags, local_row0=local_row0,
                          halt=fault.word_device, timeout_s=timeout_s, family=family,
-                         max_programs=_resident(out.device), **traced)
+                         max_programs=_resident(out.device), trace=trace, trace_mode=mode)
         word = torch.empty(1, dtype=torch.int32, pin_memory=out.device.type != "cpu")
         word.copy_(err, non_blocking=True)
         done = torch.cuda.Event()

@@ -10,14 +10,16 @@ from __future__ import annotations
 from ..errors import InvalidArgumentError
 from ..problem import ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER
 from . import all_to_all, reduce_scatter
+from .common import Schedule
 from .ficco import FICCO_SCHEDULES, Ficco
 from .gated import GATED_SCHEDULES, Gated
 from .ring import Ring
 from .serial import Serial
 
-_REGISTRY = {
-    ALL_GATHER_MATMUL: {s.name: s for s in (Serial(), Ring(), Ring(bidirectional=True),
-                                            *FICCO_SCHEDULES)},
+_ALL_GATHER: tuple[Schedule, ...] = (Serial(), Ring(), Ring(bidirectional=True),
+                                     *FICCO_SCHEDULES)
+_REGISTRY: dict[str, dict[str, Schedule]] = {
+    ALL_GATHER_MATMUL: {s.name: s for s in _ALL_GATHER},
     MATMUL_REDUCE_SCATTER: {s.name: s for s in reduce_scatter.SCHEDULES},
     # expert parallelism (all_to_all_grouped_mm, grouped_mm_all_to_all): schedules/all_to_all.py
     **{op: {s.name: s for s in family} for op, family in all_to_all.SCHEDULES.items()},
@@ -25,8 +27,9 @@ _REGISTRY = {
 #: Schedules that need an optional extra (Triton), per op: get() knows them and they plan and
 #: simulate anywhere, but names() leaves them out and selectors see them only where they run
 #: (offered()).
-_OPTIONAL = {ALL_GATHER_MATMUL: {s.name: s for s in GATED_SCHEDULES}, MATMUL_REDUCE_SCATTER: {},
-             **{op: {} for op in all_to_all.SCHEDULES}}
+_OPTIONAL: dict[str, dict[str, Gated]] = {
+    ALL_GATHER_MATMUL: {s.name: s for s in GATED_SCHEDULES}, MATMUL_REDUCE_SCATTER: {},
+    **{op: {} for op in all_to_all.SCHEDULES}}
 
 
 def _registry(op: str) -> dict:

@@ -48,13 +48,14 @@ skipped at launch.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
 from ..expert.plan_ops import Exchange, GroupedGemm, Publish, Pull
 from ..expert.problem import COMBINE, DISPATCH, EXPERT_OPS, chunk_of
 from ..plan import COMM, COMPUTE, Plan, PlanBuilder, copy_queue
-from .common import check_transport
+from .common import Schedule, check_transport
 from .reduce_scatter.common import barrier, pad_barriers
 
 
@@ -151,18 +152,18 @@ class ExpertSchedule:
             mine = () if own_first else (r,)
             # 2d: every chunk after the first adds its partial products (the own block of
             # hetero was written whole, before the first chunk)
-            gemm = {"step": _n(c), "two_d": two_d, "accumulate": two_d and c != steps[0]}
+            gemm = functools.partial(GroupedGemm, COMPUTE, step=_n(c), two_d=two_d,
+                                     accumulate=two_d and c != steps[0])
             if not self.chunked:           # serial: everything landed, then one GEMM
                 builder.add(GroupedGemm(COMPUTE, tuple(sorted((r, *peers))), None),
                             after=every)
             elif self.fused:
-                builder.add(GroupedGemm(COMPUTE, tuple(sorted((*mine, *peers))), c, **gemm),
-                            after=list(landed.values()))
+                builder.add(gemm(tuple(sorted((*mine, *peers))), c), after=list(landed.values()))
             else:
                 if mine:
-                    builder.add(GroupedGemm(COMPUTE, mine, c, **gemm))
+                    builder.add(gemm(mine, c))
                 for q in peers:
-                    builder.add(GroupedGemm(COMPUTE, (q,), c, **gemm), after=[landed[q]])
+                    builder.add(gemm((q,), c), after=[landed[q]])
         if transport == "dma":
             barrier(builder, step=p.world + 1, after=list(last.values()))
 
@@ -256,7 +257,7 @@ def _n(chunk: int | None) -> int:
     return 0 if chunk is None else chunk
 
 
-def schedules_of(op: str) -> tuple:
+def schedules_of(op: str) -> tuple[Schedule, ...]:
     """The registered schedules of ``op``: ``serial``, ``ring``, then the eight FiCCO points
     (the all-gather registry's order)."""
     return (ExpertSchedule(op, chunked=False), ExpertRing(op),

@@ -2,10 +2,33 @@
 constructors. Schedules build Plans only from these and :mod:`ficco.plan`."""
 from __future__ import annotations
 
+from typing import Protocol
+
 from ..config import TRANSPORTS
 from ..errors import InvalidArgumentError
-from ..plan import COMM, COMPUTE, AllGather, Barrier, Block, Copy, Gemm, PlanBuilder, copy_queue
+from ..plan import (
+    COMM,
+    COMPUTE,
+    AllGather,
+    Barrier,
+    Block,
+    Copy,
+    Gemm,
+    Plan,
+    PlanBuilder,
+    copy_queue,
+)
 from ..problem import Problem
+
+
+class Schedule(Protocol):
+    """What a registry holds: a frozen dataclass with a ``name`` whose ``plan`` gives one
+    rank's :class:`~ficco.plan.Plan` (of a Problem, or of an expert op's problem)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def plan(self, problem, transport: str = "dma", copy_engines: int | None = None) -> Plan: ...
 
 
 def check_transport(transport: str) -> None:

@@ -201,14 +201,15 @@ class _Planner:
         return self.schedule.two_d and chunk.index != self.first_index
 
     # -- communication ------------------------------------------------------------------------
-    def move(self, chunk: Chunk, step: int) -> dict[int, int]:
-        """Bring chunk ``chunk`` of every peer; returns peer -> handle of the op that wrote it."""
+    def move(self, chunk: Chunk, step: int) -> dict[int, int | None]:
+        """Bring chunk ``chunk`` of every peer; returns peer -> handle of the op that wrote it
+        (None: an empty chunk, nothing moved; ``after=`` lists skip it)."""
         if self.transport == "ccl":
             h = common.all_gather_rows(self.builder, chunk.row0, chunk.rows, col0=chunk.col0,
                                        cols=chunk.cols, step=step, after=[self.ready])
             self.last_pull["comm"] = h
             return {q: h for q in range(self.builder.problem.world)}
-        arrived = {}
+        arrived: dict[int, int | None] = {}
         for lane, q in enumerate(self.peers):
             arrived[q] = common.pull(self.builder, lane % self.engines, q, chunk.row0, chunk.rows,
                                      col0=chunk.col0, cols=chunk.cols, step=step,

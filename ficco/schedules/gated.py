@@ -34,10 +34,10 @@ schedules are not offered to selectors, and forcing one raises with the reason.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
-from ..plan import COMPUTE, GatedGemm, Plan, PlanBuilder, Record, Signal, Wait, copy_queue
+from ..plan import COMPUTE, GatedGemm, Op, Plan, PlanBuilder, Record, Signal, Wait, copy_queue
 from ..problem import Problem
 from . import common
 from .ficco import chunks
@@ -163,26 +163,28 @@ class GatedPiece:
     kind = "gated_gemm"
 
 
-def lower_for_simulation(plan: Plan) -> tuple[Plan, list[int]]:
-    """``plan`` with every GatedGemm split into :class:`GatedPiece` s in the kernel's tile
-    order, each behind a Wait for the flags it reads, and every Signal turned into a Record of
-    one event per flag; plus, per op of the result, the index of the op it came from (the host
-    enqueues a gated GEMM once, so all its pieces share its issue time). A plan without gated
-    ops comes back unchanged.
+def lower_for_simulation(plan: Plan) -> tuple[tuple[Op | GatedPiece, ...], list[int]]:
+    """The ops of ``plan`` with every GatedGemm split into :class:`GatedPiece` s in the
+    kernel's tile order, each behind a Wait for the flags it reads, and every Signal turned
+    into a Record of one event (numbered after the plan's own) per flag; plus, per op of the
+    result, the index of the op it came from (the host enqueues a gated GEMM once, so all its
+    pieces share its issue time). Not a Plan: pieces are the simulator's, never executed. A
+    plan without gated ops gives its own ops.
 
     2d pieces advance in K-lockstep: part c of every peer's tiles waits for chunk c of every
     peer, which the copies deliver at about the same time.
     """
-    if not any(op.kind == "gated_gemm" for op in plan.ops):
-        return plan, list(range(len(plan.ops)))
-    flags = max((op.num_flags for op in plan.ops if op.kind == "gated_gemm"), default=0)
+    # A schedule's plan: of its ops only GatedGemm has kind gated_gemm, only Signal signal.
+    if not any(isinstance(op, GatedGemm) for op in plan.ops):
+        return plan.ops, list(range(len(plan.ops)))
     base = plan.num_events
-    ops, origin = [], []
+    ops: list[Op | GatedPiece] = []
+    origin: list[int] = []
     for i, op in enumerate(plan.ops):
-        if op.kind == "signal":
+        if isinstance(op, Signal):
             ops.append(Record(op.queue, base + op.flag))
             origin.append(i)
-        elif op.kind == "gated_gemm":
+        elif isinstance(op, GatedGemm):
             for piece, waits in _pieces(op):
                 for flag in waits:
                     ops.append(Wait(op.queue, base + flag))
@@ -192,16 +194,17 @@ def lower_for_simulation(plan: Plan) -> tuple[Plan, list[int]]:
         else:
             ops.append(op)
             origin.append(i)
-    return replace(plan, ops=tuple(ops), num_events=base + flags), origin
+    return tuple(ops), origin
 
 
-def _pieces(op: GatedGemm):
+def _pieces(op: GatedGemm) -> list[tuple[GatedPiece, tuple[int, ...]]]:
     """(piece, flags it waits for) in tile order."""
-    out, first = [], True
+    out: list[tuple[GatedPiece, tuple[int, ...]]] = []
+    first = True
     plain = [s for s in op.segments if len(s[2]) == 1]
     accumulating = [s for s in op.segments if len(s[2]) > 1]
     for row0, rows, ((k0, kc, flag),) in plain:
-        waits = () if flag == NO_FLAG else (flag,)
+        waits: tuple[int, ...] = () if flag == NO_FLAG else (flag,)
         out.append((GatedPiece(op.queue, op.b, rows, kc, first, op.step,
                                f"gated r{row0}+{rows}"), waits))
         first = False

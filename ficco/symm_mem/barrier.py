@@ -284,6 +284,7 @@ def wait_on_host(op: SignalOp, deadline: Deadline, read: Callable[[Any], int],
     the deadline's error once it passes (its clock starts at the first wait reached), or at
     once a MismatchError when the slot holds another call's flag."""
     expiry = deadline.start()
+    assert deadline.started is not None     # start() set it
     answer_at = deadline.started + _ANSWER_AFTER_S
     nap = 2e-5
     while not op.met(seen := read(op.slot)):

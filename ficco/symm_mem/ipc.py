@@ -14,6 +14,7 @@ closed its imports too (the cudaIpc contract: an export must outlive the peers' 
 from __future__ import annotations
 
 import socket
+from typing import Any
 
 import torch
 
@@ -32,7 +33,7 @@ class IpcSymmProvider(Provider):
     def __init__(self, backend):
         self.backend = backend
 
-    def allocate(self, nbytes, group, device):
+    def allocate(self, nbytes: int, group: Any, device: torch.device) -> GpuSymmHandle:
         group = resolve(group)
         rank, world = rank_world(group)
         vendor = self.backend.vendor

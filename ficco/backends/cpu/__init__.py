@@ -145,7 +145,7 @@ def gemm_into(a, b, out, accumulate):
 class CpuBackend(Backend):
     name = "cpu"
 
-    def __init__(self, device=None):
+    def __init__(self, device=None) -> None:
         self.abort = threading.Event()
         self._errors: list[tuple] = []      # (queue name, exception, step, task)
         self._lock = threading.Lock()
@@ -171,7 +171,7 @@ class CpuBackend(Backend):
                     worker = self._workers[name] = _Worker(name, self)
         return worker
 
-    def _retire(self, worker) -> bool:
+    def _retire(self, worker: _Worker) -> bool:
         """Whether idle ``worker`` ends now: when no process group is left (after
         ``destroy_process_group()``), so ficco's threads do not outlive the group."""
         if not dist.is_available() or dist.is_initialized():

@@ -34,7 +34,7 @@ class CudaVendor(Vendor):
 
     name = "cuda"
 
-    def __init__(self, runtime=None, driver=None):
+    def __init__(self, runtime=None, driver=None) -> None:
         if runtime is None or driver is None:
             from cuda.bindings import driver as cuda_driver
             from cuda.bindings import runtime as cuda_runtime

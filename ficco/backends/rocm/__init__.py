@@ -88,7 +88,7 @@ class RocmVendor(Vendor):
 
     name = "rocm"
 
-    def __init__(self, hip=None):
+    def __init__(self, hip=None) -> None:
         if hip is None:
             from hip import hip
         self.hip = hip

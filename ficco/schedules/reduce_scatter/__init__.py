@@ -2,6 +2,7 @@
 (the GEMM produces partials, the transport moves them to their owners, ``Reduce`` ops sum)."""
 from __future__ import annotations
 
+from ..common import Schedule
 from .baselines import Ring, Serial
 from .ficco import Ficco
 
@@ -9,8 +10,9 @@ from .ficco import Ficco
 # docs/reduce_scatter.md): per step for ring and the fused 1d points (up to 10 % on H100/MI300X
 # graph replays, where they beat serial), at the end for the unfused and 2d points (never
 # slower there, 1-4 % faster: fewer ops beside the copies).
-SCHEDULES = (Serial(), Ring(), Ring(bidirectional=True),
-             *(Ficco(u, f, t, reduce_each_step=f and not t)
-               for t in (False, True) for u in (True, False) for f in (True, False)))
+SCHEDULES: tuple[Schedule, ...] = (
+    Serial(), Ring(), Ring(bidirectional=True),
+    *(Ficco(u, f, t, reduce_each_step=f and not t)
+      for t in (False, True) for u in (True, False) for f in (True, False)))
 
 __all__ = ["SCHEDULES", "Ficco", "Ring", "Serial"]

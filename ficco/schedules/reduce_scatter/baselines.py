@@ -174,6 +174,7 @@ class Ring:
             common.own_gemms(builder, False, len(steps) + 1)
             for j in range(len(p.ns)):
                 piece = common.whole(p, p.rank, j)
+                assert piece is not None    # this rank has rows (returned above otherwise)
                 common.reduce(builder, j, piece, [src for _, src, _ in arrived], own=False,
                               accumulate=True, final=True, step=len(steps) + 1,
                               after=[h for _, _, hs in arrived for h in hs])

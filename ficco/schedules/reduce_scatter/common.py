@@ -153,7 +153,7 @@ def all_to_all(builder: PlanBuilder, j: int, pieces: dict[int, Piece | None], *,
     """``ccl``: every rank sends each peer its partial of that peer's ``pieces[peer]`` and
     receives its own block's pieces from every peer, in one collective."""
     p = builder.problem
-    srcs = tuple(partial(p, j, q, pieces[q]) if q != p.rank and pieces[q] else None
+    srcs = tuple(partial(p, j, q, piece) if q != p.rank and (piece := pieces[q]) else None
                  for q in range(p.world))
     mine = pieces[p.rank]
     dsts = tuple(recv(p, j, q, mine) if q != p.rank and mine else None for q in range(p.world))
