@@ -32,9 +32,11 @@ demo: $(BIN)/.demo-installed
 test: $(BIN)/.test-installed
 	$(BIN)/python -m pytest -q -rs --durations=15
 
-# ruff (settings in pyproject.toml) over everything Python in the repository
+# ruff over everything Python in the repository, mypy over the package (the settings of both
+# in pyproject.toml)
 lint: $(BIN)/.test-installed
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 test-gpu: $(BIN)/.test-installed
 	$(BIN)/python -m pytest -q -m gpu tests/gpu tests/test_kernels.py tests/test_gated.py
