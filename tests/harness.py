@@ -205,3 +205,18 @@ def close_all():
 
 
 atexit.register(close_all)
+
+
+def check_skipped_backward(results) -> None:
+    """The outcome of a 2-rank run where rank 1 skips step 1's backward (each rank's list of
+    (step, outcome) and a last ("after", outcome)): step 0 right on both; rank 0's backward of
+    step 1 and rank 1's forward of step 2 each raise MismatchError naming both roles; the step
+    after is right on both."""
+    rank0, rank1 = results
+    assert rank0[0] == rank1[0] == (0, "ok"), results
+    assert rank0[1][0] == 1 and rank0[1][1].startswith("MismatchError"), results
+    assert rank1[1] == (1, "skipped backward"), results
+    assert rank1[2][0] == 2 and rank1[2][1].startswith("MismatchError"), results
+    for message in (rank0[1][1], rank1[2][1]):
+        assert "backward" in message and "forward" in message, results   # the roles
+    assert rank0[-1] == rank1[-1] == ("after", "ok"), results
