@@ -19,10 +19,14 @@ for inputs of more than two dimensions: a wrong guess gathers the batch and sile
 attention within each rank's chunk of the sequence. Dropout in the sequence-parallel region
 needs a random stream per rank: :class:`ficco.rng.ShardRNG`.
 
->>> # under torchrun, x_shard: (batch, seq / W, hidden)          # doctest: +SKIP
+Under torchrun each rank passes its sequence shard ``(batch, seq / W, hidden)``; without a
+process group (as here) the layers are the plain linears:
+
 >>> up = ColumnParallelLinear.from_linear(nn.Linear(512, 2048), seq_dim=1)
 >>> down = RowParallelLinear.from_linear(nn.Linear(2048, 512), seq_dim=1)
->>> y_shard = down(torch.relu(up(x_shard)))                       # (batch, seq / W, hidden)
+>>> x_shard = torch.randn(2, 16, 512)
+>>> down(torch.relu(up(x_shard))).shape                           # (batch, seq / W, hidden)
+torch.Size([2, 16, 512])
 """
 from __future__ import annotations
 
@@ -241,7 +245,9 @@ def replicated(param: Tensor, group=None) -> Tensor:
     sums its gradient over ``group``, since each rank's rows contribute only part of it (norm
     weights, a row-parallel bias). Without it such parameters drift apart across ranks.
 
-    >>> h = F.rms_norm(x_shard, (d,), replicated(norm.weight))   # doctest: +SKIP
+    >>> norm, x_shard = nn.RMSNorm(512), torch.randn(2, 16, 512)
+    >>> torch.nn.functional.rms_norm(x_shard, (512,), replicated(norm.weight)).shape
+    torch.Size([2, 16, 512])
     """
     return _SumGradOverGroup.apply(param, name_of(group))
 

@@ -30,7 +30,7 @@ schedules are not offered to selectors, and forcing one raises with the reason.
 >>> from ficco.problem import Problem
 >>> plan = Gated(two_d=False).plan(Problem(m=8, k=16, ns=(32,), dtype="float32", world=4))
 >>> plan.schedule, dict(plan.count())
-('gated-1d', {'copy_1d': 13, 'barrier': 2, 'gated_gemm': 1, 'signal': 12})
+('gated-1d', {'copy_1d': 13, 'barrier': 2, 'signal': 12, 'gated_gemm': 1})
 """
 from __future__ import annotations
 

@@ -1,0 +1,21 @@
+"""Every example in ficco's docstrings runs and prints what it shows (STYLE: a public function
+has a docstring with an example; an example that no longer runs misleads more than none)."""
+from __future__ import annotations
+
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import ficco
+
+MODULES = sorted(m.name for m in pkgutil.walk_packages(ficco.__path__, "ficco."))
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples_run_as_shown(name):
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE,
+                             report=True, verbose=False)
+    assert result.failed == 0, f"{name}: {result.failed} of {result.attempted} examples failed"
