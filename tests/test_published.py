@@ -98,6 +98,18 @@ def test_a_replayed_experiment_is_slowed_only_while_both_ops_run():
         gemm_rate, copy_rate = contention.dma_contention(prof, exposure, 7)
         assert 1 < gemm_ratio <= gemm_rate * (1 + 1e-9)
         assert 1 < copy_ratio <= copy_rate * (1 + 1e-9)
+        # The outlasting op, worked out from the times alone: while both run (until the
+        # shorter one ends, slowed by its rate) it advances at 1/rate, then alone at full
+        # speed, so its end is overlap + (alone - overlap / rate).
+        t = predictors.fig8_times(prof, problem, 7)
+        if name == "g10":
+            overlap = t.copies_alone * copy_rate
+            expected = (overlap + t.gemm_alone - overlap / gemm_rate) / t.gemm_alone
+            assert gemm_ratio == pytest.approx(expected, rel=0.01)
+        else:
+            overlap = t.gemm_alone * gemm_rate
+            expected = (overlap + t.copies_alone - overlap / copy_rate) / t.copies_alone
+            assert copy_ratio == pytest.approx(expected, rel=0.01)
         if name == "g10":    # the step's copies cover a small part of the long GEMM
             assert gemm_ratio < 1 + 0.5 * (gemm_rate - 1)
             assert copy_ratio == pytest.approx(copy_rate, rel=0.01)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 from ..heuristics import bands, gemm, simulator
 from ..plan import COMPUTE, AllGather, Block, Copy, Gemm, Op, Plan, ReduceScatter
@@ -25,13 +26,17 @@ from .paper_runs import PAPER_FOUR, emulated_2d, fraction_of_ideal, geomean, pap
 
 
 # -- FiCCO paper §IV: contention and decomposition, measured on single ops -----------------------
-def fig8_experiment(prof, problem: Problem, copies: int) -> tuple[float, float]:
-    """(GEMM slowdown, all-gather slowdown) of the paper's Fig. 8 experiment on one Table I
-    GEMM, as it ran (§IV-D): the 8-way M-sharded GEMM (one shard's rows, ``(M/W) x n x K``)
-    and a DMA all-gather started together, each op's whole time over its time alone. The
-    all-gather is one FiCCO step's (``copies`` = W - 1: every peer's 1/W chunk at once) or a
-    shard-level step's (``copies`` = 1: one peer's whole shard over one link). Where one op
-    outlasts the other it runs alone for the rest, so the published ratio is a diluted rate."""
+class Fig8Times(NamedTuple):
+    """Seconds of the Fig. 8 replay: each op alone, and where each ended when run together."""
+
+    gemm_alone: float
+    copies_alone: float
+    gemm_end: float
+    copies_end: float
+
+
+def fig8_times(prof, problem: Problem, copies: int) -> Fig8Times:
+    """The simulated times behind :func:`fig8_experiment` (same arguments)."""
     world, rows, n, k = problem.world, problem.m, problem.n_total, problem.k
     gemm = Gemm(COMPUTE, (Block("gathered", 0, rows, 0, k),),
                 (Block("out", 0, rows, 0, n, index=0),), 0, 0, k)
@@ -49,11 +54,20 @@ def fig8_experiment(prof, problem: Problem, copies: int) -> tuple[float, float]:
         return simulator.simulate(Plan("fig8", "dma", problem, used, ops), prof)
 
     both = run((gemm,) + moves, queues)
-    gemm_alone = run((gemm,), (COMPUTE,)).makespan_s
-    copies_alone = run(moves, queues[1:]).makespan_s
-    gemm_end = max(r["end_s"] for r in both.rows if r["kind"] == "gemm")
-    copies_end = max(r["end_s"] for r in both.rows if r["kind"] == "copy_1d")
-    return gemm_end / gemm_alone, copies_end / copies_alone
+    return Fig8Times(run((gemm,), (COMPUTE,)).makespan_s, run(moves, queues[1:]).makespan_s,
+                     max(r["end_s"] for r in both.rows if r["kind"] == "gemm"),
+                     max(r["end_s"] for r in both.rows if r["kind"] == "copy_1d"))
+
+
+def fig8_experiment(prof, problem: Problem, copies: int) -> tuple[float, float]:
+    """(GEMM slowdown, all-gather slowdown) of the paper's Fig. 8 experiment on one Table I
+    GEMM, as it ran (§IV-D): the 8-way M-sharded GEMM (one shard's rows, ``(M/W) x n x K``)
+    and a DMA all-gather started together, each op's whole time over its time alone. The
+    all-gather is one FiCCO step's (``copies`` = W - 1: every peer's 1/W chunk at once) or a
+    shard-level step's (``copies`` = 1: one peer's whole shard over one link). Where one op
+    outlasts the other it runs alone for the rest, so the published ratio is a diluted rate."""
+    t = fig8_times(prof, problem, copies)
+    return t.gemm_end / t.gemm_alone, t.copies_end / t.copies_alone
 
 
 def gemm_cil(prof, copies: str) -> float:
