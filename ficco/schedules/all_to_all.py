@@ -55,19 +55,12 @@ from ..errors import InvalidArgumentError
 from ..expert.plan_ops import Exchange, GroupedGemm, Publish, Pull
 from ..expert.problem import COMBINE, DISPATCH, EXPERT_OPS, chunk_of
 from ..plan import COMM, COMPUTE, Plan, PlanBuilder, copy_queue
-from .common import Schedule, check_transport
+from .common import Schedule, check_plan_args
 from .reduce_scatter.common import barrier, pad_barriers
 
 
 def _begin(schedule, problem, transport: str, copy_engines: int | None) -> PlanBuilder:
-    check_transport(transport)
-    if getattr(problem, "op", None) != schedule.op:
-        raise InvalidArgumentError(
-            f"a {schedule.op} schedule needs an ExpertProblem with op={schedule.op!r}; got "
-            f"op={getattr(problem, 'op', None)!r} (use ficco.schedules.get(name, op=problem.op))")
-    if copy_engines is not None and copy_engines < 1:
-        raise InvalidArgumentError(
-            f"copy_engines must be >= 1 or None (one per peer); got {copy_engines}")
+    check_plan_args(schedule.op, problem, transport, copy_engines)
     return PlanBuilder(schedule.name, transport, problem)
 
 

@@ -37,6 +37,21 @@ def check_transport(transport: str) -> None:
             f"transport must be one of {TRANSPORTS}; got {transport!r}")
 
 
+def check_plan_args(op: str, problem, transport: str, copy_engines: int | None) -> None:
+    """What every schedule's ``plan`` checks first: a known transport, a problem of the op the
+    schedule belongs to (``op``), and a copy-engine count of at least one (None: one per
+    peer)."""
+    check_transport(transport)
+    got = getattr(problem, "op", None)
+    if got != op:
+        raise InvalidArgumentError(
+            f"a {op} schedule needs a problem with op={op!r}; got op={got!r} "
+            f"(use ficco.schedules.get(name, op=problem.op))")
+    if copy_engines is not None and copy_engines < 1:
+        raise InvalidArgumentError(
+            f"copy_engines must be >= 1 or None (one per peer); got {copy_engines}")
+
+
 def shard_rows(p: Problem, peer: int, row0: int = 0, rows: int | None = None, *,
                col0: int = 0, cols: int | None = None, remote: bool = False) -> Block:
     """Rows ``[row0, row0+rows)`` of ``peer``'s shard in the gathered buffer; ``remote`` names

@@ -54,9 +54,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..errors import InvalidArgumentError
 from ..plan import COMPUTE, Block, Gemm, Plan, PlanBuilder
-from ..problem import Problem
+from ..problem import ALL_GATHER_MATMUL, Problem
 from . import common
 
 
@@ -123,10 +122,7 @@ class Ficco:
                          "fused" if self.fused else "unfused", "2d" if self.two_d else "1d"])
 
     def plan(self, problem: Problem, transport: str = "dma", copy_engines: int | None = None) -> Plan:
-        common.check_transport(transport)
-        if copy_engines is not None and copy_engines < 1:
-            raise InvalidArgumentError(
-                f"copy_engines must be >= 1 or None (one per peer); got {copy_engines}")
+        common.check_plan_args(ALL_GATHER_MATMUL, problem, transport, copy_engines)
         builder = PlanBuilder(self.name, transport, problem)
         if problem.m == 0:
             return builder.build()

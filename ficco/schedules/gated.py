@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
 from ..plan import COMPUTE, GatedGemm, Op, Plan, PlanBuilder, Record, Signal, Wait, copy_queue
-from ..problem import Problem
+from ..problem import ALL_GATHER_MATMUL, Problem
 from . import common
 from .ficco import chunks
 
@@ -91,15 +91,9 @@ class Gated:
 
     def plan(self, problem: Problem, transport: str = "dma",
              copy_engines: int | None = None) -> Plan:
-        common.check_transport(transport)
-        if getattr(problem, "op", "all_gather_matmul") != "all_gather_matmul":
-            raise InvalidArgumentError(f"{self.name} is an all_gather_matmul schedule; got a "
-                                       f"{problem.op} problem")
+        common.check_plan_args(ALL_GATHER_MATMUL, problem, transport, copy_engines)
         if transport != "dma" and problem.world > 1:
             raise InvalidArgumentError(self.unavailable_reason("any", transport))
-        if copy_engines is not None and copy_engines < 1:
-            raise InvalidArgumentError(
-                f"copy_engines must be >= 1 or None (one per peer); got {copy_engines}")
         b = PlanBuilder(self.name, transport, problem)
         p = problem
         if p.m == 0:

@@ -12,8 +12,6 @@ per step (a partial may move only once its producer has computed it), so pull co
 """
 from __future__ import annotations
 
-from ...config import TRANSPORTS
-from ...errors import InvalidArgumentError
 from ...plan import (
     COMM,
     COMPUTE,
@@ -26,22 +24,15 @@ from ...plan import (
     Reduce,
     copy_queue,
 )
-from ...problem import Problem, even_split
+from ...problem import MATMUL_REDUCE_SCATTER, Problem, even_split
+from ..common import check_plan_args
 
 #: a rectangle of one destination block, relative to the block: (row0, rows, col0, cols)
 Piece = tuple[int, int, int, int]
 
 
 def check(problem: Problem, transport: str, copy_engines: int | None) -> None:
-    if transport not in TRANSPORTS:
-        raise InvalidArgumentError(f"transport must be one of {TRANSPORTS}; got {transport!r}")
-    if not problem.reduces:
-        raise InvalidArgumentError(
-            f"a matmul_reduce_scatter schedule needs a Problem with op='matmul_reduce_scatter'; "
-            f"got op={problem.op!r} (use ficco.schedules.get(name, op=problem.op))")
-    if copy_engines is not None and copy_engines < 1:
-        raise InvalidArgumentError(
-            f"copy_engines must be >= 1 or None (one per peer); got {copy_engines}")
+    check_plan_args(MATMUL_REDUCE_SCATTER, problem, transport, copy_engines)
 
 
 def begin(name: str, problem: Problem, transport: str,
