@@ -301,18 +301,8 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
     tensors on their 1-D mesh (ficco/dtensor.py)."""
     if return_gathered is not False and return_gathered is not True:
         return_gathered = check_flag(return_gathered, "return_gathered")   # or raise
-    b_is_list = isinstance(b, (list, tuple))
-    bs = list(b) if b_is_list else [b]
-    plain = type(a_shard) in _PLAIN and not any([type(x) not in _PLAIN for x in bs])  # noqa: C419
-    if not plain:   # (plain tensors skip the DTensor checks: the hot path)
-        a_shard, bs, group = _local_operands("all_gather_matmul", a_shard, bs, group,
-                                             gather_dim)
-        b = bs if b_is_list else bs[0]
-    if a_scale is None and b_scale is None and bias is None and out_dtype is None:
-        extra, tensors = _NO_EPILOGUE, bs   # the common call: nothing more to look at
-    else:
-        extra, tensors = _epilogue_of(bs, b_is_list, a_scale, b_scale, bias, out_dtype)
-    dim = gather_dim if type(gather_dim) is int else _plain_int(gather_dim)
+    a_shard, b, bs, b_is_list, group, plain, extra, tensors, dim = _front(
+        "all_gather_matmul", a_shard, b, group, gather_dim, a_scale, b_scale, bias, out_dtype)
     if (dim is None or not (schedule is None or isinstance(schedule, str)) or extra is None
             or not (activation is None or isinstance(activation, str))
             or _eager_suffices(a_shard, tensors, plain and tensors is bs)):
@@ -343,17 +333,8 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
 def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", schedule=None,
                           a_scale=None, b_scale=None, out_dtype=None, bias=None):
     """``ficco.matmul_reduce_scatter`` through the ``ficco::matmul_reduce_scatter`` op."""
-    b_is_list = isinstance(b, (list, tuple))
-    bs = list(b) if b_is_list else [b]
-    plain = type(a) in _PLAIN and not any([type(x) not in _PLAIN for x in bs])  # noqa: C419
-    if not plain:
-        a, bs, group = _local_operands("matmul_reduce_scatter", a, bs, group, scatter_dim)
-        b = bs if b_is_list else bs[0]
-    if a_scale is None and b_scale is None and bias is None and out_dtype is None:
-        extra, tensors = _NO_EPILOGUE, bs   # the common call: nothing more to look at
-    else:
-        extra, tensors = _epilogue_of(bs, b_is_list, a_scale, b_scale, bias, out_dtype)
-    dim = scatter_dim if type(scatter_dim) is int else _plain_int(scatter_dim)
+    a, b, bs, b_is_list, group, plain, extra, tensors, dim = _front(
+        "matmul_reduce_scatter", a, b, group, scatter_dim, a_scale, b_scale, bias, out_dtype)
     if (dim is None or not isinstance(reduce_op, str) or extra is None
             or not (schedule is None or isinstance(schedule, str))
             or _eager_suffices(a, tensors, plain and tensors is bs)):
@@ -371,6 +352,26 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
 
 
 _NO_EPILOGUE = (None, None, None, None)
+
+
+def _front(op: str, a, b, group, dim, a_scale, b_scale, bias, out_dtype):
+    """What both public front ends do first: ``b`` as a list, DTensor operands to their local
+    tensors and mesh (plain tensors skip that: the hot path), the op's epilogue arguments
+    (``extra``; ``tensors``: every tensor the dispatcher must look at) and ``dim`` as a plain
+    int (None where it is not one). Returns ``(a, b, bs, b_is_list, group, plain, extra,
+    tensors, dim)``."""
+    b_is_list = isinstance(b, (list, tuple))
+    bs = list(b) if b_is_list else [b]
+    plain = type(a) in _PLAIN and not any([type(x) not in _PLAIN for x in bs])  # noqa: C419
+    if not plain:
+        a, bs, group = _local_operands(op, a, bs, group, dim)
+        b = bs if b_is_list else bs[0]
+    if a_scale is None and b_scale is None and bias is None and out_dtype is None:
+        extra, tensors = _NO_EPILOGUE, bs   # the common call: nothing more to look at
+    else:
+        extra, tensors = _epilogue_of(bs, b_is_list, a_scale, b_scale, bias, out_dtype)
+    return (a, b, bs, b_is_list, group, plain, extra, tensors,
+            dim if type(dim) is int else _plain_int(dim))
 
 
 def _epilogue_of(bs, b_is_list, a_scale, b_scale, bias, out_dtype) -> tuple:
