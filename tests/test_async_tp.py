@@ -191,3 +191,50 @@ def test_torchs_async_tp_pass_runs_ficcos_schedules():
         assert gathers >= 3 and scatters >= 2, model_runs       # forward: qkv, w1, head; wo, w2
         assert model_runs.get("ficco.all_gather_matmul") == gathers, model_runs
         assert model_runs.get("ficco.matmul_reduce_scatter") == scatters, model_runs
+
+
+def _nothing_fused_warning(rank, world):
+    """The override's warning after the first optimizer step: once when no GEMM ran ficco
+    (here an eager gather + matmul: no pass ran), never when one did."""
+    import warnings
+
+    from torch.distributed import _functional_collectives as funcol
+
+    import ficco
+    from ficco.errors import FiccoWarning
+
+    group = torch.distributed.group.WORLD.group_name
+    w = torch.nn.Parameter(torch.randn(8, 3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    x = torch.randn(4, 8)
+
+    def steps(n, fused):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(n):
+                opt.zero_grad()
+                if fused:
+                    _, (y,) = torch.ops.symm_mem.fused_all_gather_matmul(x, [w.detach()], 0,
+                                                                         group)
+                loss = (funcol.all_gather_tensor(x, 0, group) @ w).sum()
+                loss.backward()
+                opt.step()
+        return [str(c.message) for c in caught if c.category is FiccoWarning]
+
+    with ficco.compat.install_symm_mem_override():
+        unfused = steps(3, fused=False)
+    with ficco.compat.install_symm_mem_override() as override:
+        fused = steps(2, fused=True)
+        calls = dict(override.calls)
+    after_remove = steps(1, fused=False)
+    return unfused, fused, calls, after_remove
+
+
+def test_override_warns_once_when_a_step_ran_no_gemm_through_ficco():
+    for unfused, fused, calls, after_remove in harness.pool(2).run(_nothing_fused_warning):
+        assert len(unfused) == 1, unfused
+        assert "fused nothing" in unfused[0] and "is_nccl_available" in unfused[0], unfused
+        assert "enable_symm_mem_for_group" in unfused[0] and "cache" in unfused[0], unfused
+        assert fused == [], fused
+        assert calls["fused_all_gather_matmul"] == 2, calls
+        assert after_remove == [], after_remove
