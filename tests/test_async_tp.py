@@ -214,8 +214,7 @@ def _nothing_fused_warning(rank, world):
             for _ in range(n):
                 opt.zero_grad()
                 if fused:
-                    _, (y,) = torch.ops.symm_mem.fused_all_gather_matmul(x, [w.detach()], 0,
-                                                                         group)
+                    torch.ops.symm_mem.fused_all_gather_matmul(x, [w.detach()], 0, group)
                 loss = (funcol.all_gather_tensor(x, 0, group) @ w).sum()
                 loss.backward()
                 opt.step()
