@@ -90,7 +90,9 @@ class SymmMemOverride:
             warnings.filterwarnings("ignore", message=".*[Oo]verrid")
             for name, kernel in twins.items():
                 for device_type in self.device_types:
-                    self._lib.impl(name, self._counted(name, kernel), _dispatch_key(device_type))
+                    # allow_override: torch 2.11 refuses to replace its CUDA kernels without it
+                    self._lib.impl(name, self._counted(name, kernel), _dispatch_key(device_type),
+                                   allow_override=True)
         self.ops = tuple(twins)
         # After the first optimizer step, say so if torch's pass sent nothing here.
         from torch.optim.optimizer import register_optimizer_step_post_hook
