@@ -16,12 +16,11 @@ Selectors never look at the rank, so every rank reaches the same decision.
 """
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from .. import config, schedules
+from .. import config, logs, schedules
 from ..config import TRANSPORTS
 from ..errors import ConfigError, InvalidArgumentError
 from ..problem import Problem
@@ -31,7 +30,7 @@ from .model import banded_choice
 from .paper import paper_choice
 from .tune import tune_choice
 
-log = logging.getLogger("ficco")
+log = logs.log
 _logged: set = set()
 _logged_lock = threading.Lock()
 
@@ -152,12 +151,7 @@ def _logged_once(problem: Problem, decision: Decision) -> Decision:
         if key in _logged:
             return decision
         _logged.add(key)
-    if log.getEffectiveLevel() > logging.INFO:
-        log.setLevel(logging.INFO if level == "info" else logging.DEBUG)
-    if not log.handlers and not logging.getLogger().handlers:
-        # Nobody configured logging: without a handler Python would drop INFO records.
-        log.addHandler(logging.StreamHandler())
-    log.info("ficco decision rank %d: %s M=%d n=%d K=%d %s W=%d -> schedule %s, transport %s, "
+    logs.ready().info("ficco decision rank %d: %s M=%d n=%d K=%d %s W=%d -> schedule %s, transport %s, "
              "selector %s - %s", problem.rank, op, problem.big_m, problem.n_total, problem.k,
              problem.dtype, problem.world, decision.schedule, decision.transport,
              decision.selector, decision.reason)
