@@ -116,7 +116,7 @@ def test_paper_thresholds_come_from_the_knobs():
 # -- choose ---------------------------------------------------------------------------------
 def test_forced_schedule_wins_and_is_reported():
     d = choose(table_i_problem("g6"), target="cpu", forced="ring", forced_by="FICCO_SCHEDULE")
-    assert (d.schedule, d.selector, d.scores) == ("ring", "forced", {})
+    assert (d.schedule, d.selector) == ("ring", "forced") and d.scores["ring"] > 0
     assert "FICCO_SCHEDULE" in d.reason and d.inputs["M"] == 262144
     with pytest.raises(InvalidArgumentError, match="valid schedules"):
         choose(table_i_problem("g6"), forced="fastest")
@@ -394,3 +394,18 @@ def test_logs_come_from_rank_zero_unless_every_rank_is_asked_for():
     assert len(rank0) == 1 and "rank 0" in rank0[0] and rank1 == [], (rank0, rank1)
     rank0, rank1 = pool.run(_decision_logs, "all", 41)
     assert len(rank0) == 1 and len(rank1) == 1 and "rank 1" in rank1[0], (rank0, rank1)
+
+
+def test_a_forced_schedule_shows_its_predicted_time():
+    """explain() of a forced schedule said only "forced by argument" (issue 36): it now shows
+    the model's predicted time for it beside the candidates, labelled simulated."""
+    problem = Problem(4096, 512, (1024,), "bfloat16", 4)
+    decision = choose(problem, forced="hetero-fused-1d", forced_by="argument",
+                      target="cuda:sm_90")
+    assert decision.schedule == "hetero-fused-1d" and decision.selector == "forced"
+    predicted = decision.scores["hetero-fused-1d"]
+    assert predicted == model.predict("hetero-fused-1d", problem, profiles.load("h100"),
+                                      None, "dma")
+    assert f"predicts {predicted * 1e3:.3f} ms" in decision.reason
+    assert "simulated on h100" in decision.reason
+    assert "* hetero-fused-1d" in str(decision) and " ms " in str(decision)
