@@ -132,7 +132,6 @@ def _compiled_by_torchs_pass(rank, world, seed):
     """(1) all_gather -> two matmuls and matmul -> reduce_scatter written with torch's
     functional collectives; (2) torch's test Transformer under torch's own styles and plan:
     both compiled with the async-TP pass. Errors against eager, and what ran."""
-    from torch.distributed import _functional_collectives as funcol
 
     group = torch.distributed.group.WORLD.group_name
     gen = torch.Generator().manual_seed(seed)
@@ -140,9 +139,9 @@ def _compiled_by_torchs_pass(rank, world, seed):
                  torch.randn(8, 5, generator=gen))
 
     def block(x, w1, w2):
-        gathered = funcol.all_gather_single(x, 1, group)
+        gathered = _all_gather(x, 1, group)
         y, z = gathered @ w1, gathered @ w2
-        return y, z, funcol.reduce_scatter_single(torch.relu(y) @ w1.T, "sum", 0, group)
+        return y, z, _reduce_scatter(torch.relu(y) @ w1.T, "sum", 0, group)
     torch._dynamo.reset()
     with _async_tp_on_cpu():
         compiled = torch.compile(block, fullgraph=True)
@@ -165,6 +164,22 @@ def _compiled_by_torchs_pass(rank, world, seed):
                      for n, p in model.named_parameters())
     return block_errors, block_runs, abs(loss - ref_loss.item()) / ref_loss.item(), \
         grad_error, model_runs
+
+
+def _all_gather(x, dim, group):
+    from torch.distributed import _functional_collectives as funcol
+
+    if hasattr(funcol, "all_gather_single"):
+        return funcol.all_gather_single(x, dim, group)
+    return funcol.all_gather_tensor(x, dim, group)        # torch 2.11
+
+
+def _reduce_scatter(x, op, dim, group):
+    from torch.distributed import _functional_collectives as funcol
+
+    if hasattr(funcol, "reduce_scatter_single"):
+        return funcol.reduce_scatter_single(x, op, dim, group)
+    return funcol.reduce_scatter_tensor(x, op, dim, group)   # torch 2.11
 
 
 def _train_step(model, tokens, target):
