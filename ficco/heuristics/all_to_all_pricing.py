@@ -53,7 +53,7 @@ def price(sim, op, task, mt_factor):
                                                       for l in range(p.experts)))
                    * sim.itemsize for q in peers]
         busy = [v for v in volumes if v]
-        return sim._collective(max(busy, default=0), len(busy))
+        return sim.collective("all_to_all", max(busy, default=0), len(busy))
     raise ValueError(f"not an expert-parallel op kind: {op.kind!r}")
 
 
