@@ -60,13 +60,12 @@ class ByExpert:
         if p.world == 1:
             builder.add(GroupedGemm(COMPUTE, (0,), None))
         elif self.op == DISPATCH:
-            self._dispatch(builder, transport, copy_engines or p.world - 1)
+            self._dispatch(builder, p, transport, copy_engines or p.world - 1)
         else:
-            self._combine(builder, transport, copy_engines or p.world - 1)
+            self._combine(builder, p, transport, copy_engines or p.world - 1)
         return builder.build()
 
-    def _dispatch(self, builder: PlanBuilder, transport: str, engines: int) -> None:
-        p = builder.problem
+    def _dispatch(self, builder: PlanBuilder, p, transport: str, engines: int) -> None:
         everyone = tuple(range(p.world))
         peers = [(p.rank + i) % p.world for i in range(1, p.world)]
         last: dict[int, int] = {}
@@ -87,8 +86,7 @@ class ByExpert:
         if transport == "dma":
             barrier(builder, step=p.experts, after=list(last.values()))
 
-    def _combine(self, builder: PlanBuilder, transport: str, engines: int) -> None:
-        p = builder.problem
+    def _combine(self, builder: PlanBuilder, p, transport: str, engines: int) -> None:
         everyone = tuple(range(p.world))
         peers = [(p.rank + i) % p.world for i in range(1, p.world)]
         last: dict[int, int] = {}
