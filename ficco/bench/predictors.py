@@ -10,7 +10,7 @@ Example::
 
     >>> from ficco.bench.paper_runs import load_profile
     >>> round(PREDICTORS["nccl_all_gather_us"](load_profile("h100"), "134217728"))
-    379
+    385
 """
 from __future__ import annotations
 
