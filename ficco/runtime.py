@@ -85,6 +85,8 @@ def _settings(call: Call, schedule, transport, selector) -> dict:
     from .heuristics import profiles
 
     profiles.resolve(call.target)   # a bad FICCO_PROFILE fails here, alone
+    # agreed and part of the decision key: which profile prices (a calibrated one included)
+    s["profile"] = profiles.identity(call.target)
     return s
 
 
