@@ -285,3 +285,54 @@ def gated_with_one_hardware_queue(rank, world, names, timeout_s):
         else:
             errors[name] = _outcome(result)
     return errors
+
+
+def late_within_timeout(rank, world, names, late_s, timeout_s):
+    """Issue 33 W1: the last rank makes each call ``late_s`` seconds after the others, well
+    inside FICCO_TIMEOUT = ``timeout_s``: every rank's result must be exact (the gated GEMM's
+    tiles wait for the late rows however fast they poll)."""
+    import torch.distributed as dist
+
+    _setup("cuda", 8)
+    errors = {}
+    for i, name in enumerate(names):
+        _warm_up(rank, world, name, shape=(13, 24), n=7)
+        shards, bs, _, refs = _inputs(600 + i, world, (13, 24), 7)
+        dist.barrier()
+        if rank == world - 1:
+            time.sleep(late_s)
+        result = _bounded(lambda: _call(shards[rank], bs[0], name, timeout_s), 4 * timeout_s)
+        if result[0] == "ok":
+            done = _bounded(torch.cuda.synchronize, 4 * timeout_s)
+            errors[name] = max_row_rel_err(result[1], refs[0]) if done[0] == "ok" \
+                else _outcome(done)
+        else:
+            errors[name] = _outcome(result)
+        # the next call of this group raises whatever this one left (nothing, when right)
+        nxt = _bounded(lambda: _call(shards[rank], bs[0], name, timeout_s), 4 * timeout_s)
+        torch.cuda.synchronize()
+        errors[name + " next"] = "ok" if nxt[0] == "ok" else _outcome(nxt)
+    return errors
+
+
+def gated_kernel_gives_up(rank, world, name, timeout_s):
+    """Issue 33 W1: rank 0's copy queue never raises one arrival flag (a stuck copy), every
+    barrier passes: its gated GEMM waits ``timeout_s`` and gives up. That call's outputs must
+    be NaN, every one of them (they kept the other tiles' values, and the skipped tile's
+    earlier contents, with nothing raised), and the group's next call raises."""
+    from ficco import executor
+
+    _setup("cuda", 8)
+    shards, bs = _warm_up(rank, world, name, shape=(13, 24), n=7)
+    real = executor.raise_flag
+    if rank == 0:
+        executor.raise_flag = lambda backend, queue, flags, index: None if index == 1 else \
+            real(backend, queue, flags, index)
+    try:
+        out = _call(shards[rank], bs[0], name, timeout_s)
+        done = _bounded(torch.cuda.synchronize, 4 * timeout_s + 10)
+    finally:
+        executor.raise_flag = real
+    all_nan = done[0] == "ok" and bool(out.isnan().all())
+    nxt = _bounded(lambda: _call(shards[rank], bs[0], name, timeout_s), 4 * timeout_s + 10)
+    return done[0], all_nan, _outcome(nxt)

@@ -95,3 +95,26 @@ def test_gated_gemm_never_waits_in_front_of_its_own_copies():
     names = ["gated-1d", "gated-2d"]
     for errors in _pool().run(cases.gated_with_one_hardware_queue, names, 3.0, timeout_s=180):
         assert all(isinstance(errors[n], float) and errors[n] <= 1e-4 for n in names), errors
+
+
+# -- issue 33 W1: the gated GEMM's wait is timed, not counted -----------------------------------
+def test_gated_gemm_waits_for_a_peer_late_inside_the_timeout():
+    """A peer 1.5 s late under FICCO_TIMEOUT = 6 s: both gated schedules give exact results on
+    every rank, and the next call is clean (the tiles used to give up after a guessed number
+    of polls and leave C holding stale values, with nothing raised)."""
+    names = ["gated-1d", "gated-2d"]
+    for errors in _pool().run(cases.late_within_timeout, names, 1.5, 6.0, timeout_s=240):
+        for n in names:
+            assert isinstance(errors[n], float) and errors[n] <= 1e-4, errors
+            assert errors[n + " next"] == "ok", errors
+
+
+@pytest.mark.parametrize("name", ["gated-1d", "gated-2d"])
+def test_a_gated_gemm_that_gives_up_poisons_its_own_call(name):
+    """Rank 0's kernel waits its deadline for a flag that never comes: that call's outputs
+    are all NaN (the kernel raised the group's word, the fence saw it) and the next call
+    raises, naming the gated GEMM; the other ranks' calls are right."""
+    results = _pool().run(cases.gated_kernel_gives_up, name, 1.0, timeout_s=180)
+    drained, all_nan, nxt = results[0]
+    assert drained == "ok" and all_nan, results
+    assert nxt.startswith("CommTimeoutError") and "gated GEMM" in nxt, results

@@ -27,8 +27,10 @@ import torch
 
 from ..errors import CommTimeoutError, FiccoError
 
-#: word values: 0 = fine, OWN = this rank's watchdog released a barrier, gave_up(p) = rank p did
+#: word values: 0 = fine, OWN = this rank's watchdog released a barrier, gave_up(p) = rank p did,
+#: KERNEL = a gated GEMM of this rank gave up waiting for its data (the kernel raised it)
 OWN = 1
+KERNEL = -1
 
 
 def gave_up(rank: int) -> int:
@@ -102,7 +104,17 @@ class GroupFault:
                 f"rank {self.rank}: rank {peer} gave up on this group (one of its barriers "
                 f"passed FICCO_TIMEOUT, waiting for this rank or another); what this rank "
                 f"computed since is NaN. Call ficco.shutdown() on every rank, then call again")
+        elif error is None and value == KERNEL:
+            error = CommTimeoutError(
+                f"rank {self.rank}: a gated GEMM of this group waited FICCO_TIMEOUT for a "
+                f"peer's rows that never arrived and gave up; its call's outputs are NaN. Call "
+                f"ficco.shutdown() on every rank, then call again (raise FICCO_TIMEOUT if the "
+                f"peer is only slow)")
         return error
+
+    def kernel_gave_up(self) -> bool:
+        """Whether a gated GEMM of this rank raised the word (and nothing else did first)."""
+        return self.error is None and int(self.word[0]) == KERNEL
 
     def gated_error(self) -> FiccoError | None:
         """The error of the first finished gated GEMM launch of this group that gave up
