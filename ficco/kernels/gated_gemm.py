@@ -57,8 +57,15 @@ from ..symm_mem.fault import KERNEL
 from . import configs
 
 # The kernel reads _clock, TRACE_WORDS and the word builtins as globals.
-from .trace import (TRACE_OFF, TRACE_WORDS, _clock, clock_mode, ticks_per_s, trace_supported,
-                    wait_clock)
+from .trace import (
+    TRACE_OFF,
+    TRACE_WORDS,
+    _clock,
+    clock_mode,
+    ticks_per_s,
+    trace_supported,
+    wait_clock,
+)
 from .words import load_word, store_word
 
 #: the word value a gated GEMM that gave up writes into the group's error word
