@@ -226,11 +226,12 @@ def replay_after_shutdown(rank, world, seed):
     return errors
 
 
-def late_peer(rank, world, tag, timeout_s):
+def late_peer(rank, world, tag, timeout_s, env=None):
     """Issue 25 item 6: the last rank is late for call 1; the others give up on it and run
     call 2 (other data, same shapes) right behind. When the late rank finally makes call 1, it
-    must raise or return NaN, never a result built from the others' call-2 rows."""
-    _setup("cuda", 8)
+    must raise or return NaN, never a result built from the others' call-2 rows. ``env``:
+    e.g. device signal pads (issue 33 W2)."""
+    _setup("cuda", 8, env)
     _shards, _bs = _warm_up(rank, world, "ring")
     x1, b1, _, refs1 = _inputs(300, world)
     x2, _b2, _, _ = _inputs(301, world)

@@ -72,8 +72,12 @@ def test_a_captured_graph_replays_right_after_shutdown():
         assert all(isinstance(e, float) and e <= 1e-4 for e in errors), results
 
 
-def test_a_late_peer_never_pulls_rows_of_the_next_call():
-    results = _pool().run(cases.late_peer, _tag(), T, timeout_s=120)
+@pytest.mark.parametrize("env", [{}, {"FICCO_SIGNAL_PADS": "device"}],
+                         ids=["host-pads", "device-pads"])
+def test_a_late_peer_never_pulls_rows_of_the_next_call(env):
+    """Device pads too (issue 33 W2): their error words live in host memory as well, so the
+    rank that gives up raises the late peer's word."""
+    results = _pool().run(cases.late_peer, _tag(), T, env, timeout_s=120)
     for drained in results[:-1]:
         assert drained == "ok", results
     late = results[-1]

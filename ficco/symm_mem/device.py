@@ -82,7 +82,8 @@ class GpuSymmHandle(SymmHandle):
     carved from the same allocation, as the provider chose)."""
 
     def __init__(self, backend, rank: int, world: int, nbytes: int, spans: list[torch.Tensor],
-                 pads: list[torch.Tensor], release: Callable[[bool], None], host_pads=None):
+                 pads: list[torch.Tensor], release: Callable[[bool], None], host_pads=None,
+                 words=None):
         self.rank, self.world, self.nbytes = rank, world, nbytes
         self._init_signals(backend)
         self._spans, self._pads = spans, pads
@@ -92,9 +93,13 @@ class GpuSymmHandle(SymmHandle):
         self.host_pads = host_pads
         self._pad_base = list(host_pads.device) if host_pads is not None else \
             [int(p.data_ptr()) for p in pads]
-        #: this group's error slot and error word on this rank (:mod:`.fault`)
-        self.fault = host_pad_fault(rank, backend.device(), host_pads, tensor_at) \
-            if host_pads is not None else private_fault(rank, backend.device(), tensor_at)
+        #: this group's error slot and error word on this rank (:mod:`.fault`). The words
+        #: live in host pads every rank maps (``words``: device signal pads get them too,
+        #: issue 33 W2), so a rank that gives up reaches its peers' words; only a pretend
+        #: group of one process (:func:`single_gpu_group`) keeps a private word.
+        words = words if words is not None else host_pads
+        self.fault = host_pad_fault(rank, backend.device(), words, tensor_at) \
+            if words is not None else private_fault(rank, backend.device(), tensor_at)
         self._closed = False
         #: set when a barrier on this handle was captured into a graph (the runtime must keep
         #: the memory alive as long as such a graph may replay)

@@ -16,7 +16,9 @@ so peers reach it too: a rank that gives up on the group (its barrier expired) r
 peer's word with the value ``gave_up(rank)``. A late peer then poisons whatever it computes
 after that and its next call raises, instead of passing a barrier on flags the giver-up left
 behind and pulling rows it has already overwritten with its next call's (issue 25 item 6).
-With device pads the word is private pinned host memory and peers cannot reach it.
+With device signal pads the words are host pads all the same (issue 33 W2: they were private
+pinned memory, peers could not reach them, and a late peer returned data built from rows of
+the giver-up's next call); only a pretend group inside one process keeps a private word.
 """
 from __future__ import annotations
 

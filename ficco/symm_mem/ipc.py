@@ -3,7 +3,8 @@ its signal pad (``vendor.malloc_signal``: memory the vendor documents for polled
 handles travel through ``all_gather_object``, every rank maps every peer. Works for any number
 of processes per GPU (how the GPU tests run) and one process per GPU alike.
 
-The pads are host-mapped memory (:mod:`.host_pads`) unless ``FICCO_SIGNAL_PADS=device``.
+The pads are host-mapped memory (:mod:`.host_pads`) unless ``FICCO_SIGNAL_PADS=device``; the
+groups' error words are in host pads either way.
 
 Every local step ends in an exchange of (result, failure) (:func:`.agree.exchange_or_fail`), so
 a rank that fails to allocate or map makes every rank raise instead of leaving them in a
@@ -110,21 +111,24 @@ class IpcSymmProvider(Provider):
         # Every rank mapped every peer before anyone signals; a failure raises everywhere.
         exchange_or_fail(group, rank, world, True, failure, "map GPU symmetric memory",
                          on_failure=lambda: release(True))
+        # Host pads hold the signal slots (the default) or, with device pads, only the error
+        # words, which peers must reach either way (issue 33 W2).
+        try:
+            host = HostPads(vendor, group, rank, world)   # collective: raises everywhere
+        except BaseException:
+            release(True)
+            raise
+        freeing = release
+
+        def release(peers_done: bool = False):
+            host.close()
+            freeing(peers_done)
+
         if on_host:
-            try:
-                host = HostPads(vendor, group, rank, world)   # collective: raises everywhere
-            except BaseException:
-                release(True)
-                raise
-            freeing = release
-
-            def release(peers_done: bool = False):
-                host.close()
-                freeing(peers_done)
-
             pads = [torch.from_numpy(a[: host.count]).view(SIGNAL_CHANNELS, world)
                     for a in host.arrays]
             return GpuSymmHandle(self.backend, rank, world, nbytes, spans, pads, release, host)
         pads = [p[: SIGNAL_CHANNELS * world * 4].view(torch.int32).view(SIGNAL_CHANNELS, world)
                 for p in pads]
-        return GpuSymmHandle(self.backend, rank, world, nbytes, spans, pads, release)
+        return GpuSymmHandle(self.backend, rank, world, nbytes, spans, pads, release,
+                             words=host)

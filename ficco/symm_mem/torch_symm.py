@@ -57,23 +57,24 @@ class TorchSymmProvider(Provider):
         exchange_or_fail(group, rank, world, True, failure, "map torch symmetric memory",
                          on_failure=keep.clear)
         spans = [w[: aligned(nbytes)] for w in whole]
+        # Host pads: the signal slots, or with device pads the error words alone (issue 33 W2).
+        try:
+            host = HostPads(self.backend.vendor, group, rank, world)   # collective
+        except BaseException:
+            keep.clear()
+            raise
+
+        def release(peers_done=True):
+            host.close()
+            keep.clear()
         if on_host:
-            try:
-                host = HostPads(self.backend.vendor, group, rank, world)   # collective
-            except BaseException:
-                keep.clear()
-                raise
             pads = [torch.from_numpy(a[: host.count]).view(SIGNAL_CHANNELS, world)
                     for a in host.arrays]
-
-            def release(peers_done=True):
-                host.close()
-                keep.clear()
             return GpuSymmHandle(self.backend, rank, world, nbytes, spans, pads, release, host)
         pads = [w[aligned(nbytes): aligned(nbytes) + SIGNAL_CHANNELS * world * 4]
                 .view(torch.int32).view(SIGNAL_CHANNELS, world) for w in whole]
-        return GpuSymmHandle(self.backend, rank, world, nbytes, spans, pads,
-                             release=lambda peers_done=True: keep.clear())
+        return GpuSymmHandle(self.backend, rank, world, nbytes, spans, pads, release,
+                             words=host)
 
 
 class AutoSymmProvider(Provider):
