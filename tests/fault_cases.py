@@ -337,3 +337,27 @@ def gated_kernel_gives_up(rank, world, name, timeout_s):
     all_nan = done[0] == "ok" and bool(out.isnan().all())
     nxt = _bounded(lambda: _call(shards[rank], bs[0], name, timeout_s), 4 * timeout_s + 10)
     return done[0], all_nan, _outcome(nxt)
+
+
+def capture_that_must_allocate(rank, world):
+    """Issue 33 M4: a dma call captured before any eager call of its size must allocate (or
+    grow) the group's workspace, which synchronizes and allocates: refused with a clear error
+    before anything is captured, the capture intact; eager calls and a capture after them
+    go on."""
+    from ficco.errors import InvalidArgumentError
+
+    _setup("cuda", 8)
+    shards, bs, _, refs = _inputs(700, world)
+    outcomes = []
+    for _ in range(2):     # a fresh group, then a workspace too small for the call
+        with _capture() as graph:
+            try:
+                _call(shards[rank], bs[0], "ring", 20.0)
+                outcome = "captured"
+            except InvalidArgumentError as exc:
+                outcome = str(exc)
+        outcomes.append((outcome, len(graph.nodes), graph.invalidated))
+        _warm_up(rank, world, "ring", shape=(2, 16), n=4)    # smaller than the call
+    out = _call(shards[rank], bs[0], "ring", 20.0)
+    torch.cuda.synchronize()
+    return outcomes, max_row_rel_err(out, refs[0])

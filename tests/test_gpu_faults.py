@@ -122,3 +122,14 @@ def test_a_gated_gemm_that_gives_up_poisons_its_own_call(name):
     drained, all_nan, nxt = results[0]
     assert drained == "ok" and all_nan, results
     assert nxt.startswith("CommTimeoutError") and "gated GEMM" in nxt, results
+
+
+def test_a_capture_that_must_allocate_is_refused_before_it_begins():
+    """Issue 33 M4: the capture used to die with an opaque error (a synchronize and an
+    allocation inside it); now a clear refusal, nothing captured, the capture intact."""
+    outcomes, error = zip(*_pool().run(cases.capture_that_must_allocate, timeout_s=120))
+    for rank_outcomes in outcomes:
+        for outcome, nodes, invalidated in rank_outcomes:
+            assert "graph capture" in outcome and "eagerly" in outcome, rank_outcomes
+            assert nodes == 0 and invalidated is None, rank_outcomes
+    assert all(e <= 1e-4 for e in error), error
