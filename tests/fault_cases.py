@@ -361,3 +361,25 @@ def capture_that_must_allocate(rank, world):
     out = _call(shards[rank], bs[0], "ring", 20.0)
     torch.cuda.synchronize()
     return outcomes, max_row_rel_err(out, refs[0])
+
+
+def gated_grid_of_shared_gpu(rank, world, name):
+    """Issue 33 H1: the grid (programs) each rank's gated GEMM launches with, and its error,
+    with ``world`` ranks sharing one (fake) GPU."""
+    from ficco.kernels import gated_gemm as module
+
+    _setup("cuda", 8)
+    real, grids = module.gated_gemm, []
+
+    def recording(*args, **kwargs):
+        grids.append(kwargs.get("max_programs"))
+        return real(*args, **kwargs)
+
+    module.gated_gemm = recording
+    try:
+        shards, bs, _, refs = _inputs(800, world, (13, 24), 7)
+        out = _call(shards[rank], bs[0], name, 20.0)
+        torch.cuda.synchronize()
+    finally:
+        module.gated_gemm = real
+    return grids, max_row_rel_err(out, refs[0])

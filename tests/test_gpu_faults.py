@@ -133,3 +133,16 @@ def test_a_capture_that_must_allocate_is_refused_before_it_begins():
             assert "graph capture" in outcome and "eagerly" in outcome, rank_outcomes
             assert nodes == 0 and invalidated is None, rank_outcomes
     assert all(e <= 1e-4 for e in error), error
+
+
+def test_ranks_sharing_a_gpu_share_the_gated_grids_reserve():
+    """Issue 33 H1: W ranks on one GPU each launched a persistent grid of all but 1/32 of its
+    compute units: together they filled every unit, so the kernels that raise flags could not
+    run. The units left to the gated GEMMs are now split between the ranks on the device."""
+    from ficco.kernels import configs
+
+    results = _pool().run(cases.gated_grid_of_shared_gpu, "gated-1d", timeout_s=180)
+    grids = [g for rank_grids, _ in results for g in rank_grids]
+    assert len(grids) == 3 and all(g is not None and g >= 1 for g in grids), results
+    assert sum(grids) <= configs.resident_programs(16), results     # the fake GPU's 16 SMs
+    assert all(err <= 1e-4 for _, err in results), results

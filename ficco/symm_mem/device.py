@@ -70,6 +70,28 @@ def tensor_at(address: int, nbytes: int, device: torch.device) -> torch.Tensor:
         f"with this torch {torch.__version__}: {'; '.join(seen)}")
 
 
+def device_identity(device) -> str:
+    """What names ``device`` the same in every process that uses it, however
+    CUDA_VISIBLE_DEVICES numbers it: its UUID, else its name and PCI location."""
+    props = torch.cuda.get_device_properties(device)
+    uuid = str(getattr(props, "uuid", "") or "")
+    if uuid:
+        return uuid
+    pci = ":".join(str(getattr(props, f"pci_{part}_id", "?")) for part in ("domain", "bus",
+                                                                           "device"))
+    return f"{props.name}@{pci}/{torch.device(device).index}"
+
+
+def sharers(placements: list, rank: int) -> int:
+    """How many ranks of a group are on this rank's device (``placements``: every rank's
+    (host, :func:`device_identity`)).
+
+    >>> sharers([("a", "g0"), ("a", "g0"), ("a", "g1"), ("b", "g0")], 0)
+    2
+    """
+    return sum(1 for place in placements if place == placements[rank])
+
+
 def is_view_of(t: torch.Tensor, address: int, device: torch.device) -> bool:
     """True when ``t`` starts at ``address`` on exactly ``device`` (index included)."""
     index = device.index if device.index is not None else t.device.index
@@ -106,6 +128,8 @@ class GpuSymmHandle(SymmHandle):
         self.captured = False
         #: every "peer" is memory of this process (:func:`single_gpu_group`): no close barrier
         self.local_peers = False
+        #: ranks of this group on this rank's GPU (the provider sets it; issue 33 H1)
+        self.device_sharers = 1
 
     def get_buffer(self, rank, shape, dtype, offset=0):
         numel = self._check_fits(shape, dtype, offset)

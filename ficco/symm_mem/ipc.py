@@ -23,7 +23,7 @@ from ..errors import InvalidArgumentError
 from ..group import rank_world, resolve
 from . import SIGNAL_CHANNELS, Provider, aligned
 from .agree import exchange_or_fail
-from .device import GpuSymmHandle, pad_bytes, tensor_at
+from .device import GpuSymmHandle, device_identity, pad_bytes, sharers, tensor_at
 from .host_pads import HostPads
 from .host_pads import wanted as host_pads_wanted
 
@@ -72,14 +72,16 @@ class IpcSymmProvider(Provider):
                 pad_span.zero_()
                 pad_handle = vendor.ipc_export(pad)
             torch.cuda.synchronize(device)  # pads are zero before any peer can write them
-            where = (socket.gethostname(), vendor.ipc_export(data), pad_handle, on_host)
+            where = (socket.gethostname(), vendor.ipc_export(data), pad_handle, on_host,
+                     device_identity(device))
         except Exception as exc:  # noqa: BLE001 - exchange_or_fail reports it everywhere
             failure = f"{type(exc).__name__}: {exc}"
         everyone = exchange_or_fail(group, rank, world, where, failure,
                                     "allocate GPU symmetric memory",
                                     on_failure=lambda: release(True), nbytes=nbytes)
-        hosts = sorted({host for host, _, _, _ in everyone})
-        pads_where = {("host" if h else "device") for _, _, _, h in everyone}
+        hosts = sorted({host for host, *_ in everyone})
+        pads_where = {("host" if h else "device") for _, _, _, h, _ in everyone}
+        placements = [(host, gpu) for host, _, _, _, gpu in everyone]
         if len(pads_where) > 1:
             release(True)
             raise InvalidArgumentError(
@@ -93,7 +95,7 @@ class IpcSymmProvider(Provider):
                 f"{hosts}. Set FICCO_TRANSPORT=ccl for multi-host groups")
         spans, pads, failure = [], [], None
         try:
-            for peer, (_, data_handle, pad_handle, _) in enumerate(everyone):
+            for peer, (_, data_handle, pad_handle, _, _) in enumerate(everyone):
                 if peer == rank:
                     spans.append(data_span)
                     if not on_host:
@@ -127,8 +129,11 @@ class IpcSymmProvider(Provider):
         if on_host:
             pads = [torch.from_numpy(a[: host.count]).view(SIGNAL_CHANNELS, world)
                     for a in host.arrays]
-            return GpuSymmHandle(self.backend, rank, world, nbytes, spans, pads, release, host)
-        pads = [p[: SIGNAL_CHANNELS * world * 4].view(torch.int32).view(SIGNAL_CHANNELS, world)
-                for p in pads]
-        return GpuSymmHandle(self.backend, rank, world, nbytes, spans, pads, release,
-                             words=host)
+            handle = GpuSymmHandle(self.backend, rank, world, nbytes, spans, pads, release, host)
+        else:
+            pads = [p[: SIGNAL_CHANNELS * world * 4].view(torch.int32)
+                    .view(SIGNAL_CHANNELS, world) for p in pads]
+            handle = GpuSymmHandle(self.backend, rank, world, nbytes, spans, pads, release,
+                                   words=host)
+        handle.device_sharers = sharers(placements, rank)
+        return handle
