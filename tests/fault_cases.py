@@ -383,3 +383,11 @@ def gated_grid_of_shared_gpu(rank, world, name):
     finally:
         module.gated_gemm = real
     return grids, max_row_rel_err(out, refs[0])
+
+
+def peer_views(rank, world, env):
+    """tests/gpu's peer-view check, run on the fake GPU with ``env``'s signal pads."""
+    from .gpu.gpu_fault_cases import peer_views_are_views
+
+    _setup("cuda", 8, env)
+    return peer_views_are_views(rank, world)

@@ -146,3 +146,38 @@ def test_ranks_sharing_a_gpu_share_the_gated_grids_reserve():
     assert len(grids) == 3 and all(g is not None and g >= 1 for g in grids), results
     assert sum(grids) <= configs.resident_programs(16), results     # the fake GPU's 16 SMs
     assert all(err <= 1e-4 for _, err in results), results
+
+
+@pytest.mark.parametrize("env", [{}, {"FICCO_SIGNAL_PADS": "device"}],
+                         ids=["host-pads", "device-pads"])
+def test_the_gpu_suites_peer_view_check_holds_for_either_pads(env):
+    """Issue 33 M5: the GPU suite's check took every pad for GPU memory at its slot address,
+    so host pads (the default) failed it on every GPU; it runs here first."""
+    for bad, seen in _pool(2).run(cases.peer_views, env, timeout_s=120):
+        assert bad == [] and seen, bad
+
+
+def test_host_pads_of_a_gpu_handle_are_views_and_a_copy_is_caught():
+    """What a real GPU shows and the fake cannot (its device is the CPU): host pads beside
+    data spans on ``cuda:0`` are views; a pad that is a copy is named."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from ficco.symm_mem.device import GpuSymmHandle, is_view_of
+
+    arrays = [np.zeros(9, np.int32) for _ in range(2)]
+    pads = [torch.from_numpy(a[:8]).view(4, 2) for a in arrays]
+    handle = SimpleNamespace(
+        world=2, backend=SimpleNamespace(device=lambda: torch.device("cuda", 0)),
+        _spans=[SimpleNamespace(data_ptr=lambda: 0x1000, device=torch.device("cuda", 0))] * 2,
+        _pads=pads, host_pads=SimpleNamespace(arrays=arrays,
+                                              device=[a.ctypes.data for a in arrays]),
+        slot=lambda owner, channel, writer: arrays[owner].ctypes.data + 4 * (channel * 2 + writer))
+    # the old check (a GPU view at the slot address) calls every host pad a copy
+    assert not any(is_view_of(pads[p], handle.slot(p, 0, 0), torch.device("cuda", 0))
+                   for p in range(2))
+    assert GpuSymmHandle.view_problems(handle) == []
+    handle._pads = [pads[0], pads[1].clone()]
+    assert GpuSymmHandle.view_problems(handle) == ["rank 1's host pad is not a view of its mapping"]

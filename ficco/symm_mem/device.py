@@ -143,6 +143,29 @@ class GpuSymmHandle(SymmHandle):
     def signal_pad(self, rank):
         return self._pads[rank]
 
+    def view_problems(self) -> list[str]:
+        """Each rank's data span and signal pad that is not a view of the memory barriers and
+        pulls use (a copy would swallow flags and serve stale pulls); [] when all are. Data
+        spans and device pads live on this rank's GPU; host pads (the default) are host
+        tensors over the mappings whose device pointers the slots hold (issue 33 M5: checking
+        them as GPU tensors at the slot address reported every host pad as a copy)."""
+        device, problems = self.backend.device(), []
+        for p in range(self.world):
+            span = self._spans[p]
+            if not is_view_of(span, span.data_ptr(), device):
+                problems.append(f"rank {p}'s data span is on {span.device}, not {device}")
+            pad = self._pads[p]
+            if self.host_pads is not None:
+                host = self.host_pads.arrays[p].ctypes.data
+                if not is_view_of(pad, host, pad.device) or pad.device.type != "cpu":
+                    problems.append(f"rank {p}'s host pad is not a view of its mapping")
+                if self.host_pads.device[p] != self.slot(p, 0, 0):
+                    problems.append(f"rank {p}'s slots are not its host pad's device pointer")
+            elif not is_view_of(pad, self.slot(p, 0, 0), device):
+                problems.append(f"rank {p}'s device pad is a copy at {pad.data_ptr():#x} on "
+                                f"{pad.device}, not a view of {self.slot(p, 0, 0):#x}")
+        return problems
+
     def slot(self, owner, channel, writer):
         return self._pad_base[owner] + (channel * self.world + writer) * 4
 
