@@ -79,7 +79,8 @@ def device_identity(device) -> str:
         return uuid
     pci = ":".join(str(getattr(props, f"pci_{part}_id", "?")) for part in ("domain", "bus",
                                                                            "device"))
-    return f"{props.name}@{pci}/{torch.device(device).index}"
+    index = device if isinstance(device, int) else torch.device(device).index
+    return f"{props.name}@{pci}/{index}"
 
 
 def sharers(placements: list, rank: int) -> int:

@@ -120,20 +120,19 @@ class IpcSymmProvider(Provider):
         except BaseException:
             release(True)
             raise
-        freeing = release
-
-        def release(peers_done: bool = False):
+        def release_all(peers_done: bool = False):
             host.close()
-            freeing(peers_done)
+            release(peers_done)
 
         if on_host:
             pads = [torch.from_numpy(a[: host.count]).view(SIGNAL_CHANNELS, world)
                     for a in host.arrays]
-            handle = GpuSymmHandle(self.backend, rank, world, nbytes, spans, pads, release, host)
+            handle = GpuSymmHandle(self.backend, rank, world, nbytes, spans, pads, release_all,
+                                   host)
         else:
             pads = [p[: SIGNAL_CHANNELS * world * 4].view(torch.int32)
                     .view(SIGNAL_CHANNELS, world) for p in pads]
-            handle = GpuSymmHandle(self.backend, rank, world, nbytes, spans, pads, release,
+            handle = GpuSymmHandle(self.backend, rank, world, nbytes, spans, pads, release_all,
                                    words=host)
         handle.device_sharers = sharers(placements, rank)
         return handle
