@@ -182,6 +182,9 @@ def parser() -> argparse.ArgumentParser:
                    help="also the optional schedules that run here (gated-*: not offered to "
                         "selectors until a GPU verified them)")
     p.add_argument("--ops", help="comma-separated ops (default: every op)")
+    p.add_argument("--dtypes", default="float32,bfloat16,float8",
+                   help="comma-separated dtypes (default %(default)s; float8 where the device "
+                        "multiplies it)")
     p.add_argument("--timeout", type=float, default=20.0,
                    help="FICCO_TIMEOUT of the correctness calls (default %(default)s s)")
     p.add_argument("--bound", type=float, default=600.0,
@@ -194,6 +197,7 @@ def options_of(args, gpu: bool) -> Options:
                             ((4096, 4096, 4096) if gpu else (256, 256, 256)))
     return Options(shapes=("tiny",) if args.quick or args.smoke else ("tiny", "medium"),
                    ops=tuple(args.ops.split(",")) if args.ops else (),
+                   dtypes=tuple(args.dtypes.split(",")),
                    optional=args.optional, timing_shape=timing, timeout_s=args.timeout,
                    fault_timeout_s=1.0 if args.quick else 2.0, smoke=args.smoke,
                    fault=not args.smoke, graph=not args.smoke)
