@@ -290,3 +290,17 @@ def test_without_triton_ficco_imports_and_gated_schedules_say_why():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, check=False)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_explain_says_which_gpu_features_are_off_until_a_lease_verified_them():
+    """Issue 33: gated GEMMs and device signal pads stay off by default on GPUs until a lease
+    verified them there, and every Decision printed on a GPU target says so and how to turn
+    them on; CPU decisions carry nothing of it."""
+    from ficco.heuristics import choose
+    from ficco.problem import Problem
+
+    problem = Problem(64, 64, (64,), "bfloat16", 4)
+    shown = str(choose(problem, target="cuda:sm_90", selector="model"))
+    assert "off       gated-1d, gated-2d: " in shown and "not been verified" in shown
+    assert "off       FICCO_SIGNAL_PADS=device: " in shown
+    assert "off " not in str(choose(problem, target="cpu", selector="model"))
