@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # What waits for the lease after bench/gpu_lease.sh (issue 33), as one device call of at most
-# 9.5 minutes (the bounds add up to 420 s), each part bounded, streamed into $OUT:
+# 9.5 minutes (the bounds add up to 480 s), each part bounded, streamed into $OUT:
 #
 #   1 memcheck: compute-sanitizer over two ranks' small calls of every kind of copy and
 #     barrier (no gated schedule)                                        -> next.log
 #   2 one traced uniform-fused-1d call with CUDA_DEVICE_MAX_CONNECTIONS=8, then =1
 #                                    -> timeline-*-connections-{8,1}.json and .png
 #   3 the gated GEMM's TFLOP/s against torch.matmul on four shapes       -> kernels.tar.gz
+#   4 the executor-only host_op_s (characterize --parts enqueue)  -> characterize-enqueue/
 #
 #   PY=python3 bash bench/gpu_lease_next.sh
 #
-# $OUT: at most 6 files, one folder deep. Same knobs as bench/gpu_lease.sh.
+# $OUT: at most 8 files, two folders deep at most. Same knobs as bench/gpu_lease.sh.
 set -u
 PY=${PY:-python3}
 OUT=${OUT:-bench/runs/gpu-lease-next}
@@ -43,4 +44,6 @@ mkdir -p "$OUT/kernels"
 part gated-tflops 150 next.log "$PY" -m ficco.bench kernels kernel --world 8 --variant both \
     "${KERNEL_SHAPES[@]}" --out "$OUT/kernels"
 tar -czf "$OUT/kernels.tar.gz" -C "$OUT" kernels && rm -rf "$OUT/kernels"
+part enqueue-profile 60 next.log "$PY" -m ficco.bench characterize --parts enqueue \
+    --out "$OUT/characterize-enqueue" --no-plots
 finish

@@ -36,7 +36,9 @@ def _returned(out: Path) -> list[Path]:
     return files
 
 
-FAKE = {"FICCO_LEASE_QUICK": "1", "FICCO_FAKE_GPU": "cuda:8",
+#: the fake GPU, every part shrunk; bounds x3 (a loaded 2-core CI machine starts the ranks'
+#: interpreters slowly: a bound cut would stop the lease at its smoke)
+FAKE = {"FICCO_LEASE_QUICK": "1", "FICCO_LEASE_SCALE": "3", "FICCO_FAKE_GPU": "cuda:8",
         "PYTHONPATH": str(ROOT / "tests" / "fake_gpu_site")}
 
 
@@ -50,7 +52,7 @@ def test_the_lease_runs_every_part_on_the_fake_gpu(tmp_path):
                            "kernel-tests", "host-time"], log
     assert parts["versions"] == parts["smoke"] == parts["host-time"] == 0, log
     assert parts["gpu-suite"] == 0 and parts["kernel-tests"] in (0, 5), log
-    assert time.monotonic() - start < 550, log                   # within the bounds' sum
+    assert time.monotonic() - start < 3 * 550, log               # within the bounds' sum
     for world in (2, 3):     # every schedule right; the fake GPU has no CUDA graphs
         bundle = json.loads((out / f"selftest-w{world}.json").read_text())
         assert bundle["failed"] == ["all_gather_matmul uniform-fused-1d dma capture/replay"]
@@ -71,7 +73,7 @@ def test_the_next_lease_runs_every_part_on_the_fake_gpu(tmp_path):
     log = (out / "next.log").read_text()
     parts = _parts(log)
     assert list(parts) == ["memcheck", "timeline-connections-8", "timeline-connections-1",
-                           "gated-tflops"], log
+                           "gated-tflops", "enqueue-profile"], log
     assert parts["timeline-connections-8"] == parts["timeline-connections-1"] == 0, log
     for c in (8, 1):
         rows = json.loads((out / f"timeline-uniform-fused-1d-connections-{c}.json").read_text())
