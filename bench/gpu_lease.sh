@@ -24,16 +24,10 @@
 # Knobs (CI runs the script on the fake GPU, tests/test_gpu_lease.py): FICCO_LEASE_SCALE
 # multiplies every bound; FICCO_LEASE_QUICK=1 shrinks every part to a minimum.
 set -u
-PY=${PY:-python3}
 OUT=${OUT:-bench/runs/gpu-lease}
-SCALE=${FICCO_LEASE_SCALE:-1}
-QUICK=${FICCO_LEASE_QUICK:-0}
-mkdir -p "$OUT"
 LOG="$OUT/lease.log"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-${TMPDIR:-/tmp}/ficco-triton-cache}
 # shellcheck source=bench/lease_lib.sh
-. "$(dirname "$0")/lease_lib.sh"
+. "$(dirname "$0")/lease_lib.sh"     # PY, SCALE, QUICK, PYTHONPATH, TRITON_CACHE_DIR, part
 
 if [ "$QUICK" = 1 ]; then   # the fake GPU multiplies no bf16 into fp32 (torch.mm out_dtype)
     SMOKE=(--ops all_gather_matmul --dtypes float32)

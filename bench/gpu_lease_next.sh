@@ -6,30 +6,24 @@
 #     barrier (no gated schedule)                                        -> next.log
 #   2 one traced uniform-fused-1d call with CUDA_DEVICE_MAX_CONNECTIONS=8, then =1
 #                                    -> timeline-*-connections-{8,1}.json and .png
-#   3 the gated GEMM's TFLOP/s against torch.matmul on four shapes       -> kernels.tar.gz
-#   4 the executor-only host_op_s (characterize --parts enqueue)  -> characterize-enqueue/
+#   3 the gated GEMM's TFLOP/s against torch.matmul on four shapes       -> kernels.json
+#   4 the executor-only host_op_s (characterize --parts enqueue)     -> enqueue.tar.gz
 #
 #   PY=python3 bash bench/gpu_lease_next.sh
 #
 # $OUT: at most 8 files, two folders deep at most. Same knobs as bench/gpu_lease.sh.
 set -u
-PY=${PY:-python3}
 OUT=${OUT:-bench/runs/gpu-lease-next}
-SCALE=${FICCO_LEASE_SCALE:-1}
-QUICK=${FICCO_LEASE_QUICK:-0}
-mkdir -p "$OUT"
 LOG="$OUT/next.log"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-${TMPDIR:-/tmp}/ficco-triton-cache}
 # shellcheck source=bench/lease_lib.sh
-. "$(dirname "$0")/lease_lib.sh"
+. "$(dirname "$0")/lease_lib.sh"     # PY, SCALE, QUICK, PYTHONPATH, TRITON_CACHE_DIR, part
 
-if [ "$QUICK" = 1 ]; then
-    SHAPE=8,16,8; WORLD=2; KERNEL_SHAPES=(--shape 64,64,64)
+if [ "$QUICK" = 1 ]; then   # the fake GPU: the kernel in Triton's interpreter
+    SHAPE=8,16,8; WORLD=2; KERNELS=(--world 2 --shape 64,64,64 --interpret)
 else
     SHAPE=2048,4096,4096; WORLD=4
-    KERNEL_SHAPES=(--shape 16384,8192,8192 --shape 8192,8192,8192 --shape 4096,16384,4096
-                   --shape 32768,4096,8192)
+    KERNELS=(--world 8 --shape 16384,8192,8192 --shape 8192,8192,8192 --shape 4096,16384,4096
+             --shape 32768,4096,8192)
 fi
 
 echo "ficco GPU lease (next) $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)" | tee -a "$LOG"
@@ -38,12 +32,12 @@ part memcheck 150 next.log compute-sanitizer --tool memcheck --target-processes 
 for c in 8 1; do   # read when CUDA starts in the ranks
     part "timeline-connections-$c" 60 next.log env CUDA_DEVICE_MAX_CONNECTIONS=$c \
         "$PY" -m ficco.bench.gpu_session timeline --world "$WORLD" --shape "$SHAPE" \
-        --schedule uniform-fused-1d --label "-connections-$c" --out "$OUT"
+        --schedule uniform-fused-1d --label="-connections-$c" --out "$OUT"
 done
-mkdir -p "$OUT/kernels"
-part gated-tflops 150 next.log "$PY" -m ficco.bench kernels kernel --world 8 --variant both \
-    "${KERNEL_SHAPES[@]}" --out "$OUT/kernels"
-tar -czf "$OUT/kernels.tar.gz" -C "$OUT" kernels && rm -rf "$OUT/kernels"
+part gated-tflops 150 next.log "$PY" -m ficco.bench kernels kernel --variant both \
+    "${KERNELS[@]}" --out "$OUT/kernels.json"
+mkdir -p "$OUT/enqueue"
 part enqueue-profile 60 next.log "$PY" -m ficco.bench characterize --parts enqueue \
-    --out "$OUT/characterize-enqueue" --no-plots
+    --out "$OUT/enqueue" --no-plots
+tar -czf "$OUT/enqueue.tar.gz" -C "$OUT" enqueue && rm -rf "$OUT/enqueue"
 finish

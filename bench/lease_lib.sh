@@ -1,4 +1,5 @@
-# Shared by bench/gpu_lease.sh and bench/gpu_lease_next.sh (sourced, never run): one bounded
+# Shared by bench/gpu_lease.sh and bench/gpu_lease_next.sh (sourced after they set OUT and LOG,
+# never run): the environment every part runs in, then one bounded
 # part at a time, its output streamed into a file of $OUT as it runs, its exit code and time
 # into $LOG, so a lease cut short still returns every line written before the cut.
 #
@@ -6,6 +7,12 @@
 #                                   to $OUT/FILE; returns CMD's exit code (124/137: cut)
 #   finish                          the summary line ("parts: name=rc ..."), also on stdout
 
+PY=${PY:-python3}
+SCALE=${FICCO_LEASE_SCALE:-1}      # multiplies every bound (CI shrinks or stretches them)
+QUICK=${FICCO_LEASE_QUICK:-0}      # 1: every part shrunk to a minimum (CI on the fake GPU)
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-${TMPDIR:-/tmp}/ficco-triton-cache}
 RESULTS=()
 
 part() {
