@@ -25,7 +25,7 @@ def _lease(script, out, env=None, py=sys.executable, timeout=600, **popen):
 
 def _parts(log: str) -> dict:
     """name -> exit code of every part, from its log."""
-    return {m[0]: int(m[1]) for m in re.findall(r"^== (\S+): exit (\d+) after", log, re.M)}
+    return {m[0]: int(m[1]) for m in re.findall(r"^== (\S+): exit (\d+) after", log, re.MULTILINE)}
 
 
 def _returned(out: Path) -> list[Path]:

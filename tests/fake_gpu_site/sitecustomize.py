@@ -7,9 +7,8 @@ import sys
 if os.environ.get("FICCO_FAKE_GPU"):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
         __file__)))))
-    from tests import fake_gpu
-
     import ficco
+    from tests import fake_gpu
 
     vendor, _, queues = os.environ["FICCO_FAKE_GPU"].partition(":")
     fake_gpu.install(vendor, int(queues or 8))
