@@ -72,7 +72,7 @@ class Decision:
         for feature, why in self.off.items():
             lines.append(f"off       {feature}: {why}")
         if self.scores:
-            seconds = self.selector in ("model", "tune")
+            seconds = self.selector in ("model", "tune", "forced")
             best = min(self.scores.values())
             lines.append(f"scores    {'':2}{'schedule':<20} "
                          + (f"{'time':>13}  {'vs best':>7}" if seconds else f"{'score':>10}"))

@@ -21,6 +21,9 @@ MIN_TRITON = (3, 4)
 #: gfx90a, gfx942; checked on 3.6 and 3.9, issue 33 W3). A newer one is refused until the
 #: test passed on it: a plain load there would let a kernel miss its group's failure.
 MAX_TRITON = (3, 9)
+#: ... and the oldest whose interpreter (CPU) runs them: Triton 3.6's rejects the persistent
+#: loop over tiles (``range(pid, tiles, programs)``) and the fence's loads (issue 33 M9).
+MIN_TRITON_INTERPRETER = (3, 8)
 
 #: Backend targets (prefixes) the gated GEMM has been *verified* on: the GPU suite passed and
 #: ``python -m ficco.bench kernels gpu`` measured it (docs/kernels.md). Selectors offer the
@@ -70,8 +73,21 @@ def unavailable_reason(target: str) -> str | None:
             return f"the gated GEMM is not built for AMD {arch}; it needs gfx9xx/gfx11xx/gfx12xx"
         return None
     if kind == "cpu":
-        return None
+        return interpreter_reason()
     return f"no Triton backend for target {target!r}"
+
+
+def interpreter_reason() -> str | None:
+    """None when Triton's interpreter runs the gated GEMM and the fence on CPU, else why not."""
+    import triton
+
+    version = tuple(int(x) for x in triton.__version__.split(".")[:2] if x.isdigit())
+    if version < MIN_TRITON_INTERPRETER:
+        return (f"Triton {triton.__version__}'s interpreter cannot run the gated GEMM on CPU "
+                f"(it rejects the kernel's persistent loop over tiles and the fence's loads); "
+                f"the CPU backend needs Triton >= "
+                f"{'.'.join(map(str, MIN_TRITON_INTERPRETER))} for it")
+    return None
 
 
 def selectable_reason(target: str) -> str | None:
@@ -89,4 +105,5 @@ def selectable_reason(target: str) -> str | None:
     return reason
 
 
-__all__ = ["MAX_TRITON", "MIN_TRITON", "selectable_reason", "triton_reason", "unavailable_reason"]
+__all__ = ["MAX_TRITON", "MIN_TRITON", "MIN_TRITON_INTERPRETER", "interpreter_reason",
+           "selectable_reason", "triton_reason", "unavailable_reason"]
