@@ -37,7 +37,7 @@ def test_a_captured_gated_launch_leaves_nothing_for_the_next_eager_call():
         out = torch.full((8, 5), float("nan"))
         flags = torch.ones(op.num_flags, dtype=torch.int32)
         task = gated_task(get_backend(), problem, op, gathered[:4], gathered, b, out, flags,
-                          1.0, SimpleNamespace(fault=fault))
+                          1.0, SimpleNamespace(fault=fault, device_sharers=1))
         with fake_gpu.capture():
             task()          # what the capturing thread runs when the plan enqueues the launch
         assert fault.gated == []
