@@ -18,7 +18,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _lease(script, out, env=None, py=sys.executable, timeout=600, **popen):
     full = {**os.environ, "OUT": str(out), "PY": str(py), "OMP_NUM_THREADS": "1",
-            "TRITON_CACHE_DIR": str(out.parent / "triton-cache"), **(env or {})}
+            "TRITON_CACHE_DIR": str(out.parent / "triton-cache"),
+            # a lease calibrates profiles (characterize): into a cache of its own, never the
+            # suite's, whose decisions later tests check against the built-in profiles
+            "FICCO_CACHE_DIR": str(out.parent / "ficco-cache"), **(env or {})}
     return subprocess.run(["bash", str(ROOT / "bench" / script)], cwd=ROOT, env=full,
                            capture_output=True, text=True, timeout=timeout, check=False)
 
