@@ -42,6 +42,7 @@ Usage::
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import numpy as np
 
@@ -49,6 +50,7 @@ from ficco.plan import (
     SCALE_OF,
     SYMMETRIC_BUFFERS,
     AllGather,
+    AllReduce,
     AllToAll,
     Barrier,
     Block,
@@ -108,6 +110,13 @@ def _equally_spaced(blocks) -> bool:
 
 
 class _Checker:
+    #: collectives: every rank's op runs at once, by this method
+    JOINT: ClassVar[dict] = {AllGather: "run_all_gather", AllToAll: "run_all_to_all",
+                             ReduceScatter: "run_reduce_scatter", SendRecv: "run_send_recv",
+                             AllReduce: "run_all_reduce"}
+    #: the buffers a Reduce may write
+    REDUCE_INTO: tuple[str, ...] = ("out",)
+
     def __init__(self, plans: list[Plan]):
         self.plans = plans
         self.p = plans[0].problem
@@ -356,9 +365,9 @@ class _Checker:
 
     def run_reduce(self, rank: int, op: Reduce, node: int) -> None:
         label = self.label(node)
-        if op.dst.buf != "out" or (not op.srcs and not op.accumulate) \
+        if op.dst.buf not in self.REDUCE_INTO or (not op.srcs and not op.accumulate) \
                 or any((s.rows, s.cols) != (op.dst.rows, op.dst.cols) for s in op.srcs):
-            self.fail(f"{label}: a Reduce sums same-shape blocks into out")
+            self.fail(f"{label}: a Reduce sums same-shape blocks into {self.REDUCE_INTO}")
         values = [self.read(rank, s, node).copy() for s in op.srcs]
         if op.accumulate:
             values.insert(0, self.read(rank, op.dst, node).copy())
@@ -465,6 +474,16 @@ class _Checker:
             if op.dst is not None:
                 self.write(q, op.dst, node, sums[q], init=True, received=True)
 
+    def run_all_reduce(self, heads: list[tuple[AllReduce, int]]) -> None:
+        shapes = {(op.src.rows, op.src.cols, op.dst.rows, op.dst.cols) for op, _ in heads}
+        if len(shapes) != 1 or len({(op.src.row0, op.dst.row0) for op, _ in heads}) != 1:
+            self.fail(f"ranks disagree on an all-reduce's rectangles: {sorted(shapes)}")
+        label = self.label(heads[0][1])
+        parts = [self.read(r, op.src, node).copy() for r, (op, node) in enumerate(heads)]
+        total = self.scaled(label, self.add(label, parts), heads[0][0].scale)
+        for r, (op, node) in enumerate(heads):
+            self.write(r, op.dst, node, total, init=True, received=True)
+
     def run_send_recv(self, heads: list[tuple[SendRecv, int]]) -> None:
         for r, (op, node) in enumerate(heads):
             if op.send is not None:
@@ -510,8 +529,7 @@ class _Checker:
                 for q in queues[r]:
                     while True:
                         i, op = head(r, q)
-                        if op is None or isinstance(op, (Barrier, AllGather, AllToAll,
-                                                         ReduceScatter, SendRecv)):
+                        if op is None or isinstance(op, (Barrier, *self.JOINT)):
                             break
                         if isinstance(op, Wait) and op.event not in recorded[r]:
                             break
@@ -558,14 +576,11 @@ class _Checker:
                 self.barrier_nodes[channel] = nodes
                 return True
         kinds = {type(op) for _, op in comm_heads}
-        if len(kinds) == 1 and kinds != {type(None)}:
+        if len(kinds) == 1 and next(iter(kinds)) in self.JOINT:
             preds = [last[r]["comm"] for r in range(world)]
             heads = [(op, self.new_node((r, i, op), preds))
                      for r, (i, op) in enumerate(comm_heads)]
-            run = {AllGather: self.run_all_gather, AllToAll: self.run_all_to_all,
-                   ReduceScatter: self.run_reduce_scatter}.get(next(iter(kinds)),
-                                                               self.run_send_recv)
-            run(heads)
+            getattr(self, self.JOINT[next(iter(kinds))])(heads)
             for r, (_, node) in enumerate(heads):
                 advance(r, "comm", node)
             return True
@@ -667,15 +682,17 @@ def _overlap(a: Block, b: Block) -> bool:
             and a.col0 < b.col0 + b.cols and b.col0 < a.col0 + a.cols)
 
 
-def check_plans(plans: list[Plan]) -> None:
+def check_plans(plans: list[Plan], checker_class: type[_Checker] = _Checker) -> None:
     """Check the plans of every rank of one call (``plans[r]`` is rank r's); raises
     :class:`PlanCheckError` naming the schedule, problem, rank and op that break a rule.
+    ``checker_class``: the checker of the op's rules (the all-reduce's is in
+    ``tests/ar_plan_checks.py``).
 
     >>> from ficco.schedules import get
     >>> from ficco.problem import Problem
     >>> check_plans([get("ring").plan(Problem(4, 8, (8,), "float32", 2, r)) for r in (0, 1)])
     """
-    checker = _Checker(list(plans))
+    checker = checker_class(list(plans))
     checker.simulate()
     checker.check_results()
     for plan in plans:

@@ -51,7 +51,7 @@ def test_names_per_op_and_unknown_names():
         schedules.get("uniform-fused-3d", op=OP)
     assert OP in str(err.value) and all(n in str(err.value) for n in NAMES)
     with pytest.raises(InvalidArgumentError, match="unknown op"):
-        schedules.names(op="matmul_all_reduce")
+        schedules.names(op="matmul_all_gather")
     with pytest.raises(InvalidArgumentError, match="op='matmul_reduce_scatter'"):
         schedules.get("ring", op=OP).plan(Problem(4, 8, (3,), "float32", 2))
 
