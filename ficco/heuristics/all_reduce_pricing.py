@@ -39,9 +39,9 @@ PUBLISHED = {"h100": (480e9, 12e-6), "h200": (480e9, 12e-6)}
 #: published all-reduce times: (source, profile, world, message bytes, seconds)
 _VLLM_24111 = "github.com/vllm-project/vllm/pull/24111 (H100, TP=4, PyNccl, bf16 (m, 8192))"
 _VLLM_24532 = "github.com/vllm-project/vllm/pull/24532 (H100, TP=4, PyNccl, bf16 (m, 8192))"
-POINTS = [(_VLLM_24111, "h100", 4, mb * (1 << 20), us * 1e-6)
+POINTS = [(_VLLM_24111, "h100", 4, int(mb * (1 << 20)), us * 1e-6)
           for mb, us in ((0.5, 17), (1, 19), (1.5, 22), (2, 26), (3, 31), (4, 37))] + \
-         [(_VLLM_24532, "h100", 4, mb * (1 << 20), us * 1e-6)
+         [(_VLLM_24532, "h100", 4, int(mb * (1 << 20)), us * 1e-6)
           for mb, us in ((0.5, 21), (1, 23), (1.5, 25), (2, 28), (3, 33), (4, 39))]
 
 

@@ -177,8 +177,7 @@ class _Replay:
                 op = dataclasses.replace(op, channel=b.barriers() % 2)
             h = b.add(self.moved(op), after=waits.pop(op.queue, ()))
             self.handle[i] = last_on[op.queue] = h
-            if op.queue.startswith("copy") and getattr(op, "src", None) is not None \
-                    and op.src.peer is not None:
+            if isinstance(op, Copy) and op.src.peer is not None:   # a pull from a peer
                 self.reads.append(h)
         for _, chunks in groups:                 # the groups after the last fence
             self.gather(chunks, len(self.rs.ops))

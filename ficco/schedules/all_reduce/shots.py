@@ -132,9 +132,9 @@ class OneShot:
         p = problem
         everything = (0, p.m)
         gemms = common.gemms(builder, 0, p.m, "partial")
-        ready = common.barrier(builder, 0, after=gemms) if transport == "dma" else None
+        ready = common.barrier(builder, 0, after=gemms) if transport == "dma" else -1
         engines = copy_engines or p.world - 1
-        reads = []
+        reads: list[int] = []
         for j in range(len(p.ns)):
             if not p.m:
                 continue
