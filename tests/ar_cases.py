@@ -327,3 +327,21 @@ def shm_files(rank, world):
     import os
 
     return sorted(f for f in os.listdir("/dev/shm") if f.startswith("ficco-"))
+
+
+def decode_example(rank, world, seed, schedule):
+    """examples/tp_decode.py's check: one decode step of its block at several batch sizes,
+    the down and out projections forced to ``schedule``: errors against the unsharded block."""
+    import pathlib
+    import sys
+
+    examples = str(pathlib.Path(__file__).resolve().parents[1] / "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    from tp_decode import DecodeBlock, TPDecodeBlock, decode_step
+
+    torch.manual_seed(seed)
+    ref = DecodeBlock(32, 4, 48)
+    tp = TPDecodeBlock(ref, rank, world)
+    with config.scope(schedule=schedule):
+        return [decode_step(ref, tp, batch, 5, rank, world)[0] for batch in (1, 3, 17)]

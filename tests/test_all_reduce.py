@@ -312,3 +312,15 @@ def test_a_bias_list_with_none_entries_gets_its_gradients(op):
     assert torch.allclose(bias.grad, bias_ref.grad) and torch.allclose(ws[0].grad, w_ref.grad)
     assert torch.allclose(ws[1].grad, a.detach().reshape(-1, 6).t() @ torch.ones(6, 2,
                                                                                dtype=a.dtype))
+
+
+def test_decode_example_matches_the_unsharded_block():
+    """examples/tp_decode.py: its decode step at batch 1, 3, 17 (over 2 ranks, heads 4) with
+    the row-parallel projections on the one-shot over symmetric memory and on two-shot's
+    loads, against the unsharded block."""
+    from .ar_cases import decode_example
+
+    seed = random.randrange(1 << 30)
+    for name in ("one-shot", "two-shot-sm"):
+        for errors in harness.pool(2).run(decode_example, seed, name):
+            assert max(errors) <= 1e-5, (name, seed, errors)
