@@ -265,7 +265,8 @@ def test_explain_and_selectors_cover_the_new_op():
 
 def test_all_reduce_pricing_holds_to_published_nccl_times_and_prices_every_plan():
     rows = check_published(profiles.load)
-    assert len(rows) == 12 and max(abs(r[-1]) for r in rows) < 0.15, rows
+    assert len(rows) == 18 and {r[1] for r in rows} == {"nccl", "loads"}, rows
+    assert max(abs(r[-1]) for r in rows) < 0.15, rows
     h100 = profiles.load("h100")
     p = Problem(64, 1024, (8192,), "bfloat16", 8, op=OP)
     serial = simulator.simulate(schedules.get("serial", op=OP).plan(p, "ccl"), h100)

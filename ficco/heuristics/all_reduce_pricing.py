@@ -25,6 +25,10 @@ profiles derive both from their ``ccl`` block and links: ``efficiency`` x ingres
   model is within 13% of all twelve points (median 9%); :func:`check_published` holds it
   there. H200 has the same NVSwitch and links: the same numbers, not measured.
 
+The loads need no number of their own: priced with the profile's link, ``ccl.efficiency`` and
+HBM, a one-shot reduction by loads is within 9% of vLLM's one-stage custom all-reduce on H100,
+TP = 4, 0.5-4 MB (10-38 us, vllm/pull/24111), also held by :func:`check_published`.
+
 Example::
 
     >>> from ficco.heuristics import profiles
@@ -36,13 +40,19 @@ from __future__ import annotations
 #: profile name -> (all-reduce bus bandwidth at large messages, latency), with the sources above
 PUBLISHED = {"h100": (480e9, 12e-6), "h200": (480e9, 12e-6)}
 
-#: published all-reduce times: (source, profile, world, message bytes, seconds)
-_VLLM_24111 = "github.com/vllm-project/vllm/pull/24111 (H100, TP=4, PyNccl, bf16 (m, 8192))"
-_VLLM_24532 = "github.com/vllm-project/vllm/pull/24532 (H100, TP=4, PyNccl, bf16 (m, 8192))"
-POINTS = [(_VLLM_24111, "h100", 4, int(mb * (1 << 20)), us * 1e-6)
-          for mb, us in ((0.5, 17), (1, 19), (1.5, 22), (2, 26), (3, 31), (4, 37))] + \
-         [(_VLLM_24532, "h100", 4, int(mb * (1 << 20)), us * 1e-6)
-          for mb, us in ((0.5, 21), (1, 23), (1.5, 25), (2, 28), (3, 33), (4, 39))]
+#: published all-reduce times: (source, kind, profile, world, message bytes, seconds); kind
+#: "nccl": the process group's all-reduce; "loads": vLLM's one-stage custom all-reduce, one
+#: kernel that reads every peer's buffer (what a one-shot's ``-sm`` reduction is), its two
+#: flag barriers inside (so the reduction alone is held to it)
+_VLLM_24111 = "github.com/vllm-project/vllm/pull/24111 (H100, TP=4, bf16 (m, 8192))"
+_VLLM_24532 = "github.com/vllm-project/vllm/pull/24532 (H100, TP=4, bf16 (m, 8192))"
+_SIZES_MB = (0.5, 1, 1.5, 2, 3, 4)
+POINTS = [(source, kind, "h100", 4, int(mb * (1 << 20)), us * 1e-6)
+          for source, kind, times in (
+              (_VLLM_24111, "nccl", (17, 19, 22, 26, 31, 37)),      # PyNccl
+              (_VLLM_24532, "nccl", (21, 23, 25, 28, 33, 39)),      # PyNccl, a later run
+              (_VLLM_24111, "loads", (10, 15, 19, 22, 30, 38)))     # ca_1stage
+          for mb, us in zip(_SIZES_MB, times)]
 
 
 def _ingress(profile, world: int, topology: str | None = None) -> float:
@@ -77,8 +87,20 @@ def collective_parts(profile, nbytes: int, world: int,
     return latency_s, 2 * (world - 1) / world * nbytes / (busbw * ramp)
 
 
-def check_published(load) -> list[tuple[str, int, float, float, float]]:
-    """(source, bytes, published s, predicted s, relative error) of every point in
+def loads_seconds(profile, nbytes: int, world: int, topology: str | None = None) -> float:
+    """Seconds of a one-shot reduction by loads of ``nbytes`` per rank (W-1 peers' buffers read
+    over the links, this rank's own and the output over HBM), alone."""
+    return _loads(profile, (world - 1) * nbytes, 2 * nbytes, world, topology)
+
+
+def _loads(profile, remote: int, local: int, world: int, topology: str | None) -> float:
+    link_s = remote / (profile.ccl["efficiency"] * _ingress(profile, world, topology))
+    memory_s = local / (profile.hbm_bytes_per_s * profile.dil["memory_efficiency"])
+    return profile.dil["launch_s"] + max(link_s, memory_s)
+
+
+def check_published(load) -> list[tuple[str, str, int, float, float, float]]:
+    """(source, kind, bytes, published s, predicted s, relative error) of every point in
     :data:`POINTS`; ``load`` loads a profile by name.
 
     >>> from ficco.heuristics import profiles
@@ -86,9 +108,10 @@ def check_published(load) -> list[tuple[str, int, float, float, float]]:
     True
     """
     rows = []
-    for source, name, world, nbytes, seconds in POINTS:
-        predicted = collective_seconds(load(name), nbytes, world)
-        rows.append((source, nbytes, seconds, predicted, predicted / seconds - 1))
+    for source, kind, name, world, nbytes, seconds in POINTS:
+        price = collective_seconds if kind == "nccl" else loads_seconds
+        predicted = price(load(name), nbytes, world)
+        rows.append((source, kind, nbytes, seconds, predicted, predicted / seconds - 1))
     return rows
 
 
@@ -109,6 +132,5 @@ def price_remote_reduce(sim, op, task):
     remote = sum(sim._bytes(s) for s in op.srcs if s.peer is not None and s.peer != rank)
     local = sum(sim._bytes(s) for s in op.srcs if s.peer is None or s.peer == rank) \
         + sim._bytes(op.dst) * (2 if op.accumulate else 1)
-    link_s = remote / (prof.ccl["efficiency"] * _ingress(prof, p.world, sim.topology))
-    memory_s = local / (prof.hbm_bytes_per_s * prof.dil["memory_efficiency"])
-    return task("ccl", prof.dil["launch_s"], max(link_s, memory_s))
+    launch_s = prof.dil["launch_s"]
+    return task("ccl", launch_s, _loads(prof, remote, local, p.world, sim.topology) - launch_s)
