@@ -265,7 +265,7 @@ def disagree(rank, world, transport):
 def disagree_on_cached_shapes(rank, world, seed, schedule):
     """Both shapes agreed and cached, then rank 0 calls with the other one (dma): every rank
     raises MismatchError at the plan's first barrier, and the next calls in step are right."""
-    from ficco.errors import MismatchError
+    from .rs_cases import stale_shape_mismatch
 
     b = torch.randn(6, 5, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     rows = {"small": 3, "large": 7}
@@ -278,33 +278,7 @@ def disagree_on_cached_shapes(rank, world, seed, schedule):
         ref = sum(a_of(r) @ b for r in range(world))
         return float((got.double() - ref).abs().max() / ref.abs().max())
 
-    out = []
-    with config.scope(transport="dma", timeout=20):
-        out += [call("small"), call("large")]
-        try:
-            call("small" if rank == 0 else "large")
-            out.append("returned")
-        except MismatchError as exc:
-            out.append("mismatch" if "different call" in str(exc) else str(exc))
-        out.append(call("small"))
-    ficco.shutdown()
-    return out
-
-
-def survivors_fail(rank, world, dead, transport):
-    """Rank ``dead`` exits mid-way; the others raise (timeout or comm error), never hang."""
-    import os
-
-    from ficco.errors import FiccoError
-
-    if rank == dead:
-        os._exit(3)
-    try:
-        with config.scope(transport=transport):
-            ficco.matmul_all_reduce(torch.randn(8, 6), torch.randn(6, 4), schedule="one-shot")
-    except (FiccoError, RuntimeError) as exc:
-        return type(exc).__name__
-    return "no error"
+    return stale_shape_mismatch(rank, call)
 
 
 def selector_picks(rank, world, seed):
@@ -321,12 +295,6 @@ def selector_picks(rank, world, seed):
     return (paper.selector, paper.reason, decision.schedule, decision.transport,
             sorted(decision.scores), runtime.last_run(),
             max_row_rel_err(out, expected(refs, 0, "sum", world)))
-
-
-def shm_files(rank, world):
-    import os
-
-    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("ficco-"))
 
 
 def decode_example(rank, world, seed, schedule):

@@ -207,6 +207,33 @@ def close_all():
 atexit.register(close_all)
 
 
+def shm_files(rank=0, world=1) -> list[str]:
+    """ficco's files in /dev/shm (a rank function, and a plain one)."""
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("ficco-"))
+
+
+def shm_files_left(pool: RankPool, fn, *args) -> list[list[str]]:
+    """Per rank, the ficco files in /dev/shm that ``fn`` (run on ``pool``) left there: the
+    machine is shared, so files another test made before are not counted."""
+    before = set(pool.run(shm_files)[0])
+    pool.run(fn, *args)
+    return [sorted(set(files) - before) for files in pool.run(shm_files)]
+
+
+def dead_peer_error(fn, *args) -> str:
+    """The error of ``fn(rank, world, 1, *args)`` on 3 fresh ranks with FICCO_TIMEOUT=5, where
+    ``fn`` makes rank 1 exit mid-call: it must raise on the others (a RankError), never hang;
+    returns its text."""
+    own = RankPool(3, {**DEFAULT_ENV, "FICCO_TIMEOUT": "5"})
+    try:
+        own.run(fn, 1, *args, timeout_s=90)
+    except RankError as exc:
+        return str(exc)
+    finally:
+        own.close()
+    raise AssertionError("no rank raised although rank 1 exited")
+
+
 def check_skipped_backward(results) -> None:
     """The outcome of a 2-rank run where rank 1 skips step 1's backward (each rank's list of
     (step, outcome) and a last ("after", outcome)): step 0 right on both; rank 0's backward of

@@ -114,8 +114,14 @@ class _Checker:
     JOINT: ClassVar[dict] = {AllGather: "run_all_gather", AllToAll: "run_all_to_all",
                              ReduceScatter: "run_reduce_scatter", SendRecv: "run_send_recv",
                              AllReduce: "run_all_reduce"}
-    #: the buffers a Reduce may write
+    #: the buffers a Reduce may write, and a GEMM of partial products
     REDUCE_INTO: tuple[str, ...] = ("out",)
+    GEMM_INTO: tuple[str, ...] = ("partial", "out")
+
+    def first_row(self, rank: int, buf: str) -> int:
+        """Which row of the M rows row 0 of ``buf`` holds on ``rank`` (the reduce-scatter's
+        ``out`` is the rank's block)."""
+        return self.p.block(rank)[0] if buf == "out" else 0
 
     def __init__(self, plans: list[Plan]):
         self.plans = plans
@@ -314,16 +320,15 @@ class _Checker:
             self.fail(f"{label}: malformed GEMM (reduce-scatter GEMMs take all of K)")
         if not (_equally_spaced(op.a) and _equally_spaced(op.out)):
             self.fail(f"{label}: a fused GEMM needs same-shape, equally spaced blocks")
-        row0 = p.block(rank)[0]
         for a_blk, o_blk in zip(op.a, op.out):
             if a_blk.buf != "input" or (a_blk.col0, a_blk.cols) != (0, p.k) \
                     or a_blk.rows != o_blk.rows or o_blk.index != op.b \
-                    or o_blk.buf not in ("partial", "out") or o_blk.peer is not None:
+                    or o_blk.buf not in self.GEMM_INTO or o_blk.peer is not None:
                 self.fail(f"{label}: block shapes do not match ({a_blk} -> {o_blk})")
             rows = self.read(rank, a_blk, node)[:, :1, A_ROW]
             self.read_scales(rank, a_blk, rows, node)
             # The output row a GEMM writes must be the row of a it multiplies.
-            where = o_blk.row0 + (row0 if o_blk.buf == "out" else 0)
+            where = o_blk.row0 + self.first_row(rank, o_blk.buf)
             if not np.array_equal(rows[:, 0], np.arange(where, where + o_blk.rows)):
                 self.fail(f"{label} writes the product of a rows {rows[0, 0]}.. into {o_blk}")
             value = np.full((o_blk.rows, o_blk.cols, VALUE), -1, dtype=np.int64)
@@ -589,29 +594,35 @@ class _Checker:
     # -- final state --------------------------------------------------------------------------
     def check_results_rs(self) -> None:
         p = self.p
-        everyone = (1 << p.world) - 1
-        scaled = 1 if p.reduce_op == "avg" and p.world > 1 else 0
         for r, bufs in enumerate(self.buffers):
-            row0, rows = p.block(r)
-            for j, n in enumerate(p.ns):
+            row0, _ = p.block(r)
+            for j in range(len(p.ns)):
                 v = bufs[("out", j)].cells
                 inits = v[..., INITS]
                 if not (inits == 1).all():
                     self.fail(f"rank {r}: out[{j}] cells are initialised "
                               f"{sorted(set(inits.ravel().tolist()))} times, expected once")
-                good = ((v[..., P_ROW] == row0 + np.arange(rows)[:, None]) & (v[..., P_B] == j)
-                        & (v[..., P_COL] == np.arange(n)[None, :]))
-                if not good.all():
-                    bad = np.argwhere(~good)[0]
-                    self.fail(f"rank {r}: out[{j}] cell {tuple(bad)} holds row "
-                              f"{v[tuple(bad) + (P_ROW,)]} col {v[tuple(bad) + (P_COL,)]}")
-                if not (v[..., P_RANKS] == everyone).all():
-                    missing = sorted(set(v[..., P_RANKS].ravel().tolist()))
-                    self.fail(f"rank {r}: out[{j}] is not reduced over all {p.world} partials "
-                              f"(rank sets {missing})")
-                if not (v[..., P_SCALED] == scaled).all():
-                    self.fail(f"rank {r}: out[{j}] scaled {sorted(set(v[..., P_SCALED].ravel()))}"
-                              f" times for {p.reduce_op}, expected {scaled}")
+                self.check_sums(r, j, v, row0)
+
+    def check_sums(self, r: int, j: int, v: np.ndarray, row0: int) -> None:
+        """Rank ``r``'s ``out[j]`` cells ``v``, first row ``row0`` of the M rows: each is its
+        own row and column of the sum over all W ranks' partials, scaled once for avg."""
+        p = self.p
+        everyone = (1 << p.world) - 1
+        scaled = 1 if p.reduce_op == "avg" and p.world > 1 else 0
+        good = ((v[..., P_ROW] == row0 + np.arange(v.shape[0])[:, None]) & (v[..., P_B] == j)
+                & (v[..., P_COL] == np.arange(p.ns[j])[None, :]))
+        if not good.all():
+            bad = np.argwhere(~good)[0]
+            self.fail(f"rank {r}: out[{j}] cell {tuple(bad)} holds row "
+                      f"{v[tuple(bad) + (P_ROW,)]} col {v[tuple(bad) + (P_COL,)]}")
+        if not (v[..., P_RANKS] == everyone).all():
+            missing = sorted(set(v[..., P_RANKS].ravel().tolist()))
+            self.fail(f"rank {r}: out[{j}] is not reduced over all {p.world} partials "
+                      f"(rank sets {missing})")
+        if not (v[..., P_SCALED] == scaled).all():
+            self.fail(f"rank {r}: out[{j}] scaled {sorted(set(v[..., P_SCALED].ravel()))}"
+                      f" times for {p.reduce_op}, expected {scaled}")
 
     def check_results(self) -> None:
         p, name = self.p, self.plans[0].schedule
@@ -702,6 +713,12 @@ def check_plans(plans: list[Plan], checker_class: type[_Checker] = _Checker) -> 
                 f"{plan.schedule} over {plan.transport}, rank {plan.problem.rank}: barrier "
                 f"channels {channels} must alternate 0, 1, … and end on 1 (flag protocol)")
 
+
+
+def all_ranks(schedule, problem, transport, copy_engines=None) -> list[Plan]:
+    """``schedule``'s plans of ``problem`` for every rank, in rank order."""
+    return [schedule.plan(replace(problem, rank=r), transport, copy_engines)
+            for r in range(problem.world)]
 
 
 def check_plan(plan: Plan) -> None:

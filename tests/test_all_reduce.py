@@ -23,7 +23,7 @@ from ficco.schedules.all_reduce import RsAg
 from . import harness
 from .ar_cases import DTYPES, SHAPES, make_inputs, run_grid
 from .ar_plan_checks import check_ar_plans
-from .plan_checks import PlanCheckError
+from .plan_checks import PlanCheckError, all_ranks
 from .reference import ROW_TOL, max_row_rel_err
 
 OP = "matmul_all_reduce"
@@ -32,11 +32,6 @@ NAMES = schedules.names(op=OP)
 
 def ar_problem(m, k, ns, world, rank=0, **kw):
     return Problem(m, k, ns, "float32", world, rank, op=OP, **kw)
-
-
-def all_ranks(schedule, problem, transport, copy_engines=None):
-    return [schedule.plan(replace(problem, rank=r), transport, copy_engines)
-            for r in range(problem.world)]
 
 
 # -- the registry -----------------------------------------------------------------------------------
@@ -229,26 +224,17 @@ def test_disagreement_on_a_cached_shape_raises_on_every_rank_then_runs_right():
 
 @pytest.mark.parametrize("transport", ["dma", "ccl"])
 def test_dead_peer_makes_the_others_fail_within_the_timeout(transport):
-    from .ar_cases import survivors_fail
+    """serial: two-shot's barriers over dma, the process group's all-reduce over ccl."""
+    from .rs_cases import survivors_fail
 
-    pool = harness.RankPool(3, {**harness.DEFAULT_ENV, "FICCO_TIMEOUT": "5"})
-    try:
-        with pytest.raises(harness.RankError) as err:
-            pool.run(survivors_fail, 1, transport, timeout_s=90)
-        text = str(err.value)
-        assert "rank 1 died" in text and "did not answer" not in text, text
-    finally:
-        pool.close()
+    text = harness.dead_peer_error(survivors_fail, OP, transport, "serial")
+    assert "rank 1 died" in text and "did not answer" not in text, text
 
 
 def test_no_shared_memory_file_outlives_the_calls():
-    from .ar_cases import shm_files
-
-    pool = harness.pool(2)
-    before = set(pool.run(shm_files)[0])     # (other tests' files on a shared machine)
     cases = [{"schedule": n, "transport": "dma", "shape": 0} for n in NAMES]
-    assert pool.run(run_grid, random.randrange(1 << 30), cases) == [[], []]
-    assert [sorted(set(files) - before) for files in pool.run(shm_files)] == [[], []]
+    assert harness.shm_files_left(harness.pool(2), run_grid, random.randrange(1 << 30),
+                                  cases) == [[], []]
 
 
 # -- choosing, pricing -----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..buffers import Buffers
 from ..problem import MATMUL_ALL_REDUCE
-from ..scaled import Operands, finish, gemm_into, wide_dtype
+from ..scaled import Operands, wide_dtype
 from ..symm_mem import aligned
 from .matmul_reduce_scatter import (
     MatmulReduceScatter,
@@ -73,27 +73,11 @@ class MatmulAllReduce(MatmulReduceScatter):
         return sig
 
     # -- running ------------------------------------------------------------------------------
-    def plain(self, call: MatmulReduceScatterCall):
-        """matmul, then one all-reduce of the whole product in the partials' dtype
-        (FICCO_DISABLE, one rank); the bias once, to the sum."""
-        p, ops = call.problem, call.ops
-        outs = []
-        for j, bj in enumerate(call.bs):
-            sb = ops.b_scales[j] if ops.b_scales else None
-            if p.world == 1:
-                out = call.a.new_empty(p.m, bj.shape[1], dtype=ops.out_dtype)
-                gemm_into(call.a, bj, out, False, ops.a_scale, sb, ops.biases[j])
-                outs.append(out)
-                continue
-            full = call.a.new_empty(p.m, bj.shape[1], dtype=call.partial_dtype)
-            gemm_into(call.a, bj, full, False, ops.a_scale, sb)
-            dist.all_reduce(full, op=dist.ReduceOp.SUM, group=call.group)
-            if p.reduce_op == "avg":
-                full.div_(p.world)
-            bias = ops.biases[j]
-            wide = full if bias is None else full.to(wide_dtype(ops.out_dtype))
-            outs.append(finish(wide, ops.out_dtype, bias))
-        return self._finish(call, outs)
+    def plain_collective(self, call: MatmulReduceScatterCall, full):
+        """One all-reduce of the whole product, in the partials' dtype (FICCO_DISABLE, a call
+        with nothing to overlap): the plain path is the reduce-scatter's with this collective."""
+        dist.all_reduce(full, op=dist.ReduceOp.SUM, group=call.group)
+        return full
 
     def offsets(self, call: MatmulReduceScatterCall) -> tuple[int, ...]:
         """Byte offsets of each ``partial`` buffer, then of each ``reduced`` buffer (sized for

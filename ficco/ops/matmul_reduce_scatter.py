@@ -163,7 +163,6 @@ class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
         """matmul, then one reduce-scatter of the whole product (FICCO_DISABLE, one rank);
         the bias is added once, to the reduced block."""
         p, ops = call.problem, call.ops
-        _row0, rows = p.block(p.rank)
         outs = []
         for j, bj in enumerate(call.bs):
             sb = ops.b_scales[j] if ops.b_scales else None
@@ -174,15 +173,22 @@ class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
                 continue
             full = call.a.new_empty(p.m, bj.shape[1], dtype=call.partial_dtype)
             gemm_into(call.a, bj, full, False, ops.a_scale, sb)
-            pieces = [full[r0: r0 + n].contiguous() for r0, n in map(p.block, range(p.world))]
-            out = full.new_empty(rows, bj.shape[1])
-            dist.reduce_scatter(out, pieces, op=dist.ReduceOp.SUM, group=call.group)
+            out = self.plain_collective(call, full)
             if p.reduce_op == "avg":
                 out.div_(p.world)
             bias = ops.biases[j]
             wide = out if bias is None else out.to(wide_dtype(ops.out_dtype))
             outs.append(finish(wide, ops.out_dtype, bias))
         return self._finish(call, outs)
+
+    def plain_collective(self, call: MatmulReduceScatterCall, full):
+        """The plain path's collective of one whole product ``full``: this rank's block of the
+        sum (the all-reduce's spec: all of it)."""
+        p = call.problem
+        pieces = [full[r0: r0 + n].contiguous() for r0, n in map(p.block, range(p.world))]
+        out = full.new_empty(p.block_rows, full.shape[1])
+        dist.reduce_scatter(out, pieces, op=dist.ReduceOp.SUM, group=call.group)
+        return out
 
     def offsets(self, call: MatmulReduceScatterCall) -> tuple[int, ...]:
         """Byte offset of each partial buffer in the workspace (aligned), then its size: once
