@@ -172,7 +172,7 @@ def test_torch_plan_on_ficco_styles_trains_like_the_unsharded_model(world, varia
     _check(results, F32_TOL, 2, variant, seed)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2])
 def test_torch_plan_without_sequence_parallelism_all_reduces_on_ficco(world):
     """Issue 35: torch's plan without sequence parallelism, on ficco's styles. Its row-parallel
     linears (wo, w2) keep RowwiseParallel's replicated output, an all-reduce, which now runs in
