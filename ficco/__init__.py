@@ -4,8 +4,17 @@ reduce-scatter or all-reduce, all-to-all + grouped GEMMs), on NVIDIA, AMD and CP
 >>> import ficco
 >>> c = ficco.all_gather_matmul(a_shard, w)          # doctest: +SKIP
 >>> print(ficco.explain(a_shard, w))                 # doctest: +SKIP
+
+Submodules load when first used, so ``import ficco`` stays cheap and ``ficco.float8``,
+``ficco.rng.ShardRNG``, ``ficco.parallel`` or ``ficco.bench`` work without importing them:
+
+>>> ficco.rng.ShardRNG.__name__
+'ShardRNG'
 """
 from __future__ import annotations
+
+import importlib
+import importlib.util
 
 from . import compat, config, errors, schedules, symm_mem
 from .api import (
@@ -35,3 +44,10 @@ __all__ = [
                   "shutdown",
                   "symm_mem",
 ]
+
+
+def __getattr__(name: str):
+    """``ficco.<submodule>`` imported on first use (PEP 562)."""
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -208,16 +208,16 @@ atexit.register(close_all)
 
 
 def shm_files(rank=0, world=1) -> list[str]:
-    """ficco's files in /dev/shm (a rank function, and a plain one)."""
-    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("ficco-"))
+    """This process's ficco files in /dev/shm (ficco names them ficco-<pid>-... and
+    ficco-pad-<pid>-...): other test runs on the machine may hold theirs meanwhile."""
+    mine = (f"ficco-{os.getpid()}-", f"ficco-pad-{os.getpid()}-")
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(mine))
 
 
 def shm_files_left(pool: RankPool, fn, *args) -> list[list[str]]:
-    """Per rank, the ficco files in /dev/shm that ``fn`` (run on ``pool``) left there: the
-    machine is shared, so files another test made before are not counted."""
-    before = set(pool.run(shm_files)[0])
+    """Per rank, the ficco files of its own that ``fn`` (run on ``pool``) left in /dev/shm."""
     pool.run(fn, *args)
-    return [sorted(set(files) - before) for files in pool.run(shm_files)]
+    return pool.run(shm_files)
 
 
 def dead_peer_error(fn, *args) -> str:

@@ -58,9 +58,10 @@ class MatmulAllReduce(MatmulReduceScatter):
     call_class = MatmulAllReduceCall
 
     def prepare(self, a, b, group=None, reduce_op="sum", *, a_scale=None, b_scale=None,  # type: ignore[override]
-                out_dtype=None, bias=None) -> MatmulAllReduceCall:
+                out_dtype=None, bias=None, activation=None) -> MatmulAllReduceCall:
+        # (an activation is refused by the epilogue's check: the output is a sum over ranks)
         call = self._prepare(a, b, group, 0, reduce_op, a_scale=a_scale, b_scale=b_scale,
-                             out_dtype=out_dtype, bias=bias)
+                             out_dtype=out_dtype, bias=bias, activation=activation)
         assert isinstance(call, MatmulAllReduceCall)
         return call
 
