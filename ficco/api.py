@@ -101,8 +101,9 @@ def matmul_all_reduce(a, b, group=None, *, reduce_op="sum", schedule=None, a_sca
     (..., n), the same values on every rank. ``reduce_op`` is ``"sum"`` or ``"avg"``;
     ``schedule`` forces one of ``ficco.schedules.names(op="matmul_all_reduce")``. fp8 scales
     and ``out_dtype`` as in :func:`all_gather_matmul` (partial products summed in float32 and
-    rounded once, except where the process group sums them: ``serial`` and ``chunked-*`` over
-    ccl, as NCCL does); ``bias`` (n,) is added once, to the sum. See docs/all_reduce.md.
+    rounded once, except where the process group sums them: ``serial``, ``chunked-*`` and
+    ``two-shot`` over ccl, as NCCL does); ``bias`` (n,) is added once, to the sum. See
+    docs/all_reduce.md.
 
     >>> import torch, ficco
     >>> a = torch.randn(2, 3, 8); w = torch.randn(8, 5)
