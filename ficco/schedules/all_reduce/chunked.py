@@ -1,5 +1,5 @@
 """``chunked-{2,4,8}`` for ``matmul_all_reduce``: the GEMM cut into row chunks, each chunk
-all-reduced while the next is computed. FlashOverlap's idea (seeds/002 §3.2: signal a group of
+all-reduced while the next is computed. FlashOverlap's idea (its §3.2: signal a group of
 finished GEMM waves and send it while the GEMM goes on) at the grain a library GEMM allows:
 a chunk is one GEMM launch, and how many chunks is the model's choice among the three
 registered counts (the paper's wave-group size is tuned by a predictor the same way: small
