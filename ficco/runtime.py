@@ -85,6 +85,8 @@ def _settings(call: Call, schedule, transport, selector) -> dict:
     from .heuristics import profiles
 
     profiles.resolve(call.target)   # a bad FICCO_PROFILE fails here, alone
+    # agreed and part of the decision key: which profile prices (a calibrated one included)
+    s["profile"] = profiles.identity(call.target)
     return s
 
 
@@ -311,7 +313,7 @@ def execute(call: Call, name: str, transport: str, trace: bool = False,
         if call.backend.guards_dma:
             # Before allocating or enqueuing: a capture the backend cannot replay, or an error
             # the group owes from an earlier call (GPUs), is raised with nothing sent.
-            call.backend.before_dma(workspace.current(call.group, call.backend))
+            call.backend.before_dma(workspace.current(call.group, call.backend), nbytes)
         symm = workspace.get(call.group, call.backend, nbytes, call.group_key)
         symm.call_flag = call_flag(word)
         symm.first_wait = answer

@@ -323,14 +323,14 @@ def test_the_band_never_touches_forced_paper_or_tune_decisions(monkeypatch, tmp_
 def test_bands_come_from_validated_residuals_by_shape_class():
     from ficco.heuristics import bands
 
-    rows = [dict(id=f"r{i}", op="matmul_reduce_scatter", role="check", kind="point",
+    rows = [dict(id=f"r{i}", op="matmul_reduce_scatter", role="tune", kind="point",
                  rel_error=f"{e:+.3f}", **{"class": "matmul_reduce_scatter/balanced"})
             for i, e in enumerate((0.01, -0.02, 0.03, -0.04, 0.20))]
-    rows += [dict(id="a", op="all_gather_matmul", role="check", kind="point", rel_error="+0.3",
+    rows += [dict(id="a", op="all_gather_matmul", role="holdout", kind="point", rel_error="+0.3",
                   **{"class": "all_gather_matmul/comm-bound"}),
              dict(id="fit", op="all_gather_matmul", role="fit", kind="point", rel_error="+0.9",
                   **{"class": "all_gather_matmul/comm-bound"}),
-             dict(id="agg", op="all_gather_matmul", role="check", kind="aggregate",
+             dict(id="agg", op="all_gather_matmul", role="tune", kind="aggregate",
                   rel_error="+0.9", **{"class": ""})]
     data = bands.from_rows(rows)
     # the 80th percentile by nearest rank of the class's five residuals
@@ -343,6 +343,18 @@ def test_bands_come_from_validated_residuals_by_shape_class():
     assert bands.band(ag, prof, data=data)[0] == 0.3
     assert bands.band(Problem(8, 8, (8,), "bfloat16", 8, op="matmul_reduce_scatter"), prof,
                       data={"all": {"band": 0.5}, "classes": {}})[0] == 0.5
+    # an overlapped implementation the model does not price (no prediction), measured 25%
+    # slower than its publication's serial row: that row's class keeps serial below 25%
+    rs = Problem(4096, 8192, (8192,), "bfloat16", 8, op="matmul_reduce_scatter")
+    cls = bands.shape_class(rs, prof)
+    serial = dict(id="s", op="matmul_reduce_scatter", role="tune", kind="point", published="100",
+                  rel_error="+0.01", prediction="101", **{"class": cls})
+    lost = dict(id="l", op="matmul_reduce_scatter", role="tune", kind="point", published="125",
+                rel_error="", prediction="", versus="s", **{"class": ""})
+    won = dict(lost, id="w", published="90")
+    data = bands.from_rows(rows + [serial, lost, won])
+    assert data["floors"] == {cls: {"loss": 0.25, "rows": ["l"]}}
+    assert bands.band(rs, prof, data=data) == (0.25, cls)
     # the shipped bands cover both ops, from the command that regenerates them
     shipped = bands.load()
     assert shipped["generated_by"] == bands.COMMAND

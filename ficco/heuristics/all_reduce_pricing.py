@@ -1,29 +1,31 @@
-"""Prices of the all-reduce's own pieces for the simulator (``matmul_all_reduce``), kept apart
-from the other collectives' pricing:
+"""Prices of the all-reduce's own pieces for the simulator (``matmul_all_reduce``):
 
-- **the process group's all-reduce** (:class:`~ficco.plan.AllReduce`, NCCL/RCCL): a latency,
-  then the bus volume of a bandwidth-optimal all-reduce, ``2 (W-1)/W`` of the message per
-  rank (nccl-tests' definition: ``busbw = algbw * 2 (W-1)/W``), at the profile's all-reduce
-  bus bandwidth scaled by its copy-efficiency curve at the per-rank piece (``S/W``: small
-  messages do not fill the links);
+- **the process group's all-reduce** (:class:`~ficco.plan.AllReduce`, NCCL/RCCL): the
+  simulator's one collective primitive (:meth:`_Simulation.collective`, the profile's
+  per-primitive bus-bandwidth curve, :mod:`ficco.heuristics.collectives`), except where a fit
+  to published all-reduce *times* exists (:data:`PUBLISHED`): a latency, then the bus volume
+  of a bandwidth-optimal all-reduce, ``2 (W-1)/W`` of the message per rank (nccl-tests'
+  definition: ``busbw = algbw * 2 (W-1)/W``), at the peak bus bandwidth scaled by the
+  profile's copy-efficiency curve at the per-rank piece (``S/W``: small messages do not fill
+  the links);
 - **a kernel that reads peers' symmetric memory with loads** (a :class:`~ficco.plan.Reduce`
   whose sources name peers: the ``-sm`` schedules): the remote bytes over this GPU's ingress
   (the W-1 links of a mesh, the GPU's link into a switch) at the collective efficiency, beside
   the local bytes over HBM; it runs on compute units, so it contends with the GEMM as a
   collective does.
 
-Bus bandwidth and latency of the all-reduce, per built-in profile (:data:`PUBLISHED`; other
-profiles derive both from their ``ccl`` block and links: ``efficiency`` x ingress, and
-``latency_s``):
-
-- h100, h200 (NVSwitch, NVLink SHARP): peak bus bandwidth 480 GB/s on 8 GPUs with NVLink
-  SHARP, NCCL's default all-reduce there (370 GB/s with ``NCCL_ALGO=Ring``): NCCL's maintainer
-  in github.com/NVIDIA/nccl-tests/issues/212. Latency 12 us: fitted (with that bandwidth)
-  to vLLM's published PyNccl all-reduce times on H100, TP = 4, bf16 (m, 8192), m = 32-256
-  (0.5-4 MB): github.com/vllm-project/vllm/pull/24111 (17-37 us) and /pull/24532 (21-39 us,
-  a later run of the same benchmark: the two runs differ by up to 24% themselves). The
-  model is within 13% of all twelve points (median 9%); :func:`check_published` holds it
-  there. H200 has the same NVSwitch and links: the same numbers, not measured.
+The fit (h100, h200: NVSwitch, NVLink SHARP): peak bus bandwidth 480 GB/s on 8 GPUs with
+NVLink SHARP, NCCL's default all-reduce there (370 GB/s with ``NCCL_ALGO=Ring``): NCCL's
+maintainer in github.com/NVIDIA/nccl-tests/issues/212. Latency 12 us: fitted (with that
+bandwidth) to vLLM's published PyNccl all-reduce times on H100, TP = 4, bf16 (m, 8192), m =
+32-256 (0.5-4 MB): github.com/vllm-project/vllm/pull/24111 (17-37 us) and /pull/24532 (21-39
+us, a later run of the same benchmark: the two runs differ by up to 24% themselves). It is
+within 13% of all twelve points (median 9%); :func:`check_published` holds it there. The h100
+profile's all-reduce curve (an estimate: the all-gather curve scaled to NVLink SHARP's peak)
+prices the same twelve calls 23-44% faster than published, its first point (2 MiB) holding the
+time of every smaller message: so the fit prices the all-reduce on h100 until the curve holds
+these points (and a latency for small messages, which a curve read at ``bytes x W`` cannot
+carry from 4 GPUs to 8). H200 has the same NVSwitch and links: the same numbers, not measured.
 
 The loads need no number of their own: priced with the profile's link, ``ccl.efficiency`` and
 HBM, a one-shot reduction by loads is within 9% of vLLM's one-stage custom all-reduce on H100,
@@ -37,7 +39,8 @@ Example::
 """
 from __future__ import annotations
 
-#: profile name -> (all-reduce bus bandwidth at large messages, latency), with the sources above
+#: profile name -> (all-reduce bus bandwidth at large messages, latency): the fit to published
+#: all-reduce times (module docstring)
 PUBLISHED = {"h100": (480e9, 12e-6), "h200": (480e9, 12e-6)}
 
 #: published all-reduce times: (source, kind, profile, world, message bytes, seconds); kind
@@ -62,17 +65,9 @@ def _ingress(profile, world: int, topology: str | None = None) -> float:
     return link * (max(world - 1, 1) if topology == "mesh" else 1)
 
 
-def bus_bandwidth(profile, world: int, topology: str | None = None) -> tuple[float, float]:
-    """(bus bandwidth at large messages, latency) of the process group's all-reduce."""
-    topology = topology or profile.topology
-    if profile.name in PUBLISHED and topology == profile.topology:
-        return PUBLISHED[profile.name]
-    return profile.ccl["efficiency"] * _ingress(profile, world, topology), \
-        profile.ccl["latency_s"]
-
-
 def collective_seconds(profile, nbytes: int, world: int, topology: str | None = None) -> float:
-    """Seconds of an all-reduce of ``nbytes`` per rank over ``world`` ranks, alone."""
+    """Seconds of an all-reduce of ``nbytes`` per rank over ``world`` ranks, alone, by the fit
+    of a profile in :data:`PUBLISHED`."""
     latency_s, work_s = collective_parts(profile, nbytes, world, topology)
     return latency_s + work_s
 
@@ -82,7 +77,7 @@ def collective_parts(profile, nbytes: int, world: int,
     """(latency, bandwidth part) of an all-reduce of ``nbytes`` per rank, alone."""
     if nbytes <= 0 or world <= 1:
         return 0.0, 0.0
-    busbw, latency_s = bus_bandwidth(profile, world, topology)
+    busbw, latency_s = PUBLISHED[profile.name]
     ramp = profile.copy_fraction(nbytes / world)
     return latency_s, 2 * (world - 1) / world * nbytes / (busbw * ramp)
 
@@ -117,9 +112,12 @@ def check_published(load) -> list[tuple[str, str, int, float, float, float]]:
 
 def price_all_reduce(sim, op, task):
     """The simulator task of an :class:`~ficco.plan.AllReduce` (a collective on compute
-    units: it takes some of the GEMM's, as every collective does)."""
-    nbytes = sim._bytes(op.src)
-    latency_s, work_s = collective_parts(sim.profile, nbytes, sim.problem.world, sim.topology)
+    units: it takes some of the GEMM's, as every collective does): the fit where there is
+    one, else the simulator's collective primitive."""
+    nbytes, world = sim._bytes(op.src), sim.problem.world
+    if sim.profile.name not in PUBLISHED or sim.topology != sim.profile.topology:
+        return sim.collective("all_reduce", nbytes / world, world - 1)
+    latency_s, work_s = collective_parts(sim.profile, nbytes, world, sim.topology)
     return task("ccl", latency_s, work_s)
 
 
