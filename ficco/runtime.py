@@ -317,7 +317,7 @@ def execute(call: Call, name: str, transport: str, trace: bool = False,
         symm = workspace.get(call.group, call.backend, nbytes, call.group_key)
         symm.call_flag = call_flag(word)
         symm.first_wait = answer
-    buffers = call.op.buffers(call, transport, symm, wide=plan.wide_outputs())
+    buffers = call.op.buffers(call, transport, symm, wide=plan.wide_outputs(), plan=plan)
     if poison:
         call.op.poison(buffers)
     try:
