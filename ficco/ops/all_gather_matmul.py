@@ -69,7 +69,7 @@ def check_arguments(a_shard, b, gather_dim) -> tuple[int, list, bool]:
 def _rows_of(gather_dim: int):
     """Tensors shaped like a_shard's rows as canonical rows: gather_dim first, leading dims
     flattened, as the op spec does with a_shard."""
-    return lambda t: t.movedim(gather_dim, 0).reshape(-1, t.shape[-1])
+    return lambda t: t.movedim(gather_dim, 0).flatten(0, -2)
 
 
 def check_epilogue(a_shard, bs, b_is_list, gather_dim, **epilogue) -> Operands:
