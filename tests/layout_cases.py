@@ -244,3 +244,42 @@ def campaign(rank, world, ops, seed):
             failures += expert_case(rank, world, schedule, transport, seed + i,
                                     first_turn + i * world)
     return failures
+
+
+#: a whole-shard copy, per-peer copies, 2-D column chunks, 1-D row chunks
+GPU_SCHEDULES = ("serial", "ring", "uniform-fused-2d", "hetero-unfused-1d")
+
+
+def gpu_gather_layouts(rank, world, vendor, seed):
+    """On the fake GPU, dma: all-gather schedules with the ranks' shards in rotating
+    layouts (copy engines read rows of unit-stride columns; a transposed shard was refused
+    mid-call, an expanded one read past its rows); the worst error over float64 per layout
+    of this rank's shard."""
+    from ficco.ops import all_gather_matmul as agm
+
+    from . import fault_cases
+
+    fault_cases._setup(vendor, 8)
+    # CUDA's caching allocator frees a call's temporaries in stream order (the caller's
+    # stream waits for the copy streams); the fake's CPU tensors are freed at once, so the
+    # call's buffers are kept until the synchronize below.
+    held, buffers = [], agm.AllGatherMatmul.buffers
+    agm.AllGatherMatmul.buffers = lambda *a, **k: held.append(buffers(*a, **k)) or held[-1]
+    gen = torch.Generator().manual_seed(seed)
+    errors: dict = {}
+    try:
+        with config.scope(transport="dma"):
+            for turn in range(len(LAYOUTS)):
+                shards = [laid_out((6, 5), _kind(turn, r, 0), gen, torch.float32)
+                          for r in range(world)]
+                b = laid_out((5, 4), "row", gen, torch.float32)
+                ref = _mm(torch.cat([s.double() for s in shards]), b)
+                for name in GPU_SCHEDULES:
+                    out = ficco.all_gather_matmul(shards[rank], b, schedule=name)
+                    torch.cuda.synchronize()
+                    held.clear()
+                    kind = _kind(turn, rank, 0)
+                    errors[kind] = max(errors.get(kind, 0.0), max_row_rel_err(out, ref))
+    finally:
+        agm.AllGatherMatmul.buffers = buffers
+    return errors

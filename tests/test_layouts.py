@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from . import harness
-from .layout_cases import DENSE_OPS, LAYOUTS, campaign, laid_out
+from .layout_cases import DENSE_OPS, LAYOUTS, campaign, gpu_gather_layouts, laid_out
+from .reference import ROW_TOL
 
 
 def test_layouts_are_what_they_say():
@@ -26,3 +27,13 @@ def test_every_layout_every_schedule_matches_float64(world, ops):
     seed = random.randrange(1 << 30)
     failures = harness.pool(world).run(campaign, ops, seed, timeout_s=300)
     assert failures == [[]] * world, f"seed {seed}: {failures}"
+
+
+def test_gpu_copy_engines_take_every_shard_layout():
+    """GPU dma (fake GPU): a copy engine reads rows of unit-stride columns. A transposed shard
+    was refused on its rank mid-call (its peers then timed out), and an expanded one (stride-0
+    rows) was read past its one row: values up to 1e31."""
+    for errors in harness.pool(3, {"FICCO_TIMEOUT": "20"}).run(
+            gpu_gather_layouts, "cuda", random.randrange(1 << 30), timeout_s=300):
+        assert set(errors) == set(LAYOUTS)
+        assert max(errors.values()) <= ROW_TOL[torch.float32], errors

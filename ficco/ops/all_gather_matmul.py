@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..agreement import PER_RANK
 from ..backends import get_backend
+from ..backends.vendor import pitched
 from ..buffers import Buffers
 from ..call import (
     Call,
@@ -189,7 +190,12 @@ class AllGatherMatmul(OpSpec[AllGatherMatmulCall]):
             gathered = torch.empty(p.big_m, p.k, dtype=call.a.dtype, device=dev)
             if row:
                 scales = torch.empty(p.big_m, 1, dtype=torch.float32, device=dev)
-        return Buffers(call.a, call.bs, outs, gathered, symm, call.group, a_scale=ops.a_scale,
+        a = call.a
+        if call.backend.prepares_copies and not pitched(a):
+            # Copy engines read rows of unit-stride columns: a transposed or expanded shard is
+            # published from a row-major copy (one local copy, only for such layouts).
+            a = a.contiguous()
+        return Buffers(a, call.bs, outs, gathered, symm, call.group, a_scale=ops.a_scale,
                        gathered_scale=scales,
                        gathered_scale_offset=self._scale_offset(p) if row else 0,
                        b_scales=ops.b_scales, biases=ops.biases, wide=wide)
