@@ -106,6 +106,7 @@ class CpuSymmHandle(SymmHandle):
         maps: list[mmap.mmap] = []
         # Every rank checked the room before any took it; now each takes its own, before it
         # maps anything (a peer's check may have raced with another job's use of /dev/shm).
+        assert self._fd is not None   # (else the exchange above raised)
         failure = _reserve(self._fd, total, self.world)
         try:
             for peer, (pid, fd) in enumerate(() if failure else wheres):
