@@ -42,6 +42,29 @@ from .group import NO_GROUP, name_of, rank_world, resolve
 from .problem import even_split
 
 
+def _uninitialised(cls, *args, device, **kwargs):
+    """A layer whose parameters ``from_linear`` fills: made on the meta device, so its
+    initialisation draws nothing from the global RNG (ranks of uneven widths would draw
+    different amounts, and every random number a user draws afterwards would differ)."""
+    return cls(*args, device="meta", **kwargs).to_empty(device=device)
+
+
+def _uniform_shard(param: Tensor, full: int, dim: int, bound: float, group) -> None:
+    """``param`` (this rank's piece along ``dim`` of a tensor ``full`` long there) from
+    ``uniform(-bound, bound)`` draws of every rank's piece in rank order: the same draws on
+    every rank, so the global RNG stays in step across ranks of uneven widths."""
+    rank, world = rank_world(resolve(group))
+    shape = list(param.shape)
+    with torch.no_grad():
+        for r, (_, length) in enumerate(even_split(full, world)):
+            if r == rank:
+                param.uniform_(-bound, bound)
+            else:
+                shape[dim] = length
+                torch.empty(shape, device=param.device, dtype=param.dtype).uniform_(
+                    -bound, bound)
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = all_gather(x_shard, seq_dim) @ W_r^T + b_r``: this rank's output features of one or
     several linears (one gather feeds them all, e.g. Q/K/V or SwiGLU's gate and up).
@@ -67,11 +90,13 @@ class ColumnParallelLinear(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        for j, w in enumerate(self.weights):
-            nn.init.kaiming_uniform_(w, a=5 ** 0.5)
+        """``nn.Linear``'s initialisation of the whole layer, this rank's rows kept; every
+        rank draws the same amount from the global RNG (:func:`_uniform_shard`)."""
+        bound = 1 / self.in_features ** 0.5
+        for j, (w, n) in enumerate(zip(self.weights, self.out_features)):
+            _uniform_shard(w, n, 0, bound, self.group)
             if self.biases is not None:
-                bound = 1 / self.in_features ** 0.5
-                nn.init.uniform_(self.biases[j], -bound, bound)
+                _uniform_shard(self.biases[j], n, 0, bound, self.group)
 
     @classmethod
     def from_linear(cls, linears: nn.Linear | Sequence[nn.Linear], *, group=None,
@@ -90,9 +115,9 @@ class ColumnParallelLinear(nn.Module):
                 f"linears share one input, so one in_features; got "
                 f"{[lin.in_features for lin in linears]}")
         sizes = [lin.out_features for lin in linears]
-        layer = cls(first.in_features, sizes if many else sizes[0], first.bias is not None,
-                    group=group, seq_dim=seq_dim, device=first.weight.device,
-                    dtype=first.weight.dtype)
+        layer = _uninitialised(cls, first.in_features, sizes if many else sizes[0],
+                               first.bias is not None, group=group, seq_dim=seq_dim,
+                               device=first.weight.device, dtype=first.weight.dtype)
         rank, world = rank_world(resolve(group))
         with torch.no_grad():
             for j, lin in enumerate(linears):
@@ -134,9 +159,11 @@ class RowParallelLinear(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+        """``nn.Linear``'s initialisation (bound ``1/sqrt(in_features)`` of the whole layer),
+        this rank's input features kept; the same draws on every rank."""
+        bound = 1 / self.in_features ** 0.5
+        _uniform_shard(self.weight, self.in_features, 1, bound, self.group)
         if self.bias is not None:
-            bound = 1 / self.in_features ** 0.5
             nn.init.uniform_(self.bias, -bound, bound)
 
     @classmethod
@@ -146,9 +173,9 @@ class RowParallelLinear(nn.Module):
         parameters; a tied weight warns, as for ``ColumnParallelLinear.from_linear``)."""
         linear = _linear(linear, "linear")
         _warn_if_tied(linear, cls.__name__)
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                    group=group, seq_dim=seq_dim, device=linear.weight.device,
-                    dtype=linear.weight.dtype)
+        layer = _uninitialised(cls, linear.in_features, linear.out_features,
+                               linear.bias is not None, group=group, seq_dim=seq_dim,
+                               device=linear.weight.device, dtype=linear.weight.dtype)
         rank, world = rank_world(resolve(group))
         start, cols = even_split(linear.in_features, world)[rank]
         with torch.no_grad():
