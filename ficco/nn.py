@@ -42,6 +42,16 @@ from .group import NO_GROUP, name_of, rank_world, resolve
 from .problem import even_split
 
 
+def _check_features(in_features, out_features: list) -> None:
+    """What ``nn.Linear`` takes (no negative sizes), and at least one input feature (the
+    initialisation's bound is 1/sqrt(in_features))."""
+    if type(in_features) is not int or in_features < 1 or not out_features or any(
+            type(n) is not int or n < 0 for n in out_features):
+        raise InvalidArgumentError(
+            f"in_features must be a positive int and out_features non-negative ints; got "
+            f"{in_features!r} and {out_features if len(out_features) > 1 else out_features[0]!r}")
+
+
 def _uninitialised(cls, *args, device, **kwargs):
     """A layer whose parameters ``from_linear`` fills: made on the meta device, so its
     initialisation draws nothing from the global RNG (ranks of uneven widths would draw
@@ -80,6 +90,7 @@ class ColumnParallelLinear(nn.Module):
         self.fused = not isinstance(out_features, int)
         rank, world = rank_world(resolve(group))
         sizes = [out_features] if isinstance(out_features, int) else list(out_features)
+        _check_features(in_features, sizes)
         self.in_features, self.out_features = in_features, tuple(sizes)
         self.weights = nn.ParameterList(
             nn.Parameter(torch.empty(even_split(n, world)[rank][1], in_features, device=device,
@@ -150,6 +161,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.group, self.seq_dim = group, seq_dim
         rank, world = rank_world(resolve(group))
+        _check_features(in_features, [out_features])
         self.in_features, self.out_features = in_features, out_features
         local_in = even_split(in_features, world)[rank][1]
         self.weight = nn.Parameter(torch.empty(out_features, local_in, device=device,

@@ -25,6 +25,7 @@ from ..buffers import Buffers
 from ..call import (
     Call,
     backend_for,
+    check_fits,
     check_flag,
     check_tensor,
     check_weights,
@@ -123,6 +124,8 @@ class AllGatherMatmul(OpSpec[AllGatherMatmulCall]):
         problem = Problem(m=m, k=k, ns=ns if min(ns) > 0 else tuple([max(n, 1) for n in ns]),
                           dtype=dtype_name(a_shard.dtype), world=world, rank=rank,
                           **ops.problem_fields(a_shard.dtype))
+        check_fits(problem.big_m * (k + sum(ns)) * problem.itemsize, a_shard.device,
+                   "all_gather_matmul")
         call = AllGatherMatmulCall(self, problem, group, backend, m == 0,
                                    a=moved.reshape(m, k), bs=bs,
                                    b_is_list=b_is_list, moved_shape=tuple(moved.shape),

@@ -27,6 +27,7 @@ from ..buffers import Buffers
 from ..call import (
     Call,
     backend_for,
+    check_fits,
     check_tensor,
     check_weights,
     key_of,
@@ -126,6 +127,8 @@ class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
                           dtype=dtype_name(a.dtype),
                           world=world, rank=rank, op=MATMUL_REDUCE_SCATTER, unit=max(unit, 1),
                           reduce_op=reduce_op, **ops.problem_fields(a.dtype))
+        check_fits(2 * m * sum(ns) * max(problem.partial_itemsize, problem.itemsize),
+                   a.device, "matmul_reduce_scatter")   # partial products, what lands
         # Nothing to overlap without rows or columns: agreed, then the plain path.
         call = MatmulReduceScatterCall(self, problem, group, backend, m == 0 or min(ns) == 0,
                                        a=canon, bs=bs, b_is_list=b_is_list,
