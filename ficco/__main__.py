@@ -7,7 +7,8 @@ import sys
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ficco")
+    parser = argparse.ArgumentParser(prog="python -m ficco",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=version())
     sub = parser.add_subparsers(dest="verb", required=True)
     demo = sub.add_parser("demo", help="run every schedule on 4 CPU ranks and check the results")
@@ -19,7 +20,8 @@ def main(argv=None) -> int:
 
 
 def version() -> str:
-    """What ``--version`` prints: ficco's version and the torch it runs on.
+    """What ``--version`` prints: ficco's version and, one a line, those of what it runs on (torch and its
+    CUDA or ROCm, Triton, the GPU bindings, torchtitan), "-" for what is not installed.
 
     >>> version().startswith("ficco ")
     True
@@ -28,7 +30,22 @@ def version() -> str:
 
     from . import __version__
 
-    return f"ficco {__version__} (torch {torch.__version__})"
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else \
+        f"ROCm {torch.version.hip}" if getattr(torch.version, "hip", None) else "CPU"
+    parts = [f"torch {torch.__version__} ({build})"]
+    for label, dist in (("Triton", "triton"), ("cuda-bindings", "cuda-bindings"),
+                        ("hip-python", "hip-python"), ("torchtitan", "torchtitan")):
+        parts.append(f"{label} {_installed(dist)}")
+    return "\n".join([f"ficco {__version__}", *parts])
+
+
+def _installed(dist: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "-"
 
 
 def _ranks(text: str) -> int:

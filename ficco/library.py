@@ -331,8 +331,12 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
 
 
 def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", schedule=None,
-                          a_scale=None, b_scale=None, out_dtype=None, bias=None):
+                          a_scale=None, b_scale=None, out_dtype=None, bias=None,
+                          activation=None):
     """``ficco.matmul_reduce_scatter`` through the ``ficco::matmul_reduce_scatter`` op."""
+    if activation is not None:   # the eager path's validation refuses it, naming why
+        return _run_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, schedule,
+                                          activation=activation)
     a, b, bs, b_is_list, group, plain, extra, tensors, dim = _front(
         "matmul_reduce_scatter", a, b, group, scatter_dim, a_scale, b_scale, bias, out_dtype)
     if (dim is None or not isinstance(reduce_op, str) or extra is None
@@ -408,9 +412,8 @@ class _NotForTheOp(Exception):
 
 
 def _tensors(extra) -> list:
-    """The tensors among the ops' epilogue arguments (scales and biases)."""
-    if extra is _NO_EPILOGUE:
-        return []
+    """The tensors among the ops' epilogue arguments (scales and biases). (Never asked of
+    _NO_EPILOGUE: torch 2.11's dynamo cannot trace ``is`` against that tuple.)"""
     a_scale, b_scales, biases, _ = extra
     return [t for t in [a_scale, *(b_scales or ()), *(biases or ())] if t is not None]
 

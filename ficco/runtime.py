@@ -12,14 +12,13 @@ nowhere else.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import operator
 import statistics
 import threading
 import time
 from collections import OrderedDict
 
-from . import agreement, config, guard, profiling, schedules
+from . import agreement, config, guard, logs, profiling, schedules
 from .backends import close_all
 from .call import Call
 from .call import forget as forget_known_calls
@@ -284,7 +283,7 @@ def plan_for(call_or_op, name: str, transport: str, problem, engines=...):
         counts: dict[str, int] = {}
         for item in plan.ops:
             counts[item.kind] = counts.get(item.kind, 0) + 1
-        logging.getLogger("ficco").debug(
+        logs.ready().debug(
             "ficco plan rank %d: %s %s over %s, %d ops %s", problem.rank, op.name, name,
             transport, len(plan.ops), counts)
     with _plans_lock:

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+import torch.distributed._symmetric_memory  # torch 2.11 loads it only when asked
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ficco

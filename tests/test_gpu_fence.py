@@ -36,6 +36,10 @@ def test_lowered_word_leaves_outputs_exactly_as_they_were(dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("triton_kernel", [True, False])
 def test_raised_word_turns_every_output_element_into_nan(dtype, triton_kernel, monkeypatch):
+    from ficco.kernels import interpreter_reason
+
+    if triton_kernel and interpreter_reason() is not None:     # issue 33 M9: Triton 3.6
+        pytest.skip(interpreter_reason())
     monkeypatch.setattr(gpu_fence, "MAX_PROGRAMS", 2)
     monkeypatch.setattr(gpu_fence, "BLOCK", 64)
     if not triton_kernel:                       # no Triton: the torch fallback

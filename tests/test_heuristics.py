@@ -116,7 +116,7 @@ def test_paper_thresholds_come_from_the_knobs():
 # -- choose ---------------------------------------------------------------------------------
 def test_forced_schedule_wins_and_is_reported():
     d = choose(table_i_problem("g6"), target="cpu", forced="ring", forced_by="FICCO_SCHEDULE")
-    assert (d.schedule, d.selector, d.scores) == ("ring", "forced", {})
+    assert (d.schedule, d.selector) == ("ring", "forced") and d.scores["ring"] > 0
     assert "FICCO_SCHEDULE" in d.reason and d.inputs["M"] == 262144
     with pytest.raises(InvalidArgumentError, match="valid schedules"):
         choose(table_i_problem("g6"), forced="fastest")
@@ -365,3 +365,47 @@ def test_explain_lines_up_its_columns_and_says_what_otb_and_mt_are():
         assert row.index(name) == head.index("schedule"), (head, row)
         assert row.index(" ms") + len(" ms") == head.index("time") + len("time"), (head, row)
         assert row.rstrip().endswith("x") and len(row.rstrip()) == len(head.rstrip()) + 0
+
+
+def _decision_logs(rank, world, ranks_setting, rows):
+    """The 'ficco decision' records this rank logs for one call of a new shape at
+    FICCO_LOG=info, with FICCO_LOG_RANKS=ranks_setting."""
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Keep()
+    logging.getLogger("ficco").addHandler(handler)
+    try:
+        with config.scope(log="info", log_ranks=ranks_setting):
+            ficco.all_gather_matmul(torch.randn(rows, 8), torch.randn(8, 3))
+    finally:
+        logging.getLogger("ficco").removeHandler(handler)
+    return [r for r in records if "ficco decision" in r]
+
+
+def test_logs_come_from_rank_zero_unless_every_rank_is_asked_for():
+    from . import harness
+
+    pool = harness.pool(2)
+    rank0, rank1 = pool.run(_decision_logs, "0", 37)
+    assert len(rank0) == 1 and "rank 0" in rank0[0] and rank1 == [], (rank0, rank1)
+    rank0, rank1 = pool.run(_decision_logs, "all", 41)
+    assert len(rank0) == 1 and len(rank1) == 1 and "rank 1" in rank1[0], (rank0, rank1)
+
+
+def test_a_forced_schedule_shows_its_predicted_time():
+    """explain() of a forced schedule said only "forced by argument" (issue 36): it now shows
+    the model's predicted time for it beside the candidates, labelled simulated."""
+    problem = Problem(4096, 512, (1024,), "bfloat16", 4)
+    decision = choose(problem, forced="hetero-fused-1d", forced_by="argument",
+                      target="cuda:sm_90")
+    assert decision.schedule == "hetero-fused-1d" and decision.selector == "forced"
+    predicted = decision.scores["hetero-fused-1d"]
+    assert predicted == model.predict("hetero-fused-1d", problem, profiles.load("h100"),
+                                      None, "dma")
+    assert f"predicts {predicted * 1e3:.3f} ms" in decision.reason
+    assert "simulated on h100" in decision.reason
+    assert "* hetero-fused-1d" in str(decision) and " ms " in str(decision)

@@ -30,6 +30,21 @@ from .vendor import Copy2D, Vendor, _nothing, copy_call_args
 
 
 # -- the backend ---------------------------------------------------------------------------------
+def torch_lacks_gpu_gemms() -> str | None:
+    """Why this torch cannot run the GPU backends' GEMMs, or None: a GEMM whose output is wider
+    than its bf16/fp16 inputs (float32 partial sums, rounded once) is ``torch.mm(...,
+    out_dtype=)``, torch's ``aten::mm.dtype`` (torch >= 2.8 on CUDA).
+
+    >>> torch_lacks_gpu_gemms() is None        # every torch ficco accepts (>= 2.11) has it
+    True
+    """
+    if hasattr(torch.ops.aten.mm, "dtype"):
+        return None
+    return (f"torch {torch.__version__} has no torch.mm(..., out_dtype=) (aten::mm.dtype, torch "
+            f">= 2.8), which ficco's GPU GEMMs with float32 partial sums need; install torch "
+            f">= 2.11, the oldest ficco has run on")
+
+
 class GpuBackend(Backend):
     """Everything of a GPU backend but the vendor calls; subclasses set ``name`` and
     ``make_vendor`` and answer ``unavailable_reason``."""
@@ -44,7 +59,7 @@ class GpuBackend(Backend):
     captures_signals = True
 
     def __init__(self, device=None) -> None:
-        reason = type(self).unavailable_reason()
+        reason = type(self).unavailable_reason() or torch_lacks_gpu_gemms()
         if reason is not None:
             raise BackendUnavailableError(f"the {self.name} backend cannot run here: {reason}")
         self._device = self._torch_device(device)

@@ -16,22 +16,21 @@ Selectors never look at the rank, so every rank reaches the same decision.
 """
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from .. import config, schedules
+from .. import config, logs, schedules
 from ..config import TRANSPORTS
 from ..errors import ConfigError, InvalidArgumentError
 from ..problem import Problem
 from . import bands, profiles
 from .decision import SELECTORS, Decision, decision_inputs
-from .model import banded_choice
+from .model import banded_choice, predict_all
 from .paper import paper_choice
 from .tune import tune_choice
 
-log = logging.getLogger("ficco")
+log = logs.log
 _logged: set = set()
 _logged_lock = threading.Lock()
 
@@ -90,6 +89,21 @@ SELECTOR_FUNCTIONS: dict[str, Callable[[Problem, Context], Decision]] = {
     "paper": _paper, "model": _model, "tune": _tune}
 
 
+def _forced_prediction(problem: Problem, profile: profiles.Profile, topology: str,
+                       transport: str, target: str, forced: str) -> tuple[dict, str]:
+    """A forced schedule's predicted time beside the model's candidates over its transport
+    (simulated on the profile): ``(scores, the reason's sentence about it)``."""
+    if problem.world == 1:
+        return {}, "; one rank: a plain GEMM, nothing to predict"
+    names = schedules.offered(target, transport, problem.op, problem)
+    scores = predict_all(problem, profile, topology, transport, config.copy_engines(),
+                         names if forced in names else [*names, forced])
+    best = min(scores, key=lambda name: (scores[name], name))
+    return scores, (f"; the model predicts {scores[forced] * 1e3:.3f} ms for it over "
+                    f"{transport} (its fastest: {best}, {scores[best] * 1e3:.3f} ms), "
+                    f"simulated on {profile.name}/{topology}")
+
+
 def choose(problem: Problem, *, transport: str | tuple[str, ...] = "dma", target: str = "cpu",
            selector: str | None = None, forced: str | None = None,
            forced_by: str | None = None,
@@ -108,7 +122,7 @@ def choose(problem: Problem, *, transport: str | tuple[str, ...] = "dma", target
 
     >>> from ficco.problem import Problem
     >>> choose(Problem(8, 8, (8,), "float32", 2), forced="ring", forced_by="argument").reason
-    'forced by argument'
+    'forced by argument; the model predicts ... ms for it over dma (its fastest: ...'
     """
     transports = (transport,) if isinstance(transport, str) else tuple(transport)
     if not transports or any(t not in TRANSPORTS for t in transports):
@@ -119,8 +133,10 @@ def choose(problem: Problem, *, transport: str | tuple[str, ...] = "dma", target
     inputs = decision_inputs(problem, profile.name, topology)
     if forced is not None:
         schedules.get(forced, op=problem.op)   # an unknown name raises with the valid list
-        decision = Decision(forced, transports[0], "forced", inputs, {},
-                            f"forced by {forced_by or 'argument'}")
+        scores, predicted = _forced_prediction(problem, profile, topology, transports[0],
+                                               target, forced)
+        decision = Decision(forced, transports[0], "forced", inputs, scores,
+                            f"forced by {forced_by or 'argument'}{predicted}")
         return _logged_once(problem, decision)
     selector = selector or config.selector()
     if selector not in SELECTOR_FUNCTIONS:
@@ -152,12 +168,7 @@ def _logged_once(problem: Problem, decision: Decision) -> Decision:
         if key in _logged:
             return decision
         _logged.add(key)
-    if log.getEffectiveLevel() > logging.INFO:
-        log.setLevel(logging.INFO if level == "info" else logging.DEBUG)
-    if not log.handlers and not logging.getLogger().handlers:
-        # Nobody configured logging: without a handler Python would drop INFO records.
-        log.addHandler(logging.StreamHandler())
-    log.info("ficco decision rank %d: %s M=%d n=%d K=%d %s W=%d -> schedule %s, transport %s, "
+    logs.ready().info("ficco decision rank %d: %s M=%d n=%d K=%d %s W=%d -> schedule %s, transport %s, "
              "selector %s - %s", problem.rank, op, problem.big_m, problem.n_total, problem.k,
              problem.dtype, problem.world, decision.schedule, decision.transport,
              decision.selector, decision.reason)

@@ -67,7 +67,7 @@ class Decision:
                          f"{self.band_class} (python -m ficco.bench validate); overlap is kept "
                          f"only above it")
         if self.scores:
-            seconds = self.selector in ("model", "tune")
+            seconds = self.selector in ("model", "tune", "forced")
             best = min(self.scores.values())
             lines.append(f"scores    {'':2}{'schedule':<20} "
                          + (f"{'time':>13}  {'vs best':>7}" if seconds else f"{'score':>10}"))

@@ -79,13 +79,13 @@ from __future__ import annotations
 
 import bisect
 import json
-import logging
 import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal, TypedDict
 
+from .. import logs
 from ..errors import ConfigError
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
@@ -150,7 +150,7 @@ DEFAULTS: _Defaults = {
 }
 _NESTED: tuple[Literal["dil", "cil", "ccl"], ...] = ("dil", "cil", "ccl")
 
-log = logging.getLogger("ficco")
+log = logs.log
 
 
 @dataclass(frozen=True)

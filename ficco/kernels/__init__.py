@@ -16,6 +16,9 @@ import importlib.util
 #: Triton's oldest version these kernels were written against (acquire atomics, interpreter
 #: atomics on host memory).
 MIN_TRITON = (3, 2)
+#: ... and the oldest whose interpreter (CPU) runs them: Triton 3.6's rejects the persistent
+#: loop over tiles (``range(pid, tiles, programs)``) and the fence's loads (issue 33 M9).
+MIN_TRITON_INTERPRETER = (3, 8)
 
 #: Backend targets (prefixes) the gated GEMM has been *verified* on: the GPU suite passed and
 #: ``python -m ficco.bench kernels gpu`` measured it (docs/kernels.md). Selectors offer the
@@ -60,8 +63,21 @@ def unavailable_reason(target: str) -> str | None:
             return f"the gated GEMM is not built for AMD {arch}; it needs gfx9xx/gfx11xx/gfx12xx"
         return None
     if kind == "cpu":
-        return None
+        return interpreter_reason()
     return f"no Triton backend for target {target!r}"
+
+
+def interpreter_reason() -> str | None:
+    """None when Triton's interpreter runs the gated GEMM and the fence on CPU, else why not."""
+    import triton
+
+    version = tuple(int(x) for x in triton.__version__.split(".")[:2] if x.isdigit())
+    if version < MIN_TRITON_INTERPRETER:
+        return (f"Triton {triton.__version__}'s interpreter cannot run the gated GEMM on CPU "
+                f"(it rejects the kernel's persistent loop over tiles and the fence's loads); "
+                f"the CPU backend needs Triton >= "
+                f"{'.'.join(map(str, MIN_TRITON_INTERPRETER))} for it")
+    return None
 
 
 def selectable_reason(target: str) -> str | None:
@@ -79,4 +95,5 @@ def selectable_reason(target: str) -> str | None:
     return reason
 
 
-__all__ = ["MIN_TRITON", "selectable_reason", "triton_reason", "unavailable_reason"]
+__all__ = ["MIN_TRITON", "MIN_TRITON_INTERPRETER", "interpreter_reason", "selectable_reason",
+           "triton_reason", "unavailable_reason"]
