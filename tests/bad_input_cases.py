@@ -134,6 +134,7 @@ def cases(world: int) -> dict:
         "mrs schedule": lambda: mrs(a, b, schedule="gated-1d"),
         "mrs huge rows": lambda: mrs(huge, b),
         "mrs bias shape": lambda: mrs(a, b, bias=torch.randn(5)),
+        "mrs activation": lambda: mrs(a, b, activation="gelu"),
         # -- fp8 scales / bias / activation
         "fp8 missing scales": lambda: agm(a8, b8),
         "fp8 a_scale shape": lambda: agm(a8, b8, a_scale=torch.ones(3, 1), b_scale=one),
@@ -145,6 +146,7 @@ def cases(world: int) -> dict:
         "fp8 bias device": lambda: agm(a8, b8, a_scale=one, b_scale=one,
                                        bias=torch.ones(16, device="meta")),
         "fp8 out_dtype": lambda: mrs(a8, b8, a_scale=one, b_scale=one, out_dtype=torch.int8),
+        "fp8 activation rs": lambda: mrs(a8, b8, a_scale=one, b_scale=one, activation="relu"),
         "fp8 a requires grad": lambda: agm(torch.randn(4, 32).to(E4M3).requires_grad_(), b8,
                                            a_scale=one, b_scale=one),
         # -- expert ops
