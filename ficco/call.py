@@ -10,7 +10,9 @@ dtypes, the backend and the settings every rank must share (groups: :mod:`ficco.
 """
 from __future__ import annotations
 
+import functools
 import operator
+import os
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
@@ -261,6 +263,27 @@ def check_weights(b, a: torch.Tensor, a_name: str, *, k: int | None = None,
     if k == 0 and not k_may_be_zero:
         raise InvalidArgumentError(f"{a_name} has K=0 columns: {tuple(a.shape)}")
     return bs, b_is_list
+
+
+def check_fits(nbytes: int, device: torch.device, what: str) -> None:
+    """Refuse, before any communication, a call whose buffers alone are larger than its
+    device's whole memory: it could only fail later, when allocating, after every rank had
+    agreed on it (an expanded input has stride-0 rows and no memory of its own)."""
+    total = _memory_bytes(device.type, device.index)
+    if total is not None and nbytes > total:
+        raise InvalidArgumentError(
+            f"{what} needs {nbytes / 2**30:.1f} GiB for its buffers, more than the "
+            f"{total / 2**30:.1f} GiB of memory of {device}; split the work into smaller calls")
+
+
+@functools.lru_cache(maxsize=16)
+def _memory_bytes(kind: str, index: int | None) -> int | None:
+    if kind == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if kind == "cuda":   # (ROCm too)
+        return torch.cuda.get_device_properties(
+            index if index is not None else torch.cuda.current_device()).total_memory
+    return None          # meta tensors: shapes only
 
 
 def backend_for(t: torch.Tensor, name: str, backend=None):

@@ -489,8 +489,11 @@ def _view_args(shape, stride, offset: int, spec) -> tuple | None:
         c0, nc = _clamp(c0, nc, shape[1])
         return (nr, nc), stride, offset + r0 * stride[0] + c0 * stride[1]
     _, n, rows, cols, row0, col0, spacing = spec
-    ld = stride[0]
-    return (n, rows, cols), (spacing * ld, ld, 1), offset + row0 * ld + col0
+    # The tensor's own strides, both of them: a column-major operand (a transposed view) has
+    # a column stride other than 1.
+    row_stride, col_stride = stride
+    return (n, rows, cols), (spacing * row_stride, row_stride, col_stride), \
+        offset + row0 * row_stride + col0 * col_stride
 
 
 _compiled: dict[int, CompiledPlan] = {}

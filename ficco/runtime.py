@@ -69,6 +69,11 @@ def _settings(call: Call, schedule, transport, selector) -> dict:
         raise InvalidArgumentError(f"transport must be one of {', '.join(TRANSPORT_SETTINGS)}; "
                                    f"got {transport!r}")
     s = read_settings(schedule, transport, selector)
+    if s["schedule_by"] == "FICCO_SCHEDULE" and call.op.name not in schedules.ops_with(
+            s["schedule"]) and schedules.ops_with(s["schedule"]):
+        # One variable for every op: it forces the ops that have a schedule of that name
+        # (ring-bidir: the dense ones); the others choose as if it were unset.
+        s = {**s, "schedule": None, "schedule_by": None}
     if s["schedule"] is not None:
         try:
             chosen = call.op.schedule(s["schedule"])

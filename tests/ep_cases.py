@@ -489,3 +489,27 @@ def slow_grouped_gemms(rank, world, seed, schedule, transport):
         out.append(round_trip())
     ficco.shutdown()
     return out
+
+
+def cancellation_probe(rank, world, op, schedules, transport):
+    """bf16 rows of ones times weight columns whose K chunks sum to 257 then -256 (one chunk
+    of K/W columns each; 257 is not a bfloat16): summed in float32 and rounded once, every
+    output is exactly 1; a chunk's product rounded to bfloat16 first (257 -> 256) gives 0.
+    Returns {schedule: the distinct output values}, through dispatch (``op`` its name) or
+    the dense all-gather."""
+    experts, k = 2, 2 * world
+    column = torch.zeros(k, dtype=torch.float64)
+    column[:3] = torch.tensor([256.0, 1.0, -256.0])   # chunk 0: 256 + 1, chunk 1: -256
+    w = column.reshape(1, k, 1).expand(experts, k, 3).to(torch.bfloat16)
+    x = torch.ones(4, k, dtype=torch.bfloat16)
+    out = {}
+    with config.scope(transport=transport):
+        for name in schedules:
+            if op == "all_gather_matmul":
+                y = ficco.all_gather_matmul(x, w[0].contiguous(), schedule=name)
+            else:
+                counts = torch.tensor([1, 1] + [0] * (world * experts - 2))
+                counts[rank * experts] += 2
+                y, _ = ficco.all_to_all_grouped_mm(x, counts, w.contiguous(), schedule=name)
+            out[name] = sorted(set(y.float().flatten().tolist()))
+    return out

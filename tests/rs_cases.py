@@ -203,3 +203,23 @@ def selector_picks(rank, world, seed):
         out = ficco.matmul_reduce_scatter(a, b)
     return (paper.selector, paper.reason, decision.schedule, decision.transport,
             sorted(decision.scores), runtime.last_run(), max_row_rel_err(out, refs[0][rank]))
+
+
+def empty_inner_shapes(rank, world):
+    """Output shapes (and the backward's input-gradient shape) of a 3-D ``a`` whose inner
+    dimension is empty: no canonical rows, yet a scatter_dim of several rows."""
+    out = []
+    for shape, dim in (((2 * world, 0, 4), 0), ((world, 0, 4), 0), ((1, 0, 4), 0),
+                       ((3, 2 * world, 0), 1), ((0, world, 3), 1)):
+        train = shape[dim] % world == 0   # (training needs equal shards)
+        a = torch.randn(shape, requires_grad=train)
+        b = torch.randn(shape[-1], 5, requires_grad=train)
+        d = ficco.matmul_reduce_scatter(a, b, scatter_dim=dim)
+        want = list(shape[:-1]) + [5]
+        want[dim] = even_split(shape[dim], world)[rank][1]
+        grad = None
+        if train:
+            d.backward(torch.randn(d.shape))
+            grad = tuple(a.grad.shape)
+        out.append((tuple(d.shape) == tuple(want), grad in (None, shape)))
+    return out

@@ -28,7 +28,7 @@ from ficco.expert.problem import (
 from ficco.heuristics import profiles, simulator
 from ficco.plan import Barrier
 
-from . import harness
+from . import ep_cases, harness
 from .ep_cases import (
     DTYPES,
     EP_OPS,
@@ -344,3 +344,14 @@ def test_a_grouped_gemm_longer_than_ficco_timeout_is_no_failure(schedule, transp
     for outcomes in results:
         for kind, value in outcomes:
             assert kind == "ok" and value <= 1e-4, results
+
+
+@pytest.mark.parametrize("op", ["all_to_all_grouped_mm", "all_gather_matmul"])
+def test_every_schedule_rounds_bf16_alike(op):
+    """Issue 37 item 7: the four 2d dispatch schedules rounded each K chunk's product to
+    bfloat16 before adding (257 -> 256, then - 256 = 0) where every other schedule sums in
+    float32 and rounds once (1). Every schedule of an op must give the same, exact 1."""
+    names = ficco.schedules.names(op=op)
+    for transport in ("dma", "ccl"):
+        for per_rank in harness.pool(2).run(ep_cases.cancellation_probe, op, names, transport):
+            assert per_rank == {name: [1.0] for name in names}, (transport, per_rank)

@@ -16,7 +16,7 @@ from ficco.plan import AllToAll, Barrier, Copy, Gemm, Reduce
 from ficco.problem import Problem
 from ficco.schedules.reduce_scatter import Ficco, Ring
 
-from . import harness
+from . import harness, rs_cases
 from .plan_checks import PlanCheckError, all_ranks, check_plans
 from .reference import ROW_TOL, max_row_rel_err
 from .rs_cases import DTYPES, SHAPES, make_inputs, run_matrix
@@ -278,3 +278,11 @@ def test_bf16_partials_are_summed_in_fp32_except_by_the_process_groups_reduce_sc
 
     doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "reduce_scatter.md").read_text()
     assert "rounded at every addition" in doc and "serial" in doc, "docs/reduce_scatter.md"
+
+
+def test_an_empty_inner_dimension_keeps_the_scatter_dims_size():
+    """(1, 0, K) rows scattered along dim 0 have no canonical rows; the output still has this
+    rank's block of dim 0 (it had none: (0, 0, n), and the backward of an all-gather of such
+    shards failed to build its gradient)."""
+    for per_rank in harness.pool(2).run(rs_cases.empty_inner_shapes):
+        assert per_rank == [(True, True)] * 5

@@ -1,6 +1,7 @@
 """ficco.symm_mem on the CPU backend: every rank sees every peer's allocation."""
 from __future__ import annotations
 
+import os
 import random
 import time
 
@@ -82,6 +83,60 @@ def test_a_rank_failing_to_allocate_makes_every_rank_raise(stage):
         assert f"rank {failing}: " in outcome and "injected" in outcome, (rank, outcome)
         assert outcome.startswith(f"rank {rank}: could not"), outcome
         assert ok   # the next allocation works and moves the right bytes
+
+
+def _larger_than_dev_shm(rank, world, seed):
+    """A dma workspace larger than /dev/shm's free space (issue 37 item 4: every rank died of
+    SIGBUS at its first write): a SymmAllocationError on every rank, naming the size and the
+    way out, before any rank maps anything. Two ways: an allocation really larger than the
+    free space, and a call whose workspace is larger than a (patched) free-space query. Then
+    the same call over ccl, and over dma once there is room, are right."""
+    import ficco.symm_mem.cpu as cpu_symm
+    from ficco.symm_mem.agree import SymmAllocationError
+
+    from .reference import make_inputs, max_row_rel_err
+
+    outcomes = []
+    mapped = cpu_symm._map
+    cpu_symm._map = lambda *args: outcomes.append("mapped") or mapped(*args)
+    stat = os.statvfs("/dev/shm")
+    free = [stat.f_bavail * stat.f_frsize]
+    dist.broadcast_object_list(free, src=0)   # one size on every rank
+    real_free = cpu_symm.shm_free_bytes
+    shards, bs, _, refs = make_inputs(seed, world, (16, 32), (8,), torch.float32)
+    try:
+        try:
+            ficco.symm_mem.empty((free[0] // 4 + 1, 2), dtype=torch.float32)
+            outcomes.append("allocated")
+        except SymmAllocationError as exc:
+            outcomes.append(str(exc))
+        cpu_symm.shm_free_bytes = lambda: 4096
+        try:
+            with ficco.config.scope(transport="dma"):
+                ficco.all_gather_matmul(shards[rank], bs[0], schedule="ring")
+            outcomes.append("returned")
+        except SymmAllocationError as exc:
+            outcomes.append(str(exc))
+    finally:
+        cpu_symm._map, cpu_symm.shm_free_bytes = mapped, real_free
+    ficco.shutdown()   # (a failed call leaves the group refused until every rank shuts down)
+    errors = []
+    for transport in ("ccl", "dma"):
+        with ficco.config.scope(transport=transport):
+            out = ficco.all_gather_matmul(shards[rank], bs[0], schedule="ring")
+        errors.append(max_row_rel_err(out, refs[0]))
+    return outcomes, errors
+
+
+def test_a_workspace_larger_than_dev_shm_is_an_error_on_every_rank_not_a_sigbus():
+    results = harness.pool(3).run(_larger_than_dev_shm, random.randrange(1 << 20), timeout_s=90)
+    for rank, (outcomes, errors) in enumerate(results):
+        assert len(outcomes) == 2, (rank, outcomes)   # nothing mapped, nothing returned
+        for outcome in outcomes:
+            assert outcome.startswith(f"rank {rank}: could not allocate"), outcome
+            assert "/dev/shm has" in outcome and " per rank" in outcome, outcome
+            assert "--shm-size" in outcome and "FICCO_TRANSPORT=ccl" in outcome, outcome
+        assert max(errors) <= 1e-4, (rank, errors)
 
 
 # -- the one barrier protocol on CPU ranks -------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 
 from .. import group as groups
 from ..buffers import Buffers
-from ..call import Call, backend_for, check_like, check_tensor
+from ..call import Call, backend_for, check_fits, check_like, check_tensor
 from ..errors import InvalidArgumentError
 from ..ops.base import OpSpec
 from ..problem import dtype_name
@@ -66,6 +66,7 @@ class ExpertSpec(OpSpec[ExpertCall]):
         group = groups.resolve(group)
         rank, world = groups.rank_world(group)
         part = self.check_part(counts, inp.shape[0], world, big_l, rank)
+        check_fits(inp.shape[0] * (k + n) * inp.element_size(), inp.device, self.name)
         call = ExpertCall(self, ExpertProblem(k, max(n, 1), big_l, dtype_name(inp.dtype), world,
                                               rank, self.name),
                           group, backend, n == 0, inp=inp, weights=weights, n=n, part=part,
