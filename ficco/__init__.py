@@ -13,6 +13,7 @@ from .api import (
                   explain,
                   grouped_mm_all_to_all,
                   matmul_reduce_scatter,
+                  session_of,
                   shutdown,
 )
 
@@ -29,6 +30,7 @@ __all__ = [
                   "grouped_mm_all_to_all",
                   "matmul_reduce_scatter",
                   "schedules",
+                  "session_of",
                   "shutdown",
                   "symm_mem",
 ]

@@ -131,14 +131,17 @@ def disagree(rank, world):
         ficco.matmul_reduce_scatter(torch.randn(rows, 6), torch.randn(6, 4), schedule="ring")
     except MismatchError as exc:
         return "mismatch" if "differ" in str(exc) or "different" in str(exc) else str(exc)
+    finally:
+        ficco.shutdown()      # a MismatchError poisons the group until every rank resets
     return "no error"
 
 
 def disagree_on_cached_shapes(rank, world, seed):
     """Both shapes agreed and cached, then rank 0 calls with the other one (dma): every rank
-    raises MismatchError at the plan's first barrier (the call flag), and the next calls in
-    step are right against float64."""
-    from ficco.errors import MismatchError
+    raises MismatchError at the plan's first barrier (the call flag); the next call is
+    refused (the group poisoned), and after ficco.shutdown() on every rank the calls in step
+    are right against float64."""
+    from ficco.errors import MismatchError, PoisonedGroupError
 
     gen = torch.Generator().manual_seed(seed)
     shapes = {"small": (4 * world, 6), "large": (6 * world, 6)}
@@ -162,6 +165,12 @@ def disagree_on_cached_shapes(rank, world, seed):
             out.append("returned")
         except MismatchError as exc:
             out.append("mismatch" if "different call" in str(exc) else str(exc))
+        try:
+            call("small")
+            out.append("returned")
+        except PoisonedGroupError:
+            out.append("refused")
+        ficco.shutdown()
         out.append(call("small"))
     ficco.shutdown()
     return out
