@@ -1,9 +1,14 @@
-# `make demo` and `make test` work on a fresh machine: they make .venv, install a CPU torch
-# (pinned here only, for this set-up path; the library itself takes any torch >= 2.4) and ficco.
-# demo installs only what the CPU demo runs; test adds pytest, the bench extra and the GPU
-# bindings whose calls the CPU-side backend tests check against their real signatures,
-# Triton, whose interpreter runs the gated GEMM on CPU (tests/test_kernels.py, test_gated.py),
-# and the linter and type checker `make lint` runs (pinned: a new release may find new things).
+# `make demo`, `make test` and `make lint` work on a fresh machine: they make .venv, install a CPU
+# torch (pinned here only, for this set-up path; the library itself takes torch >= 2.11) and
+# ficco, then what each needs and nothing more:
+# - demo: nothing else (the CPU demo runs on torch alone).
+# - test: pytest; the bench extra; the GPU bindings whose calls the CPU-side backend tests check
+#   against their real signatures; Triton, whose interpreter runs the gated GEMM on CPU
+#   (tests/test_kernels.py, test_gated.py) and whose import torchtitan's model code needs; and
+#   torchtitan (tests/test_torchtitan.py) without its trainer's dependencies (datasets, wandb,
+#   tensorboard, ...: ~60 packages the test never imports), plus the few its model and config
+#   code imports.
+# - lint: ruff and mypy (pinned: a new release may find new things).
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -11,6 +16,10 @@ TORCH ?= torch==2.13.0
 # e.g. TORCH_INDEX=<PyTorch's CPU wheel index> for a CPU-only torch where the default is CUDA's
 TORCH_INDEX ?=
 LINTERS ?= ruff==0.17.5 mypy==2.4.1
+# the release ficco.torchtitan is tested with (ficco.torchtitan.TESTED_TORCHTITAN, pyproject's
+# torchtitan extra); torchtitan needs Python >= 3.11
+TORCHTITAN ?= torchtitan==0.3.0
+TORCHTITAN_IMPORTS ?= tyro spmd_types==0.2.3
 
 $(BIN)/.demo-installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,7 +29,15 @@ $(BIN)/.demo-installed: pyproject.toml
 	touch $@
 
 $(BIN)/.test-installed: $(BIN)/.demo-installed Makefile
-	$(BIN)/pip install -q -e '.[bench,test,triton,cuda13]' 'hip-python==10.*' $(LINTERS)
+	$(BIN)/pip install -q -e '.[bench,test,triton,cuda13]' 'hip-python==10.*'
+	if $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
+	  $(BIN)/pip install -q --no-deps $(TORCHTITAN) && \
+	  $(BIN)/pip install -q $(TORCHTITAN_IMPORTS); \
+	else echo "torchtitan needs Python >= 3.11: tests/test_torchtitan.py will skip"; fi
+	touch $@
+
+$(BIN)/.lint-installed: $(BIN)/.demo-installed Makefile
+	$(BIN)/pip install -q $(LINTERS)
 	touch $@
 
 .PHONY: install demo test lint test-gpu clean
@@ -34,7 +51,7 @@ test: $(BIN)/.test-installed
 
 # ruff over everything Python in the repository, mypy over the package (the settings of both
 # in pyproject.toml)
-lint: $(BIN)/.test-installed
+lint: $(BIN)/.lint-installed
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 

@@ -3,8 +3,17 @@
 >>> import ficco
 >>> c = ficco.all_gather_matmul(a_shard, w)          # doctest: +SKIP
 >>> print(ficco.explain(a_shard, w))                 # doctest: +SKIP
+
+Submodules load when first used, so ``import ficco`` stays cheap and ``ficco.float8``,
+``ficco.rng.ShardRNG``, ``ficco.parallel`` or ``ficco.bench`` work without importing them:
+
+>>> ficco.rng.ShardRNG.__name__
+'ShardRNG'
 """
 from __future__ import annotations
+
+import importlib
+import importlib.util
 
 from . import compat, config, errors, schedules, symm_mem
 from .api import (
@@ -34,3 +43,10 @@ __all__ = [
                   "shutdown",
                   "symm_mem",
 ]
+
+
+def __getattr__(name: str):
+    """``ficco.<submodule>`` imported on first use (PEP 562)."""
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -55,7 +55,8 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
 
 
 def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", schedule=None,
-                          a_scale=None, b_scale=None, out_dtype=None, bias=None):
+                          a_scale=None, b_scale=None, out_dtype=None, bias=None,
+                          activation=None):
     """``reduce_scatter(a @ b, scatter_dim)`` with the reduce-scatter hidden behind the GEMM:
     the row-parallel half of a TP/SP layer (attention out-projection, MLP down-projection).
 
@@ -69,7 +70,9 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
     fp8 scales and ``out_dtype`` as in :func:`all_gather_matmul` (a row-wise ``a_scale`` is
     shaped like ``a``'s rows); partial products are summed in float32 and rounded once.
     ``bias`` ``(n,)`` is added once, to the reduced block (torch's scaled op adds it in every
-    rank's GEMM: ``ficco.compat.fused_scaled_matmul_reduce_scatter`` does as torch).
+    rank's GEMM: ``ficco.compat.fused_scaled_matmul_reduce_scatter`` does as torch). An
+    ``activation`` is refused (InvalidArgumentError, before any communication): the output is
+    a sum over ranks, complete only after the last reduction.
 
     >>> import torch, ficco
     >>> a = torch.randn(4, 8); w = torch.randn(8, 3)
@@ -80,7 +83,7 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
     return library.matmul_reduce_scatter(a, b, group, scatter_dim=scatter_dim,
                                          reduce_op=reduce_op, schedule=schedule,
                                          a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype,
-                                         bias=bias)
+                                         bias=bias, activation=activation)
 
 
 def _prepare(op, a, b, group, dim, reduce_op, counts=None, epilogue=None):

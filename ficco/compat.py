@@ -15,7 +15,7 @@ import torch
 from . import agreement, api
 from .call import backend_for, check_tensor, check_weights, normalize_dim
 from .compat_scaled import fused_all_gather_scaled_matmul, fused_scaled_matmul_reduce_scatter
-from .errors import InvalidArgumentError
+from .errors import FiccoWarning, InvalidArgumentError
 from .group import rank_world, resolve
 from .ops.all_gather_matmul import all_gather_flat
 from .ops.matmul_reduce_scatter import fused_matmul_reduce_scatter
@@ -83,17 +83,44 @@ class SymmMemOverride:
                  "fused_matmul_reduce_scatter": fused_matmul_reduce_scatter,
                  "fused_all_gather_scaled_matmul": fused_all_gather_scaled_matmul,
                  "fused_scaled_matmul_reduce_scatter": fused_scaled_matmul_reduce_scatter}
+        #: calls of each op that ran ficco since the override was installed
+        self.calls = dict.fromkeys(twins, 0)
         with warnings.catch_warnings():
             # torch warns once that a CUDA kernel is overridden: that is the point here
             warnings.filterwarnings("ignore", message=".*[Oo]verrid")
             for name, kernel in twins.items():
                 for device_type in self.device_types:
-                    self._lib.impl(name, kernel, _dispatch_key(device_type))
+                    # allow_override: torch 2.11 refuses to replace its CUDA kernels without it
+                    self._lib.impl(name, self._counted(name, kernel), _dispatch_key(device_type),
+                                   allow_override=True)
         self.ops = tuple(twins)
+        # After the first optimizer step, say so if torch's pass sent nothing here.
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self._step_hook = register_optimizer_step_post_hook(self._after_first_step)
+
+    def _counted(self, name, kernel):
+        def kernel_counted(*args, **kwargs):
+            self.calls[name] += 1
+            return kernel(*args, **kwargs)
+        return kernel_counted
+
+    def _after_first_step(self, *_) -> None:
+        self._drop_step_hook()
+        if not any(self.calls.values()):
+            import warnings
+
+            warnings.warn(NOTHING_FUSED, FiccoWarning, stacklevel=2)
+
+    def _drop_step_hook(self) -> None:
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
 
     def remove(self) -> None:
         """Give torch's kernels back (what ran before :func:`install_symm_mem_override`)."""
         global _override
+        self._drop_step_hook()
         if self._lib is not None:
             self._lib._destroy()
             self._lib = None
@@ -109,6 +136,18 @@ class SymmMemOverride:
 
 _override: SymmMemOverride | None = None
 
+#: The warning after a training step in which no GEMM reached ficco through the override.
+NOTHING_FUSED = (
+    "ficco.compat.install_symm_mem_override(): a training step ran and no GEMM reached ficco "
+    "(0 calls of torch.ops.symm_mem.fused_*): torch's async-TP pass fused nothing. It fuses only "
+    "in graphs torch.compile compiles with torch._inductor.config._micro_pipeline_tp = True, "
+    "when torch.distributed.is_nccl_available() (CUDA and ROCm builds; never a CPU build) and "
+    "symmetric memory is enabled for the group (torch.distributed._symmetric_memory."
+    "enable_symm_mem_for_group; torchtitan's enable_async_tensor_parallel does both), and "
+    "inductor's FX graph cache may serve a graph compiled before those held "
+    "(torch._inductor.config.fx_graph_cache = False, or a new TORCHINDUCTOR_CACHE_DIR). See "
+    "docs/training.md, 'torch's async TP on ficco'.")
+
 
 def install_symm_mem_override(device_types=("cpu", "cuda")) -> SymmMemOverride:
     """Run ficco behind torch's own async tensor parallelism.
@@ -120,7 +159,9 @@ def install_symm_mem_override(device_types=("cpu", "cuda")) -> SymmMemOverride:
     scaled forms). After this call those four ops run this module's twins (ficco's schedules,
     chosen per call) instead of torch's pipelines. Their fake kernels stay torch's, so compiled
     graphs keep the shapes and strides torch promised. Idempotent; returns a handle whose
-    ``remove()`` (or ``with``) undoes it.
+    ``remove()`` (or ``with``) undoes it and whose ``calls`` count what ran ficco. When the
+    first optimizer step after it ran no GEMM through ficco, it warns once
+    (:class:`ficco.errors.FiccoWarning`, naming the pass's conditions).
 
     >>> import ficco
     >>> with ficco.compat.install_symm_mem_override() as override:   # doctest: +SKIP

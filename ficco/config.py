@@ -129,6 +129,8 @@ KNOBS: dict[str, Knob] = {k.env: k for k in [
          checks_values=True),
     Knob("FICCO_LOG", "warning", str.lower, "log level of ficco's decisions",
          choices=("debug", "info", "warning", "error")),
+    Knob("FICCO_LOG_RANKS", "0", str.lower,
+         "which ranks log: 0 (the default group's rank 0) or all", choices=("0", "all")),
     Knob("FICCO_COPY_ENGINES", None, _positive_int, "copy queues per rank (default: one per peer)"),
     Knob("FICCO_SYMM", "ipc", str.lower, "GPU symmetric memory provider",
          choices=("ipc", "auto", "torch")),
@@ -219,6 +221,7 @@ cache_dir: Callable[[], str | None] = KNOBS["FICCO_CACHE_DIR"].read
 tune_candidates: Callable[[], tuple[str, ...] | None] = KNOBS["FICCO_TUNE_CANDIDATES"].read
 timeout_s: Callable[[], float] = KNOBS["FICCO_TIMEOUT"].read
 log_level: Callable[[], str] = KNOBS["FICCO_LOG"].read
+log_ranks: Callable[[], str] = KNOBS["FICCO_LOG_RANKS"].read
 copy_engines: Callable[[], int | None] = KNOBS["FICCO_COPY_ENGINES"].read
 poison: Callable[[], bool] = KNOBS["FICCO_POISON"].read
 backward_gather: Callable[[], str] = KNOBS["FICCO_BACKWARD_GATHER"].read

@@ -1,4 +1,5 @@
-"""The errors ficco raises. Each message says what failed, the values seen and the fix."""
+"""The errors (and the one warning) ficco raises. Each message says what failed, the values
+seen and the fix."""
 from __future__ import annotations
 
 from typing import TypeVar
@@ -50,6 +51,11 @@ class PoisonedGroupError(FiccoError):
 class TransportError(FiccoError):
     """Moving bytes between ranks failed (a collective, a peer's connection); the message
     names the rank, op, schedule and peers, and the original error is the cause."""
+
+
+class FiccoWarning(UserWarning):
+    """Something runs, but not on ficco: e.g. a TP plan none of whose GEMMs reach ficco's ops
+    (``ficco.torchtitan``, ``ficco.compat.install_symm_mem_override``)."""
 
 
 _E = TypeVar("_E", bound=BaseException)

@@ -202,7 +202,15 @@ def _errors_reach_the_caller(fake):
     return checked
 
 
-_THROUGH_DYNAMO: dict = {}
+@functools.cache
+def _unsupported_twin(cls: type, unsupported: type) -> type:
+    """``cls`` made an ``Unsupported`` too (once per class)."""
+    def init(self, message):
+        unsupported.__init__(self, message)
+
+    return type(cls.__name__, (cls, unsupported),
+                {"__init__": init, "__module__": cls.__module__,
+                 "__doc__": f"{cls.__doc__} (raised while torch.compile traces)"})
 
 
 def _through_dynamo(exc: FiccoError) -> FiccoError:
@@ -210,16 +218,7 @@ def _through_dynamo(exc: FiccoError) -> FiccoError:
         from torch._dynamo.exc import Unsupported
     except ImportError:           # a torch without dynamo: nothing wraps it
         return exc
-    cls = _THROUGH_DYNAMO.get(type(exc))
-    if cls is None:
-        def init(self, message):
-            Unsupported.__init__(self, message)
-
-        cls = _THROUGH_DYNAMO[type(exc)] = type(
-            type(exc).__name__, (type(exc), Unsupported),
-            {"__init__": init, "__module__": type(exc).__module__,
-             "__doc__": f"{type(exc).__doc__} (raised while torch.compile traces)"})
-    raised = cls(str(exc))
+    raised = _unsupported_twin(type(exc), Unsupported)(str(exc))
     raised.__dict__.update({k: v for k, v in vars(exc).items() if k not in vars(raised)})
     return raised
 
@@ -340,8 +339,12 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
 
 
 def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", schedule=None,
-                          a_scale=None, b_scale=None, out_dtype=None, bias=None):
+                          a_scale=None, b_scale=None, out_dtype=None, bias=None,
+                          activation=None):
     """``ficco.matmul_reduce_scatter`` through the ``ficco::matmul_reduce_scatter`` op."""
+    if activation is not None:   # the eager path's validation refuses it, naming why
+        return _run_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, schedule,
+                                          activation=activation)
     a, b, bs, b_is_list, group, plain, extra, tensors, dim = _front(
         "matmul_reduce_scatter", a, b, group, scatter_dim, a_scale, b_scale, bias, out_dtype)
     if (dim is None or not isinstance(reduce_op, str) or extra is None
@@ -417,9 +420,8 @@ class _NotForTheOp(Exception):
 
 
 def _tensors(extra) -> list:
-    """The tensors among the ops' epilogue arguments (scales and biases)."""
-    if extra is _NO_EPILOGUE:
-        return []
+    """The tensors among the ops' epilogue arguments (scales and biases). (Never asked of
+    _NO_EPILOGUE: torch 2.11's dynamo cannot trace ``is`` against that tuple.)"""
     a_scale, b_scales, biases, _ = extra
     return [t for t in [a_scale, *(b_scales or ()), *(biases or ())] if t is not None]
 

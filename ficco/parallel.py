@@ -39,6 +39,7 @@ from __future__ import annotations
 import types
 import warnings
 from functools import partial
+from typing import cast
 
 import torch.nn.functional as F
 from torch import nn
@@ -78,8 +79,9 @@ class ColwiseParallel(_torch.ColwiseParallel):
                           partial(_as_dtensor, self.input_layouts),
                           partial(self._prepare_output_fn, self.output_layouts,
                                   self.use_local_output))
-        module.forward = types.MethodType(
-            partial(_colwise_forward, self.input_layouts, self.desired_input_layouts), module)
+        object.__setattr__(module, "_ficco_layouts",
+                           (self.input_layouts, self.desired_input_layouts))
+        module.forward = types.MethodType(_colwise_forward, module)
         return module
 
 
@@ -101,8 +103,8 @@ class RowwiseParallel(_torch.RowwiseParallel):
                           partial(_as_dtensor, self.input_layouts),
                           partial(self._prepare_output_fn, self.output_layouts,
                                   self.use_local_output))
-        module.forward = types.MethodType(
-            partial(_rowwise_forward, self.input_layouts, self.output_layouts[0]), module)
+        object.__setattr__(module, "_ficco_layouts", (self.input_layouts, self.output_layouts[0]))
+        module.forward = types.MethodType(_rowwise_forward, module)
         return module
 
 
@@ -178,7 +180,11 @@ def _distributed(linear: nn.Linear) -> tuple[DTensor, DTensor | None]:
     return weight, bias
 
 
-def _colwise_forward(input_layouts, desired_input_layouts, self: nn.Linear, x: DTensor):
+# The forwards are methods bound to the module (a deep copy rebinds them to the copy) reading
+# the style's layouts from it: torch.compile (2.14) reads a bound method's ``__name__``, which a
+# bound ``functools.partial`` lacks.
+def _colwise_forward(self: nn.Linear, x: DTensor):
+    input_layouts, desired_input_layouts = cast(tuple, self._ficco_layouts)
     weight, bias = _distributed(self)
     mesh = weight.device_mesh
     dim = _row_shard_dim(x.placements[0], x) if x.device_mesh == mesh else None
@@ -194,7 +200,8 @@ def _colwise_forward(input_layouts, desired_input_layouts, self: nn.Linear, x: D
     return DTensor.from_local(out, mesh, (Shard(out.dim() - 1),), run_check=False)
 
 
-def _rowwise_forward(input_layouts, output_layout, self: nn.Linear, x: DTensor):
+def _rowwise_forward(self: nn.Linear, x: DTensor):
+    input_layouts, output_layout = cast(tuple, self._ficco_layouts)
     weight, bias = _distributed(self)
     mesh = weight.device_mesh
     x = _torch.RowwiseParallel._prepare_input_fn(input_layouts, (Shard(-1),), self, (x,), mesh)

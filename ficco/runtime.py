@@ -12,12 +12,11 @@ communicates: :func:`run` hands it to the op's plain path, here and nowhere else
 from __future__ import annotations
 
 import dataclasses
-import logging
 import operator
 import statistics
 import time
 
-from . import agreement, config, guard, profiling, schedules
+from . import agreement, config, guard, logs, profiling, schedules
 from . import session as sessions
 from .backends import close_all
 from .call import Call
@@ -81,6 +80,8 @@ def _settings(call: Call, schedule, transport, selector) -> dict:
     from .heuristics import profiles
 
     profiles.resolve(call.target)   # a bad FICCO_PROFILE fails here, alone
+    # agreed and part of the decision key: which profile prices (a calibrated one included)
+    s["profile"] = profiles.identity(call.target)
     return s
 
 
@@ -259,12 +260,12 @@ def _execute(session: Session, call: Call, prepared: Prepared, word: int, number
     stage.schedule = decision.schedule
     symm = None
     if transport == "dma":
+        nbytes = prepared.workspace_bytes or 0
         if backend.guards_dma:
             # Before allocating or enqueuing: a capture the backend cannot replay, or an error
             # the group owes from an earlier call (GPUs), is raised with nothing sent.
-            backend.before_dma(session.workspace)
+            backend.before_dma(session.workspace, nbytes)
         symm = session.workspace
-        nbytes = prepared.workspace_bytes or 0
         if symm is None or symm.nbytes < nbytes:
             stage.step, stage.communicated = "allocating the dma workspace", True
             symm = workspace.get(session, nbytes)
@@ -385,7 +386,7 @@ def _plan(session: Session, op, name: str, transport: str, problem, engines) -> 
         counts: dict[str, int] = {}
         for item in plan.ops:
             counts[item.kind] = counts.get(item.kind, 0) + 1
-        logging.getLogger("ficco").debug(
+        logs.ready().debug(
             "ficco plan rank %d: %s %s over %s, %d ops %s", problem.rank, op.name, name,
             transport, len(plan.ops), counts)
     found = plans[key] = (plan, compile_plan(plan))
@@ -407,9 +408,10 @@ def execute(call: Call, name: str, transport: str, trace: bool = False,
     plan, compiled = _plan(session, call.op, name, transport, call.problem, engines)
     symm = None
     if transport == "dma":
+        nbytes = call.op.workspace_bytes(call)
         if call.backend.guards_dma:
-            call.backend.before_dma(session.workspace)
-        symm = workspace.get(session, call.op.workspace_bytes(call))
+            call.backend.before_dma(session.workspace, nbytes)
+        symm = workspace.get(session, nbytes)
         symm.call_flag = call_flag(None)
         symm.first_wait = None
     buffers = call.op.buffers(call, transport, symm, wide=plan.wide_outputs())

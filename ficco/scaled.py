@@ -32,6 +32,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -377,7 +378,8 @@ def _scaled(a, b, sa, sb, bias, out, accumulate):
     if row:
         sa, sb = sa.reshape(-1, 1), sb.reshape(1, -1)
     cpu = out.device.type == "cpu"
-    if not accumulate and (cpu or not row or out.dtype == torch.bfloat16):
+    if not accumulate and (cpu or not row or out.dtype == torch.bfloat16) and \
+            not (cpu and row and not cpu_rowwise_scaled_mm()):
         sa, bias = _aligned(sa), _bias_for(bias, out)
         if cpu or out.is_contiguous():   # GPUs write only whole rows in place
             torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=out.dtype, out=out)
@@ -397,11 +399,25 @@ def scaled_product(a, b, sa, sb, *, portable: bool = False) -> torch.Tensor:
     """``(a * sa) @ (b * sb)`` in float32. ``portable``: row-wise scales multiply a unit-scaled
     float32 product (GPUs whose row-wise ``torch._scaled_mm`` writes bfloat16 only)."""
     row = sa.numel() > 1 or sb.numel() > 1
+    portable = portable or (row and a.device.type == "cpu" and not cpu_rowwise_scaled_mm())
     if not (row and portable):
         return torch._scaled_mm(a, b, _aligned(sa), sb, out_dtype=torch.float32)
     one = torch.ones((), dtype=torch.float32, device=a.device)
     prod = torch._scaled_mm(a, b, one, one, out_dtype=torch.float32)
     return prod.mul_(sa.reshape(-1, 1)).mul_(sb.reshape(1, -1))
+
+
+@functools.cache
+def cpu_rowwise_scaled_mm() -> bool:
+    """Whether this torch's CPU ``torch._scaled_mm`` takes row-wise scales (torch 2.11's takes
+    tensor-wise ones only: ficco then multiplies a unit-scaled float32 product by them)."""
+    fp8 = torch.float8_e4m3fn
+    a, b = torch.zeros(16, 16).to(fp8), torch.zeros(16, 16).to(fp8).t()
+    try:
+        torch._scaled_mm(a, b, torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _aligned(scale):

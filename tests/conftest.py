@@ -1,10 +1,14 @@
 import os
+import tempfile
 
 import pytest
 
 from . import harness
 
 os.environ.setdefault("FICCO_TIMEOUT", "20")
+# a calibrated profile in the user's cache (characterize --quick) must not change what the
+# tests' selectors decide: the suite gets a cache of its own (the rank pool inherits it)
+os.environ.setdefault("FICCO_CACHE_DIR", tempfile.mkdtemp(prefix="ficco-tests-cache-"))
 
 
 def pytest_configure(config):

@@ -56,3 +56,21 @@ def make_inputs(seed, world, shard_shape, ns, dtype, gather_dim=0):
         ref.scale = full.to(torch.float64).abs() @ b.to(torch.float64).abs()
         refs.append(ref)
     return shards, bs, full, refs
+
+
+def ficco_calls(fn):
+    """``fn()`` under the profiler: its result and {op name: calls} of torch.ops.ficco.*
+    (forward and backward) it dispatched."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        result = fn()
+    counts: dict = {}
+    for event in prof.events():
+        parent = event.cpu_parent
+        while parent is not None and parent.name != event.name:
+            parent = parent.cpu_parent
+        # one call is one top-level event (the autocast kernel re-dispatches the same op)
+        if event.name.startswith("ficco::") and parent is None:
+            counts[event.name] = counts.get(event.name, 0) + 1
+    return result, counts

@@ -196,7 +196,10 @@ def survivors_fail(rank, world, dead):
 def shm_files(rank, world):
     import os
 
-    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("ficco-"))
+    # this rank's own files only (ficco names them ficco-<pid>-... and ficco-pad-<pid>-...):
+    # other test runs on the machine may hold theirs meanwhile
+    mine = (f"ficco-{os.getpid()}-", f"ficco-pad-{os.getpid()}-")
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(mine))
 
 
 def selector_picks(rank, world, seed):

@@ -132,7 +132,6 @@ def _compiled_by_torchs_pass(rank, world, seed):
     """(1) all_gather -> two matmuls and matmul -> reduce_scatter written with torch's
     functional collectives; (2) torch's test Transformer under torch's own styles and plan:
     both compiled with the async-TP pass. Errors against eager, and what ran."""
-    from torch.distributed import _functional_collectives as funcol
 
     group = torch.distributed.group.WORLD.group_name
     gen = torch.Generator().manual_seed(seed)
@@ -140,9 +139,9 @@ def _compiled_by_torchs_pass(rank, world, seed):
                  torch.randn(8, 5, generator=gen))
 
     def block(x, w1, w2):
-        gathered = funcol.all_gather_single(x, 1, group)
+        gathered = _all_gather(x, 1, group)
         y, z = gathered @ w1, gathered @ w2
-        return y, z, funcol.reduce_scatter_single(torch.relu(y) @ w1.T, "sum", 0, group)
+        return y, z, _reduce_scatter(torch.relu(y) @ w1.T, "sum", 0, group)
     torch._dynamo.reset()
     with _async_tp_on_cpu():
         compiled = torch.compile(block, fullgraph=True)
@@ -165,6 +164,22 @@ def _compiled_by_torchs_pass(rank, world, seed):
                      for n, p in model.named_parameters())
     return block_errors, block_runs, abs(loss - ref_loss.item()) / ref_loss.item(), \
         grad_error, model_runs
+
+
+def _all_gather(x, dim, group):
+    from torch.distributed import _functional_collectives as funcol
+
+    if hasattr(funcol, "all_gather_single"):
+        return funcol.all_gather_single(x, dim, group)
+    return funcol.all_gather_tensor(x, dim, group)        # torch 2.11
+
+
+def _reduce_scatter(x, op, dim, group):
+    from torch.distributed import _functional_collectives as funcol
+
+    if hasattr(funcol, "reduce_scatter_single"):
+        return funcol.reduce_scatter_single(x, op, dim, group)
+    return funcol.reduce_scatter_tensor(x, op, dim, group)   # torch 2.11
 
 
 def _train_step(model, tokens, target):
@@ -191,3 +206,49 @@ def test_torchs_async_tp_pass_runs_ficcos_schedules():
         assert gathers >= 3 and scatters >= 2, model_runs       # forward: qkv, w1, head; wo, w2
         assert model_runs.get("ficco.all_gather_matmul") == gathers, model_runs
         assert model_runs.get("ficco.matmul_reduce_scatter") == scatters, model_runs
+
+
+def _nothing_fused_warning(rank, world):
+    """The override's warning after the first optimizer step: once when no GEMM ran ficco
+    (here an eager gather + matmul: no pass ran), never when one did."""
+    import warnings
+
+    from torch.distributed import _functional_collectives as funcol
+
+    import ficco
+    from ficco.errors import FiccoWarning
+
+    group = torch.distributed.group.WORLD.group_name
+    w = torch.nn.Parameter(torch.randn(8, 3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    x = torch.randn(4, 8)
+
+    def steps(n, fused):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(n):
+                opt.zero_grad()
+                if fused:
+                    torch.ops.symm_mem.fused_all_gather_matmul(x, [w.detach()], 0, group)
+                loss = (funcol.all_gather_tensor(x, 0, group) @ w).sum()
+                loss.backward()
+                opt.step()
+        return [str(c.message) for c in caught if c.category is FiccoWarning]
+
+    with ficco.compat.install_symm_mem_override():
+        unfused = steps(3, fused=False)
+    with ficco.compat.install_symm_mem_override() as override:
+        fused = steps(2, fused=True)
+        calls = dict(override.calls)
+    after_remove = steps(1, fused=False)
+    return unfused, fused, calls, after_remove
+
+
+def test_override_warns_once_when_a_step_ran_no_gemm_through_ficco():
+    for unfused, fused, calls, after_remove in harness.pool(2).run(_nothing_fused_warning):
+        assert len(unfused) == 1, unfused
+        assert "fused nothing" in unfused[0] and "is_nccl_available" in unfused[0], unfused
+        assert "enable_symm_mem_for_group" in unfused[0] and "cache" in unfused[0], unfused
+        assert fused == [], fused
+        assert calls["fused_all_gather_matmul"] == 2, calls
+        assert after_remove == [], after_remove

@@ -480,3 +480,20 @@ def test_eager_barrier_records_arrival_then_program_then_done(monkeypatch):
                    ("record", "done", 0x77)]
     (item,) = fake._watchdog.watched
     assert item.deadline is deadline and item.deadline.started is None
+
+
+def test_gpu_backend_refuses_a_torch_without_mm_out_dtype(monkeypatch):
+    """Issue 33 M2: the GPU GEMMs with float32 partial sums are torch.mm(..., out_dtype=)
+    (torch >= 2.8 on CUDA); an older torch is refused when the backend starts, naming it, not
+    at the first bf16 reduce-scatter."""
+    from . import fake_gpu
+
+    class MmWithoutDtype:            # torch.ops.aten.mm before aten::mm.dtype existed
+        default = torch.ops.aten.mm.default
+
+    monkeypatch.setattr(torch.ops.aten, "mm", MmWithoutDtype())
+    try:
+        with pytest.raises(BackendUnavailableError, match=r"torch\.mm\(\.\.\., out_dtype=\)"):
+            fake_gpu.install()
+    finally:
+        fake_gpu.uninstall()

@@ -23,7 +23,10 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def _run(args: list[str], tmp_path: Path, ranks: int | None = None) -> str:
     """Run ``python -m ficco.bench ...`` (under torch.distributed.run when ``ranks``) on the
     CPU backend and return its output; a failure shows that output."""
+    # a cache of its own: a characterize run installs its profile there (issue 34), which must
+    # not change what the rest of the suite decides
     env = dict(os.environ, FICCO_BACKEND="cpu", OMP_NUM_THREADS="1", FICCO_TIMEOUT="60",
+               FICCO_CACHE_DIR=str(tmp_path / "cache"),
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("FICCO_PROFILE", None)
     cmd = [sys.executable]
@@ -210,17 +213,37 @@ def test_sweep_two_ranks_writes_schema_and_plots(tmp_path):
 
 
 def test_characterize_quick_writes_a_loadable_profile(tmp_path):
+    """Issue 34 item 2: `characterize --quick` on CPU measures GEMM rates per dtype, copies,
+    contention and the four collectives' curves over two gloo ranks, and installs the profile
+    for this SKU: a new process with no settings prices with it."""
     from ficco.heuristics import profiles
 
     out = tmp_path / "char"
-    _run(["characterize", "--quick", "--out", str(out), "--name", "cpu-test"], tmp_path)
+    printed = _run(["characterize", "--quick", "--out", str(out), "--name", "cpu-test"],
+                   tmp_path)
+    assert "installed as this machine's calibrated profile" in printed
     profile = profiles.load(str(out / "profile.json"))
     assert profile.name == "cpu-test"
     assert any("characterize" in v for v in profile.sources.values())
     assert 0 < profile.dil["gemm_efficiency"] <= 1
+    assert sorted(profile.ccl["busbw"]) == ["all_gather", "all_reduce", "all_to_all",
+                                            "reduce_scatter"]
+    assert profile.ccl["busbw_world"] == 2 and "ccl.busbw" in profile.sources
+    assert all(bw > 0 for curve in profile.ccl["busbw"].values() for bw in curve.values())
+    probe = ("from ficco.heuristics import profiles\n"
+             "p, origin = profiles.in_force('cpu')\n"
+             "print(p.name, p.ccl['busbw_world'], origin.split()[0])\n")
+    env = dict(os.environ, FICCO_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("FICCO_PROFILE", None)
+    nxt = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert nxt.returncode == 0, nxt.stderr
+    assert nxt.stdout.split() == ["cpu-test", "2", "calibrated"]
     recs = [json.loads(line) for line in (out / "characterize.jsonl").read_text().splitlines()]
     kinds = {r["kind"] for r in recs}
-    assert kinds == {"dil", "copy", "copy_width", "cil"}
+    assert kinds == {"dil", "copy", "copy_width", "cil", "gemm_rate", "ccl"}
+    assert {r["dtype"] for r in recs if r["kind"] == "gemm_rate"} == {"float32", "bfloat16"}
     assert {(r["split"], r["ways"]) for r in recs if r["kind"] == "dil"} == \
         {("row", 8), ("row", 64), ("col", 8), ("col", 64)}
     assert all(r["schema"] == results.CHARACTERIZE_SCHEMA for r in recs)

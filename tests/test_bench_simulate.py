@@ -28,11 +28,21 @@ def test_simulate_paper_scenarios_writes_table_and_json(tmp_path, capsys):
     assert "hetero-fused-1d" in text and short_name("hetero-unfused-2d") in text
 
 
-def test_simulate_shape_draws_a_png_per_scenario(tmp_path):
+def test_simulate_shape_draws_a_png_per_scenario(tmp_path, monkeypatch):
     out = tmp_path / "sim"
+    from ficco.bench import gantt
+
+    titles, real = [], gantt.draw_gantt
+
+    def keep_title(rows, path, title):
+        titles.append(title)
+        return real(rows, path, title)
+
+    monkeypatch.setattr(gantt, "draw_gantt", keep_title)
     assert bench_main(["simulate", "--profile", "h100", "--scenarios", "none", "--shape",
                        "4096,2048,1024", "--world", "4", "--out", str(out)]) == 0
     pngs = list(out.glob("*.png"))
+    assert titles and all(t.startswith("simulated: ") for t in titles), titles   # issue 36
     assert [p.name for p in pngs] == ["4096x2048x1024.png"]
     assert pngs[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -105,3 +115,31 @@ def test_ratio_plot_says_why_points_sit_above_the_ideal_curve(tmp_path):
     path = plots.plot_ratio(records, tmp_path / "ratio.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "serial paid more than g + c" in plots.RATIO_NOTE
+
+
+def test_images_say_simulated_or_measured_where():
+    """Issue 36: a simulated timeline says "simulated" on the image, a sweep's plots "measured,
+    <backend>, W=..." (the words are drawn into the figures: checked on their text artists)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    from ficco.bench import plots
+
+    where = plots.measured_where([{"env_backend": "cpu", "env_device": "ci", "env_world": 2}])
+    assert where == "measured, cpu (ci), W=2"
+    seen = []
+    real_save = plt.Figure.savefig
+
+    def keep_text(fig, *args, **kwargs):
+        seen.append([t.get_text() for t in fig.texts])
+        return real_save(fig, *args, **kwargs)
+
+    import tempfile
+    from pathlib import Path
+    from unittest import mock
+
+    with mock.patch.object(plt.Figure, "savefig", keep_text):
+        plots._save(plt.figure(), Path(tempfile.mkdtemp()) / "x.png", where=where)
+    assert seen == [[where]]

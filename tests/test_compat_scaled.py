@@ -26,3 +26,20 @@ def test_bad_scales_raise_before_any_communication():
     seen, other = harness.pool(2).run(bad_scales, timeout_s=60)
     assert other == []
     assert seen and all(s.endswith("refused") for s in seen), seen
+
+
+def test_an_activation_on_the_reduce_scatter_is_an_invalid_argument():
+    """docs/fp8.md promises InvalidArgumentError for it (it was a TypeError): from the op and
+    from explain, naming why."""
+    import pytest
+    import torch
+
+    import ficco
+    from ficco.errors import InvalidArgumentError
+
+    a, w = torch.randn(4, 8), torch.randn(8, 3)
+    with pytest.raises(InvalidArgumentError, match="reduce-scatter's output is a sum"):
+        ficco.matmul_reduce_scatter(a, w, activation="gelu")
+    with pytest.raises(InvalidArgumentError, match="reduce-scatter's output is a sum"):
+        ficco.explain(a, w, op="matmul_reduce_scatter", activation="gelu")
+    assert torch.allclose(ficco.matmul_reduce_scatter(a, w, activation=None), a @ w)

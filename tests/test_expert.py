@@ -25,6 +25,7 @@ from ficco.expert.problem import (
     representative,
     summary,
 )
+from ficco.heuristics import profiles, simulator
 from ficco.plan import Barrier
 
 from . import harness
@@ -50,7 +51,7 @@ def test_names_per_op():
     assert NAMES == schedules.names(op=COMBINE) == [
         "serial", "ring", "uniform-fused-1d", "uniform-unfused-1d", "hetero-fused-1d",
         "hetero-unfused-1d", "uniform-fused-2d", "uniform-unfused-2d", "hetero-fused-2d",
-        "hetero-unfused-2d"]
+        "hetero-unfused-2d", "by-expert"]
     with pytest.raises(InvalidArgumentError, match="op='all_to_all_grouped_mm'"):
         schedules.get("serial", op=DISPATCH).plan(ExpertProblem(4, 4, 1, "float32", 2,
                                                                 op=COMBINE))
@@ -157,6 +158,27 @@ def test_ring_moves_one_peer_per_step_on_one_queue(op):
     assert gemms == ([(1,), (2,), (3,), (0,)] if op == DISPATCH else [(0,), (3,), (2,), (1,)])
     ccl = schedules.get("ring", op=op).plan(p, "ccl")
     assert [o.shift for o in ccl.ops if o.kind == "expert_all_to_all"] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("op", EP_OPS)
+@pytest.mark.parametrize("transport", ["dma", "ccl"])
+def test_by_expert_never_cuts_a_gemm(op, transport):
+    """Every GEMM of ``by-expert`` is one whole expert over every source (no chunk), one per
+    local expert in order; dispatch moves expert l before its GEMM, combine after; the
+    simulator prices it like every other plan."""
+    p = ExpertProblem(16, 8, 3, "float32", 4, rank=1, op=op,
+                      counts=((2, 3, 1, 4, 2, 2, 3, 1, 0, 2, 5, 1),) * 4)
+    plan = schedules.get("by-expert", op=op).plan(p, transport)
+    gemms = [o for o in plan.ops if o.kind == "expert_gemm"]
+    assert [(g.chunk, g.experts, g.sources) for g in gemms] == \
+        [(None, (l,), (0, 1, 2, 3)) for l in range(3)]
+    moves = [o for o in plan.ops if o.kind in ("expert_copy", "expert_all_to_all")]
+    assert {o.experts for o in moves} == {(0,), (1,), (2,)}
+    assert all(o.chunk is None for o in moves)
+    first_move = next(i for i, o in enumerate(plan.ops) if o in moves)
+    first_gemm = plan.ops.index(gemms[0])
+    assert (first_move < first_gemm) == (op == DISPATCH)
+    assert simulator.simulate(plan, profiles.load("mi300x")).makespan_s > 0
 
 
 # -- end to end ---------------------------------------------------------------------------------------

@@ -144,7 +144,8 @@ def _run_gated(rank, world, seed):
     return failures
 
 
-@pytest.mark.skipif(kernels.triton_reason() is not None, reason="Triton is not installed")
+@pytest.mark.skipif(kernels.unavailable_reason("cpu") is not None,
+                    reason=str(kernels.unavailable_reason("cpu")))
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_gated_schedules_match_float64(world):
     seed = random.randrange(1 << 30)
@@ -196,7 +197,8 @@ def _traced_gated(rank, world, seed, name):
             chunk_summary(plan, rows + marks))
 
 
-@pytest.mark.skipif(kernels.triton_reason() is not None, reason="Triton is not installed")
+@pytest.mark.skipif(kernels.unavailable_reason("cpu") is not None,
+                    reason=str(kernels.unavailable_reason("cpu")))
 @pytest.mark.parametrize("name", GATED)
 def test_timeline_marks_every_tile_after_its_flag_was_raised(name):
     """bench timeline's per-tile marks of a traced CPU call (host clock in the interpreter):
@@ -234,7 +236,8 @@ def _stuck_peer_gated(rank, world, seed):
     return outcome, max_row_rel_err(out, refs[0])
 
 
-@pytest.mark.skipif(kernels.triton_reason() is not None, reason="Triton is not installed")
+@pytest.mark.skipif(kernels.unavailable_reason("cpu") is not None,
+                    reason=str(kernels.unavailable_reason("cpu")))
 def test_stuck_peer_ends_the_gated_kernel_wait_within_the_deadline():
     """A peer that never comes: the barrier before the copies times out and the call raises
     within the deadline naming the late rank, while the interpreted kernel that was spinning
@@ -290,3 +293,31 @@ def test_without_triton_ficco_imports_and_gated_schedules_say_why():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, check=False)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_explain_says_which_gpu_features_are_off_until_a_lease_verified_them():
+    """Issue 33: gated GEMMs and device signal pads stay off by default on GPUs until a lease
+    verified them there, and every Decision printed on a GPU target says so and how to turn
+    them on; CPU decisions carry nothing of it."""
+    from ficco.heuristics import choose
+    from ficco.problem import Problem
+
+    problem = Problem(64, 64, (64,), "bfloat16", 4)
+    shown = str(choose(problem, target="cuda:sm_90", selector="model"))
+    assert "off       gated-1d, gated-2d: " in shown and "not been verified" in shown
+    assert "off       FICCO_SIGNAL_PADS=device: " in shown
+    assert "off " not in str(choose(problem, target="cpu", selector="model"))
+
+
+def test_an_interpreter_too_old_for_the_gated_gemm_is_refused_naming_the_version(monkeypatch):
+    """Issue 33 M9: Triton 3.6's interpreter (torch 2.11's Triton) rejects the gated GEMM's
+    persistent loop and the fence: the CPU backend refuses it with why, not mid-kernel."""
+    triton = pytest.importorskip("triton")
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    kernels.triton_reason.cache_clear()
+    try:
+        reason = kernels.unavailable_reason("cpu")
+    finally:
+        kernels.triton_reason.cache_clear()
+    assert reason is not None and "Triton 3.6.0's interpreter" in reason and ">= 3.8" in reason
+    assert kernels.unavailable_reason("cuda:sm_90") != reason

@@ -109,3 +109,33 @@ def test_readme_starts_with_the_two_commands_ci_runs_and_links_stay_in_the_repo(
         for path in re.findall(r"`((?:docs|bench/results|examples)/[\w./-]+)`", body):
             if "<" not in path and "*" not in path and "…" not in path:
                 assert (REPO / path).exists(), f"{page.name} cites {path}, which is not here"
+
+
+def test_submodules_are_reachable_after_import_ficco_and_load_only_when_used():
+    import subprocess
+    import sys
+
+    code = ("import sys, ficco\n"
+            "lazy = ['ficco.float8', 'ficco.rng', 'ficco.bench', 'ficco.torchtitan', "
+            "'ficco.parallel', 'ficco.moe']\n"
+            "print(sorted(m for m in lazy if m in sys.modules))\n"
+            "print(ficco.float8.all_gather_matmul.__name__, ficco.rng.ShardRNG.__name__, "
+            "ficco.parallel.ColwiseParallel.__name__, ficco.moe.MoELayer.__name__)\n"
+            "try:\n    ficco.no_such_module\nexcept AttributeError as exc:\n    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out[0] == "[]", out                  # import ficco loads none of them
+    assert out[1] == "all_gather_matmul ShardRNG ColwiseParallel MoELayer", out
+    assert out[2] == "module 'ficco' has no attribute 'no_such_module'", out
+
+
+def test_version_names_ficco_torch_triton_and_the_bindings():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "ficco", "--version"], capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    assert out[0] == f"ficco {ficco.__version__}"
+    assert out[1].startswith(f"torch {torch.__version__} (")
+    assert [line.split()[0] for line in out[2:]] == ["Triton", "cuda-bindings", "hip-python",
+                                                     "torchtitan"], out

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from . import harness
+from .reference import ficco_calls
 
 COMPILE_ENV = {"FICCO_TIMEOUT": "300"}   # as tests/test_training.py: ranks compile unevenly
 F32_TOL = {"loss": 1e-5, "grad": 1e-4}
@@ -73,24 +74,6 @@ def _loss(model, tokens, target, autocast_dtype):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
 
-def _ficco_calls(fn):
-    """``fn()`` under the profiler: its result and {op name: calls} of torch.ops.ficco.*
-    (forward and backward) it dispatched."""
-    from torch.profiler import profile
-
-    with profile() as prof:
-        result = fn()
-    counts = {}
-    for event in prof.events():
-        parent = event.cpu_parent
-        while parent is not None and parent.name != event.name:
-            parent = parent.cpu_parent
-        # one call is one top-level event (the autocast kernel re-dispatches the same op)
-        if event.name.startswith("ficco::") and parent is None:
-            counts[event.name] = counts.get(event.name, 0) + 1
-    return result, counts
-
-
 def _rel(a, b) -> float:
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
@@ -117,7 +100,7 @@ def _parity(rank, world, seed, variant, compiled, autocast_dtype, n_layers=2, st
         return loss
     for step in range(steps):
         if step == steps - 1:
-            loss, calls = _ficco_calls(one_step)
+            loss, calls = ficco_calls(one_step)
         else:
             loss = one_step()
         ref_opt.zero_grad()
@@ -296,7 +279,7 @@ def _steps_aside(rank, world, seed):
         out = down(torch.relu(up(x_dt)))
         out.sum().backward()
         return out.full_tensor()
-    out, calls = _ficco_calls(forward_backward)
+    out, calls = ficco_calls(forward_backward)
     grads = [p.grad.full_tensor() for p in (*up.parameters(), *down.parameters(), x_dt)]
     uneven = (_rel(out, expected),
               max(_rel(g, r) for g, r in zip(grads, ref_grads)), calls)

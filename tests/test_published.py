@@ -26,17 +26,23 @@ def test_table_rows_name_a_source_a_predictor_or_why_not():
     assert len(ids) == len(set(ids))
     for row in rows:
         assert row["source"] and row["hardware"] and row["note"], row["id"]
-        assert row["role"] in ("fit", "check") and row["kind"] in ("point", "aggregate")
+        assert row["role"] in ("fit", "tune", "holdout"), row["id"]
+        assert row["kind"] in ("point", "aggregate"), row["id"]
+        assert row["family"] in validate.FAMILIES + ("paper",), row["id"]
         assert row["op"] in validate.OPS + ("collective",), row["id"]
+        assert not row["versus"] or row["versus"] in ids, row["id"]
         if row["profile"]:
             assert row["quantity"] in validate.PREDICTORS, row["id"]
             load_profile(row["profile"])
         else:   # listed, not predicted: the row says why
             assert row["mechanism"].startswith("not predicted: "), row["id"]
-    # both ops have point rows nobody fitted a number to
+    # both ops and every family have point rows nobody fitted a number to
     for op in validate.OPS:
-        assert any(r["op"] == op and r["kind"] == "point" and r["role"] == "check"
+        assert any(r["op"] == op and r["kind"] == "point" and r["role"] != "fit"
                    and r["profile"] for r in rows), op
+    for family in validate.FAMILIES:
+        assert any(r["family"] == family and r["kind"] == "point" and r["role"] != "fit"
+                   and r["profile"] for r in rows), family
     assert validate.relative_error(1.5, "1..2") == 0.0
     assert validate.relative_error(3.0, "1..2") == pytest.approx(0.5)
     assert validate.relative_error(1.1, "1.0") == pytest.approx(0.1)
@@ -51,9 +57,41 @@ def test_validate_shows_every_row_and_the_mechanism_of_each_over_20_percent(caps
         if row["prediction"] and abs(float(row["rel_error"])) > validate.EXPLAIN_ABOVE:
             assert row["mechanism"], f"{row['id']} is off by {row['rel_error']} without a mechanism"
     assert "NOT GIVEN" not in out
-    for op in validate.OPS:
-        assert f"point checks, {op}: median |error|" in out
-    assert "point checks, both ops" in out and "listed, not predicted" in out
+    for family in validate.FAMILIES:
+        assert f"family {family} (target <= 10%): median |error|" in out
+    assert "point rows nobody fitted (target <= 8%)" in out and "listed, not predicted" in out
+    assert "where a publication measured overlap losing to serial" in out
+
+
+#: Families whose median |error| misses the 10% target today, and why (docs/heuristics.md says
+#: so; when one meets it, move it out of here and out of the docs' list).
+KNOWN_MISSES = {
+    "async-tp": "R10-R12: torch's fused_matmul_reduce_scatter priced as ficco's ring, 8-18% "
+                "fast, a per-step residual that grows with the rows of a step",
+    "baselines": "G1-G4 (held out): DeepGEMM's small-M GEMMs on H20 run at twice the rate the "
+                 "GEMM model gives a 78-SM part",
+}
+
+
+def test_validate_per_family_against_the_targets():
+    """Issue 34: median |error| at most 8% over the point rows nobody fitted, at most 10% per
+    family; the families that miss it are the documented ones, and still miss it."""
+    errors = validate.family_errors(validate.evaluate(validate.read_table(validate.TABLE)))
+    assert errors["all"] <= validate.TARGET_ALL, errors
+    for family in validate.FAMILIES:
+        met = errors[family] <= validate.TARGET_FAMILY
+        assert met != (family in KNOWN_MISSES), (family, errors[family])
+
+
+def test_the_model_never_picks_overlap_where_a_publication_measured_it_losing():
+    """Issue 34: FLUX's fused GEMM+RS lost 2-25% to torch+NCCL on 8x H100 (L1-L6) and torch's
+    Async-TP lost 79-359% (R10-R12); on those shapes the model selector keeps serial."""
+    picks = list(validate.picks_where_overlap_lost(
+        validate.evaluate(validate.read_table(validate.TABLE))))
+    assert {row["id"] for row, _, _, pick in picks if pick} >= \
+        {"L1", "L2", "L3", "L4", "L5", "L6", "R10", "R11", "R12"}
+    for row, serial, loss, pick in picks:
+        assert loss > 0 and pick in (None, "serial"), (row["id"], serial["id"], pick)
 
 
 def test_an_installed_wheel_validates_from_anywhere(tmp_path):
@@ -82,7 +120,7 @@ def test_an_installed_wheel_validates_from_anywhere(tmp_path):
     run = subprocess.run([sys.executable, "-m", "ficco.bench", "validate"], cwd=elsewhere,
                          env=env, capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "point checks, both ops" in run.stdout and "agreement" in run.stdout
+    assert "point rows nobody fitted" in run.stdout and "agreement" in run.stdout
     assert "bench/results is not in this install" in run.stdout
 
 

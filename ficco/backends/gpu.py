@@ -33,6 +33,21 @@ from .vendor import Copy2D, Vendor, _nothing, copy_call_args
 
 
 # -- the backend ---------------------------------------------------------------------------------
+def torch_lacks_gpu_gemms() -> str | None:
+    """Why this torch cannot run the GPU backends' GEMMs, or None: a GEMM whose output is wider
+    than its bf16/fp16 inputs (float32 partial sums, rounded once) is ``torch.mm(...,
+    out_dtype=)``, torch's ``aten::mm.dtype`` (torch >= 2.8 on CUDA).
+
+    >>> torch_lacks_gpu_gemms() is None        # every torch ficco accepts (>= 2.11) has it
+    True
+    """
+    if hasattr(torch.ops.aten.mm, "dtype"):
+        return None
+    return (f"torch {torch.__version__} has no torch.mm(..., out_dtype=) (aten::mm.dtype, torch "
+            f">= 2.8), which ficco's GPU GEMMs with float32 partial sums need; install torch "
+            f">= 2.11, the oldest ficco has run on")
+
+
 class GpuBackend(Backend):
     """Everything of a GPU backend but the vendor calls; subclasses set ``name`` and
     ``make_vendor`` and answer ``unavailable_reason``."""
@@ -47,7 +62,7 @@ class GpuBackend(Backend):
     captures_signals = True
 
     def __init__(self, device=None) -> None:
-        reason = type(self).unavailable_reason()
+        reason = type(self).unavailable_reason() or torch_lacks_gpu_gemms()
         if reason is not None:
             raise BackendUnavailableError(f"the {self.name} backend cannot run here: {reason}")
         self._device = self._torch_device(device)
@@ -291,15 +306,27 @@ class GpuBackend(Backend):
             f"under graph capture")
 
     # -- a group's failures (ficco.symm_mem.fault) ------------------------------------------
-    def before_dma(self, symm) -> None:
+    def before_dma(self, symm, nbytes: int = 0) -> None:
         """Start of a dma call, before it allocates or enqueues anything: refuse a graph
         capture this backend cannot replay (HIP: refusing later would break the caller's
-        capture, issue 25 item 7), then raise what the group still owes: the error of an
-        earlier call's released barrier or of a gated GEMM that gave up (issue 25 item 5).
-        ``symm`` is the group's workspace, None before its first allocation."""
+        capture, issue 25 item 7) or one during which the group's workspace must be
+        allocated or grown to ``nbytes`` (issue 33 M4), then raise what the group still owes:
+        the error of an earlier call's released barrier or of a gated GEMM that gave up
+        (issue 25 item 5). ``symm`` is the group's workspace, None before its first
+        allocation."""
         self._raise_died()
-        if not self.captures_signals and torch.cuda.is_current_stream_capturing():
-            raise self._capture_refusal()
+        if torch.cuda.is_current_stream_capturing():
+            if not self.captures_signals:
+                raise self._capture_refusal()
+            if symm is None or symm.nbytes < nbytes:
+                # Allocating synchronizes the device, frees the old workspace and maps
+                # peers' memory: each of these ends the caller's capture with an opaque
+                # error. Refused here, with nothing captured yet.
+                raise InvalidArgumentError(
+                    f"this dma call needs {nbytes} bytes of symmetric workspace per rank and "
+                    f"the group has {symm.nbytes if symm is not None else 0}: it cannot be "
+                    f"allocated during a CUDA graph capture. Run the call (at the largest "
+                    f"shape the graph will use) once eagerly on every rank before capturing")
         if symm is not None:
             error = self._take(symm)
             if error is not None:

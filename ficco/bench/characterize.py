@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 
 from ..errors import InvalidArgumentError
-from . import results
+from . import calibrate, results
 from .cli import progress_bar, require_plots, run_dir
-from .fit import fit_profile
+from .fit import fit_profile, gemm_rates
 from .scenarios import Scenario, paper
 from .timing import Timer, _cover, backend_for_characterize
 
@@ -44,8 +44,10 @@ EXAMPLES = """\
   python -m ficco.bench characterize --refit bench/runs/characterize-cpu-<date>"""
 
 DIL_WAYS = (8, 64)
-PARTS = ("copy", "dil", "cil", "enqueue")
+PARTS = ("copy", "dil", "cil", "gemm", "ccl", "peer", "enqueue")
 GPU_PARTS = ("paths",)
+#: What ``--quick`` measures when ``--parts`` is not given: everything the model prices.
+QUICK_PARTS = "copy,dil,cil,gemm,ccl,peer"
 ROW_WIDTH_2D = 2048          # bytes per row of a 2D copy in the by-size curve (K/8 of bf16 K=8192)
 
 
@@ -75,12 +77,19 @@ def size_for(args, device: torch.device) -> str:
 def settings_for(args, device: torch.device) -> Settings:
     """``quick``: a few tiny GEMMs and copies (CPU seconds). ``full``: the paper's GEMMs as
     one GPU of eight runs them, M divided by ``--scale``, and copies from 4 KiB to 256 MiB."""
-    if size_for(args, device) == "quick":
+    if size_for(args, device) == "quick" and device.type == "cpu":
         gemms: tuple[Scenario, ...] = (Scenario("tall", 1024, 128, 256, "quick"),
                                        Scenario("wide", 256, 128, 1024, "quick"),
                                        Scenario("square", 512, 256, 512, "quick"))
         return Settings(gemms, tuple(2 ** p for p in range(12, 21, 2)), (64, 256, 1024, 4096),
                         1 << 20, 1 << 20, args.copy_queues or 2, 1, args.repeat or 3,
+                        args.copy_to == "host")
+    if size_for(args, device) == "quick":
+        # a GPU in under a minute: two Table I GEMMs at 1/16 of M, copies 4 KiB - 256 MiB
+        gemms = tuple(Scenario(g.name, g.big_m, g.local_n(8), g.k, "paper")
+                      for g in paper(16) if g.name in ("g2", "g14"))
+        return Settings(gemms, tuple(2 ** p for p in range(12, 29, 4)), (256, 2048, 8192),
+                        16 << 20, 64 << 20, args.copy_queues or 7, 1, args.repeat or 3,
                         args.copy_to == "host")
     if args.scale <= 0:
         raise InvalidArgumentError(f"--scale must be positive; got {args.scale}")
@@ -100,11 +109,19 @@ def add_arguments(parser) -> None:
                         help="quick: tiny GEMMs and copies (seconds); full: Table I GEMMs and "
                              "copies up to 256 MiB (minutes on a GPU); auto: quick on CPU, "
                              "full on a GPU")
-    parser.add_argument("--quick", action="store_true", help="same as --size quick")
-    parser.add_argument("--parts", default="copy,dil,cil",
-                        help="what to measure: copy, dil, cil, enqueue (host time per W=8 "
-                             "plan op: the profile's host_op_s); on a GPU also paths (copy "
-                             "paths and their device activities)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"calibrate this machine in about a minute: --size quick and "
+                             f"(unless --parts is given) --parts {QUICK_PARTS}")
+    parser.add_argument("--parts", default=None,
+                        help="what to measure (default copy,dil,cil): copy, dil, cil, gemm "
+                             "(GEMM rate per dtype), ccl (each collective's bus bandwidth over "
+                             "every device; CPU: two gloo ranks), peer (copy-engine bandwidth "
+                             "to each peer GPU), enqueue (host time per W=8 plan op: the "
+                             "profile's host_op_s); on a GPU also paths (copy paths and their "
+                             "device activities)")
+    parser.add_argument("--no-install", action="store_true",
+                        help="do not install the profile as this machine's calibrated one "
+                             "(<cache>/profiles/<sku>.json, used without settings from then on)")
     parser.add_argument("--scale", type=int, default=4,
                         help="full size: divide the paper GEMMs' M by this")
     parser.add_argument("--only", default=None, help="comma list of paper GEMMs, e.g. g1,g2")
@@ -317,10 +334,11 @@ def main(args) -> int:
         return refit(args)
     from ..heuristics import profiles
 
-    parts = [p for p in args.parts.split(",") if p]
+    chosen = args.parts or (QUICK_PARTS if args.quick else "copy,dil,cil")
+    parts = [p for p in chosen.split(",") if p]
     unknown = [p for p in parts if p not in PARTS + GPU_PARTS]
     if unknown or not parts:
-        raise InvalidArgumentError(f"--parts {args.parts!r}: use a comma list of "
+        raise InvalidArgumentError(f"--parts {chosen!r}: use a comma list of "
                                    f"{', '.join(PARTS + GPU_PARTS)}")
     backend = backend_for_characterize()
     device = backend.device()
@@ -354,6 +372,12 @@ def main(args) -> int:
             recs += measure_dil(timer, st, getattr(torch, dtype), device, work)
         if "cil" in parts:
             recs += measure_cil(timer, st, getattr(torch, dtype), device, work)
+        if "gemm" in parts:
+            recs += calibrate.measure_gemm_rates(timer, device, st.warmup, st.repeat)
+        if "peer" in parts:
+            recs += calibrate.measure_peer_copies(st.noise_copy_bytes, st.repeat)
+        if "ccl" in parts:
+            recs += calibrate.measure_collectives(device.type, size == "quick", st.repeat)
         if "paths" in gpu_parts:
             from . import gpu_probes
 
@@ -369,7 +393,7 @@ def main(args) -> int:
                 recs += gpu_probes.measure_enqueue(backend, size == "quick")
     for r in recs:
         r["env"] = env
-        r["dtype"] = dtype
+        r.setdefault("dtype", dtype)
     return _write(args, recs, run_dir("characterize", target, args.out))
 
 
@@ -399,6 +423,9 @@ def _write(args, recs: list[dict], out_dir: Path) -> int:
                           f"{env['env_time'][:10]}")
     profile.to_json(out_dir / "profile.json")
     results.write_jsonl(out_dir / "characterize.jsonl", recs)
+    installed = None
+    if not getattr(args, "no_install", False) and not args.refit:
+        installed = install(profile, target)
     pngs = []
     drawers = () if getattr(args, "no_plots", False) else (
         ("dil", plots.plot_dil, "dil.png"), ("copy", plots.plot_copy_efficiency,
@@ -411,8 +438,22 @@ def _write(args, recs: list[dict], out_dir: Path) -> int:
     print(summary(recs, profile))
     print(f"wrote {out_dir / 'profile.json'}, {out_dir / 'characterize.jsonl'}, "
           + ", ".join(str(p) for p in pngs))
-    print(f"use it with: FICCO_PROFILE={out_dir / 'profile.json'}")
+    if installed is not None:
+        print(f"installed as this machine's calibrated profile: {installed} (used without "
+              f"settings from the next process on; FICCO_PROFILE still overrides)")
+    else:
+        print(f"use it with: FICCO_PROFILE={out_dir / 'profile.json'}")
     return 0
+
+
+def install(profile, target: str):
+    """Write ``profile`` where :func:`ficco.heuristics.profiles.resolve` finds it for this
+    device's SKU (:mod:`ficco.heuristics.sku`), and return that path."""
+    from ..heuristics import profiles, sku
+
+    path = profiles.calibrated_path(sku.sku_of(sku.local_props(target)).id)
+    profile.to_json(path)
+    return path
 
 
 def summary(recs: list[dict], profile) -> str:
@@ -436,6 +477,12 @@ def summary(recs: list[dict], profile) -> str:
     if "copy" in kinds:
         best = max(r["bytes_per_s"] for r in recs if r["kind"] == "copy")
         lines.append(f"best 1D copy bandwidth {best / 1e9:.1f} GB/s")
+    for dtype, rate in sorted(gemm_rates(recs, profile.name).items()):
+        if any(r["kind"] == "gemm_rate" and r["dtype"] == dtype for r in recs):
+            lines.append(f"GEMM {dtype}: best {rate / 1e12:.2f} TFLOP/s")
+    for kind, curve in sorted(profile.ccl.get("busbw", {}).items()) if "ccl" in kinds else ():
+        points = ", ".join(f"{int(size) >> 10} KiB {bw / 1e9:.1f}" for size, bw in curve.items())
+        lines.append(f"{kind} busbw GB/s over {profile.ccl['busbw_world']} ranks: {points}")
     if any(r["kind"] == "enqueue" for r in recs):
         lines.append(f"host_op_s {profile.host_op_s * 1e6:.2f} us per plan op (eager enqueue)")
     return "\n".join(lines)

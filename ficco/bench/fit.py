@@ -49,17 +49,35 @@ def fit_profile(base, recs: list[dict], dtype: str, name: str, measured_on: str)
         changes["copy_2d_half_row_bytes"] = float(median(halves))
         sources["copy_2d_half_row_bytes"] = note
     dil = dict(base.dil)
-    flops = [r["flops_per_s"] for r in recs if r["kind"] == "dil"]
-    if flops:
+    rates = gemm_rates(recs, dtype)
+    if dtype in rates:
         peak = dict(base.peak_flops)
-        best = max(flops)
+        best = rates[dtype]
         if best > base.flops(dtype):
             peak[dtype] = best
-            changes["peak_flops"] = peak
             sources["peak_flops"] = f"{dtype}: {note} (beat the built-in peak)"
-        dil["gemm_efficiency"] = round(min(1.0, best / max(best, base.flops(dtype))), 4)
+        efficiency = round(min(1.0, best / max(best, base.flops(dtype))), 4)
+        dil["gemm_efficiency"] = efficiency
         changes["dil"] = dil
         sources["dil.gemm_efficiency"] = note
+        # every other dtype measured keeps its own sustained rate: peak = rate / efficiency
+        for other, rate in rates.items():
+            if other != dtype:
+                peak[other] = rate / efficiency
+                sources[f"peak_flops.{other}"] = (f"{note}: the best {other} GEMM rate over "
+                                                  f"gemm_efficiency ({efficiency})")
+        changes["peak_flops"] = peak
+    curves = fit_ccl_curves([r for r in recs if r["kind"] == "ccl"])
+    if curves:
+        changes["ccl"] = {**base.ccl, **curves}
+        sources["ccl.busbw"] = (f"{note}: each collective timed over {curves['busbw_world']} "
+                                f"ranks at {len(next(iter(curves['busbw'].values())))} sizes "
+                                f"(bench/calibrate.py)")
+    peers = [r["bytes_per_s"] for r in recs if r["kind"] == "peer_copy"]
+    if peers:
+        changes["copy_engine_bytes_per_s"] = float(median(peers))
+        sources["copy_engine_bytes_per_s"] = (f"{note}: median over {len(peers)} peer GPUs of one "
+                                              f"copy-engine copy's bandwidth")
     cil_fit = fit_cil([r for r in recs if r["kind"] == "cil"])
     if cil_fit:
         cil = {**base.cil, **cil_fit}
@@ -75,6 +93,37 @@ def fit_profile(base, recs: list[dict], dtype: str, name: str, measured_on: str)
             f"eager W = {enqueue[0].get('world', '?')} calls (schedules of "
             f"{', '.join(sorted({r.get('op', 'all_gather_matmul') for r in enqueue}))})")
     return dataclasses.replace(base, name=name, sources=sources, **changes)
+
+
+def gemm_rates(recs: list[dict], dtype: str) -> dict[str, float]:
+    """The best measured GEMM FLOP/s per dtype: whole GEMMs of the DIL part (``dtype``'s) and
+    the per-dtype GEMMs of ``calibrate.measure_gemm_rates``.
+
+    >>> gemm_rates([dict(kind="dil", flops_per_s=2.0), dict(kind="gemm_rate", dtype="float16",
+    ...             flops_per_s=3.0)], "bfloat16")
+    {'bfloat16': 2.0, 'float16': 3.0}
+    """
+    best: dict[str, float] = {}
+    for r in recs:
+        if r["kind"] in ("dil", "gemm_rate"):
+            d = r.get("dtype", dtype) if r["kind"] == "gemm_rate" else dtype
+            best[d] = max(best.get(d, 0.0), r["flops_per_s"])
+    return best
+
+
+def fit_ccl_curves(recs: list[dict]) -> dict:
+    """``{"busbw": {kind: {size: busbw}}, "busbw_world": W}`` from ``ccl`` records (the
+    profile's per-primitive curves, :mod:`ficco.heuristics.collectives`); ``{}`` without.
+
+    >>> fit_ccl_curves([dict(op="all_gather", bytes=1024, world=2, busbw_bytes_per_s=5e8)])
+    {'busbw': {'all_gather': {'1024': 500000000.0}}, 'busbw_world': 2}
+    """
+    if not recs:
+        return {}
+    curves: dict[str, dict[str, float]] = {}
+    for r in recs:
+        curves.setdefault(r["op"], {})[str(int(r["bytes"]))] = float(r["busbw_bytes_per_s"])
+    return {"busbw": curves, "busbw_world": int(recs[0]["world"])}
 
 
 def fit_host_op(recs: list[dict]) -> float:

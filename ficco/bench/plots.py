@@ -53,7 +53,7 @@ MAX_WIDTH_IN = 12.0
 BARS_PER_ROW = 56
 
 
-def plot_speedups(records: list[dict], path) -> Path:
+def plot_speedups(records: list[dict], path, where: str | None = None) -> Path:
     """Fig. 12b: speedup over serial (ccl) of every schedule per scenario; each selector's
     pick marked above its bar. Scenarios wrap onto rows of at most :data:`BARS_PER_ROW` bars,
     so the figure keeps a readable width however many scenarios a sweep has."""
@@ -100,7 +100,7 @@ def plot_speedups(records: list[dict], path) -> Path:
         fig.legend(handles, names, fontsize=7, ncol=min(5, len(names)), loc="lower center")
     legend_in = 0.2 * math.ceil(len(names) / 5) + 0.25
     fig.tight_layout(rect=(0, legend_in / fig.get_figheight(), 1, 1))
-    return _save(fig, path, tight=False)
+    return _save(fig, path, tight=False, where=where)
 
 
 def measured_ideal(rec: dict) -> float | None:
@@ -123,7 +123,7 @@ RATIO_NOTE = ("curve: ideal if serial took GEMM + all-gather alone; ticks: ideal
               "g/c was timed with (dma copies).")
 
 
-def plot_ratio(records: list[dict], path) -> Path:
+def plot_ratio(records: list[dict], path, where: str | None = None) -> Path:
     """Fig. 13: speedup against GEMM/communication time ratio, with the ideal curve; the best
     FiCCO schedule and shard-level ``ring`` per scenario; per scenario a tick at the ideal over
     the serial call the speedups are measured against (:func:`measured_ideal`), and a note
@@ -168,10 +168,10 @@ def plot_ratio(records: list[dict], path) -> Path:
     _legend(ax, fontsize=7)
     fig.text(0.01, 0.01, textwrap.fill(RATIO_NOTE, 110), fontsize=6, va="bottom")
     fig.tight_layout(rect=(0, 0.09, 1, 1))
-    return _save(fig, path, tight=False)
+    return _save(fig, path, tight=False, where=where)
 
 
-def plot_selector_accuracy(records: list[dict], path) -> Path:
+def plot_selector_accuracy(records: list[dict], path, where: str | None = None) -> Path:
     """How often each selector's pick is within 5% of the best measured schedule (left) and,
     per scenario, the best speedup next to each selector's pick's speedup (right)."""
     plt = _pyplot()
@@ -206,15 +206,31 @@ def plot_selector_accuracy(records: list[dict], path) -> Path:
     right.set_ylabel("speedup over serial (ccl)")
     right.set_title("Best measured vs picked")
     _legend(right, fontsize=7)
-    return _save(fig, path)
+    return _save(fig, path, where=where)
 
 
 def sweep_plots(records: list[dict], out_dir) -> list[Path]:
-    """All sweep plots into ``out_dir``: speedup.png, ratio.png, selectors.png."""
+    """All sweep plots into ``out_dir``: speedup.png, ratio.png, selectors.png, each saying on
+    the image what was measured where (:func:`measured_where`)."""
     out_dir = Path(out_dir)
-    return [plot_speedups(records, out_dir / "speedup.png"),
-            plot_ratio(records, out_dir / "ratio.png"),
-            plot_selector_accuracy(records, out_dir / "selectors.png")]
+    where = measured_where(records)
+    return [plot_speedups(records, out_dir / "speedup.png", where),
+            plot_ratio(records, out_dir / "ratio.png", where),
+            plot_selector_accuracy(records, out_dir / "selectors.png", where)]
+
+
+def measured_where(records: list[dict]) -> str:
+    """The line a sweep image carries: measured, on which backend and device, at which W.
+
+    >>> measured_where([{"env_backend": "cpu", "env_device": "x86 (2 cpus)", "env_world": 4}])
+    'measured, cpu (x86 (2 cpus)), W=4'
+    """
+    if not records:
+        return "measured (no records)"
+    first = records[0]
+    worlds = sorted({int(r["env_world"]) for r in records if r.get("env_world") is not None})
+    return (f"measured, {first.get('env_backend', '?')} ({first.get('env_device', '?')}), "
+            f"W={','.join(map(str, worlds)) or '?'}")
 
 
 # -- characterize (paper Figs. 7-9) ---------------------------------------------------------
@@ -280,8 +296,10 @@ def _legend(ax, **kwargs) -> None:
         ax.legend(**kwargs)
 
 
-def _save(fig, path, tight: bool = True) -> Path:
+def _save(fig, path, tight: bool = True, where: str | None = None) -> Path:
     path = Path(path)
+    if where:     # what the numbers are (measured, on what, W), on the image itself
+        fig.text(0.99, 0.005, where, ha="right", va="bottom", fontsize=7, color="#444444")
     path.parent.mkdir(parents=True, exist_ok=True)
     if tight:
         fig.tight_layout()

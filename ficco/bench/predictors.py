@@ -10,7 +10,7 @@ Example::
 
     >>> from ficco.bench.paper_runs import load_profile
     >>> round(PREDICTORS["nccl_all_gather_us"](load_profile("h100"), "134217728"))
-    379
+    385
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import math
 from collections.abc import Callable
 from typing import NamedTuple
 
-from ..heuristics import bands, gemm, simulator
-from ..plan import COMPUTE, AllGather, Block, Copy, Gemm, Op, Plan, ReduceScatter
+from ..heuristics import bands, collectives, gemm, simulator
+from ..plan import COMPUTE, AllGather, AllToAll, Block, Copy, Gemm, Op, Plan, ReduceScatter
 from ..problem import Problem
 from .paper_runs import PAPER_FOUR, emulated_2d, fraction_of_ideal, geomean, paper_run, table_i
 
@@ -276,6 +276,58 @@ def schedule_us(prof, op: str, schedule: str, transport: str, m: int | str, n: i
                for rank in model.representative_ranks(problem.world)) * 1e6
 
 
+def all_to_all_us(prof, recv_bytes: int | str, world: int | str = "8") -> float:
+    """Microseconds of one all-to-all in which each of ``world`` ranks receives
+    ``recv_bytes`` in total, its own share (1/W, which never travels) included, spread evenly
+    over the peers (DeepEP's and TileScale's intranode dispatch/combine benchmarks report that
+    volume over the time)."""
+    world = int(world)
+    per_peer = int(recv_bytes) // world
+    problem = Problem(per_peer // 2, 1, (1,), "bfloat16", world)
+    block = Block("input", 0, per_peer // 2, 0, 1)
+    peers = tuple(None if q == 0 else block for q in range(world))
+    plan = Plan("all-to-all", "ccl", problem, ("comm",), (AllToAll("comm", peers, peers),))
+    return simulator.simulate(plan, dataclasses.replace(prof, host_op_s=0.0)).makespan_s * 1e6
+
+
+def gemm_us(prof, m: int | str, n: int | str, k: int | str, dtype: str = "bfloat16") -> float:
+    """Microseconds of one ``(m, k) @ (k, n)`` GEMM launch on ``prof``."""
+    problem = Problem(int(m), int(k), (int(n),), dtype, 1)
+    return gemm.gemm_seconds(prof, dtype, [int(m)], int(n), int(k), problem.itemsize) * 1e6
+
+
+def gemm_tflops(prof, m: int | str, n: int | str, k: int | str, dtype: str = "bfloat16") -> float:
+    """TFLOP/s of one ``(m, k) @ (k, n)`` GEMM launch on ``prof`` (:func:`gemm_us`)."""
+    return 2 * int(m) * int(n) * int(k) / gemm_us(prof, m, n, k, dtype) / 1e6
+
+
+def nccl_busbw_gbps(prof, kind: str, size: int | str, world: int | str = "8") -> float:
+    """nccl-tests' bus bandwidth (GB/s) of collective ``kind`` at message ``size`` over
+    ``world`` ranks as the profile prices it (:mod:`ficco.heuristics.collectives`)."""
+    world, size = int(world), int(size)
+    per_peer = size // world
+    seconds = collectives.collective_seconds(prof, kind, per_peer, world - 1, world=world)
+    return size * collectives.bus_factor(kind, world) / seconds / 1e9
+
+
+def dma_copy_us(prof, nbytes: int | str) -> float:
+    """Microseconds of one peer DMA copy of ``nbytes`` with its completion (latency + bytes
+    over the copy's bandwidth at its size), alone on the link."""
+    problem = Problem(int(nbytes), 1, (1,), "float16" if int(nbytes) % 2 == 0 else "float32", 2)
+    rows = int(nbytes) // problem.itemsize
+    plan = Plan("copy", "dma", problem, ("copy0",),
+                (Copy("copy0", Block("input", 0, rows, 0, 1, peer=1),
+                      Block("gathered", rows, rows, 0, 1)),))
+    return simulator.simulate(plan, dataclasses.replace(prof, host_op_s=0.0)).makespan_s * 1e6
+
+
+def problem_of(shapes: dict) -> Problem:
+    """The Problem of a ``schedule_us`` row's ``shapes`` (``op``, ``m``, ``n``, ``k``,
+    ``world``, ``dtype``)."""
+    return _problem(shapes.get("op", "all_gather_matmul"), shapes["m"], shapes["n"], shapes["k"],
+                    shapes.get("world", 8), shapes.get("dtype", "bfloat16"))
+
+
 def _problem(op: str, m: int | str, n: int | str, k: int | str, world: int | str,
              dtype: str) -> Problem:
     return Problem(int(m), int(k), (int(n),), dtype, int(world), op=op)
@@ -298,6 +350,11 @@ PREDICTORS: dict[str, Callable[..., float]] = {
     "independent_overlap_ms": independent_overlap_ms,
     "ag_then_mm_us": ag_then_mm_us,
     "schedule_us": schedule_us,
+    "all_to_all_us": all_to_all_us,
+    "gemm_us": gemm_us,
+    "gemm_tflops": gemm_tflops,
+    "nccl_busbw_gbps": nccl_busbw_gbps,
+    "dma_copy_us": dma_copy_us,
 }
 
 

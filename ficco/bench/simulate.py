@@ -321,7 +321,8 @@ def draw(report: dict, args, out_dir: Path) -> list[Path]:
                                              args.transport, config.copy_engines())
             rows += [{**r, "queue": f"{label}/{r['queue']}"} for r in result.rows]
         pick = sc["picks"]["model"]
-        title = (f"{sc['name']} (M={sc['M']}, N={sc['N']}, K={sc['K']}, W={args.world}) on "
+        title = (f"simulated: {sc['name']} (M={sc['M']}, N={sc['N']}, K={sc['K']}, "
+                 f"W={args.world}) on "
                  f"{report['profile']}: serial {sc['times_s']['serial'] * 1e3:.2f} ms, "
                  f"{pick} {sc['times_s'][pick] * 1e3:.2f} ms ({sc['speedup'][pick]:.2f}x)")
         paths.append(draw_gantt(rows, out_dir / f"{sc['name']}.png", title))

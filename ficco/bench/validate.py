@@ -10,9 +10,12 @@ Three checks, all without a GPU:
    package, so an installed wheel validates too), one row per figure read in a public source:
    what was measured, on what, the figure, our prediction (:mod:`ficco.bench.predictors`) and
    the relative error; rows off by more than 20% name the mechanism. ``role`` says whether a
-   profile number was set from the row (``fit``) or not (``check``); ``op`` and ``kind`` say
-   which op a row times and whether it is one shape (``point``) or an aggregate. Rows whose
-   hardware has no profile are listed, not predicted. ``--write`` refreshes the prediction and
+   profile number was set from the row (``fit``), or not and the row was looked at while the
+   model changed (``tune``), or not and it was held out (``holdout``); ``family`` groups rows
+   for the targets (all-gather, reduce-scatter, all-to-all, baselines, async-tp, paper); ``op``
+   and ``kind`` say which op a row times and whether it is one shape (``point``) or an
+   aggregate. Rows whose hardware has no profile are listed, not predicted; ``versus`` names
+   the publication's serial row where a row times an overlapped implementation. ``--write`` refreshes the prediction and
    error columns; ``--write-bands`` regenerates the selector's error bands from the residuals
    (:mod:`ficco.heuristics.bands`).
 3. **Fit data**: the H100 GEMM timings in ``bench/results`` that the H100 GEMM model was
@@ -29,7 +32,7 @@ import statistics
 from pathlib import Path
 
 from ..heuristics import bands, gemm, profiles
-from . import validate_expert
+from . import predictors, validate_expert
 from .paper_runs import (  # noqa: F401
     GRAPHS,
     PAPER_FOUR,
@@ -51,8 +54,8 @@ TABLE = Path(__file__).with_name("validation") / "published.csv"
 ROOT = Path(__file__).resolve().parents[2]
 GEMM_FIT = ROOT / "bench" / "results" / "characterize-cuda-sm_90-20261122-192742" \
     / "characterize.jsonl"
-COLUMNS = ("id", "source", "hardware", "profile", "op", "kind", "shapes", "quantity", "role",
-           "published", "prediction", "rel_error", "mechanism", "note")
+COLUMNS = ("id", "source", "hardware", "profile", "op", "kind", "family", "shapes", "quantity",
+           "role", "versus", "published", "prediction", "rel_error", "mechanism", "note")
 #: Rows off by more than this must name the mechanism behind the error.
 EXPLAIN_ABOVE = 0.20
 OPS = ("all_gather_matmul", "matmul_reduce_scatter")
@@ -64,7 +67,7 @@ def add_arguments(parser) -> None:
                         help="write the predictions and errors back into the table")
     parser.add_argument("--write-bands", action="store_true",
                         help=f"regenerate the selector's error bands ({bands.BANDS_FILE.name}) "
-                             f"from the check rows' residuals")
+                             f"from the unfitted rows' residuals")
     parser.add_argument("--fit-cil", metavar="PROFILE", default=None,
                         help="print the contention constants that reproduce the paper's Fig. 8 "
                              "geomeans on PROFILE (what its cil block holds), and stop")
@@ -116,11 +119,12 @@ def report_picks() -> None:
 
 def report_rows(rows: list[dict], table) -> None:
     """Every row with its error (and mechanism when over :data:`EXPLAIN_ABOVE`), the rows
-    without a profile, and the medians per op and role."""
+    without a profile, the medians per family and role against their targets, and what the
+    ``model`` selector picks where a publication measured overlap losing."""
     print(f"published results ({table}):")
     predicted = [r for r in rows if r["prediction"]]
     for row in predicted:
-        print(f"  {row['id']:4} {row['role']:5} {short_op(row['op']):6} {row['quantity']:26} "
+        print(f"  {row['id']:4} {row['role']:7} {row['family']:14} {row['quantity']:24} "
               f"published {row['published']:>10} predicted {row['prediction']:>9} "
               f"error {row['rel_error']:>7}  {row['hardware']}")
         if abs(float(row["rel_error"])) > EXPLAIN_ABOVE:
@@ -136,23 +140,74 @@ def report_rows(rows: list[dict], table) -> None:
         worst = max(chosen, key=lambda r: abs(float(r["rel_error"])))
         print(f"{label}: median |error| {statistics.median(errors):.1%} over {len(errors)} rows; "
               f"worst {float(worst['rel_error']):+.1%} ({worst['id']})")
+    print("where a publication measured overlap losing to serial, the model selector picks:")
+    for row, serial, loss, pick in picks_where_overlap_lost(rows):
+        print(f"  {row['id']:4} overlap {loss:+.0%} against {serial['id']} ({serial['shapes']}): "
+              f"{pick or 'not a ficco op'}")
     print()
 
 
+#: The families targets are set for, and the targets (median |error| of unfitted point rows).
+FAMILIES = ("all-gather", "reduce-scatter", "all-to-all", "baselines", "async-tp")
+TARGET_ALL, TARGET_FAMILY = 0.08, 0.10
+#: Roles of rows no profile number was set from: ``tune`` rows were looked at while the model
+#: changed, ``holdout`` rows were not (they measure how it generalises).
+UNFITTED = bands.UNFITTED
+
+
 def summaries(rows: list[dict]) -> list[tuple[str, list[dict]]]:
-    """(label, rows) of every summary line: point checks per op and both together, then by
-    role, then all rows; empty groups are left out."""
-    groups = []
-    points = [r for r in rows if r["kind"] == "point" and r["role"] == "check"]
-    for op in OPS:
-        groups.append((f"point checks, {op}", [r for r in points if r["op"] == op]))
-    groups.append(("point checks, both ops", [r for r in points if r["op"] in OPS]))
-    groups.append(("checks (numbers no parameter was fitted to)",
-                   [r for r in rows if r["role"] == "check"]))
+    """(label, rows) of every summary line: the unfitted point rows, per family against the
+    targets, the held-out ones alone, then fits and all rows; empty groups are left out."""
+    points = [r for r in rows if r["kind"] == "point" and r["role"] in UNFITTED]
+    held = [r for r in points if r["role"] == "holdout"]
+    groups = [(f"point rows nobody fitted (target <= {TARGET_ALL:.0%})", points)]
+    groups += [(f"  family {f} (target <= {TARGET_FAMILY:.0%})",
+                [r for r in points if r["family"] == f]) for f in FAMILIES]
+    groups.append(("held-out point rows (never looked at while the model changed)", held))
+    groups += [(f"  held out, family {f}", [r for r in held if r["family"] == f])
+               for f in FAMILIES]
     groups.append(("fits (rows a profile number was set from)",
                    [r for r in rows if r["role"] == "fit"]))
     groups.append(("all rows", rows))
     return [(label, chosen) for label, chosen in groups if chosen]
+
+
+def family_errors(rows: list[dict]) -> dict[str, float]:
+    """Median |error| of the unfitted point rows, ``"all"`` and per family (validated rows)."""
+    points = [r for r in rows if r["prediction"] and r["kind"] == "point"
+              and r["role"] in UNFITTED]
+    out = {"all": statistics.median(abs(float(r["rel_error"])) for r in points)}
+    for f in FAMILIES:
+        chosen = [abs(float(r["rel_error"])) for r in points if r["family"] == f]
+        if chosen:
+            out[f] = statistics.median(chosen)
+    return out
+
+
+def picks_where_overlap_lost(rows: list[dict]):
+    """(row, serial row, loss, pick) for every row whose publication measured an overlapped
+    implementation (``published``) slower than its serial (the row ``versus`` names): the
+    ``model`` selector's pick on the serial row's shape and profile (None where that row is
+    not one of ficco's ops)."""
+    from ..heuristics import model
+
+    by_id = {r["id"]: r for r in rows}
+    for row in rows:
+        serial = by_id.get(row["versus"])
+        if serial is None:
+            continue
+        loss = float(row["published"]) / float(serial["published"]) - 1
+        if loss <= 0:
+            continue
+        pick = None
+        if serial["quantity"] == "schedule_us" and serial["profile"]:
+            args = dict(item.split("=", 1) for item in serial["shapes"].split())
+            problem = predictors.problem_of(args)
+            prof = load_profile(serial["profile"])
+            width, cls = bands.band(problem, prof)
+            pick = model.banded_choice(problem, prof, None, ("dma", "ccl"), None,
+                                       lambda via: None, width, cls).schedule
+        yield row, serial, loss, pick
 
 
 def short_op(op: str) -> str:

@@ -69,12 +69,17 @@ class ExpertContext:
         return r0, (rn if cn else 0), slice(c0, c0 + cn)
 
     # -- the rows of one piece of work -------------------------------------------------------
-    def pulls(self, peer: int, chunk: int | None, two_d: bool, src_buf: torch.Tensor
-              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(destination, source) blocks ``peer`` contributes to this rank in ``chunk``
-        (``src_buf``: ``peer``'s copy of the symmetric buffer; 2d: strided column blocks)."""
+    def local_experts(self, experts: tuple[int, ...] | None) -> range | tuple[int, ...]:
+        """The local experts an op covers: ``experts``, or every one (None)."""
+        return range(self.experts) if experts is None else experts
+
+    def pulls(self, peer: int, chunk: int | None, two_d: bool, src_buf: torch.Tensor,
+              experts: tuple[int, ...] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(destination, source) blocks ``peer`` contributes to this rank in ``chunk``, for
+        ``experts`` (None: all; ``src_buf``: ``peer``'s copy of the symmetric buffer; 2d:
+        strided column blocks)."""
         lay, r, big_l, out = self.layout, self.rank, self.experts, []
-        for l in range(big_l):
+        for l in self.local_experts(experts):
             if self.kind == DISPATCH:   # peer's rows for my expert l -> block (l, peer)
                 rows = lay.block_rows(r, l, peer)
                 src0, dst0, dst = lay.send_offset(peer, r * big_l + l), \
@@ -89,12 +94,14 @@ class ExpertContext:
                             src_buf[src0 + c0: src0 + c0 + cn, cols]))
         return out
 
-    def gemm_pieces(self, sources, chunk, two_d: bool) -> list[tuple]:
+    def gemm_pieces(self, sources, chunk, two_d: bool,
+                    experts: tuple[int, ...] | None = None) -> list[tuple]:
         """(local expert, rows in, weight, rows out) of blocks ``(l, s)`` for s in
-        ``sources``: 2d dispatch multiplies K columns ``c`` by weight rows ``c`` (partial
-        products, accumulated), 2d combine makes output columns ``c``."""
+        ``sources`` and l in ``experts`` (None: all): 2d dispatch multiplies K columns ``c``
+        by weight rows ``c`` (partial products, accumulated), 2d combine makes output
+        columns ``c``."""
         lay, r, big_l, out = self.layout, self.rank, self.experts, []
-        for l in range(big_l):
+        for l in self.local_experts(experts):
             for s in sources:
                 c0, cn, cols = self._piece(lay.block_rows(r, l, s), chunk, two_d)
                 if not cn:
@@ -118,17 +125,19 @@ class ExpertContext:
         return self.stacked[:, cols] if self.kind == DISPATCH else self.stacked[:, :, cols]
 
     def exchange_pieces(self, chunk, two_d: bool, send_to: int | None = None,
-                        recv_from: int | None = None) -> tuple[list[list], list[list]]:
+                        recv_from: int | None = None, experts: tuple[int, ...] | None = None
+                        ) -> tuple[list[list], list[list]]:
         """Per peer, the blocks this rank sends it and those it receives from it in ``chunk``
-        (the own rank's lists stay empty: its block never travels). ``send_to``/``recv_from``
-        (ring): only that peer's blocks, every other list empty."""
+        (the own rank's lists stay empty: its block never travels), for ``experts`` (None:
+        all). ``send_to``/``recv_from`` (ring): only that peer's blocks, every other list
+        empty."""
         lay, r, big_l, w = self.layout, self.rank, self.experts, self.world
         sends: list[list[torch.Tensor]] = [[] for _ in range(w)]
         recvs: list[list[torch.Tensor]] = [[] for _ in range(w)]
         for q in range(w):
             if q == r:
                 continue
-            for l in range(big_l):
+            for l in self.local_experts(experts):
                 if self.kind == DISPATCH:
                     send_rows, send0 = lay.counts[r][q * big_l + l], \
                         lay.send_offset(r, q * big_l + l)

@@ -5,7 +5,9 @@ counts (:mod:`ficco.heuristics.all_to_all_pricing`).
 
 ``chunk`` is the FiCCO chunk index: chunk c of every block is ``even_split(rows, W)[c]`` of
 its rows (1d) or, with ``two_d``, of the columns that cross the links (dispatch: K, combine:
-n; :func:`~ficco.expert.problem.piece_of`); ``None`` is the whole block.
+n; :func:`~ficco.expert.problem.piece_of`); ``None`` is the whole block. ``experts`` names the
+local experts an op covers (``None``: every one): the ``by-expert`` schedules move and multiply
+one expert at a time, each expert's GEMM whole.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ class Pull(HostOp):
     chunk: int | None
     step: int = 0
     two_d: bool = False
+    experts: tuple[int, ...] | None = None
     kind = "expert_copy"
     host_task = staticmethod(tasks.move_task)
 
@@ -53,6 +56,7 @@ class GroupedGemm(HostOp):
     step: int = 0
     two_d: bool = False
     accumulate: bool = False
+    experts: tuple[int, ...] | None = None
     kind = "expert_gemm"
     host_task = staticmethod(tasks.gemm_task)
 
@@ -67,5 +71,6 @@ class Exchange(HostOp):
     step: int = 0
     two_d: bool = False
     shift: int | None = None
+    experts: tuple[int, ...] | None = None
     kind = "expert_all_to_all"
     host_task = staticmethod(tasks.exchange_task)

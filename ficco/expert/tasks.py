@@ -99,7 +99,8 @@ def move_task(views, buffers: Buffers, op):
     """Pull ``op.chunk`` of every block ``op.peer`` holds for this rank (one copy per expert;
     2d: a strided column block each)."""
     ctx = context_of(buffers)
-    pairs = ctx.pulls(op.peer, op.chunk, op.two_d, buffers.peer(op.peer, ctx.shared_name))
+    pairs = ctx.pulls(op.peer, op.chunk, op.two_d, buffers.peer(op.peer, ctx.shared_name),
+                      op.experts)
 
     def run():
         for dst, src in pairs:
@@ -110,7 +111,7 @@ def move_task(views, buffers: Buffers, op):
 def gemm_task(views, buffers: Buffers, op):
     """One grouped GEMM over ``op.chunk`` of the blocks of ``op.sources`` (every expert)."""
     ctx = context_of(buffers)
-    pieces = ctx.gemm_pieces(op.sources, op.chunk, op.two_d)
+    pieces = ctx.gemm_pieces(op.sources, op.chunk, op.two_d, op.experts)
     stacked = ctx.stacked_piece(op.chunk, op.two_d)
     if stacked is not None and op.two_d and not grouped_view_runs(stacked):
         stacked = None
@@ -125,7 +126,7 @@ def exchange_task(views, buffers: Buffers, op):
     send_to = recv_from = None
     if op.shift is not None:
         send_to, recv_from = (ctx.rank - op.shift) % ctx.world, (ctx.rank + op.shift) % ctx.world
-    sends, recvs = ctx.exchange_pieces(op.chunk, op.two_d, send_to, recv_from)
+    sends, recvs = ctx.exchange_pieces(op.chunk, op.two_d, send_to, recv_from, op.experts)
     like = ctx.inp
 
     def run():

@@ -16,23 +16,22 @@ Selectors never look at the rank, so every rank reaches the same decision.
 """
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from .. import config, schedules
+from .. import config, logs, schedules
 from ..config import TRANSPORTS
 from ..errors import ConfigError, InvalidArgumentError
 from ..problem import Problem
 from . import bands, profiles
 from .decision import SELECTORS, Decision, decision_inputs
-from .model import banded_choice
+from .model import banded_choice, predict_all
 from .paper import paper_choice
 from .tune import tune_choice
 
-log = logging.getLogger("ficco")
+log = logs.log
 _logged: set = set()
 _logged_lock = threading.Lock()
 
@@ -118,6 +117,21 @@ SELECTOR_FUNCTIONS: dict[str, Callable[[Problem, Context], Decision]] = {
     "paper": _paper, "model": _model, "tune": _tune}
 
 
+def _forced_prediction(problem: Problem, profile: profiles.Profile, topology: str,
+                       transport: str, target: str, forced: str) -> tuple[dict, str]:
+    """A forced schedule's predicted time beside the model's candidates over its transport
+    (simulated on the profile): ``(scores, the reason's sentence about it)``."""
+    if problem.world == 1:
+        return {}, "; one rank: a plain GEMM, nothing to predict"
+    names = schedules.offered(target, transport, problem.op, problem)
+    scores = predict_all(problem, profile, topology, transport, config.copy_engines(),
+                         names if forced in names else [*names, forced])
+    best = min(scores, key=lambda name: (scores[name], name))
+    return scores, (f"; the model predicts {scores[forced] * 1e3:.3f} ms for it over "
+                    f"{transport} (its fastest: {best}, {scores[best] * 1e3:.3f} ms), "
+                    f"simulated on {profile.name}/{topology}")
+
+
 def choose(problem: Problem, *, transport: str | tuple[str, ...] = "dma", target: str = "cpu",
            selector: str | None = None, forced: str | None = None,
            forced_by: str | None = None, live: Live | None = None) -> Decision:
@@ -134,7 +148,7 @@ def choose(problem: Problem, *, transport: str | tuple[str, ...] = "dma", target
 
     >>> from ficco.problem import Problem
     >>> choose(Problem(8, 8, (8,), "float32", 2), forced="ring", forced_by="argument").reason
-    'forced by argument'
+    'forced by argument; the model predicts ... ms for it over dma (its fastest: ...'
     """
     transports = (transport,) if isinstance(transport, str) else tuple(transport)
     if not transports or any(t not in TRANSPORTS for t in transports):
@@ -145,9 +159,11 @@ def choose(problem: Problem, *, transport: str | tuple[str, ...] = "dma", target
     inputs = decision_inputs(problem, profile.name, topology)
     if forced is not None:
         schedules.get(forced, op=problem.op)   # an unknown name raises with the valid list
-        decision = Decision(forced, transports[0], "forced", inputs, {},
-                            f"forced by {forced_by or 'argument'}")
-        return _logged_once(problem, decision)
+        scores, predicted = _forced_prediction(problem, profile, topology, transports[0],
+                                               target, forced)
+        decision = Decision(forced, transports[0], "forced", inputs, scores,
+                            f"forced by {forced_by or 'argument'}{predicted}")
+        return _logged_once(problem, decision, target)
     selector = selector or config.selector()
     if selector not in SELECTOR_FUNCTIONS:
         raise ConfigError(f"selector {selector!r} is not valid; use one of: "
@@ -156,18 +172,44 @@ def choose(problem: Problem, *, transport: str | tuple[str, ...] = "dma", target
         # Nothing to gather: every schedule is the same plain GEMM; don't simulate or time.
         decision = Decision("serial", transports[0], selector, inputs, {},
                             "one rank: nothing to gather, a plain GEMM")
-        return _logged_once(problem, decision)
+        return _logged_once(problem, decision, target)
     low, high = config.paper_thresholds()
     if not low < high:
         raise ConfigError(f"FICCO_PAPER_LOW={low} must be below FICCO_PAPER_HIGH={high}")
     ctx = Context(profile, topology, transports, target, inputs, config.copy_engines(),
                   (low, high), live)
-    return _logged_once(problem, SELECTOR_FUNCTIONS[selector](problem, ctx))
+    return _logged_once(problem, SELECTOR_FUNCTIONS[selector](problem, ctx), target)
 
 
-def _logged_once(problem: Problem, decision: Decision) -> Decision:
+def off_by_default(target: str) -> dict[str, str]:
+    """The risky GPU features left off on backend ``target`` until a GPU lease verified them
+    there (docs/gpu.md), each with why and how to turn it on; {} off GPUs.
+
+    >>> sorted(off_by_default("cuda:sm_90")), off_by_default("cpu")
+    (['FICCO_SIGNAL_PADS=device', 'gated-1d, gated-2d'], {})
+    """
+    from .. import kernels
+
+    if not target.startswith(("cuda", "rocm", "hip")):
+        return {}
+    off = {}
+    gated = kernels.selectable_reason(target)
+    if gated is not None:
+        off["gated-1d, gated-2d"] = gated
+    if config.get("FICCO_SIGNAL_PADS") != "device":
+        off["FICCO_SIGNAL_PADS=device"] = (
+            "signal pads are host-mapped by default; device pads (lower flag latency) wait "
+            "for a GPU lease to verify the watchdog's release through a stream and the "
+            "late-peer path on them; set FICCO_SIGNAL_PADS=device to use them")
+    return off
+
+
+def _logged_once(problem: Problem, decision: Decision, target: str) -> Decision:
     """``FICCO_LOG=info`` (or debug) logs each decision once: rank, op, shape, schedule,
-    transport and selector."""
+    transport and selector. Says what is off by default on GPUs (:func:`off_by_default`)."""
+    off = off_by_default(target)
+    if off:
+        decision = replace(decision, off=off)
     level = config.log_level()
     if level not in ("info", "debug"):
         return decision
@@ -178,16 +220,11 @@ def _logged_once(problem: Problem, decision: Decision) -> Decision:
         if key in _logged:
             return decision
         _logged.add(key)
-    if log.getEffectiveLevel() > logging.INFO:
-        log.setLevel(logging.INFO if level == "info" else logging.DEBUG)
-    if not log.handlers and not logging.getLogger().handlers:
-        # Nobody configured logging: without a handler Python would drop INFO records.
-        log.addHandler(logging.StreamHandler())
-    log.info("ficco decision rank %d: %s M=%d n=%d K=%d %s W=%d -> schedule %s, transport %s, "
+    logs.ready().info("ficco decision rank %d: %s M=%d n=%d K=%d %s W=%d -> schedule %s, transport %s, "
              "selector %s - %s", problem.rank, op, problem.big_m, problem.n_total, problem.k,
              problem.dtype, problem.world, decision.schedule, decision.transport,
              decision.selector, decision.reason)
     return decision
 
 
-__all__ = ["SELECTORS", "Decision", "Live", "Timings", "choose", "profiles"]
+__all__ = ["SELECTORS", "Decision", "Live", "Timings", "choose", "off_by_default", "profiles"]

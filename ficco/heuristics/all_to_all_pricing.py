@@ -34,7 +34,7 @@ def price(sim, op, task, mt_factor):
         return sim._memory_move(lay.send_rows(r) * p.k * sim.itemsize,
                                 on_copy_engine=op.queue.startswith("copy"))
     if op.kind == "expert_copy":
-        pieces = [_moved(p, op.peer, l, op) for l in range(p.experts)]
+        pieces = [_moved(p, op.peer, l, op) for l in _experts(p, op)]
         pieces = [(rows, cols) for rows, cols in pieces if rows * cols]
         cols = pieces[0][1] if pieces else 0
         row_bytes = cols * sim.itemsize if op.two_d else None
@@ -50,11 +50,16 @@ def price(sim, op, task, mt_factor):
         if op.shift is not None:    # a ring step: one peer each way
             peers = [(r + op.shift) % p.world]
         volumes = [sum(rows * cols for rows, cols in (_moved(p, q, l, op)
-                                                      for l in range(p.experts)))
+                                                      for l in _experts(p, op)))
                    * sim.itemsize for q in peers]
         busy = [v for v in volumes if v]
-        return sim._collective(max(busy, default=0), len(busy))
+        return sim.collective("all_to_all", max(busy, default=0), len(busy))
     raise ValueError(f"not an expert-parallel op kind: {op.kind!r}")
+
+
+def _experts(p, op) -> range | tuple[int, ...]:
+    """The local experts ``op`` covers (``op.experts``; None: every one)."""
+    return range(p.experts) if op.experts is None else op.experts
 
 
 def _moved(p, peer: int, local: int, op) -> tuple[int, int]:
@@ -75,7 +80,7 @@ def _grouped_gemm(sim, p, op, task, mt_factor):
     else:
         n = cols          # 2d: output columns
     blocks = [sum(piece_of(lay.block_rows(r, l, s), p.moved_cols, p.world, op.chunk,
-                           op.two_d)[1] for s in op.sources) for l in range(p.experts)]
+                           op.two_d)[1] for s in op.sources) for l in _experts(p, op)]
     blocks = [b for b in blocks if b]
     if not blocks or not k or not n:
         return task("gemm", 0.0, 0.0)

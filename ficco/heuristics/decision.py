@@ -50,6 +50,9 @@ class Decision:
     reason: str = ""
     band: float | None = None
     band_class: str = ""
+    #: GPU features off by default until a GPU lease verified them: feature -> why, how to
+    #: turn it on (:func:`ficco.heuristics.off_by_default`)
+    off: dict = field(default_factory=dict)
 
     def ranked(self) -> list[tuple[str, float]]:
         """Scores best first (lowest seconds; for ``paper`` the single score as given)."""
@@ -66,8 +69,10 @@ class Decision:
             lines.append(f"band      \u00b1{self.band:.0%} simulated-time error of "
                          f"{self.band_class} (python -m ficco.bench validate); overlap is kept "
                          f"only above it")
+        for feature, why in self.off.items():
+            lines.append(f"off       {feature}: {why}")
         if self.scores:
-            seconds = self.selector in ("model", "tune")
+            seconds = self.selector in ("model", "tune", "forced")
             best = min(self.scores.values())
             lines.append(f"scores    {'':2}{'schedule':<20} "
                          + (f"{'time':>13}  {'vs best':>7}" if seconds else f"{'score':>10}"))

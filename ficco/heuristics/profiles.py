@@ -78,15 +78,17 @@ Example::
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
-import logging
 import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal, TypedDict
 
+from .. import logs
 from ..errors import ConfigError
+from . import sku
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
 _FP8 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
@@ -150,7 +152,7 @@ DEFAULTS: _Defaults = {
 }
 _NESTED: tuple[Literal["dil", "cil", "ccl"], ...] = ("dil", "cil", "ccl")
 
-log = logging.getLogger("ficco")
+log = logs.log
 
 
 @dataclass(frozen=True)
@@ -309,7 +311,7 @@ def builtin_names() -> list[str]:
 _loaded: dict[tuple, Profile] = {}
 
 
-def load(name_or_path: str) -> Profile:
+def load(name_or_path: str | os.PathLike) -> Profile:
     """A built-in profile by name (``"mi300x"``) or a profile JSON file by path.
 
     >>> load("h100").topology
@@ -341,57 +343,53 @@ def load(name_or_path: str) -> Profile:
     return profile
 
 
-# (target prefix, device-name fragment or None, profile); first match wins.
-_DETECT = [
-    ("cuda:sm_80", None, "a100"),
-    ("cuda:sm_90", "H200", "h200"),
-    ("cuda:sm_90", None, "h100"),
-    ("cuda:sm_100", None, "b200"),
-    ("rocm:gfx942", "MI325", "mi325x"),
-    ("rocm:gfx942", None, "mi300x"),
-    ("rocm:gfx950", None, "mi355x"),
-    ("cpu", None, "cpu"),
-]
-_FALLBACK = {"cuda": "h100", "rocm": "mi300x"}
-
-
 def detect(target: str, device_name: str | None = None) -> str:
-    """The built-in profile name for a backend target, refined by the device name where
-    one architecture covers several parts (sm_90: H100 or H200; gfx942: MI300X or MI325X).
-    An unknown GPU falls back to its vendor's reference part, with a warning.
+    """The built-in profile name for a backend target, refined by the device where one
+    architecture covers several parts (:mod:`ficco.heuristics.sku`: sm_90 is an H100 SXM,
+    PCIe, H800, H20 or H200; gfx942 an MI300X or MI325X). ``device_name`` stands for the
+    device when given; else this process's device is read (none: the reference part).
 
     >>> detect("rocm:gfx942"), detect("cuda:sm_90", "NVIDIA H200")
     ('mi300x', 'h200')
     """
-    if device_name is None and target.startswith(("cuda", "rocm")):
-        device_name = _local_device_name()
-    for prefix, fragment, name in _DETECT:
-        if target.startswith(prefix) and (fragment is None or fragment in (device_name or "")):
-            return name
-    vendor = target.split(":")[0]
-    if vendor in _FALLBACK:
-        log.warning("ficco: no built-in profile for target %r (%s); using %r. Set "
-                    "FICCO_PROFILE to a profile from `bench characterize` for better choices",
-                    target, device_name, _FALLBACK[vendor])
-        return _FALLBACK[vendor]
-    raise ConfigError(f"no profile for target {target!r}; set FICCO_PROFILE to one of "
-                      f"{', '.join(builtin_names())} or to a profile JSON path")
+    props = sku.local_props(target) if device_name is None else sku.DeviceProps(target,
+                                                                                device_name)
+    return sku.sku_of(props).profile
 
 
-def _local_device_name() -> str | None:
-    try:
-        import torch
+def cache_root() -> Path:
+    """Where ficco keeps what it learns on this machine: ``FICCO_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/ficco`` (``~/.cache/ficco``): ``tune.json`` and ``profiles/<sku>.json``."""
+    from .. import config
 
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_name()
-    except Exception:  # noqa: BLE001 - best effort; the target alone still picks a profile
-        return None
-    return None
+    return Path(config.cache_dir() or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ficco"))
+
+
+def calibrated_path(sku_id: str) -> Path:
+    """The calibrated profile of SKU ``sku_id`` (:attr:`ficco.heuristics.sku.Sku.id`), as
+    ``bench characterize --quick`` writes it."""
+    return cache_root() / "profiles" / f"{sku_id}.json"
+
+
+def in_force(target: str = "cpu") -> tuple[Profile, str]:
+    """(profile, where it comes from) for ``target`` without ``FICCO_PROFILE``: the profile
+    calibrated on this SKU when the cache holds one, else the SKU's built-in profile.
+
+    >>> in_force("rocm:gfx942")[0].name   # doctest: +SKIP
+    'mi300x'
+    """
+    part = sku.sku_of(sku.local_props(target))
+    path = calibrated_path(part.id)
+    if path.is_file():
+        return load(path), f"calibrated for {part.id} ({path})"
+    return load(part.profile), f"built-in for {part.id} ({part.reason})"
 
 
 def resolve(target: str = "cpu") -> Profile:
-    """The profile in force: ``FICCO_PROFILE`` (name or path) if set, else :func:`detect`.
-    On a target whose backend runs 2-D copies on compute units (ROCm:
+    """The profile in force: ``FICCO_PROFILE`` (name or path) if set, else :func:`in_force`
+    (a profile ``bench characterize --quick`` calibrated on this SKU, else the SKU's built-in
+    one). On a target whose backend runs 2-D copies on compute units (ROCm:
     ``RocmBackend.copy_2d_on_dma``) the profile says so whatever its file says, so the
     ``model`` selector never prices ``*-2d`` schedules' copies as DMA there; likewise its
     ``hardware_queues`` follow ``CUDA_DEVICE_MAX_CONNECTIONS`` (ROCm: ``GPU_MAX_HW_QUEUES``).
@@ -401,7 +399,8 @@ def resolve(target: str = "cpu") -> Profile:
     """
     from .. import config
 
-    profile = load(config.profile() or detect(target))
+    explicit = config.profile()
+    profile = load(explicit) if explicit else in_force(target)[0]
     if profile.copy_2d_on_dma and not target_copies_2d_on_dma(target):
         profile = replace(profile, copy_2d_on_dma=False)
     queues = config.hardware_queues(target.split(":")[0])
@@ -409,6 +408,21 @@ def resolve(target: str = "cpu") -> Profile:
         # CUDA_DEVICE_MAX_CONNECTIONS / GPU_MAX_HW_QUEUES, as the process runs (issue 25 item 4)
         profile = replace(profile, hardware_queues=queues)
     return profile
+
+
+def identity(target: str = "cpu") -> str:
+    """A short name of the profile :func:`resolve` gives, which changes when a calibrated
+    profile appears or changes: ranks that would price with different profiles disagree on
+    it (the runtime agrees it like a setting). ``FICCO_PROFILE``'s value when set."""
+    from .. import config
+
+    explicit = config.profile()
+    if explicit:
+        return explicit
+    profile, origin = in_force(target)
+    if origin.startswith("built-in"):
+        return profile.name
+    return f"{profile.name}@{hashlib.sha1(profile.fingerprint().encode()).hexdigest()[:12]}"
 
 
 def target_copies_2d_on_dma(target: str) -> bool:

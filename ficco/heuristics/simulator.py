@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import InvalidArgumentError
 from ..plan import COMPUTE, GatedGemm, Op, Plan, Record, Wait, item_bytes, op_label
-from . import all_to_all_pricing
+from . import all_to_all_pricing, collectives
 from . import gemm as gemm_cost
 
 # Contention rates live in .contention; re-exported here for callers of simulator.*.
@@ -383,7 +383,7 @@ class Simulation:
         return count * item_bytes(self.problem, block.buf, self.wide)
 
     def _price_all_gather(self, op) -> _Task:
-        return self._collective(self._bytes(op.src), len(op.dsts) - 1)
+        return self.collective("all_gather", self._bytes(op.src), len(op.dsts) - 1)
 
     def _price_reduce(self, op) -> _Task:
         """``Reduce`` (reduce-scatter's partial sums): memory-bound on the compute engines,
@@ -397,17 +397,17 @@ class Simulation:
 
     def _price_all_to_all(self, op) -> _Task:
         sizes = [self._bytes(b) for b in op.dsts if b is not None]
-        return self._collective(max(sizes, default=0), len(sizes))
+        return self.collective("all_to_all", max(sizes, default=0), len(sizes))
 
     def _price_reduce_scatter(self, op) -> _Task:
         # W-1 peers' pieces of this rank's block cross the links; the collective's own
         # reduction runs on the compute units it holds.
         block = op.dst.numel * item_bytes(self.problem, "partial") if op.dst is not None else 0
-        return self._collective(block, self.problem.world - 1)
+        return self.collective("reduce_scatter", block, self.problem.world - 1)
 
     def _price_send_recv(self, op) -> _Task:
         block = op.recv if op.recv is not None else op.send
-        return self._collective(self._bytes(block) if block else 0, 1)
+        return self.collective("all_to_all", self._bytes(block) if block else 0, 1)
 
     def _price_expert(self, op) -> _Task:
         """Expert-parallel ops (sizes from the problem's routing counts): priced in
@@ -443,16 +443,22 @@ class Simulation:
         return _Task("mem" if on_copy_engine else "cu_mem", dil["launch_s"] if nbytes else 0.0,
                      2 * nbytes / bandwidth)
 
-    def _collective(self, bytes_per_peer: int, peers: int) -> _Task:
-        """A collective on compute units: on a mesh all peers' links run in parallel; on a
-        switch the GPU's bandwidth carries every peer's bytes."""
-        prof = self.profile
+    def collective(self, kind: str, bytes_per_peer: int, peers: int) -> _Task:
+        """A collective ``kind`` (:data:`ficco.heuristics.collectives.KINDS`: all_gather,
+        reduce_scatter, all_to_all, all_reduce) on compute units, this rank exchanging
+        ``bytes_per_peer`` with each of ``peers`` ranks (all_reduce: its buffer is W blocks of
+        ``bytes_per_peer``), priced by the profile's bus-bandwidth curve of that primitive
+        (:func:`ficco.heuristics.collectives.collective_seconds`). The task a plan op of that
+        collective's kind returns from its ``_price_<kind>`` method."""
         if bytes_per_peer == 0 or peers <= 0:
             return _Task("ccl", 0.0, 0.0)
-        bandwidth = self.link_bytes_per_s * prof.ccl["efficiency"] \
-            * prof.copy_fraction(bytes_per_peer * self.size_scale)
-        volume = bytes_per_peer * (1 if self.topology == "mesh" else peers)
-        return _Task("ccl", prof.ccl["latency_s"], volume / bandwidth)
+        seconds = collectives.collective_seconds(
+            self.profile, kind, bytes_per_peer, peers, world=self.problem.world,
+            topology=self.topology, link_bytes_per_s=self.link_bytes_per_s,
+            size_scale=self.size_scale)
+        # the launch latency is never slowed by contention; the rest is bandwidth
+        fixed = min(self.profile.ccl["latency_s"], seconds / 2)
+        return _Task("ccl", fixed, seconds - fixed)
 
 
 def _lower_gated(plan: Plan) -> tuple[tuple[Op | GatedPiece, ...], Sequence[int]]:

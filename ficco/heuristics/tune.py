@@ -39,6 +39,7 @@ from pathlib import Path
 from .. import config, schedules
 from ..errors import ConfigError, InvalidArgumentError
 from ..problem import Problem
+from .profiles import cache_root
 
 CACHE_FILE = "tune.json"
 _memory: dict[str, dict] = {}
@@ -88,9 +89,7 @@ def candidates(problem: Problem, transport: str, target: str) -> list[str]:
 
 
 def cache_path() -> Path:
-    root = config.cache_dir() or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ficco")
-    return Path(root) / CACHE_FILE
+    return cache_root() / CACHE_FILE
 
 
 def _read_file(path: Path) -> dict:

@@ -13,9 +13,17 @@ from __future__ import annotations
 import functools
 import importlib.util
 
-#: Triton's oldest version these kernels were written against (acquire atomics, interpreter
-#: atomics on host memory).
-MIN_TRITON = (3, 2)
+#: Triton's oldest version these kernels run on: the device-clock and word builtins
+#: (:mod:`.trace`, :mod:`.words`) need its ``_semantic`` builtin convention (3.4).
+MIN_TRITON = (3, 4)
+#: The newest Triton whose code generation for the words another agent changes was checked
+#: (``tests/test_kernel_words.py``: volatile or ``.cv`` loads, write-through stores on sm_90,
+#: gfx90a, gfx942; checked on 3.6 and 3.9, issue 33 W3). A newer one is refused until the
+#: test passed on it: a plain load there would let a kernel miss its group's failure.
+MAX_TRITON = (3, 9)
+#: ... and the oldest whose interpreter (CPU) runs them: Triton 3.6's rejects the persistent
+#: loop over tiles (``range(pid, tiles, programs)``) and the fence's loads (issue 33 M9).
+MIN_TRITON_INTERPRETER = (3, 8)
 
 #: Backend targets (prefixes) the gated GEMM has been *verified* on: the GPU suite passed and
 #: ``python -m ficco.bench kernels gpu`` measured it (docs/kernels.md). Selectors offer the
@@ -37,8 +45,13 @@ def triton_reason() -> str | None:
         return f"Triton is installed but does not import ({type(exc).__name__}: {exc})"
     version = tuple(int(x) for x in triton.__version__.split(".")[:2] if x.isdigit())
     if version < MIN_TRITON:
-        return f"Triton {triton.__version__} is too old; the gated GEMM needs >= " \
+        return f"Triton {triton.__version__} is too old; ficco's kernels need >= " \
                f"{'.'.join(map(str, MIN_TRITON))}"
+    if version > MAX_TRITON:
+        return (f"Triton {triton.__version__} is newer than the newest ficco's kernels were "
+                f"checked against ({'.'.join(map(str, MAX_TRITON))}): whether its loads of "
+                f"the group's error word still go to memory is unverified "
+                f"(tests/test_kernel_words.py decides; then raise ficco.kernels.MAX_TRITON)")
     return None
 
 
@@ -60,8 +73,21 @@ def unavailable_reason(target: str) -> str | None:
             return f"the gated GEMM is not built for AMD {arch}; it needs gfx9xx/gfx11xx/gfx12xx"
         return None
     if kind == "cpu":
-        return None
+        return interpreter_reason()
     return f"no Triton backend for target {target!r}"
+
+
+def interpreter_reason() -> str | None:
+    """None when Triton's interpreter runs the gated GEMM and the fence on CPU, else why not."""
+    import triton
+
+    version = tuple(int(x) for x in triton.__version__.split(".")[:2] if x.isdigit())
+    if version < MIN_TRITON_INTERPRETER:
+        return (f"Triton {triton.__version__}'s interpreter cannot run the gated GEMM on CPU "
+                f"(it rejects the kernel's persistent loop over tiles and the fence's loads); "
+                f"the CPU backend needs Triton >= "
+                f"{'.'.join(map(str, MIN_TRITON_INTERPRETER))} for it")
+    return None
 
 
 def selectable_reason(target: str) -> str | None:
@@ -79,4 +105,5 @@ def selectable_reason(target: str) -> str | None:
     return reason
 
 
-__all__ = ["MIN_TRITON", "selectable_reason", "triton_reason", "unavailable_reason"]
+__all__ = ["MAX_TRITON", "MIN_TRITON", "MIN_TRITON_INTERPRETER", "interpreter_reason",
+           "selectable_reason", "triton_reason", "unavailable_reason"]

@@ -92,9 +92,11 @@ class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
     name = MATMUL_REDUCE_SCATTER
 
     def prepare(self, a, b, group=None, scatter_dim=0, reduce_op="sum", *, a_scale=None,
-                b_scale=None, out_dtype=None, bias=None) -> MatmulReduceScatterCall:
+                b_scale=None, out_dtype=None, bias=None,
+                activation=None) -> MatmulReduceScatterCall:
         backend = key = None
-        if type(scatter_dim) is int and type(reduce_op) is str:
+        # (an activation is refused by check_epilogue: the output is a sum over ranks)
+        if type(scatter_dim) is int and type(reduce_op) is str and activation is None:
             group, backend = resolve(group), get_backend()
             epilogue = () if (a_scale is None and b_scale is None and out_dtype is None
                               and bias is None) else (a_scale, b_scale, out_dtype, bias, None)
@@ -107,7 +109,7 @@ class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
                                  _rows_of)
         scatter_dim, bs, b_is_list = check_arguments(a, b, scatter_dim, reduce_op)
         ops = check_epilogue(a, bs, b_is_list, scatter_dim, a_scale=a_scale, b_scale=b_scale,
-                             out_dtype=out_dtype, bias=bias)
+                             out_dtype=out_dtype, bias=bias, activation=activation)
         k = a.shape[-1]
         backend = backend_for(a, "a", backend)
         group = resolve(group)   # (already, on a call that may become warm)

@@ -55,6 +55,7 @@ from ..errors import InvalidArgumentError
 from ..expert.plan_ops import Exchange, GroupedGemm, Publish, Pull
 from ..expert.problem import COMBINE, DISPATCH, EXPERT_OPS, chunk_of
 from ..plan import COMM, COMPUTE, Plan, PlanBuilder, copy_queue
+from .by_expert import ByExpert
 from .common import Schedule, check_plan_args
 from .reduce_scatter.common import barrier, pad_barriers
 
@@ -251,11 +252,12 @@ def _n(chunk: int | None) -> int:
 
 
 def schedules_of(op: str) -> tuple[Schedule, ...]:
-    """The registered schedules of ``op``: ``serial``, ``ring``, then the eight FiCCO points
-    (the all-gather registry's order)."""
+    """The registered schedules of ``op``: ``serial``, ``ring``, the eight FiCCO points (the
+    all-gather registry's order), then ``by-expert`` (:mod:`ficco.schedules.by_expert`: every
+    GEMM whole, one expert at a time)."""
     return (ExpertSchedule(op, chunked=False), ExpertRing(op),
             *(ExpertSchedule(op, True, u, f, t) for t in (False, True) for u in (True, False)
-              for f in (True, False)))
+              for f in (True, False)), ByExpert(op))
 
 
 SCHEDULES = {op: schedules_of(op) for op in (DISPATCH, COMBINE)}
