@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -218,7 +219,8 @@ def _through_dynamo(exc: FiccoError) -> FiccoError:
         from torch._dynamo.exc import Unsupported
     except ImportError:           # a torch without dynamo: nothing wraps it
         return exc
-    raised = _unsupported_twin(type(exc), Unsupported)(str(exc))
+    kind: Any = type(exc)     # (a class hashes; typeshed's Hashable says otherwise)
+    raised = _unsupported_twin(kind, Unsupported)(str(exc))
     raised.__dict__.update({k: v for k, v in vars(exc).items() if k not in vars(raised)})
     return raised
 
