@@ -10,9 +10,11 @@ error the caller sees. The state itself lives on the group's :class:`~ficco.sess
   (MismatchError) are out of step in their programs, whatever ficco could still pair: the
   group's session then refuses every call with :class:`~ficco.errors.PoisonedGroupError`
   until ``ficco.shutdown()`` ran on every rank; when a collective of the process group may
-  still be pending in it (a failed ``ccl`` plan), until the group is destroyed. A call that
-  fails on its own rank before communicating (bad input or settings) poisons nothing: it took
-  its number, so its peers' same call can never pair with this rank's next one.
+  still be pending in it (a failed ``ccl`` plan), until the group is destroyed. A call whose
+  arguments or settings are refused on its rank (InvalidArgumentError, ConfigError: before
+  it communicated, or after the agreement, e.g. a graph capture that would have to allocate)
+  poisons nothing: nothing of it is in flight, and it took its number, so its peers' same
+  call can never pair with this rank's next one.
 - **Named failures**: a transport error becomes a :class:`~ficco.errors.TransportError`
   naming rank, op, schedule, the step (agreement, call check or plan step) and which peers
   are gone (their process exited) or silent, the original as its cause; a failure of this
@@ -39,14 +41,13 @@ from .errors import (
 @dataclass
 class Stage:
     """Where a call is, for its failure: the transport and schedule chosen (None: not yet),
-    the step (the runtime's; a plan step the executor names wins), whether it may have
-    communicated, whether a process-group collective of it may be pending, and whether the
-    failure is this rank's own work (an allocation)."""
+    the step (the runtime's; a plan step the executor names wins), whether a process-group
+    collective of it may be pending, and whether the failure is this rank's own work (an
+    allocation)."""
 
     transport: str | None = None
     schedule: str | None = None
     step: str | None = None
-    communicated: bool = False
     pending: bool = False
     local: bool = False
 
@@ -57,9 +58,11 @@ def failed(call: Call, exc: BaseException, stage: Stage) -> BaseException:
     FiccoError naming rank, op, schedule, step and the peers that do not answer, with ``exc``
     as its cause)."""
     session = call.session
-    if isinstance(exc, PoisonedGroupError) or (
-            isinstance(exc, (InvalidArgumentError, ConfigError)) and not stage.communicated):
-        return exc      # refused, or raised before communicating: this rank took its number
+    if isinstance(exc, (PoisonedGroupError, InvalidArgumentError, ConfigError)):
+        # Refused, or its arguments or settings refused on this rank (a capture that cannot
+        # run, a schedule that cannot run this call): nothing of it is in flight, and it
+        # took its number, so peers that went on cannot pair with this rank's next call.
+        return exc
     summary = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
     session.poison(summary, stage.pending)
     transport, schedule, step = stage.transport, stage.schedule, stage.step

@@ -193,11 +193,9 @@ def _run(call: Call, schedule, transport, selector, profiled: bool):
                 stage.transport, stage.schedule = "ccl", "plain"
                 stage.step = "the call check before the plain path"
                 if not exchanged:     # the plain path is a collective too: check the call
-                    stage.communicated = True
                     agreement.check(channel, call.group, call.rank, call.world,
                                     prepared.digest, number, call.op.name)
-                stage.step, stage.communicated, stage.pending = \
-                    "the plain path's collective", True, True
+                stage.step, stage.pending = "the plain path's collective", True
                 return call.op.plain(call)
             buffers = _execute(session, call, prepared, word, number, exchanged, stage,
                                profiled)
@@ -222,12 +220,12 @@ def _prepare(call: Call, s: dict, number: int, stage: guard.Stage):
     channel = call.session.channel
     assert channel is not None
     sequence = channel.sequence
-    stage.step, stage.communicated = "the first-call agreement", digest not in channel.agreed
+    stage.step = "the first-call agreement"
     agreed = agreement.confirm_same_call(call.group, call.rank, call.world, sig, call.op.name,
                                          digest, number)
     word = agreement.mixed(digest, number)
     if call.op.exchanges:
-        stage.step, stage.communicated = "the exchange of the call's data", True
+        stage.step = "the exchange of the call's data"
         call, word = call.op.exchange(call, word)      # e.g. expert routing counts
     # Exchanged: the agreement, or the call's data (a routing handed in exchanges nothing):
     # then every rank's call was compared at this place in the sequence, no check is needed.
@@ -267,7 +265,7 @@ def _execute(session: Session, call: Call, prepared: Prepared, word: int, number
             backend.before_dma(session.workspace, nbytes)
         symm = session.workspace
         if symm is None or symm.nbytes < nbytes:
-            stage.step, stage.communicated = "allocating the dma workspace", True
+            stage.step = "allocating the dma workspace"
             symm = workspace.get(session, nbytes)
         symm.call_flag = word % 0x7FFFFFFF + 1      # (barrier.call_flag, written out)
         answer = symm.first_wait = prepared.answer
@@ -278,12 +276,12 @@ def _execute(session: Session, call: Call, prepared: Prepared, word: int, number
         call.op.poison(buffers)
     stage.local = False
     if transport == "ccl" and not exchanged:
-        stage.step, stage.communicated = "the call check before the plan", True
+        stage.step = "the call check before the plan"
         channel = session.channel
         assert channel is not None
         agreement.check(channel, call.group, call.rank, call.world, prepared.digest, number,
                         call.op.name)
-    stage.step, stage.communicated, stage.pending = None, True, transport == "ccl"
+    stage.step, stage.pending = None, transport == "ccl"
     execute_plan(prepared.compiled, backend, buffers, timeout_s=prepared.settings["timeout_s"],
                  lane=session.lane or session.queues_lane(), profiled=profiled)
     if symm is not None and backend.guards_dma:
@@ -475,7 +473,7 @@ def traced(call: Call, schedule: str, transport: str | None = None):
         session.channel.take()
         raise
     number = session.channel.take()
-    stage = guard.Stage(step="the first-call agreement", communicated=True)
+    stage = guard.Stage(step="the first-call agreement")
     try:
         same_host = agreement.confirm_same_call(call.group, call.rank, call.world, sig,
                                                 call.op.name, word, number).same_host

@@ -111,18 +111,21 @@ def ep_matrix(rank, world, experts, schedule, transport, seed, cases=2, shapes=(
 
 def send_counts_skip(rank, world, seed):
     """Combine with ``send_counts=`` (dispatch's counts) skips the counts exchange and gives the
-    same z; the number of store exchanges tells."""
+    same z; the number of store exchanges tells (over dma, whose call check is the barriers'
+    flag: a ccl call check is a store exchange too)."""
+    ficco.shutdown()       # (the session remembers no dispatch of earlier cases)
     counts, xs, w, w2 = make_case(seed, world, 2)
     local = slice(rank * 2, rank * 2 + 2)
-    y, recv = ficco.all_to_all_grouped_mm(xs[rank], counts[rank], w[local])
-    # the first call of a signature is agreed in full; later ones only exchange counts
-    ficco.grouped_mm_all_to_all(y, recv, w2[local], send_counts=counts[rank])
-    channel = ficco.session_of().channel       # its exchanges through the group's store
-    before = channel.sequence
-    z_skip = ficco.grouped_mm_all_to_all(y, recv, w2[local], send_counts=counts[rank])
-    skipped = channel.sequence == before
-    z_full = ficco.grouped_mm_all_to_all(y, recv, w2[local])
-    exchanged = channel.sequence != before
+    with config.scope(transport="dma"):
+        y, recv = ficco.all_to_all_grouped_mm(xs[rank], counts[rank], w[local])
+        # the first call of a signature is agreed in full; later ones only exchange counts
+        ficco.grouped_mm_all_to_all(y, recv, w2[local], send_counts=counts[rank])
+        channel = ficco.session_of().channel       # its exchanges through the group's store
+        before = channel.sequence
+        z_skip = ficco.grouped_mm_all_to_all(y, recv, w2[local], send_counts=counts[rank])
+        skipped = channel.sequence == before
+        z_full = ficco.grouped_mm_all_to_all(y, recv, w2[local])
+        exchanged = channel.sequence != before
     return skipped, exchanged, float((z_skip - z_full).abs().max()) if z_skip.numel() else 0.0
 
 

@@ -123,9 +123,10 @@ def _late_in_the_plan_on_ccl(rank, world, seed):
 
     shards, bs, _, refs = make_inputs(seed, world, (8, 16), (4,), torch.float32)
     real = CpuBackend.launch      # on serial over ccl: only the all-gather is launched
-    with ficco.config.scope(transport="ccl", timeout=1):
+    with ficco.config.scope(transport="ccl"):     # (a fresh rank's first call: the default deadline)
         first = max_row_rel_err(ficco.all_gather_matmul(shards[rank], bs[0],
                                                         schedule="serial"), refs[0])
+    with ficco.config.scope(transport="ccl", timeout=1):
         if rank == 1:
             # Passes the call check, then its host is late (8 s) enqueuing the plan's
             # all-gather: rank 0's comm queue waits in the collective past the deadline.

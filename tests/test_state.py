@@ -168,6 +168,7 @@ GPU_FILES_PENDING = {
     ("tests/test_backend_rocm.py", "RocmBackend._capture_refusal"),
     ("tests/test_backend_rocm.py", "RocmBackend._enqueue_signals"),
     ("tests/test_gpu_fence.py", "_kernel"), ("tests/test_packaging.py", "_bindings_version"),
+    ("tests/test_kernel_words.py", "_kernel"),
 }
 
 
