@@ -507,8 +507,7 @@ def install(vendor: str = "cuda", hw_queues: int = 8, sms: int = 16):
     for name, value in patched.items():
         setattr(torch.cuda, name, value)
     os.environ["FICCO_BACKEND"] = vendor
-    with backends._lock:
-        backends._active[vendor] = backend_class(vendor)()
+    backends.install(vendor, backend_class(vendor)())
     return device
 
 
@@ -517,8 +516,7 @@ def uninstall() -> None:
 
     if "device" not in _state:
         return
-    with backends._lock:
-        backend = backends._active.pop(_state["vendor"], None)
+    backend = backends.install(_state["vendor"], None)
     if backend is not None:
         backend.close()
     _state["device"].stop()
@@ -535,9 +533,8 @@ def ensure(vendor: str = "cuda", hw_queues: int = 8) -> Device:
 
     if _state.get("vendor") != vendor or _state.get("hw_queues") != hw_queues:
         install(vendor, hw_queues)
-    elif vendor not in backends._active:
-        with backends._lock:
-            backends._active[vendor] = backend_class(vendor)()
+    elif not backends.installed(vendor):
+        backends.install(vendor, backend_class(vendor)())
     os.environ["FICCO_BACKEND"] = vendor
     return _device()
 

@@ -303,11 +303,17 @@ def compat_rs_cases(rank, world, seed):
 
 def bad_scales(rank, world):
     """Rank 0 alone calls with a bad scale / bias: each raises InvalidArgumentError at once
-    (before any communication: rank 1 never calls); returns the messages."""
+    (before any communication: rank 1 never calls); returns the messages. A refused call
+    still takes its place in the group's sequence, so every rank resets after."""
+    try:
+        return _bad_scales(rank) if rank == 0 else []
+    finally:
+        ficco.shutdown()
+
+
+def _bad_scales(rank):
     from ficco.errors import InvalidArgumentError
 
-    if rank != 0:
-        return []
     a = torch.randn(4, 32).to(E4M3)
     b = torch.randn(32, 16).to(E4M3)
     one = torch.tensor(1.0)

@@ -395,9 +395,8 @@ def test_a_captured_workspace_is_never_closed():
             self.closed = True
 
     handle = Captured()
-    workspace._close(handle, None)
-    assert not handle.closed and handle in workspace._kept
-    workspace._kept.remove(handle)
+    workspace.close(handle, drained=True)
+    assert not handle.closed and workspace.kept(handle)
 
 
 def test_host_pad_registration_calls_match_cuda_python_signatures():

@@ -73,9 +73,9 @@ def test_plans_are_count_free_and_cached_across_routings():
     a = ExpertProblem(8, 4, 2, "float32", 3, 1, counts=representative(3, 2, 5, 1.0))
     b = ExpertProblem(8, 4, 2, "float32", 3, 1, counts=representative(3, 2, 40, 3.0))
     assert a == b and hash(a) == hash(b) and a.key() != b.key()
-    spec = ficco.ops.get(DISPATCH)
-    assert runtime.plan_for(spec, "hetero-fused-1d", "dma", a) is \
-        runtime.plan_for(spec, "hetero-fused-1d", "dma", b)
+    spec, kept = ficco.ops.get(DISPATCH), ficco.session_of()
+    assert runtime.plan_for(spec, "hetero-fused-1d", "dma", a, session=kept) is \
+        runtime.plan_for(spec, "hetero-fused-1d", "dma", b, session=kept)
 
 
 def test_buckets_and_summary():
@@ -212,12 +212,12 @@ def test_grouped_mm_and_gemm_loop_paths_agree_with_reference():
 
 
 def test_grouped_mm_takes_aligned_chunks_of_the_stacked_weights():
-    from ficco.expert.tasks import _grouped_view_runs
+    from ficco.expert.tasks import grouped_view_runs
 
     stacked = torch.randn(2, 72, 40)
-    assert _grouped_view_runs(stacked) and _grouped_view_runs(stacked[:, 24:48])
-    assert not _grouped_view_runs(stacked[:, :, 14:27])
-    assert _grouped_view_runs(stacked[:, :, 16:32])
+    assert grouped_view_runs(stacked) and grouped_view_runs(stacked[:, 24:48])
+    assert not grouped_view_runs(stacked[:, :, 14:27])
+    assert grouped_view_runs(stacked[:, :, 16:32])
 
 
 def test_float16_and_float64_too():
@@ -296,10 +296,11 @@ def test_ranks_that_disagree_all_get_mismatch():
 def test_disagreement_on_cached_calls_raises_on_every_rank():
     from .ep_cases import disagree_on_cached_calls
 
-    for first, shape, mismatched, again in harness.pool(3).run(disagree_on_cached_calls,
-                                                               random.randrange(1 << 30)):
+    for first, shape, mismatched, refused, again in harness.pool(3).run(
+            disagree_on_cached_calls, random.randrange(1 << 30)):
         assert first <= ROW_TOL[torch.float32] and again <= ROW_TOL[torch.float32]
         assert mismatched == "mismatch" and shape[1] == 4, (mismatched, shape)
+        assert refused == "refused", refused          # poisoned until every rank resets
 
 
 def test_explain_and_the_selector_cover_both_ops():

@@ -11,7 +11,7 @@ import torch
 import ficco
 from ficco import config, schedules
 from ficco.errors import ConfigError, InvalidArgumentError
-from ficco.heuristics import Decision, choose, model, profiles, tune
+from ficco.heuristics import Decision, Timings, choose, model, profiles, tune
 from ficco.heuristics.paper import combined_score, paper_choice
 from ficco.heuristics.scenarios import PAPER_TABLE_I, table_i_problem
 from ficco.problem import Problem
@@ -165,17 +165,17 @@ def test_tune_measures_once_breaks_ties_by_name_and_caches_to_disk(tmp_path):
 
     with config.scope(cache_dir=str(tmp_path)):
         tune.clear_memory()
-        d = choose(problem, target="cpu", selector="tune", measure=measure)
+        d = choose(problem, target="cpu", selector="tune", live=Timings(measure))
         assert d.schedule == "ring" and d.selector == "tune"
         assert measured == schedules.names()
-        d2 = choose(problem, target="cpu", selector="tune", measure=measure)
+        d2 = choose(problem, target="cpu", selector="tune", live=Timings(measure))
         assert d2.schedule == "ring" and len(measured) == len(schedules.names())
         tune.clear_memory()   # a fresh process: the file answers, nothing is measured
 
         def fail(name):
             raise AssertionError("must not measure again")
 
-        assert choose(problem, target="cpu", selector="tune", measure=fail).schedule == "ring"
+        assert choose(problem, target="cpu", selector="tune", live=Timings(fail)).schedule == "ring"
     data = json.loads((tmp_path / tune.CACHE_FILE).read_text())
     (key, entry), = data.items()
     assert entry["schedule"] == "ring" and "W=4" in key and "cpu" in key
@@ -316,7 +316,7 @@ def test_the_band_never_touches_forced_paper_or_tune_decisions(monkeypatch, tmp_
     assert (paper.schedule, paper.band) == ("hetero-unfused-1d", None)
     with config.scope(cache_dir=str(tmp_path)):
         tuned = choose(g2, target="cpu", selector="tune",
-                       measure=lambda name: 1.0 if name == "ring" else 2.0)
+                       live=Timings(lambda name: 1.0 if name == "ring" else 2.0))
     assert (tuned.schedule, tuned.band) == ("ring", None)
 
 

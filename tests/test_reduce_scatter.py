@@ -215,10 +215,11 @@ def test_ranks_that_disagree_all_get_mismatch():
 def test_disagreement_on_a_cached_shape_raises_on_every_rank():
     from .rs_cases import disagree_on_cached_shapes
 
-    for small, large, mismatched, again in harness.pool(3).run(disagree_on_cached_shapes,
-                                                               random.randrange(1 << 30)):
+    for small, large, mismatched, refused, again in harness.pool(3).run(
+            disagree_on_cached_shapes, random.randrange(1 << 30)):
         assert small < 1e-5 and large < 1e-5 and again < 1e-5, (small, large, again)
         assert mismatched == "mismatch", mismatched
+        assert refused == "refused", refused          # poisoned until every rank resets
 
 
 def test_dead_peer_makes_the_others_fail_not_hang():

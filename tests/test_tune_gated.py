@@ -12,7 +12,7 @@ import torch
 import ficco
 from ficco import config, kernels, schedules
 from ficco.errors import ConfigError
-from ficco.heuristics import choose, tune
+from ficco.heuristics import Timings, choose, tune
 from ficco.problem import Problem
 
 from . import harness
@@ -37,16 +37,16 @@ def test_default_candidates_are_the_offered_schedules(tmp_path, monkeypatch):
     with config.scope(cache_dir=str(tmp_path)):
         tune.clear_memory()
         measured = []
-        choose(PROBLEM, target="cpu", selector="tune", measure=_fake_measure(measured, "ring"))
+        choose(PROBLEM, target="cpu", selector="tune", live=Timings(_fake_measure(measured, "ring")))
         assert measured == schedules.names()
         measured = []
         d = choose(PROBLEM, target="cuda:sm_90", selector="tune",
-                   measure=_fake_measure(measured, "gated-2d"))
+                   live=Timings(_fake_measure(measured, "gated-2d")))
         assert measured == schedules.names() + GATED
         assert d.schedule == "gated-2d" and set(d.scores) == set(measured)
         measured = []   # not offered over ccl: the eleven again
         choose(PROBLEM, transport="ccl", target="cuda:sm_90", selector="tune",
-               measure=_fake_measure(measured, "ring"))
+               live=Timings(_fake_measure(measured, "ring")))
         assert measured == schedules.names()
 
 
@@ -58,14 +58,14 @@ def test_forced_candidates_include_gated_on_cpu_and_the_winner_survives_the_file
         tune.clear_memory()
         measured = []
         d = choose(PROBLEM, target="cpu", selector="tune",
-                   measure=_fake_measure(measured, "gated-1d"))
+                   live=Timings(_fake_measure(measured, "gated-1d")))
         assert measured == ["serial", *GATED] and d.schedule == "gated-1d"
         tune.clear_memory()
 
         def fail(name):
             raise AssertionError(f"measured {name} again")
 
-        again = choose(PROBLEM, target="cpu", selector="tune", measure=fail)
+        again = choose(PROBLEM, target="cpu", selector="tune", live=Timings(fail))
         assert again.schedule == "gated-1d" and "tuned earlier" in again.reason
     (key, entry), = json.loads((tmp_path / tune.CACHE_FILE).read_text()).items()
     assert key.endswith("candidates=serial,gated-1d,gated-2d") and entry["schedule"] == "gated-1d"
@@ -73,7 +73,7 @@ def test_forced_candidates_include_gated_on_cpu_and_the_winner_survives_the_file
         tune.clear_memory()
         measured = []
         assert choose(PROBLEM, target="cpu", selector="tune",
-                      measure=_fake_measure(measured, "ring")).schedule == "ring"
+                      live=Timings(_fake_measure(measured, "ring"))).schedule == "ring"
         assert measured == schedules.names()
     tune.clear_memory()
 
@@ -95,7 +95,7 @@ def test_forced_candidates_that_cannot_run_say_why_before_measuring(
         raise AssertionError("nothing may be measured")
 
     with pytest.raises(ConfigError, match=match):
-        choose(PROBLEM, transport=transport, target="cpu", selector="tune", measure=fail)
+        choose(PROBLEM, transport=transport, target="cpu", selector="tune", live=Timings(fail))
 
 
 @pytest.mark.parametrize("raw", ["ring,ring", " , "])

@@ -113,16 +113,15 @@ class ExpertSpec(OpSpec[ExpertCall]):
                 "routing": call.routing is not None, "send_counts": call.send_counts is not None}
 
     def exchange(self, call: ExpertCall, word: int) -> tuple[ExpertCall, int]:
-        """Agree on the routing matrix (one bounded exchange, or none when it was handed in)
-        and complete the call with its layout and problem; the call's digest gains the matrix."""
+        """Agree on the routing matrix (one bounded exchange, or none when it was handed in or
+        recalled by every rank) and complete the call with its layout and problem; the call's
+        word (its digest and number) gains the matrix."""
         rows = call.routing
-        if rows is None and call.send_counts is not None:
-            rows = routing.recall(call.group, call.send_counts, call.part)
         if rows is None:
             rows = self.assemble(routing.agree_counts(call, word, call.part), call)
         counts = tuple(map(tuple, rows))
         if self.name == DISPATCH:
-            routing.remember(call.group, counts, call.rank, len(call.weights))
+            routing.remember(call.session, counts, len(call.weights))
         layout = Layout(counts, len(call.weights))
         problem = ExpertProblem.for_call(call.problem.k, call.problem.n, layout, call.problem.dtype,
                                          call.rank, self.name)

@@ -34,7 +34,7 @@ def grouped_mm_runs(dtype: torch.dtype, k: int, n: int, device: torch.device) ->
     return False
 
 
-def _grouped_view_runs(stacked: torch.Tensor) -> bool:
+def grouped_view_runs(stacked: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` takes this (L, k, n) view of the stacked weights (a 2d
     chunk's columns): the same rule as the whole, and a 16-byte aligned start and row."""
     size = stacked.element_size()
@@ -121,7 +121,7 @@ def gemm_task(views, buffers: Buffers, op):
     ctx = context_of(buffers)
     pieces = ctx.gemm_pieces(op.sources, op.chunk, op.two_d, op.experts)
     stacked = ctx.stacked_piece(op.chunk, op.two_d)
-    if stacked is not None and op.two_d and not _grouped_view_runs(stacked):
+    if stacked is not None and op.two_d and not grouped_view_runs(stacked):
         stacked = None
     return local(lambda: run_grouped(pieces, stacked, op.accumulate))
 

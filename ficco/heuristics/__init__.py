@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from .. import config, logs, schedules
 from ..config import TRANSPORTS
@@ -35,6 +36,35 @@ _logged: set = set()
 _logged_lock = threading.Lock()
 
 
+class Live(Protocol):
+    """A live group the ``tune`` selector measures on (the runtime gives one made from the
+    call's session, :class:`ficco.runtime.Live`): both methods are collective, every rank
+    asks the same in the same order."""
+
+    def measure(self, name: str) -> float:
+        """The slowest rank's seconds of schedule ``name`` on this call (same on every rank)."""
+        ...
+
+    def agree(self, flag: bool) -> bool:
+        """True when ``flag`` is True on every rank."""
+        ...
+
+
+@dataclass(frozen=True)
+class Timings:
+    """A :class:`Live` from plain functions, for tuning off a group (tests, tools):
+    ``measure(name) -> seconds``; ``agree`` defaults to trusting this rank alone."""
+
+    timing: Callable[[str], float]
+    agreeing: Callable[[bool], bool] | None = None
+
+    def measure(self, name: str) -> float:
+        return self.timing(name)
+
+    def agree(self, flag: bool) -> bool:
+        return flag if self.agreeing is None else self.agreeing(flag)
+
+
 @dataclass(frozen=True)
 class Context:
     """What a selector may look at besides the problem: the same on every rank."""
@@ -46,8 +76,7 @@ class Context:
     inputs: dict
     copy_engines: int | None = None
     paper_thresholds: tuple[float, float] = (1.0, 5.0)
-    measure: Callable[[str], float] | None = None
-    agree: Callable[[bool], bool] | None = None
+    live: Live | None = None
 
 
 def _paper(problem: Problem, ctx: Context) -> Decision:
@@ -78,13 +107,12 @@ def _model(problem: Problem, ctx: Context) -> Decision:
 
 def _tune(problem: Problem, ctx: Context) -> Decision:
     name, scores, reason = tune_choice(problem, transport=ctx.transports[0], target=ctx.target,
-                                       topology=ctx.topology, measure=ctx.measure,
-                                       agree=ctx.agree)
+                                       topology=ctx.topology, live=ctx.live)
     return Decision(name, ctx.transports[0], "tune", ctx.inputs, scores, reason)
 
 
 #: Selector name -> pure function (problem, Context) -> Decision (``tune`` measures through
-#: ``Context.measure``, which the runtime provides on a live group).
+#: ``Context.live``, which the runtime provides on a live group).
 SELECTOR_FUNCTIONS: dict[str, Callable[[Problem, Context], Decision]] = {
     "paper": _paper, "model": _model, "tune": _tune}
 
@@ -106,9 +134,7 @@ def _forced_prediction(problem: Problem, profile: profiles.Profile, topology: st
 
 def choose(problem: Problem, *, transport: str | tuple[str, ...] = "dma", target: str = "cpu",
            selector: str | None = None, forced: str | None = None,
-           forced_by: str | None = None,
-           measure: Callable[[str], float] | None = None,
-           agree: Callable[[bool], bool] | None = None) -> Decision:
+           forced_by: str | None = None, live: Live | None = None) -> Decision:
     """The Decision for ``problem``: which schedule runs, over which transport, chosen by whom,
     and why.
 
@@ -116,9 +142,9 @@ def choose(problem: Problem, *, transport: str | tuple[str, ...] = "dma", target
     preferred first: the ``model`` selector weighs them all, the others take the first.
     ``target`` ("cpu", "cuda:sm_90", "rocm:gfx942", …) picks the built-in profile when
     ``FICCO_PROFILE`` is unset; ``FICCO_TOPOLOGY`` overrides the profile's topology.
-    ``measure(name) -> seconds`` is required by the ``tune`` selector only; ``agree(flag)``
-    (collective: True when every rank passes True) lets it trust a cache file only when every
-    rank has the entry.
+    ``live`` (a :class:`Live`: the group's session, or :class:`Timings` off a group) is
+    required by the ``tune`` selector only: it measures each candidate there, and trusts a
+    cache file only when every rank has the entry (``live.agree``).
 
     >>> from ficco.problem import Problem
     >>> choose(Problem(8, 8, (8,), "float32", 2), forced="ring", forced_by="argument").reason
@@ -151,7 +177,7 @@ def choose(problem: Problem, *, transport: str | tuple[str, ...] = "dma", target
     if not low < high:
         raise ConfigError(f"FICCO_PAPER_LOW={low} must be below FICCO_PAPER_HIGH={high}")
     ctx = Context(profile, topology, transports, target, inputs, config.copy_engines(),
-                  (low, high), measure, agree)
+                  (low, high), live)
     return _logged_once(problem, SELECTOR_FUNCTIONS[selector](problem, ctx), target)
 
 
@@ -201,4 +227,4 @@ def _logged_once(problem: Problem, decision: Decision, target: str) -> Decision:
     return decision
 
 
-__all__ = ["SELECTORS", "Decision", "choose", "off_by_default", "profiles"]
+__all__ = ["SELECTORS", "Decision", "Live", "Timings", "choose", "off_by_default", "profiles"]

@@ -1,6 +1,7 @@
 """The ``tune`` selector: time every candidate on the live group once per problem key.
 
-The API hands in ``measure(name) -> seconds``, already the slowest rank's time and the same on
+The runtime hands in the live group (``live``, :class:`ficco.heuristics.Live`: the call's
+session), whose ``measure(name) -> seconds`` is already the slowest rank's time and the same on
 every rank (it all-reduces MAX), so the argmin here is the same everywhere; ties go to the
 alphabetically first name. Candidates are measured in one order on every rank, because each
 measurement is itself collective.
@@ -22,8 +23,9 @@ Example::
 
     >>> from ficco.problem import Problem
     >>> p = Problem(4, 8, (8,), "float32", 2)
+    >>> from ficco.heuristics import Timings
     >>> tune_choice(p, transport="dma", target="cpu", topology="switch",
-    ...             measure=lambda name: 1.0 if name == "ring" else 2.0, persist=False)[0]
+    ...             live=Timings(lambda name: 1.0 if name == "ring" else 2.0), persist=False)[0]
     'ring'
 """
 from __future__ import annotations
@@ -32,7 +34,6 @@ import json
 import os
 import sys
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 from .. import config, schedules
@@ -99,7 +100,9 @@ def _read_file(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _write_file(path: Path, key: str, entry: dict) -> None:
+def write_file(path: Path, key: str, entry: dict) -> None:
+    """Put ``entry`` under ``key`` in the cache file ``path`` (atomic: a temporary file, then
+    ``os.replace``)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = _read_file(path)
@@ -128,40 +131,39 @@ def lookup(key: str, persist: bool = True, known: list[str] | None = None) -> di
 
 
 def tune_choice(problem: Problem, *, transport: str, target: str, topology: str,
-                measure: Callable[[str], float] | None, persist: bool = True,
-                agree: Callable[[bool], bool] | None = None
-                ) -> tuple[str, dict[str, float], str]:
-    """(schedule, measured seconds per candidate, reason); measures only at first sight.
+                live, persist: bool = True) -> tuple[str, dict[str, float], str]:
+    """(schedule, measured seconds per candidate, reason); measures only at first sight, on
+    ``live`` (:class:`ficco.heuristics.Live`, None off a group).
 
-    ``agree(found_in_file) -> bool`` (collective, given by the API on a live group) says
-    whether *every* rank found the key in its cache file: ranks on other hosts may not share
-    the file, and one rank measuring while another reads its cache would deadlock, so a file
-    entry is used only when all ranks have it. Memory hits need no agreement: every rank fills
-    its memory at the same call."""
+    ``live.agree(found_in_file) -> bool`` (collective) says whether *every* rank found the
+    key in its cache file: ranks on other hosts may not share the file, and one rank
+    measuring while another reads its cache would deadlock, so a file entry is used only when
+    all ranks have it. Memory hits need no agreement: every rank fills its memory at the same
+    call."""
     names = candidates(problem, transport, target)
     key = cache_key(problem, transport, target, topology, names)
     entry = lookup(key, persist=False)
     if entry is None and persist:
         entry = lookup(key, persist=True, known=names)
-        if agree is not None and not agree(entry is not None):
+        if live is not None and not live.agree(entry is not None):
             with _lock:
                 _memory.pop(key, None)
             entry = None
     if entry is not None:
         scores = {k: float(v) for k, v in entry["scores"].items()}
         return entry["schedule"], scores, f"tuned earlier (cache {key})"
-    if measure is None:
+    if live is None:
         raise InvalidArgumentError(
-            "selector 'tune' needs a measure(schedule) callable; it is given by "
-            "ficco.all_gather_matmul/explain on a live group. Use selector 'model' or 'paper' "
-            "offline, or set FICCO_SELECTOR=model")
-    scores = {name: float(measure(name)) for name in names}
+            "selector 'tune' measures on a live group (the runtime gives it; off a group, "
+            "ficco.heuristics.Timings(measure)). Use selector 'model' or 'paper' offline, or "
+            "set FICCO_SELECTOR=model")
+    scores = {name: float(live.measure(name)) for name in names}
     best = min(scores, key=lambda name: (scores[name], name))
     entry = {"schedule": best, "scores": scores}
     with _lock:
         _memory[key] = entry
     if persist:
-        _write_file(cache_path(), key, entry)
+        write_file(cache_path(), key, entry)
     speedup = scores.get("serial", scores[best]) / scores[best] if scores[best] > 0 else 1.0
     return best, scores, (f"fastest of {len(scores)} measured (slowest rank): "
                           f"{scores[best] * 1e3:.3f} ms, {speedup:.2f}x over serial")

@@ -98,7 +98,7 @@ class AllGatherMatmul(OpSpec[AllGatherMatmulCall]):
                          epilogue)
             # A warm call: checked and derived when the key was new (the key names the op, so
             # what is known for it is this op's call, or None).
-            seen = known(key, group)
+            seen = known(key, group, backend)
             if isinstance(seen, AllGatherMatmulCall):
                 return warm_call(seen, group, a_shard, b, epilogue, seen.gather_dim,
                                  _rows_of)

@@ -118,7 +118,7 @@ class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
             key = key_of(self.name, a, b, group, backend, (scatter_dim, reduce_op), epilogue)
             # A warm call: checked and derived when the key was new (the key names the op, so
             # what is known for it is this op's call, or None).
-            seen = known(key, group)
+            seen = known(key, group, backend)
             if isinstance(seen, self.call_class):
                 return warm_call(seen, group, a, b, epilogue, seen.scatter_dim,
                                  _rows_of)

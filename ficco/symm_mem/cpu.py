@@ -73,7 +73,8 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes} bytes"
 
 
-def _map(path: str, nbytes: int) -> mmap.mmap:
+def map_file(path: str, nbytes: int) -> mmap.mmap:
+    """``nbytes`` of the shared file at ``path``, mapped read-write."""
     fd = os.open(path, os.O_RDWR)
     try:
         return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -111,7 +112,7 @@ class CpuSymmHandle(SymmHandle):
         try:
             for peer, (pid, fd) in enumerate(() if failure else wheres):
                 path = f"/proc/self/fd/{fd}" if peer == self.rank else f"/proc/{pid}/fd/{fd}"
-                maps.append(_map(path, total))
+                maps.append(map_file(path, total))
         except OSError as exc:
             failure = (f"could not map the shared memory of rank {peer} (pid {pid}): {exc}. CPU "
                        f"symmetric memory needs all ranks on one host under one user; use "
