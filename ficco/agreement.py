@@ -142,7 +142,7 @@ def answer(group, rank: int, world: int, signature: dict, number: int) -> None:
     channel = channel_of(group)
     if channel is None or world == 1 or channel.epoch is None:
         return
-    store = _store(group)
+    store = store_of(group)
     with channel.lock:
         prefix = f"ficco/{channel.epoch}/{channel.sequence + 1}/"
     for peer in range(world):
@@ -343,7 +343,7 @@ def exchange(group, rank: int, world: int, payload, *, what: str) -> list:
         return [payload]
     channel = channel_of(group)
     assert channel is not None
-    store = channel.store or _store(group)
+    store = channel.store or store_of(group)
     channel.store = store
     timeout_s = config.timeout_s()
     if channel.epoch is None:
@@ -546,7 +546,8 @@ def _missing(ranks: list[int] | None, exc: CommTimeoutError) -> CommTimeoutError
     return exc
 
 
-def _store(group):
+def store_of(group):
+    """The process group's store (what every agreement exchange and join goes through)."""
     from torch.distributed.distributed_c10d import _get_process_group_store
 
     try:

@@ -19,7 +19,7 @@ from torch import nn
 import ficco
 import ficco.moe
 import ficco.nn as fnn
-from ficco import agreement, compat
+from ficco import agreement, compat, session
 from ficco.errors import FiccoError
 
 E4M3 = torch.float8_e4m3fn
@@ -45,7 +45,7 @@ def tripwires(seen: list):
             raise _Communicated(name)
         return tripped
 
-    saved = [(agreement, "_store", agreement._store)]
+    saved = [(agreement, "store_of", agreement.store_of)]
     saved += [(dist, n, getattr(dist, n)) for n in _COLLECTIVES if hasattr(dist, n)]
     saved += [(funcol, n, getattr(funcol, n)) for n in _FUNCOL if hasattr(funcol, n)]
     for module, name, _ in saved:
@@ -60,7 +60,8 @@ def tripwires(seen: list):
 def outcome(fn) -> str:
     """How ``fn()`` ended (see the module docstring)."""
     seen: list = []
-    epoch = agreement._epoch[0]
+    channel = session.channel_of(dist.group.WORLD) if dist.is_initialized() else None
+    generation = None if channel is None else channel.generation
     try:
         with tripwires(seen):
             fn()
@@ -75,9 +76,11 @@ def outcome(fn) -> str:
         result = f"communicated ({seen[0]}), then {result}"
     if seen or result == "accepted":
         # What a call that went further left (a poisoned group, agreed state): dropped, with
-        # the exchange epoch kept where the peer's is (no exchange happened).
+        # the channel's reset count kept where the peer's is (no exchange happened: the store
+        # was a tripwire), so the peer does not take this for a rank that reset alone.
         ficco.shutdown()
-        agreement._epoch[0] = epoch
+        if channel is not None:
+            channel.generation = generation
     return result
 
 
@@ -258,6 +261,7 @@ def campaign(rank, world):
     """Every case's outcome on rank 0 (rank 1 makes no call); then both ranks run one good
     call, which must be right: the pool is in step."""
     results = {}
+    session.channel_of(dist.group.WORLD)   # on every rank: its shutdown() counts alike
     if rank == 0:
         for label, fn in cases(world).items():
             results[label] = outcome(fn)
