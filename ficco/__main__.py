@@ -7,7 +7,8 @@ import argparse
 import sys
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """``python -m ficco``'s parser (the selftest verb parses its own options)."""
     parser = argparse.ArgumentParser(prog="python -m ficco",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=version())
@@ -17,6 +18,11 @@ def main(argv=None) -> int:
     sub.add_parser("selftest", add_help=False,
                    help="check ficco on this machine: every schedule vs float64, faults, a "
                         "graph replay, timings, the environment (--help for its options)")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["selftest"]:
         from .selftest import main as selftest_main
