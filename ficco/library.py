@@ -313,9 +313,11 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
         return_gathered = check_flag(return_gathered, "return_gathered")   # or raise
     a_shard, b, bs, b_is_list, group, plain, extra, tensors, dim = _front(
         "all_gather_matmul", a_shard, b, group, gather_dim, a_scale, b_scale, bias, out_dtype)
+    # len(tensors) == len(bs): no epilogue tensor to look at (not `tensors is bs`: torch
+    # 2.11's dynamo cannot trace `is` between two lists under fullgraph)
     if (dim is None or not (schedule is None or isinstance(schedule, str)) or extra is None
             or not (activation is None or isinstance(activation, str))
-            or _eager_suffices(a_shard, tensors, plain and tensors is bs)):
+            or _eager_suffices(a_shard, tensors, plain and len(tensors) == len(bs))):
         # No autograd, autocast, tracing or tensor subclass involved: the dispatcher would
         # add ~100 us of Python per call and change nothing.
         return _run_all_gather_matmul(a_shard, b, group, gather_dim, schedule, return_gathered,
@@ -325,7 +327,7 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
     name, _, world = name_rank_world(group)
     wants_grad = any([x.requires_grad for x in bs])  # noqa: C419 - see _PLAIN
     grads = torch.is_grad_enabled() and (wants_grad or a_shard.requires_grad or (
-        tensors is not bs and any([x.requires_grad for x in tensors])))  # noqa: C419
+        len(tensors) > len(bs) and any([x.requires_grad for x in tensors])))  # noqa: C419
     if grads and a_scale is not None:   # before any communication
         autograd.refuse_fp8_gradients(a_shard, bs, a_scale)
     keep = return_gathered or (grads and wants_grad and _backward_gather() == "save")
@@ -351,7 +353,7 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
         "matmul_reduce_scatter", a, b, group, scatter_dim, a_scale, b_scale, bias, out_dtype)
     if (dim is None or not isinstance(reduce_op, str) or extra is None
             or not (schedule is None or isinstance(schedule, str))
-            or _eager_suffices(a, tensors, plain and tensors is bs)):
+            or _eager_suffices(a, tensors, plain and len(tensors) == len(bs))):
         return _run_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, schedule,
                                           a_scale=a_scale, b_scale=b_scale,
                                           out_dtype=out_dtype, bias=bias)

@@ -80,7 +80,7 @@ def matmul_all_reduce(a, b, group=None, *, reduce_op="sum", schedule=None, a_sca
         _OP, a, b, group, 0, a_scale, b_scale, bias, out_dtype)
     if (not isinstance(reduce_op, str) or extra is None
             or not (schedule is None or isinstance(schedule, str))
-            or _eager_suffices(a, tensors, plain and tensors is bs)):
+            or _eager_suffices(a, tensors, plain and len(tensors) == len(bs))):
         return _run_matmul_all_reduce(a, b, group, reduce_op, schedule, a_scale=a_scale,
                                       b_scale=b_scale, out_dtype=out_dtype, bias=bias)
     if a_scale is not None and torch.is_grad_enabled():   # before any communication

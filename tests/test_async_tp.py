@@ -171,7 +171,12 @@ def _all_gather(x, dim, group):
 
     if hasattr(funcol, "all_gather_single"):
         return funcol.all_gather_single(x, dim, group)
-    return funcol.all_gather_tensor(x, dim, group)        # torch 2.11
+    # torch 2.11: its dynamo will not trace all_gather_tensor's own chunk-cat for dim != 0
+    # (_maybe_view_chunk_cat is marked skipped), so the cat is written out here, as torch's
+    # pass expects it (all_gather_into_tensor -> wait -> split -> cat)
+    gathered = funcol.all_gather_tensor(x, 0, group)
+    world = torch.distributed.get_world_size()
+    return torch.cat(torch.chunk(gathered, world, dim=0), dim=dim) if dim else gathered
 
 
 def _reduce_scatter(x, op, dim, group):
