@@ -19,7 +19,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)
+FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,8 @@ def namespace(rank: int, world: int) -> dict:
     the checks compare with."""
     import torch
     import torch.distributed as dist
-    import torch.nn as nn
     import torch.nn.functional as F
+    from torch import nn
 
     import ficco
 

@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ficco
 from ficco import api, config
 from ficco.problem import even_split
+from ficco.scaled import cpu_rowwise_scaled_mm
 
 from .reference import ROW_TOL, max_row_rel_err
 
@@ -27,7 +28,7 @@ ACT = {"gelu": torch.nn.functional.gelu, "silu": torch.nn.functional.silu, "": l
 class Fp8AsBytes(TorchDispatchMode):
     """gloo has no fp8 type: torch's fallbacks gather fp8 through functional collectives, so
     in the tests those move the tensor's bytes (a uint8 view), as ficco's own collectives do.
-    Where torch's CPU ``_scaled_mm`` has no row-wise scales (torch < 2.12: "Now _scaled_mm only
+    Where torch's CPU ``_scaled_mm`` has no row-wise scales (torch 2.11: "Now _scaled_mm only
     supports per-tensor scaling for CPU backend"), the fallbacks' row-wise GEMMs run as the
     float64 product of the dequantized operands, rounded once to the output dtype: the
     oracle's gathers, reductions, shapes and strides stay torch's own."""
@@ -38,25 +39,9 @@ class Fp8AsBytes(TorchDispatchMode):
                 and args[0].dtype in FP8:
             return func(args[0].view(torch.uint8), *args[1:], **kwargs).view(args[0].dtype)
         if func is torch.ops.aten._scaled_mm.default and args[0].device.type == "cpu" \
-                and args[2].numel() * args[3].numel() > 1 and not _cpu_rowwise_scaled_mm():
+                and args[2].numel() * args[3].numel() > 1 and not cpu_rowwise_scaled_mm():
             return _dequantized_mm(*args, **kwargs)
         return func(*args, **kwargs)
-
-
-def _cpu_rowwise_scaled_mm() -> bool:
-    global _ROWWISE
-    if _ROWWISE is None:
-        a = torch.ones(16, 16).to(E4M3)
-        try:
-            torch._scaled_mm(a, a.t(), torch.ones(16, 1), torch.ones(1, 16),
-                             out_dtype=torch.float32)
-            _ROWWISE = True
-        except RuntimeError:
-            _ROWWISE = False
-    return _ROWWISE
-
-
-_ROWWISE = None
 
 
 def _dequantized_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None,
