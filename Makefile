@@ -20,6 +20,14 @@ LINTERS ?= ruff==0.17.5 mypy==2.4.1
 # torchtitan extra); torchtitan needs Python >= 3.11
 TORCHTITAN ?= torchtitan==0.3.0
 TORCHTITAN_IMPORTS ?= tyro spmd_types==0.2.3
+# The other end of the supported torch range: the GPU machines' torch 2.11 (PyPI's wheel, a
+# CUDA build, with its Triton 3.6), in a venv of its own, on the tests that touch what changed
+# between torch releases (custom ops and compile, fp8, async TP, the parallel styles, the
+# docs' blocks)
+TORCH_OLDEST ?= torch==2.11.0
+OLDEST_VENV ?= .venv-oldest
+OLDEST_TESTS ?= tests/test_custom_ops.py tests/test_fp8.py tests/test_compat_scaled.py \
+	tests/test_async_tp.py tests/test_parallel.py tests/test_docs.py
 
 $(BIN)/.demo-installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -40,7 +48,13 @@ $(BIN)/.lint-installed: $(BIN)/.demo-installed Makefile
 	$(BIN)/pip install -q $(LINTERS)
 	touch $@
 
-.PHONY: install demo test lint test-gpu clean
+$(OLDEST_VENV)/bin/.installed: pyproject.toml Makefile
+	$(PY) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/pip install -q $(TORCH_OLDEST)
+	$(OLDEST_VENV)/bin/pip install -q -e '.[test]'
+	touch $@
+
+.PHONY: install demo test test-oldest-torch lint test-gpu clean
 install: $(BIN)/.test-installed
 
 demo: $(BIN)/.demo-installed
@@ -48,6 +62,9 @@ demo: $(BIN)/.demo-installed
 
 test: $(BIN)/.test-installed
 	$(BIN)/python -m pytest -q -rs --durations=15
+
+test-oldest-torch: $(OLDEST_VENV)/bin/.installed
+	$(OLDEST_VENV)/bin/python -m pytest -q -rs $(OLDEST_TESTS)
 
 # ruff over everything Python in the repository, mypy over the package (the settings of both
 # in pyproject.toml)
@@ -59,4 +76,4 @@ test-gpu: $(BIN)/.test-installed
 	$(BIN)/python -m pytest -q -m gpu tests/gpu tests/test_kernels.py tests/test_gated.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(OLDEST_VENV) .pytest_cache

@@ -196,6 +196,14 @@ def _colwise_forward(self: nn.Linear, x: DTensor):
         # torch's path: its input hook's redistribution, then DTensor's linear
         x = _torch.ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, self,
                                                      (x,), mesh)
+        if x.device_mesh == mesh and tuple(x.placements) != tuple(desired_input_layouts):
+            # a DTensor placed otherwise than declared (torch's hook moves only what it
+            # declared): torch >= 2.13's linear redistributes it inside, 2.11's refuses to
+            # flatten a sharded row dim, so it moves here, for every torch alike
+            # (contiguous: 2.11's gather of uneven shards leaves strides its linear cannot view)
+            x = x.redistribute(placements=desired_input_layouts)
+            x = DTensor.from_local(x.to_local().contiguous(), mesh, x.placements,
+                                   run_check=False)
         return F.linear(x, self.weight, self.bias)
     out = library.all_gather_matmul(x.to_local(), weight.to_local().t(), mesh, gather_dim=dim)
     if bias is not None:
