@@ -22,12 +22,13 @@ TORCHTITAN ?= torchtitan==0.3.0
 TORCHTITAN_IMPORTS ?= tyro spmd_types==0.2.3
 # The other end of the supported torch range: the GPU machines' torch 2.11 (PyPI's wheel, a
 # CUDA build, with its Triton 3.6), in a venv of its own, on the tests that touch what changed
-# between torch releases (custom ops and compile, fp8, async TP, the parallel styles, the
-# docs' blocks)
+# between torch releases (custom ops and compile, fp8, async TP, the parallel styles; the
+# styles' W = 4 compiled case, 90 s, left out)
 TORCH_OLDEST ?= torch==2.11.0
 OLDEST_VENV ?= .venv-oldest
 OLDEST_TESTS ?= tests/test_custom_ops.py tests/test_fp8.py tests/test_compat_scaled.py \
-	tests/test_async_tp.py tests/test_parallel.py tests/test_docs.py
+	tests/test_async_tp.py tests/test_parallel.py \
+	--deselect 'tests/test_parallel.py::test_torch_plan_on_ficco_styles_compiled_fullgraph[4]'
 
 $(BIN)/.demo-installed: pyproject.toml
 	$(PY) -m venv $(VENV)
