@@ -62,7 +62,9 @@ BATCH, SEQ, D, FFN, W = 2, 8, 16, 32, 2
 class _DropoutLoss:
     """``model(batch)`` of docs/training.md's ShardRNG loop: a loss through a dropout."""
 
-    def __init__(self, torch):
+    def __init__(self):
+        import torch
+
         self.linear = torch.nn.Linear(D, D)
 
     def __call__(self, batch):
@@ -130,7 +132,7 @@ def namespace(rank: int, world: int) -> dict:
         # MoE and the float8 training op share x: (T, K) tokens sorted by global expert
         "x": randn(W * 4, D)[rank * 4:(rank + 1) * 4].repeat(2, 1), "counts": counts,
         "w1": randn(W, 2, D, 8)[rank], "w2": randn(W, 2, 8, D)[rank],
-        "model": _DropoutLoss(torch), "data": [randn(4, D), randn(4, D)],
+        "model": _DropoutLoss(), "data": [randn(4, D), randn(4, D)],
     }
     ns["_full"] = full
     ns["_rows"], ns["_rank"] = rows, rank
