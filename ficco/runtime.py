@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-import statistics
 import threading
-import time
 from collections import OrderedDict
+
+import torch
 
 from . import agreement, config, guard, logs, profiling, schedules
 from .backends import close_all
@@ -185,7 +185,9 @@ def _run(call: Call, schedule, transport, selector):
                 guard.check_word_ccl(call, word, sig)
                 stage["step"] = "the plain path's collective"
                 return call.op.plain(call)
-            decision = decide(call, s, agreed)
+            # (at a key's first sight a measuring selector runs the call's candidates here)
+            stage["step"] = "choosing its schedule"
+            decision = decide(call, s, agreed, word)
             stage.update(transport=decision.transport, schedule=decision.schedule,
                          step="the call check before the plan", check=decision.transport)
             if decision.transport == "ccl":
@@ -228,13 +230,16 @@ def candidate_transports(setting: str, same_host: bool) -> tuple[str, ...]:
     return ("dma", "ccl") if same_host else ("ccl",)
 
 
-def decide(call: Call, s: dict, agreed: agreement.Agreed):
+def decide(call: Call, s: dict, agreed: agreement.Agreed, word: int | None = None):
     """The Decision for ``call`` (identical on every rank: selectors see no rank, and the
     problem they see has each per-rank width at its widest, as ``agreed``), made once per
     (op, that problem's key, backend target, candidate transports, deciding settings) and then
     looked up (LRU). Every part of the key is agreed across ranks, and a decision is a pure
-    function of it (``tune``'s measurements are collective and cached by ``tune`` itself), so
-    a rank that forgot a decision the others kept reaches the same one again."""
+    function of it (what ``auto`` and ``tune`` measure is collective, agreed and cached by
+    them), so a rank that forgot a decision the others kept reaches the same one again. A
+    decision made without measuring where the selector measures (a rank could not time) is
+    not kept: the next call measures. ``word``: the call's digest, which a measured run checks
+    as the call itself does (see :class:`_Live`)."""
     transports = candidate_transports(s["transport"], agreed.same_host)
     seen = call.reuse.agreed
     if seen is not None and seen[0] is agreed:   # a function of the call key and agreed
@@ -253,14 +258,46 @@ def decide(call: Call, s: dict, agreed: agreement.Agreed):
 
     decision = choose(problem, transport=transports, target=call.target,
                       selector=s["selector"], forced=s["schedule"], forced_by=s["schedule_by"],
-                      measure=lambda name: measure(call, name, transports[0]),
-                      agree=lambda flag: agreement.all_ranks(call.group, call.rank, call.world,
-                                                             flag, what="tune cache check"))
-    with _decisions_lock:
-        _decisions[key] = decision
-        while len(_decisions) > _DECISION_LIMIT:
-            _decisions.popitem(last=False)
+                      live=_Live(call, s, word))
+    if decision.final:
+        with _decisions_lock:
+            _decisions[key] = decision
+            while len(_decisions) > _DECISION_LIMIT:
+                _decisions.popitem(last=False)
     return decision
+
+
+class _Live:
+    """This call's group as a measuring selector sees it (ficco.heuristics.measured.Live):
+    runs of the call with its own operands, timed by the backend (CUDA/HIP events on GPUs),
+    and exchanges through the group's store. A run is what the call would do after deciding:
+    with the call's digest (``word``), the ccl call check, the plan and the result's layout,
+    so a transport's per-call check is in its time."""
+
+    def __init__(self, call: Call, s: dict, word: int | None):
+        self.call, self.settings, self.word = call, s, word
+
+    def run(self, name: str, transport: str) -> float:
+        return self.call.backend.time_run(lambda: self._call(name, transport))
+
+    def _call(self, name: str, transport: str) -> None:
+        call = self.call
+        if transport == "ccl" and self.word is not None:
+            guard.check_word_ccl(call, self.word)
+        buffers, _, _ = execute(call, name, transport, word=self.word, settings=self.settings)
+        call.op.result(call, buffers, transport)
+
+    def everyone(self, value) -> list:
+        call = self.call
+        return agreement.exchange(call.group, call.rank, call.world, value,
+                                  what="the measuring selector's exchange")
+
+    def cannot_time(self) -> str | None:
+        if torch.compiler.is_compiling():
+            return "torch.compile is tracing"
+        if torch._C._len_torch_dispatch_stack():
+            return "a torch dispatch mode is active (fake or meta tensors, tracing)"
+        return self.call.backend.timing_blocked()
 
 
 def plan_for(call_or_op, name: str, transport: str, problem, engines=...):
@@ -343,21 +380,6 @@ def execute(call: Call, name: str, transport: str, trace: bool = False,
 _RUNNING = operator.itemgetter("copy_engines", "poison", "timeout_s")
 
 
-def measure(call: Call, name: str, transport: str, warmup: int = 2, repeat: int = 5) -> float:
-    """Median seconds of schedule ``name`` on this call, slowest rank (identical everywhere)."""
-    for _ in range(warmup):
-        execute(call, name, transport)
-    times = []
-    for _ in range(repeat):
-        call.backend.synchronize()
-        start = time.perf_counter()
-        execute(call, name, transport)
-        call.backend.synchronize()
-        times.append(time.perf_counter() - start)
-    return agreement.max_over_ranks(call.group, call.rank, call.world,
-                                    statistics.median(times), what=f"tune timing of {name}")
-
-
 def traced(call: Call, schedule: str, transport: str | None = None):
     """One run with a forced schedule: ``(result, plan, rows)``, rows being this rank's
     measured per-op ``{op_index, queue, kind, label, start_s, end_s}`` (for timelines)."""
@@ -384,15 +406,13 @@ def traced(call: Call, schedule: str, transport: str | None = None):
     return call.op.result(call, buffers, via), plan, rows or []
 
 
-class _NotTunedYet(Exception):
-    pass
-
-
 def explain(call: Call, schedule: str | None = None):
     """The Decision ``run`` would take for ``call``, made on this rank alone: no
     communication, so one rank may explain while the others do something else. Before the
-    group agreed on this call, ``auto`` assumes every rank shares this host; before the
-    ``tune`` selector measured it, the decision is the ``model``'s prediction (and says so)."""
+    group agreed on this call, ``auto`` transport assumes every rank shares this host; before
+    a measuring selector (``auto``, ``tune``) measured it, the decision is the ``model``'s
+    prediction (and says so; a cache *file* entry counts only once the first call confirmed it
+    with every rank: trusting it here would put it in this rank's memory alone)."""
     from .heuristics import choose
 
     s = settings(call, schedule)
@@ -400,26 +420,10 @@ def explain(call: Call, schedule: str | None = None):
     known = agreement.known(call.group, sig) if call.world > 1 else None
     transports = candidate_transports(s["transport"], True if known is None else
                                       known.same_host)
-
-    def not_measured(name):
-        raise _NotTunedYet(name)
-
-    kwargs = {"transport": transports, "target": call.target, "forced": s["schedule"],
-                  "forced_by": s["schedule_by"],
-                  # A tune cache *file* entry counts only once every rank confirmed it (the
-                  # real call does that); trusting it here would also put it in this rank's
-                  # memory alone and split the ranks at the next call.
-                  "agree": lambda flag: False}
     # The widths every rank agreed on, once agreed (before: this rank's own).
     problem = call.problem if known is None else call.op.agreed_problem(call, known.per_rank)
-    try:
-        decision = choose(problem, selector=s["selector"], measure=not_measured, **kwargs)
-    except _NotTunedYet:
-        model = choose(problem, selector="model", **kwargs)
-        decision = dataclasses.replace(
-            model, selector="tune", reason=f"not tuned yet (or only in a cache file the "
-                                           f"first call confirms with every rank): the model "
-                                           f"predicts: {model.reason}")
+    decision = choose(problem, transport=transports, target=call.target,
+                      selector=s["selector"], forced=s["schedule"], forced_by=s["schedule_by"])
     if known is None and s["transport"] == "auto" and call.world > 1:
         decision = dataclasses.replace(
             decision, reason=f"{decision.reason} (transport assumes one host: not yet agreed "

@@ -1,5 +1,6 @@
 """Choosing a schedule per GEMM (DESIGN §5): device profiles, the paper's rule, a simulator
-backed cost model and measured tuning, behind one call.
+backed cost model, and two selectors that measure on the live group (``auto``, the default:
+the model's shortlist; ``tune``: every schedule), behind one call.
 
 Example::
 
@@ -12,7 +13,8 @@ Example::
 
 Precedence: a forced schedule (call argument, else ``FICCO_SCHEDULE``; the API resolves which
 and passes ``forced``/``forced_by``) > the selector (argument, else ``FICCO_SELECTOR``).
-Selectors never look at the rank, so every rank reaches the same decision.
+Selectors never look at the rank, so every rank reaches the same decision (what ``auto`` and
+``tune`` measure is agreed across ranks before they pick).
 """
 from __future__ import annotations
 
@@ -25,10 +27,12 @@ from ..config import TRANSPORTS
 from ..errors import ConfigError, InvalidArgumentError
 from ..problem import Problem
 from . import bands, profiles
+from .auto import auto_choice
 from .decision import SELECTORS, Decision, decision_inputs
-from .model import banded_choice, predict_all
+from .measured import Live
+from .model import BandedChoice, banded_choice, predict_all
 from .paper import paper_choice
-from .tune import tune_choice
+from .tune import NotMeasured, tune_choice
 
 log = logs.log
 _logged: set = set()
@@ -46,8 +50,7 @@ class Context:
     inputs: dict
     copy_engines: int | None = None
     paper_thresholds: tuple[float, float] = (1.0, 5.0)
-    measure: Callable[[str], float] | None = None
-    agree: Callable[[bool], bool] | None = None
+    live: Live | None = None     # the live group, for the selectors that measure
 
 
 def _paper(problem: Problem, ctx: Context) -> Decision:
@@ -61,7 +64,7 @@ def _paper(problem: Problem, ctx: Context) -> Decision:
                     {name: score}, reason)
 
 
-def _model(problem: Problem, ctx: Context) -> Decision:
+def _banded(problem: Problem, ctx: Context) -> BandedChoice:
     """The model weighs every candidate transport (with the transport left to ficco, the
     process group's collectives, few ops, beat a plan of many DMA copies for small GEMMs whose
     launches alone outlast the work) and keeps an overlapped schedule only when its predicted
@@ -69,24 +72,42 @@ def _model(problem: Problem, ctx: Context) -> Decision:
     (:mod:`ficco.heuristics.bands`)."""
     width, cls = bands.band(problem, ctx.profile, ctx.topology)
     # Optional schedules (gated-*: Triton) only where they run on this target.
-    choice = banded_choice(problem, ctx.profile, ctx.topology, ctx.transports, ctx.copy_engines,
-                           lambda via: schedules.offered(ctx.target, via, problem.op, problem),
-                           width, cls)
+    return banded_choice(problem, ctx.profile, ctx.topology, ctx.transports, ctx.copy_engines,
+                         lambda via: schedules.offered(ctx.target, via, problem.op, problem),
+                         width, cls)
+
+
+def _model(problem: Problem, ctx: Context) -> Decision:
+    choice = _banded(problem, ctx)
     return Decision(choice.schedule, choice.transport, "model", ctx.inputs, choice.scores,
-                    choice.reason, band=width, band_class=cls)
+                    choice.reason, band=choice.band, band_class=choice.band_class)
+
+
+def _auto(problem: Problem, ctx: Context) -> Decision:
+    return auto_choice(problem, transports=ctx.transports, target=ctx.target,
+                       topology=ctx.topology, copy_engines=ctx.copy_engines, live=ctx.live,
+                       inputs=ctx.inputs, model=lambda: _banded(problem, ctx))
 
 
 def _tune(problem: Problem, ctx: Context) -> Decision:
-    name, scores, reason = tune_choice(problem, transport=ctx.transports[0], target=ctx.target,
-                                       topology=ctx.topology, measure=ctx.measure,
-                                       agree=ctx.agree)
-    return Decision(name, ctx.transports[0], "tune", ctx.inputs, scores, reason)
+    try:
+        name, scores, reason = tune_choice(problem, transport=ctx.transports[0],
+                                           target=ctx.target, topology=ctx.topology,
+                                           live=ctx.live)
+    except NotMeasured as why:
+        model = _model(problem, replace(ctx, transports=ctx.transports[:1]))
+        return replace(
+            model, selector="tune", final=False, decided_by=f"model, not tuned: {why}",
+            reason=f"not tuned yet ({why}; a cache file entry counts once the first call "
+                   f"confirmed it with every rank): the model predicts: {model.reason}")
+    return Decision(name, ctx.transports[0], "tune", ctx.inputs, scores, reason,
+                    decided_by="measured on the live group (every candidate; slowest rank)")
 
 
-#: Selector name -> pure function (problem, Context) -> Decision (``tune`` measures through
-#: ``Context.measure``, which the runtime provides on a live group).
+#: Selector name -> function (problem, Context) -> Decision; ``auto`` and ``tune`` measure
+#: through ``Context.live``, which the runtime provides on a live group.
 SELECTOR_FUNCTIONS: dict[str, Callable[[Problem, Context], Decision]] = {
-    "paper": _paper, "model": _model, "tune": _tune}
+    "auto": _auto, "paper": _paper, "model": _model, "tune": _tune}
 
 
 def _forced_prediction(problem: Problem, profile: profiles.Profile, topology: str,
@@ -106,19 +127,17 @@ def _forced_prediction(problem: Problem, profile: profiles.Profile, topology: st
 
 def choose(problem: Problem, *, transport: str | tuple[str, ...] = "dma", target: str = "cpu",
            selector: str | None = None, forced: str | None = None,
-           forced_by: str | None = None,
-           measure: Callable[[str], float] | None = None,
-           agree: Callable[[bool], bool] | None = None) -> Decision:
+           forced_by: str | None = None, live: Live | None = None) -> Decision:
     """The Decision for ``problem``: which schedule runs, over which transport, chosen by whom,
     and why.
 
     ``transport`` is a resolved transport (``"dma"`` or ``"ccl"``) or a tuple of candidates,
-    preferred first: the ``model`` selector weighs them all, the others take the first.
+    preferred first: ``model`` and ``auto`` weigh them all, the others take the first.
     ``target`` ("cpu", "cuda:sm_90", "rocm:gfx942", …) picks the built-in profile when
     ``FICCO_PROFILE`` is unset; ``FICCO_TOPOLOGY`` overrides the profile's topology.
-    ``measure(name) -> seconds`` is required by the ``tune`` selector only; ``agree(flag)``
-    (collective: True when every rank passes True) lets it trust a cache file only when every
-    rank has the entry.
+    ``live`` (:class:`~ficco.heuristics.measured.Live`, given by the runtime on a live group)
+    lets ``auto`` and ``tune`` measure; without it they decide from what they measured before
+    in this process, else by the model, and say so (``Decision.final`` False).
 
     >>> from ficco.problem import Problem
     >>> choose(Problem(8, 8, (8,), "float32", 2), forced="ring", forced_by="argument").reason
@@ -151,7 +170,7 @@ def choose(problem: Problem, *, transport: str | tuple[str, ...] = "dma", target
     if not low < high:
         raise ConfigError(f"FICCO_PAPER_LOW={low} must be below FICCO_PAPER_HIGH={high}")
     ctx = Context(profile, topology, transports, target, inputs, config.copy_engines(),
-                  (low, high), measure, agree)
+                  (low, high), live)
     return _logged_once(problem, SELECTOR_FUNCTIONS[selector](problem, ctx))
 
 
