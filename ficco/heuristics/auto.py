@@ -215,7 +215,7 @@ def auto_choice(problem, *, transports: tuple[str, ...], target: str, topology: 
         entry, fresh = _measure(problem, live, choice, transports, key, persist), True
     rows = tuple((n, v, p, s, note) for n, v, p, s, note in entry["rows"])
     scores = {n if v == entry["transport"] else f"{n} ({v})": s for n, v, _, s, _ in rows}
-    when = "at first sight" if fresh else f"earlier (cache {key})"
+    when = "at first sight" if fresh else f"at the key's first sight (cache {key})"
     if not fresh and entry["measured_key"] != repr(problem.key()):
         when += f", on the nearby problem {entry['measured_key']} of the same bucket"
     cost = entry["cost_s"] / entry["serial_s"] if entry["serial_s"] > 0 else 0.0
