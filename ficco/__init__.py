@@ -1,4 +1,5 @@
-"""ficco: all-gather + matmul with the all-gather hidden behind the GEMM, on NVIDIA, AMD and CPU.
+"""ficco: collectives hidden behind the GEMMs of parallel models (all-gather + matmul, matmul +
+reduce-scatter or all-reduce, all-to-all + grouped GEMMs), on NVIDIA, AMD and CPU.
 
 >>> import ficco
 >>> c = ficco.all_gather_matmul(a_shard, w)          # doctest: +SKIP
@@ -21,6 +22,7 @@ from .api import (
                   all_to_all_grouped_mm,
                   explain,
                   grouped_mm_all_to_all,
+                  matmul_all_reduce,
                   matmul_reduce_scatter,
                   shutdown,
 )
@@ -36,6 +38,7 @@ __all__ = [
                   "errors",
                   "explain",
                   "grouped_mm_all_to_all",
+                  "matmul_all_reduce",
                   "matmul_reduce_scatter",
                   "schedules",
                   "shutdown",

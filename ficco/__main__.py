@@ -1,5 +1,6 @@
-"""``python -m ficco demo``: the end-to-end demo on CPU ranks (see ficco/demo.py).
-Benchmarks live under ``python -m ficco.bench``."""
+"""``python -m ficco selftest``: ficco checks itself where it runs (ficco/selftest); ``python
+-m ficco demo``: the end-to-end demo on CPU ranks (ficco/demo.py). Benchmarks live under
+``python -m ficco.bench``."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +14,14 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="verb", required=True)
     demo = sub.add_parser("demo", help="run every schedule on 4 CPU ranks and check the results")
     demo.add_argument("--world", type=_ranks, default=4, help="number of CPU ranks (default 4)")
+    sub.add_parser("selftest", add_help=False,
+                   help="check ficco on this machine: every schedule vs float64, faults, a "
+                        "graph replay, timings, the environment (--help for its options)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["selftest"]:
+        from .selftest import main as selftest_main
+
+        return selftest_main(argv[1:])
     args = parser.parse_args(argv)
     from .demo import main as demo_main
 

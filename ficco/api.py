@@ -1,4 +1,5 @@
-"""The public entry points: ``all_gather_matmul``, ``explain`` and ``shutdown``.
+"""The public entry points: ``all_gather_matmul``, ``matmul_reduce_scatter``,
+``matmul_all_reduce``, the expert-parallel pair, ``explain`` and ``shutdown``.
 
 Data flows one way: arguments -> op spec (``ficco/ops/``: validated, canonical Call) ->
 runtime (``ficco/runtime.py``: agreement, Decision, Plan, executor) -> the caller's layout.
@@ -7,9 +8,10 @@ from __future__ import annotations
 
 import atexit
 
-from . import library, runtime
+from . import library, library_all_reduce, runtime
 from .errors import InvalidArgumentError
 from .ops.all_gather_matmul import SPEC as _ALL_GATHER_MATMUL
+from .ops.matmul_all_reduce import SPEC as _MATMUL_ALL_REDUCE
 from .ops.matmul_reduce_scatter import SPEC as _MATMUL_REDUCE_SCATTER
 
 last_run = runtime.last_run
@@ -86,6 +88,33 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
                                          bias=bias, activation=activation)
 
 
+def matmul_all_reduce(a, b, group=None, *, reduce_op="sum", schedule=None, a_scale=None,
+                      b_scale=None, out_dtype=None, bias=None):
+    """``all_reduce(a @ b)`` with the all-reduce hidden behind the GEMM (or, for the small
+    GEMMs of decode, done in one round over symmetric memory): the row-parallel half of tensor
+    parallelism without sequence parallelism (attention out-projection, MLP down-projection in
+    TP inference).
+
+    Every rank holds its K-slice of the activation ``a`` (..., K_r) and its K-row shard of the
+    weight ``b`` (K_r, n) (or a list of them: one output each; widths may differ by rank, a
+    rank may hold none); every rank receives all of ``sum over ranks of a @ b``, shaped
+    (..., n), the same values on every rank. ``reduce_op`` is ``"sum"`` or ``"avg"``;
+    ``schedule`` forces one of ``ficco.schedules.names(op="matmul_all_reduce")``. fp8 scales
+    and ``out_dtype`` as in :func:`all_gather_matmul` (partial products summed in float32 and
+    rounded once, except where the process group sums them: ``serial``, ``chunked-*`` and
+    ``two-shot`` over ccl, as NCCL does); ``bias`` (n,) is added once, to the sum. See
+    docs/all_reduce.md.
+
+    >>> import torch, ficco
+    >>> a = torch.randn(2, 3, 8); w = torch.randn(8, 5)
+    >>> torch.allclose(ficco.matmul_all_reduce(a, w), a @ w)   # one rank: a plain matmul
+    True
+    """
+    return library_all_reduce.matmul_all_reduce(a, b, group, reduce_op=reduce_op,
+                                                schedule=schedule, a_scale=a_scale,
+                                                b_scale=b_scale, out_dtype=out_dtype, bias=bias)
+
+
 def _prepare(op, a, b, group, dim, reduce_op, counts=None, epilogue=None):
     if op in _EXPERT_OPS:
         if counts is None:
@@ -99,19 +128,25 @@ def _prepare(op, a, b, group, dim, reduce_op, counts=None, epilogue=None):
         return _ALL_GATHER_MATMUL.prepare(a, b, group, dim, **(epilogue or {}))
     if op == _MATMUL_REDUCE_SCATTER.name:
         return _MATMUL_REDUCE_SCATTER.prepare(a, b, group, dim, reduce_op, **(epilogue or {}))
+    if op == _MATMUL_ALL_REDUCE.name:
+        return _MATMUL_ALL_REDUCE.prepare(a, b, group, reduce_op, **(epilogue or {}))
     raise InvalidArgumentError(f"op={op!r} is not a ficco op; use all_gather_matmul, "
-                               f"matmul_reduce_scatter, {' or '.join(_EXPERT_OPS)}")
+                               f"matmul_reduce_scatter, matmul_all_reduce, "
+                               f"{' or '.join(_EXPERT_OPS)}")
 
 
 def explain(a_shard, b, group=None, *, gather_dim=0, schedule=None, op="all_gather_matmul",
             scatter_dim=0, reduce_op="sum", counts=None, **epilogue):
-    """The Decision ``op`` (``all_gather_matmul``, or ``matmul_reduce_scatter`` with
-    ``scatter_dim``/``reduce_op``; then ``a_shard`` is the full-row ``a``) would take for these
+    """The Decision ``op`` (``all_gather_matmul``; ``matmul_reduce_scatter`` with
+    ``scatter_dim``/``reduce_op``, or ``matmul_all_reduce`` with ``reduce_op``: then
+    ``a_shard`` is the full-row ``a``) would take for these
     arguments: schedule, transport, the selector that chose, its inputs and every candidate's
     score. Local: it never communicates, so one rank may call it alone (``if rank == 0:
     print(ficco.explain(...))``). Before the ranks agreed on this call, ``auto`` transport
-    assumes they share a host; before ``tune`` measured it, the decision is the model's
-    prediction and its reason says "not tuned yet" (the first real call measures).
+    assumes they share a host; before a measuring selector (``auto``, the default, or
+    ``tune``) measured it, the decision is the model's prediction and says so ("not measured
+    yet", "not tuned yet": the first real call measures); after, the measured times beside
+    the predicted ones.
     Expert parallelism: ``op="all_to_all_grouped_mm"`` (``a_shard`` is x, ``b`` is w,
     ``counts=`` its counts) or ``"grouped_mm_all_to_all"`` (h, w2, ``counts=`` recv_counts);
     without communication it assumes every rank routes like this one. ``epilogue``: the op's
@@ -122,6 +157,8 @@ def explain(a_shard, b, group=None, *, gather_dim=0, schedule=None, op="all_gath
     >>> print(ficco.explain(torch.randn(4, 8), torch.randn(8, 3)).schedule)
     serial
     >>> ficco.explain(torch.randn(4, 8), torch.randn(8, 3), op="matmul_reduce_scatter").schedule
+    'serial'
+    >>> ficco.explain(torch.randn(4, 8), torch.randn(8, 3), op="matmul_all_reduce").schedule
     'serial'
     """
     dim = scatter_dim if op == _MATMUL_REDUCE_SCATTER.name else gather_dim
@@ -135,6 +172,12 @@ def traced_all_gather_matmul(a_shard, b, group=None, *, schedule, transport=None
     rank's measured per-op ``{op_index, queue, kind, label, start_s, end_s}`` (for timelines)."""
     call = _ALL_GATHER_MATMUL.prepare(a_shard, b, group, gather_dim)
     return runtime.traced(call, schedule, transport)
+
+
+def traced_matmul_all_reduce(a, b, group=None, *, schedule, transport=None, reduce_op="sum"):
+    """``traced_all_gather_matmul`` for ``matmul_all_reduce``: ``(output, plan, rows)``."""
+    return runtime.traced(_MATMUL_ALL_REDUCE.prepare(a, b, group, reduce_op), schedule,
+                          transport)
 
 
 def traced_matmul_reduce_scatter(a, b, group=None, *, schedule, transport=None, scatter_dim=0,

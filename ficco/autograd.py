@@ -1,12 +1,15 @@
-"""Autograd and autocast of ficco's custom ops (registered on import by :mod:`ficco.library`).
+"""Autograd and autocast of ficco's custom ops (registered on import by :mod:`ficco.library`
+and :mod:`ficco.library_all_reduce`).
 
-The backward of each op is the other op, overlapped too:
+The backward of each op is the other op, overlapped too (the all-reduce's is local):
 
 - ``c_j = all_gather(a) @ b_j``: ``grad_a = matmul_reduce_scatter([grad_c_1 | ...], [b_1^T; ...])``
   and ``grad_b_j = gathered^T @ grad_c_j``, the gathered ``a`` saved from the forward or
   gathered again (``FICCO_BACKWARD_GATHER``);
 - ``d_j = reduce_scatter(a @ b_j)``: ``grad_a = sum_j all_gather_matmul(grad_d_j, b_j^T)``, the
-  gathered ``grad_d_j`` reused for ``grad_b_j = a^T @ gathered``.
+  gathered ``grad_d_j`` reused for ``grad_b_j = a^T @ gathered``;
+- ``y_j = all_reduce(a @ b_j)`` (replicated): ``grad_a = sum_j grad_y_j @ b_j^T`` and
+  ``grad_b_j = a^T @ grad_y_j``, local GEMMs (the all-reduce's gradient is the identity).
 
 Gradients are first order only; autocast runs the GEMMs in the region's dtype.
 
@@ -259,6 +262,42 @@ def _rs_backward(ctx, grad_outs):
             None, None)
 
 
+def _ar_setup_context(ctx, inputs, output):
+    a, bs, group, reduce_op, _schedule, *epilogue = inputs
+    a_scale, b_scales, biases, _out_dtype, _role, world = (epilogue + [None] * 6)[:6]
+    if a_scale is not None:
+        refuse_fp8_gradients(a, bs, a_scale)
+    ctx.set_materialize_grads(False)
+    ctx.reduce_op = reduce_op
+    ctx.world = world if world is not None else _world(group)
+    ctx.a_needs = a.requires_grad
+    ctx.b_needs = [b.requires_grad for b in bs]
+    ctx.a_shape = tuple(a.shape)
+    _save_epilogue(ctx, a, b_scales, biases)
+    ctx.save_for_backward(a if any(ctx.b_needs) else None, *(bs if ctx.a_needs else ()))
+
+
+def _ar_backward(ctx, grad_outs):
+    """``y_j = all_reduce(a @ b_j)`` is replicated, so its gradient is too and the
+    all-reduce's gradient is the identity: local GEMMs only (``avg`` scales by 1/W)."""
+    a, *bs = ctx.saved_tensors
+    grad_b_scales, grad_biases = _bias_grads(ctx, grad_outs)
+    grad_a, grad_bs = None, []
+    for j, (g, b_needs) in enumerate(zip(grad_outs, ctx.b_needs)):
+        if g is None:
+            grad_bs.append(None)
+            continue
+        g = _rows(g if g.dtype == ctx.dtype else g.to(ctx.dtype), 0)
+        if ctx.reduce_op == "avg":
+            g = g / ctx.world
+        if ctx.a_needs:
+            part = (g @ bs[j].t()).reshape(ctx.a_shape)
+            grad_a = part if grad_a is None else grad_a + part
+        grad_bs.append(_rows(a, 0).t() @ g if b_needs else None)
+    return (grad_a, grad_bs, None, None, None, None, grad_b_scales, grad_biases, None, None,
+            None)
+
+
 # -- autocast: the GEMMs run in the autocast dtype, as torch.matmul would -------------------------
 _impls = torch.library.Library("ficco", "IMPL")
 
@@ -296,3 +335,12 @@ def register(all_gather_matmul_op, matmul_reduce_scatter_op) -> None:
     for op in (all_gather_matmul_op, matmul_reduce_scatter_op):
         for device in ("cpu", "cuda"):
             _register_autocast(op, device)
+
+
+def register_all_reduce(matmul_all_reduce_op) -> None:
+    """Register autograd and autocast on the all-reduce op (once, by
+    :mod:`ficco.library_all_reduce`)."""
+    matmul_all_reduce_op.register_autograd(_first_order(_ar_backward),
+                                           setup_context=_ar_setup_context)
+    for device in ("cpu", "cuda"):
+        _register_autocast(matmul_all_reduce_op, device)

@@ -19,11 +19,12 @@ if TYPE_CHECKING:
 @dataclass
 class Buffers:
     """The tensors one call's plan refers to. ``a`` is the caller's A operand in canonical
-    ``m x K`` form. All-gather: ``gathered`` is this rank's ``M x K`` buffer. Reduce-scatter:
-    ``partials[j]`` this rank's ``M x n_j`` partial products (at byte ``partial_offsets[j]``
-    of the workspace with ``dma``) and ``recvs[j]`` the landing buffer of the peers' partials.
-    ``symm`` is the symmetric handle whose buffers hold every peer's ``gathered`` or
-    ``partials`` (None with ``ccl``); ``group`` the process group ``ccl`` collectives run on.
+    ``m x K`` form. All-gather: ``gathered`` is this rank's ``M x K`` buffer. Reduce-scatter
+    and all-reduce: ``partials[j]`` this rank's ``M x n_j`` partial products (at byte
+    ``partial_offsets[j]`` of the workspace with ``dma``) and ``recvs[j]`` the landing buffer
+    of the peers' partials; all-reduce: ``reduced[j]`` (``M x n_j``, at ``reduced_offsets[j]``)
+    the sums this rank reduced, which peers pull. ``symm`` is the symmetric handle whose
+    buffers hold every peer's ``gathered``, ``partials`` or ``reduced`` (None with ``ccl``); ``group`` the process group ``ccl`` collectives run on.
     fp8 and epilogues (:mod:`ficco.scaled`): ``a_scale`` (the canonical input's, ``m x 1``
     row-wise or one element), ``gathered_scale`` (row-wise all-gather: ``M x 1`` at byte
     ``gathered_scale_offset`` of the workspace with ``dma``), ``b_scales`` and ``biases``
@@ -42,6 +43,8 @@ class Buffers:
     partials: list[torch.Tensor] = field(default_factory=list)
     recvs: list[torch.Tensor] = field(default_factory=list)
     partial_offsets: tuple[int, ...] = ()
+    reduced: list[torch.Tensor] = field(default_factory=list)
+    reduced_offsets: tuple[int, ...] = ()
     flags: torch.Tensor | None = None   # arrival flags of gated plans (execute() zeroes them)
     a_scale: torch.Tensor | None = None
     gathered_scale: torch.Tensor | None = None
@@ -62,6 +65,8 @@ class Buffers:
             mine, offset = self.local(buf, index), 0
             if buf == "partial":
                 offset = self.partial_offsets[index] if self.partial_offsets else 0
+            elif buf == "reduced":
+                offset = self.reduced_offsets[index]
             elif buf == "gathered_scale":
                 offset = self.gathered_scale_offset
             self._peers[key] = self.symm.get_buffer(peer, tuple(mine.shape), mine.dtype, offset)
@@ -74,6 +79,8 @@ class Buffers:
                 raise InvalidArgumentError(
                     "plan reads the gathered rows' fp8 scales but the call has none")
             return self.gathered_scale
+        if buf == "reduced":
+            return self.reduced[index]
         if buf != "gathered":
             return self.partials[index]
         if self.gathered is None:

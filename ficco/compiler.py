@@ -37,6 +37,7 @@ from .plan import (
     SCALE_OF,
     SYMMETRIC_BUFFERS,
     AllGather,
+    AllReduce,
     AllToAll,
     Barrier,
     Block,
@@ -199,6 +200,9 @@ class CompiledPlan:
                 steps.append((LAUNCH, q, host_tasks.reduce_scatter_task,
                               (maybe_slot(op.srcs), maybe_slot((op.dst,))[0], op.scale, like()),
                               0, 0))
+            elif isinstance(op, AllReduce):
+                steps.append((LAUNCH, q, host_tasks.all_reduce_task,
+                              (block_slot(op.src), block_slot(op.dst), op.scale), 0, 0))
             elif isinstance(op, AllGather):
                 steps.append((LAUNCH, q, host_tasks.all_gather_task,
                               (block_slot(op.src), tuple(block_slot(d) for d in op.dsts)), 0, 0))
@@ -308,7 +312,7 @@ class CompiledPlan:
             ws_key = tuple([(t.data_ptr(), t.shape, t.stride(), t.storage_offset(), t.dtype,
                              t.device)
                             for t in [buffers.gathered, buffers.gathered_scale,
-                                      *buffers.partials] if t is not None])
+                                      *buffers.partials, *buffers.reduced] if t is not None])
             if old is not None and old.ws_key != ws_key:
                 old = None
             ws_views = old.ws_views if old is not None else \

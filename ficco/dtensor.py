@@ -8,6 +8,7 @@ op                                ``a``                                ``b`` (ea
 ``all_gather_matmul``             ``Shard(gather_dim)``: the shard     ``Replicate()`` or
                                   to gather                            ``Shard(1)``: its columns
 ``matmul_reduce_scatter``         ``Shard(-1)``: this rank's K slice   ``Shard(0)``: its K rows
+``matmul_all_reduce``             ``Shard(-1)``: this rank's K slice   ``Shard(0)``: its K rows
 ================================  ===================================  ==========================
 
 The output is this rank's plain local result (what ``to_local()`` of torch's DTensor result
@@ -26,6 +27,8 @@ _WANTED = {  # (op, operand) -> the placements it takes, as the error says them
     ("all_gather_matmul", "b"): "Replicate() or Shard(1) (this rank's columns)",
     ("matmul_reduce_scatter", "a"): "Shard(-1) (this rank's slice of K)",
     ("matmul_reduce_scatter", "b"): "Shard(0) (this rank's rows of K)",
+    ("matmul_all_reduce", "a"): "Shard(-1) (this rank's slice of K)",
+    ("matmul_all_reduce", "b"): "Shard(0) (this rank's rows of K)",
 }
 
 

@@ -1,5 +1,6 @@
 """The host tasks a compiled plan launches on its queues (``Backend.launch``): the reduction of
-partial products and the process-group collectives of ``ccl`` plans. On GPUs they enqueue torch
+partial products and the process-group collectives of ``ccl`` plans (all-gather, all-to-all,
+reduce-scatter, all-reduce, send/recv). On GPUs they enqueue torch
 kernels and NCCL/RCCL calls on the queue's stream (it is current while they run).
 
 Each ``*_task(views, buffers, args)`` takes the call's views by slot number, the call's
@@ -72,6 +73,20 @@ def _reduce_scatter(srcs, dst, scale, group, like):
         dst.copy_(out.view(dst.shape))
 
 
+def _all_reduce(src, dst, scale, group):
+    """``dst`` <- the sum over ranks of ``src`` (then ``*= scale``): the process group's
+    all-reduce, in ``src``'s dtype (fp8 never reaches here: its partials are float32), in
+    place in ``dst`` when it can be."""
+    in_place = dst.dtype == src.dtype and dst.is_contiguous()
+    total = dst if in_place else torch.empty(src.shape, dtype=src.dtype, device=src.device)
+    total.copy_(src)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    if scale is not None:
+        total.mul_(scale)
+    if not in_place:
+        dst.copy_(total)
+
+
 def _global(group, rank):
     return rank if group is None else dist.get_global_rank(group, rank)
 
@@ -134,6 +149,11 @@ def all_to_all_task(v, buffers, args):
 def reduce_scatter_task(v, buffers, args):
     srcs, dst, scale, like = _pick(v, args[0]), _pick(v, (args[1],))[0], args[2], v[args[3]]
     return lambda: _reduce_scatter(srcs, dst, scale, buffers.group, like)
+
+
+def all_reduce_task(v, buffers, args):
+    src, dst, scale = v[args[0]], v[args[1]], args[2]
+    return lambda: _all_reduce(src, dst, scale, buffers.group)
 
 
 def all_gather_task(v, buffers, args):

@@ -402,9 +402,21 @@ def _op_epilogue(bs, b_is_list, a_scale, b_scale, bias, out_dtype):
         if not (a_scale is None or isinstance(a_scale, Tensor)) or not (
                 out_dtype is None or isinstance(out_dtype, torch.dtype)):
             return None
-        return a_scale, as_list(b_scale, False), as_list(bias, True), out_dtype
+        return a_scale, as_list(b_scale, False), _no_none(as_list(bias, True), bs), out_dtype
     except _NotForTheOp:
         return None
+
+
+def _no_none(biases, bs):
+    """``biases`` with a zero bias for each b without one, when some other one needs its
+    gradient: torch's autograd of a custom op flattens a ``Tensor?[]`` input that holds a None
+    as one leaf but the backward's gradients of it as a list, and refuses the mismatch. Adding
+    zero changes no output."""
+    if biases is None or all(b is not None for b in biases) or not (
+            torch.is_grad_enabled() and any(b is not None and b.requires_grad for b in biases)):
+        return biases
+    like = next(b for b in biases if b is not None)
+    return [b if b is not None else like.new_zeros(w.shape[1]) for b, w in zip(biases, bs)]
 
 
 class _NotForTheOp(Exception):

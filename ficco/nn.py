@@ -1,4 +1,4 @@
-"""Tensor/sequence-parallel linear layers built on ficco's two ops.
+"""Tensor/sequence-parallel linear layers built on ficco's ops.
 
 A sequence-parallel (SP) + tensor-parallel (TP) block keeps activations sharded along the
 sequence between blocks. Its column-parallel layers gather the sequence in front of their GEMM
@@ -6,7 +6,9 @@ sequence between blocks. Its column-parallel layers gather the sequence in front
 reduce-scatter back to sequence shards after theirs (:class:`RowParallelLinear`,
 ``ficco.matmul_reduce_scatter``). Parameters in the SP region (norm weights, the row layer's
 bias) see only this rank's rows, so their gradient is summed over the group by
-:func:`replicated`.
+:func:`replicated`. Without sequence parallelism (TP inference) a row-parallel layer
+all-reduces instead: ``RowParallelLinear(..., sequence_parallel=False)``
+(``ficco.matmul_all_reduce``).
 
 These modules hold plain local shards (any optimizer, ``torch.compile(fullgraph=True)`` and
 state dicts work unchanged; ``from_linear`` shards an existing ``nn.Linear``). For a model
@@ -36,7 +38,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from . import library
+from . import library, library_all_reduce
 from .errors import InvalidArgumentError
 from .group import NO_GROUP, name_of, rank_world, resolve
 from .problem import even_split
@@ -118,12 +120,20 @@ class RowParallelLinear(nn.Module):
     """``y_shard = reduce_scatter(x @ W_r^T, seq_dim) + b``: ``x`` holds this rank's input
     features (a column-parallel layer's output) for the full sequence; the result is this
     rank's sequence shard of the full linear's output. The bias is replicated and added after
-    the reduction (once, not once per rank)."""
+    the reduction (once, not once per rank).
+
+    ``sequence_parallel=False``: ``y = all_reduce(x @ W_r^T) + b`` (``ficco.matmul_all_reduce``),
+    every rank gets the whole output (tensor parallelism without sequence parallelism, as in
+    TP inference; ``seq_dim`` is not needed). The bias is added once, inside the op; it is in
+    the replicated region, so its gradient is not summed over the ranks.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None,
-                 seq_dim: int | None = None, device=None, dtype=None):
+                 seq_dim: int | None = None, sequence_parallel: bool = True, device=None,
+                 dtype=None):
         super().__init__()
         self.group, self.seq_dim = group, seq_dim
+        self.sequence_parallel = sequence_parallel
         rank, world = rank_world(resolve(group))
         self.in_features, self.out_features = in_features, out_features
         local_in = even_split(in_features, world)[rank][1]
@@ -140,15 +150,15 @@ class RowParallelLinear(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, group=None,
-                    seq_dim: int | None = None) -> RowParallelLinear:
+    def from_linear(cls, linear: nn.Linear, *, group=None, seq_dim: int | None = None,
+                    sequence_parallel: bool = True) -> RowParallelLinear:
         """This rank's shard of ``linear``: its slice of input features, the whole bias (new
         parameters; a tied weight warns, as for ``ColumnParallelLinear.from_linear``)."""
         linear = _linear(linear, "linear")
         _warn_if_tied(linear, cls.__name__)
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                    group=group, seq_dim=seq_dim, device=linear.weight.device,
-                    dtype=linear.weight.dtype)
+                    group=group, seq_dim=seq_dim, sequence_parallel=sequence_parallel,
+                    device=linear.weight.device, dtype=linear.weight.dtype)
         rank, world = rank_world(resolve(group))
         start, cols = even_split(linear.in_features, world)[rank]
         with torch.no_grad():
@@ -158,6 +168,9 @@ class RowParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: Tensor) -> Tensor:
+        if not self.sequence_parallel:
+            return library_all_reduce.matmul_all_reduce(x, self.weight.t(), self.group,
+                                                        bias=self.bias)
         # The bias enters the graph first, so the backward runs the (checked) all_gather_matmul
         # before the bias gradient's all-reduce: a rank that skipped this backward makes the
         # peers raise before that unchecked collective is in flight (autograd runs the later
@@ -168,8 +181,9 @@ class RowParallelLinear(nn.Module):
         return y if bias is None else y + bias
 
     def extra_repr(self) -> str:
+        form = f"seq_dim={self.seq_dim}" if self.sequence_parallel else "all-reduce"
         return (f"in_features={self.in_features} (sharded), out_features={self.out_features}, "
-                f"seq_dim={self.seq_dim}, bias={self.bias is not None}")
+                f"{form}, bias={self.bias is not None}")
 
 
 def _linear(layer, name: str) -> nn.Linear:

@@ -15,9 +15,11 @@ they see with torch's styles. Only the ``nn.Linear`` GEMM changes:
   ``ficco.all_gather_matmul``: the gather is hidden behind the GEMM.
 - ``RowwiseParallel`` whose output is sharded along a row dimension (``output_layouts=Shard(1)``)
   runs ``ficco.matmul_reduce_scatter``: the reduce-scatter is hidden behind the GEMM.
+- ``RowwiseParallel`` with a replicated output (its default: tensor parallelism without
+  sequence parallelism, as in TP inference) runs ``ficco.matmul_all_reduce``.
 - Everything else runs torch's own path unchanged: a replicated input (nothing to gather), a
-  replicated output (an all-reduce, which ficco does not overlap), a sequence that does not
-  split evenly over the mesh, ``nn.Embedding``, an ``nn.Linear`` subclass with its own forward.
+  sequence that does not split evenly over the mesh, ``nn.Embedding``, an ``nn.Linear``
+  subclass with its own forward.
 
 Why the GEMM is swapped and not the collective: torch's styles hand DTensors to ``F.linear`` and
 let sharding propagation issue the all-gather or reduce-scatter as a separate step; ficco needs
@@ -46,7 +48,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import style as _torch
 
-from . import library
+from . import library, library_all_reduce
 from .errors import InvalidArgumentError
 from .nn import replicated
 
@@ -88,11 +90,13 @@ class ColwiseParallel(_torch.ColwiseParallel):
 class RowwiseParallel(_torch.RowwiseParallel):
     """torch's ``RowwiseParallel``; an ``nn.Linear`` whose output is sharded along a row
     dimension (``output_layouts=Shard(1)``, sequence parallelism) reduce-scatters inside
-    ``ficco.matmul_reduce_scatter``. The bias stays replicated and is added once, after the
-    reduction.
+    ``ficco.matmul_reduce_scatter``, one with a replicated output (the default) all-reduces
+    inside ``ficco.matmul_all_reduce``. The bias stays replicated and is added once, after
+    the reduction.
 
     >>> from torch.distributed.tensor import Shard
     >>> style = RowwiseParallel(output_layouts=Shard(1))
+    >>> style = RowwiseParallel()        # replicated output: ficco.matmul_all_reduce
     """
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
@@ -208,6 +212,14 @@ def _rowwise_forward(self: nn.Linear, x: DTensor):
     placement = x.placements[0]
     dim = _row_shard_dim(output_layout, x) if x.device_mesh == mesh else None
     k_sharded = isinstance(placement, Shard) and placement.dim % x.dim() == x.dim() - 1
+    if isinstance(output_layout, Replicate) and k_sharded and x.device_mesh == mesh:
+        # No sequence parallelism: every rank gets the whole sum. The bias is added once,
+        # inside the op; its gradient is the replicated output's, whole on every rank (as
+        # with torch's style), so it is not summed over the ranks.
+        out = library_all_reduce.matmul_all_reduce(
+            x.to_local(), weight.to_local().t(), mesh,
+            bias=None if bias is None else bias.to_local())
+        return DTensor.from_local(out, mesh, (Replicate(),), run_check=False)
     if dim is None or not k_sharded:
         return F.linear(x, self.weight, self.bias)      # torch's path
     out = library.matmul_reduce_scatter(x.to_local(), weight.to_local().t(), mesh,

@@ -15,8 +15,14 @@ Buffers an op may name (``Block.buf``), all 2-D, row-major (shapes: :func:`buffe
   of a pull).
 - ``"recv"`` (reduce-scatter): where the peers' partials of this rank's block land before they
   are reduced, ``W*R x n_j`` for a block of R rows: peer p's at rows ``[p*R, (p+1)*R)``.
-- ``"out"``: output ``Block.index`` j: ``M x n_j`` (all-gather) or this rank's block,
-  ``R x n_j`` (reduce-scatter).
+  All-reduce: where pulled or collected partials land, laid out by the schedule (a one-shot
+  lands every peer's whole partial, ``W*M`` rows at most); the runtime sizes it by the plan
+  (:meth:`Plan.rows_of`).
+- ``"reduced"`` (all-reduce): ``M x n_j``, symmetric with ``dma``: the sums of the rows this
+  rank reduced (its block, or its piece of a chunk), from where peers pull them; in the
+  outputs' dtype (float32 when the plan's outputs are wide), so what travels is final.
+- ``"out"``: output ``Block.index`` j: ``M x n_j`` (all-gather, all-reduce) or this rank's
+  block, ``R x n_j`` (reduce-scatter).
 - ``"input_scale"``, ``"gathered_scale"`` (all-gather of fp8 with row-wise scales): the
   float32 scale of every row of ``input`` (``m x 1``) and of ``gathered`` (``M x 1``,
   symmetric). Schedules never name them: :class:`PlanBuilder` moves a row's scale with the
@@ -39,9 +45,10 @@ from .problem import Problem
 
 COMPUTE = "compute"
 COMM = "comm"
-BUFFERS = ("input", "gathered", "partial", "recv", "out", "input_scale", "gathered_scale")
+BUFFERS = ("input", "gathered", "partial", "recv", "reduced", "out", "input_scale",
+           "gathered_scale")
 #: buffers other ranks may read (symmetric memory with ``dma``)
-SYMMETRIC_BUFFERS = ("gathered", "partial", "gathered_scale")
+SYMMETRIC_BUFFERS = ("gathered", "partial", "reduced", "gathered_scale")
 #: the row-scale buffer of each buffer that holds rows of A (row-wise fp8 scaling)
 SCALE_OF = {"input": "input_scale", "gathered": "gathered_scale"}
 
@@ -65,7 +72,11 @@ def buffer_shapes(problem: Problem) -> dict[tuple, tuple[int, int]]:
         shapes[("input_scale",)] = (p.m, 1)
         if not p.reduces:
             shapes[("gathered_scale",)] = (p.big_m, 1)
-    if p.reduces:
+    if p.all_reduces:
+        for j, n in enumerate(p.ns):
+            shapes[("partial", j)] = shapes[("reduced", j)] = shapes[("out", j)] = (p.m, n)
+            shapes[("recv", j)] = (p.world * p.m, n)    # the most a plan lands (one-shot)
+    elif p.reduces:
         rows = p.block_rows
         for j, n in enumerate(p.ns):
             shapes[("partial", j)] = (p.m, n)
@@ -87,7 +98,8 @@ def source_of(blk: Block) -> tuple:
 def item_bytes(problem: Problem, buf: str, wide: bool = False) -> int:
     """Bytes of one element of buffer ``buf``: A's rows in the operands' dtype, row scales in
     float32, reduce-scatter partials as they travel (:attr:`Problem.partial_itemsize`),
-    outputs in the output dtype (float32 when the plan's outputs are ``wide``).
+    outputs and the all-reduce's reduced rows in the output dtype (float32 when the plan's
+    outputs are ``wide``).
 
     >>> item_bytes(Problem(4, 32, (16,), "float8_e4m3fn", 2, scaling="row",
     ...                    out_dtype="bfloat16"), "out")
@@ -97,7 +109,7 @@ def item_bytes(problem: Problem, buf: str, wide: bool = False) -> int:
         return problem.itemsize
     if buf in ("input_scale", "gathered_scale"):
         return 4
-    if buf == "out":
+    if buf in ("out", "reduced"):
         return 4 if wide and problem.out_itemsize < 4 else problem.out_itemsize
     return problem.partial_itemsize
 
@@ -215,6 +227,21 @@ class ReduceScatter:
 
 
 @dataclass(frozen=True)
+class AllReduce:
+    """Collective over the process group: ``dst`` <- the sum over ranks of their ``src`` (the
+    same rectangle on every rank), then ``*= scale``; NCCL/RCCL's all-reduce, which leaves
+    the same values on every rank (``ccl``). It sums in ``src``'s dtype (the process group's
+    reduction)."""
+
+    queue: str
+    src: Block
+    dst: Block
+    step: int = 0
+    scale: float | None = None
+    kind = "all_reduce"
+
+
+@dataclass(frozen=True)
 class SendRecv:
     """Point-to-point over the process group: send ``send`` to ``send_to`` and receive
     ``recv`` from ``recv_from`` (either side may be None)."""
@@ -299,10 +326,10 @@ class HostOp:
     host_task: ClassVar[Callable[..., Callable[[], object]]]
 
 
-Op = (Copy | Gemm | Reduce | AllGather | AllToAll | ReduceScatter | SendRecv | Barrier | Record
-      | Wait | Signal | GatedGemm | HostOp)
-WORK_OPS = (Copy, Gemm, Reduce, AllGather, AllToAll, ReduceScatter, SendRecv, Barrier, Signal,
-            GatedGemm, HostOp)
+Op = (Copy | Gemm | Reduce | AllGather | AllToAll | ReduceScatter | AllReduce | SendRecv
+      | Barrier | Record | Wait | Signal | GatedGemm | HostOp)
+WORK_OPS = (Copy, Gemm, Reduce, AllGather, AllToAll, ReduceScatter, AllReduce, SendRecv, Barrier,
+            Signal, GatedGemm, HostOp)
 
 
 def op_label(op, rank: int) -> str:
@@ -345,10 +372,35 @@ class Plan:
     queues: tuple[str, ...]
     ops: tuple[Op, ...]
     num_events: int = 0
+    #: whether the outputs are float32 (see :meth:`wide_outputs`), when the schedule says so
+    #: rather than its ops (the all-reduce's ``rs-ag-*``: what travels must be alike on every
+    #: rank, and a rank with no rows to reduce has no ops that would say); None: its ops say
+    wide: bool | None = None
 
     def count(self) -> Counter:
         """How many ops of each kind the plan holds, e.g. ``{'copy_1d': 56, 'gemm': 8}``."""
         return Counter(op.kind for op in self.ops if isinstance(op, WORK_OPS))
+
+    def rows_of(self, buf: str, index: int = 0) -> int:
+        """Rows of buffer ``buf`` (output ``index``) this plan touches: one past the last row
+        any of its blocks names (this rank's copy or a peer's), 0 for none. The all-reduce's
+        ``recv`` is allocated this size: its layout is the schedule's. Found once per plan.
+
+        >>> from ficco import schedules
+        >>> p = Problem(6, 4, (3,), "float32", 2, op="matmul_all_reduce")
+        >>> schedules.get("one-shot", op=p.op).plan(p, "dma").rows_of("recv")
+        12
+        """
+        seen = self.__dict__.setdefault("_rows_of", {})
+        rows = seen.get((buf, index))
+        if rows is None:
+            rows = 0
+            for op in self.ops:
+                for blk in _blocks(op):
+                    if blk.buf == buf and blk.index == index:
+                        rows = max(rows, blk.row0 + blk.rows)
+            seen[(buf, index)] = rows
+        return rows
 
     def wide_outputs(self) -> bool:
         """Whether this plan's outputs are float32, rounded once at the end (DESIGN §7), which
@@ -356,7 +408,7 @@ class Plan:
         pass): when it adds partial products into a bf16/fp16/fp8 output, or adds them at all
         while an epilogue (bias, activation) must follow the last one, and for the
         reduce-scatter's bias (added once, to the float32 sum)."""
-        wide = self.__dict__.get("_wide")   # asked every call: found once per plan
+        wide = self.__dict__.get("_wide", self.wide)   # asked every call: found once
         if wide is None:
             p = self.problem
             adds = any(getattr(op, "accumulate", False) for op in self.ops)
@@ -364,6 +416,17 @@ class Plan:
                 adds and (p.out_itemsize <= 2 or p.bias or bool(p.activation)))
             object.__setattr__(self, "_wide", bool(wide))
         return wide
+
+
+def _blocks(op) -> list[Block]:
+    """Every block ``op`` names (None entries of collectives left out)."""
+    found = []
+    for name in ("src", "dst", "a", "out", "srcs", "dsts", "send", "recv"):
+        value = getattr(op, name, None)
+        for blk in value if isinstance(value, tuple) else (value,):
+            if isinstance(blk, Block):
+                found.append(blk)
+    return found
 
 
 def scale_companion(op: Op) -> Op | None:

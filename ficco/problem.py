@@ -11,6 +11,11 @@ follow the all-gather's chunk rule (:func:`even_split` over the ``M / unit`` sli
 scattered dimension, longer pieces first), so when W divides the scattered dimension the
 two ops are exact inverses of each other's layout.
 
+``matmul_all_reduce``: as the reduce-scatter (all ``m = M`` rows of ``a``, this rank's
+``K``-row shard of each ``b_j``), but every rank receives all ``M`` rows of the sum. Its
+:meth:`Problem.block` are the reduce-scatter's (``unit`` 1): the rows each rank reduces in the
+schedules that all-reduce as a reduce-scatter followed by an all-gather.
+
 Schedules, selectors and the simulator see only this :class:`Problem`.
 """
 from __future__ import annotations
@@ -33,7 +38,8 @@ SCALINGS = ("", "tensor", "row")
 ACTIVATIONS = ("", "gelu", "gelu_tanh", "silu", "relu")
 ALL_GATHER_MATMUL = "all_gather_matmul"
 MATMUL_REDUCE_SCATTER = "matmul_reduce_scatter"
-OPS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER)
+MATMUL_ALL_REDUCE = "matmul_all_reduce"
+OPS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE)
 REDUCE_OPS = ("sum", "avg")
 #: fp8 column chunks are cut in whole multiples of this many columns (see Problem.col_chunks)
 FP8_ALIGN = 16
@@ -90,13 +96,14 @@ class DtypeFields:
 @dataclass(frozen=True)
 class Problem(DtypeFields):
     """One rank's view of one call: ``all_gather(A, dim=0) @ b_j`` for every ``j``
-    (``op="all_gather_matmul"``), or ``reduce_scatter(a @ b_j)`` (``op="matmul_reduce_scatter"``).
+    (``op="all_gather_matmul"``), ``reduce_scatter(a @ b_j)`` (``op="matmul_reduce_scatter"``)
+    or ``all_reduce(a @ b_j)`` (``op="matmul_all_reduce"``).
 
     ``m``: rows of this rank's A operand (the shard for all-gather, all of ``a`` for
-    reduce-scatter); ``k``: the local inner dimension; ``ns``: columns of each ``b``;
+    reduce-scatter and all-reduce); ``k``: the local inner dimension; ``ns``: columns of each ``b``;
     ``world``: group size W; ``rank``: this rank; ``dtype``: torch dtype name.
     Reduce-scatter only: ``unit`` rows make one index of the scattered dimension (blocks are
-    whole units), ``reduce_op`` is ``"sum"`` or ``"avg"``.
+    whole units). Reduce-scatter and all-reduce: ``reduce_op`` is ``"sum"`` or ``"avg"``.
     The epilogue (:mod:`ficco.scaled`): ``out_dtype`` of the outputs ("" = ``dtype``),
     ``scaling`` of fp8 operands ("tensor" or "row"; "" unscaled), whether a ``bias`` is added
     and which ``activation`` follows it (all-gather only).
@@ -153,8 +160,14 @@ class Problem(DtypeFields):
     # The properties a call reads repeatedly are cached on the (frozen) instance.
     @cached_property
     def reduces(self) -> bool:
-        """True for ``matmul_reduce_scatter``."""
-        return self.op == MATMUL_REDUCE_SCATTER
+        """True for the ops that sum partial products over ranks: ``matmul_reduce_scatter``
+        and ``matmul_all_reduce``."""
+        return self.op != ALL_GATHER_MATMUL
+
+    @cached_property
+    def all_reduces(self) -> bool:
+        """True for ``matmul_all_reduce``: every rank receives all ``M`` rows of the sum."""
+        return self.op == MATMUL_ALL_REDUCE
 
     @cached_property
     def big_m(self) -> int:
@@ -168,7 +181,8 @@ class Problem(DtypeFields):
     @property
     def output_elements(self) -> int:
         """Elements of this rank's outputs (what a float32 output's rounding pass reads)."""
-        return (self.block_rows if self.reduces else self.big_m) * self.n_total
+        rows = self.block_rows if self.reduces and not self.all_reduces else self.big_m
+        return rows * self.n_total
 
     def block(self, rank: int) -> tuple[int, int]:
         """(first row, rows) of ``rank``'s rows of the M-row matrix: its shard (all-gather) or
@@ -211,16 +225,21 @@ class Problem(DtypeFields):
 
     @property
     def gather_bytes(self) -> int:
-        """Bytes each rank receives: the all-gather's (W - 1) * m * K * itemsize, or the
-        reduce-scatter's W - 1 partial blocks, (W - 1) * rows * sum(n) * partial_itemsize."""
+        """Bytes each rank receives: the all-gather's (W - 1) * m * K * itemsize, the
+        reduce-scatter's W - 1 partial blocks, (W - 1) * rows * sum(n) * partial_itemsize, or
+        the all-reduce's twice that (a bandwidth-optimal all-reduce is a reduce-scatter and an
+        all-gather of the reduced blocks: 2 (W - 1) / W of the output, as NCCL's bus bandwidth
+        counts it)."""
         if self.reduces:
-            return (self.world - 1) * self.block_rows * self.n_total * self.partial_itemsize
+            blocks = 2 if self.all_reduces else 1
+            return blocks * (self.world - 1) * self.block_rows * self.n_total \
+                * self.partial_itemsize
         return (self.world - 1) * self.m * self.k * self.itemsize
 
     def key(self) -> tuple:
         """The part of the problem a decision may depend on (rank excluded on purpose: every
-        rank must reach the same decision). The reduce-scatter's starts with its op name; the
-        all-gather's keeps its original 5-tuple (caches and tests key on it). An epilogue
+        rank must reach the same decision). The reduce-scatter's and all-reduce's start with
+        their op name; the all-gather's keeps its original 5-tuple (caches and tests key on it). An epilogue
         (out_dtype, fp8 scaling, bias, activation) adds one tuple at the end."""
         extra = (self.out_dtype, self.scaling, self.bias, self.activation)
         tail = (extra,) if any(extra) else ()

@@ -350,11 +350,11 @@ def execute(call: Call, name: str, transport: str, trace: bool = False,
         if call.backend.guards_dma:
             # Before allocating or enqueuing: a capture the backend cannot replay, or an error
             # the group owes from an earlier call (GPUs), is raised with nothing sent.
-            call.backend.before_dma(workspace.current(call.group, call.backend))
+            call.backend.before_dma(workspace.current(call.group, call.backend), nbytes)
         symm = workspace.get(call.group, call.backend, nbytes, call.group_key)
         symm.call_flag = call_flag(word)
         symm.first_wait = answer
-    buffers = call.op.buffers(call, transport, symm, wide=plan.wide_outputs())
+    buffers = call.op.buffers(call, transport, symm, wide=plan.wide_outputs(), plan=plan)
     if poison:
         call.op.poison(buffers)
     try:

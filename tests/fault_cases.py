@@ -226,11 +226,12 @@ def replay_after_shutdown(rank, world, seed):
     return errors
 
 
-def late_peer(rank, world, tag, timeout_s):
+def late_peer(rank, world, tag, timeout_s, env=None):
     """Issue 25 item 6: the last rank is late for call 1; the others give up on it and run
     call 2 (other data, same shapes) right behind. When the late rank finally makes call 1, it
-    must raise or return NaN, never a result built from the others' call-2 rows."""
-    _setup("cuda", 8)
+    must raise or return NaN, never a result built from the others' call-2 rows. ``env``:
+    e.g. device signal pads (issue 33 W2)."""
+    _setup("cuda", 8, env)
     _shards, _bs = _warm_up(rank, world, "ring")
     x1, b1, _, refs1 = _inputs(300, world)
     x2, _b2, _, _ = _inputs(301, world)
@@ -285,3 +286,108 @@ def gated_with_one_hardware_queue(rank, world, names, timeout_s):
         else:
             errors[name] = _outcome(result)
     return errors
+
+
+def late_within_timeout(rank, world, names, late_s, timeout_s):
+    """Issue 33 W1: the last rank makes each call ``late_s`` seconds after the others, well
+    inside FICCO_TIMEOUT = ``timeout_s``: every rank's result must be exact (the gated GEMM's
+    tiles wait for the late rows however fast they poll)."""
+    import torch.distributed as dist
+
+    _setup("cuda", 8)
+    errors = {}
+    for i, name in enumerate(names):
+        _warm_up(rank, world, name, shape=(13, 24), n=7)
+        shards, bs, _, refs = _inputs(600 + i, world, (13, 24), 7)
+        dist.barrier()
+        if rank == world - 1:
+            time.sleep(late_s)
+        result = _bounded(lambda: _call(shards[rank], bs[0], name, timeout_s), 4 * timeout_s)
+        if result[0] == "ok":
+            done = _bounded(torch.cuda.synchronize, 4 * timeout_s)
+            errors[name] = max_row_rel_err(result[1], refs[0]) if done[0] == "ok" \
+                else _outcome(done)
+        else:
+            errors[name] = _outcome(result)
+        # the next call of this group raises whatever this one left (nothing, when right)
+        nxt = _bounded(lambda: _call(shards[rank], bs[0], name, timeout_s), 4 * timeout_s)
+        torch.cuda.synchronize()
+        errors[name + " next"] = "ok" if nxt[0] == "ok" else _outcome(nxt)
+    return errors
+
+
+def gated_kernel_gives_up(rank, world, name, timeout_s):
+    """Issue 33 W1: rank 0's copy queue never raises one arrival flag (a stuck copy), every
+    barrier passes: its gated GEMM waits ``timeout_s`` and gives up. That call's outputs must
+    be NaN, every one of them (they kept the other tiles' values, and the skipped tile's
+    earlier contents, with nothing raised), and the group's next call raises."""
+    from ficco import executor
+
+    _setup("cuda", 8)
+    shards, bs = _warm_up(rank, world, name, shape=(13, 24), n=7)
+    real = executor.raise_flag
+    if rank == 0:
+        executor.raise_flag = lambda backend, queue, flags, index: None if index == 1 else \
+            real(backend, queue, flags, index)
+    try:
+        out = _call(shards[rank], bs[0], name, timeout_s)
+        done = _bounded(torch.cuda.synchronize, 4 * timeout_s + 10)
+    finally:
+        executor.raise_flag = real
+    all_nan = done[0] == "ok" and bool(out.isnan().all())
+    nxt = _bounded(lambda: _call(shards[rank], bs[0], name, timeout_s), 4 * timeout_s + 10)
+    return done[0], all_nan, _outcome(nxt)
+
+
+def capture_that_must_allocate(rank, world):
+    """Issue 33 M4: a dma call captured before any eager call of its size must allocate (or
+    grow) the group's workspace, which synchronizes and allocates: refused with a clear error
+    before anything is captured, the capture intact; eager calls and a capture after them
+    go on."""
+    from ficco.errors import InvalidArgumentError
+
+    _setup("cuda", 8)
+    shards, bs, _, refs = _inputs(700, world)
+    outcomes = []
+    for _ in range(2):     # a fresh group, then a workspace too small for the call
+        with _capture() as graph:
+            try:
+                _call(shards[rank], bs[0], "ring", 20.0)
+                outcome = "captured"
+            except InvalidArgumentError as exc:
+                outcome = str(exc)
+        outcomes.append((outcome, len(graph.nodes), graph.invalidated))
+        _warm_up(rank, world, "ring", shape=(2, 16), n=4)    # smaller than the call
+    out = _call(shards[rank], bs[0], "ring", 20.0)
+    torch.cuda.synchronize()
+    return outcomes, max_row_rel_err(out, refs[0])
+
+
+def gated_grid_of_shared_gpu(rank, world, name):
+    """Issue 33 H1: the grid (programs) each rank's gated GEMM launches with, and its error,
+    with ``world`` ranks sharing one (fake) GPU."""
+    from ficco.kernels import gated_gemm as module
+
+    _setup("cuda", 8)
+    real, grids = module.gated_gemm, []
+
+    def recording(*args, **kwargs):
+        grids.append(kwargs.get("max_programs"))
+        return real(*args, **kwargs)
+
+    module.gated_gemm = recording
+    try:
+        shards, bs, _, refs = _inputs(800, world, (13, 24), 7)
+        out = _call(shards[rank], bs[0], name, 20.0)
+        torch.cuda.synchronize()
+    finally:
+        module.gated_gemm = real
+    return grids, max_row_rel_err(out, refs[0])
+
+
+def peer_views(rank, world, env):
+    """tests/gpu's peer-view check, run on the fake GPU with ``env``'s signal pads."""
+    from .gpu.gpu_fault_cases import peer_views_are_views
+
+    _setup("cuda", 8, env)
+    return peer_views_are_views(rank, world)

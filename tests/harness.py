@@ -212,6 +212,33 @@ def close_all():
 atexit.register(close_all)
 
 
+def shm_files(rank=0, world=1) -> list[str]:
+    """This process's ficco files in /dev/shm (ficco names them ficco-<pid>-... and
+    ficco-pad-<pid>-...): other test runs on the machine may hold theirs meanwhile."""
+    mine = (f"ficco-{os.getpid()}-", f"ficco-pad-{os.getpid()}-")
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(mine))
+
+
+def shm_files_left(pool: RankPool, fn, *args) -> list[list[str]]:
+    """Per rank, the ficco files of its own that ``fn`` (run on ``pool``) left in /dev/shm."""
+    pool.run(fn, *args)
+    return pool.run(shm_files)
+
+
+def dead_peer_error(fn, *args) -> str:
+    """The error of ``fn(rank, world, 1, *args)`` on 3 fresh ranks with FICCO_TIMEOUT=5, where
+    ``fn`` makes rank 1 exit mid-call: it must raise on the others (a RankError), never hang;
+    returns its text."""
+    own = RankPool(3, {**DEFAULT_ENV, "FICCO_TIMEOUT": "5"})
+    try:
+        own.run(fn, 1, *args, timeout_s=90)
+    except RankError as exc:
+        return str(exc)
+    finally:
+        own.close()
+    raise AssertionError("no rank raised although rank 1 exited")
+
+
 def check_skipped_backward(results) -> None:
     """The outcome of a 2-rank run where rank 1 skips step 1's backward (each rank's list of
     (step, outcome) and a last ("after", outcome)): step 0 right on both; rank 0's backward of

@@ -42,6 +42,7 @@ Usage::
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import numpy as np
 
@@ -49,6 +50,7 @@ from ficco.plan import (
     SCALE_OF,
     SYMMETRIC_BUFFERS,
     AllGather,
+    AllReduce,
     AllToAll,
     Barrier,
     Block,
@@ -108,6 +110,19 @@ def _equally_spaced(blocks) -> bool:
 
 
 class _Checker:
+    #: collectives: every rank's op runs at once, by this method
+    JOINT: ClassVar[dict] = {AllGather: "run_all_gather", AllToAll: "run_all_to_all",
+                             ReduceScatter: "run_reduce_scatter", SendRecv: "run_send_recv",
+                             AllReduce: "run_all_reduce"}
+    #: the buffers a Reduce may write, and a GEMM of partial products
+    REDUCE_INTO: tuple[str, ...] = ("out",)
+    GEMM_INTO: tuple[str, ...] = ("partial", "out")
+
+    def first_row(self, rank: int, buf: str) -> int:
+        """Which row of the M rows row 0 of ``buf`` holds on ``rank`` (the reduce-scatter's
+        ``out`` is the rank's block)."""
+        return self.p.block(rank)[0] if buf == "out" else 0
+
     def __init__(self, plans: list[Plan]):
         self.plans = plans
         self.p = plans[0].problem
@@ -305,16 +320,15 @@ class _Checker:
             self.fail(f"{label}: malformed GEMM (reduce-scatter GEMMs take all of K)")
         if not (_equally_spaced(op.a) and _equally_spaced(op.out)):
             self.fail(f"{label}: a fused GEMM needs same-shape, equally spaced blocks")
-        row0 = p.block(rank)[0]
         for a_blk, o_blk in zip(op.a, op.out):
             if a_blk.buf != "input" or (a_blk.col0, a_blk.cols) != (0, p.k) \
                     or a_blk.rows != o_blk.rows or o_blk.index != op.b \
-                    or o_blk.buf not in ("partial", "out") or o_blk.peer is not None:
+                    or o_blk.buf not in self.GEMM_INTO or o_blk.peer is not None:
                 self.fail(f"{label}: block shapes do not match ({a_blk} -> {o_blk})")
             rows = self.read(rank, a_blk, node)[:, :1, A_ROW]
             self.read_scales(rank, a_blk, rows, node)
             # The output row a GEMM writes must be the row of a it multiplies.
-            where = o_blk.row0 + (row0 if o_blk.buf == "out" else 0)
+            where = o_blk.row0 + self.first_row(rank, o_blk.buf)
             if not np.array_equal(rows[:, 0], np.arange(where, where + o_blk.rows)):
                 self.fail(f"{label} writes the product of a rows {rows[0, 0]}.. into {o_blk}")
             value = np.full((o_blk.rows, o_blk.cols, VALUE), -1, dtype=np.int64)
@@ -356,9 +370,9 @@ class _Checker:
 
     def run_reduce(self, rank: int, op: Reduce, node: int) -> None:
         label = self.label(node)
-        if op.dst.buf != "out" or (not op.srcs and not op.accumulate) \
+        if op.dst.buf not in self.REDUCE_INTO or (not op.srcs and not op.accumulate) \
                 or any((s.rows, s.cols) != (op.dst.rows, op.dst.cols) for s in op.srcs):
-            self.fail(f"{label}: a Reduce sums same-shape blocks into out")
+            self.fail(f"{label}: a Reduce sums same-shape blocks into {self.REDUCE_INTO}")
         values = [self.read(rank, s, node).copy() for s in op.srcs]
         if op.accumulate:
             values.insert(0, self.read(rank, op.dst, node).copy())
@@ -465,6 +479,16 @@ class _Checker:
             if op.dst is not None:
                 self.write(q, op.dst, node, sums[q], init=True, received=True)
 
+    def run_all_reduce(self, heads: list[tuple[AllReduce, int]]) -> None:
+        shapes = {(op.src.rows, op.src.cols, op.dst.rows, op.dst.cols) for op, _ in heads}
+        if len(shapes) != 1 or len({(op.src.row0, op.dst.row0) for op, _ in heads}) != 1:
+            self.fail(f"ranks disagree on an all-reduce's rectangles: {sorted(shapes)}")
+        label = self.label(heads[0][1])
+        parts = [self.read(r, op.src, node).copy() for r, (op, node) in enumerate(heads)]
+        total = self.scaled(label, self.add(label, parts), heads[0][0].scale)
+        for r, (op, node) in enumerate(heads):
+            self.write(r, op.dst, node, total, init=True, received=True)
+
     def run_send_recv(self, heads: list[tuple[SendRecv, int]]) -> None:
         for r, (op, node) in enumerate(heads):
             if op.send is not None:
@@ -510,8 +534,7 @@ class _Checker:
                 for q in queues[r]:
                     while True:
                         i, op = head(r, q)
-                        if op is None or isinstance(op, (Barrier, AllGather, AllToAll,
-                                                         ReduceScatter, SendRecv)):
+                        if op is None or isinstance(op, (Barrier, *self.JOINT)):
                             break
                         if isinstance(op, Wait) and op.event not in recorded[r]:
                             break
@@ -558,14 +581,11 @@ class _Checker:
                 self.barrier_nodes[channel] = nodes
                 return True
         kinds = {type(op) for _, op in comm_heads}
-        if len(kinds) == 1 and kinds != {type(None)}:
+        if len(kinds) == 1 and next(iter(kinds)) in self.JOINT:
             preds = [last[r]["comm"] for r in range(world)]
             heads = [(op, self.new_node((r, i, op), preds))
                      for r, (i, op) in enumerate(comm_heads)]
-            run = {AllGather: self.run_all_gather, AllToAll: self.run_all_to_all,
-                   ReduceScatter: self.run_reduce_scatter}.get(next(iter(kinds)),
-                                                               self.run_send_recv)
-            run(heads)
+            getattr(self, self.JOINT[next(iter(kinds))])(heads)
             for r, (_, node) in enumerate(heads):
                 advance(r, "comm", node)
             return True
@@ -574,29 +594,35 @@ class _Checker:
     # -- final state --------------------------------------------------------------------------
     def check_results_rs(self) -> None:
         p = self.p
-        everyone = (1 << p.world) - 1
-        scaled = 1 if p.reduce_op == "avg" and p.world > 1 else 0
         for r, bufs in enumerate(self.buffers):
-            row0, rows = p.block(r)
-            for j, n in enumerate(p.ns):
+            row0, _ = p.block(r)
+            for j in range(len(p.ns)):
                 v = bufs[("out", j)].cells
                 inits = v[..., INITS]
                 if not (inits == 1).all():
                     self.fail(f"rank {r}: out[{j}] cells are initialised "
                               f"{sorted(set(inits.ravel().tolist()))} times, expected once")
-                good = ((v[..., P_ROW] == row0 + np.arange(rows)[:, None]) & (v[..., P_B] == j)
-                        & (v[..., P_COL] == np.arange(n)[None, :]))
-                if not good.all():
-                    bad = np.argwhere(~good)[0]
-                    self.fail(f"rank {r}: out[{j}] cell {tuple(bad)} holds row "
-                              f"{v[tuple(bad) + (P_ROW,)]} col {v[tuple(bad) + (P_COL,)]}")
-                if not (v[..., P_RANKS] == everyone).all():
-                    missing = sorted(set(v[..., P_RANKS].ravel().tolist()))
-                    self.fail(f"rank {r}: out[{j}] is not reduced over all {p.world} partials "
-                              f"(rank sets {missing})")
-                if not (v[..., P_SCALED] == scaled).all():
-                    self.fail(f"rank {r}: out[{j}] scaled {sorted(set(v[..., P_SCALED].ravel()))}"
-                              f" times for {p.reduce_op}, expected {scaled}")
+                self.check_sums(r, j, v, row0)
+
+    def check_sums(self, r: int, j: int, v: np.ndarray, row0: int) -> None:
+        """Rank ``r``'s ``out[j]`` cells ``v``, first row ``row0`` of the M rows: each is its
+        own row and column of the sum over all W ranks' partials, scaled once for avg."""
+        p = self.p
+        everyone = (1 << p.world) - 1
+        scaled = 1 if p.reduce_op == "avg" and p.world > 1 else 0
+        good = ((v[..., P_ROW] == row0 + np.arange(v.shape[0])[:, None]) & (v[..., P_B] == j)
+                & (v[..., P_COL] == np.arange(p.ns[j])[None, :]))
+        if not good.all():
+            bad = np.argwhere(~good)[0]
+            self.fail(f"rank {r}: out[{j}] cell {tuple(bad)} holds row "
+                      f"{v[tuple(bad) + (P_ROW,)]} col {v[tuple(bad) + (P_COL,)]}")
+        if not (v[..., P_RANKS] == everyone).all():
+            missing = sorted(set(v[..., P_RANKS].ravel().tolist()))
+            self.fail(f"rank {r}: out[{j}] is not reduced over all {p.world} partials "
+                      f"(rank sets {missing})")
+        if not (v[..., P_SCALED] == scaled).all():
+            self.fail(f"rank {r}: out[{j}] scaled {sorted(set(v[..., P_SCALED].ravel()))}"
+                      f" times for {p.reduce_op}, expected {scaled}")
 
     def check_results(self) -> None:
         p, name = self.p, self.plans[0].schedule
@@ -667,15 +693,17 @@ def _overlap(a: Block, b: Block) -> bool:
             and a.col0 < b.col0 + b.cols and b.col0 < a.col0 + a.cols)
 
 
-def check_plans(plans: list[Plan]) -> None:
+def check_plans(plans: list[Plan], checker_class: type[_Checker] = _Checker) -> None:
     """Check the plans of every rank of one call (``plans[r]`` is rank r's); raises
     :class:`PlanCheckError` naming the schedule, problem, rank and op that break a rule.
+    ``checker_class``: the checker of the op's rules (the all-reduce's is in
+    ``tests/ar_plan_checks.py``).
 
     >>> from ficco.schedules import get
     >>> from ficco.problem import Problem
     >>> check_plans([get("ring").plan(Problem(4, 8, (8,), "float32", 2, r)) for r in (0, 1)])
     """
-    checker = _Checker(list(plans))
+    checker = checker_class(list(plans))
     checker.simulate()
     checker.check_results()
     for plan in plans:
@@ -685,6 +713,12 @@ def check_plans(plans: list[Plan]) -> None:
                 f"{plan.schedule} over {plan.transport}, rank {plan.problem.rank}: barrier "
                 f"channels {channels} must alternate 0, 1, … and end on 1 (flag protocol)")
 
+
+
+def all_ranks(schedule, problem, transport, copy_engines=None) -> list[Plan]:
+    """``schedule``'s plans of ``problem`` for every rank, in rank order."""
+    return [schedule.plan(replace(problem, rank=r), transport, copy_engines)
+            for r in range(problem.world)]
 
 
 def check_plan(plan: Plan) -> None:

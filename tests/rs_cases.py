@@ -138,12 +138,9 @@ def disagree_on_cached_shapes(rank, world, seed):
     """Both shapes agreed and cached, then rank 0 calls with the other one (dma): every rank
     raises MismatchError at the plan's first barrier (the call flag), and the next calls in
     step are right against float64."""
-    from ficco.errors import MismatchError
-
     gen = torch.Generator().manual_seed(seed)
     shapes = {"small": (4 * world, 6), "large": (6 * world, 6)}
     b = torch.randn(6, 5, generator=gen, dtype=torch.float64)
-    out = []
 
     def call(name):
         a = torch.randn(*shapes[name], generator=torch.Generator().manual_seed(seed + rank),
@@ -155,6 +152,16 @@ def disagree_on_cached_shapes(rank, world, seed):
         ref = sum(parts)[rank * rows:(rank + 1) * rows]
         return float((got.double() - ref).abs().max() / ref.abs().max())
 
+    return stale_shape_mismatch(rank, call)
+
+
+def stale_shape_mismatch(rank, call) -> list:
+    """``call("small")`` and ``call("large")`` (each returns its error against float64), then
+    rank 0 calls the other shape than its peers (dma: both agreed before), then all call
+    "small": [small error, large error, "mismatch" (or what happened), error after]."""
+    from ficco.errors import MismatchError
+
+    out = []
     with config.scope(transport="dma", timeout=20):
         out += [call("small"), call("large")]
         try:
@@ -167,7 +174,8 @@ def disagree_on_cached_shapes(rank, world, seed):
     return out
 
 
-def survivors_fail(rank, world, dead):
+def survivors_fail(rank, world, dead, op="matmul_reduce_scatter", transport="dma",
+                   schedule="uniform-fused-1d"):
     """Rank ``dead`` exits mid-way; the others raise (timeout or comm error), never hang."""
     import os
 
@@ -176,21 +184,11 @@ def survivors_fail(rank, world, dead):
     if rank == dead:
         os._exit(3)
     try:
-        with config.scope(transport="dma"):
-            ficco.matmul_reduce_scatter(torch.randn(8, 6), torch.randn(6, 4),
-                                        schedule="uniform-fused-1d")
+        with config.scope(transport=transport):
+            getattr(ficco, op)(torch.randn(8, 6), torch.randn(6, 4), schedule=schedule)
     except (FiccoError, RuntimeError) as exc:
         return type(exc).__name__
     return "no error"
-
-
-def shm_files(rank, world):
-    import os
-
-    # this rank's own files only (ficco names them ficco-<pid>-... and ficco-pad-<pid>-...):
-    # other test runs on the machine may hold theirs meanwhile
-    mine = (f"ficco-{os.getpid()}-", f"ficco-pad-{os.getpid()}-")
-    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(mine))
 
 
 def selector_picks(rank, world, seed):

@@ -286,3 +286,33 @@ def test_a_second_hip_runtime_beside_torchs_is_named():
     assert "two HIP runtimes" in problem and "/opt/rocm-6.4.1/lib" in problem
     assert "LD_LIBRARY_PATH" in problem and "/venv/torch/lib" in problem
     assert duplicate_hip_runtimes("") is None
+
+
+@pytest.mark.parametrize("missing", [
+    AttributeError("module 'hip.hip' has no attribute 'hipStreamBatchMemOp'"),
+    RuntimeError("dlsym: undefined symbol: hipStreamBatchMemOp")],
+    ids=["binding-without-it", "library-without-it"])
+def test_a_rocm_without_the_batch_call_falls_back_to_one_call_per_op(missing):
+    """Issue 33 M1: ROCm < 6.4 has no hipStreamBatchMemOp. hip-python then raises (no such
+    attribute in an older binding; a dlsym RuntimeError in a newer binding over an older
+    library) instead of returning a status: the per-op path runs, from then on."""
+    from ficco.symm_mem.barrier import flag_program
+
+    class Without(HipRecorder):
+        def __getattr__(self, name):
+            if name == "hipStreamBatchMemOp":
+                if isinstance(missing, AttributeError):
+                    raise missing
+
+                def refuse(*args):
+                    raise missing
+                return refuse
+            return super().__getattr__(name)
+
+    rec = Without()
+    vendor = RocmVendor(hip=rec)
+    for _ in range(2):
+        vendor.mem_ops(0x33, flag_program(_Handle(), 0), capturing=False)
+    assert vendor.batches_mem_ops is False
+    assert rec.order == (["hipStreamWriteValue32"] * 3 + ["hipStreamWaitValue32"] * 3
+                         + ["hipStreamWriteValue32"] * 3) * 2

@@ -295,6 +295,20 @@ def test_without_triton_ficco_imports_and_gated_schedules_say_why():
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
+def test_explain_says_which_gpu_features_are_off_until_a_lease_verified_them():
+    """Issue 33: gated GEMMs and device signal pads stay off by default on GPUs until a lease
+    verified them there, and every Decision printed on a GPU target says so and how to turn
+    them on; CPU decisions carry nothing of it."""
+    from ficco.heuristics import choose
+    from ficco.problem import Problem
+
+    problem = Problem(64, 64, (64,), "bfloat16", 4)
+    shown = str(choose(problem, target="cuda:sm_90", selector="model"))
+    assert "off       gated-1d, gated-2d: " in shown and "not been verified" in shown
+    assert "off       FICCO_SIGNAL_PADS=device: " in shown
+    assert "off " not in str(choose(problem, target="cpu", selector="model"))
+
+
 def test_an_interpreter_too_old_for_the_gated_gemm_is_refused_naming_the_version(monkeypatch):
     """Issue 33 M9: Triton 3.6's interpreter (torch 2.11's Triton) rejects the gated GEMM's
     persistent loop and the fence: the CPU backend refuses it with why, not mid-kernel."""

@@ -72,8 +72,12 @@ def test_a_captured_graph_replays_right_after_shutdown():
         assert all(isinstance(e, float) and e <= 1e-4 for e in errors), results
 
 
-def test_a_late_peer_never_pulls_rows_of_the_next_call():
-    results = _pool().run(cases.late_peer, _tag(), T, timeout_s=120)
+@pytest.mark.parametrize("env", [{}, {"FICCO_SIGNAL_PADS": "device"}],
+                         ids=["host-pads", "device-pads"])
+def test_a_late_peer_never_pulls_rows_of_the_next_call(env):
+    """Device pads too (issue 33 W2): their error words live in host memory as well, so the
+    rank that gives up raises the late peer's word."""
+    results = _pool().run(cases.late_peer, _tag(), T, env, timeout_s=120)
     for drained in results[:-1]:
         assert drained == "ok", results
     late = results[-1]
@@ -95,3 +99,85 @@ def test_gated_gemm_never_waits_in_front_of_its_own_copies():
     names = ["gated-1d", "gated-2d"]
     for errors in _pool().run(cases.gated_with_one_hardware_queue, names, 3.0, timeout_s=180):
         assert all(isinstance(errors[n], float) and errors[n] <= 1e-4 for n in names), errors
+
+
+# -- issue 33 W1: the gated GEMM's wait is timed, not counted -----------------------------------
+def test_gated_gemm_waits_for_a_peer_late_inside_the_timeout():
+    """A peer 1.5 s late under FICCO_TIMEOUT = 6 s: both gated schedules give exact results on
+    every rank, and the next call is clean (the tiles used to give up after a guessed number
+    of polls and leave C holding stale values, with nothing raised)."""
+    names = ["gated-1d", "gated-2d"]
+    for errors in _pool().run(cases.late_within_timeout, names, 1.5, 6.0, timeout_s=240):
+        for n in names:
+            assert isinstance(errors[n], float) and errors[n] <= 1e-4, errors
+            assert errors[n + " next"] == "ok", errors
+
+
+@pytest.mark.parametrize("name", ["gated-1d", "gated-2d"])
+def test_a_gated_gemm_that_gives_up_poisons_its_own_call(name):
+    """Rank 0's kernel waits its deadline for a flag that never comes: that call's outputs
+    are all NaN (the kernel raised the group's word, the fence saw it) and the next call
+    raises, naming the gated GEMM; the other ranks' calls are right."""
+    results = _pool().run(cases.gated_kernel_gives_up, name, 1.0, timeout_s=180)
+    drained, all_nan, nxt = results[0]
+    assert drained == "ok" and all_nan, results
+    assert nxt.startswith("CommTimeoutError") and "gated GEMM" in nxt, results
+
+
+def test_a_capture_that_must_allocate_is_refused_before_it_begins():
+    """Issue 33 M4: the capture used to die with an opaque error (a synchronize and an
+    allocation inside it); now a clear refusal, nothing captured, the capture intact."""
+    outcomes, error = zip(*_pool().run(cases.capture_that_must_allocate, timeout_s=120))
+    for rank_outcomes in outcomes:
+        for outcome, nodes, invalidated in rank_outcomes:
+            assert "graph capture" in outcome and "eagerly" in outcome, rank_outcomes
+            assert nodes == 0 and invalidated is None, rank_outcomes
+    assert all(e <= 1e-4 for e in error), error
+
+
+def test_ranks_sharing_a_gpu_share_the_gated_grids_reserve():
+    """Issue 33 H1: W ranks on one GPU each launched a persistent grid of all but 1/32 of its
+    compute units: together they filled every unit, so the kernels that raise flags could not
+    run. The units left to the gated GEMMs are now split between the ranks on the device."""
+    from ficco.kernels import configs
+
+    results = _pool().run(cases.gated_grid_of_shared_gpu, "gated-1d", timeout_s=180)
+    grids = [g for rank_grids, _ in results for g in rank_grids]
+    assert len(grids) == 3 and all(g is not None and g >= 1 for g in grids), results
+    assert sum(grids) <= configs.resident_programs(16), results     # the fake GPU's 16 SMs
+    assert all(err <= 1e-4 for _, err in results), results
+
+
+@pytest.mark.parametrize("env", [{}, {"FICCO_SIGNAL_PADS": "device"}],
+                         ids=["host-pads", "device-pads"])
+def test_the_gpu_suites_peer_view_check_holds_for_either_pads(env):
+    """Issue 33 M5: the GPU suite's check took every pad for GPU memory at its slot address,
+    so host pads (the default) failed it on every GPU; it runs here first."""
+    for bad, seen in _pool(2).run(cases.peer_views, env, timeout_s=120):
+        assert bad == [] and seen, bad
+
+
+def test_host_pads_of_a_gpu_handle_are_views_and_a_copy_is_caught():
+    """What a real GPU shows and the fake cannot (its device is the CPU): host pads beside
+    data spans on ``cuda:0`` are views; a pad that is a copy is named."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from ficco.symm_mem.device import GpuSymmHandle, is_view_of
+
+    arrays = [np.zeros(9, np.int32) for _ in range(2)]
+    pads = [torch.from_numpy(a[:8]).view(4, 2) for a in arrays]
+    handle = SimpleNamespace(
+        world=2, backend=SimpleNamespace(device=lambda: torch.device("cuda", 0)),
+        _spans=[SimpleNamespace(data_ptr=lambda: 0x1000, device=torch.device("cuda", 0))] * 2,
+        _pads=pads, host_pads=SimpleNamespace(arrays=arrays,
+                                              device=[a.ctypes.data for a in arrays]),
+        slot=lambda owner, channel, writer: arrays[owner].ctypes.data + 4 * (channel * 2 + writer))
+    # the old check (a GPU view at the slot address) calls every host pad a copy
+    assert not any(is_view_of(pads[p], handle.slot(p, 0, 0), torch.device("cuda", 0))
+                   for p in range(2))
+    assert GpuSymmHandle.view_problems(handle) == []
+    handle._pads = [pads[0], pads[1].clone()]
+    assert GpuSymmHandle.view_problems(handle) == ["rank 1's host pad is not a view of its mapping"]

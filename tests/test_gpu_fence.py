@@ -56,25 +56,3 @@ def test_raised_word_turns_every_output_element_into_nan(dtype, triton_kernel, m
     before = [o.clone() for o in fresh]
     poison_if_raised(fresh, word)
     assert all(torch.equal(o, b) for o, b in zip(fresh, before))
-
-
-@pytest.mark.parametrize("target,volatile", [("cuda:90", "ld.volatile.global"),
-                                             ("hip:gfx942", "sc0 sc1")])
-def test_fence_reads_the_error_word_with_a_volatile_load(target, volatile):
-    """Issue 25 item 8: the word is host memory a host thread raises while the GPU runs; the
-    fence's load of it compiles to a volatile / system-coherent load (PTX ``ld.volatile``,
-    AMDGCN ``sc0 sc1`` on gfx942), never a plain one that a cache could serve."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    kind, arch = target.split(":")
-    gpu = GPUTarget(kind, int(arch) if kind == "cuda" else arch, 32 if kind == "cuda" else 64)
-    fn = gpu_fence._kernel("cuda")
-    sig = {"out_ptr": "*fp32", "numel": "i32", "err_ptr": "*i32", "BLOCK": "constexpr"}
-    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={"BLOCK": 1024}),
-                              target=gpu)
-    asm = compiled.asm["ptx" if kind == "cuda" else "amdgcn"]
-    loads = [line for line in asm.splitlines()
-             if "ld.global" in line or "ld.volatile" in line or "global_load" in line]
-    assert loads and all(volatile in line for line in loads), loads

@@ -17,7 +17,7 @@ from ficco.problem import Problem
 from ficco.schedules.reduce_scatter import Ficco, Ring
 
 from . import harness
-from .plan_checks import PlanCheckError, check_plans
+from .plan_checks import PlanCheckError, all_ranks, check_plans
 from .reference import ROW_TOL, max_row_rel_err
 from .rs_cases import DTYPES, SHAPES, make_inputs, run_matrix
 
@@ -27,11 +27,6 @@ NAMES = schedules.names(op=OP)
 
 def rs_problem(m, k, ns, world, rank=0, **kw):
     return Problem(m, k, ns, "float32", world, rank, op=OP, **kw)
-
-
-def all_ranks(schedule, problem, transport, copy_engines=None):
-    return [schedule.plan(replace(problem, rank=r), transport, copy_engines)
-            for r in range(problem.world)]
 
 
 def plan_shapes(world):
@@ -51,7 +46,7 @@ def test_names_per_op_and_unknown_names():
         schedules.get("uniform-fused-3d", op=OP)
     assert OP in str(err.value) and all(n in str(err.value) for n in NAMES)
     with pytest.raises(InvalidArgumentError, match="unknown op"):
-        schedules.names(op="matmul_all_reduce")
+        schedules.names(op="matmul_all_gather")
     with pytest.raises(InvalidArgumentError, match="op='matmul_reduce_scatter'"):
         schedules.get("ring", op=OP).plan(Problem(4, 8, (3,), "float32", 2))
 
@@ -229,23 +224,13 @@ def test_disagreement_on_a_cached_shape_raises_on_every_rank():
 def test_dead_peer_makes_the_others_fail_not_hang():
     from .rs_cases import survivors_fail
 
-    pool = harness.RankPool(3, {**harness.DEFAULT_ENV, "FICCO_TIMEOUT": "5"})
-    try:
-        with pytest.raises(harness.RankError) as err:
-            pool.run(survivors_fail, 1, timeout_s=90)
-        text = str(err.value)
-        assert "rank 1 died" in text and "did not answer" not in text, text
-    finally:
-        pool.close()
+    text = harness.dead_peer_error(survivors_fail)
+    assert "rank 1 died" in text and "did not answer" not in text, text
 
 
 def test_no_shared_memory_file_outlives_the_calls():
-    from .rs_cases import shm_files
-
-    pool = harness.pool(2)
-    pool.run(run_matrix, "hetero-fused-2d", "dma", random.randrange(1 << 30), "sum",
-             SHAPES[:1])
-    assert pool.run(shm_files) == [[], []]
+    assert harness.shm_files_left(harness.pool(2), run_matrix, "hetero-fused-2d", "dma",
+                                  random.randrange(1 << 30), "sum", SHAPES[:1]) == [[], []]
 
 
 def test_explain_and_selectors_cover_the_new_op():

@@ -312,15 +312,27 @@ class GpuBackend(Backend):
             f"under graph capture")
 
     # -- a group's failures (ficco.symm_mem.fault) ------------------------------------------
-    def before_dma(self, symm) -> None:
+    def before_dma(self, symm, nbytes: int = 0) -> None:
         """Start of a dma call, before it allocates or enqueues anything: refuse a graph
         capture this backend cannot replay (HIP: refusing later would break the caller's
-        capture, issue 25 item 7), then raise what the group still owes: the error of an
-        earlier call's released barrier or of a gated GEMM that gave up (issue 25 item 5).
-        ``symm`` is the group's workspace, None before its first allocation."""
+        capture, issue 25 item 7) or one during which the group's workspace must be
+        allocated or grown to ``nbytes`` (issue 33 M4), then raise what the group still owes:
+        the error of an earlier call's released barrier or of a gated GEMM that gave up
+        (issue 25 item 5). ``symm`` is the group's workspace, None before its first
+        allocation."""
         self._raise_died()
-        if not self.captures_signals and torch.cuda.is_current_stream_capturing():
-            raise self._capture_refusal()
+        if torch.cuda.is_current_stream_capturing():
+            if not self.captures_signals:
+                raise self._capture_refusal()
+            if symm is None or symm.nbytes < nbytes:
+                # Allocating synchronizes the device, frees the old workspace and maps
+                # peers' memory: each of these ends the caller's capture with an opaque
+                # error. Refused here, with nothing captured yet.
+                raise InvalidArgumentError(
+                    f"this dma call needs {nbytes} bytes of symmetric workspace per rank and "
+                    f"the group has {symm.nbytes if symm is not None else 0}: it cannot be "
+                    f"allocated during a CUDA graph capture. Run the call (at the largest "
+                    f"shape the graph will use) once eagerly on every rank before capturing")
         if symm is not None:
             error = self._take(symm)
             if error is not None:

@@ -19,8 +19,9 @@ arrived. So they are **poisoned** instead:
   raised on the host.
 
 Cost when nothing failed: one small Triton launch per output tensor (each program loads one
-word and returns); without Triton (it ships with PyTorch's CUDA and ROCm wheels) the fence is
-``masked_fill_`` with a device-side mask, one pass over the outputs. The CPU backend needs no
+word and returns); without Triton (it ships with PyTorch's CUDA and ROCm wheels), or with one
+outside the range whose code generation was checked, the fence is ``masked_fill_`` with a
+device-side mask, one pass over the outputs. The CPU backend needs no
 fence: its barriers run on host threads and a released barrier raises before the call
 returns.
 """
@@ -30,6 +31,8 @@ import functools
 
 import torch
 
+#: whether this torch drives AMD GPUs (the fence's word load differs, ficco.kernels.words)
+_AMD = bool(torch.version.hip)
 #: programs of one fence launch at most (each loops over its share only when poisoning)
 MAX_PROGRAMS = 1024
 BLOCK = 1024
@@ -37,22 +40,15 @@ BLOCK = 1024
 
 @functools.cache
 def _kernel(device_kind: str):
-    """The fence kernel: compiled for GPUs, interpreted on CPU (tests); None without Triton."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
+    """The fence kernel: compiled for GPUs, interpreted on CPU (tests); None without a Triton
+    in the range ficco's kernels were checked against (:func:`ficco.kernels.triton_reason`)."""
+    from ..kernels import triton_reason
 
-    def fence(out_ptr, numel, err_ptr, BLOCK: tl.constexpr):
-        # A volatile load (issue 25 item 8): the word is host memory a host thread wrote
-        # after this kernel's stream was released; a cached or hoisted read could miss it.
-        if tl.load(err_ptr, volatile=True) != 0:
-            pid, programs = tl.program_id(0), tl.num_programs(0)
-            nan = tl.full((BLOCK,), float("nan"), tl.float32)
-            for start in range(pid * BLOCK, numel, programs * BLOCK):
-                offsets = start + tl.arange(0, BLOCK)
-                tl.store(out_ptr + offsets, nan, mask=offsets < numel)
+    if triton_reason() is not None:
+        return None
+    import triton
+
+    from ..kernels.fence import fence_body as fence
 
     if device_kind == "cpu":
         from triton.runtime.interpreter import InterpretedFunction
@@ -82,4 +78,4 @@ def poison_if_raised(outputs, word: torch.Tensor) -> None:
             continue
         numel = out.numel()
         programs = min(MAX_PROGRAMS, -(-numel // BLOCK))
-        kernel[(programs,)](out, numel, word, BLOCK=BLOCK)
+        kernel[(programs,)](out, numel, word, BLOCK=BLOCK, AMD=_AMD)

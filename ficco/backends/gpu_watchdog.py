@@ -11,7 +11,9 @@ watches every barrier still pending:
 - once a group has failed on this rank (its word raised by this rank or by a peer that gave
   up), every later barrier of that group is released as soon as its stream reaches it, with no
   deadline of its own: a dead peer costs one FICCO_TIMEOUT, not one per queued barrier
-  (issue 25 item 3); gated GEMMs of the group stop too (they poll the same word);
+  (issue 25 item 3); gated GEMMs of the group stop too (they poll the same word); a word a
+  gated GEMM of this rank raised (it waited its own deadline) expires the barrier instead, so
+  the peers' words are raised as at any deadline (issue 33 W1);
 - a flag-mode barrier still waiting is *peeked* now and then (5 ms after the stream reached
   it, then at doubling gaps up to 0.5 s): a slot holding another call's flag means a peer is
   making a different call, which no wait will ever fix, so the barrier is expired at once
@@ -156,6 +158,12 @@ class Watchdog:
         deadline = item.deadline
         deadline.start(now)
         fault = deadline.handle.fault if deadline.handle is not None else None
+        if fault is not None and fault.kernel_gave_up():
+            # A gated GEMM of this rank waited its deadline for a peer's rows (issue 33 W1):
+            # the peers this barrier waits for are late; give up on them as at a deadline.
+            item.how = "expired"
+            self._expire(item, fault)
+            return
         if fault is not None and fault.failed():
             item.how = "released"
             deadline.fired = True

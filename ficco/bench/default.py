@@ -36,13 +36,16 @@ EXAMPLES = """examples:
   python -m ficco.bench default --world 4 --calls 31 --json bench/runs/default.json
 """
 
-#: per op: (label, sizes) with sizes the op's inputs below: dense ops (rows per rank, K, n),
-#: expert ops (rows per rank, k, n) routed evenly over two experts per rank
+#: per op: (label, sizes) with sizes the op's inputs below: dense ops (rows per rank, K, n;
+#: the reduce-scatter and all-reduce take W x rows and K / W per rank), expert ops (rows per
+#: rank, k, n) routed evenly over two experts per rank
 CASES = {
     "all_gather_matmul": (("tiny", (8, 16, 16)), ("GEMM-bound", (128, 256, 768)),
                           ("copy-bound", (512, 512, 8))),
     "matmul_reduce_scatter": (("tiny", (8, 16, 16)), ("GEMM-bound", (128, 1024, 128)),
                               ("copy-bound", (512, 16, 512))),
+    "matmul_all_reduce": (("tiny", (8, 16, 16)), ("GEMM-bound", (128, 1024, 128)),
+                          ("copy-bound", (256, 16, 512))),
     "all_to_all_grouped_mm": (("tiny", (8, 16, 16)), ("GEMM-bound", (256, 256, 512)),
                               ("copy-bound", (1024, 512, 8))),
     "grouped_mm_all_to_all": (("tiny", (8, 16, 16)), ("GEMM-bound", (256, 256, 512)),
@@ -73,10 +76,11 @@ def _inputs(op: str, rank: int, world: int, sizes: tuple, seed: int):
         a, b = torch.randn(rows, k, generator=gen), torch.randn(k, n, generator=gen)
         return (lambda schedule: ficco.all_gather_matmul(a, b, schedule=schedule),
                 lambda: ficco.explain(a, b))
-    if op == "matmul_reduce_scatter":
+    if op in ("matmul_reduce_scatter", "matmul_all_reduce"):
         a = torch.randn(world * rows, k // world, generator=gen)
         b = torch.randn(k // world, n, generator=gen)
-        return (lambda schedule: ficco.matmul_reduce_scatter(a, b, schedule=schedule),
+        run = getattr(ficco, op)
+        return (lambda schedule: run(a, b, schedule=schedule),
                 lambda: ficco.explain(a, b, op=op))
     each = rows // (world * EXPERTS_PER_RANK)     # rows from every rank to every expert
     w = torch.randn(EXPERTS_PER_RANK, k, n, generator=gen) / k ** 0.5

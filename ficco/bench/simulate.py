@@ -9,6 +9,7 @@ pick). No GPU needed::
     python -m ficco.bench simulate --profile mi300x --scenarios paper --world 8
     python -m ficco.bench simulate --profile h100 --shape 65536,8192,8192 --out /tmp/sim
     python -m ficco.bench simulate --op matmul-reduce-scatter --scenarios llama --profile h100
+    python -m ficco.bench simulate --op matmul-all-reduce --scenarios llama-decode --graph
 """
 from __future__ import annotations
 
@@ -28,10 +29,18 @@ EXAMPLES = """\
   python -m ficco.bench simulate --profile mi300x --scenarios paper --world 8
   python -m ficco.bench simulate --profile h100 --shape 65536,8192,8192 --out /tmp/sim
   python -m ficco.bench simulate --profile my_profile.json --no-png
-  python -m ficco.bench simulate --op matmul-reduce-scatter --scenarios llama --profile h100"""
+  python -m ficco.bench simulate --op matmul-reduce-scatter --scenarios llama --profile h100
+  python -m ficco.bench simulate --op matmul-all-reduce --scenarios llama-decode --profile h100"""
 
 SHORT = {"serial": "serial", "ring": "ring", "ring-bidir": "ring-bi", "gated-1d": "gated1d",
-         "gated-2d": "gated2d"}
+         "gated-2d": "gated2d", "rs-ag-uniform-fused-1d": "rsag-uf1", "rs-ag-ring": "rsag-r",
+         "one-shot": "1shot", "one-shot-sm": "1shot-sm", "two-shot": "2shot",
+         "two-shot-sm": "2shot-sm", "chunked-2": "chunk2", "chunked-4": "chunk4",
+         "chunked-8": "chunk8"}
+#: decode batches (rows M of a row-parallel GEMM in one decode step) of ``--scenarios
+#: llama-decode``
+DECODE_BATCHES = (1, 32, 256)
+_ROW_PARALLEL = ("matmul_reduce_scatter", "matmul_all_reduce")
 
 
 def short_name(name: str) -> str:
@@ -45,14 +54,18 @@ def add_arguments(parser) -> None:
                         help=f"built-in profile ({', '.join(profiles.builtin_names())}) or a "
                              f"profile JSON path")
     parser.add_argument("--op", default="all-gather-matmul",
-                        choices=["all-gather-matmul", "matmul-reduce-scatter"],
+                        choices=["all-gather-matmul", "matmul-reduce-scatter",
+                                 "matmul-all-reduce"],
                         help="which op's schedules: the all-gather in front of a column-"
-                             "parallel GEMM, or the reduce-scatter after a row-parallel one")
-    parser.add_argument("--scenarios", default="paper", choices=["paper", "llama", "none"],
+                             "parallel GEMM, the reduce-scatter after a row-parallel one, or "
+                             "the all-reduce after a row-parallel one (no sequence parallelism)")
+    parser.add_argument("--scenarios", default="paper",
+                        choices=["paper", "llama", "llama-decode", "none"],
                         help="scenario set: paper = Table I g1-g16, llama = the llama 8B/70B/"
                              "405B GEMMs at seq 8192, TP = --world (column-parallel qkv/upgate "
-                             "for all-gather, row-parallel o/down for reduce-scatter), none = "
-                             "only --shape")
+                             "for all-gather, row-parallel o/down for the reduce-scatter and "
+                             "all-reduce), llama-decode = their row-parallel o/down at decode "
+                             f"batches {DECODE_BATCHES} (M = the batch), none = only --shape")
     parser.add_argument("--shape", action="append", default=[], metavar="M,N,K",
                         help="an extra layer GEMM (M rows gathered, N weight columns split "
                              "over the world, K); repeatable")
@@ -117,10 +130,10 @@ def selector_pick(problem, profile, topology, transport, engines, names) -> dict
 
 
 def _ideal(serial_run, op: str) -> float:
-    """The ideal speedup over serial. Reduce-scatter's serial is the GEMM, then the move and
-    the reduction: overlapped perfectly it takes the longer of the two (the all-gather's
-    reading, which counts communication from time 0, does not apply)."""
-    if op != "matmul_reduce_scatter":
+    """The ideal speedup over serial. Reduce-scatter's (and all-reduce's) serial is the GEMM,
+    then the move and the reduction: overlapped perfectly it takes the longer of the two (the
+    all-gather's reading, which counts communication from time 0, does not apply)."""
+    if op not in _ROW_PARALLEL:
         return simulator.ideal_speedup(serial_run)
     gemm_s = serial_run.busy_s("gemm")
     rest_s = serial_run.makespan_s - gemm_s
@@ -138,9 +151,9 @@ def _problem(args, big_m: int, n: int, k: int):
     # "" is Problem's own default for both: no epilogue unless the dtype is fp8
     scaling: str = getattr(args, "scaling", "row") if fp8 else ""
     out_dtype = "bfloat16" if fp8 else ""
-    if _op(args) == "matmul_reduce_scatter":
+    if _op(args) in _ROW_PARALLEL:
         return Problem(big_m, max(k // args.world, 1), (n,), args.dtype, args.world,
-                       op="matmul_reduce_scatter", out_dtype=out_dtype, scaling=scaling)
+                       op=_op(args), out_dtype=out_dtype, scaling=scaling)
     return dataclasses.replace(gemm_problem(big_m, n, k, args.world, args.dtype),
                                out_dtype=out_dtype, scaling=scaling)
 
@@ -148,20 +161,23 @@ def _problem(args, big_m: int, n: int, k: int):
 def _llama(args) -> list[tuple[str, tuple[int, int, int]]]:
     from .scenarios import llama
 
-    row_parallel = _op(args) == "matmul_reduce_scatter"
+    row_parallel = _op(args) in _ROW_PARALLEL
+    decode = args.scenarios == "llama-decode"
     out = []
     for preset in ("8B", "70B", "405B"):
         for sc in llama(preset, 8192, args.world):
             if sc.name.endswith(("-o", "-down")) == row_parallel:
                 # presets are per rank: back to the layer GEMM the problem splits again
                 n, k = (sc.n, sc.k * args.world) if row_parallel else (sc.n * args.world, sc.k)
-                out.append((sc.name.removeprefix("llama-"), (sc.big_m, n, k)))
+                name = sc.name.removeprefix("llama-")
+                for m in DECODE_BATCHES if decode else (sc.big_m,):
+                    out.append((f"{name}-b{m}" if decode else name, (m, n, k)))
     return out
 
 
 def scenarios(args) -> list[tuple[str, tuple[int, int, int]]]:
     chosen = list(PAPER_TABLE_I.items()) if args.scenarios == "paper" else []
-    if args.scenarios == "llama":
+    if args.scenarios in ("llama", "llama-decode"):
         chosen = _llama(args)
     for text in args.shape:
         try:
@@ -172,7 +188,9 @@ def scenarios(args) -> list[tuple[str, tuple[int, int, int]]]:
         chosen.append((f"{big_m}x{n}x{k}", (big_m, n, k)))
     if not chosen:
         raise InvalidArgumentError("no scenarios: use --scenarios paper or give --shape M,N,K")
-    return [(name, (max(m // args.scale, args.world), n, k)) for name, (m, n, k) in chosen]
+    # (the all-reduce keeps every M: a decode step's single row goes to every rank)
+    floor = 1 if _op(args) == "matmul_all_reduce" else args.world
+    return [(name, (max(m // args.scale, floor), n, k)) for name, (m, n, k) in chosen]
 
 
 def run(args) -> dict:

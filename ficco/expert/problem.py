@@ -243,6 +243,10 @@ class ExpertProblem(DtypeFields):
         return False
 
     @property
+    def all_reduces(self) -> bool:
+        return False
+
+    @property
     def ns(self) -> tuple[int, ...]:
         """One weight per local expert, all ``n`` wide."""
         return (self.n,) * self.experts

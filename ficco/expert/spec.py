@@ -156,7 +156,8 @@ class ExpertSpec(OpSpec[ExpertCall]):
         """The expert part of one run's buffers (``symm``: the workspace, or None for ccl;
         ``wide``: the plan accumulates bf16/fp16 products, so the output is float32)."""
 
-    def buffers(self, call: ExpertCall, transport: str, symm, *, wide: bool = False) -> Buffers:
+    def buffers(self, call: ExpertCall, transport: str, symm, *, wide: bool = False,
+                plan=None) -> Buffers:
         ctx = self.context(call, symm, wide)
         # shared is the symmetric buffer peers pull from: Buffers.peer knows it by these names
         # (a world of one has none with ccl: nothing travels, nothing reads it)

@@ -156,7 +156,7 @@ def choose(problem: Problem, *, transport: str | tuple[str, ...] = "dma", target
                                                target, forced)
         decision = Decision(forced, transports[0], "forced", inputs, scores,
                             f"forced by {forced_by or 'argument'}{predicted}")
-        return _logged_once(problem, decision)
+        return _logged_once(problem, decision, target)
     selector = selector or config.selector()
     if selector not in SELECTOR_FUNCTIONS:
         raise ConfigError(f"selector {selector!r} is not valid; use one of: "
@@ -165,18 +165,44 @@ def choose(problem: Problem, *, transport: str | tuple[str, ...] = "dma", target
         # Nothing to gather: every schedule is the same plain GEMM; don't simulate or time.
         decision = Decision("serial", transports[0], selector, inputs, {},
                             "one rank: nothing to gather, a plain GEMM")
-        return _logged_once(problem, decision)
+        return _logged_once(problem, decision, target)
     low, high = config.paper_thresholds()
     if not low < high:
         raise ConfigError(f"FICCO_PAPER_LOW={low} must be below FICCO_PAPER_HIGH={high}")
     ctx = Context(profile, topology, transports, target, inputs, config.copy_engines(),
                   (low, high), live)
-    return _logged_once(problem, SELECTOR_FUNCTIONS[selector](problem, ctx))
+    return _logged_once(problem, SELECTOR_FUNCTIONS[selector](problem, ctx), target)
 
 
-def _logged_once(problem: Problem, decision: Decision) -> Decision:
+def off_by_default(target: str) -> dict[str, str]:
+    """The risky GPU features left off on backend ``target`` until a GPU lease verified them
+    there (docs/gpu.md), each with why and how to turn it on; {} off GPUs.
+
+    >>> sorted(off_by_default("cuda:sm_90")), off_by_default("cpu")
+    (['FICCO_SIGNAL_PADS=device', 'gated-1d, gated-2d'], {})
+    """
+    from .. import kernels
+
+    if not target.startswith(("cuda", "rocm", "hip")):
+        return {}
+    off = {}
+    gated = kernels.selectable_reason(target)
+    if gated is not None:
+        off["gated-1d, gated-2d"] = gated
+    if config.get("FICCO_SIGNAL_PADS") != "device":
+        off["FICCO_SIGNAL_PADS=device"] = (
+            "signal pads are host-mapped by default; device pads (lower flag latency) wait "
+            "for a GPU lease to verify the watchdog's release through a stream and the "
+            "late-peer path on them; set FICCO_SIGNAL_PADS=device to use them")
+    return off
+
+
+def _logged_once(problem: Problem, decision: Decision, target: str) -> Decision:
     """``FICCO_LOG=info`` (or debug) logs each decision once: rank, op, shape, schedule,
-    transport and selector."""
+    transport and selector. Says what is off by default on GPUs (:func:`off_by_default`)."""
+    off = off_by_default(target)
+    if off:
+        decision = replace(decision, off=off)
     level = config.log_level()
     if level not in ("info", "debug"):
         return decision
@@ -194,4 +220,4 @@ def _logged_once(problem: Problem, decision: Decision) -> Decision:
     return decision
 
 
-__all__ = ["SELECTORS", "Decision", "choose", "profiles"]
+__all__ = ["SELECTORS", "Decision", "choose", "off_by_default", "profiles"]

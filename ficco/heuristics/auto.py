@@ -63,14 +63,21 @@ ROUNDS = measured.Rounds(warmup=1, most=7, budget=5.0, floor_s=0.05, prune=2.0, 
 MARGIN = 0.03
 
 
-def family(name: str) -> str:
-    """The family of a schedule name: what comes before its first dash (``ring``,
-    ``uniform``, ``hetero``, ``gated``, ``serial``), ``by-expert`` whole.
+#: families named by two words (the rest: the name's first word)
+TWO_WORD_FAMILIES = ("by-expert", "one-shot", "two-shot", "rs-ag")
 
-    >>> family("hetero-fused-1d"), family("ring-bidir"), family("by-expert")
-    ('hetero', 'ring', 'by-expert')
+
+def family(name: str) -> str:
+    """The family of a schedule name: its first word (``serial``, ``ring``, ``uniform``,
+    ``hetero``, ``gated``, ``chunked``), or its first two for :data:`TWO_WORD_FAMILIES`.
+
+    >>> family("hetero-fused-1d"), family("ring-bidir"), family("one-shot-sm")
+    ('hetero', 'ring', 'one-shot')
     """
-    return name if name.startswith("by-") else name.split("-")[0]
+    for prefix in TWO_WORD_FAMILIES:
+        if name.startswith(prefix):
+            return prefix
+    return name.split("-")[0]
 
 
 def bucketed(problem):

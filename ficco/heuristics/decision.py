@@ -59,6 +59,9 @@ class Decision:
     measured: tuple = ()
     decided_by: str = ""
     final: bool = True
+    #: GPU features off by default until a GPU lease verified them: feature -> why, how to
+    #: turn it on (:func:`ficco.heuristics.off_by_default`)
+    off: dict = field(default_factory=dict)
 
     def ranked(self) -> list[tuple[str, float]]:
         """Scores best first (lowest seconds; for ``paper`` the single score as given)."""
@@ -77,6 +80,8 @@ class Decision:
             lines.append(f"band      \u00b1{self.band:.0%} simulated-time error of "
                          f"{self.band_class} (python -m ficco.bench validate); overlap is kept "
                          f"only above it")
+        for feature, why in self.off.items():
+            lines.append(f"off       {feature}: {why}")
         if self.measured:
             return "\n".join(lines + self._measured_table())
         if self.scores:

@@ -126,9 +126,11 @@ def banded_choice(problem: Problem, profile: Profile, topology: str | None,
     base_via = min(transports, key=lambda via: (per_transport[via].get("serial", float("inf")),
                                                 transports.index(via)))
     base_s = per_transport[base_via]["serial"]
+    # (a tie goes to serial: a schedule that plans as serial for this problem, such as the
+    # all-reduce's chunked-* of fewer rows than chunks, gains nothing over it)
     fast_via, fastest = min(((via, name) for via in transports for name in per_transport[via]),
                             key=lambda vn: (per_transport[vn[0]][vn[1]], transports.index(vn[0]),
-                                            vn[1]))
+                                            vn[1] != "serial", vn[1]))
     fast_s = per_transport[fast_via][fastest]
     gain = base_s / fast_s - 1 if fast_s > 0 else 0.0
     where = f"{profile.name}/{topology or profile.topology}"

@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import InvalidArgumentError
 from ..plan import COMPUTE, GatedGemm, Op, Plan, Record, Wait, item_bytes, op_label
-from . import all_to_all_pricing, collectives
+from . import all_reduce_pricing, all_to_all_pricing, collectives
 from . import gemm as gemm_cost
 
 # Contention rates live in .contention; re-exported here for callers of simulator.*.
@@ -388,7 +388,12 @@ class _Simulation:
     def _price_reduce(self, op) -> _Task:
         """``Reduce`` (reduce-scatter's partial sums): memory-bound on the compute engines,
         reading every source (and the destination when accumulating) and writing it once;
-        slowed like any memory-bound op while copies stream beside it."""
+        slowed like any memory-bound op while copies stream beside it. One that reads peers'
+        memory (the all-reduce's ``-sm`` loads) is priced over the links
+        (:mod:`ficco.heuristics.all_reduce_pricing`)."""
+        rank = self.problem.rank
+        if any(s.peer is not None and s.peer != rank for s in op.srcs):
+            return all_reduce_pricing.price_remote_reduce(self, op, _Task)
         dil = self.profile.dil
         nbytes = sum(map(self._bytes, op.srcs)) + self._bytes(op.dst) * (
             2 if op.accumulate else 1)
@@ -404,6 +409,10 @@ class _Simulation:
         # reduction runs on the compute units it holds.
         block = op.dst.numel * item_bytes(self.problem, "partial") if op.dst is not None else 0
         return self.collective("reduce_scatter", block, self.problem.world - 1)
+
+    def _price_all_reduce(self, op) -> _Task:
+        """The process group's all-reduce (NCCL/RCCL): :mod:`ficco.heuristics.all_reduce_pricing`."""
+        return all_reduce_pricing.price_all_reduce(self, op, _Task)
 
     def _price_send_recv(self, op) -> _Task:
         block = op.recv if op.recv is not None else op.send

@@ -41,17 +41,22 @@ def block_shapes(name: str) -> list[tuple[int, int]]:
     return [(m, n) for m, n, *_ in table]
 
 
-def resident_programs(compute_units: int) -> int:
+def resident_programs(compute_units: int, sharers: int = 1) -> int:
     """Most programs of the gated GEMM resident at once on a device with ``compute_units``
-    SMs/CUs: all but a reserve (1/32 of them, at least one). Its tiles spin while their data
-    is missing; whatever must run for the data to arrive and needs a compute unit (ROCm's
-    stream memory operations and 2-D copies, same-device copies on one GPU) keeps at least
-    the reserve. The persistent grid walks tiles in arrival order (issue 25 item 1).
+    SMs/CUs, when ``sharers`` ranks launch it on that device at once: all but a reserve (1/32
+    of them, at least one), split between the sharers. Its tiles spin while their data is
+    missing; whatever must run for the data to arrive and needs a compute unit (ROCm's stream
+    memory operations and 2-D copies, same-device copies on one GPU) keeps at least the
+    reserve, also when several processes share the GPU (issue 33 H1: each took all but the
+    reserve, and together they filled every unit). The persistent grid walks tiles in
+    arrival order (issue 25 item 1).
 
     >>> resident_programs(132), resident_programs(304), resident_programs(2)
     (128, 295, 1)
+    >>> resident_programs(132, sharers=4), resident_programs(16, sharers=32)
+    (32, 1)
     """
-    return max(1, compute_units - max(1, compute_units // 32))
+    return max(1, (compute_units - max(1, compute_units // 32)) // max(1, sharers))
 
 
 def family(target: str) -> str:

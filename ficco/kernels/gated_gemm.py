@@ -15,13 +15,21 @@ compute units spent on communication (the copy engines move the bytes)::
     program(pid):  segment, tile = arrival_order[pid]
                    acc = 0 (fp32)
                    for part in segment.parts:
-                       spin until flags[part.flag] != 0 (acquire), at most spin_budget polls
+                       spin until flags[part.flag] != 0 (acquire) or halt raised,
+                            at most timeout_s by the device clock
                        acc += A[tile rows, part K] @ B[part K, tile cols]
-                   C[tile] = round(acc)                                  # rounded once
+                   C[tile] = round(acc), or NaN if a wait gave up   # rounded once
 
-A wait that outlives its budget records ``1 + flag`` in the error word, skips its tile and
-exits; :func:`check_error` turns the word into :class:`~ficco.errors.CommTimeoutError` naming
-the piece. A kernel never spins forever.
+A wait is bounded in *time* (issue 33 W1: it counted polls against a guessed rate, and gave
+up while a peer was still inside FICCO_TIMEOUT): each wait reads the device clock
+(``%globaltimer`` on NVIDIA, the realtime counter on AMD, the host clock in the interpreter)
+and ends ``timeout_s`` after it began. One that ends without its flag records ``1 + flag`` in
+the error word, raises the ``halt`` word (the group's error word on GPUs:
+:data:`~ficco.symm_mem.fault.KERNEL`), so every other tile stops, the call's fence turns its
+outputs into NaN and the group's next call raises; and every tile that was not computed is
+written as NaN, so C never keeps an earlier call's values (also in a replayed graph, which
+has no fence). :func:`check_error` turns the error word into
+:class:`~ficco.errors.CommTimeoutError` naming the piece. A kernel never spins forever.
 
 Example (interpreter on CPU, all flags already raised)::
 
@@ -45,10 +53,23 @@ import triton
 import triton.language as tl
 
 from ..errors import CommTimeoutError, InvalidArgumentError
+from ..symm_mem.fault import KERNEL
 from . import configs
 
-# The kernel reads _clock and TRACE_WORDS as globals (the trace is in its own module).
-from .trace import TRACE_OFF, TRACE_WORDS, _clock, trace_supported
+# The kernel reads _clock, TRACE_WORDS and the word builtins as globals.
+from .trace import (
+    TRACE_OFF,
+    TRACE_WORDS,
+    _clock,
+    clock_mode,
+    ticks_per_s,
+    trace_supported,
+    wait_clock,
+)
+from .words import load_word, store_word
+
+#: the word value a gated GEMM that gave up writes into the group's error word
+GAVE_UP = tl.constexpr(KERNEL)
 
 
 @dataclass(frozen=True)
@@ -77,10 +98,11 @@ def tables(segments: tuple[Segment, ...], device) -> tuple[torch.Tensor, torch.T
 
 
 def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, halt, trace,
-                 N, K_total, M_total, local_row0, local_rows, num_segs, spin_budget,
+                 N, K_total, M_total, local_row0, local_rows, num_segs, wait_ticks,
                  stride_al, stride_ag, stride_bk, stride_bn, stride_cm,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 IEEE: tl.constexpr, UPCAST: tl.constexpr, TRACE: tl.constexpr = 0):
+                 IEEE: tl.constexpr, UPCAST: tl.constexpr, CLOCK: tl.constexpr,
+                 AMD: tl.constexpr, TRACE: tl.constexpr = 0):
     # Persistent: the grid is at most the device's SMs/CUs minus a reserve (launch.py), and
     # each program walks tiles pid, pid + grid, ... of the arrival-ordered tile list, so
     # tiles waiting for data never hold every compute unit (issue 25 item 1).
@@ -123,8 +145,8 @@ def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, h
         else:
             a_rows = a_gathered + (row0 + offs_m).to(tl.int64) * stride_ag
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)   # tl.zeros is a jit helper too
-        # Once the group failed (halt raised) no tile is computed: its output is NaN anyway.
-        ok = tl.where(tl.load(halt, volatile=True) == 0, 1, 0)
+        # Once the group failed (halt raised) no tile is computed: it is written as NaN.
+        ok = tl.where(load_word(halt, AMD) == 0, 1, 0)
         for p in range(part0, part0 + parts):
             k0 = tl.load(part_table + p * 3)
             kc = tl.load(part_table + p * 3 + 1)
@@ -133,16 +155,21 @@ def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, h
                 # Acquire: the rows the copy engine wrote before raising the flag are visible.
                 seen_flag = tl.atomic_add(flags + flag, 0, sem="acquire")
                 # The halt word is the group's error word (host memory a host thread raises
-                # when the group failed): read volatile, so every poll sees it.
-                stop = tl.load(halt, volatile=True)
-                spins = 0
-                while (seen_flag == 0) & (spins < spin_budget) & (stop == 0):
+                # when the group failed): read from memory at every poll (words.py).
+                stop = load_word(halt, AMD)
+                began = _clock(CLOCK, trace)
+                waited = began - began
+                while (seen_flag == 0) & (stop == 0) & (waited < wait_ticks):
                     seen_flag = tl.atomic_add(flags + flag, 0, sem="acquire")
-                    stop = tl.load(halt, volatile=True)   # the group failed: stop waiting
-                    spins += 1
+                    stop = load_word(halt, AMD)   # the group failed: stop waiting
+                    waited = _clock(CLOCK, trace) - began
                 if seen_flag == 0:
                     tl.atomic_cas(err, 0, flag + 1)
                     ok = 0
+                    if stop == 0:
+                        # This wait ran out: raise the group's word, so the other tiles stop,
+                        # the fence poisons the call and its next call raises (W1).
+                        store_word(halt, GAVE_UP)
                 if TRACE != 0:   # when this tile saw its (first, latest) flag
                     t_last = _clock(TRACE, trace)
                     t_first = tl.where(waited == 0, t_last, t_first)
@@ -165,9 +192,10 @@ def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, h
                         acc = tl.dot(a_tile, b_tile, acc, input_precision="ieee")
                     else:
                         acc = tl.dot(a_tile, b_tile, acc)
-        if ok != 0:
-            c_ptrs = c + (row0 + offs_m)[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-            tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        # A tile that was not computed is NaN, never what C held before (an earlier call's).
+        acc = tl.where(ok != 0, acc, float("nan"))
+        c_ptrs = c + (row0 + offs_m)[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
         if TRACE != 0:
             t_end = _clock(TRACE, trace)
             rec = trace + 1 + tile * TRACE_WORDS   # (int32: tiles * 9 stays far below 2**31)
@@ -203,13 +231,6 @@ def _compiled(device_kind: str, family: str):
     return tuner(jitted), None
 
 
-def polls_per_s(device_kind: str) -> float:
-    """Rough flag polls per second: turns FICCO_TIMEOUT into a spin budget. An acquire
-    atomic costs about a microsecond on a GPU; the interpreter takes ~0.3 ms per poll on a
-    busy CPU. The budget is an approximate deadline: it only has to be finite."""
-    return 3.0e3 if device_kind == "cpu" else 1.0e6
-
-
 def gated_gemm(a_local: torch.Tensor, a_gathered: torch.Tensor, b: torch.Tensor,
                c: torch.Tensor, segments: tuple[Segment, ...], flags: torch.Tensor, *,
                local_row0: int, err: torch.Tensor | None = None,
@@ -223,7 +244,8 @@ def gated_gemm(a_local: torch.Tensor, a_gathered: torch.Tensor, b: torch.Tensor,
     when every wait succeeded); pass it to :func:`check_error` once the kernel finished.
     ``flags`` is int32, one word per flag index named in ``segments``. A nonzero ``halt``
     word (int32, written by another thread or process) ends every wait at once: the host's
-    deadline or abort, exactly timed where the poll count is not. ``max_programs`` caps the
+    deadline or abort; each wait also ends ``timeout_s`` after it began, by the device's
+    clock, and then raises ``halt`` itself. ``max_programs`` caps the
     grid (a persistent kernel: each program walks tiles in arrival order); GPU launches pass
     :func:`~ficco.kernels.configs.resident_programs` of the device, so waiting tiles never
     hold every SM/CU.
@@ -239,7 +261,9 @@ def gated_gemm(a_local: torch.Tensor, a_gathered: torch.Tensor, b: torch.Tensor,
     seg, part = tables(tuple(segments), c.device)
     err = torch.zeros(1, dtype=torch.int32, device=c.device) if err is None else err
     n, k_total = b.shape[1], b.shape[0]
-    budget = max(1, int(timeout_s * polls_per_s(device_kind)))
+    clock = wait_clock(device_kind, family)
+    wait_ticks = max(1, int(timeout_s * (ticks_per_s(clock, c.device.index or 0) or 1e9)))
+    amd = family == "amd" and device_kind != "cpu"
     halt = torch.zeros(1, dtype=torch.int32, device=c.device) if halt is None else halt
     if (trace is None) != (trace_mode == TRACE_OFF):
         raise InvalidArgumentError("gated_gemm: pass trace and trace_mode together")
@@ -251,7 +275,7 @@ def gated_gemm(a_local: torch.Tensor, a_gathered: torch.Tensor, b: torch.Tensor,
     trace = untraced if trace is None else trace
     args = (a_local, a_gathered, b, c, seg, part, flags, err, halt, trace, n, k_total,
             a_gathered.shape[0],
-            local_row0, a_local.shape[0], len(segments), budget, a_local.stride(0),
+            local_row0, a_local.shape[0], len(segments), wait_ticks, a_local.stride(0),
             a_gathered.stride(0), b.stride(0), b.stride(1), c.stride(0))
 
     def grid(meta):
@@ -261,7 +285,8 @@ def gated_gemm(a_local: torch.Tensor, a_gathered: torch.Tensor, b: torch.Tensor,
 
     ieee = c.dtype == torch.float32 or a_gathered.dtype == torch.float32
     if fixed is not None:
-        kernel[grid(fixed)](*args, **fixed, IEEE=ieee, UPCAST=True, TRACE=trace_mode)
+        kernel[grid(fixed)](*args, **fixed, IEEE=ieee, UPCAST=True, CLOCK=clock, AMD=amd,
+                            TRACE=trace_mode)
         return err
     key = (family, n, k_total, a_gathered.shape[0], len(segments), c.dtype, c.device)
     if key not in _tuned:
@@ -270,9 +295,9 @@ def gated_gemm(a_local: torch.Tensor, a_gathered: torch.Tensor, b: torch.Tensor,
         # writes are overwritten by the real launch below, on the same stream.
         preset = torch.ones_like(flags)
         kernel[grid](*args[:6], preset, torch.zeros_like(err), args[8], untraced, *args[10:],
-                     IEEE=ieee, UPCAST=False, TRACE=TRACE_OFF)
+                     IEEE=ieee, UPCAST=False, CLOCK=clock, AMD=amd, TRACE=TRACE_OFF)
         _tuned.add(key)
-    kernel[grid](*args, IEEE=ieee, UPCAST=False, TRACE=trace_mode)
+    kernel[grid](*args, IEEE=ieee, UPCAST=False, CLOCK=clock, AMD=amd, TRACE=trace_mode)
     return err
 
 
@@ -309,7 +334,7 @@ def check_error(err: torch.Tensor, describe=None, timeout_s: float | None = None
     what = describe(flag) if describe is not None else f"arrival flag {flag}"
     budget = f" (about {timeout_s:.1f}s)" if timeout_s is not None else ""
     raise CommTimeoutError(
-        f"gated GEMM: {what} never arrived: its flag stayed 0 past the spin budget{budget}; "
+        f"gated GEMM: {what} never arrived: its flag stayed 0 past the wait's deadline{budget}; "
         f"the copy that should raise it is stuck or its peer is dead. Raise FICCO_TIMEOUT if "
         f"the peer is only slow")
 
@@ -337,7 +362,9 @@ def compile_offline(target: str, dtype: str = "bf16", block=(128, 128, 64), num_
                 "c": f"*{dtype}", "seg_table": "*i32", "part_table": "*i32", "flags": "*i32",
                 "err": "*i32", "halt": "*i32", "trace": "*i64"}
     constexprs = {"BLOCK_M": block[0], "BLOCK_N": block[1], "BLOCK_K": block[2],
-                  "IEEE": dtype == "fp32", "UPCAST": False, "TRACE": trace_mode}
+                  "IEEE": dtype == "fp32", "UPCAST": False, "CLOCK": clock_mode(target),
+                  "AMD": kind != "cuda", "TRACE": trace_mode}
+    pointers["wait_ticks"] = "i64"
     signature = {name: pointers.get(name, "constexpr" if name in constexprs else "i32")
                  for name in jitted.arg_names}
     kernel = triton.compile(ASTSource(fn=jitted, signature=signature, constexprs=constexprs),

@@ -124,7 +124,14 @@ def gated_task(backend, problem, op, a_local, gathered, b, out, flags, timeout_s
             return
         err = gated_gemm(a, gathered, b, out, segments, flags, local_row0=local_row0,
                          halt=fault.word_device, timeout_s=timeout_s, family=family,
-                         max_programs=_resident(out.device), trace=trace, trace_mode=mode)
+                         max_programs=_resident(out.device, symm.device_sharers), trace=trace,
+                         trace_mode=mode)
+        if torch.cuda.is_current_stream_capturing():
+            # Captured: nothing to check from here (issue 33 M3: an entry bound to a captured
+            # event and to a word only a replay writes misled the next eager call). A replay
+            # that gives up raises the group's word and writes NaN tiles itself (W1), which the
+            # group's next eager call raises.
+            return
         word = torch.empty(1, dtype=torch.int32, pin_memory=out.device.type != "cpu")
         word.copy_(err, non_blocking=True)
         done = torch.cuda.Event()
@@ -144,16 +151,17 @@ def _error(word, describe, timeout_s):
     return None
 
 
-def _resident(device) -> int:
-    """:func:`~ficco.kernels.configs.resident_programs` of ``device`` (looked up once)."""
+def _resident(device, sharers: int) -> int:
+    """:func:`~ficco.kernels.configs.resident_programs` of ``device`` shared by ``sharers``
+    ranks of the call's group (the device's units looked up once)."""
     index = device.index or 0
-    limit = _resident_cache.get(index)
-    if limit is None:
-        from . import configs
+    units = _resident_cache.get(index)
+    if units is None:
+        units = _resident_cache[index] = \
+            torch.cuda.get_device_properties(index).multi_processor_count
+    from . import configs
 
-        units = torch.cuda.get_device_properties(index).multi_processor_count
-        limit = _resident_cache[index] = configs.resident_programs(units)
-    return limit
+    return configs.resident_programs(units, sharers)
 
 
 _resident_cache: dict = {}

@@ -96,6 +96,21 @@ def clock_mode(target: str) -> int:
     return TRACE_HOST_NS
 
 
+def wait_clock(device_kind: str, family: str) -> int:
+    """The clock the gated GEMM's waits are timed by (always compiled in, trace or not): the
+    host's in the interpreter (``device_kind`` "cpu", the fake GPU included), else the
+    target's (:func:`clock_mode` of the current device for AMD, whose RDNA parts differ).
+
+    >>> wait_clock("cpu", "nvidia") == TRACE_HOST_NS, wait_clock("cuda", "nvidia")
+    (True, 1)
+    """
+    if device_kind == "cpu":
+        return TRACE_HOST_NS
+    if family == "nvidia":
+        return TRACE_GLOBALTIMER
+    return clock_mode(configs.current_target())
+
+
 def trace_buffer(segments, n: int, family: str, device) -> torch.Tensor:
     """A trace buffer for a launch over ``segments`` with ``n`` columns: word 0 the
     interpreter's counter (0), then TRACE_WORDS int64 per program, -1 where no program wrote

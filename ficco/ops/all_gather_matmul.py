@@ -173,7 +173,7 @@ class AllGatherMatmul(OpSpec[AllGatherMatmulCall]):
         return aligned(p.big_m * p.k * p.itemsize)
 
     def buffers(self, call: AllGatherMatmulCall, transport: str, symm, *,
-                wide: bool = False) -> Buffers:
+                wide: bool = False, plan=None) -> Buffers:
         p, ops = call.problem, call.ops
         dev = call.a.device
         out_dtype = wide_dtype(ops.out_dtype) if wide else ops.out_dtype

@@ -9,7 +9,7 @@ plans, workspaces, executing, measuring) is shared and lives in :mod:`ficco.runt
     spec.agreed_problem(call, per_rank)         # the Problem every rank decides on
     spec.plain(call)                            # FICCO_DISABLE and a world of one
     spec.workspace_bytes(call)                  # symmetric bytes a dma plan needs
-    buffers = spec.buffers(call, transport, symm, wide=...)   # the tensors the plan names
+    buffers = spec.buffers(call, transport, symm, wide=..., plan=...)   # the plan's tensors
     spec.result(call, buffers, transport)       # canonical outputs -> the caller's layout
 
 Adding an op adds one module to ``ficco/ops/`` defining ``SPEC`` (see ``ops/__init__.py``).
@@ -77,10 +77,13 @@ class OpSpec(ABC, Generic[C]):
         """Bytes of symmetric memory per rank a ``dma`` plan needs."""
 
     @abstractmethod
-    def buffers(self, call: C, transport: str, symm, *, wide: bool = False) -> Any:
+    def buffers(self, call: C, transport: str, symm, *, wide: bool = False,
+                plan=None) -> Any:
         """The executor's Buffers for one run; ``symm`` is the workspace handle (dma) or None.
         ``wide``: the plan accumulates partial sums into a bf16/fp16 output, so make the
-        outputs float32 (rounded once by :meth:`result`), never rounded per partial sum."""
+        outputs float32 (rounded once by :meth:`result`), never rounded per partial sum.
+        ``plan``: the Plan that will run (a buffer whose layout is the schedule's is sized
+        from it: the all-reduce's landing rows, :meth:`~ficco.plan.Plan.rows_of`)."""
 
     def poison(self, buffers) -> None:
         """FICCO_POISON: fill what the plan must write with NaN so unwritten values show."""

@@ -94,6 +94,20 @@ class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
     def prepare(self, a, b, group=None, scatter_dim=0, reduce_op="sum", *, a_scale=None,
                 b_scale=None, out_dtype=None, bias=None,
                 activation=None) -> MatmulReduceScatterCall:
+        return self._prepare(a, b, group, scatter_dim, reduce_op, a_scale=a_scale,
+                             b_scale=b_scale, out_dtype=out_dtype, bias=bias,
+                             activation=activation)
+
+    #: the Call this op makes (the all-reduce's spec makes its own)
+    call_class: type[MatmulReduceScatterCall] = MatmulReduceScatterCall
+
+    def unit(self, moved_shape) -> int:
+        """Rows of ``a`` (``scatter_dim`` first, leading dims flattened) per index of the
+        scattered dimension: blocks are whole units."""
+        return math.prod(moved_shape[1:-1])
+
+    def _prepare(self, a, b, group, scatter_dim, reduce_op, *, a_scale, b_scale, out_dtype,
+                 bias, activation=None) -> MatmulReduceScatterCall:
         backend = key = None
         # (an activation is refused by check_epilogue: the output is a sum over ranks)
         if type(scatter_dim) is int and type(reduce_op) is str and activation is None:
@@ -104,7 +118,7 @@ class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
             # A warm call: checked and derived when the key was new (the key names the op, so
             # what is known for it is this op's call, or None).
             seen = known(key, group)
-            if isinstance(seen, MatmulReduceScatterCall):
+            if isinstance(seen, self.call_class):
                 return warm_call(seen, group, a, b, epilogue, seen.scatter_dim,
                                  _rows_of)
         scatter_dim, bs, b_is_list = check_arguments(a, b, scatter_dim, reduce_op)
@@ -115,8 +129,8 @@ class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
         group = resolve(group)   # (already, on a call that may become warm)
         rank, world = rank_world(group)
         moved = a.movedim(scatter_dim, 0)
-        unit = math.prod(moved.shape[1:-1])
-        m = moved.shape[0] * unit
+        unit = self.unit(moved.shape)
+        m = math.prod(moved.shape[:-1])
         ns = tuple([int(bj.shape[1]) for bj in bs])
         canon = moved.reshape(m, k)
         if k == 0:
@@ -126,14 +140,14 @@ class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
         problem = Problem(m=m, k=max(k, 1),
                           ns=ns if min(ns) > 0 else tuple([max(n, 1) for n in ns]),
                           dtype=dtype_name(a.dtype),
-                          world=world, rank=rank, op=MATMUL_REDUCE_SCATTER, unit=max(unit, 1),
+                          world=world, rank=rank, op=self.name, unit=max(unit, 1),
                           reduce_op=reduce_op, **ops.problem_fields(a.dtype))
         # Nothing to overlap without rows or columns: agreed, then the plain path.
-        call = MatmulReduceScatterCall(self, problem, group, backend, m == 0 or min(ns) == 0,
-                                       a=canon, bs=bs, b_is_list=b_is_list,
-                                       moved_shape=tuple(moved.shape), scatter_dim=scatter_dim,
-                                       ns=ns, ops=ops, partial_dtype=ops.out_dtype
-                                       if ops.out_dtype.itemsize >= 2 else torch.float32)
+        call = self.call_class(self, problem, group, backend, m == 0 or min(ns) == 0,
+                               a=canon, bs=bs, b_is_list=b_is_list,
+                               moved_shape=tuple(moved.shape), scatter_dim=scatter_dim,
+                               ns=ns, ops=ops, partial_dtype=ops.out_dtype
+                               if ops.out_dtype.itemsize >= 2 else torch.float32)
         if key is not None and k > 0:   # (a warm call takes the caller's a and bs as they are)
             remember(key, call, a=None, bs=None, ops=ops.without_tensors())
         return call
@@ -152,7 +166,6 @@ class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
         """matmul, then one reduce-scatter of the whole product (FICCO_DISABLE, one rank);
         the bias is added once, to the reduced block."""
         p, ops = call.problem, call.ops
-        _row0, rows = p.block(p.rank)
         outs = []
         for j, bj in enumerate(call.bs):
             sb = ops.b_scales[j] if ops.b_scales else None
@@ -163,15 +176,22 @@ class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
                 continue
             full = call.a.new_empty(p.m, bj.shape[1], dtype=call.partial_dtype)
             gemm_into(call.a, bj, full, False, ops.a_scale, sb)
-            pieces = [full[r0: r0 + n].contiguous() for r0, n in map(p.block, range(p.world))]
-            out = full.new_empty(rows, bj.shape[1])
-            dist.reduce_scatter(out, pieces, op=dist.ReduceOp.SUM, group=call.group)
+            out = self.plain_collective(call, full)
             if p.reduce_op == "avg":
                 out.div_(p.world)
             bias = ops.biases[j]
             wide = out if bias is None else out.to(wide_dtype(ops.out_dtype))
             outs.append(finish(wide, ops.out_dtype, bias))
         return self._finish(call, outs)
+
+    def plain_collective(self, call: MatmulReduceScatterCall, full):
+        """The plain path's collective of one whole product ``full``: this rank's block of the
+        sum (the all-reduce's spec: all of it)."""
+        p = call.problem
+        pieces = [full[r0: r0 + n].contiguous() for r0, n in map(p.block, range(p.world))]
+        out = full.new_empty(p.block_rows, full.shape[1])
+        dist.reduce_scatter(out, pieces, op=dist.ReduceOp.SUM, group=call.group)
+        return out
 
     def offsets(self, call: MatmulReduceScatterCall) -> tuple[int, ...]:
         """Byte offset of each partial buffer in the workspace (aligned), then its size: once
@@ -189,7 +209,7 @@ class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
         return self.offsets(call)[-1]
 
     def buffers(self, call: MatmulReduceScatterCall, transport: str, symm, *,
-                wide: bool = False) -> Buffers:
+                wide: bool = False, plan=None) -> Buffers:
         p, ops = call.problem, call.ops
         dtype, dev = call.partial_dtype, call.a.device
         rows = p.block_rows

@@ -1,6 +1,7 @@
 """Schedules: small frozen descriptions whose ``plan(problem, transport, copy_engines)``
-returns a :class:`~ficco.plan.Plan`. Each op has its own registry under the same names:
-``names()`` lists the all-gather's, ``names(op="matmul_reduce_scatter")`` the other op's.
+returns a :class:`~ficco.plan.Plan`. Each op has its own registry: ``names()`` lists the
+all-gather's, ``names(op="matmul_reduce_scatter")`` the reduce-scatter's (the same names),
+``names(op="matmul_all_reduce")`` the all-reduce's (schedules/all_reduce/).
 
 >>> names(op="matmul_reduce_scatter")[:3]
 ['serial', 'ring', 'ring-bidir']
@@ -8,8 +9,8 @@ returns a :class:`~ficco.plan.Plan`. Each op has its own registry under the same
 from __future__ import annotations
 
 from ..errors import InvalidArgumentError
-from ..problem import ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER
-from . import all_to_all, reduce_scatter
+from ..problem import ALL_GATHER_MATMUL, MATMUL_ALL_REDUCE, MATMUL_REDUCE_SCATTER
+from . import all_reduce, all_to_all, reduce_scatter
 from .common import Schedule
 from .ficco import FICCO_SCHEDULES, Ficco
 from .gated import GATED_SCHEDULES, Gated
@@ -21,6 +22,7 @@ _ALL_GATHER: tuple[Schedule, ...] = (Serial(), Ring(), Ring(bidirectional=True),
 _REGISTRY: dict[str, dict[str, Schedule]] = {
     ALL_GATHER_MATMUL: {s.name: s for s in _ALL_GATHER},
     MATMUL_REDUCE_SCATTER: {s.name: s for s in reduce_scatter.SCHEDULES},
+    MATMUL_ALL_REDUCE: {s.name: s for s in all_reduce.SCHEDULES},
     # expert parallelism (all_to_all_grouped_mm, grouped_mm_all_to_all): schedules/all_to_all.py
     **{op: {s.name: s for s in family} for op, family in all_to_all.SCHEDULES.items()},
 }
@@ -29,6 +31,7 @@ _REGISTRY: dict[str, dict[str, Schedule]] = {
 #: (offered()).
 _OPTIONAL: dict[str, dict[str, Gated]] = {
     ALL_GATHER_MATMUL: {s.name: s for s in GATED_SCHEDULES}, MATMUL_REDUCE_SCATTER: {},
+    MATMUL_ALL_REDUCE: {},
     **{op: {} for op in all_to_all.SCHEDULES}}
 
 
@@ -42,7 +45,12 @@ def _registry(op: str) -> dict:
 
 def names(op: str = ALL_GATHER_MATMUL) -> list[str]:
     """Every schedule name of ``op``, baselines first: ``serial``, ``ring``, ``ring-bidir``,
-    then the eight FiCCO schedules ``{uniform|hetero}-{fused|unfused}-{1d|2d}``."""
+    then the eight FiCCO schedules ``{uniform|hetero}-{fused|unfused}-{1d|2d}`` (the
+    all-reduce's: ``serial``, ``rs-ag-*``, ``chunked-*``, ``one-shot``, ``two-shot``, …).
+
+    >>> names(op="matmul_all_reduce")[0]
+    'serial'
+    """
     return list(_registry(op))
 
 

@@ -70,6 +70,29 @@ def tensor_at(address: int, nbytes: int, device: torch.device) -> torch.Tensor:
         f"with this torch {torch.__version__}: {'; '.join(seen)}")
 
 
+def device_identity(device) -> str:
+    """What names ``device`` the same in every process that uses it, however
+    CUDA_VISIBLE_DEVICES numbers it: its UUID, else its name and PCI location."""
+    props = torch.cuda.get_device_properties(device)
+    uuid = str(getattr(props, "uuid", "") or "")
+    if uuid:
+        return uuid
+    pci = ":".join(str(getattr(props, f"pci_{part}_id", "?")) for part in ("domain", "bus",
+                                                                           "device"))
+    index = device if isinstance(device, int) else torch.device(device).index
+    return f"{props.name}@{pci}/{index}"
+
+
+def sharers(placements: list, rank: int) -> int:
+    """How many ranks of a group are on this rank's device (``placements``: every rank's
+    (host, :func:`device_identity`)).
+
+    >>> sharers([("a", "g0"), ("a", "g0"), ("a", "g1"), ("b", "g0")], 0)
+    2
+    """
+    return sum(1 for place in placements if place == placements[rank])
+
+
 def is_view_of(t: torch.Tensor, address: int, device: torch.device) -> bool:
     """True when ``t`` starts at ``address`` on exactly ``device`` (index included)."""
     index = device.index if device.index is not None else t.device.index
@@ -82,7 +105,8 @@ class GpuSymmHandle(SymmHandle):
     carved from the same allocation, as the provider chose)."""
 
     def __init__(self, backend, rank: int, world: int, nbytes: int, spans: list[torch.Tensor],
-                 pads: list[torch.Tensor], release: Callable[[bool], None], host_pads=None):
+                 pads: list[torch.Tensor], release: Callable[[bool], None], host_pads=None,
+                 words=None):
         self.rank, self.world, self.nbytes = rank, world, nbytes
         self._init_signals(backend)
         self._spans, self._pads = spans, pads
@@ -92,15 +116,21 @@ class GpuSymmHandle(SymmHandle):
         self.host_pads = host_pads
         self._pad_base = list(host_pads.device) if host_pads is not None else \
             [int(p.data_ptr()) for p in pads]
-        #: this group's error slot and error word on this rank (:mod:`.fault`)
-        self.fault = host_pad_fault(rank, backend.device(), host_pads, tensor_at) \
-            if host_pads is not None else private_fault(rank, backend.device(), tensor_at)
+        #: this group's error slot and error word on this rank (:mod:`.fault`). The words
+        #: live in host pads every rank maps (``words``: device signal pads get them too,
+        #: issue 33 W2), so a rank that gives up reaches its peers' words; only a pretend
+        #: group of one process (:func:`single_gpu_group`) keeps a private word.
+        words = words if words is not None else host_pads
+        self.fault = host_pad_fault(rank, backend.device(), words, tensor_at) \
+            if words is not None else private_fault(rank, backend.device(), tensor_at)
         self._closed = False
         #: set when a barrier on this handle was captured into a graph (the runtime must keep
         #: the memory alive as long as such a graph may replay)
         self.captured = False
         #: every "peer" is memory of this process (:func:`single_gpu_group`): no close barrier
         self.local_peers = False
+        #: ranks of this group on this rank's GPU (the provider sets it; issue 33 H1)
+        self.device_sharers = 1
 
     def get_buffer(self, rank, shape, dtype, offset=0):
         numel = self._check_fits(shape, dtype, offset)
@@ -113,6 +143,29 @@ class GpuSymmHandle(SymmHandle):
 
     def signal_pad(self, rank):
         return self._pads[rank]
+
+    def view_problems(self) -> list[str]:
+        """Each rank's data span and signal pad that is not a view of the memory barriers and
+        pulls use (a copy would swallow flags and serve stale pulls); [] when all are. Data
+        spans and device pads live on this rank's GPU; host pads (the default) are host
+        tensors over the mappings whose device pointers the slots hold (issue 33 M5: checking
+        them as GPU tensors at the slot address reported every host pad as a copy)."""
+        device, problems = self.backend.device(), []
+        for p in range(self.world):
+            span = self._spans[p]
+            if not is_view_of(span, span.data_ptr(), device):
+                problems.append(f"rank {p}'s data span is on {span.device}, not {device}")
+            pad = self._pads[p]
+            if self.host_pads is not None:
+                host = self.host_pads.arrays[p].ctypes.data
+                if not is_view_of(pad, host, pad.device) or pad.device.type != "cpu":
+                    problems.append(f"rank {p}'s host pad is not a view of its mapping")
+                if self.host_pads.device[p] != self.slot(p, 0, 0):
+                    problems.append(f"rank {p}'s slots are not its host pad's device pointer")
+            elif not is_view_of(pad, self.slot(p, 0, 0), device):
+                problems.append(f"rank {p}'s device pad is a copy at {pad.data_ptr():#x} on "
+                                f"{pad.device}, not a view of {self.slot(p, 0, 0):#x}")
+        return problems
 
     def slot(self, owner, channel, writer):
         return self._pad_base[owner] + (channel * self.world + writer) * 4

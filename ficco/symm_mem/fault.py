@@ -16,7 +16,9 @@ so peers reach it too: a rank that gives up on the group (its barrier expired) r
 peer's word with the value ``gave_up(rank)``. A late peer then poisons whatever it computes
 after that and its next call raises, instead of passing a barrier on flags the giver-up left
 behind and pulling rows it has already overwritten with its next call's (issue 25 item 6).
-With device pads the word is private pinned host memory and peers cannot reach it.
+With device signal pads the words are host pads all the same (issue 33 W2: they were private
+pinned memory, peers could not reach them, and a late peer returned data built from rows of
+the giver-up's next call); only a pretend group inside one process keeps a private word.
 """
 from __future__ import annotations
 
@@ -27,8 +29,10 @@ import torch
 
 from ..errors import CommTimeoutError, FiccoError
 
-#: word values: 0 = fine, OWN = this rank's watchdog released a barrier, gave_up(p) = rank p did
+#: word values: 0 = fine, OWN = this rank's watchdog released a barrier, gave_up(p) = rank p did,
+#: KERNEL = a gated GEMM of this rank gave up waiting for its data (the kernel raised it)
 OWN = 1
+KERNEL = -1
 
 
 def gave_up(rank: int) -> int:
@@ -102,7 +106,17 @@ class GroupFault:
                 f"rank {self.rank}: rank {peer} gave up on this group (one of its barriers "
                 f"passed FICCO_TIMEOUT, waiting for this rank or another); what this rank "
                 f"computed since is NaN. Call ficco.shutdown() on every rank, then call again")
+        elif error is None and value == KERNEL:
+            error = CommTimeoutError(
+                f"rank {self.rank}: a gated GEMM of this group waited FICCO_TIMEOUT for a "
+                f"peer's rows that never arrived and gave up; its call's outputs are NaN. Call "
+                f"ficco.shutdown() on every rank, then call again (raise FICCO_TIMEOUT if the "
+                f"peer is only slow)")
         return error
+
+    def kernel_gave_up(self) -> bool:
+        """Whether a gated GEMM of this rank raised the word (and nothing else did first)."""
+        return self.error is None and int(self.word[0]) == KERNEL
 
     def gated_error(self) -> FiccoError | None:
         """The error of the first finished gated GEMM launch of this group that gave up

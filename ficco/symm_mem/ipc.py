@@ -3,7 +3,8 @@ its signal pad (``vendor.malloc_signal``: memory the vendor documents for polled
 handles travel through ``all_gather_object``, every rank maps every peer. Works for any number
 of processes per GPU (how the GPU tests run) and one process per GPU alike.
 
-The pads are host-mapped memory (:mod:`.host_pads`) unless ``FICCO_SIGNAL_PADS=device``.
+The pads are host-mapped memory (:mod:`.host_pads`) unless ``FICCO_SIGNAL_PADS=device``; the
+groups' error words are in host pads either way.
 
 Every local step ends in an exchange of (result, failure) (:func:`.agree.exchange_or_fail`), so
 a rank that fails to allocate or map makes every rank raise instead of leaving them in a
@@ -22,7 +23,7 @@ from ..errors import InvalidArgumentError
 from ..group import rank_world, resolve
 from . import SIGNAL_CHANNELS, Provider, aligned
 from .agree import exchange_or_fail
-from .device import GpuSymmHandle, pad_bytes, tensor_at
+from .device import GpuSymmHandle, device_identity, pad_bytes, sharers, tensor_at
 from .host_pads import HostPads
 from .host_pads import wanted as host_pads_wanted
 
@@ -71,14 +72,16 @@ class IpcSymmProvider(Provider):
                 pad_span.zero_()
                 pad_handle = vendor.ipc_export(pad)
             torch.cuda.synchronize(device)  # pads are zero before any peer can write them
-            where = (socket.gethostname(), vendor.ipc_export(data), pad_handle, on_host)
+            where = (socket.gethostname(), vendor.ipc_export(data), pad_handle, on_host,
+                     device_identity(device))
         except Exception as exc:  # noqa: BLE001 - exchange_or_fail reports it everywhere
             failure = f"{type(exc).__name__}: {exc}"
         everyone = exchange_or_fail(group, rank, world, where, failure,
                                     "allocate GPU symmetric memory",
                                     on_failure=lambda: release(True), nbytes=nbytes)
-        hosts = sorted({host for host, _, _, _ in everyone})
-        pads_where = {("host" if h else "device") for _, _, _, h in everyone}
+        hosts = sorted({host for host, *_ in everyone})
+        pads_where = {("host" if h else "device") for _, _, _, h, _ in everyone}
+        placements = [(host, gpu) for host, _, _, _, gpu in everyone]
         if len(pads_where) > 1:
             release(True)
             raise InvalidArgumentError(
@@ -92,7 +95,7 @@ class IpcSymmProvider(Provider):
                 f"{hosts}. Set FICCO_TRANSPORT=ccl for multi-host groups")
         spans, pads, failure = [], [], None
         try:
-            for peer, (_, data_handle, pad_handle, _) in enumerate(everyone):
+            for peer, (_, data_handle, pad_handle, _, _) in enumerate(everyone):
                 if peer == rank:
                     spans.append(data_span)
                     if not on_host:
@@ -110,21 +113,26 @@ class IpcSymmProvider(Provider):
         # Every rank mapped every peer before anyone signals; a failure raises everywhere.
         exchange_or_fail(group, rank, world, True, failure, "map GPU symmetric memory",
                          on_failure=lambda: release(True))
+        # Host pads hold the signal slots (the default) or, with device pads, only the error
+        # words, which peers must reach either way (issue 33 W2).
+        try:
+            host = HostPads(vendor, group, rank, world)   # collective: raises everywhere
+        except BaseException:
+            release(True)
+            raise
+        def release_all(peers_done: bool = False):
+            host.close()
+            release(peers_done)
+
         if on_host:
-            try:
-                host = HostPads(vendor, group, rank, world)   # collective: raises everywhere
-            except BaseException:
-                release(True)
-                raise
-            freeing = release
-
-            def release(peers_done: bool = False):
-                host.close()
-                freeing(peers_done)
-
             pads = [torch.from_numpy(a[: host.count]).view(SIGNAL_CHANNELS, world)
                     for a in host.arrays]
-            return GpuSymmHandle(self.backend, rank, world, nbytes, spans, pads, release, host)
-        pads = [p[: SIGNAL_CHANNELS * world * 4].view(torch.int32).view(SIGNAL_CHANNELS, world)
-                for p in pads]
-        return GpuSymmHandle(self.backend, rank, world, nbytes, spans, pads, release)
+            handle = GpuSymmHandle(self.backend, rank, world, nbytes, spans, pads, release_all,
+                                   host)
+        else:
+            pads = [p[: SIGNAL_CHANNELS * world * 4].view(torch.int32)
+                    .view(SIGNAL_CHANNELS, world) for p in pads]
+            handle = GpuSymmHandle(self.backend, rank, world, nbytes, spans, pads, release_all,
+                                   words=host)
+        handle.device_sharers = sharers(placements, rank)
+        return handle

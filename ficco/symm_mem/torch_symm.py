@@ -10,7 +10,7 @@ from .. import config
 from ..group import rank_world, resolve
 from . import SIGNAL_CHANNELS, Provider, aligned
 from .agree import exchange_or_fail
-from .device import GpuSymmHandle, pad_bytes
+from .device import GpuSymmHandle, device_identity, pad_bytes, sharers
 from .host_pads import HostPads
 from .host_pads import wanted as host_pads_wanted
 from .ipc import IpcSymmProvider
@@ -31,9 +31,10 @@ class TorchSymmProvider(Provider):
         rank, world = rank_world(group)
         on_host = host_pads_wanted(self.backend.vendor.name)
         total = aligned(nbytes) + (0 if on_host else pad_bytes(world))
-        local = handle = None
+        local = handle = placement = None
         failure = None
         try:
+            placement = (socket.gethostname(), device_identity(device))
             local = torch_symm.empty(total, dtype=torch.uint8, device=device)
             if not on_host:
                 local[aligned(nbytes):].zero_()
@@ -42,8 +43,8 @@ class TorchSymmProvider(Provider):
             failure = f"{type(exc).__name__}: {exc}"
         # torch's rendezvous is a collective of its own, bounded only by the group's timeout:
         # every rank enters it only once every rank allocated (a bounded store exchange).
-        exchange_or_fail(group, rank, world, True, failure, "allocate torch symmetric memory",
-                         nbytes=nbytes)
+        placements = exchange_or_fail(group, rank, world, placement, failure,
+                                      "allocate torch symmetric memory", nbytes=nbytes)
         keep = [local]  # torch frees the allocation once these are dropped
         whole = []
         try:
@@ -57,23 +58,27 @@ class TorchSymmProvider(Provider):
         exchange_or_fail(group, rank, world, True, failure, "map torch symmetric memory",
                          on_failure=keep.clear)
         spans = [w[: aligned(nbytes)] for w in whole]
+        # Host pads: the signal slots, or with device pads the error words alone (issue 33 W2).
+        try:
+            host = HostPads(self.backend.vendor, group, rank, world)   # collective
+        except BaseException:
+            keep.clear()
+            raise
+
+        def release(peers_done=True):
+            host.close()
+            keep.clear()
         if on_host:
-            try:
-                host = HostPads(self.backend.vendor, group, rank, world)   # collective
-            except BaseException:
-                keep.clear()
-                raise
             pads = [torch.from_numpy(a[: host.count]).view(SIGNAL_CHANNELS, world)
                     for a in host.arrays]
-
-            def release(peers_done=True):
-                host.close()
-                keep.clear()
-            return GpuSymmHandle(self.backend, rank, world, nbytes, spans, pads, release, host)
-        pads = [w[aligned(nbytes): aligned(nbytes) + SIGNAL_CHANNELS * world * 4]
-                .view(torch.int32).view(SIGNAL_CHANNELS, world) for w in whole]
-        return GpuSymmHandle(self.backend, rank, world, nbytes, spans, pads,
-                             release=lambda peers_done=True: keep.clear())
+            made = GpuSymmHandle(self.backend, rank, world, nbytes, spans, pads, release, host)
+        else:
+            pads = [w[aligned(nbytes): aligned(nbytes) + SIGNAL_CHANNELS * world * 4]
+                    .view(torch.int32).view(SIGNAL_CHANNELS, world) for w in whole]
+            made = GpuSymmHandle(self.backend, rank, world, nbytes, spans, pads, release,
+                                 words=host)
+        made.device_sharers = sharers([tuple(p) for p in placements], rank)
+        return made
 
 
 class AutoSymmProvider(Provider):
@@ -101,9 +106,7 @@ class AutoSymmProvider(Provider):
             return self.ipc.allocate(nbytes, group, device)
         placement, failure = None, None
         try:
-            props = torch.cuda.get_device_properties(device)
-            placement = (socket.gethostname(), str(getattr(props, "uuid", "")) or props.name +
-                         str(getattr(props, "pci_bus_id", torch.device(device).index)))
+            placement = (socket.gethostname(), device_identity(device))
         except Exception as exc:  # noqa: BLE001 - exchange_or_fail reports it everywhere
             failure = f"{type(exc).__name__}: {exc}"
         # Bounded by FICCO_TIMEOUT and naming absent ranks (was a raw all_gather_object).

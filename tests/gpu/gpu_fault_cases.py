@@ -18,15 +18,14 @@ from .gpu_cases import capture, replays_match_float64
 
 
 def peer_views_are_views(rank, world):
-    """Every span and pad of an IPC handle starts at the mapped address on this rank's device
-    (a copy would swallow flags and serve stale pulls)."""
-    from ficco.symm_mem.device import is_view_of
-
+    """Every span and pad of an IPC handle is a view of the memory barriers and pulls use (a
+    copy would swallow flags and serve stale pulls): device pads at their slot address on this
+    rank's GPU, host pads (the default) over their host mapping (issue 33 M5:
+    ``GpuSymmHandle.view_problems``)."""
     backend = get_backend()
     h = backend.symm_provider().allocate(4096, dist.group.WORLD, backend.device())
     try:
-        bad = [p for p in range(world)
-               if not is_view_of(h.signal_pad(p), h.slot(p, 0, 0), backend.device())]
+        bad = h.view_problems()
         # a value written into a peer's pad through our view is what the peer reads
         h.signal_pad((rank + 1) % world)[5, rank].fill_(100 + rank)
         torch.cuda.synchronize()

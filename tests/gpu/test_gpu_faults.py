@@ -1,7 +1,7 @@
 """Issue 25's fault tests on a real GPU: the rank functions of tests/test_gpu_faults.py
 (tests/fault_cases.py), unchanged, on several processes sharing one GPU, with
 CUDA_DEVICE_MAX_CONNECTIONS 1 and 8 set before CUDA starts, host-mapped (default) and device
-signal pads. ``bash bench/gpu_session.sh suite`` runs them."""
+signal pads. ``bash bench/gpu_lease.sh`` runs them (its GPU suite part)."""
 from __future__ import annotations
 
 import random

@@ -10,7 +10,8 @@ expose, made through hip-python (``from hip import hip``, imported only when use
   call per op was 24 per barrier at W = 8), its parameter array built once per program in the
   C layout of ``hipStreamBatchMemOpParams`` with ctypes (hip-python 10.0's generated struct
   drops the ``value`` union, so its own setters would write ``flags`` where HIP reads the
-  value); if this ROCm refuses the batch call, one ``hipStreamWriteValue32`` /
+  value); if this ROCm refuses the batch call or lacks it (before 6.4: hip-python raises
+  AttributeError or a dlsym RuntimeError), one ``hipStreamWriteValue32`` /
   ``hipStreamWaitValue32`` per op from then on (``hipStreamWaitValueEq`` for plan flags,
   ``hipStreamWaitValueGte`` for host barriers' counts, an all-ones mask: the mask is ANDed
   with the slot before comparing, so 0 would never wait);
@@ -143,9 +144,18 @@ class RocmVendor(Vendor):
             super().mem_ops(stream, ops, capturing)
             return
         for chunk in self.batch_params(ops):
-            result = self.hip.hipStreamBatchMemOp(stream, len(chunk), ctypes.addressof(chunk), 0)
-            if self.batches_mem_ops is None and _status(result) != \
-                    self.hip.hipError_t.hipSuccess:
+            try:
+                result = self.hip.hipStreamBatchMemOp(stream, len(chunk),
+                                                      ctypes.addressof(chunk), 0)
+            except (AttributeError, RuntimeError):
+                # ROCm < 6.4 has no such call (issue 33 M1): an older hip-python has no
+                # binding (AttributeError), a newer one over an older library fails its dlsym
+                # (RuntimeError). Nothing was enqueued.
+                if self.batches_mem_ops is not None:
+                    raise
+                result = None
+            if self.batches_mem_ops is None and (result is None or _status(result) !=
+                                                 self.hip.hipError_t.hipSuccess):
                 # Beta in HIP: a runtime without it answers before enqueuing anything.
                 self.batches_mem_ops = False
                 super().mem_ops(stream, ops, capturing)
