@@ -10,7 +10,8 @@ per op and shape:
    every key is new: the first call measures its shortlist) and times it (after one forced
    serial call per op and transport on another shape: what a process pays once is not the
    key's);
-2. times ``--calls`` interleaved rounds of four calls: the default, ``serial`` over dma and
+2. times ``--calls`` interleaved rounds of four samples (``--per-sample`` back-to-back calls
+   each, the ranks lined up before each sample): the default, ``serial`` over dma and
    ``serial`` over ccl (forced), and the default's own pick forced (``vs itself``: how far two
    timings of one schedule drift apart in this run, its noise); each rank's median, the
    slowest rank's;
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -57,7 +59,9 @@ EXPERTS_PER_RANK = 2
 def add_arguments(parser) -> None:
     parser.add_argument("--world", type=int, default=2, help="ranks to spawn")
     parser.add_argument("--calls", type=int, default=21,
-                        help="interleaved rounds (default, serial dma, serial ccl) per case")
+                        help="interleaved samples of each variant per case")
+    parser.add_argument("--per-sample", type=int, default=4,
+                        help="back-to-back calls one sample times (its mean per call)")
     parser.add_argument("--limit", type=float, default=1.10,
                         help="fail where the default takes longer than this times the better "
                              "serial")
@@ -95,7 +99,9 @@ def _inputs(op: str, rank: int, world: int, sizes: tuple, seed: int):
             lambda: ficco.explain(y, w, op=op, counts=received))
 
 
-def _timed(call, schedule=None, transport=None) -> float:
+def _timed(call, schedule: str | None = None, transport: str | None = None, *,
+           calls: int = 1) -> float:
+    """Seconds per call of ``calls`` back-to-back calls, the ranks lined up first."""
     import torch.distributed as dist
 
     import ficco
@@ -103,8 +109,9 @@ def _timed(call, schedule=None, transport=None) -> float:
     dist.barrier()
     with ficco.config.scope(**({"transport": transport} if transport else {})):
         start = time.perf_counter()
-        call(schedule)
-        return time.perf_counter() - start
+        for _ in range(calls):
+            call(schedule)
+        return (time.perf_counter() - start) / calls
 
 
 def _slowest(values: list[float]) -> list[float]:
@@ -116,7 +123,7 @@ def _slowest(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def _case_rows(rank: int, world: int, calls: int) -> list[dict]:
+def _case_rows(rank: int, world: int, calls: int, per_sample: int) -> list[dict]:
     """Every case's row on this rank (the numbers agreed: the slowest rank's)."""
     import ficco
     from ficco import runtime
@@ -126,8 +133,8 @@ def _case_rows(rank: int, world: int, calls: int) -> list[dict]:
         # what a process pays once (queues, workspaces, communicators), on a shape of its own,
         # so that the first call below pays only for its own key
         call, _ = _inputs(op, rank, world, tuple(2 * x for x in cases[0][1]), 99)
-        for transport in ("dma", "ccl"):
-            _timed(call, "serial", transport)
+        for via in ("dma", "ccl"):
+            _timed(call, "serial", via)
     out = []
     for op, cases in CASES.items():
         for seed, (label, sizes) in enumerate(cases):
@@ -139,12 +146,16 @@ def _case_rows(rank: int, world: int, calls: int) -> list[dict]:
             decision = explain()      # local: what the first call measured and kept
             # the default, both serials, and the default's own pick forced: the last says how
             # far two timings of one schedule drift apart in this run (its noise)
-            variants = ((None, None), ("serial", "dma"), ("serial", "ccl"), tuple(ran))
+            variants: list[tuple[str | None, str | None]] = [
+                (None, None), ("serial", "dma"), ("serial", "ccl"), ran]
             times: list[list[float]] = [[] for _ in variants]
             for round_ in range(calls):
-                for i in range(len(variants)):   # interleaved, each round starting elsewhere
-                    j = (i + round_) % len(variants)
-                    times[j].append(_timed(call, *variants[j]))
+                # interleaved, in an order shuffled per round (alike on every rank): no variant
+                # always runs after the same one
+                order = list(range(len(variants)))
+                random.Random(round_).shuffle(order)
+                for j in order:
+                    times[j].append(_timed(call, *variants[j], calls=per_sample))
             medians = _slowest([first] + [statistics.median(t) for t in times])
             out.append({"op": op, "case": label, "sizes": sizes, "ran": list(ran),
                         "first_s": medians[0], "default_s": medians[1],
@@ -156,10 +167,10 @@ def _case_rows(rank: int, world: int, calls: int) -> list[dict]:
     return out
 
 
-def measure(world: int = 2, calls: int = 21) -> list[dict]:
+def measure(world: int = 2, calls: int = 21, per_sample: int = 4) -> list[dict]:
     from .cli import cpu_ranks
 
-    return cpu_ranks(_case_rows, world, calls)[0]
+    return cpu_ranks(_case_rows, world, calls, per_sample)[0]
 
 
 def main(args) -> int:
@@ -170,9 +181,10 @@ def main(args) -> int:
         raise BenchUsageError(f"ficco.bench default compares schedules across ranks: it needs "
                               f"--world 2 or more and --calls 1 or more; got --world "
                               f"{args.world} --calls {args.calls}")
-    rows = measure(args.world, args.calls)
+    rows = measure(args.world, args.calls, args.per_sample)
     print(f"the default choice against the better serial: W={args.world} CPU ranks (gloo), "
-          f"float32, no settings, median of {args.calls} interleaved calls, slowest rank")
+          f"float32, no settings, median of {args.calls} interleaved samples of "
+          f"{args.per_sample} calls each, slowest rank")
     print(f"{'op':<22} {'case':<11} {'default ran':<26} {'default':>9} {'serial':>9} "
           f"{'vs serial':>9} {'vs itself':>9} {'first call':>10} {'measuring':>9}")
     worst = noise = 0.0

@@ -4,9 +4,10 @@ every schedule, ``auto`` the model's shortlist): one way to time, one cache, one
 - :class:`Live` is what the runtime hands such a selector on a live group: run the call once
   with a given schedule and transport and say how long it took on this rank, exchange a small
   value with every rank, and say why this rank cannot time now (a CUDA graph being captured).
-- :func:`time_candidates` times candidates in interleaved rounds (round r runs them in turn,
-  starting at the r-th, so a drift of the machine is shared out) and returns the slowest
-  rank's median per candidate, agreed: every rank gets the same numbers, so the same argmin.
+- :func:`time_candidates` times candidates in interleaved rounds (each round runs every
+  candidate once, in an order shuffled by the round's number, so a drift of the machine is
+  shared out and no candidate always follows the same one) and returns the slowest rank's
+  median per candidate, agreed: every rank gets the same numbers, so the same argmin.
   :class:`Rounds` says how many rounds; with a budget, slow calls get fewer.
 - :class:`Cache` keeps winners in memory and in a JSON file under the cache directory;
   :func:`first_sight` trusts a file entry only when every rank holds the identical entry (ranks
@@ -28,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import statistics
 import sys
 import threading
@@ -120,9 +122,15 @@ def _slowest(live: Live, values: Sequence[float]) -> list[float]:
     return [max(column) for column in zip(*live.everyone(tuple(values)))]
 
 
-def _round(live: Live, candidates: list[Candidate], index: int, into: dict) -> None:
-    start = index % len(candidates)
-    for candidate in candidates[start:] + candidates[:start]:
+def _round(live: Live, candidates: list[Candidate], index: int | None, into: dict) -> None:
+    """One run of each candidate: in the given order (``index`` None: a warm-up round), else
+    in an order shuffled by ``index``, the same on every rank, so that no candidate always
+    runs after the same one (a run may leave the next one work, e.g. a collective's threads
+    winding down on a busy CPU)."""
+    order = list(candidates)
+    if index is not None:
+        random.Random(index).shuffle(order)
+    for candidate in order:
         into[candidate].append(live.run(*candidate))
 
 
@@ -133,8 +141,8 @@ def time_candidates(live: Live, candidates: list[Candidate], rounds: Rounds,
     started = time.perf_counter()
     order = [*baselines, *[c for c in candidates if c not in baselines]]
     warm: dict = {c: [] for c in order}
-    for index in range(rounds.warmup):
-        _round(live, order, index, warm)
+    for _ in range(rounds.warmup):
+        _round(live, order, None, warm)
     first = dict(zip(order, _slowest(live, [warm[c][-1] for c in order])))
     base = min(first[c] for c in (baselines or order))
     kept, timed = order, rounds.most
