@@ -233,8 +233,8 @@ def candidate_transports(setting: str, same_host: bool) -> tuple[str, ...]:
 def decide(call: Call, s: dict, agreed: agreement.Agreed, word: int | None = None):
     """The Decision for ``call`` (identical on every rank: selectors see no rank, and the
     problem they see has each per-rank width at its widest, as ``agreed``), made once per
-    (op, that problem's key, backend target, candidate transports, deciding settings) and then
-    looked up (LRU). Every part of the key is agreed across ranks, and a decision is a pure
+    (op, that problem's key, backend target, candidate transports, deciding settings, group)
+    and then looked up (LRU). Every part of the key is agreed across ranks, and a decision is a pure
     function of it (what ``auto`` and ``tune`` measure is collective, agreed and cached by
     them), so a rank that forgot a decision the others kept reaches the same one again. A
     decision made without measuring where the selector measures (a rank could not time) is
@@ -248,7 +248,9 @@ def decide(call: Call, s: dict, agreed: agreement.Agreed, word: int | None = Non
         problem = call.op.agreed_problem(call, agreed.per_rank)
         problem_key = problem.key()
         call.reuse.agreed = (agreed, problem, problem_key)
-    key = (call.op.name, problem_key, call.target, transports, _DECIDING(s))
+    # (the group too: a measuring selector's first sight on a group is collective, so a rank
+    # must not skip it because it decided this problem in another group)
+    key = (call.op.name, problem_key, call.target, transports, _DECIDING(s), call.group_key)
     with _decisions_lock:
         decision = _decisions.get(key)
         if decision is not None:
@@ -276,6 +278,7 @@ class _Live:
 
     def __init__(self, call: Call, s: dict, word: int | None):
         self.call, self.settings, self.word = call, s, word
+        self.scope = call.group_key
 
     def run(self, name: str, transport: str) -> float:
         return self.call.backend.time_run(lambda: self._call(name, transport))
@@ -448,6 +451,9 @@ def shutdown() -> None:
         _plans.clear()
     with _decisions_lock:
         _decisions.clear()
+    from .heuristics import measured
+
+    measured.forget_groups()
     agreement.forget()
     forget_known_calls()
     guard.reset()

@@ -233,6 +233,36 @@ def test_a_file_entry_counts_only_when_every_rank_holds_the_same(cache):
         assert d.schedule == "serial" and d.final
 
 
+def test_an_entry_another_group_agreed_is_offered_never_assumed(cache):
+    """A process that measured a key in one group must still ask the ranks of another group
+    (some may never have seen it), offering what it knows; only that group's own agreement
+    lets it skip the exchange."""
+    live = Scripted(_times({"serial": 1 * MS}), scope="group-a")
+    choose(G6, transport=("dma", "ccl"), target=GPU, selector="auto", live=live)
+    (cache / "auto.json").unlink()                # a peer on another host: no shared file
+    key = auto.cache_key(G6, ("dma", "ccl"), GPU, _model_pick(G6).inputs["topology"])
+    for peer_has_it in (False, True):
+        word = measured.digest(auto.CACHE.remembered(key))   # what this process knows
+        peer_word, measures = (word, False) if peer_has_it else (None, True)
+        asked = []
+
+        def peer(value, w=peer_word):
+            if len(value) == 2 and not isinstance(value[0], float):
+                asked.append(value[0])            # the first-sight exchange: what we offer
+                return (w, None)
+            return value
+
+        live = _TwoRanks(_times({"serial": 1 * MS}), peer)
+        live.scope = f"group-b-{peer_has_it}"
+        d = choose(G6, transport=("dma", "ccl"), target=GPU, selector="auto", live=live)
+        assert asked == [word] and bool(live.runs) == measures, (peer_word, asked, live.runs)
+        assert d.final and d.schedule == "serial"
+        again = _TwoRanks(_times({}), peer)      # the group agreed now: no exchange
+        again.scope = live.scope
+        choose(G6, transport=("dma", "ccl"), target=GPU, selector="auto", live=again)
+        assert len(asked) == 1 and again.runs == []
+
+
 def test_explain_and_offline_choose_never_measure(cache):
     d = choose(G6, transport=("dma", "ccl"), target=GPU)     # the default selector: auto
     assert d.selector == "auto" and not d.final and "no live group" in d.decided_by
@@ -331,6 +361,42 @@ def test_live_auto_covers_every_op_and_agrees(tmp_path):
     for ran, err in first + second:
         assert err is None or err <= ROW_TOL[torch.float32], results
     assert final0 and final1, results    # explain reports the decision the call measured
+
+
+def _two_groups_share_a_rank(rank, world, root):
+    """Ranks 0 and 1 measure a key in their group; then ranks 1 and 2 make the same call in
+    theirs, rank 2 never having seen it (its own cache directory, as on another host). Rank 1
+    must take part in group B's first sight instead of reusing group A's decision alone."""
+    import os
+
+    import torch.distributed as dist
+
+    from ficco import runtime
+
+    group_a, group_b = dist.new_group([0, 1]), dist.new_group([1, 2])
+    own = os.path.join(root, f"rank{rank}")
+    shards, bs, _, refs = make_inputs(11, 2, (24, 32), (16,), torch.float32)
+    out = {}
+    with ficco.config.scope(selector="auto", cache_dir=own):
+        auto.CACHE.forget()
+        if rank in (0, 1):
+            result = ficco.all_gather_matmul(shards[rank], bs[0], group_a)
+            out["a"] = (runtime.last_run(), max_row_rel_err(result, refs[0]))
+        if rank in (1, 2):
+            result = ficco.all_gather_matmul(shards[rank - 1], bs[0], group_b)
+            out["b"] = (runtime.last_run(), max_row_rel_err(result, refs[0]))
+    auto.CACHE.forget()
+    return out
+
+
+def test_a_rank_in_two_groups_takes_part_in_each_groups_first_sight(tmp_path):
+    """Before: rank 1 reused its group-A decision for group B's first call, while rank 2
+    waited for it in group B's first-sight exchange until FICCO_TIMEOUT."""
+    results = harness.pool(3).run(_two_groups_share_a_rank, str(tmp_path), timeout_s=120)
+    assert results[0]["a"][0] == results[1]["a"][0], results
+    assert results[1]["b"][0] == results[2]["b"][0], results
+    for out in results:
+        assert all(err <= ROW_TOL[torch.float32] for _, err in out.values()), results
 
 
 # -- the fake GPU: inside a graph capture nothing is timed ----------------------------------------

@@ -46,7 +46,10 @@ Candidate = tuple[str, str]          # (schedule name, transport)
 
 
 class Live(Protocol):
-    """A live group as a measuring selector sees it (the runtime's, one per call)."""
+    """A live group as a measuring selector sees it (the runtime's, one per call); ``scope``
+    names the group, alike on every rank."""
+
+    scope: str
 
     def run(self, name: str, transport: str) -> float:
         """Run the call once with schedule ``name`` over ``transport``: this rank's seconds
@@ -67,6 +70,7 @@ class Scripted:
     seconds: Callable[[str, str], float]
     blocked: str | None = None
     runs: list = field(default_factory=list)
+    scope: str = "scripted"
 
     def run(self, name: str, transport: str) -> float:
         self.runs.append((name, transport))
@@ -202,10 +206,25 @@ def digest(entry: dict) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
+#: (cache file, group scope, key) agreed by every rank of that group in this process (what
+#: lets a group's later first sights skip the exchange); ficco.shutdown() forgets them
+_agreed: set[tuple[str, str, str]] = set()
+_agreed_lock = threading.Lock()
+
+
+def forget_groups() -> None:
+    """Forget which groups agreed on which entries (``ficco.shutdown``: a group made later,
+    perhaps under an old name, agrees again; the entries stay, to be offered)."""
+    with _agreed_lock:
+        _agreed.clear()
+
+
 class Cache:
     """Measured winners by key: in memory, and in ``<FICCO_CACHE_DIR>/<file_name>``. Every
     rank may write the file: entries are identical on every rank (agreed numbers only) and
-    each write is atomic (temporary file + ``os.replace``)."""
+    each write is atomic (temporary file + ``os.replace``). An entry in memory is used
+    without asking the other ranks only by a group that agreed on it (``scope``): another
+    group's ranks may not all have it."""
 
     def __init__(self, file_name: str):
         self.file_name = file_name
@@ -215,21 +234,31 @@ class Cache:
     def path(self) -> Path:
         return cache_root() / self.file_name
 
-    def remembered(self, key: str) -> dict | None:
+    def remembered(self, key: str, scope: str | None = None) -> dict | None:
+        """The entry for ``key`` in memory: any (``scope`` None, what ``explain`` may show),
+        or only if group ``scope`` agreed on it."""
+        if scope is not None:
+            with _agreed_lock:
+                if (self.file_name, scope, key) not in _agreed:
+                    return None
         with self._lock:
             return self._memory.get(key)
 
-    def remember(self, key: str, entry: dict) -> None:
+    def remember(self, key: str, entry: dict, scope: str | None = None) -> None:
         with self._lock:
             self._memory[key] = entry
+        if scope is not None:
+            with _agreed_lock:
+                _agreed.add((self.file_name, scope, key))
 
     def on_disk(self, key: str) -> dict | None:
         entry = _read_file(self.path()).get(key)
         return entry if isinstance(entry, dict) else None
 
-    def keep(self, key: str, entry: dict, persist: bool = True) -> None:
-        """Remember ``entry`` and, with ``persist``, write it to the file."""
-        self.remember(key, entry)
+    def keep(self, key: str, entry: dict, scope: str | None, persist: bool = True) -> None:
+        """Remember ``entry`` (agreed by group ``scope``) and, with ``persist``, write it to
+        the file."""
+        self.remember(key, entry, scope)
         if persist:
             self.write(key, entry)
 
@@ -262,22 +291,23 @@ def _read_file(path: Path) -> dict:
 
 def first_sight(cache: Cache, key: str, live: Live | None, valid: Callable[[dict], bool],
                 persist: bool = True) -> tuple[dict | None, str | None]:
-    """``(entry, why not measurable)`` for ``key`` before measuring it: the entry this process
-    remembers (every rank filled its memory at the same call, so no agreement is needed), else
-    the file's entry if it is ``valid`` and every rank holds the identical one (one exchange,
-    which also carries each rank's :meth:`Live.cannot_time`); else ``(None, None)`` when the
-    group can measure now, or ``(None, reason)`` when it cannot (no live group; a rank that
-    cannot time, named)."""
-    entry = cache.remembered(key)
+    """``(entry, why not measurable)`` for ``key`` before measuring it: the entry this group
+    agreed on (every rank of it remembered it at the same call, so no exchange is needed;
+    without a live group, any this process remembers); else what this process knows (from
+    another group, else the file) if it is ``valid`` and every rank holds the identical entry
+    (one exchange, which also carries each rank's :meth:`Live.cannot_time`); else
+    ``(None, None)`` when the group can measure now, or ``(None, reason)`` when it cannot (no
+    live group; a rank that cannot time, named)."""
+    entry = cache.remembered(key, None if live is None else live.scope)
     if entry is not None:
         return entry, None
     if live is None:
         return None, "no live group: explain() and offline choose() never measure"
-    found = cache.on_disk(key) if persist else None
+    found = cache.remembered(key) or (cache.on_disk(key) if persist else None)
     word = digest(found) if found is not None and valid(found) else None
     answers = live.everyone((word, live.cannot_time()))
     if word is not None and all(w == word for w, _ in answers):
-        cache.remember(key, found)   # type: ignore[arg-type]  # word set: found is a dict
+        cache.remember(key, found, live.scope)   # type: ignore[arg-type]  # word: a dict
         return found, None
     blocked = [(rank, why) for rank, (_, why) in enumerate(answers) if why]
     if blocked:
