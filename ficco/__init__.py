@@ -24,6 +24,7 @@ from .api import (
                   grouped_mm_all_to_all,
                   matmul_all_reduce,
                   matmul_reduce_scatter,
+                  session_of,
                   shutdown,
 )
 
@@ -41,6 +42,7 @@ __all__ = [
                   "matmul_all_reduce",
                   "matmul_reduce_scatter",
                   "schedules",
+                  "session_of",
                   "shutdown",
                   "symm_mem",
 ]

@@ -1,18 +1,29 @@
 """Cross-rank agreement: every rank of a group must call with the same shapes, dtypes and
-settings, or every rank raises :class:`~ficco.errors.MismatchError` (never a hang, never
-garbage). Every exchange here is bounded by ``FICCO_TIMEOUT`` and names the ranks that did
-not arrive.
+settings, at the same place in its sequence of calls, or every rank raises
+:class:`~ficco.errors.MismatchError` (never a hang, never garbage). Every exchange here is
+bounded by ``FICCO_TIMEOUT`` and names the ranks that did not arrive.
 
-The first call of a new signature on a group runs a full exchange through the group's store
-(what each rank called with, and its host). Later calls repeat only a 64-bit digest of the
-signature, carried by the cheapest channel the call has (the flag of a dma plan's barriers,
-one small collective on ccl).
+Exchanges go through the group's store, under the group's :class:`~ficco.session.Channel`:
+keys ``ficco/<epoch>/<n>/<rank>`` for its n-th exchange. A channel's first exchange *joins* an
+epoch (:func:`join`): the group's rank 0 proposes a fresh one, the others take the first
+proposal newer than the last they used, and all wait until every rank joined. So after
+``ficco.shutdown()`` on every rank (at any times, in any order, even one rank more often than
+the others) the ranks meet again in a new epoch, with no key of an older one in their way.
+
+Calls pair by *number*: the n-th call that enters ficco on a rank for a group (a call that
+fails on its own rank before communicating included) pairs only with the n-th call of its
+peers. The number travels with the call's digest in every check: the first call of a new
+signature runs a full exchange (what each rank called with, its host), later calls only a
+digest and the number, through the cheapest channel the call has (the flag of a dma plan's
+barriers; on ccl, one small exchange through the store, which leaves nothing pending in the
+process group when a peer never comes).
 
 A rank whose signature is new while a peer's is one they agreed before would otherwise wait in
-the exchange while the peer waits in its per-call check. So a rank that waits in its per-call
-check longer than a moment *answers* an agreement exchange a peer has opened at the same
-position (:func:`answer`): the ranks then compare what they called with, and a difference is a
-MismatchError on every rank that names it, within a second rather than at FICCO_TIMEOUT.
+the exchange while the peer waits in its dma barrier. So a barrier that waits longer than a
+moment *answers* an agreement exchange a peer has opened at the same position (:func:`answer`):
+the ranks then compare what they called with, and a difference is a MismatchError on every
+rank that names it, within a second rather than at FICCO_TIMEOUT. (A ccl check and an
+agreement exchange meet by themselves: both are exchanges at the same position.)
 
 Fields under :data:`PER_RANK` (a rank's own shard width: ``n`` of all_gather_matmul, ``K`` of
 matmul_reduce_scatter, which never travel) may differ across ranks: the digest leaves them out
@@ -23,30 +34,41 @@ them use a value every rank knows alike.
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import os
 import pickle
 import socket
-import threading
+import struct
 import time
-from collections import OrderedDict
+import uuid
 from dataclasses import dataclass
 
 from . import config
 from .errors import CommTimeoutError, FiccoError, MismatchError
 from .group import key as group_key
+from .session import AGREED_KEPT, Channel, channel_of
 
 #: the signature key whose value may differ across ranks (see the module docstring)
 PER_RANK = "per_rank"
-_AGREED_LIMIT = 1024                     # distinct (group, signature) entries kept (LRU)
-_agreed: OrderedDict[tuple, Agreed] = OrderedDict()
-_ranks: dict = {}                        # group id -> (Process of every rank)
-_sequence: dict = {}                     # group id -> number of exchanges in this epoch
-_epoch = [0]                             # ficco.shutdown() calls: a reset every rank makes
-_lock = threading.Lock()
-_DIGESTS_KEPT = 1024
-_digests: dict = {}                      # signature items -> digest: a warm call serialises nothing
+#: the wire form of a call check's part: a zero byte (never the start of a pickle), then the
+#: call's digest and number
+_CHECK = struct.Struct("<xqq")
+CHECK = "call check"
+
+
+MIX, MASK = 0x9E3779B97F4A7C15, 0x7FFFFFFFFFFFFFFF
+
+
+def mixed(word: int, number: int) -> int:
+    """A call's digest ``word`` with its number folded in: 63 bits that differ for the same
+    call at another place in the sequence (the dma barriers' flag is made from it).
+
+    >>> mixed(5, 1) != mixed(5, 2) and 0 <= mixed(2**62, 3) < 2**63
+    True
+    """
+    return (word ^ (number * MIX)) & MASK
 
 
 @dataclass(frozen=True)
@@ -74,80 +96,126 @@ def digest(signature: dict) -> int:
     """
     if PER_RANK in signature:
         signature = shared(signature)
-    key: frozenset | None
     try:
         # Values of one field keep their type from call to call (an int field never holds a
         # bool), so equal item sets mean equal JSON.
-        key = frozenset(signature.items())
-        word = _digests.get(key)
+        return _digest_of(frozenset(signature.items()))
     except TypeError:   # an unhashable value (a list): digest it every time
-        key = word = None
-    if word is None:
-        text = json.dumps(signature, sort_keys=True, default=str)
-        word = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(),
-                              "little") >> 1
-        if key is not None:
-            if len(_digests) >= _DIGESTS_KEPT:
-                _digests.clear()
-            _digests[key] = word
-    return word
+        return _digest_text(signature)
+
+
+def _digest_text(signature: dict) -> int:
+    text = json.dumps(signature, sort_keys=True, default=str)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+@functools.lru_cache(maxsize=1024)
+def _digest_of(items: frozenset) -> int:
+    """The digest of a signature's items (a pure function: remembered, so a repeated call
+    serialises nothing)."""
+    return _digest_text(dict(items))
 
 
 def confirm_same_call(group, rank: int, world: int, signature: dict, op: str,
-                      word: int | None = None) -> Agreed:
-    """Every rank of ``group`` called with ``signature`` (digest ``word``). The first sight of
-    a signature exchanges it in full (bounded); later sights are a dictionary lookup here,
-    and the runtime checks the digest of every call (in the flag every dma barrier carries,
-    or one tiny collective on ccl). Raises MismatchError on every rank when they differ."""
-    key = (group_key(group), digest(signature) if word is None else word)
-    with _lock:
-        if key in _agreed:
-            _agreed.move_to_end(key)
-            return _agreed[key]
-    everyone = exchange(group, rank, world, _payload(signature), what=f"{op} agreement")
-    return _settle(group, key[1], signature, everyone, op)
+                      word: int | None = None, number: int = 0) -> Agreed:
+    """Every rank of ``group`` called with ``signature`` (digest ``word``) as its call number
+    ``number`` (0: a check outside the numbered calls, ficco.compat's). The first sight of a
+    signature exchanges it in full (bounded); later sights are a dictionary lookup here, and
+    the runtime checks the digest and number of every call. Raises MismatchError on every
+    rank when they differ."""
+    word = digest(signature) if word is None else word
+    channel = channel_of(group)
+    agreed = None if channel is None else channel.agreed.get(word)
+    if agreed is not None or channel is None:
+        return agreed or Agreed(True, shared(signature), (signature.get(PER_RANK),))
+    everyone = exchange(group, rank, world, _payload(signature, number),
+                        what=f"{op} agreement")
+    return _settle(channel, word, signature, everyone, op, number)
 
 
-def answer(group, rank: int, world: int, signature: dict, via: str) -> None:
-    """From a per-call check that waits (``via``: "ccl", a pending check collective, or "dma",
-    a plan barrier that wrote its flags): when a peer opened an agreement exchange at this
-    rank's next position, join it with this call's signature. A difference raises the
-    MismatchError every participant raises (it says which checks joined, so the others can
-    complete the pending collective or drop the workspace); no difference returns, and the
-    check goes on waiting (that peer had only forgotten the signature). Cheap when nobody
-    waits: one store lookup per peer."""
-    if group is None or world == 1:
+def answer(group, rank: int, world: int, signature: dict, number: int) -> None:
+    """From a dma plan barrier that waits: when a peer opened an agreement exchange at this
+    rank's next position, join it with this call's signature and number. A difference raises
+    the MismatchError every participant raises; no difference returns, and the barrier goes
+    on waiting (that peer had only forgotten the signature). Cheap when nobody waits: one
+    store lookup per peer."""
+    channel = channel_of(group)
+    if channel is None or world == 1 or channel.epoch is None:
         return
-    gid = group_key(group)
-    store = _store(group)
-    with _lock:
-        prefix = f"ficco/{_epoch[0]}/{_sequence.get(gid, 0) + 1}/"
+    store = store_of(group)
+    with channel.lock:
+        prefix = f"ficco/{channel.epoch}/{channel.sequence + 1}/"
     for peer in range(world):
         if peer != rank and _has(store, f"{prefix}{peer}"):
-            what, theirs = pickle.loads(store.get(f"{prefix}{peer}"))
+            what, theirs = _load(store.get(f"{prefix}{peer}"))
             break
     else:
         return
     if isinstance(theirs, CallData):
-        # A call's data exchange (expert routing counts): the peer makes a call this check's
+        # A call's data exchange (expert routing counts): the peer makes a call this barrier's
         # call cannot be (that one carries no exchange), so the digests differ and the
         # exchange raises on every rank; equal digests would be a peer a call ahead: wait.
-        word = digest(signature)
+        word = mixed(digest(signature), number)
         if theirs.word != word:
             exchange_call_data(group, rank, world, word, None, summary(signature), what=what,
-                               via=via)
+                               via="dma")
+        return
+    if what.endswith(CHECK):
+        # A peer's ccl call check at this position: its call was agreed with another
+        # transport (a dma call waits here): the same exchange, and both raise at once.
+        check(channel, group, rank, world, digest(signature), number,
+              str(signature.get("op")))
         return
     if not what.endswith(" agreement"):
-        return         # another kind of exchange: not this check's business
-    everyone = exchange(group, rank, world, _payload(signature, via), what=what)
-    _settle(group, digest(signature), signature, everyone, what.removesuffix(" agreement"))
+        return         # another kind of exchange: not this barrier's business
+    everyone = exchange(group, rank, world, _payload(signature, number, "dma"), what=what)
+    _settle(channel, digest(signature), signature, everyone, what.removesuffix(" agreement"),
+            number)
+
+
+def check(channel: Channel, group, rank: int, world: int, word: int, number: int,
+          op: str) -> None:
+    """Every rank is about to run call number ``number`` with digest ``word`` (a warm ccl
+    call, agreed before): one exchange of 17 bytes per rank through the store (the generic
+    :func:`exchange`, written out for the warm path: no pickle, no helper per rank). Ranks
+    making different calls, or calls at different places in their sequence, raise one
+    MismatchError on every rank naming each rank's call; a peer opening its first-call
+    agreement at this position is such a difference too (its call is new to it, this rank's
+    is not)."""
+    what = f"{op} {CHECK}"
+    store, epoch = channel.store, channel.epoch
+    if store is None or epoch is None:     # not joined yet (after a reset): the long way
+        everyone = exchange(group, rank, world, (word, number), what=what)
+        if any(part != (word, number) for part in everyone):
+            raise _out_of_step(group, rank, word, number, [(what, p) for p in everyone])
+        return
+    with channel.lock:
+        seq = channel.sequence = channel.sequence + 1
+    prefix = f"ficco/{epoch}/{seq}/"
+    keys = [f"{prefix}{r}" for r in range(world)]
+    mine = _CHECK.pack(word, number)
+    try:
+        store.set(keys[rank], mine)
+        if not store.check(keys):
+            _wait_keys(store, keys, config.timeout_s())
+        parts = [store.get(k) for k in keys]
+    except Exception as exc:  # torch raises DistStoreError or RuntimeError
+        raise _late(store, keys, rank, what, f"exchange {seq} on group {channel.key}",
+                    config.timeout_s(), exc) from exc
+    if seq > 2:
+        try:      # every rank read exchange seq-2 before it could write seq-1
+            store.delete_key(f"ficco/{epoch}/{seq - 2}/{rank}")
+        except Exception:  # noqa: BLE001, S110 - stores without delete keep a few bytes each
+            pass
+    if parts.count(mine) != world:
+        raise _out_of_step(group, rank, word, number, [_load(raw, what) for raw in parts])
 
 
 @dataclass(frozen=True)
 class CallData:
     """One rank's part of a call's data exchange (:func:`exchange_call_data`): the call's
-    digest, its data, what the call is (for messages), and the per-call check it joined from
-    (None: the rank makes this exchange itself)."""
+    digest (its number folded in), its data, what the call is (for messages), and the check
+    it joined from (None: the rank makes this exchange itself)."""
 
     word: int
     data: object
@@ -157,21 +225,19 @@ class CallData:
 
 def exchange_call_data(group, rank: int, world: int, word: int, data, call: str, *, what: str,
                        via: str | None = None) -> list:
-    """Every rank's ``data`` for a call with digest ``word`` (described as ``call``), in rank
-    order: one bounded exchange. Ranks whose digests differ raise one MismatchError on every
-    rank naming each rank's call; a peer waiting in a per-call check joins it
-    (:func:`answer`), so its ``joined`` says which checks to complete."""
+    """Every rank's ``data`` for a call with digest ``word`` (its number folded in: see
+    :func:`mixed`; described as ``call``), in rank order: one bounded exchange. Ranks whose
+    words differ raise one MismatchError on every rank naming each rank's call; a peer
+    waiting in a dma barrier joins it (:func:`answer`)."""
     everyone = exchange(group, rank, world, CallData(word, data, call, via), what=what)
     if len({part.word for part in everyone}) > 1:
         calls = "; ".join(f"rank {r}: {part.call}" for r, part in enumerate(everyone))
-        exc = consistent(MismatchError(
+        raise MismatchError(
             f"rank {rank}: the ranks of group {group_key(group)} are making different calls "
-            f"({calls}); nothing was computed. Every rank must make the same calls in the "
-            f"same order (a rank that skipped a backward, or called with other shapes, "
-            f"dtypes, settings or op)"))
-        exc.joined = {v: [r for r, part in enumerate(everyone) if part.via == v]
-                      for v in ("ccl", "dma")}
-        raise exc
+            f"({calls}), or the same call at different places in their sequence of calls; "
+            f"nothing was computed. Every rank must make the same calls in the same order (a "
+            f"rank that skipped a backward, whose earlier call failed on its own, or that "
+            f"called with other shapes, dtypes, settings or op)")
     return [part.data for part in everyone]
 
 
@@ -193,52 +259,61 @@ class Process:
         return cls(socket.gethostname(), namespace, os.getpid())
 
 
-def _payload(signature: dict, via: str | None = None) -> dict:
+def _payload(signature: dict, number: int, via: str | None = None) -> dict:
     return {"signature": shared(signature), "per_rank": signature.get(PER_RANK),
-            "host": socket.gethostname(), "process": Process.this(), "via": via}
+            "host": socket.gethostname(), "process": Process.this(), "via": via,
+            "number": number}
 
 
-def _settle(group, word: int, signature: dict, everyone: list, op: str) -> Agreed:
-    gid = group_key(group)
-    with _lock:
-        _ranks[gid] = tuple(info["process"] for info in everyone)
+def _settle(channel: Channel, word: int, signature: dict, everyone: list, op: str,
+            number: int) -> Agreed:
+    with channel.lock:
+        channel.processes = tuple(info["process"] for info in everyone)
     mine = shared(signature)
     sigs = [info["signature"] for info in everyone]
     differ = sorted({f for sig in sigs for f in set(sig) | set(mine) if sig.get(f) != mine.get(f)})
     if differ:
         detail = "; ".join(f"rank {r}: " + ", ".join(f"{f}={sig.get(f)}" for f in differ)
                            for r, sig in enumerate(sigs))
-        exc = consistent(MismatchError(
+        raise MismatchError(
             f"ranks of one group called {op} with different {', '.join(differ)} ({detail}); "
-            f"every rank must pass the same shapes, dtypes and settings"))
-        exc.joined = {via: [r for r, info in enumerate(everyone) if info["via"] == via]
-                      for via in ("ccl", "dma")}
-        raise exc
+            f"every rank must pass the same shapes, dtypes and settings")
+    numbers = [info["number"] for info in everyone]
+    if len(set(numbers)) > 1:
+        raise MismatchError(
+            f"ranks of group {channel.key} made the same {op} call at different places in "
+            f"their sequence of calls (rank: call number {dict(enumerate(numbers))}): a rank "
+            f"whose earlier call failed on its own (bad input, an interrupt) or that skipped a "
+            f"call is out of step; nothing was computed")
     agreed = Agreed(len({info["host"] for info in everyone}) == 1, mine,
                     tuple(info["per_rank"] for info in everyone))
-    with _lock:
-        _agreed[(gid, word)] = agreed
-        while len(_agreed) > _AGREED_LIMIT:
-            _agreed.popitem(last=False)
+    with channel.lock:
+        if len(channel.agreed) >= AGREED_KEPT:
+            channel.agreed.clear()    # at the same exchange on every rank: still in step
+        channel.agreed[word] = agreed
     return agreed
 
 
 def known(group, signature: dict) -> Agreed | None:
     """What :func:`confirm_same_call` found for this signature before, or None: no communication."""
-    with _lock:
-        return _agreed.get((group_key(group), digest(signature)))
+    channel = channel_of(group)
+    return None if channel is None else channel.agreed.get(digest(signature))
 
 
-def describe(group, word: int | None = None, *, flag: int | None = None, flag_of=None) -> str:
-    """The call an agreed digest ``word`` (or barrier call ``flag``, ``flag_of`` mapping a
-    digest to its flag) stands for, as its op, role and shapes; "a call not agreed on this
-    rank" when this rank never agreed it (error messages only: a linear scan for flags)."""
-    gid = group_key(group)
-    with _lock:
-        entries = [(w, a) for (g, w), a in _agreed.items() if g == gid]
+def describe(group, word: int | None = None, *, flag: int | None = None, flag_of=None,
+             near: int = 0) -> str:
+    """The call an agreed digest ``word`` (or barrier call ``flag``: ``flag_of(digest,
+    number)`` makes one, tried at the call numbers around ``near``) stands for, as its op, role
+    and shapes; "a call not agreed on this rank" when this rank never agreed it (error
+    messages only: a linear scan)."""
+    channel = channel_of(group)
+    entries = [] if channel is None else list(channel.agreed.items())
     for w, agreed in entries:
-        if w == word or (flag is not None and flag_of(w) == flag):
+        if w == word:
             return summary(agreed.signature)
+        for number in range(max(near - 3, 0), near + 4) if flag is not None else ():
+            if flag_of(w, number) == flag:
+                return f"{summary(agreed.signature)}, as its call {number}"
     return "a call not agreed on this rank (new shapes or settings)"
 
 
@@ -256,50 +331,189 @@ def summary(signature: dict) -> str:
 
 def ranks_of(group) -> tuple | None:
     """The :class:`Process` of every rank of ``group``, as its last agreement found them."""
-    with _lock:
-        return _ranks.get(group_key(group))
+    channel = channel_of(group)
+    return None if channel is None else channel.processes
 
 
 def exchange(group, rank: int, world: int, payload, *, what: str) -> list:
     """Every rank's ``payload`` in rank order, through the group's store, bounded by
-    FICCO_TIMEOUT: ranks that do not arrive in time are named in a CommTimeoutError."""
+    FICCO_TIMEOUT: ranks that do not arrive in time are named in a CommTimeoutError; ranks in
+    another kind of exchange at this position (``what`` differs) raise MismatchError."""
     if group is None or world == 1:
         return [payload]
-    store = _store(group)
-    gid = group_key(group)
-    with _lock:
-        seq = _sequence[gid] = _sequence.get(gid, 0) + 1
-    prefix = f"ficco/{_epoch[0]}/{seq}/"
-    keys = [f"{prefix}{r}" for r in range(world)]
+    channel = channel_of(group)
+    assert channel is not None
+    store = channel.store or store_of(group)
+    channel.store = store
     timeout_s = config.timeout_s()
+    if channel.epoch is None:
+        join(channel, store, rank, world, timeout_s)
+    with channel.lock:
+        seq = channel.sequence = channel.sequence + 1
+        epoch = channel.epoch
+    prefix = f"ficco/{epoch}/{seq}/"
+    keys = [f"{prefix}{r}" for r in range(world)]
+    gid = channel.key
+    check_part = what.endswith(CHECK)
     try:
-        store.set(keys[rank], pickle.dumps((what, payload)))
+        store.set(keys[rank], _CHECK.pack(*payload) if check_part else
+                  pickle.dumps((what, payload)))
         _wait_keys(store, keys, timeout_s)
     except Exception as exc:  # torch raises DistStoreError or RuntimeError
-        if not _has(store, keys[rank]):
-            # Not even this rank's own key: the store itself does not answer (missing None).
-            raise _missing(None, CommTimeoutError(
-                f"rank {rank}: {what} (exchange {seq} on group {gid}) could not reach the "
-                f"group's store ({type(exc).__name__}: {str(exc).splitlines()[0][:120]}): the "
-                f"process that hosts it (rank 0 with a tcp:// or env:// rendezvous) is gone "
-                f"or unreachable")) from exc
-        missing = [r for r, k in enumerate(keys) if r != rank and not _has(store, k)]
-        late = f"rank(s) {missing}; they are" if missing else \
-            "the other ranks, who arrived only as it expired:"
-        raise _missing(missing, CommTimeoutError(
-            f"rank {rank}: {what} (exchange {seq} on group {gid}) waited {timeout_s:.1f}s for "
-            f"{late} dead, stuck, or skipped this call. Raise FICCO_TIMEOUT if they are only "
-            f"slow")) from exc
-    tagged = [pickle.loads(store.get(k)) for k in keys]
+        raise _late(store, keys, rank, what, f"exchange {seq} on group {gid}", timeout_s,
+                    exc) from exc
+    tagged = [_load(store.get(k), what if check_part else None) for k in keys]
     if seq > 2:
         # Every rank finished reading exchange seq-2 before it could write exchange seq-1.
-        _delete(store, f"ficco/{_epoch[0]}/{seq - 2}/{rank}")
-    doing = {r: tag for r, (tag, _) in enumerate(tagged) if tag != what}
-    if doing:
-        raise MismatchError(f"rank {rank} was in {what} while rank(s) {sorted(doing)} were in "
-                            f"{sorted(set(doing.values()))}: the ranks of group {gid} are out "
-                            f"of step (one skipped or added a call)")
-    return [payload for _, payload in tagged]
+        _delete(store, f"ficco/{epoch}/{seq - 2}/{rank}")
+    if any(tag != what for tag, _ in tagged):
+        raise _out_of_step(group, rank, None, None, tagged)
+    return [part for _, part in tagged]
+
+
+def join(channel: Channel, store, rank: int, world: int, timeout_s: float) -> None:
+    """Join a new epoch of ``channel`` (see the module docstring): rank 0 proposes a fresh
+    one; the others take the newest proposal other than the last epoch they joined, and move
+    on to a newer one while they wait; every rank waits until all joined, then compares the
+    *generations* they joined with (how many times each rank reset the channel): ranks that
+    reset a different number of times are out of step (one shut down alone, or came late to
+    a call its peers gave up on and reset after), a MismatchError on every rank, which also
+    brings every rank to the highest generation, so the next ``ficco.shutdown()`` on every
+    rank puts them in step. A rank that gives up withdraws its part. Raises CommTimeoutError
+    naming the ranks that did not join."""
+    deadline = time.monotonic() + timeout_s
+    epoch = None
+    if rank == 0:
+        epoch = uuid.uuid4().hex[:12]
+        store.set("ficco/epoch", epoch)
+    while True:
+        if rank != 0:
+            epoch = _newer_epoch(store, channel.last, deadline)
+            if epoch is None:
+                raise CommTimeoutError(
+                    f"rank {rank}: group {channel.key}'s rank 0 proposed no new ficco session "
+                    f"within FICCO_TIMEOUT ({timeout_s:.1f}s): it has not called "
+                    f"ficco.shutdown() since this rank did (ficco.shutdown() runs on every "
+                    f"rank, after any error), or it is dead, stuck, or skipped this call")
+        assert epoch is not None
+        keys = [f"ficco/{epoch}/joined/{r}" for r in range(world)]
+        try:
+            store.set(keys[rank], str(channel.generation).encode())
+            generations = _wait_joined(store, keys, epoch, rank, deadline)
+        except Exception as exc:  # torch raises DistStoreError or RuntimeError
+            late = _late(store, keys, rank, "joining a new ficco session",
+                         f"epoch {epoch} of group {channel.key}", timeout_s, exc,
+                         " (a rank that has not called ficco.shutdown() since the others did "
+                         "is still in the old one)")
+            _withdraw(store, keys[rank])
+            raise late from exc
+        if generations is not None:
+            break
+        _withdraw(store, keys[rank])     # rank 0 proposed a newer one meanwhile: take it
+    if len(set(generations)) > 1:
+        with channel.lock:      # (never this epoch again: its keys stay what every rank read)
+            channel.generation, channel.last = max(generations), epoch
+        raise MismatchError(
+            f"rank {rank}: the ranks of group {channel.key} have reset ficco a different number "
+            f"of times since they made the group (rank: resets {dict(enumerate(generations))}): "
+            f"a rank called ficco.shutdown() alone, or came to a call after its peers gave up "
+            f"on it and reset. Nothing was computed; call ficco.shutdown() on every rank, "
+            f"then call again")
+    with channel.lock:
+        channel.epoch = channel.last = epoch
+        channel.sequence = 0
+
+
+_WITHDRAWN = b"x"      # a joined key's value once its rank gave up (keys are never deleted:
+                      # a store's get of a missing key waits for the store's own timeout)
+
+
+def _withdraw(store, key: str) -> None:
+    try:
+        store.set(key, _WITHDRAWN)
+    except Exception:  # noqa: BLE001, S110 - a dead store: nobody completes the epoch anyway
+        pass
+
+
+def _wait_joined(store, keys: list, epoch: str, rank: int, deadline: float
+                 ) -> list[int] | None:
+    """Every rank's generation once every key holds one (a withdrawn part is waited out);
+    None (ranks other than 0) when a newer epoch than ``epoch`` was proposed first;
+    TimeoutError at ``deadline``."""
+    pause = 0.0005
+    while True:
+        if store.check(keys):
+            values = [store.get(k) for k in keys]
+            if _WITHDRAWN not in values:
+                return [int(v) for v in values]
+        if rank != 0 and store.get("ficco/epoch").decode() != epoch:
+            return None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("keys not set within the deadline")
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 0.02)
+
+
+def _newer_epoch(store, last: str | None, deadline: float) -> str | None:
+    pause = 0.0005
+    while True:
+        if _has(store, "ficco/epoch"):
+            epoch = store.get("ficco/epoch").decode()
+            if epoch != last:
+                return epoch
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 0.02)
+
+
+def _late(store, keys, rank: int, what: str, where: str, timeout_s: float, exc,
+          hint: str = "") -> CommTimeoutError:
+    """The error of a wait for ``keys`` that did not complete."""
+    if not _has(store, keys[rank]):
+        # Not even this rank's own key: the store itself does not answer (missing None).
+        return _missing(None, CommTimeoutError(
+            f"rank {rank}: {what} ({where}) could not reach the group's store "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}): "
+            f"the process that hosts it (rank 0 with a tcp:// or env:// rendezvous) is gone "
+            f"or unreachable"))
+    missing = [r for r, k in enumerate(keys) if r != rank and not _has(store, k)]
+    late = f"rank(s) {missing}; they are" if missing else \
+        "the other ranks, who arrived only as it expired:"
+    return _missing(missing, CommTimeoutError(
+        f"rank {rank}: {what} ({where}) waited {timeout_s:.1f}s for {late} dead, stuck, or "
+        f"skipped this call{hint}. Raise FICCO_TIMEOUT if they are only slow"))
+
+
+def _load(raw: bytes, check_what: str | None = None) -> tuple:
+    """``(what, payload)`` of an exchange part: a call check's compact form or a pickle."""
+    if raw[:1] == b"\0":
+        return (check_what or CHECK), _CHECK.unpack(raw)
+    return pickle.loads(raw)
+
+
+def _out_of_step(group, rank: int, word: int | None, number: int | None,
+                 tagged: list) -> MismatchError:
+    """The MismatchError of an exchange whose ranks are in different calls: each rank's
+    call, from what it wrote."""
+    def call_of(what: str, part) -> str:
+        if what.endswith(CHECK):
+            return f"{describe(group, part[0])} (its call {part[1]})"
+        if what.endswith(" agreement") and isinstance(part, dict):
+            return f"{summary(part['signature'])}, new to it (its call {part.get('number')})"
+        if isinstance(part, CallData):
+            return part.call
+        return what
+
+    calls = "; ".join(f"rank {r}: {call_of(what, part)}" for r, (what, part) in enumerate(tagged))
+    return MismatchError(
+        f"rank {rank}: the ranks of group {group_key(group)} are making different calls, or "
+        f"the same call at different places in their sequence of calls ({calls}); nothing was "
+        f"computed. Every rank must make the same calls in the same order (a rank that "
+        f"skipped a backward, whose earlier call failed on its own, or that called with other "
+        f"shapes, dtypes, settings or op)")
 
 
 def all_ranks(group, rank: int, world: int, flag: bool, *, what: str) -> bool:
@@ -327,39 +541,13 @@ def wait_bounded(work, *, rank: int, what: str) -> None:
                                f"({timeout_s:.1f}s)")
 
 
-def forget(group=None) -> None:
-    """Drop what was agreed (all groups, or one): ``ficco.shutdown`` and group destruction.
-    A full reset starts a new epoch of exchanges, so ranks that fell out of step (one timed
-    out in an exchange the others never entered) are in step again once every rank reset."""
-    with _lock:
-        if group is None:
-            _agreed.clear()
-            _ranks.clear()
-            _sequence.clear()
-            _epoch[0] += 1
-            return
-    forget_id(group_key(group))
-
-
-def forget_id(gid: str) -> None:
-    with _lock:
-        for key in [k for k in _agreed if k[0] == gid]:
-            del _agreed[key]
-
-
 def _missing(ranks: list[int] | None, exc: CommTimeoutError) -> CommTimeoutError:
     exc.missing = ranks
     return exc
 
 
-def consistent(exc: MismatchError) -> MismatchError:
-    """Mark a MismatchError that every rank raises from the same data: the ranks stay in step
-    and the group stays usable."""
-    exc.consistent = True
-    return exc
-
-
-def _store(group):
+def store_of(group):
+    """The process group's store (what every agreement exchange and join goes through)."""
     from torch.distributed.distributed_c10d import _get_process_group_store
 
     try:

@@ -14,7 +14,7 @@ from .ops.all_gather_matmul import SPEC as _ALL_GATHER_MATMUL
 from .ops.matmul_all_reduce import SPEC as _MATMUL_ALL_REDUCE
 from .ops.matmul_reduce_scatter import SPEC as _MATMUL_REDUCE_SCATTER
 
-last_run = runtime.last_run
+last_run = runtime.last_run    # (schedule, transport) of a group's last call: session_of().last
 _EXPERT_OPS = ("all_to_all_grouped_mm", "grouped_mm_all_to_all")
 
 
@@ -231,9 +231,31 @@ def grouped_mm_all_to_all(h, recv_counts, w2, group=None, *, schedule=None, send
                                                 send_counts=send_counts)
 
 
+def session_of(group=None):
+    """The :class:`~ficco.session.Session` of ``group`` (a ProcessGroup, a group name, a 1-D
+    DeviceMesh or None: the default group, or no group) with the active backend in this
+    process, made at first use: what ficco keeps about the group between calls. Read it,
+    don't change it: ``last`` (the Decision of its last multi-rank call), ``poisoned`` (None,
+    or why it refuses calls and whether only destroying the group ends it), ``channel.number``
+    (calls made on the group since the last ``shutdown``), ``channel.sequence`` (exchanges
+    through its store), ``workspace`` (its symmetric workspace, or None).
+
+    >>> import ficco
+    >>> ficco.session_of().poisoned is None
+    True
+    """
+    from .backends import get_backend
+    from .group import resolve
+    from .session import of
+
+    return of(resolve(group), get_backend())
+
+
 def shutdown() -> None:
-    """Release workspaces, symmetric allocations, queues and cached plans. Safe to call twice;
-    runs at interpreter exit.
+    """Drop what ficco keeps about every group in this process (workspaces, queues, calls,
+    plans, decisions, agreements; ficco.session): the one recovery after an error, run on every
+    rank (it is local: a group is in step again once every rank called it). Safe to call
+    twice; runs at interpreter exit.
 
     >>> import ficco
     >>> ficco.shutdown()

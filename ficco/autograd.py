@@ -96,7 +96,7 @@ def _as_passed(ctx, grads: tuple) -> tuple:
 
 def _rows(t: Tensor, dim: int) -> Tensor:
     """``t`` as a matrix of rows, ``dim`` first (the row order both ops use)."""
-    return t.movedim(dim, 0).reshape(-1, t.shape[-1])
+    return t.movedim(dim, 0).flatten(0, -2)   # (reshape(-1, 0) is ambiguous)
 
 
 def _world(group: str) -> int:
@@ -151,7 +151,7 @@ def _bias_grads(ctx, grads):
     """(b_scales' gradients: none, each bias's gradient: its output's gradient summed over
     this rank's rows), shaped like the inputs (a list where a list was given)."""
     biases = None if ctx.bias_needs is None else [
-        g.reshape(-1, g.shape[-1]).sum(0) if needs and g is not None else None
+        g.flatten(0, -2).sum(0) if needs and g is not None else None
         for g, needs in zip(grads, ctx.bias_needs)]
     return ctx.no_scale_grads, biases
 

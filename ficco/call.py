@@ -10,14 +10,16 @@ dtypes, the backend and the settings every rank must share (groups: :mod:`ficco.
 """
 from __future__ import annotations
 
+import functools
 import operator
-import weakref
+import os
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
 from . import config
+from . import session as sessions
 from .backends import get_backend
 from .errors import InvalidArgumentError
 from .group import key as group_key
@@ -65,13 +67,19 @@ class Call(Generic[_P]):
     rank: int = field(init=False)
     group_key: str = field(init=False)      # ficco.group.key(group): caches and messages
     target: str = field(init=False)         # backend.target(): cache keys, the signature
-    #: what the runtime derives from this call's key, shared by every warm call of that key
+    #: the group's session (ficco.session): where everything derived from this call is kept
+    session: sessions.Session = field(init=False, repr=False, compare=False)
+    #: what the session knows of this call's key (its template, its Prepared forms), or None
+    known: sessions.Known | None = field(init=False, repr=False, compare=False, default=None)
+    #: what the op spec derives from this call's key, shared by every warm call of that key
     reuse: Reuse = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.world, self.rank = self.problem.world, self.problem.rank
         self.group_key = group_key(self.group)
         self.target = self.backend.target()
+        self.session = sessions.of(self.group, self.backend)
+        self.known = None
         self.reuse = Reuse()
 
     def clone(self, **tensors: Any) -> Call:
@@ -85,25 +93,17 @@ class Call(Generic[_P]):
 
 
 class Reuse:
-    """What the runtime derives from a call's key (op, shapes, dtypes, group, backend) and
-    reuses at every warm call of the key (STYLE guideline 11): the agreed signature and digest
-    per settings and role, the problem decided on per agreement, the workspace size, the byte
-    offsets of the op's buffers in it."""
+    """What an op spec derives from a call's key (op, shapes, dtypes, group, backend) and
+    reuses at every warm call of the key (STYLE guideline 11): the byte offsets of its buffers
+    in the workspace. (What the runtime derives lives on the session's Prepared.)"""
 
-    __slots__ = ("agreed", "offsets", "signed", "workspace_bytes")
+    __slots__ = ("offsets",)
 
     def __init__(self) -> None:
-        self.signed: dict = {}    # (id(settings), role) -> (settings, signature, digest)
-        self.agreed: tuple | None = None   # (Agreed, the problem decided on, its key)
-        self.workspace_bytes: int | None = None
-        self.offsets: tuple[int, ...] | None = None   # the op spec's
+        self.offsets: tuple[int, ...] | None = None
 
 
 # -- warm calls: the canonical Call of a known key, validated once -----------------------------
-_KNOWN_KEPT = 256
-# key -> (a weak reference to the group, or None for no group; the Call without group and
-# tensors). Weak: a destroyed process group must be collected (ficco.guard watches for it).
-_known: dict = {}
 
 
 def key_of(op: str, a, b, group, backend, args: tuple, epilogue: tuple = ()) -> tuple | None:
@@ -136,30 +136,22 @@ def _epilogue_key(b, a_scale, b_scale, out_dtype, bias, activation) -> tuple:
               for t in [a_scale, *scales, *biases]])
 
 
-def known(key, group) -> Call | None:
+def known(key, group, backend=None) -> Call | None:
     """The Call (without group and tensors: :meth:`Call.clone` them in) that ``key`` produced
-    for ``group`` before, or None."""
+    on ``group``'s session before, or None (``backend``: the active one by default)."""
     try:
-        seen = _known.get(key)
-    except TypeError:    # an argument that does not hash (an activation given as a list)
+        found = sessions.of(group, backend or get_backend()).calls.get(key)
+    except TypeError:   # an argument that does not hash (an activation given as a list)
         return None
-    if seen is None or (seen[0] is not None and seen[0]() is not group):
-        return None   # (a group that died, whose id a new one took)
-    return seen[1]
+    return None if found is None else found.template
 
 
 def remember(key, call: Call, **tensors) -> None:
-    """Keep ``call`` for ``key`` without its group and its tensors (``tensors``: each set to
-    None), so a warm call clones it."""
-    if len(_known) >= _KNOWN_KEPT:
-        _known.clear()
-    ref = None if call.group is None else weakref.ref(call.group)
-    _known[key] = (ref, call.clone(group=None, **tensors))
-
-
-def forget() -> None:
-    """Drop every known call (``ficco.shutdown()``: backends and groups may be gone)."""
-    _known.clear()
+    """Keep ``call`` for ``key`` on its session, without its group and its tensors
+    (``tensors``: each set to None), so a warm call clones it; ``call`` and its warm clones
+    carry what the session knows of the key (``call.known``)."""
+    template = call.clone(group=None, **tensors)
+    call.known = template.known = call.session.remember(key, template)
 
 
 def check_flag(value, name: str) -> bool:
@@ -261,6 +253,27 @@ def check_weights(b, a: torch.Tensor, a_name: str, *, k: int | None = None,
     if k == 0 and not k_may_be_zero:
         raise InvalidArgumentError(f"{a_name} has K=0 columns: {tuple(a.shape)}")
     return bs, b_is_list
+
+
+def check_fits(nbytes: int, device: torch.device, what: str) -> None:
+    """Refuse, before any communication, a call whose buffers alone are larger than its
+    device's whole memory: it could only fail later, when allocating, after every rank had
+    agreed on it (an expanded input has stride-0 rows and no memory of its own)."""
+    total = _memory_bytes(device.type, device.index)
+    if total is not None and nbytes > total:
+        raise InvalidArgumentError(
+            f"{what} needs {nbytes / 2**30:.1f} GiB for its buffers, more than the "
+            f"{total / 2**30:.1f} GiB of memory of {device}; split the work into smaller calls")
+
+
+@functools.lru_cache(maxsize=16)
+def _memory_bytes(kind: str, index: int | None) -> int | None:
+    if kind == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if kind == "cuda":   # (ROCm too)
+        return torch.cuda.get_device_properties(
+            index if index is not None else torch.cuda.current_device()).total_memory
+    return None          # meta tensors: shapes only
 
 
 def backend_for(t: torch.Tensor, name: str, backend=None):

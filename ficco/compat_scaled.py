@@ -10,8 +10,9 @@ strides, run by ficco's overlapped ops (``ficco.compat`` exports them)::
 Their oracles in the tests are torch's ``_fused_all_gather_scaled_matmul_fallback`` and
 ``_fused_scaled_matmul_reduce_scatter_fallback``. Where they differ from ficco's own ops:
 
-- the reduce-scatter adds ``bias`` in every rank's GEMM, as torch's does (W times under
-  ``"sum"``, once under ``"avg"``); ``ficco.matmul_reduce_scatter(..., bias=)`` adds it once;
+- the reduce-scatter adds each rank's own ``bias`` in its GEMM, as torch's does (the reduced
+  rows carry the sum of the ranks' biases under ``"sum"``, their mean under ``"avg"``: one
+  small extra reduce-scatter); ``ficco.matmul_reduce_scatter(..., bias=)`` adds one bias once;
 - ``use_fast_accum`` is accepted and has no effect: ficco accumulates in float32 always;
 - ``result_scales`` / ``result_scale`` (an fp8 output's scale) are refused with an error:
   ficco rounds its float32 sums once in its own epilogue, which has no such scale.
@@ -25,6 +26,7 @@ from .call import normalize_dim
 from .errors import InvalidArgumentError
 from .group import rank_world, resolve
 from .problem import REDUCE_OPS
+from .scaled import finish
 
 
 def fused_all_gather_scaled_matmul(A_shard, Bs, A_scale, B_scales, gather_dim, group_name,
@@ -111,12 +113,30 @@ def fused_scaled_matmul_reduce_scatter(A, B, A_scale, B_scale, reduce_op, orig_s
                 f"{tuple(A_scale.shape)}")
         A_scale = A_scale.reshape(*shape[:-1], 1)
     A = A.reshape(*shape[:-1], A.shape[-1])
-    if isinstance(bias, torch.Tensor) and reduce_op == "sum":
-        bias = bias.float() * world     # torch's op adds it in each of the W GEMMs
-    out = api.matmul_reduce_scatter(A, B, group_name, scatter_dim=dim, reduce_op=reduce_op,
-                                    a_scale=A_scale, b_scale=B_scale, out_dtype=out_dtype,
-                                    bias=bias)
-    return out.contiguous()
+    if bias is None:
+        out = api.matmul_reduce_scatter(A, B, group_name, scatter_dim=dim, reduce_op=reduce_op,
+                                        a_scale=A_scale, b_scale=B_scale, out_dtype=out_dtype)
+        return out.contiguous()
+    _check_bias(bias, B, A)
+    # torch's op adds each rank's own bias in its GEMM, so the reduced rows carry the sum (the
+    # mean under "avg") of every rank's bias: the products reduced in float32, then that
+    # reduction of the biases (one small op: ones(W, 1) @ bias_r, reduced the same way),
+    # added and rounded once.
+    wide = api.matmul_reduce_scatter(A, B, group_name, scatter_dim=dim, reduce_op=reduce_op,
+                                     a_scale=A_scale, b_scale=B_scale, out_dtype=torch.float32)
+    biases = api.matmul_reduce_scatter(bias.new_ones(world, 1, dtype=torch.float32),
+                                       bias.float().reshape(1, -1), group_name,
+                                       reduce_op=reduce_op)
+    return finish(wide, out_dtype or A.dtype, biases.reshape(-1)).contiguous()
+
+
+def _check_bias(bias, B, A) -> None:
+    if not isinstance(bias, torch.Tensor) or bias.dim() != 1 or bias.numel() != B.shape[1] \
+            or not bias.is_floating_point() or bias.device != A.device:
+        raise InvalidArgumentError(
+            f"bias must be a 1-D floating tensor of B's {B.shape[1]} columns on A's device "
+            f"({A.device}); got " + (f"{tuple(bias.shape)} {bias.dtype} on {bias.device}"
+                                     if isinstance(bias, torch.Tensor) else repr(bias)))
 
 
 def _refuse_result_scales(result_scales) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import threading
 import weakref
 
 import torch
@@ -254,6 +253,11 @@ class CompiledPlan:
         copy_only -= _slots_used_by(steps)
         self.lean_call_slots = tuple(i for i in self.call_slots if i not in copy_only)
         self._binding: Binding | None = None
+
+    @property
+    def bound(self) -> bool:
+        """Whether a binding (workspace views, prepared copies) is kept for the next call."""
+        return self._binding is not None
 
     def _plan_splits(self, plan: Plan):
         """Full-width row blocks of a per-call buffer (an output's row chunks, the input's) come
@@ -489,18 +493,16 @@ def _view_args(shape, stride, offset: int, spec) -> tuple | None:
         c0, nc = _clamp(c0, nc, shape[1])
         return (nr, nc), stride, offset + r0 * stride[0] + c0 * stride[1]
     _, n, rows, cols, row0, col0, spacing = spec
-    ld = stride[0]
-    return (n, rows, cols), (spacing * ld, ld, 1), offset + row0 * ld + col0
-
-
-_compiled: dict[int, CompiledPlan] = {}
-_compiled_lock = threading.Lock()
-_MAX_COMPILED = 512
+    # The tensor's own strides, both of them: a column-major operand (a transposed view) has
+    # a column stride other than 1.
+    row_stride, col_stride = stride
+    return (n, rows, cols), (spacing * row_stride, row_stride, col_stride), \
+        offset + row0 * row_stride + col0 * col_stride
 
 
 def compile_plan(plan: Plan) -> CompiledPlan:
-    """The compiled form of ``plan``, made once per Plan object (the runtime caches Plans, so
-    the same object comes back for the same call).
+    """The compiled form of ``plan``, made once per Plan object and kept on it (the runtime
+    keeps Plans per session, so the same object comes back for the same call).
 
     >>> from ficco import schedules
     >>> from ficco.problem import Problem
@@ -508,13 +510,8 @@ def compile_plan(plan: Plan) -> CompiledPlan:
     >>> compile_plan(plan) is compile_plan(plan)
     True
     """
-    compiled = _compiled.get(id(plan))
-    if compiled is not None and compiled.plan is plan:
-        return compiled
-    compiled = CompiledPlan(plan)
-    with _compiled_lock:
-        if len(_compiled) >= _MAX_COMPILED:   # plans built outside the runtime: stay bounded
-            _compiled.clear()
-        _compiled[id(plan)] = compiled
+    compiled = plan.__dict__.get("_compiled")
+    if compiled is None:
+        compiled = CompiledPlan(plan)
+        object.__setattr__(plan, "_compiled", compiled)   # a frozen dataclass: set once
     return compiled
-

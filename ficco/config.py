@@ -111,8 +111,11 @@ def _names(raw: str) -> tuple[str, ...]:
 
 KNOBS: dict[str, Knob] = {k.env: k for k in [
     Knob("FICCO_BACKEND", None, str.lower, "cpu, cuda or rocm", choices=(None, "cpu", "cuda", "rocm")),
-    # Checked against the op's schedules when a call reads it (names depend on the op).
-    Knob("FICCO_SCHEDULE", None, str, "a name from ficco.schedules.names()"),
+    # Checked against the op's schedules when a call reads it (names depend on the op): it
+    # forces the ops that have a schedule of that name; the others choose as if unset.
+    Knob("FICCO_SCHEDULE", None, str,
+         "a schedule name of any op (ficco.schedules.names(op=...)); it forces the ops that "
+         "have it"),
     Knob("FICCO_SELECTOR", "auto", str.lower,
          "which selector picks a schedule: auto (the model's shortlist, measured on the live "
          "group at a key's first sight), model, paper or tune (every schedule, measured)",

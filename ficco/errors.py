@@ -18,14 +18,10 @@ class ConfigError(FiccoError, ValueError):
 
 
 class MismatchError(FiccoError):
-    """Ranks of one group called with different shapes, dtypes or schedules."""
+    """Ranks of one group called with different shapes, dtypes or schedules, or made their
+    calls in another order: their programs are out of step, so the group's session is poisoned
+    until ``ficco.shutdown()`` ran on every rank (ficco.guard)."""
 
-    #: True when every rank raises it from the same data: the ranks stay in step and the group
-    #: stays usable (``ficco.agreement.consistent``, the plan barriers' call-flag check).
-    consistent: bool = False
-    #: an agreement exchange's mismatch: per transport ("ccl", "dma"), the ranks that joined it
-    #: from their per-call check, so the runtime completes those checks (ficco.agreement)
-    joined: dict[str, list[int]] | None = None
     #: a plan barrier's mismatch: peer rank -> the call flag its slot held, which the runtime
     #: turns into the calls they stand for (ficco.symm_mem.barrier)
     flags: dict[int, int] | None = None

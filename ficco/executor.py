@@ -36,10 +36,12 @@ __all__ = ["Buffers", "CompiledPlan", "compile_plan", "execute"]
 
 
 # -- running -------------------------------------------------------------------------------------
-def execute(plan: Plan, backend, buffers: Buffers, *, timeout_s: float,
-            trace: bool = False) -> list[dict] | None:
-    """Enqueue every op of ``plan`` and join the queues (``backend.finish``). With ``trace``,
-    returns per-op rows {op_index, queue, start_s, end_s, kind, label} of this rank.
+def execute(plan: Plan | CompiledPlan, backend, buffers: Buffers, *, timeout_s: float,
+            trace: bool = False, lane=None, profiled: bool | None = None) -> list[dict] | None:
+    """Enqueue every op of ``plan`` (or its compiled form) on ``lane``'s queues (a session's,
+    ``Backend.lane``; None: the backend's shared ones) and join them (``backend.finish``).
+    With ``trace``, returns per-op rows {op_index, queue, start_s, end_s, kind, label} of this
+    rank. ``profiled``: whether torch.profiler records (the caller asked already; None: ask).
 
     >>> import torch
     >>> from ficco import schedules
@@ -53,13 +55,15 @@ def execute(plan: Plan, backend, buffers: Buffers, *, timeout_s: float,
     >>> torch.allclose(out, a @ b)
     True
     """
-    compiled = compile_plan(plan)
-    queues = backend.queues(compiled.queue_names)
+    compiled = plan if isinstance(plan, CompiledPlan) else compile_plan(plan)
+    plan = compiled.plan
+    queues = backend.queues(compiled.queue_names, lane)
     # plan.num_events events and the entry event; GPUs reuse theirs per compiled plan.
     events = backend.plan_events(compiled, plan.num_events + 1)
     entry = events[-1]   # (the same list every call on GPUs: it keys the binding)
     # traces and profiler ranges run per step (profiling: compiled.steps): every view made
-    profiled = profiling.recording()
+    if profiled is None:
+        profiled = profiling.recording()
     steps, views = compiled.bind(backend, buffers, events, every_view=trace or profiled)
     if compiled.num_flags:   # zeroed on the compute queue, before the side queues start
         buffers.flags = torch.zeros(compiled.num_flags, dtype=torch.int32,
@@ -72,13 +76,13 @@ def execute(plan: Plan, backend, buffers: Buffers, *, timeout_s: float,
     try:
         if trace:
             return _run_traced(compiled, steps, backend, buffers, queues, events, views,
-                               timeout_s)
+                               timeout_s, lane)
         if profiled:   # named ranges for torch.profiler traces; off: one flag read
             profiling.run_with_ranges(compiled, lambda steps: _run(
-                steps, backend, buffers, queues, events, views, timeout_s),
+                steps, backend, buffers, queues, events, views, timeout_s, lane),
                 lambda op: op_label(op, plan.problem.rank))
         else:
-            _run(steps, backend, buffers, queues, events, views, timeout_s)
+            _run(steps, backend, buffers, queues, events, views, timeout_s, lane)
         backend.finish(queues)
     except BaseException as exc:
         _name_work_step(exc, compiled, steps, views)
@@ -115,7 +119,7 @@ def _name_work_step(exc: BaseException, compiled: CompiledPlan, steps, views) ->
             return
 
 
-def _run(steps, backend, buffers, queues, events, v, timeout_s) -> None:
+def _run(steps, backend, buffers, queues, events, v, timeout_s, lane=None) -> None:
     # The hot loop: locals only, one integer compare chain per step, commonest codes first.
     copy, copy_2d, gemm = backend.copy, backend.copy_2d, backend.gemm
     # only bound steps use GEMM_HERE / LAUNCH_HERE (backends with compute_on_current)
@@ -146,7 +150,7 @@ def _run(steps, backend, buffers, queues, events, v, timeout_s) -> None:
             elif code == GATED:
                 backend.launch(queues[q], gated_task(backend, y[0], y[1], v[x[0]], v[x[1]],
                                                      v[x[2]], v[x[3]], buffers.flags,
-                                                     timeout_s, buffers.symm))
+                                                     timeout_s, buffers.symm, lane))
             else:   # LAUNCH or LAUNCH_HERE: a host task (a reduction, a collective)
                 task = x(v, buffers, y)
                 task.ficco_step = z      # the queue names it if the task fails or hangs
@@ -167,18 +171,18 @@ def _run(steps, backend, buffers, queues, events, v, timeout_s) -> None:
 
 
 def _run_traced(compiled, steps, backend, buffers, queues, events, views,
-                timeout_s) -> list[dict]:
+                timeout_s, lane=None) -> list[dict]:
     ops, marks = compiled.plan.ops, []   # bound steps number like compiled.steps
     work = dict(compiled.work)
     for number, step in enumerate(steps):
         index = work.get(number)
         if index is None:
-            _run((step,), backend, buffers, queues, events, views, timeout_s)
+            _run((step,), backend, buffers, queues, events, views, timeout_s, lane)
             continue
         q = queues[step[1]]
         start = backend.new_event()
         backend.record(start, q)
-        _run((step,), backend, buffers, queues, events, views, timeout_s)
+        _run((step,), backend, buffers, queues, events, views, timeout_s, lane)
         end = backend.new_event()
         backend.record(end, q)
         marks.append((index, ops[index], start, end))

@@ -72,7 +72,7 @@ def _check(recipe, dtype):
 
 
 def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
-    return t.movedim(dim, 0).reshape(-1, t.shape[-1])
+    return t.movedim(dim, 0).flatten(0, -2)
 
 
 def _deq(t8: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:

@@ -14,6 +14,8 @@ torch.distributed is not initialised), a group name, a ProcessGroup or a 1-D Dev
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -30,6 +32,7 @@ def resolve(group):
     if group is None:
         if dist.is_available() and dist.is_initialized():
             return dist.group.WORLD
+        _alone_or_refuse()
         return None
     if isinstance(group, str):
         return by_name(group)
@@ -50,6 +53,19 @@ def resolve(group):
     raise InvalidArgumentError(
         f"group must be a torch.distributed ProcessGroup, a group name, a 1-D DeviceMesh or "
         f"None; got {type(group).__name__}")
+
+
+def _alone_or_refuse() -> None:
+    """No process group: a world of one, unless the environment says this process is one of
+    several (torchrun, SLURM, mpirun set WORLD_SIZE): then every rank would silently compute a
+    plain matmul of its own shard."""
+    world = os.environ.get("WORLD_SIZE", "").strip()
+    if world.isdigit() and int(world) > 1:
+        raise InvalidArgumentError(
+            f"WORLD_SIZE={world} says this process is one of {world} ranks, but no default "
+            f"process group is initialised, so ficco would compute each rank's shard alone: "
+            f"call torch.distributed.init_process_group() first (or pass group=...), or unset "
+            f"WORLD_SIZE for a single-process run")
 
 
 def by_name(name: str):

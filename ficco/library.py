@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -98,28 +99,37 @@ def _run_all_gather_matmul(a, b, group, gather_dim, schedule, return_gathered, r
     """The eager implementation: the real kernel of ``ficco::all_gather_matmul`` and the public
     function's path when the dispatcher adds nothing. Straight to the runtime (``api`` sits
     above this module). ``epilogue``: fp8 scales, out_dtype, bias, activation; ``role``:
-    FORWARD, or the backward pass the call belongs to; ``world``: the op's argument, checked."""
-    call = ALL_GATHER_MATMUL.prepare(a, b, group, gather_dim, return_gathered, **epilogue)
-    call.role = role
-    if world is not None and world != call.world:
-        raise wrong_world("all_gather_matmul", group, world, call.world)
+    FORWARD, or the backward pass the call belongs to; ``world``: the op's argument, checked.
+    A call refused here still takes its place in the group's sequence (runtime.abandoned)."""
+    try:
+        call = ALL_GATHER_MATMUL.prepare(a, b, group, gather_dim, return_gathered, **epilogue)
+        call.role = role
+        if world is not None and world != call.world:
+            raise wrong_world("all_gather_matmul", group, world, call.world)
+    except Exception:
+        runtime.abandoned(group)
+        raise
     return runtime.run(call, schedule)
 
 
 def _run_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, schedule, role=FORWARD,
                                world=None, out_rows=None, **epilogue):
-    call = MATMUL_REDUCE_SCATTER.prepare(a, b, group, scatter_dim, reduce_op, **epilogue)
-    call.role = role
-    if world is not None and world != call.world:
-        raise wrong_world("matmul_reduce_scatter", group, world, call.world)
-    if out_rows is not None:
-        rows = scattered_rows(a.shape[scatter_dim], call.rank, call.world)
-        if out_rows != rows:
-            raise InvalidArgumentError(
-                f"torch.ops.ficco.matmul_reduce_scatter: out_rows={out_rows}, but rank "
-                f"{call.rank} of {call.world} gets {rows} of the {a.shape[scatter_dim]} rows "
-                f"along scatter_dim (longer blocks first); pass ficco.library.scattered_rows("
-                f"rows, rank, world) or call ficco.matmul_reduce_scatter")
+    try:
+        call = MATMUL_REDUCE_SCATTER.prepare(a, b, group, scatter_dim, reduce_op, **epilogue)
+        call.role = role
+        if world is not None and world != call.world:
+            raise wrong_world("matmul_reduce_scatter", group, world, call.world)
+        if out_rows is not None:
+            rows = scattered_rows(a.shape[scatter_dim], call.rank, call.world)
+            if out_rows != rows:
+                raise InvalidArgumentError(
+                    f"torch.ops.ficco.matmul_reduce_scatter: out_rows={out_rows}, but rank "
+                    f"{call.rank} of {call.world} gets {rows} of the {a.shape[scatter_dim]} "
+                    f"rows along scatter_dim (longer blocks first); pass ficco.library."
+                    f"scattered_rows(rows, rank, world) or call ficco.matmul_reduce_scatter")
+    except Exception:
+        runtime.abandoned(group)
+        raise
     return runtime.run(call, schedule)
 
 
@@ -193,7 +203,15 @@ def _errors_reach_the_caller(fake):
     return checked
 
 
-_THROUGH_DYNAMO: dict = {}
+@functools.cache
+def _unsupported_twin(cls: type, unsupported: type) -> type:
+    """``cls`` made an ``Unsupported`` too (once per class)."""
+    def init(self, message):
+        unsupported.__init__(self, message)
+
+    return type(cls.__name__, (cls, unsupported),
+                {"__init__": init, "__module__": cls.__module__,
+                 "__doc__": f"{cls.__doc__} (raised while torch.compile traces)"})
 
 
 def _through_dynamo(exc: FiccoError) -> FiccoError:
@@ -201,16 +219,8 @@ def _through_dynamo(exc: FiccoError) -> FiccoError:
         from torch._dynamo.exc import Unsupported
     except ImportError:           # a torch without dynamo: nothing wraps it
         return exc
-    cls = _THROUGH_DYNAMO.get(type(exc))
-    if cls is None:
-        def init(self, message):
-            Unsupported.__init__(self, message)
-
-        cls = _THROUGH_DYNAMO[type(exc)] = type(
-            type(exc).__name__, (type(exc), Unsupported),
-            {"__init__": init, "__module__": type(exc).__module__,
-             "__doc__": f"{type(exc).__doc__} (raised while torch.compile traces)"})
-    raised = cls(str(exc))
+    kind: Any = type(exc)     # (a class hashes; typeshed's Hashable says otherwise)
+    raised = _unsupported_twin(kind, Unsupported)(str(exc))
     raised.__dict__.update({k: v for k, v in vars(exc).items() if k not in vars(raised)})
     return raised
 

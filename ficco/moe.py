@@ -28,8 +28,14 @@ import math
 import torch
 from torch import Tensor, nn
 
-from . import api
+from . import api, schedules
+from .errors import InvalidArgumentError
 from .group import rank_world, resolve
+
+
+def _positive(name: str, value) -> None:
+    if type(value) is not int or value < 1:
+        raise InvalidArgumentError(f"{name} must be a positive int; got {value!r}")
 
 
 def route(tokens: Tensor, experts: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -79,9 +85,16 @@ class ExpertParallelFFN(nn.Module):
                  device=None, dtype=None):
         super().__init__()
         _, world = rank_world(resolve(group))
+        for name, value in (("hidden", hidden), ("ffn_hidden", ffn_hidden),
+                            ("num_experts", num_experts)):
+            _positive(name, value)
         if num_experts % world:
-            raise ValueError(f"num_experts={num_experts} must be a multiple of the group size "
-                             f"{world} (every rank holds the same number of experts)")
+            raise InvalidArgumentError(
+                f"num_experts={num_experts} must be a multiple of the group size {world} "
+                f"(every rank holds the same number of experts)")
+        for op in ("all_to_all_grouped_mm", "grouped_mm_all_to_all"):
+            if schedule is not None:   # a bad name fails here, not in the first forward
+                schedules.get(schedule, op)
         self.group, self.activation, self.schedule = group, activation, schedule
         self.num_experts, self.local_experts = num_experts, num_experts // world
         shape = {"device": device, "dtype": dtype}
@@ -109,6 +122,10 @@ class MoELayer(nn.Module):
                  group=None, activation=torch.nn.functional.gelu, schedule: str | None = None,
                  device=None, dtype=None):
         super().__init__()
+        _positive("k", k)
+        if k > num_experts:
+            raise InvalidArgumentError(f"k={k} experts per token, but there are only "
+                                       f"num_experts={num_experts}")
         self.k = k
         self.router = nn.Linear(hidden, num_experts, bias=False, device=device, dtype=dtype)
         self.experts = ExpertParallelFFN(hidden, ffn_hidden, num_experts, group=group,
@@ -116,6 +133,11 @@ class MoELayer(nn.Module):
                                          device=device, dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
+        hidden = self.router.in_features
+        if not isinstance(x, Tensor) or x.dim() < 1 or x.shape[-1] != hidden:
+            raise InvalidArgumentError(
+                f"x must be a tensor (..., hidden={hidden}); got "
+                + (f"shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__))
         tokens = x.reshape(-1, x.shape[-1])
         gates, chosen = top_k(self.router(tokens), self.k)
         rows, counts, order = route(tokens, chosen, self.experts.num_experts)

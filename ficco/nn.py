@@ -44,6 +44,39 @@ from .group import NO_GROUP, name_of, rank_world, resolve
 from .problem import even_split
 
 
+def _check_features(in_features, out_features: list) -> None:
+    """What ``nn.Linear`` takes (no negative sizes), and at least one input feature (the
+    initialisation's bound is 1/sqrt(in_features))."""
+    if type(in_features) is not int or in_features < 1 or not out_features or any(
+            type(n) is not int or n < 0 for n in out_features):
+        raise InvalidArgumentError(
+            f"in_features must be a positive int and out_features non-negative ints; got "
+            f"{in_features!r} and {out_features if len(out_features) > 1 else out_features[0]!r}")
+
+
+def _uninitialised(cls, *args, device, **kwargs):
+    """A layer whose parameters ``from_linear`` fills: made on the meta device, so its
+    initialisation draws nothing from the global RNG (ranks of uneven widths would draw
+    different amounts, and every random number a user draws afterwards would differ)."""
+    return cls(*args, device="meta", **kwargs).to_empty(device=device)
+
+
+def _uniform_shard(param: Tensor, full: int, dim: int, bound: float, group) -> None:
+    """``param`` (this rank's piece along ``dim`` of a tensor ``full`` long there) from
+    ``uniform(-bound, bound)`` draws of every rank's piece in rank order: the same draws on
+    every rank, so the global RNG stays in step across ranks of uneven widths."""
+    rank, world = rank_world(resolve(group))
+    shape = list(param.shape)
+    with torch.no_grad():
+        for r, (_, length) in enumerate(even_split(full, world)):
+            if r == rank:
+                param.uniform_(-bound, bound)
+            else:
+                shape[dim] = length
+                torch.empty(shape, device=param.device, dtype=param.dtype).uniform_(
+                    -bound, bound)
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = all_gather(x_shard, seq_dim) @ W_r^T + b_r``: this rank's output features of one or
     several linears (one gather feeds them all, e.g. Q/K/V or SwiGLU's gate and up).
@@ -59,6 +92,7 @@ class ColumnParallelLinear(nn.Module):
         self.fused = not isinstance(out_features, int)
         rank, world = rank_world(resolve(group))
         sizes = [out_features] if isinstance(out_features, int) else list(out_features)
+        _check_features(in_features, sizes)
         self.in_features, self.out_features = in_features, tuple(sizes)
         self.weights = nn.ParameterList(
             nn.Parameter(torch.empty(even_split(n, world)[rank][1], in_features, device=device,
@@ -69,11 +103,13 @@ class ColumnParallelLinear(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        for j, w in enumerate(self.weights):
-            nn.init.kaiming_uniform_(w, a=5 ** 0.5)
+        """``nn.Linear``'s initialisation of the whole layer, this rank's rows kept; every
+        rank draws the same amount from the global RNG (:func:`_uniform_shard`)."""
+        bound = 1 / self.in_features ** 0.5
+        for j, (w, n) in enumerate(zip(self.weights, self.out_features)):
+            _uniform_shard(w, n, 0, bound, self.group)
             if self.biases is not None:
-                bound = 1 / self.in_features ** 0.5
-                nn.init.uniform_(self.biases[j], -bound, bound)
+                _uniform_shard(self.biases[j], n, 0, bound, self.group)
 
     @classmethod
     def from_linear(cls, linears: nn.Linear | Sequence[nn.Linear], *, group=None,
@@ -92,9 +128,9 @@ class ColumnParallelLinear(nn.Module):
                 f"linears share one input, so one in_features; got "
                 f"{[lin.in_features for lin in linears]}")
         sizes = [lin.out_features for lin in linears]
-        layer = cls(first.in_features, sizes if many else sizes[0], first.bias is not None,
-                    group=group, seq_dim=seq_dim, device=first.weight.device,
-                    dtype=first.weight.dtype)
+        layer = _uninitialised(cls, first.in_features, sizes if many else sizes[0],
+                               first.bias is not None, group=group, seq_dim=seq_dim,
+                               device=first.weight.device, dtype=first.weight.dtype)
         rank, world = rank_world(resolve(group))
         with torch.no_grad():
             for j, lin in enumerate(linears):
@@ -135,6 +171,7 @@ class RowParallelLinear(nn.Module):
         self.group, self.seq_dim = group, seq_dim
         self.sequence_parallel = sequence_parallel
         rank, world = rank_world(resolve(group))
+        _check_features(in_features, [out_features])
         self.in_features, self.out_features = in_features, out_features
         local_in = even_split(in_features, world)[rank][1]
         self.weight = nn.Parameter(torch.empty(out_features, local_in, device=device,
@@ -144,9 +181,11 @@ class RowParallelLinear(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+        """``nn.Linear``'s initialisation (bound ``1/sqrt(in_features)`` of the whole layer),
+        this rank's input features kept; the same draws on every rank."""
+        bound = 1 / self.in_features ** 0.5
+        _uniform_shard(self.weight, self.in_features, 1, bound, self.group)
         if self.bias is not None:
-            bound = 1 / self.in_features ** 0.5
             nn.init.uniform_(self.bias, -bound, bound)
 
     @classmethod
@@ -156,9 +195,10 @@ class RowParallelLinear(nn.Module):
         parameters; a tied weight warns, as for ``ColumnParallelLinear.from_linear``)."""
         linear = _linear(linear, "linear")
         _warn_if_tied(linear, cls.__name__)
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                    group=group, seq_dim=seq_dim, sequence_parallel=sequence_parallel,
-                    device=linear.weight.device, dtype=linear.weight.dtype)
+        layer = _uninitialised(cls, linear.in_features, linear.out_features,
+                               linear.bias is not None, group=group, seq_dim=seq_dim,
+                               sequence_parallel=sequence_parallel,
+                               device=linear.weight.device, dtype=linear.weight.dtype)
         rank, world = rank_world(resolve(group))
         start, cols = even_split(linear.in_features, world)[rank]
         with torch.no_grad():

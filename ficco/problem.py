@@ -20,7 +20,9 @@ Schedules, selectors and the simulator see only this :class:`Problem`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+import math
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -91,6 +93,25 @@ class DtypeFields:
         """Bytes of one reduce-scatter partial product as it travels: the output's dtype, or
         float32 for an fp8 output (partials are summed in float32 and rounded once)."""
         return self.out_itemsize if self.out_itemsize >= 2 else 4
+
+
+#: rows decided exactly; above, the bucket steps per octave (see Problem.decided_as)
+EXACT_ROWS, BUCKETS_PER_OCTAVE = 64, 8
+_ROW_STEPS = sorted({math.ceil(EXACT_ROWS * 2 ** (j / BUCKETS_PER_OCTAVE))
+                     for j in range(BUCKETS_PER_OCTAVE * 40)})
+
+
+def decision_rows(rows: int, unit: int = 1) -> int:
+    """``rows`` rounded up to its decision bucket (see :meth:`Problem.decided_as`), in whole
+    ``unit`` s.
+
+    >>> [decision_rows(r) for r in (64, 65, 70, 71, 1000)]
+    [64, 70, 70, 77, 1024]
+    """
+    if rows <= EXACT_ROWS:
+        return rows
+    step = _ROW_STEPS[bisect.bisect_left(_ROW_STEPS, rows)]
+    return -(-step // unit) * unit
 
 
 @dataclass(frozen=True)
@@ -247,6 +268,20 @@ class Problem(DtypeFields):
             return (self.op, self.m, self.k, self.ns, self.dtype, self.world, self.unit,
                     self.reduce_op) + tail
         return (self.m, self.k, self.ns, self.dtype, self.world) + tail
+
+    def decided_as(self) -> Problem:
+        """The problem whose decision this one takes (ficco.runtime): itself up to
+        :data:`EXACT_ROWS` rows; above, its rows rounded up to the next of
+        :data:`BUCKETS_PER_OCTAVE` steps per octave (and to whole units), so a new sequence
+        length mostly finds its decision made (a decision simulates every schedule).
+
+        >>> Problem(m=100, k=8, ns=(8,), dtype="float32", world=2).decided_as().m
+        108
+        >>> Problem(m=48, k=8, ns=(8,), dtype="float32", world=2).decided_as().m
+        48
+        """
+        rows = decision_rows(self.m, self.unit)
+        return self if rows == self.m else replace(self, m=rows)
 
     def col_chunks(self, cols: int | None = None) -> list[tuple[int, int]]:
         """The W column chunks (start, cols) of K (2D all-gather) or of ``cols`` output

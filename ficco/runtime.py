@@ -1,46 +1,43 @@
-"""The shared call path of every op: settings -> agreement -> decision -> plan -> execute.
-
-An op spec (``ficco/ops/``) turns the caller's arguments into a canonical Call; from there
-this module does the rest, the same way for every op::
+"""The shared call path of every op, on the group's :class:`~ficco.session.Session`: settings
+-> agreement -> decision -> plan -> execute, made once per call key and settings (its
+:class:`~ficco.session.Prepared` form), then looked up::
 
     call = ops.get("all_gather_matmul").prepare(a_shard, b, group)
     out = runtime.run(call)                # what ficco.all_gather_matmul returns
 
-A world of one never communicates: :func:`run` hands it to the op's plain path, here and
-nowhere else.
+A warm call (a known key under the same settings): take the call's number, one lookup, the
+call check (ccl) or the call flag (dma), bind the tensors, execute. A world of one never
+communicates: :func:`run` hands it to the op's plain path, here and nowhere else.
 """
 from __future__ import annotations
 
 import dataclasses
 import operator
-import threading
-from collections import OrderedDict
 
 import torch
 
 from . import agreement, config, guard, logs, profiling, schedules
+from . import session as sessions
 from .backends import close_all
 from .call import Call
-from .call import forget as forget_known_calls
 from .call import settings as read_settings
+from .compiler import compile_plan
 from .config import TRANSPORT_SETTINGS
 from .errors import ConfigError, InvalidArgumentError, MismatchError
 from .executor import execute as execute_plan
+from .group import resolve
+from .problem import EXACT_ROWS, Problem
 from .schedules import epilogue_reason
+from .session import Prepared, Session, channel_of, drop_all, peek
 from .symm_mem import workspace
 from .symm_mem.barrier import call_flag
 
-_PLAN_LIMIT = 256                      # plans kept (LRU); each is a few KB
-_plans: OrderedDict[tuple, object] = OrderedDict()
-_plans_lock = threading.Lock()
-_DECISION_LIMIT = 256                  # decisions kept (LRU)
-_decisions: OrderedDict[tuple, object] = OrderedDict()
-_decisions_lock = threading.Lock()
 #: The settings a Decision depends on (the transport setting enters through the candidate
 #: transports; timeout, log level and poisoning change how a call runs, not what it picks).
 _DECIDING = operator.itemgetter("selector", "schedule", "schedule_by", "profile", "topology",
                                 "copy_engines", "paper", "tune_candidates")
-_last = threading.local()
+_RUNNING = operator.itemgetter("copy_engines", "poison", "timeout_s")
+_PREPARED_PER_KEY = 16       # settings x roles x overrides one call key is run under
 
 
 # -- settings and agreement -----------------------------------------------------------------------
@@ -48,20 +45,18 @@ def settings(call: Call, schedule: str | None = None, transport: str | None = No
              selector: str | None = None) -> dict:
     """Every setting of this call, validated before any communication: env values, the forced
     schedule (against the op's schedules), the transport, the device profile. Remembered per
-    (environment, overrides, arguments): a repeated call costs one snapshot of FICCO_* values.
-    (A forced schedule is checked against the call's epilogue by :func:`signed`.)"""
-    key = (config.snapshot(), call.op.name, call.target, call.world > 1, schedule,
-           transport, selector)
-    s = _settings_seen.get(key)
+    (environment, overrides, arguments) on the call's session. (A forced schedule is checked
+    against the call's epilogue by :func:`signed`.)"""
+    seen = call.session.settings
+    key = (config.snapshot(), call.op.name, call.target, call.world > 1, schedule, transport,
+           selector)
+    s = seen.get(key)
     if s is None:
         s = _settings(call, schedule, transport, selector)
-        if len(_settings_seen) >= 256:
-            _settings_seen.clear()
-        _settings_seen[key] = s
+        if len(seen) >= 256:
+            seen.clear()
+        seen[key] = s
     return s
-
-
-_settings_seen: dict = {}
 
 
 def _settings(call: Call, schedule, transport, selector) -> dict:
@@ -69,6 +64,11 @@ def _settings(call: Call, schedule, transport, selector) -> dict:
         raise InvalidArgumentError(f"transport must be one of {', '.join(TRANSPORT_SETTINGS)}; "
                                    f"got {transport!r}")
     s = read_settings(schedule, transport, selector)
+    if s["schedule_by"] == "FICCO_SCHEDULE" and call.op.name not in schedules.ops_with(
+            s["schedule"]) and schedules.ops_with(s["schedule"]):
+        # One variable for every op: it forces the ops that have a schedule of that name
+        # (ring-bidir: the dense ones); the others choose as if it were unset.
+        s = {**s, "schedule": None, "schedule_by": None}
     if s["schedule"] is not None:
         try:
             chosen = call.op.schedule(s["schedule"])
@@ -102,45 +102,29 @@ def signature(call: Call, s: dict) -> dict:
 
 def signed(call: Call, s: dict) -> tuple[dict, int]:
     """``(signature, digest)`` of ``call`` under settings ``s``, a forced schedule checked
-    against the call's epilogue first (no communication yet): made once per (call key,
-    settings, role) and then looked up, since they depend on nothing else. (A signature field
-    that is not a function of those, say another one set on the Call after ``prepare``, must
-    join the lookup's key.)"""
-    seen = call.reuse.signed.get((id(s), call.role))
-    if seen is not None and seen[0] is s:   # (the entry holds s: its id is not reused)
-        return seen[1], seen[2]
+    against the call's epilogue first (no communication yet)."""
     if s["schedule"] is not None and call.world > 1:
         why = epilogue_reason(s["schedule"], call.problem)
         if why:
             raise InvalidArgumentError(f"schedule {s['schedule']!r} cannot run this call: {why}")
     sig = signature(call, s)
-    word = agreement.digest(sig)
-    if len(call.reuse.signed) >= 16:
-        call.reuse.signed.clear()
-    call.reuse.signed[(id(s), call.role)] = (s, sig, word)
-    return sig, word
+    return sig, agreement.digest(sig)
 
 
-def _joined(call: Call, exc: BaseException, via: str | None) -> None:
-    """After a MismatchError of an agreement exchange that peers joined from their per-call
-    check (``via`` is this rank's own check, None when it opened the exchange): complete the
-    check collective they left in flight, and drop the workspace whose pads their barriers
-    wrote, so the ranks are in step again (every rank sees the same ``exc.joined``)."""
-    joined = getattr(exc, "joined", None)
-    if not joined:
-        return
-    if joined["ccl"] and via != "ccl":
-        guard.flush_check(call)
-    if joined["dma"] and via != "dma":       # a dma check drops its workspace as it fails
-        workspace.drain(call.backend, cancel=True)
-        workspace.drop(call.group, call.backend)
+class _Answer:
+    """What a call's first dma barrier runs while it waits (:func:`ficco.agreement.answer`),
+    made once per Prepared; ``number`` is set per call (calls on one session are
+    serialised). It holds the session, never the group (which the session holds weakly)."""
 
+    __slots__ = ("number", "session", "signature")
 
-def _answer(call: Call, sig: dict, via: str):
-    """What a per-call check runs while it waits (see ficco.agreement.answer)."""
-    def answer():
-        agreement.answer(call.group, call.rank, call.world, sig, via)
-    return answer
+    def __init__(self, call: Call, sig: dict):
+        self.session, self.signature, self.number = call.session, sig, 0
+
+    def __call__(self) -> None:
+        session = self.session
+        agreement.answer(session.group, session.rank, session.world, self.signature,
+                         self.number)
 
 
 # -- running ----------------------------------------------------------------------------------------
@@ -149,58 +133,85 @@ def run(call: Call, schedule: str | None = None, transport: str | None = None,
     """The eager implementation of every op: the caller's result for ``call``.
 
     ``schedule``/``transport``/``selector`` override the settings (argument > env > selector).
-    Calls on one group are serialised (one at a time per process); a call that fails after
-    communication began leaves the group refusing further calls until ``ficco.shutdown()``
-    on every rank (or, after a failed ``ccl`` collective, until the group is destroyed).
+    Calls on one group are serialised (one at a time per process); a call that fails after it
+    could have communicated, or whose ranks disagree, leaves the group refusing further calls
+    until ``ficco.shutdown()`` on every rank (after a failed ``ccl`` plan, until the group is
+    destroyed): see :mod:`ficco.guard`.
     """
     if not profiling.recording():
-        return _run(call, schedule, transport, selector)
+        return _run(call, schedule, transport, selector, False)
     with profiling.call_range(call.op.name, call.problem):
-        return _run(call, schedule, transport, selector)
+        return _run(call, schedule, transport, selector, True)
 
 
-def _run(call: Call, schedule, transport, selector):
-    s = settings(call, schedule, transport, selector)
-    if call.world == 1:
-        return call.op.plain(call)
-    lock = guard.enter(call, s["timeout_s"])   # one call per group at a time; not poisoned
+def abandoned(group) -> None:
+    """A call that failed on this rank before it reached :func:`run` (its arguments, say) still
+    takes its number in the group's sequence of calls, so its peers' same call can never pair
+    with this rank's next one (see ficco.session). Never raises."""
     try:
-        workspace.settle(call.backend)   # before any communication of this call
-        sig, word = signed(call, s)
-        # check: the per-call check running (None: the agreement; "ccl": the check collective;
-        # "dma": the plan, whose first barrier checks)
-        stage = {"transport": None, "schedule": None, "step": "the first-call agreement",
-                 "check": None}
+        channel = channel_of(resolve(group))
+    except Exception:  # noqa: BLE001 - no group to name: nothing was numbered there either
+        return
+    if channel is not None:
+        channel.take()
+
+
+def _run(call: Call, schedule, transport, selector, profiled: bool):
+    if call.world == 1:
+        settings(call, schedule, transport, selector)   # validated alike
+        return call.op.plain(call)
+    session, channel = call.session, call.session.channel
+    assert channel is not None             # (a group of more than one rank has one)
+    known = call.known
+    run_key = (config.snapshot(), call.role, schedule, transport, selector)
+    prepared: Prepared | None = None if known is None else known.prepared.get(run_key)
+    lock = session.lock
+    try:
+        s = prepared.settings if prepared is not None else \
+            settings(call, schedule, transport, selector)
+        # One call per group at a time (bounded), and none on a poisoned group.
+        if not lock.acquire(timeout=s["timeout_s"]):
+            raise session.busy(call.op.name, s["timeout_s"])
+        if session.poisoned is not None:
+            lock.release()
+            raise session.refusal()
+    except BaseException:
+        channel.take()      # refused on this rank: it still took its place (ficco.session)
+        raise
+    # This call's place in the group's sequence, in the order calls run (the lock's): two
+    # threads of a rank take numbers in the order their calls pair with the peers'.
+    number = channel.number = next(channel.numbers)
+    stage = guard.Stage()
+    try:
         try:
-            agreed = agreement.confirm_same_call(call.group, call.rank, call.world, sig,
-                                                 call.op.name, word)
-            if call.op.exchanges:
-                stage["step"] = "the exchange of the call's data"
-                call, word = call.op.exchange(call, word)   # e.g. expert routing counts
-            stage["step"] = None
-            if s["disable"] or call.plain_only:
-                stage.update(transport="ccl", schedule="plain", check="ccl",
-                             step="the call check before the plain path")
-                # The plain path is a collective too: check the call like every ccl call.
-                guard.check_word_ccl(call, word, sig)
-                stage["step"] = "the plain path's collective"
+            exchanged = prepared is None or prepared.digest not in channel.agreed
+            if exchanged or prepared is None:
+                prepared, call, word, exchanged = _prepare(call, s, number, stage)
+                # (a decision made without measuring where the selector measures, a rank that
+                # could not time, is not kept: the next call measures)
+                if known is not None and not call.op.exchanges and (
+                        prepared.decision is None or prepared.decision.final):
+                    if len(known.prepared) >= _PREPARED_PER_KEY:
+                        known.prepared.clear()
+                    known.prepared[run_key] = prepared
+            else:       # (agreement.mixed, written out: the warm path)
+                word = (prepared.digest ^ (number * agreement.MIX)) & agreement.MASK
+            decision = prepared.decision
+            if decision is None:      # FICCO_DISABLE, or nothing to overlap
+                stage.transport, stage.schedule = "ccl", "plain"
+                stage.step = "the call check before the plain path"
+                if not exchanged:     # the plain path is a collective too: check the call
+                    agreement.check(channel, call.group, call.rank, call.world,
+                                    prepared.digest, number, call.op.name)
+                stage.step, stage.pending = "the plain path's collective", True
                 return call.op.plain(call)
-            # (at a key's first sight a measuring selector runs the call's candidates here)
-            stage["step"] = "choosing its schedule"
-            decision = decide(call, s, agreed, word)
-            stage.update(transport=decision.transport, schedule=decision.schedule,
-                         step="the call check before the plan", check=decision.transport)
-            if decision.transport == "ccl":
-                guard.check_word_ccl(call, word, sig)
-            stage["step"] = None      # from here the executor names the plan step
-            buffers, _, _ = execute(call, decision.schedule, decision.transport, word=word,
-                                    settings=s, answer=_answer(call, sig, "dma"))
+            buffers = _execute(session, call, prepared, word, number, exchanged, stage,
+                               profiled)
+            session.last = decision
             return call.op.result(call, buffers, decision.transport)
         except BaseException as exc:
-            if isinstance(exc, MismatchError):
-                _joined(call, exc, stage["check"])
-            named = guard.failed(call, _described(call, exc, word), stage["transport"],
-                                 stage["schedule"], stage["step"])
+            digest = None if prepared is None else prepared.digest
+            named = guard.failed(call, _described(call, exc, number, digest), stage)
             if named is exc:
                 raise
             raise named from exc
@@ -208,18 +219,106 @@ def _run(call: Call, schedule, transport, selector):
         lock.release()
 
 
-def _described(call: Call, exc: BaseException, word: int) -> BaseException:
+def _prepare(call: Call, s: dict, number: int, stage: guard.Stage):
+    """The first sight of a call key under settings ``s`` (or a call whose routing is data):
+    its signature agreed with every rank (an exchange when its digest is new to the group),
+    the call's data exchanged (expert routing), its decision, plan and compiled plan.
+    Returns ``(Prepared, the completed call, the call's word, whether it exchanged)``."""
+    sig, digest = signed(call, s)
+    channel = call.session.channel
+    assert channel is not None
+    sequence = channel.sequence
+    stage.step = "the first-call agreement"
+    agreed = agreement.confirm_same_call(call.group, call.rank, call.world, sig, call.op.name,
+                                         digest, number)
+    word = agreement.mixed(digest, number)
+    if call.op.exchanges:
+        stage.step = "the exchange of the call's data"
+        call, word = call.op.exchange(call, word)      # e.g. expert routing counts
+    # Exchanged: the agreement, or the call's data (a routing handed in exchanges nothing):
+    # then every rank's call was compared at this place in the sequence, no check is needed.
+    exchanged = channel.sequence != sequence
+    stage.step = None
+    decision = plan = compiled = nbytes = None
+    problem = call.problem
+    if not (s["disable"] or call.plain_only):
+        problem = call.op.agreed_problem(call, agreed.per_rank)
+        # (at a key's first sight a measuring selector runs the call's candidates here)
+        stage.step = "choosing its schedule"
+        decision = _decide(call, s, agreed, problem, Live(call, s, digest, number))
+        stage.step = None
+        plan, compiled = _plan(call.session, call.op, decision.schedule, decision.transport,
+                               call.problem, s["copy_engines"])
+        if decision.transport == "dma":
+            nbytes = call.op.workspace_bytes(call)
+    template = call.known.template if call.known is not None else None
+    prepared = Prepared(template, s, sig, digest, agreed, problem, decision, plan, compiled,
+                        nbytes, plan is not None and plan.wide_outputs(), _Answer(call, sig))
+    return prepared, call, word, exchanged
+
+
+def _execute(session: Session, call: Call, prepared: Prepared, word: int, number: int,
+             exchanged: bool, stage: guard.Stage, profiled: bool):
+    """Run ``call``'s prepared plan: the dma workspace (grown if needed, its barriers' call
+    flag made from the call's ``word``: digest and number), the op's buffers, then (ccl, a
+    call not just agreed by an exchange) the call check, then the plan. The buffers come
+    before the check: a rank that cannot allocate leaves no collective of this call pending
+    in its peers. Returns the buffers."""
+    decision, backend = prepared.decision, call.backend
+    transport = stage.transport = decision.transport
+    stage.schedule = decision.schedule
+    symm = None
+    if transport == "dma":
+        nbytes = prepared.workspace_bytes or 0
+        if backend.guards_dma:
+            # Before allocating or enqueuing: a capture the backend cannot replay, or an error
+            # the group owes from an earlier call (GPUs), is raised with nothing sent.
+            backend.before_dma(session.workspace, nbytes)
+        symm = session.workspace
+        if symm is None or symm.nbytes < nbytes:
+            stage.step = "allocating the dma workspace"
+            symm = workspace.get(session, nbytes)
+        symm.call_flag = word % 0x7FFFFFFF + 1      # (barrier.call_flag, written out)
+        answer = symm.first_wait = prepared.answer
+        answer.number = number
+    stage.step, stage.local = "allocating the call's buffers", True
+    buffers = call.op.buffers(call, transport, symm, wide=prepared.wide, plan=prepared.plan)
+    if prepared.settings["poison"]:
+        call.op.poison(buffers)
+    stage.local = False
+    if transport == "ccl" and not exchanged:
+        stage.step = "the call check before the plan"
+        channel = session.channel
+        assert channel is not None
+        agreement.check(channel, call.group, call.rank, call.world, prepared.digest, number,
+                        call.op.name)
+    stage.step, stage.pending = None, transport == "ccl"
+    execute_plan(prepared.compiled, backend, buffers, timeout_s=prepared.settings["timeout_s"],
+                 lane=session.lane or session.queues_lane(), profiled=profiled)
+    if symm is not None and backend.guards_dma:
+        # GPUs: NaN instead of data if the watchdog had to release one of this call's barriers.
+        backend.fence([*buffers.outs, buffers.gathered], symm)
+    return buffers
+
+
+def _described(call: Call, exc: BaseException, number: int, digest: int | None
+               ) -> BaseException:
     """A barrier's MismatchError (it knows only the peers' call flags) with the calls those
-    flags stand for, as this rank agreed them (their op, role and shapes)."""
+    flags stand for, as this rank agreed them (their op, role, shapes and call number), and
+    this rank's call (``digest``)."""
     flags = getattr(exc, "flags", None)
     if not flags:
         return exc
+
+    def flag_of(word, at):
+        return call_flag(agreement.mixed(word, at))
+
     calls = "; ".join(f"rank {peer}: " + agreement.describe(call.group, flag=flag,
-                                                            flag_of=call_flag)
+                                                            flag_of=flag_of, near=number)
                       for peer, flag in sorted(flags.items()))
-    named = MismatchError(f"{exc}. The peers' calls: {calls}; this rank's: "
-                          f"{agreement.describe(call.group, word)}")
-    return agreement.consistent(named)
+    mine = agreement.describe(call.group, digest)
+    return MismatchError(f"{exc}. The peers' calls: {calls}; this rank's: {mine}, as its call "
+                         f"{number}")
 
 
 def candidate_transports(setting: str, same_host: bool) -> tuple[str, ...]:
@@ -230,64 +329,144 @@ def candidate_transports(setting: str, same_host: bool) -> tuple[str, ...]:
     return ("dma", "ccl") if same_host else ("ccl",)
 
 
-def decide(call: Call, s: dict, agreed: agreement.Agreed, word: int | None = None):
+def decide(call: Call, s: dict, agreed: agreement.Agreed):
     """The Decision for ``call`` (identical on every rank: selectors see no rank, and the
     problem they see has each per-rank width at its widest, as ``agreed``), made once per
-    (op, that problem's key, backend target, candidate transports, deciding settings, group)
-    and then looked up (LRU). Every part of the key is agreed across ranks, and a decision is a pure
-    function of it (what ``auto`` and ``tune`` measure is collective, agreed and cached by
-    them), so a rank that forgot a decision the others kept reaches the same one again. A
-    decision made without measuring where the selector measures (a rank could not time) is
-    not kept: the next call measures. ``word``: the call's digest, which a measured run checks
-    as the call itself does (see :class:`_Live`)."""
+    (op, that problem's key, backend target, candidate transports, deciding settings) and then
+    looked up (LRU, on the call's session: each group decides, and measures, for itself).
+    Every part of the key is agreed across ranks, and a decision is a pure function of it
+    (what ``auto`` and ``tune`` measure is collective, agreed and cached by them), so a rank
+    that forgot a decision the others kept reaches the same one again. A decision made
+    without measuring where the selector measures (a rank could not time) is not kept: the
+    next call measures. (Outside a numbered call: a measured run carries no call check.)"""
+    return _decide(call, s, agreed, call.op.agreed_problem(call, agreed.per_rank),
+                   Live(call, s))
+
+
+def _decide(call: Call, s: dict, agreed, problem, live: Live):
     transports = candidate_transports(s["transport"], agreed.same_host)
-    seen = call.reuse.agreed
-    if seen is not None and seen[0] is agreed:   # a function of the call key and agreed
-        problem, problem_key = seen[1], seen[2]
-    else:
-        problem = call.op.agreed_problem(call, agreed.per_rank)
-        problem_key = problem.key()
-        call.reuse.agreed = (agreed, problem, problem_key)
-    # (the group too: a measuring selector's first sight on a group is collective, so a rank
-    # must not skip it because it decided this problem in another group)
-    key = (call.op.name, problem_key, call.target, transports, _DECIDING(s), call.group_key)
-    with _decisions_lock:
-        decision = _decisions.get(key)
-        if decision is not None:
-            _decisions.move_to_end(key)
-            return decision
+    problem = _decided_as(problem)
+    key = (call.op.name, problem.key(), call.target, transports, _DECIDING(s))
+    decisions = call.session.decisions
+    decision = decisions.get(key)
+    if decision is not None:
+        decisions.move_to_end(key)
+        return decision
     from .heuristics import choose
 
     decision = choose(problem, transport=transports, target=call.target,
                       selector=s["selector"], forced=s["schedule"], forced_by=s["schedule_by"],
-                      live=_Live(call, s, word))
+                      live=live)
+    if isinstance(problem, Problem) and problem.m > EXACT_ROWS and decision.selector != "forced":
+        decision = dataclasses.replace(decision, reason=f"{decision.reason} (decided at "
+                                       f"m={problem.m}: every m of its bucket takes it)")
     if decision.final:
-        with _decisions_lock:
-            _decisions[key] = decision
-            while len(_decisions) > _DECISION_LIMIT:
-                _decisions.popitem(last=False)
+        decisions[key] = decision
+        while len(decisions) > sessions.DECISIONS_KEPT:
+            decisions.popitem(last=False)
     return decision
 
 
-class _Live:
-    """This call's group as a measuring selector sees it (ficco.heuristics.measured.Live):
-    runs of the call with its own operands, timed by the backend (CUDA/HIP events on GPUs),
-    and exchanges through the group's store. A run is what the call would do after deciding:
-    with the call's digest (``word``), the ccl call check, the plan and the result's layout,
-    so a transport's per-call check is in its time."""
+def _decided_as(problem):
+    """The problem whose decision ``problem`` takes: a dense op's rows in their bucket
+    (:meth:`ficco.problem.Problem.decided_as`: a new sequence length mostly finds its decision
+    made); other problems (the expert ops', already bucketed by routing) as they are."""
+    return problem.decided_as() if isinstance(problem, Problem) else problem
 
-    def __init__(self, call: Call, s: dict, word: int | None):
-        self.call, self.settings, self.word = call, s, word
-        self.scope = call.group_key
+
+def plan_for(op, name: str, transport: str, problem, engines=..., session=None):
+    """The Plan of schedule ``name`` of ``op`` (an op spec, or a Call) for ``problem``,
+    cached (LRU) on ``session`` (a Call's own by default; none: made afresh); ``engines``: the
+    FICCO_COPY_ENGINES value the call read (default: read it now)."""
+    if isinstance(op, Call):
+        session, op = session or op.session, op.op
+    if engines is ...:
+        engines = config.copy_engines()
+    if session is None:
+        return op.schedule(name).plan(problem, transport, engines)
+    return _plan(session, op, name, transport, problem, engines)[0]
+
+
+def _plan(session: Session, op, name: str, transport: str, problem, engines) -> tuple:
+    """``(plan, compiled plan)`` from the session's LRU."""
+    key = (op.name, name, transport, problem, engines)
+    plans = session.plans
+    found = plans.get(key)
+    if found is not None:
+        plans.move_to_end(key)
+        return found
+    plan = op.schedule(name).plan(problem, transport, engines)
+    if config.log_level() == "debug":
+        counts: dict[str, int] = {}
+        for item in plan.ops:
+            counts[item.kind] = counts.get(item.kind, 0) + 1
+        logs.ready().debug(
+            "ficco plan rank %d: %s %s over %s, %d ops %s", problem.rank, op.name, name,
+            transport, len(plan.ops), counts)
+    found = plans[key] = (plan, compile_plan(plan))
+    while len(plans) > sessions.PLANS_KEPT:
+        plans.popitem(last=False)
+    return found
+
+
+def execute(call: Call, name: str, transport: str, trace: bool = False,
+            settings: dict | None = None, word: int | None = None):
+    """Run schedule ``name`` over ``transport`` once, outside the call's own run (the
+    measuring selectors' runs, traces): returns (buffers, plan, trace rows). Every rank runs
+    the same call here, so its barriers carry one flag on every rank: the call's (``word``:
+    its digest and number, as the call's own run carries it), else one for every such run.
+    The caller holds the session."""
+    if settings is None:
+        engines, poison, timeout_s = config.copy_engines(), config.poison(), config.timeout_s()
+    else:
+        engines, poison, timeout_s = _RUNNING(settings)
+    session = call.session
+    plan, compiled = _plan(session, call.op, name, transport, call.problem, engines)
+    symm = None
+    if transport == "dma":
+        nbytes = call.op.workspace_bytes(call)
+        if call.backend.guards_dma:
+            call.backend.before_dma(session.workspace, nbytes)
+        symm = workspace.get(session, nbytes)
+        symm.call_flag = call_flag(word)
+        symm.first_wait = None
+    buffers = call.op.buffers(call, transport, symm, wide=plan.wide_outputs(), plan=plan)
+    if poison:
+        call.op.poison(buffers)
+    rows = execute_plan(compiled, call.backend, buffers, timeout_s=timeout_s, trace=trace,
+                        lane=session.lane or session.queues_lane())
+    if symm is not None and call.backend.guards_dma:
+        call.backend.fence([*buffers.outs, buffers.gathered], symm)
+    return buffers, plan, rows
+
+
+class Live:
+    """This call's group as a measuring selector (``auto``, ``tune``) sees it
+    (:class:`ficco.heuristics.measured.Live`), through the call's session: runs of the call
+    with its own operands on the session's queues, timed by the backend (CUDA/HIP events on
+    GPUs); exchanges through the group's store; the session's set of agreed cache entries. A
+    run is what the call would do once decided: with the call's flag (``digest`` and
+    ``number``) on its dma barriers, or the ccl call check, then the plan and the result's
+    layout, so a transport's per-call cost is in its time. Every rank runs the same runs in
+    the same order (the selectors' order), each one collective."""
+
+    def __init__(self, call: Call, s: dict, digest: int | None = None, number: int = 0):
+        self.call, self.settings, self.digest, self.number = call, s, digest, number
+        self.word = None if digest is None else agreement.mixed(digest, number)
+        self.agreed = call.session.measured
 
     def run(self, name: str, transport: str) -> float:
-        return self.call.backend.time_run(lambda: self._call(name, transport))
+        session = self.call.session
+        return self.call.backend.time_run(lambda: self._call(name, transport),
+                                          session.lane or session.queues_lane())
 
     def _call(self, name: str, transport: str) -> None:
         call = self.call
-        if transport == "ccl" and self.word is not None:
-            guard.check_word_ccl(call, self.word)
-        buffers, _, _ = execute(call, name, transport, word=self.word, settings=self.settings)
+        channel = call.session.channel
+        if transport == "ccl" and self.digest is not None and channel is not None:
+            agreement.check(channel, call.group, call.rank, call.world, self.digest,
+                            self.number, call.op.name)
+        buffers, _, _ = execute(call, name, transport, settings=self.settings, word=self.word)
         call.op.result(call, buffers, transport)
 
     def everyone(self, value) -> list:
@@ -303,104 +482,36 @@ class _Live:
         return self.call.backend.timing_blocked()
 
 
-def plan_for(call_or_op, name: str, transport: str, problem, engines=...):
-    """The (cached, LRU) Plan of schedule ``name`` for ``problem``; ``engines``: the
-    FICCO_COPY_ENGINES value the call read (default: read it now)."""
-    op = getattr(call_or_op, "op", call_or_op)
-    if engines is ...:
-        engines = config.copy_engines()
-    key = (op.name, name, transport, problem, engines)
-    with _plans_lock:
-        plan = _plans.get(key)
-        if plan is not None:
-            _plans.move_to_end(key)
-            return plan
-    plan = op.schedule(name).plan(problem, transport, engines)
-    if config.log_level() == "debug":
-        counts: dict[str, int] = {}
-        for item in plan.ops:
-            counts[item.kind] = counts.get(item.kind, 0) + 1
-        logs.ready().debug(
-            "ficco plan rank %d: %s %s over %s, %d ops %s", problem.rank, op.name, name,
-            transport, len(plan.ops), counts)
-    with _plans_lock:
-        _plans[key] = plan
-        while len(_plans) > _PLAN_LIMIT:
-            _plans.popitem(last=False)
-    return plan
-
-
-def execute(call: Call, name: str, transport: str, trace: bool = False,
-            word: int | None = None, settings: dict | None = None, answer=None):
-    """Run schedule ``name`` over ``transport`` once: returns (buffers, plan, trace rows).
-    With ``word`` (the call's digest) a dma run's barriers carry its call flag, so ranks making
-    different calls raise MismatchError on every rank at the plan's first barrier (see
-    :mod:`ficco.symm_mem.barrier`); without it (benchmarks) every rank uses the same flag.
-    ``settings``: the call's (:func:`settings`), else the knobs are read now. The caller has
-    settled the backend's queues (``workspace.settle``). ``answer``: what that first barrier
-    runs while it waits (ficco.agreement.answer)."""
-    if settings is None:
-        engines, poison, timeout_s = config.copy_engines(), config.poison(), config.timeout_s()
-    else:
-        engines, poison, timeout_s = _RUNNING(settings)
-    plan = plan_for(call, name, transport, call.problem, engines)
-    _last.run = (name, transport)
-    symm = None
-    if transport == "dma":
-        nbytes = call.reuse.workspace_bytes
-        if nbytes is None:
-            nbytes = call.reuse.workspace_bytes = call.op.workspace_bytes(call)
-        if call.backend.guards_dma:
-            # Before allocating or enqueuing: a capture the backend cannot replay, or an error
-            # the group owes from an earlier call (GPUs), is raised with nothing sent.
-            call.backend.before_dma(workspace.current(call.group, call.backend), nbytes)
-        symm = workspace.get(call.group, call.backend, nbytes, call.group_key)
-        symm.call_flag = call_flag(word)
-        symm.first_wait = answer
-    buffers = call.op.buffers(call, transport, symm, wide=plan.wide_outputs(), plan=plan)
-    if poison:
-        call.op.poison(buffers)
-    try:
-        rows = execute_plan(plan, call.backend, buffers, timeout_s=timeout_s, trace=trace)
-    except BaseException:
-        if transport == "ccl" and call.backend.name == "cpu":
-            # No workspace in use; a collective stuck on a late peer would hold the error
-            # one more FICCO_TIMEOUT: drain on a helper thread, the next call waits for it.
-            # (GPU streams are still synchronised here, on the caller's thread.)
-            workspace.drain_in_background(call.backend)
-            raise
-        # Queues may still touch the workspace, and its barrier generations may now differ
-        # across ranks: stop the queues, then drop it (unmapped only once they drained).
-        workspace.drain(call.backend, cancel=True)
-        workspace.drop(call.group, call.backend)
-        raise
-    if symm is not None and call.backend.guards_dma:
-        # GPUs: NaN instead of data if the watchdog had to release one of this call's barriers.
-        call.backend.fence([*buffers.outs, buffers.gathered], symm)
-    return buffers, plan, rows
-
-
-_RUNNING = operator.itemgetter("copy_engines", "poison", "timeout_s")
-
-
 def traced(call: Call, schedule: str, transport: str | None = None):
     """One run with a forced schedule: ``(result, plan, rows)``, rows being this rank's
     measured per-op ``{op_index, queue, kind, label, start_s, end_s}`` (for timelines)."""
     s = settings(call, schedule, transport)
-    sig, word = signed(call, s)
-    lock = guard.enter(call, s["timeout_s"])
+    if call.world == 1:
+        buffers, plan, rows = execute(call, call.op.schedule(schedule).name, "ccl", trace=True,
+                                      settings=s)
+        return call.op.result(call, buffers, "ccl"), plan, rows or []
+    session = call.session
+    assert session.channel is not None
     try:
-        workspace.settle(call.backend)
-        same_host = agreement.confirm_same_call(
-            call.group, call.rank, call.world, sig, call.op.name, word).same_host \
-            if call.world > 1 else True
-        if call.world > 1 and call.op.exchanges:
-            call, _ = call.op.exchange(call, word)
+        sig, word = signed(call, s)
+        lock = session.enter(call.op.name, s["timeout_s"])
+    except BaseException:
+        session.channel.take()
+        raise
+    number = session.channel.take()
+    stage = guard.Stage(step="the first-call agreement")
+    try:
+        same_host = agreement.confirm_same_call(call.group, call.rank, call.world, sig,
+                                                call.op.name, word, number).same_host
+        if call.op.exchanges:
+            call, _ = call.op.exchange(call, agreement.mixed(word, number))
         via = candidate_transports(s["transport"], same_host)[0]
+        stage.transport, stage.schedule, stage.step = via, schedule, None
+        stage.pending = via == "ccl"
         buffers, plan, rows = execute(call, call.op.schedule(schedule).name, via, trace=True,
                                       settings=s)
     except BaseException as exc:
-        named = guard.failed(call, exc, None)
+        named = guard.failed(call, exc, stage)
         if named is exc:
             raise
         raise named from exc
@@ -423,8 +534,10 @@ def explain(call: Call, schedule: str | None = None):
     known = agreement.known(call.group, sig) if call.world > 1 else None
     transports = candidate_transports(s["transport"], True if known is None else
                                       known.same_host)
-    # The widths every rank agreed on, once agreed (before: this rank's own).
-    problem = call.problem if known is None else call.op.agreed_problem(call, known.per_rank)
+    # The widths every rank agreed on, once agreed (before: this rank's own); the rows in
+    # their decision bucket, as the call decides.
+    problem = _decided_as(call.problem if known is None else
+                          call.op.agreed_problem(call, known.per_rank))
     decision = choose(problem, transport=transports, target=call.target,
                       selector=s["selector"], forced=s["schedule"], forced_by=s["schedule_by"])
     if known is None and s["transport"] == "auto" and call.world > 1:
@@ -434,27 +547,19 @@ def explain(call: Call, schedule: str | None = None):
     return decision
 
 
-def last_run() -> tuple[str, str] | None:
-    """(schedule, transport) of this thread's last multi-rank run, for tests and logs."""
-    return getattr(_last, "run", None)
+def last_run(group=None) -> tuple[str, str] | None:
+    """(schedule, transport) of the last multi-rank call on ``group`` (None: the default
+    group) in this process, from its session (``ficco.session_of(group).last``)."""
+    from .backends import get_backend
+
+    found = peek(resolve(group), get_backend())
+    last = None if found is None else found.last
+    return None if last is None else (last.schedule, last.transport)
 
 
 def shutdown() -> None:
-    """Release workspaces, symmetric allocations, queues, cached plans and agreements."""
-    from .backends import _active
-
-    for backend in list(_active.values()):
-        workspace.drain(backend, cancel=True)
-        workspace.release_all(backend)
-    workspace.release_all()
-    with _plans_lock:
-        _plans.clear()
-    with _decisions_lock:
-        _decisions.clear()
-    from .heuristics import measured
-
-    measured.forget_groups()
-    agreement.forget()
-    forget_known_calls()
-    guard.reset()
+    """Drop every session whole (workspaces released once their queues drained, queues
+    closed, every call and decision forgotten), reset every group's channel, close the
+    backends. Local: a group is in step again once every rank called it (see ficco.session)."""
+    drop_all()
     close_all()

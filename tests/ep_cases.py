@@ -111,19 +111,21 @@ def ep_matrix(rank, world, experts, schedule, transport, seed, cases=2, shapes=(
 
 def send_counts_skip(rank, world, seed):
     """Combine with ``send_counts=`` (dispatch's counts) skips the counts exchange and gives the
-    same z; the number of store exchanges tells."""
-    from ficco import agreement
-
+    same z; the number of store exchanges tells (over dma, whose call check is the barriers'
+    flag: a ccl call check is a store exchange too)."""
+    ficco.shutdown()       # (the session remembers no dispatch of earlier cases)
     counts, xs, w, w2 = make_case(seed, world, 2)
     local = slice(rank * 2, rank * 2 + 2)
-    y, recv = ficco.all_to_all_grouped_mm(xs[rank], counts[rank], w[local])
-    # the first call of a signature is agreed in full; later ones only exchange counts
-    ficco.grouped_mm_all_to_all(y, recv, w2[local], send_counts=counts[rank])
-    before = dict(agreement._sequence)
-    z_skip = ficco.grouped_mm_all_to_all(y, recv, w2[local], send_counts=counts[rank])
-    skipped = dict(agreement._sequence) == before
-    z_full = ficco.grouped_mm_all_to_all(y, recv, w2[local])
-    exchanged = dict(agreement._sequence) != before
+    with config.scope(transport="dma"):
+        y, recv = ficco.all_to_all_grouped_mm(xs[rank], counts[rank], w[local])
+        # the first call of a signature is agreed in full; later ones only exchange counts
+        ficco.grouped_mm_all_to_all(y, recv, w2[local], send_counts=counts[rank])
+        channel = ficco.session_of().channel       # its exchanges through the group's store
+        before = channel.sequence
+        z_skip = ficco.grouped_mm_all_to_all(y, recv, w2[local], send_counts=counts[rank])
+        skipped = channel.sequence == before
+        z_full = ficco.grouped_mm_all_to_all(y, recv, w2[local])
+        exchanged = channel.sequence != before
     return skipped, exchanged, float((z_skip - z_full).abs().max()) if z_skip.numel() else 0.0
 
 
@@ -325,9 +327,10 @@ def moe_parity(rank, world, seed, experts_per_rank, compiled=False):
 
 def disagree_on_cached_calls(rank, world, seed):
     """Both widths agreed and cached, then rank 0 calls with the other one: the counts exchange
-    (which carries the call's digest) raises MismatchError on every rank; the next call in step
-    is right against float64."""
-    from ficco.errors import MismatchError
+    (which carries the call's digest) raises MismatchError on every rank; the next call is
+    refused (the group poisoned), and after ficco.shutdown() on every rank the next call in
+    step is right against float64."""
+    from ficco.errors import MismatchError, PoisonedGroupError
 
     counts, xs, w, _ = make_case(seed, world, 1)
     local = slice(rank, rank + 1)
@@ -343,7 +346,14 @@ def disagree_on_cached_calls(rank, world, seed):
         out.append("returned")
     except MismatchError as exc:
         out.append("mismatch" if "different" in str(exc) else str(exc))
+    try:
+        call(8)
+        out.append("returned")
+    except PoisonedGroupError:
+        out.append("refused")
+    ficco.shutdown()
     out.append(max_row_rel_err(call(8), y_ref))
+    ficco.shutdown()
     return out
 
 
@@ -418,7 +428,8 @@ def _moe_step(layer, reference, x, rank, world, backward=True):
 def moe_skip_one_backward(rank, world, seed, transport, skip_step=1):
     """An MoE layer (ficco.moe) trained against its unsharded twin; rank 1 skips the backward
     of ``skip_step`` (e.g. ``if torch.isfinite(loss):``). Returns (step, outcome) per step,
-    stopping at the first exception, then ("after", outcome) of one more full step."""
+    going on after what is raised, then ("after", outcome) of one more full step after
+    ``ficco.shutdown()`` on every rank (harness.check_skipped_backward)."""
     import pathlib
     import sys
 
@@ -438,9 +449,9 @@ def moe_skip_one_backward(rank, world, seed, transport, skip_step=1):
             try:
                 outcome = _moe_step(layer, reference, x, rank, world, backward=not skip)
             except Exception as exc:  # noqa: BLE001 - the test judges every kind
-                outcomes.append((step, f"{type(exc).__name__}: {exc}"))
-                break
+                outcome = f"{type(exc).__name__}: {exc}"     # caught: the loop goes on
             outcomes.append((step, "skipped backward" if skip else outcome))
+        ficco.shutdown()       # every rank resets: the group is in step again
         x = torch.randn(6 * world, 16, generator=torch.Generator().manual_seed(seed + 99))
         try:
             outcomes.append(("after", _moe_step(layer, reference, x, rank, world)))
@@ -488,4 +499,28 @@ def slow_grouped_gemms(rank, world, seed, schedule, transport):
             tasks.run_grouped = real
         out.append(round_trip())
     ficco.shutdown()
+    return out
+
+
+def cancellation_probe(rank, world, op, schedules, transport):
+    """bf16 rows of ones times weight columns whose K chunks sum to 257 then -256 (one chunk
+    of K/W columns each; 257 is not a bfloat16): summed in float32 and rounded once, every
+    output is exactly 1; a chunk's product rounded to bfloat16 first (257 -> 256) gives 0.
+    Returns {schedule: the distinct output values}, through dispatch (``op`` its name) or
+    the dense all-gather."""
+    experts, k = 2, 2 * world
+    column = torch.zeros(k, dtype=torch.float64)
+    column[:3] = torch.tensor([256.0, 1.0, -256.0])   # chunk 0: 256 + 1, chunk 1: -256
+    w = column.reshape(1, k, 1).expand(experts, k, 3).to(torch.bfloat16)
+    x = torch.ones(4, k, dtype=torch.bfloat16)
+    out = {}
+    with config.scope(transport=transport):
+        for name in schedules:
+            if op == "all_gather_matmul":
+                y = ficco.all_gather_matmul(x, w[0].contiguous(), schedule=name)
+            else:
+                counts = torch.tensor([1, 1] + [0] * (world * experts - 2))
+                counts[rank * experts] += 2
+                y, _ = ficco.all_to_all_grouped_mm(x, counts, w.contiguous(), schedule=name)
+            out[name] = sorted(set(y.float().flatten().tolist()))
     return out

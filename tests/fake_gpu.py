@@ -135,6 +135,7 @@ class Device:
         self.blocking: list[tuple[str, str]] = []    # (thread name, call) of blocking host calls
         self.cond = threading.Condition()
         self.stopped = False
+        self._retired: list = []   # commands run since every queue was last idle
         self._fifos = [queue_mod.SimpleQueue() for _ in range(hw_queues)]
         self._threads = [threading.Thread(target=self._loop, args=(f,), daemon=True,
                                           name=f"fakegpu-hwq{i}")
@@ -172,7 +173,18 @@ class Device:
             finally:
                 with self.cond:
                     stream.pending -= 1
+                    # The command's references (the tensors a host task closed over) live
+                    # until every queue is idle: a CUDA caching allocator hands a freed block
+                    # only to work ordered after the work that used it, whereas the CPU
+                    # allocator would hand it at once to a command of another queue while a
+                    # copy engine still reads it by address.
+                    self._retired.append(fn)
+                    drop = None
+                    if all(s.pending == 0 for s in list(self.streams.values())):
+                        drop, self._retired = self._retired, []
                     self.cond.notify_all()
+                fn = None
+                del drop
 
     def spin(self, ready, what: str) -> None:
         """Block the calling hardware queue until ``ready()`` (a stream wait)."""
@@ -495,8 +507,7 @@ def install(vendor: str = "cuda", hw_queues: int = 8, sms: int = 16):
     for name, value in patched.items():
         setattr(torch.cuda, name, value)
     os.environ["FICCO_BACKEND"] = vendor
-    with backends._lock:
-        backends._active[vendor] = backend_class(vendor)()
+    backends.install(vendor, backend_class(vendor)())
     return device
 
 
@@ -505,8 +516,7 @@ def uninstall() -> None:
 
     if "device" not in _state:
         return
-    with backends._lock:
-        backend = backends._active.pop(_state["vendor"], None)
+    backend = backends.install(_state["vendor"], None)
     if backend is not None:
         backend.close()
     _state["device"].stop()
@@ -523,9 +533,8 @@ def ensure(vendor: str = "cuda", hw_queues: int = 8) -> Device:
 
     if _state.get("vendor") != vendor or _state.get("hw_queues") != hw_queues:
         install(vendor, hw_queues)
-    elif vendor not in backends._active:
-        with backends._lock:
-            backends._active[vendor] = backend_class(vendor)()
+    elif not backends.installed(vendor):
+        backends.install(vendor, backend_class(vendor)())
     os.environ["FICCO_BACKEND"] = vendor
     return _device()
 

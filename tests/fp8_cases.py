@@ -260,8 +260,9 @@ def compat_ag_cases(rank, world, seed):
 
 def compat_rs_cases(rank, world, seed):
     """torch's RS cases (BATCH 8, M 64, N 16, K 32; scatter_dim 0/1; row-wise or tensor-wise;
-    "avg"; bf16 output), plus "sum" with a bias (torch adds it in every rank's GEMM) and A
-    flattened to 2-D with a 3-D output_shape."""
+    "avg"; bf16 output), plus "sum" and "avg" with a bias of each rank's own (torch adds it
+    in every rank's GEMM: the sum or mean of the ranks' biases) and A flattened to 2-D with a
+    3-D output_shape."""
     from ficco.compat import fused_scaled_matmul_reduce_scatter
 
     group_name = dist.group.WORLD.group_name
@@ -269,7 +270,7 @@ def compat_rs_cases(rank, world, seed):
     problems = []
     for scatter_dim in (0, 1):
         for rowwise in (True, False):
-            for variant in ("torch", "sum+bias", "flat"):
+            for variant in ("torch", "sum+bias", "avg+bias", "flat"):
                 gen = torch.Generator().manual_seed(seed + 11 * rank + scatter_dim)
                 a = torch.rand(batch, m, k, generator=gen).to(E4M3)
                 b = torch.rand(n, k, generator=gen).to(E4M3).T
@@ -280,9 +281,9 @@ def compat_rs_cases(rank, world, seed):
                     a_scale, b_scale = torch.tensor(0.1), torch.tensor(0.1)
                 shape = [batch, m, n]
                 reduce_op, bias, after = "avg", None, scatter_dim
-                if variant == "sum+bias":
-                    reduce_op = "sum"
-                    bias = torch.randn(n, generator=torch.Generator().manual_seed(seed)
+                if variant.endswith("+bias"):
+                    reduce_op = variant[:3]
+                    bias = torch.randn(n, generator=torch.Generator().manual_seed(seed + rank)
                                        ).bfloat16()
                 if variant == "flat":
                     a, after = a.flatten(0, 1), 0
@@ -302,11 +303,17 @@ def compat_rs_cases(rank, world, seed):
 
 def bad_scales(rank, world):
     """Rank 0 alone calls with a bad scale / bias: each raises InvalidArgumentError at once
-    (before any communication: rank 1 never calls); returns the messages."""
+    (before any communication: rank 1 never calls); returns the messages. A refused call
+    still takes its place in the group's sequence, so every rank resets after."""
+    try:
+        return _bad_scales(rank) if rank == 0 else []
+    finally:
+        ficco.shutdown()
+
+
+def _bad_scales(rank):
     from ficco.errors import InvalidArgumentError
 
-    if rank != 0:
-        return []
     a = torch.randn(4, 32).to(E4M3)
     b = torch.randn(32, 16).to(E4M3)
     one = torch.tensor(1.0)

@@ -131,13 +131,16 @@ def disagree(rank, world):
         ficco.matmul_reduce_scatter(torch.randn(rows, 6), torch.randn(6, 4), schedule="ring")
     except MismatchError as exc:
         return "mismatch" if "differ" in str(exc) or "different" in str(exc) else str(exc)
+    finally:
+        ficco.shutdown()      # a MismatchError poisons the group until every rank resets
     return "no error"
 
 
 def disagree_on_cached_shapes(rank, world, seed):
     """Both shapes agreed and cached, then rank 0 calls with the other one (dma): every rank
-    raises MismatchError at the plan's first barrier (the call flag), and the next calls in
-    step are right against float64."""
+    raises MismatchError at the plan's first barrier (the call flag); the next call is
+    refused (the group poisoned), and after ficco.shutdown() on every rank the calls in step
+    are right against float64."""
     gen = torch.Generator().manual_seed(seed)
     shapes = {"small": (4 * world, 6), "large": (6 * world, 6)}
     b = torch.randn(6, 5, generator=gen, dtype=torch.float64)
@@ -158,8 +161,9 @@ def disagree_on_cached_shapes(rank, world, seed):
 def stale_shape_mismatch(rank, call) -> list:
     """``call("small")`` and ``call("large")`` (each returns its error against float64), then
     rank 0 calls the other shape than its peers (dma: both agreed before), then all call
-    "small": [small error, large error, "mismatch" (or what happened), error after]."""
-    from ficco.errors import MismatchError
+    "small": [small error, large error, "mismatch" (or what happened), "refused" (the group
+    poisoned), error after ficco.shutdown()]."""
+    from ficco.errors import MismatchError, PoisonedGroupError
 
     out = []
     with config.scope(transport="dma", timeout=20):
@@ -169,6 +173,12 @@ def stale_shape_mismatch(rank, call) -> list:
             out.append("returned")
         except MismatchError as exc:
             out.append("mismatch" if "different call" in str(exc) else str(exc))
+        try:
+            call("small")
+            out.append("returned")
+        except PoisonedGroupError:
+            out.append("refused")
+        ficco.shutdown()
         out.append(call("small"))
     ficco.shutdown()
     return out
@@ -203,3 +213,23 @@ def selector_picks(rank, world, seed):
         out = ficco.matmul_reduce_scatter(a, b)
     return (paper.selector, paper.reason, decision.schedule, decision.transport,
             sorted(decision.scores), runtime.last_run(), max_row_rel_err(out, refs[0][rank]))
+
+
+def empty_inner_shapes(rank, world):
+    """Output shapes (and the backward's input-gradient shape) of a 3-D ``a`` whose inner
+    dimension is empty: no canonical rows, yet a scatter_dim of several rows."""
+    out = []
+    for shape, dim in (((2 * world, 0, 4), 0), ((world, 0, 4), 0), ((1, 0, 4), 0),
+                       ((3, 2 * world, 0), 1), ((0, world, 3), 1)):
+        train = shape[dim] % world == 0   # (training needs equal shards)
+        a = torch.randn(shape, requires_grad=train)
+        b = torch.randn(shape[-1], 5, requires_grad=train)
+        d = ficco.matmul_reduce_scatter(a, b, scatter_dim=dim)
+        want = list(shape[:-1]) + [5]
+        want[dim] = even_split(shape[dim], world)[rank][1]
+        grad = None
+        if train:
+            d.backward(torch.randn(d.shape))
+            grad = tuple(a.grad.shape)
+        out.append((tuple(d.shape) == tuple(want), grad in (None, shape)))
+    return out

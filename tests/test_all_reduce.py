@@ -216,10 +216,11 @@ def test_disagreement_on_a_cached_shape_raises_on_every_rank_then_runs_right():
     from .ar_cases import disagree_on_cached_shapes
 
     for name in ("one-shot-sm", "rs-ag-uniform-fused-1d"):
-        for small, large, mismatched, again in harness.pool(3).run(
+        for small, large, mismatched, refused, again in harness.pool(3).run(
                 disagree_on_cached_shapes, random.randrange(1 << 30), name):
             assert small < 1e-5 and large < 1e-5 and again < 1e-5, (name, small, large, again)
             assert mismatched == "mismatch", (name, mismatched)
+            assert refused == "refused", (name, refused)   # poisoned until every rank resets
 
 
 def test_dead_peer_makes_the_others_fail_within_the_timeout():

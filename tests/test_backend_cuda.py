@@ -67,8 +67,11 @@ def test_copy_2d_args_rejects_what_no_2d_copy_can_do():
     t = torch.randn(4, 6)
     with pytest.raises(InvalidArgumentError, match="same shape"):
         copy_2d_args(t[:, :2], t[:, :3])
-    with pytest.raises(InvalidArgumentError, match="contiguous rows"):
+    with pytest.raises(InvalidArgumentError, match="unit-stride, non-overlapping rows"):
         copy_2d_args(t.t()[:, :2], t.t()[:, 2:4])
+    # stride-0 rows (an expanded tensor): read past their one row as if pitched until issue 37
+    with pytest.raises(InvalidArgumentError, match="non-overlapping rows.*strides \\(0, 1\\)"):
+        copy_2d_args(t[:, :3], t[:1, :3].expand(4, 3))
 
 
 class Recorder:
@@ -392,9 +395,8 @@ def test_a_captured_workspace_is_never_closed():
             self.closed = True
 
     handle = Captured()
-    workspace._close(handle, None)
-    assert not handle.closed and handle in workspace._kept
-    workspace._kept.remove(handle)
+    workspace.close(handle, drained=True)
+    assert not handle.closed and workspace.kept(handle)
 
 
 def test_host_pad_registration_calls_match_cuda_python_signatures():

@@ -141,5 +141,5 @@ def test_images_say_simulated_or_measured_where():
     from unittest import mock
 
     with mock.patch.object(plt.Figure, "savefig", keep_text):
-        plots._save(plt.figure(), Path(tempfile.mkdtemp()) / "x.png", where=where)
+        plots.save_figure(plt.figure(), Path(tempfile.mkdtemp()) / "x.png", where=where)
     assert seen == [[where]]

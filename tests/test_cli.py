@@ -159,7 +159,7 @@ def test_sweep_refuses_a_scenario_too_big_for_memory(monkeypatch):
     text = str(info.value)
     assert "GiB per rank" in text and "--scale-nk" in text
     factor = int(text.split("--scale-nk ")[1].split()[0].rstrip(","))
-    fits = [sweep._shrunk(s, factor) for s in big]
+    fits = [sweep.shrunk(s, factor) for s in big]
     sweep.check_memory(fits, 2, "float32", torch.device("cpu"))     # the advice works
     worst = max(big, key=lambda s: sweep.memory_bytes(s, 2, "float32"))
     assert f"scenario {worst.name} " in text

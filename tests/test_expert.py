@@ -28,7 +28,7 @@ from ficco.expert.problem import (
 from ficco.heuristics import profiles, simulator
 from ficco.plan import Barrier
 
-from . import harness
+from . import ep_cases, harness
 from .ep_cases import (
     DTYPES,
     EP_OPS,
@@ -73,9 +73,9 @@ def test_plans_are_count_free_and_cached_across_routings():
     a = ExpertProblem(8, 4, 2, "float32", 3, 1, counts=representative(3, 2, 5, 1.0))
     b = ExpertProblem(8, 4, 2, "float32", 3, 1, counts=representative(3, 2, 40, 3.0))
     assert a == b and hash(a) == hash(b) and a.key() != b.key()
-    spec = ficco.ops.get(DISPATCH)
-    assert runtime.plan_for(spec, "hetero-fused-1d", "dma", a) is \
-        runtime.plan_for(spec, "hetero-fused-1d", "dma", b)
+    spec, kept = ficco.ops.get(DISPATCH), ficco.session_of()
+    assert runtime.plan_for(spec, "hetero-fused-1d", "dma", a, session=kept) is \
+        runtime.plan_for(spec, "hetero-fused-1d", "dma", b, session=kept)
 
 
 def test_buckets_and_summary():
@@ -212,12 +212,12 @@ def test_grouped_mm_and_gemm_loop_paths_agree_with_reference():
 
 
 def test_grouped_mm_takes_aligned_chunks_of_the_stacked_weights():
-    from ficco.expert.tasks import _grouped_view_runs
+    from ficco.expert.tasks import grouped_view_runs
 
     stacked = torch.randn(2, 72, 40)
-    assert _grouped_view_runs(stacked) and _grouped_view_runs(stacked[:, 24:48])
-    assert not _grouped_view_runs(stacked[:, :, 14:27])
-    assert _grouped_view_runs(stacked[:, :, 16:32])
+    assert grouped_view_runs(stacked) and grouped_view_runs(stacked[:, 24:48])
+    assert not grouped_view_runs(stacked[:, :, 14:27])
+    assert grouped_view_runs(stacked[:, :, 16:32])
 
 
 def test_float16_and_float64_too():
@@ -296,10 +296,11 @@ def test_ranks_that_disagree_all_get_mismatch():
 def test_disagreement_on_cached_calls_raises_on_every_rank():
     from .ep_cases import disagree_on_cached_calls
 
-    for first, shape, mismatched, again in harness.pool(3).run(disagree_on_cached_calls,
-                                                               random.randrange(1 << 30)):
+    for first, shape, mismatched, refused, again in harness.pool(3).run(
+            disagree_on_cached_calls, random.randrange(1 << 30)):
         assert first <= ROW_TOL[torch.float32] and again <= ROW_TOL[torch.float32]
         assert mismatched == "mismatch" and shape[1] == 4, (mismatched, shape)
+        assert refused == "refused", refused          # poisoned until every rank resets
 
 
 def test_explain_and_the_selector_cover_both_ops():
@@ -344,3 +345,14 @@ def test_a_grouped_gemm_longer_than_ficco_timeout_is_no_failure(schedule, transp
     for outcomes in results:
         for kind, value in outcomes:
             assert kind == "ok" and value <= 1e-4, results
+
+
+@pytest.mark.parametrize("op", ["all_to_all_grouped_mm", "all_gather_matmul"])
+def test_every_schedule_rounds_bf16_alike(op):
+    """Issue 37 item 7: the four 2d dispatch schedules rounded each K chunk's product to
+    bfloat16 before adding (257 -> 256, then - 256 = 0) where every other schedule sums in
+    float32 and rounds once (1). Every schedule of an op must give the same, exact 1."""
+    names = ficco.schedules.names(op=op)
+    for transport in ("dma", "ccl"):
+        for per_rank in harness.pool(2).run(ep_cases.cancellation_probe, op, names, transport):
+            assert per_rank == {name: [1.0] for name in names}, (transport, per_rank)

@@ -160,7 +160,7 @@ def _forced_without_triton(rank, world):
     k.triton_reason = lambda: "Triton is not installed: pip install 'ficco[triton]'"
     # Settings are validated once per environment; an install cannot change mid-process,
     # but this test fakes one, so forget what earlier cases on this pool validated.
-    ficco.runtime._settings_seen.clear()
+    ficco.shutdown()
     try:
         a, b = torch.randn(4, 8), torch.randn(8, 3)
         ficco.all_gather_matmul(a, b, schedule="gated-1d")

@@ -5,6 +5,7 @@ stream memory operations over host memory, IPC memory in /dev/shm."""
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 
@@ -181,3 +182,35 @@ def test_host_pads_of_a_gpu_handle_are_views_and_a_copy_is_caught():
     assert GpuSymmHandle.view_problems(handle) == []
     handle._pads = [pads[0], pads[1].clone()]
     assert GpuSymmHandle.view_problems(handle) == ["rank 1's host pad is not a view of its mapping"]
+
+
+def test_the_fake_device_frees_a_host_tasks_tensors_only_when_every_queue_is_idle():
+    """The fake GPU models a caching allocator: a tensor a host task closed over is not handed
+    back while another queue may still read it by address (a prepared copy). With the CPU
+    allocator's immediate reuse, rs-ag over ccl read another allocation's bytes under load
+    (selftest FAIL, error 0.1 - 1e32 on the fake GPU only)."""
+    import gc
+    import weakref
+
+    import torch
+
+    from . import fake_gpu
+
+    device = fake_gpu.install("cuda", 8)
+    try:
+        a, b = fake_gpu.FakeStream(device), fake_gpu.FakeStream(device)
+        gate = threading.Event()
+        t = torch.randn(64)
+        alive = weakref.ref(t)
+        a.enqueue(lambda held=t: held.sum())             # a host task holding t
+        b.enqueue(lambda: gate.wait(10))                # another queue, still busy
+        del t
+        a.synchronize()
+        gc.collect()
+        assert alive() is not None, "freed while queue b may still read it"
+        gate.set()
+        device.synchronize()
+        gc.collect()
+        assert alive() is None, "kept after every queue went idle"
+    finally:
+        fake_gpu.uninstall()

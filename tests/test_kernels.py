@@ -264,7 +264,7 @@ def test_traced_tiles_start_only_after_their_chunk_lands(two_d):
         assert torch.equal(covered, torch.ones_like(covered))
         early = _early_tiles(tiles, seen)
         if gated:
-            assert early == [], f"seed {seed}: tiles ahead of their flag: {early}"
+            assert early == [], f"seed {seed}: tiles ahead of their flag: {early} seen {seen}"
         else:
             assert len(early) == sum(1 for t in tiles if t["flags"])
 

@@ -104,3 +104,34 @@ def test_shard_rng_gives_each_sequence_shard_its_own_dropout_mask():
         assert 0.3 < float((gathered[name][0] == 0).float().mean()) < 0.7, name
     assert not same(gathered["shard"][0], gathered["shard, next"][0])
     assert same(gathered["shard"][0], gathered["shard, again"][0])
+
+
+def _draws_after_layers(rank, world, seed):
+    """Issue 37 item 10: layers of uneven widths (7 features over the ranks) must leave the
+    global RNG where every rank finds the same next numbers: ``from_linear`` draws nothing,
+    the constructors the same amount on every rank."""
+    import torch.distributed as dist
+
+    outcomes = []
+    for make in (lambda: fnn.ColumnParallelLinear.from_linear(nn.Linear(4, 7)),
+                 lambda: fnn.ColumnParallelLinear.from_linear([nn.Linear(4, 7), nn.Linear(4, 5)]),
+                 lambda: fnn.RowParallelLinear.from_linear(nn.Linear(7, 4)),
+                 lambda: fnn.ColumnParallelLinear(4, [7, 5]),
+                 lambda: fnn.RowParallelLinear(7, 4)):
+        torch.manual_seed(seed)
+        linear = nn.Linear(4, 7)   # drawn before, on every rank alike
+        layer = make()
+        mine = torch.rand(3)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+        outcomes.append(all(torch.equal(t, everyone[0]) for t in everyone))
+        # nn.Linear's bound, 1/sqrt(in_features) of the whole layer, on every shard
+        bound = 1 / layer.in_features ** 0.5
+        outcomes.append(all(float(p.abs().max()) <= bound for p in layer.parameters()))
+        del linear
+    return outcomes
+
+
+def test_building_layers_leaves_the_global_rng_in_step_across_ranks():
+    for outcomes in harness.pool(3).run(_draws_after_layers, random.randrange(1 << 20)):
+        assert outcomes == [True] * 10, outcomes

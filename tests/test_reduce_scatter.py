@@ -16,7 +16,7 @@ from ficco.plan import AllToAll, Barrier, Copy, Gemm, Reduce
 from ficco.problem import Problem
 from ficco.schedules.reduce_scatter import Ficco, Ring
 
-from . import harness
+from . import harness, rs_cases
 from .plan_checks import PlanCheckError, all_ranks, check_plans
 from .reference import ROW_TOL, max_row_rel_err
 from .rs_cases import DTYPES, SHAPES, make_inputs, run_matrix
@@ -215,10 +215,11 @@ def test_ranks_that_disagree_all_get_mismatch():
 def test_disagreement_on_a_cached_shape_raises_on_every_rank():
     from .rs_cases import disagree_on_cached_shapes
 
-    for small, large, mismatched, again in harness.pool(3).run(disagree_on_cached_shapes,
-                                                               random.randrange(1 << 30)):
+    for small, large, mismatched, refused, again in harness.pool(3).run(
+            disagree_on_cached_shapes, random.randrange(1 << 30)):
         assert small < 1e-5 and large < 1e-5 and again < 1e-5, (small, large, again)
         assert mismatched == "mismatch", mismatched
+        assert refused == "refused", refused          # poisoned until every rank resets
 
 
 def test_dead_peer_makes_the_others_fail_not_hang():
@@ -278,3 +279,11 @@ def test_bf16_partials_are_summed_in_fp32_except_by_the_process_groups_reduce_sc
 
     doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "reduce_scatter.md").read_text()
     assert "rounded at every addition" in doc and "serial" in doc, "docs/reduce_scatter.md"
+
+
+def test_an_empty_inner_dimension_keeps_the_scatter_dims_size():
+    """(1, 0, K) rows scattered along dim 0 have no canonical rows; the output still has this
+    rank's block of dim 0 (it had none: (0, 0, n), and the backward of an all-gather of such
+    shards failed to build its gradient)."""
+    for per_rank in harness.pool(2).run(rs_cases.empty_inner_shapes):
+        assert per_rank == [(True, True)] * 5

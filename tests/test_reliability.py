@@ -28,6 +28,8 @@ def _mismatched(rank, world, seed):
         ficco.all_gather_matmul(a, b, schedule="serial")
     except MismatchError as exc:
         return str(exc)
+    finally:
+        ficco.shutdown()      # a MismatchError poisons the group until every rank resets
     return "no error"
 
 
@@ -104,19 +106,16 @@ def _group_lifetime(rank, world, seed):
 
     import torch.distributed as dist
 
-    from ficco.backends import get_backend
-    from ficco.symm_mem import workspace
-
     group = dist.new_group(list(range(world)))
     shards, bs, _full, _refs = make_inputs(seed, world, (6, 8), (3,), torch.float32)
     with ficco.config.scope(transport="dma"):
         ficco.all_gather_matmul(shards[rank], bs[0], group, schedule="serial")
-    key = workspace.key_of(group, get_backend())
-    held = key in workspace._workspaces
+    session = ficco.session_of(group)        # (holds its group weakly)
+    held = session.workspace is not None
     dist.destroy_process_group(group)
     del group
     gc.collect()
-    return held, key in workspace._workspaces
+    return held, session.workspace is not None
 
 
 def test_destroying_a_group_releases_its_workspace():
@@ -173,7 +172,10 @@ def _disagree_on_cached_shapes(rank, world, seed, transport):
         shards, bs, _, refs = small if rank == 0 else large
         out.append(_outcome(lambda: ficco.all_gather_matmul(shards[rank], bs[0],
                                                             schedule="ring")))
-        shards, bs, _, refs = small                     # in step again: right again
+        shards, bs, _, refs = small       # the same call again: refused, the group poisoned
+        out.append(_outcome(lambda: ficco.all_gather_matmul(shards[rank], bs[0],
+                                                            schedule="ring")))
+        ficco.shutdown()                  # every rank resets: in step again, right again
         out.append(_outcome(lambda: max_row_rel_err(
             ficco.all_gather_matmul(shards[rank], bs[0], schedule="ring"), refs[0])))
     ficco.shutdown()
@@ -184,9 +186,10 @@ def _disagree_on_cached_shapes(rank, world, seed, transport):
 def test_disagreement_on_a_cached_shape_raises_on_every_rank(transport):
     results = harness.pool(2).run(_disagree_on_cached_shapes, random.randrange(1 << 30),
                                   transport)
-    for agreed_small, agreed_large, mismatched, again in results:
+    for agreed_small, agreed_large, mismatched, refused, again in results:
         assert agreed_small[0] == agreed_large[0] == "ok", results
         assert mismatched[0] == "raised" and mismatched[1].startswith("MismatchError"), results
+        assert refused[0] == "raised" and refused[1].startswith("PoisonedGroupError"), results
         assert again[0] == "ok" and again[1] <= 1e-4, results
 
 

@@ -391,7 +391,7 @@ def test_hipblaslt_auto_split_fills_at_most_one_wave_within_the_workspace():
         tiles = rng.randint(1, 4 * units)
         k = rng.randint(64, 1 << 18)
         area = rng.choice([64 * 64, 128 * 128, 256 * 256])
-        split = gemm._auto_gsu(MI300X, tiles, k, area)
+        split = gemm.auto_gsu(MI300X, tiles, k, area)
         assert split >= 1
         if split > 1:
             assert tiles * split <= units
@@ -435,7 +435,7 @@ def test_every_piece_of_one_gemm_is_as_exposed_to_contention_as_its_shard():
     piece and a fused step of the same GEMM slow alike beside the same copies."""
     p = table_i_problem("g6")
     shard = simulator.mt_factor(MI300X, gemm.traffic_bytes(p.m, p.ns[0], p.k, p.itemsize))
-    sim = simulator._Simulation(_single(Barrier(COMPUTE, 0), p), MI300X, "mesh")
+    sim = simulator.Simulation(_single(Barrier(COMPUTE, 0), p), MI300X, "mesh")
     assert 0 < shard < 1
     for rows in (p.big_m // 64, p.m, 7 * p.big_m // 8):
         op = Gemm(COMPUTE, (Block("gathered", 0, rows, 0, p.k),),

@@ -92,14 +92,16 @@ def test_b_without_columns_gives_an_empty_result_like_torch():
 
 
 def test_plan_cache_is_bounded():
-    from ficco import ops, runtime
+    from ficco import ops, runtime, session
     from ficco.problem import Problem
 
     spec = ops.get("all_gather_matmul")
-    runtime._plans.clear()
-    for m in range(runtime._PLAN_LIMIT + 40):
-        runtime.plan_for(spec, "ring", "dma", Problem(m + 1, 8, (4,), "float32", 2))
-    assert len(runtime._plans) == runtime._PLAN_LIMIT
+    ficco.shutdown()
+    kept = ficco.session_of()          # (no group here: a world of one's session)
+    for m in range(session.PLANS_KEPT + 40):
+        runtime.plan_for(spec, "ring", "dma", Problem(m + 1, 8, (4,), "float32", 2),
+                         session=kept)
+    assert len(kept.plans) == session.PLANS_KEPT
 
 
 def test_every_env_value_is_checked_before_any_communication(monkeypatch):

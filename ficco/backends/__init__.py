@@ -8,6 +8,7 @@ time like every setting.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import threading
 
@@ -20,7 +21,6 @@ _CLASSES = {"cuda": ("ficco.backends.cuda", "CudaBackend"),
             "cpu": ("ficco.backends.cpu", "CpuBackend")}
 _active: dict[str, Backend] = {}
 _lock = threading.Lock()
-_detected: list[str] = []     # the automatic choice, made once per process
 
 
 def backend_class(name: str) -> type[Backend]:
@@ -61,11 +61,12 @@ def unavailable_note() -> str:
         + ")"
 
 
-def _auto_name() -> str:
-    if not _detected:
-        reasons = gpu_reasons()
-        _detected.append(next((name for name in ("rocm", "cuda") if name not in reasons), "cpu"))
-    return _detected[0]
+@functools.lru_cache(maxsize=1)
+def auto_name() -> str:
+    """The backend chosen when ``FICCO_BACKEND`` names none: the first usable of rocm, cuda,
+    cpu, asked once per process (``auto_name.cache_clear()`` asks again)."""
+    reasons = gpu_reasons()
+    return next((name for name in ("rocm", "cuda") if name not in reasons), "cpu")
 
 
 def get_backend(name: str | None = None) -> Backend:
@@ -75,7 +76,7 @@ def get_backend(name: str | None = None) -> Backend:
     >>> get_backend("cpu") is get_backend("cpu")
     True
     """
-    name = name or config.backend() or _auto_name()
+    name = name or config.backend() or auto_name()
     backend = _active.get(name)
     if backend is not None:
         return backend
@@ -89,6 +90,21 @@ def get_backend(name: str | None = None) -> Backend:
         return _active[name]
 
 
+def install(name: str, backend: Backend | None) -> Backend | None:
+    """Make ``backend`` the instance of backend ``name`` (None: forget it, so the next use
+    makes one); returns the one it replaces. For test doubles of a device (tests/fake_gpu.py)."""
+    with _lock:
+        old = _active.pop(name, None)
+        if backend is not None:
+            _active[name] = backend
+    return old
+
+
+def installed(name: str) -> bool:
+    """Whether an instance of backend ``name`` exists in this process."""
+    return name in _active
+
+
 def close_all() -> None:
     with _lock:
         for backend in _active.values():
@@ -98,9 +114,12 @@ def close_all() -> None:
 
 __all__ = [
     "Backend",
+    "auto_name",
     "backend_class",
     "close_all",
     "get_backend",
     "gpu_reasons",
+    "install",
+    "installed",
     "unavailable_note",
 ]

@@ -41,6 +41,11 @@ class Backend(ABC):
     #: :meth:`before_dma` and :meth:`fence` have work to do (GPUs: a released barrier's error
     #: is raised or fenced after the call that hit it returned); else the runtime skips them.
     guards_dma: ClassVar[bool] = False
+    #: :meth:`signal_batch` takes flag-barrier *templates*: ops whose value is None stand for
+    #: the barrier deadline's ``target`` (the call's flag, which changes every call), so one
+    #: program per channel serves every call (ficco.symm_mem.barrier); else the programs come
+    #: with their values filled in.
+    signal_templates: ClassVar[bool] = False
 
     # -- availability -----------------------------------------------------------------------
     @classmethod
@@ -63,10 +68,19 @@ class Backend(ABC):
         """The queue for a plan queue name: "compute", "copy{i}", "comm". "compute" is the
         caller's current stream on GPUs. Copy queues beyond what exists wrap around."""
 
-    def queues(self, names: tuple[str, ...]) -> list:
-        """:meth:`queue` of every name of one call (the executor's per-call lookup; GPUs read
-        their settings once here)."""
+    def lane(self) -> Any:
+        """A set of queues of its own for one session (a group's calls), so calls on two
+        groups never share a queue, an abort switch or a stream: one group's barrier never
+        holds the other's work. None: this backend's queues are shared."""
+        return None
+
+    def queues(self, names: tuple[str, ...], lane: Any = None) -> list:
+        """:meth:`queue` of every name of one call, on ``lane`` (:meth:`lane`; None: the shared
+        queues): the executor's per-call lookup; GPUs read their settings once here."""
         return [self.queue(name) for name in names]
+
+    def close_lane(self, lane: Any) -> None:
+        """Release ``lane``'s queues once they ran what they hold (its session was dropped)."""
 
     @abstractmethod
     def new_event(self) -> Any: ...
@@ -170,12 +184,19 @@ class Backend(ABC):
     def synchronize(self) -> None:
         """Block the host until all work queued so far has finished (benchmarks, tuning)."""
 
-    def cancel(self) -> None:
-        """Make the queues skip what is left of a failed or interrupted call (CPU workers);
-        a backend whose queued work cannot be skipped (GPU streams) does nothing."""
+    def drain(self, lane: Any = None) -> None:
+        """Block until ``lane``'s queues ran what they were given (bounded by FICCO_TIMEOUT;
+        raises CommTimeoutError when they did not); default: :meth:`synchronize`."""
+        self.synchronize()
 
-    def cancelled(self) -> bool:
-        """Whether :meth:`cancel` (or a failed queue) told the queues to skip what is left."""
+    def cancel(self, lane: Any = None) -> None:
+        """Make ``lane``'s queues (every lane's for None) skip what is left of a failed or
+        interrupted call (CPU workers); a backend whose queued work cannot be skipped (GPU
+        streams) does nothing."""
+
+    def cancelled(self, lane: Any = None) -> bool:
+        """Whether :meth:`cancel` (or a failed queue) told ``lane``'s queues to skip what is
+        left."""
         return False
 
     def check_device(self, t: torch.Tensor, name: str) -> None:
@@ -202,14 +223,14 @@ class Backend(ABC):
         gated schedules' arrival flags): a (tensor, index) pair here, an address on GPUs."""
         return (t, index)
 
-    def time_run(self, run: Callable[[], Any]) -> float:
-        """Seconds the work ``run`` enqueues takes, from an idle device to its end (what the
-        measuring selectors compare): here the host clock around it, synchronised before and
-        after; GPUs time it with events on the compute queue."""
-        self.synchronize()
+    def time_run(self, run: Callable[[], Any], lane: Any = None) -> float:
+        """Seconds the work ``run`` enqueues on ``lane`` (:meth:`lane`) takes, from idle queues
+        to its end (what the measuring selectors compare): here the host clock around it, the
+        lane drained before and after; GPUs time it with events on the compute queue."""
+        self.drain(lane)
         start = time.perf_counter()
         run()
-        self.synchronize()
+        self.drain(lane)
         return time.perf_counter() - start
 
     def timing_blocked(self) -> str | None:

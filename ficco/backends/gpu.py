@@ -10,6 +10,9 @@ Queues are torch streams::
     copy{i}  = a pool of side streams, one per index asked for (one per peer with the FiCCO
                schedules), wrapping around at FICCO_COPY_ENGINES when that is set
     comm     = one side stream; process-group collectives run with it current
+
+Each session (a group's calls) has its own pool of copy and comm streams (:meth:`lane`), so a
+barrier of one group never holds another group's copies on a shared stream.
 """
 from __future__ import annotations
 
@@ -108,21 +111,32 @@ class GpuBackend(Backend):
         self._raise_died()
         return self._queue(name, config.copy_engines() if name.startswith("copy") else None)
 
-    def queues(self, names):
+    def lane(self):
+        """A session's own side streams: its copy streams by index and its comm stream."""
+        return {}
+
+    def queues(self, names, lane=None):
         """:meth:`queue` of every name of one call, FICCO_COPY_ENGINES read once (the
         executor's per-call lookup; reading a setting costs about a microsecond)."""
         self._raise_died()
         engines = config.copy_engines()
-        return [self._queue(name, engines) for name in names]
+        return [self._queue(name, engines, lane) for name in names]
 
-    def _queue(self, name, engines):
+    def _queue(self, name, engines, lane=None):
         if name == "compute":
             return torch.cuda.current_stream(self._device)
+        copy = name.startswith("copy") and name[4:].isdigit()
+        if lane is not None and (copy or name == "comm"):   # a session's own streams
+            key = int(name[4:]) % (engines or 1 << 30) if copy else name
+            stream = lane.get(key)
+            if stream is None:
+                stream = lane[key] = torch.cuda.Stream(self._device)
+            return stream
         if name == "comm":
             if self._comm_stream is None:
                 self._comm_stream = torch.cuda.Stream(self._device)
             return self._comm_stream
-        if name.startswith("copy") and name[4:].isdigit():
+        if copy:
             index = int(name[4:])
             if engines is not None:
                 index %= engines
@@ -170,10 +184,11 @@ class GpuBackend(Backend):
         end.synchronize()
         return start.elapsed_time(end) / 1000.0
 
-    def time_run(self, run) -> float:
+    def time_run(self, run, lane=None) -> float:
         """Events on the compute queue (the caller's stream) around the work ``run`` enqueues,
-        the device idle before: a plan's side streams join the compute queue before it ends
-        (:meth:`finish`), so the end event follows all of it."""
+        the device idle before (every lane's streams: ``lane`` needs no wait of its own): a
+        plan's side streams join the compute queue before it ends (:meth:`finish`), so the end
+        event follows all of it."""
         self.synchronize()
         stream = torch.cuda.current_stream(self._device)
         start = torch.cuda.Event(enable_timing=True)

@@ -125,11 +125,26 @@ class Copy2D(NamedTuple):
     height: int
 
 
+def pitched(t: torch.Tensor) -> bool:
+    """Whether a copy engine can read or write ``t`` (2-D): rows of unit-stride columns that
+    do not overlap. A transposed or expanded (stride-0) view is not; torch copies it.
+
+    >>> g = torch.empty(4, 6)
+    >>> pitched(g[:, 1:3]), pitched(g.t()), pitched(g[:1].expand(4, 6))
+    (True, False, False)
+    """
+    if t.dim() != 2:
+        return False
+    rows, cols = t.shape
+    row_stride, col_stride = t.stride()
+    return (cols <= 1 or col_stride == 1) and (rows <= 1 or row_stride >= cols)
+
+
 def _row_pitch_bytes(t: torch.Tensor, name: str) -> int:
-    if t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
+    if not pitched(t):
         raise InvalidArgumentError(
-            f"copy_2d needs 2-D {name} views with contiguous rows; got shape {tuple(t.shape)} "
-            f"strides {t.stride()}")
+            f"copy_2d needs 2-D {name} views of unit-stride, non-overlapping rows; got shape "
+            f"{tuple(t.shape)} strides {t.stride()}")
     return max(t.stride(0), t.shape[1]) * t.element_size()
 
 
@@ -151,7 +166,8 @@ def copy_2d_args(dst: torch.Tensor, src: torch.Tensor) -> Copy2D | None:
     # Each tensor attribute read costs host time (a re-bound plan makes this call per copy):
     # shape, strides and item size are read once; the helper only words the error.
     ds, ss = dst.stride(), src.stride()
-    if len(shape) != 2 or (shape[1] > 1 and (ds[1] != 1 or ss[1] != 1)):
+    if len(shape) != 2 or (shape[1] > 1 and (ds[1] != 1 or ss[1] != 1)) or \
+            (shape[0] > 1 and (ds[0] < shape[1] or ss[0] < shape[1])):
         _row_pitch_bytes(dst, "dst")
         _row_pitch_bytes(src, "src")
     rows, cols = shape

@@ -11,6 +11,10 @@ Per warm call it reports
 - ``all calls``: every profiled call (torch's Python included, C functions too);
 - ``json.dumps`` / ``pickle``: serialisations (a warm call should make none).
 
+With ``--new-shapes N`` it measures instead what a *first* call costs: N new sequence lengths
+(rows per rank from the shape's m up), each called twice, over dma and over ccl; it prints the
+median seconds of the first call of a length and of the second (warm) one, slowest rank.
+
 Cases: ``all_gather_matmul`` and ``matmul_reduce_scatter`` (no autograd: the direct path),
 ``ColumnParallelLinear`` forward with trainable weights and ``RowParallelLinear`` forward with
 trainable weights and its bias (through ``torch.ops.ficco``, the dispatcher and autograd), and
@@ -30,6 +34,7 @@ EXAMPLES = """examples:
   python -m ficco.bench calls                     # W=2, the five cases, 20 warm calls each
   python -m ficco.bench calls --top 25            # and the 25 ficco functions called most
   python -m ficco.bench calls --schedule hetero-fused-1d --transport dma
+  python -m ficco.bench calls --new-shapes 40 --shape 500,64,64   # first calls of new lengths
 """
 
 CASES = ("all_gather_matmul", "matmul_reduce_scatter", "ColumnParallelLinear",
@@ -48,6 +53,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--transport", default=None, help="force a transport (auto|dma|ccl)")
     parser.add_argument("--top", type=int, default=0,
                         help="also list the N ficco functions called most per warm call")
+    parser.add_argument("--new-shapes", type=int, default=0,
+                        help="time the first call of N new sequence lengths instead")
 
 
 def _serialisation(func: tuple) -> str | None:
@@ -117,6 +124,8 @@ def _profiled(rank, world, args):
     import ficco
 
     m, n, k = (int(x) for x in args["shape"].split(","))
+    if args.get("new_shapes"):
+        return _first_calls(rank, world, m, n, k, args["new_shapes"])
     rows = {}
     with ficco.config.scope(**({"transport": args["transport"]} if args["transport"] else {})):
         for name in CASES:
@@ -135,19 +144,58 @@ def _profiled(rank, world, args):
     return rows
 
 
+def _first_calls(rank, world, m, n, k, count) -> dict:
+    """{transport: (median seconds of the first call of a new length, of a warm one)}."""
+    import time
+
+    import torch
+
+    import ficco
+
+    gen = torch.Generator().manual_seed(rank)
+    b = torch.randn(k, n, generator=gen)
+    out = {}
+    for transport in ("dma", "ccl"):
+        with ficco.config.scope(transport=transport):
+            for rows in (8, 9):                                     # the process's first uses
+                ficco.all_gather_matmul(torch.randn(rows, k, generator=gen), b)
+            first: list[float] = []
+            warm: list[float] = []
+            for rows in range(m, m + count):
+                a = torch.randn(rows, k, generator=gen)
+                for times in (first, warm):
+                    start = time.perf_counter()
+                    ficco.all_gather_matmul(a, b)
+                    times.append(time.perf_counter() - start)
+        out[transport] = (sorted(first)[count // 2], sorted(warm)[count // 2])
+        ficco.shutdown()
+    return out
+
+
 def measure(world: int = 2, shape: str = "64,64,64", warmup: int = 5, calls: int = 20,
-            schedule: str | None = None, transport: str | None = None) -> dict:
+            schedule: str | None = None, transport: str | None = None,
+            new_shapes: int = 0) -> dict:
     """``{case: counts}`` of the slowest rank (most ficco calls) per case."""
     from .cli import cpu_ranks
 
     args = {"shape": shape, "warmup": warmup, "calls": calls, "schedule": schedule,
-            "transport": transport}
+            "transport": transport, "new_shapes": new_shapes}
     per_rank = cpu_ranks(_profiled, world, args)
+    if new_shapes:
+        return {t: tuple(max(rows[t][i] for rows in per_rank) for i in (0, 1))
+                for t in ("dma", "ccl")}
     return {name: max((rows[name] for rows in per_rank), key=lambda r: r["ficco"])
             for name in CASES}
 
 
 def main(args) -> int:
+    if args.new_shapes:
+        firsts = measure(args.world, args.shape, new_shapes=args.new_shapes)
+        print(f"first calls of {args.new_shapes} new sequence lengths from m={args.shape}, "
+              f"W={args.world}, cpu backend; median seconds, slowest rank:")
+        for transport, (first, warm) in firsts.items():
+            print(f"  {transport}: first call {first * 1e3:.1f} ms, warm call {warm * 1e3:.2f} ms")
+        return 0
     worst = measure(args.world, args.shape, args.warmup, args.calls, args.schedule,
                     args.transport)
     print(f"warm calls, W={args.world}, cpu backend, shape m,n,K={args.shape}, "

@@ -100,7 +100,7 @@ def plot_speedups(records: list[dict], path, where: str | None = None) -> Path:
         fig.legend(handles, names, fontsize=7, ncol=min(5, len(names)), loc="lower center")
     legend_in = 0.2 * math.ceil(len(names) / 5) + 0.25
     fig.tight_layout(rect=(0, legend_in / fig.get_figheight(), 1, 1))
-    return _save(fig, path, tight=False, where=where)
+    return save_figure(fig, path, tight=False, where=where)
 
 
 def measured_ideal(rec: dict) -> float | None:
@@ -168,7 +168,7 @@ def plot_ratio(records: list[dict], path, where: str | None = None) -> Path:
     _legend(ax, fontsize=7)
     fig.text(0.01, 0.01, textwrap.fill(RATIO_NOTE, 110), fontsize=6, va="bottom")
     fig.tight_layout(rect=(0, 0.09, 1, 1))
-    return _save(fig, path, tight=False, where=where)
+    return save_figure(fig, path, tight=False, where=where)
 
 
 def plot_selector_accuracy(records: list[dict], path, where: str | None = None) -> Path:
@@ -206,7 +206,7 @@ def plot_selector_accuracy(records: list[dict], path, where: str | None = None) 
     right.set_ylabel("speedup over serial (ccl)")
     right.set_title("Best measured vs picked")
     _legend(right, fontsize=7)
-    return _save(fig, path, where=where)
+    return save_figure(fig, path, where=where)
 
 
 def sweep_plots(records: list[dict], out_dir) -> list[Path]:
@@ -255,7 +255,7 @@ def plot_dil(records: list[dict], path) -> Path:
     ax.set_ylabel("DIL: sharded time / whole time")
     ax.set_title("GEMM decomposition loss (cf. FiCCO Fig. 7)")
     _legend(ax, fontsize=7)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_copy_efficiency(records: list[dict], path) -> Path:
@@ -272,7 +272,7 @@ def plot_copy_efficiency(records: list[dict], path) -> Path:
     ax.set_ylabel("bandwidth / best bandwidth")
     ax.set_title("DMA copy efficiency by size (cf. FiCCO Fig. 9)")
     _legend(ax, fontsize=7)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_cil(records: list[dict], path) -> Path:
@@ -287,7 +287,7 @@ def plot_cil(records: list[dict], path) -> Path:
         ax.tick_params(axis="x", rotation=45)
         ax.set_ylabel("CIL: time beside the other / time alone")
         ax.set_title(f"{victim} slowdown (cf. FiCCO Fig. 8)")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _legend(ax, **kwargs) -> None:
@@ -296,7 +296,7 @@ def _legend(ax, **kwargs) -> None:
         ax.legend(**kwargs)
 
 
-def _save(fig, path, tight: bool = True, where: str | None = None) -> Path:
+def save_figure(fig, path, tight: bool = True, where: str | None = None) -> Path:
     path = Path(path)
     if where:     # what the numbers are (measured, on what, W), on the image itself
         fig.text(0.99, 0.005, where, ha="right", va="bottom", fontsize=7, color="#444444")

@@ -166,7 +166,7 @@ def check_memory(scenario_list, world: int, dtype: str, device, verb: str = "swe
     need = memory_bytes(sc, world, dtype)
     # one --scale-nk for the whole run: the one that makes its largest scenario fit
     factor = next((f for f in (2 ** p for p in range(1, 16))
-                   if memory_bytes(_shrunk(sc, f), world, dtype) <= budget), None)
+                   if memory_bytes(shrunk(sc, f), world, dtype) <= budget), None)
     where = (f"{sharing} ranks share {free / 2**30:.1f} GiB available" if sharing > 1
              else f"{free / 2**30:.1f} GiB is free on {device}")
     fix = (f"divide N and K with --scale-nk {factor}" if factor
@@ -179,7 +179,7 @@ def check_memory(scenario_list, world: int, dtype: str, device, verb: str = "swe
         f"--scale, or leave it out with --only")
 
 
-def _shrunk(sc, factor: int):
+def shrunk(sc, factor: int):
     import dataclasses
 
     return dataclasses.replace(sc, n=max(1, sc.n // factor), k=max(1, sc.k // factor))

@@ -9,26 +9,25 @@ call's digest: ranks making different calls get MismatchError on every rank, a r
 arrives (it raised on bad counts, before communicating) is named in a CommTimeoutError.
 
 Combine may skip the exchange when it is handed the matrix: a dispatch's ``routing`` (what
-autograd passes), or ``send_counts=`` whose (send, receive) pair a dispatch on this group
-agreed in this process (:func:`remember` / :func:`recall`).
+autograd passes), or ``send_counts=`` whose (send, receive) pair names one dispatch the group's
+session remembers (:func:`remember` / :func:`recall`) so that *every* rank can tell it from the
+others: the matrix is the only remembered one with its (send, receive) pair on each rank.
+Otherwise (two dispatches in flight whose pairs coincide on some rank) every rank exchanges,
+alike: the decision depends only on what every rank remembered, never on this rank's pair.
 
 >>> check_counts([2, 0, 1], rows=3, experts_total=3, name="counts")
 [2, 0, 1]
 """
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-
 import torch
 
 from .. import agreement
 from ..errors import InvalidArgumentError
-from ..group import key as group_key
+from ..session import ROUTINGS_KEPT
 
-_MEMO_LIMIT = 512                 # dispatch routings kept per process (all groups), LRU
-_memo: OrderedDict[tuple, tuple] = OrderedDict()
-_lock = threading.Lock()
+#: :func:`recall`'s answer for a pair that no remembered dispatch has on this rank
+MISSING = ()
 
 
 def as_int_list(counts, name: str, shape: tuple[int | None, ...]) -> list:
@@ -111,21 +110,36 @@ def folded(word: int, counts) -> int:
 
 
 # -- dispatch routings combine may reuse -------------------------------------------------------
-def remember(group, counts, rank: int, experts: int) -> None:
-    key = (group_key(group), *_pair(counts, rank, experts))
-    with _lock:
-        _memo[key] = counts
-        _memo.move_to_end(key)
-        while len(_memo) > _MEMO_LIMIT:
-            _memo.popitem(last=False)
+def remember(session, counts, experts: int) -> None:
+    """Keep dispatch matrix ``counts`` (W x E, agreed) on the group's ``session`` with every
+    rank's (send, receive) pair (LRU: every rank remembers and recalls alike)."""
+    routings = session.routings
+    if counts in routings:
+        routings.move_to_end(counts)
+        return
+    routings[counts] = tuple(_pair(counts, q, experts) for q in range(len(counts)))
+    while len(routings) > ROUTINGS_KEPT:
+        routings.popitem(last=False)
 
 
-def recall(group, send_counts: list, recv_counts: list):
-    """The matrix of a dispatch on ``group`` that sent ``send_counts`` and received
-    ``recv_counts`` on this rank, or None."""
-    key = (group_key(group), tuple(send_counts), tuple(map(tuple, recv_counts)))
-    with _lock:
-        return _memo.get(key)
+def recall(session, send_counts: list, recv_counts: list):
+    """The remembered dispatch matrix that sent ``send_counts`` and received ``recv_counts``
+    on this rank, when every rank can tell it apart (see the module docstring); None when
+    some rank cannot (combine then exchanges, on every rank); :data:`MISSING` when no
+    remembered dispatch has this pair here."""
+    mine = (tuple(send_counts), tuple(map(tuple, recv_counts)))
+    rank, routings = session.rank, session.routings
+    found = [m for m, pairs in routings.items() if pairs[rank] == mine]
+    if not found:
+        return MISSING
+    if len(found) > 1:
+        return None
+    pairs = routings[found[0]]
+    for q, pair in enumerate(pairs):
+        if sum(1 for other in routings.values() if other[q] == pair) > 1:
+            return None      # rank q could not tell which dispatch this combine answers
+    routings.move_to_end(found[0])
+    return found[0]
 
 
 def _pair(counts, rank: int, experts: int) -> tuple:
@@ -133,8 +147,3 @@ def _pair(counts, rank: int, experts: int) -> tuple:
     recv = tuple(tuple(counts[s][rank * experts + l] for s in range(world))
                  for l in range(experts))
     return tuple(counts[rank]), recv
-
-
-def forget() -> None:
-    with _lock:
-        _memo.clear()

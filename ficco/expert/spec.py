@@ -17,7 +17,7 @@ import torch
 
 from .. import group as groups
 from ..buffers import Buffers
-from ..call import Call, backend_for, check_like, check_tensor
+from ..call import Call, backend_for, check_fits, check_like, check_tensor
 from ..errors import InvalidArgumentError
 from ..ops.base import OpSpec
 from ..problem import dtype_name
@@ -66,6 +66,7 @@ class ExpertSpec(OpSpec[ExpertCall]):
         group = groups.resolve(group)
         rank, world = groups.rank_world(group)
         part = self.check_part(counts, inp.shape[0], world, big_l, rank)
+        check_fits(inp.shape[0] * (k + n) * inp.element_size(), inp.device, self.name)
         call = ExpertCall(self, ExpertProblem(k, max(n, 1), big_l, dtype_name(inp.dtype), world,
                                               rank, self.name),
                           group, backend, n == 0, inp=inp, weights=weights, n=n, part=part,
@@ -112,16 +113,15 @@ class ExpertSpec(OpSpec[ExpertCall]):
                 "routing": call.routing is not None, "send_counts": call.send_counts is not None}
 
     def exchange(self, call: ExpertCall, word: int) -> tuple[ExpertCall, int]:
-        """Agree on the routing matrix (one bounded exchange, or none when it was handed in)
-        and complete the call with its layout and problem; the call's digest gains the matrix."""
+        """Agree on the routing matrix (one bounded exchange, or none when it was handed in or
+        recalled by every rank) and complete the call with its layout and problem; the call's
+        word (its digest and number) gains the matrix."""
         rows = call.routing
-        if rows is None and call.send_counts is not None:
-            rows = routing.recall(call.group, call.send_counts, call.part)
         if rows is None:
             rows = self.assemble(routing.agree_counts(call, word, call.part), call)
         counts = tuple(map(tuple, rows))
         if self.name == DISPATCH:
-            routing.remember(call.group, counts, call.rank, len(call.weights))
+            routing.remember(call.session, counts, len(call.weights))
         layout = Layout(counts, len(call.weights))
         problem = ExpertProblem.for_call(call.problem.k, call.problem.n, layout, call.problem.dtype,
                                          call.rank, self.name)

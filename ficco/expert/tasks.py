@@ -34,7 +34,7 @@ def grouped_mm_runs(dtype: torch.dtype, k: int, n: int, device: torch.device) ->
     return False
 
 
-def _grouped_view_runs(stacked: torch.Tensor) -> bool:
+def grouped_view_runs(stacked: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` takes this (L, k, n) view of the stacked weights (a 2d
     chunk's columns): the same rule as the whole, and a 16-byte aligned start and row."""
     size = stacked.element_size()
@@ -49,17 +49,25 @@ def _write(out: torch.Tensor, product: torch.Tensor, accumulate: bool) -> None:
         out.copy_(product)
 
 
+def _wide_product(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` as ``dtype`` (float32), never rounded to the operands' bf16/fp16."""
+    if a.device.type == "cuda":   # (ROCm too) a float32 result of the low-precision GEMM
+        return torch.mm(a, b, out_dtype=dtype)
+    return a.to(dtype) @ b.to(dtype)
+
+
 def run_grouped(pieces, stacked: torch.Tensor | None, accumulate: bool = False) -> None:
     """``out (+)= a @ b`` for every piece ``(l, a, b, out)``: one ``torch._grouped_mm`` over
     all pieces when ``stacked`` (the (L, k, n) weights the ``b`` are cut from) is given and
     there is more than one, else one GEMM each, written in place. Products are made in the
-    operands' dtype; ``accumulate`` adds them into ``out`` (float32 for bf16/fp16 2d plans:
-    the sum of the K chunks is rounded once, by the caller)."""
+    operands' dtype, except into a wider ``out`` (float32 for bf16/fp16 2d plans): there in
+    float32, unrounded, so that the sum of the K chunks is rounded once, by the caller, as
+    every other schedule rounds (``torch._grouped_mm`` has no wider output: one GEMM each)."""
     pieces = [p for p in pieces if p[1].shape[0]]
-    if stacked is None or len(pieces) < 2:
+    if stacked is None or len(pieces) < 2 or pieces[0][3].dtype != pieces[0][1].dtype:
         for _, a, b, out in pieces:
             if out.dtype != a.dtype:
-                _write(out, a @ b, accumulate)
+                _write(out, _wide_product(a, b, out.dtype), accumulate)
             elif accumulate:
                 out.addmm_(a, b)
             else:
@@ -113,7 +121,7 @@ def gemm_task(views, buffers: Buffers, op):
     ctx = context_of(buffers)
     pieces = ctx.gemm_pieces(op.sources, op.chunk, op.two_d, op.experts)
     stacked = ctx.stacked_piece(op.chunk, op.two_d)
-    if stacked is not None and op.two_d and not _grouped_view_runs(stacked):
+    if stacked is not None and op.two_d and not grouped_view_runs(stacked):
         stacked = None
     return local(lambda: run_grouped(pieces, stacked, op.accumulate))
 

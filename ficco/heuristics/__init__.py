@@ -29,7 +29,7 @@ from ..problem import Problem
 from . import bands, profiles
 from .auto import auto_choice
 from .decision import SELECTORS, Decision, decision_inputs
-from .measured import Live
+from .measured import Live, Scripted
 from .model import BandedChoice, banded_choice, predict_all
 from .paper import paper_choice
 from .tune import NotMeasured, tune_choice
@@ -135,8 +135,9 @@ def choose(problem: Problem, *, transport: str | tuple[str, ...] = "dma", target
     preferred first: ``model`` and ``auto`` weigh them all, the others take the first.
     ``target`` ("cpu", "cuda:sm_90", "rocm:gfx942", …) picks the built-in profile when
     ``FICCO_PROFILE`` is unset; ``FICCO_TOPOLOGY`` overrides the profile's topology.
-    ``live`` (:class:`~ficco.heuristics.measured.Live`, given by the runtime on a live group)
-    lets ``auto`` and ``tune`` measure; without it they decide from what they measured before
+    ``live`` (a :class:`~ficco.heuristics.measured.Live`: the runtime's, made from the call's
+    session on a live group; :class:`~ficco.heuristics.measured.Scripted` off a group) lets
+    ``auto`` and ``tune`` measure; without it they decide from what they measured before
     in this process, else by the model, and say so (``Decision.final`` False).
 
     >>> from ficco.problem import Problem
@@ -220,4 +221,4 @@ def _logged_once(problem: Problem, decision: Decision, target: str) -> Decision:
     return decision
 
 
-__all__ = ["SELECTORS", "Decision", "choose", "off_by_default", "profiles"]
+__all__ = ["SELECTORS", "Decision", "Live", "Scripted", "choose", "off_by_default", "profiles"]

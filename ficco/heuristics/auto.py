@@ -185,7 +185,7 @@ def _measure(problem, live: Live, choice: BandedChoice, transports: tuple[str, .
              "serial_s": serial_s, "measured_key": repr(problem.key()),
              "shortlist": f"the model's pick, the other families within its "
                           f"\u00b1{choice.band:.0%} ({choice.band_class}), serial"}
-    CACHE.keep(key, entry, live.scope, persist)
+    CACHE.keep(key, entry, live.agreed, persist)
     if config.log_level() in ("info", "debug"):
         logs.ready().info(
             "ficco auto: first sight of %s %s: measured %d candidates on the live group in "

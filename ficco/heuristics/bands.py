@@ -30,6 +30,7 @@ Example::
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -83,16 +84,15 @@ def shape_class(problem, profile, topology: str | None = None) -> str:
     return f"{problem.op}/{regime(*parts(problem, profile, topology))}"
 
 
-_cache: dict = {}
-
-
 def load(path: Path = BANDS_FILE) -> dict:
     """The bands data (re-read when the file changes)."""
-    stamp = (str(path), path.stat().st_mtime_ns)
-    if stamp not in _cache:
-        _cache.clear()
-        _cache[stamp] = json.loads(path.read_text())
-    return _cache[stamp]
+    return _parsed(str(path), path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _parsed(path: str, stamp: int) -> dict:
+    """The file at ``path`` as it was at ``stamp`` (its mtime): read once."""
+    return json.loads(Path(path).read_text())
 
 
 def band(problem, profile, topology: str | None = None, data: dict | None = None
@@ -161,5 +161,5 @@ def from_rows(rows: list[dict]) -> dict:
 def write(data: dict, path: Path = BANDS_FILE) -> Path:
     """Write the bands data (what ``validate --write-bands`` does)."""
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    _cache.clear()
+    _parsed.cache_clear()
     return path

@@ -97,7 +97,7 @@ def _tile_seconds(profile, dtype, block_rows, n, k, tile) -> float:
     best = math.inf
     candidates: tuple[int, ...]
     if dil.get("split_k_rule") == "hipblaslt_auto":
-        candidates = (_auto_gsu(profile, count, k, tile_m * tile_n),)
+        candidates = (auto_gsu(profile, count, k, tile_m * tile_n),)
     else:
         candidates = (1,) + tuple(s for s in SPLITS if _library_splits(profile, count, k, s))
     for split in candidates:
@@ -130,14 +130,14 @@ def partials_seconds(profile, nbytes: float) -> float:
     return seconds
 
 
-def _auto_gsu(profile, tile_count: int, k: int, tile_area: int) -> int:
+def auto_gsu(profile, tile_count: int, k: int, tile_area: int) -> int:
     """hipBLASLt's automatic split (GlobalSplitU) for a kernel of ``tile_count`` output tiles:
     as many K parts as leave every tile's parts one compute unit each, keeping 3 unrolled
     K steps (``depth_u``) per part, and no more than the workspace holds in float32 partial
     outputs (PyTorch hands hipBLASLt 76 MiB).
 
     >>> from ficco.heuristics import profiles
-    >>> _auto_gsu(profiles.load("mi300x"), 56, 131072, 256 * 256)
+    >>> auto_gsu(profiles.load("mi300x"), 56, 131072, 256 * 256)
     5
     """
     dil = profile.dil

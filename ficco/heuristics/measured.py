@@ -46,10 +46,11 @@ Candidate = tuple[str, str]          # (schedule name, transport)
 
 
 class Live(Protocol):
-    """A live group as a measuring selector sees it (the runtime's, one per call); ``scope``
-    names the group, alike on every rank."""
+    """A live group as a measuring selector sees it (the runtime's, made from the call's
+    :class:`~ficco.session.Session`); ``agreed`` is the group's set of cache entries
+    ``(cache file, key)`` every rank of it holds (the session's: dropped with it)."""
 
-    scope: str
+    agreed: set
 
     def run(self, name: str, transport: str) -> float:
         """Run the call once with schedule ``name`` over ``transport``: this rank's seconds
@@ -70,7 +71,7 @@ class Scripted:
     seconds: Callable[[str, str], float]
     blocked: str | None = None
     runs: list = field(default_factory=list)
-    scope: str = "scripted"
+    agreed: set = field(default_factory=set)
 
     def run(self, name: str, transport: str) -> float:
         self.runs.append((name, transport))
@@ -206,25 +207,12 @@ def digest(entry: dict) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-#: (cache file, group scope, key) agreed by every rank of that group in this process (what
-#: lets a group's later first sights skip the exchange); ficco.shutdown() forgets them
-_agreed: set[tuple[str, str, str]] = set()
-_agreed_lock = threading.Lock()
-
-
-def forget_groups() -> None:
-    """Forget which groups agreed on which entries (``ficco.shutdown``: a group made later,
-    perhaps under an old name, agrees again; the entries stay, to be offered)."""
-    with _agreed_lock:
-        _agreed.clear()
-
-
 class Cache:
     """Measured winners by key: in memory, and in ``<FICCO_CACHE_DIR>/<file_name>``. Every
     rank may write the file: entries are identical on every rank (agreed numbers only) and
     each write is atomic (temporary file + ``os.replace``). An entry in memory is used
-    without asking the other ranks only by a group that agreed on it (``scope``): another
-    group's ranks may not all have it."""
+    without asking the other ranks only by a group that agreed on it (its ``agreed`` set, on
+    the group's session): another group's ranks may not all have it."""
 
     def __init__(self, file_name: str):
         self.file_name = file_name
@@ -234,31 +222,29 @@ class Cache:
     def path(self) -> Path:
         return cache_root() / self.file_name
 
-    def remembered(self, key: str, scope: str | None = None) -> dict | None:
-        """The entry for ``key`` in memory: any (``scope`` None, what ``explain`` may show),
-        or only if group ``scope`` agreed on it."""
-        if scope is not None:
-            with _agreed_lock:
-                if (self.file_name, scope, key) not in _agreed:
-                    return None
+    def remembered(self, key: str, agreed: set | None = None) -> dict | None:
+        """The entry for ``key`` in memory: any (``agreed`` None, what ``explain`` may show),
+        or only if it is in the group's ``agreed`` set."""
+        if agreed is not None and (self.file_name, key) not in agreed:
+            return None
         with self._lock:
             return self._memory.get(key)
 
-    def remember(self, key: str, entry: dict, scope: str | None = None) -> None:
+    def remember(self, key: str, entry: dict, agreed: set | None = None) -> None:
+        """Keep ``entry`` in memory; ``agreed``: the set of the group that agreed on it."""
         with self._lock:
             self._memory[key] = entry
-        if scope is not None:
-            with _agreed_lock:
-                _agreed.add((self.file_name, scope, key))
+        if agreed is not None:
+            agreed.add((self.file_name, key))
 
     def on_disk(self, key: str) -> dict | None:
         entry = _read_file(self.path()).get(key)
         return entry if isinstance(entry, dict) else None
 
-    def keep(self, key: str, entry: dict, scope: str | None, persist: bool = True) -> None:
-        """Remember ``entry`` (agreed by group ``scope``) and, with ``persist``, write it to
-        the file."""
-        self.remember(key, entry, scope)
+    def keep(self, key: str, entry: dict, agreed: set | None, persist: bool = True) -> None:
+        """Remember ``entry`` (agreed by the group whose set ``agreed`` is) and, with
+        ``persist``, write it to the file."""
+        self.remember(key, entry, agreed)
         if persist:
             self.write(key, entry)
 
@@ -298,7 +284,7 @@ def first_sight(cache: Cache, key: str, live: Live | None, valid: Callable[[dict
     (one exchange, which also carries each rank's :meth:`Live.cannot_time`); else
     ``(None, None)`` when the group can measure now, or ``(None, reason)`` when it cannot (no
     live group; a rank that cannot time, named)."""
-    entry = cache.remembered(key, None if live is None else live.scope)
+    entry = cache.remembered(key, None if live is None else live.agreed)
     if entry is not None:
         return entry, None
     if live is None:
@@ -307,7 +293,7 @@ def first_sight(cache: Cache, key: str, live: Live | None, valid: Callable[[dict
     word = digest(found) if found is not None and valid(found) else None
     answers = live.everyone((word, live.cannot_time()))
     if word is not None and all(w == word for w, _ in answers):
-        cache.remember(key, found, live.scope)   # type: ignore[arg-type]  # word: a dict
+        cache.remember(key, found, live.agreed)   # type: ignore[arg-type]  # word: a dict
         return found, None
     blocked = [(rank, why) for rank, (_, why) in enumerate(answers) if why]
     if blocked:

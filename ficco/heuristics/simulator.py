@@ -43,7 +43,7 @@ Cost model (every number from :class:`~ficco.heuristics.profiles.Profile`):
   states its ``host_op_s``, measured by ``bench characterize --parts enqueue`` or a labelled
   estimate.
 
-Ops are priced by ``op.kind``: kind ``"x"`` is priced by ``_Simulation._price_x`` (a new op
+Ops are priced by ``op.kind``: kind ``"x"`` is priced by ``Simulation._price_x`` (a new op
 kind adds one such method).
 
 Example::
@@ -108,10 +108,10 @@ def simulate(plan: Plan, profile: Profile, topology: str | None = None,
     ``wide_outputs=False`` prices a plan whose GEMMs add into the low-precision output
     itself (no float32 outputs, no cast pass), as the FiCCO paper's additive GEMMs did;
     ``None`` follows :meth:`Plan.wide_outputs` as the runtime does."""
-    return _Simulation(plan, profile, topology or profile.topology, wide_outputs).run()
+    return Simulation(plan, profile, topology or profile.topology, wide_outputs).run()
 
 
-class _Simulation:
+class Simulation:
     def __init__(self, plan: Plan, profile: Profile, topology: str,
                  wide_outputs: bool | None = None):
         self.plan, self.profile, self.topology = plan, profile, topology
@@ -324,7 +324,7 @@ class _Simulation:
         if price is None:
             raise InvalidArgumentError(
                 f"simulator does not know op kind {op.kind!r} ({type(op).__name__}); give "
-                f"ficco.heuristics.simulator._Simulation a _price_{op.kind} method")
+                f"ficco.heuristics.simulator.Simulation a _price_{op.kind} method")
         return price(op)
 
     def _price_gemm(self, op) -> _Task:

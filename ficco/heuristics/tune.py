@@ -108,7 +108,7 @@ def tune_choice(problem: Problem, *, transport: str, target: str, topology: str,
     timing = measured.time_candidates(live, [(name, transport) for name in names], ROUNDS)
     scores = {name: timing.seconds[(name, transport)] for name in names}
     best = min(scores, key=lambda name: (scores[name], name))
-    CACHE.keep(key, {"schedule": best, "scores": scores}, live.scope, persist)
+    CACHE.keep(key, {"schedule": best, "scores": scores}, live.agreed, persist)
     speedup = scores.get("serial", scores[best]) / scores[best] if scores[best] > 0 else 1.0
     return best, scores, (f"fastest of {len(scores)} measured (slowest rank, median of "
                           f"{timing.rounds} interleaved runs): {scores[best] * 1e3:.3f} ms, "

@@ -118,7 +118,7 @@ def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, h
             t_start = _clock(TRACE, trace)
             t_first = t_start
             t_last = t_start
-            waited = 0
+            flags_seen = 0   # (not ``waited``: that is the wait's clock, reset per flag)
         tile_m = tile // tiles_n
         tile_n = tile % tiles_n
         # Which segment holds M-tile ``tile_m``: segments are few (<= W*W+1), walk them.
@@ -172,8 +172,8 @@ def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, h
                         store_word(halt, GAVE_UP)
                 if TRACE != 0:   # when this tile saw its (first, latest) flag
                     t_last = _clock(TRACE, trace)
-                    t_first = tl.where(waited == 0, t_last, t_first)
-                    waited = 1
+                    t_first = tl.where(flags_seen == 0, t_last, t_first)
+                    flags_seen = 1
             if ok != 0:
                 for k in range(k0, k0 + kc, BLOCK_K):
                     offs_k = k + tl.arange(0, BLOCK_K)

@@ -76,11 +76,12 @@ class TileTrace:
 
 
 def gated_task(backend, problem, op, a_local, gathered, b, out, flags, timeout_s: float,
-               symm=None):
+               symm=None, lane=None):
     """The host function that launches ``op`` (a :class:`~ficco.plan.GatedGemm`) when the
     compute queue runs it: at once on GPUs (the launch is stream-ordered), in order on the CPU
     worker (which then runs the interpreter). ``symm``: the call's workspace; on GPUs its
-    group fault gives the halt word and takes the launch's error."""
+    group fault gives the halt word and takes the launch's error. ``lane``: the session's
+    queues, whose cancel halts the kernel's waits (CPU)."""
     from . import configs
     from .gated_gemm import Segment, check_error, gated_gemm
     from .trace import TRACE_OFF, clock_mode, trace_buffer, trace_supported
@@ -116,7 +117,7 @@ def gated_task(backend, problem, op, a_local, gathered, b, out, flags, timeout_s
             if trace is not None:   # the host clock the tiles read: times count from this launch
                 traced_launch["origin"] = time.perf_counter_ns()
             halt = torch.zeros(1, dtype=torch.int32)
-            with _Watch(halt, backend.cancelled, expires):
+            with _Watch(halt, lambda: backend.cancelled(lane), expires):
                 err = gated_gemm(a, gathered, b, out, segments, flags,
                                  local_row0=local_row0, halt=halt, timeout_s=timeout_s,
                                  family=family, trace=trace, trace_mode=mode)

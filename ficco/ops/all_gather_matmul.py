@@ -20,10 +20,12 @@ import torch.distributed as dist
 
 from ..agreement import PER_RANK
 from ..backends import get_backend
+from ..backends.vendor import pitched
 from ..buffers import Buffers
 from ..call import (
     Call,
     backend_for,
+    check_fits,
     check_flag,
     check_tensor,
     check_weights,
@@ -69,7 +71,7 @@ def check_arguments(a_shard, b, gather_dim) -> tuple[int, list, bool]:
 def _rows_of(gather_dim: int):
     """Tensors shaped like a_shard's rows as canonical rows: gather_dim first, leading dims
     flattened, as the op spec does with a_shard."""
-    return lambda t: t.movedim(gather_dim, 0).reshape(-1, t.shape[-1])
+    return lambda t: t.movedim(gather_dim, 0).flatten(0, -2)
 
 
 def check_epilogue(a_shard, bs, b_is_list, gather_dim, **epilogue) -> Operands:
@@ -96,7 +98,7 @@ class AllGatherMatmul(OpSpec[AllGatherMatmulCall]):
                          epilogue)
             # A warm call: checked and derived when the key was new (the key names the op, so
             # what is known for it is this op's call, or None).
-            seen = known(key, group)
+            seen = known(key, group, backend)
             if isinstance(seen, AllGatherMatmulCall):
                 return warm_call(seen, group, a_shard, b, epilogue, seen.gather_dim,
                                  _rows_of)
@@ -122,6 +124,8 @@ class AllGatherMatmul(OpSpec[AllGatherMatmulCall]):
         problem = Problem(m=m, k=k, ns=ns if min(ns) > 0 else tuple([max(n, 1) for n in ns]),
                           dtype=dtype_name(a_shard.dtype), world=world, rank=rank,
                           **ops.problem_fields(a_shard.dtype))
+        check_fits(problem.big_m * (k + sum(ns)) * problem.itemsize, a_shard.device,
+                   "all_gather_matmul")
         call = AllGatherMatmulCall(self, problem, group, backend, m == 0,
                                    a=moved.reshape(m, k), bs=bs,
                                    b_is_list=b_is_list, moved_shape=tuple(moved.shape),
@@ -189,7 +193,12 @@ class AllGatherMatmul(OpSpec[AllGatherMatmulCall]):
             gathered = torch.empty(p.big_m, p.k, dtype=call.a.dtype, device=dev)
             if row:
                 scales = torch.empty(p.big_m, 1, dtype=torch.float32, device=dev)
-        return Buffers(call.a, call.bs, outs, gathered, symm, call.group, a_scale=ops.a_scale,
+        a = call.a
+        if call.backend.prepares_copies and not pitched(a):
+            # Copy engines read rows of unit-stride columns: a transposed or expanded shard is
+            # published from a row-major copy (one local copy, only for such layouts).
+            a = a.contiguous()
+        return Buffers(a, call.bs, outs, gathered, symm, call.group, a_scale=ops.a_scale,
                        gathered_scale=scales,
                        gathered_scale_offset=self._scale_offset(p) if row else 0,
                        b_scales=ops.b_scales, biases=ops.biases, wide=wide)

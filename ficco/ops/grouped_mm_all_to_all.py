@@ -40,13 +40,14 @@ class GroupedMmAllToAll(ExpertSpec):
                 f"send_counts must be the counts dispatch took: {call.world * len(call.weights)} "
                 f"non-negative entries; got {row}")
         if call.routing is None and call.world > 1:   # one rank knows its routing already
-            rows = routing.recall(call.group, row, call.part)
-            if rows is None:
+            rows = routing.recall(call.session, row, call.part)
+            if rows is routing.MISSING:
                 raise InvalidArgumentError(
                     f"send_counts={row} with recv_counts={call.part} is not the routing of a "
                     f"dispatch on this group in this process (or it was forgotten); drop "
                     f"send_counts= and combine learns the routing with one exchange")
-            call.routing = [list(r) for r in rows]
+            if rows is not None:   # None: a rank cannot tell two dispatches apart: exchange
+                call.routing = [list(r) for r in rows]
         return row
 
     def assemble(self, parts: list, call: ExpertCall) -> list:

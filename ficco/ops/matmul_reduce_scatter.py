@@ -27,6 +27,7 @@ from ..buffers import Buffers
 from ..call import (
     Call,
     backend_for,
+    check_fits,
     check_tensor,
     check_weights,
     key_of,
@@ -37,7 +38,7 @@ from ..call import (
 )
 from ..errors import InvalidArgumentError
 from ..group import rank_world, resolve
-from ..problem import MATMUL_REDUCE_SCATTER, REDUCE_OPS, Problem, dtype_name
+from ..problem import MATMUL_REDUCE_SCATTER, REDUCE_OPS, Problem, dtype_name, even_split
 from ..scaled import Operands, finish, gemm_into, operands, wide_dtype
 from ..symm_mem import aligned
 from .base import OpSpec, warm_call
@@ -78,7 +79,7 @@ def check_arguments(a, b, scatter_dim, reduce_op) -> tuple[int, list, bool]:
 def _rows_of(scatter_dim: int):
     """Tensors shaped like a's rows as canonical rows: scatter_dim first, leading dims
     flattened, as the op spec does with a."""
-    return lambda t: t.movedim(scatter_dim, 0).reshape(-1, t.shape[-1])
+    return lambda t: t.movedim(scatter_dim, 0).flatten(0, -2)
 
 
 def check_epilogue(a, bs, b_is_list, scatter_dim, **epilogue) -> Operands:
@@ -117,7 +118,7 @@ class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
             key = key_of(self.name, a, b, group, backend, (scatter_dim, reduce_op), epilogue)
             # A warm call: checked and derived when the key was new (the key names the op, so
             # what is known for it is this op's call, or None).
-            seen = known(key, group)
+            seen = known(key, group, backend)
             if isinstance(seen, self.call_class):
                 return warm_call(seen, group, a, b, epilogue, seen.scatter_dim,
                                  _rows_of)
@@ -142,6 +143,8 @@ class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
                           dtype=dtype_name(a.dtype),
                           world=world, rank=rank, op=self.name, unit=max(unit, 1),
                           reduce_op=reduce_op, **ops.problem_fields(a.dtype))
+        check_fits(2 * m * sum(ns) * max(problem.partial_itemsize, problem.itemsize),
+                   a.device, "matmul_reduce_scatter")   # partial products, what lands
         # Nothing to overlap without rows or columns: agreed, then the plain path.
         call = self.call_class(self, problem, group, backend, m == 0 or min(ns) == 0,
                                a=canon, bs=bs, b_is_list=b_is_list,
@@ -242,6 +245,10 @@ class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
     def _finish(self, call: MatmulReduceScatterCall, outs):
         p = call.problem
         units = p.block_rows // p.unit
+        if not p.m:
+            # No rows at all, maybe from an empty inner dimension (unit 0): this rank's size
+            # along scatter_dim is its block of that dimension, not a count of canonical rows.
+            units = even_split(call.moved_shape[0], p.world)[p.rank][1]
         results = []
         for canon, n in zip(outs, call.ns):
             canon = canon[:, :n]   # b with no columns ran as one column: cut it back off

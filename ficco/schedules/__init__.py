@@ -54,6 +54,15 @@ def names(op: str = ALL_GATHER_MATMUL) -> list[str]:
     return list(_registry(op))
 
 
+def ops_with(name: str) -> list[str]:
+    """The ops that have a schedule called ``name`` (Triton's optional ones included).
+
+    >>> ops_with("ring-bidir")
+    ['all_gather_matmul', 'matmul_reduce_scatter']
+    """
+    return [op for op in _REGISTRY if name in _REGISTRY[op] or name in _OPTIONAL[op]]
+
+
 def get(name: str, op: str = ALL_GATHER_MATMUL):
     """The schedule of ``op`` called ``name``; an unknown name raises with the valid ones."""
     registry = _registry(op)

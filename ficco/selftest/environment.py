@@ -131,9 +131,10 @@ def pads_facts(group) -> dict:
     a view (after a dma call made the workspace; GPUs only)."""
     from ..backends import get_backend
     from ..group import resolve
-    from ..symm_mem import workspace
+    from ..session import peek
 
-    handle = workspace.current(resolve(group), get_backend())
+    session = peek(resolve(group), get_backend())
+    handle = None if session is None else session.workspace
     if handle is None or not hasattr(handle, "view_problems"):
         return {"pads": "no GPU workspace"}
     return {"pads": "host" if handle.host_pads is not None else "device",

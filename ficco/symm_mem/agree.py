@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..agreement import consistent, exchange
+from ..agreement import exchange
 from ..errors import FiccoError, MismatchError
 
 
@@ -41,9 +41,9 @@ def exchange_or_fail(group, rank: int, world: int, payload: Any, failure: str | 
         raise SymmAllocationError(f"rank {rank}: could not {what} because {detail}. Every rank "
                                   f"of the group raised; nothing stays allocated")
     if len(set(sizes)) > 1:
-        raise consistent(MismatchError(
+        raise MismatchError(
             f"rank {rank}: could not {what}: the ranks asked for different sizes ("
             + ", ".join(f"rank {r}: {n} bytes" for r, n in enumerate(sizes)) + "), so they are "
             "making different calls (other shapes or dtypes). Every rank raised, nothing stays "
-            "allocated; every rank must make the same calls in the same order"))
+            "allocated; every rank must make the same calls in the same order")
     return [p for p, _, _ in everyone]

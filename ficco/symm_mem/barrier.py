@@ -14,7 +14,9 @@ Slot ``[channel, writer]`` of rank ``owner``'s signal pad is where ``writer`` si
   CUDA graph holding the barrier replays correctly. Each rank writes its *call flag* into its
   slot of every peer's pad, waits until each of its own slots holds exactly that flag, then
   clears its own slots to 0. The call flag is a nonzero 31-bit value of the call's digest
-  (shapes, dtypes, op, settings; :func:`call_flag`): ranks making different calls never pass
+  (shapes, dtypes, op, settings) and its number in the group's sequence of calls
+  (:func:`call_flag` of ``ficco.agreement.mixed``): ranks making different calls, or one
+  call at different places in their sequences, never pass
   each other's barrier, and a slot holding a nonzero flag other than this rank's names a peer
   in another call, a :class:`~ficco.errors.MismatchError` raised alike on every rank (each
   rank sees the other's flag). That is the per-call agreement check of every dma call, on
@@ -27,7 +29,10 @@ Slot ``[channel, writer]`` of rank ``owner``'s signal pad is where ``writer`` si
   once, so the value is a per-channel generation that only grows and nothing is cleared.
 
 Programs are built once per (handle, channel, mode) and cached on the handle: the slot
-addresses never change while the handle lives (a barrier costs no per-call lookups).
+addresses never change while the handle lives (a barrier costs no per-call lookups). A flag
+program is a *template* whose flag writes and waits hold no value (None): the call's flag is
+the barrier's ``Deadline.target``. Backends that take templates (``Backend.signal_templates``:
+the CPU's) read it there; for the others :func:`plan_barrier` fills it in (cached per flag).
 
 The deadline counts from when the queue *reaches* the wait, not from when the host enqueued
 it: work queued before the barrier may legitimately take longer than FICCO_TIMEOUT.
@@ -76,17 +81,19 @@ class SignalOp:
 
     kind: str
     slot: Any
-    value: int
+    value: int | None        # None in a template: the call's flag (the deadline's target)
     peer: int
     exact: bool = False
 
-    def met(self, seen: int) -> bool:
-        return seen == self.value if self.exact else seen >= self.value
+    def met(self, seen: int, target: int | None = None) -> bool:
+        value = self.value if self.value is not None else target
+        return seen == value if self.exact else seen >= value  # type: ignore[operator]
 
-    def foreign(self, seen: int | None) -> bool:
+    def foreign(self, seen: int | None, target: int | None = None) -> bool:
         """A flag-mode slot holding another call's flag: a peer making another call (None:
         the slot could not be read)."""
-        return self.exact and seen is not None and seen != 0 and seen != self.value
+        value = self.value if self.value is not None else target
+        return self.exact and seen is not None and seen != 0 and seen != value
 
 
 class Deadline:
@@ -129,12 +136,13 @@ class Deadline:
     def late(self, read: Callable[[Any], int]) -> list[tuple[int, int]]:
         """(peer, value seen) for each wait whose slot does not hold its value yet."""
         seen = [(op.peer, int(read(op.slot))) for op in self.waits]
-        return [(peer, value) for (peer, value), op in zip(seen, self.waits) if not op.met(value)]
+        return [(peer, value) for (peer, value), op in zip(seen, self.waits)
+                if not op.met(value, self.target)]
 
     def foreign(self, late: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """Those of ``late`` whose slot holds another call's flag (flag mode)."""
         exact = {op.peer: op for op in self.waits}
-        return [(p, v) for p, v in late if p in exact and exact[p].foreign(v)]
+        return [(p, v) for p, v in late if p in exact and exact[p].foreign(v, self.target)]
 
     def error(self, late: list[tuple[int, int]]) -> CommTimeoutError | MismatchError:
         """The one error of every backend's barriers: a MismatchError when a peer's slot holds
@@ -148,9 +156,6 @@ class Deadline:
                 f"{[v for _, v in foreign]}, this rank's {self.target}): other shapes, dtypes, "
                 f"settings or op, each agreed at an earlier call. Nothing this call computed "
                 f"is returned; every rank must make the same calls in the same order")
-            # Every rank sees another's flag and raises alike: the group stays usable (the
-            # mark ficco.agreement.consistent sets; not imported: symm_mem sits below it).
-            mismatch.consistent = True
             mismatch.flags = dict(foreign)      # the runtime names the calls they stand for
             return mismatch
         peers = [p for p, _ in late]
@@ -192,20 +197,34 @@ def flag_program(handle, channel: int, flag: int = FLAG) -> tuple[SignalOp, ...]
     return _flag_program(handle, channel, flag)[0]
 
 
+def _flag_template(handle, channel: int) -> tuple[tuple, tuple]:
+    """(program, waits) of a flag barrier on ``channel`` with the flag left to the deadline
+    (cached per channel)."""
+    cached = handle._programs.get(channel)
+    if cached is None:
+        _check_channel(handle, channel)
+        r, w = handle.rank, handle.world
+        waits = tuple(SignalOp(WAIT, handle.slot(r, channel, p), None, p, True)
+                      for p in range(w))
+        program = (tuple(SignalOp(WRITE, handle.slot(p, channel, r), None, p) for p in range(w))
+                   + waits
+                   + tuple(SignalOp(WRITE, handle.slot(r, channel, p), 0, p) for p in range(w)))
+        cached = handle._programs[channel] = (program, waits)
+    return cached
+
+
 def _flag_program(handle, channel: int, flag: int) -> tuple[tuple, tuple]:
+    """The template of ``channel`` with ``flag`` filled in (cached per channel and flag)."""
     key = (channel, flag)
     cached = handle._programs.get(key)
     if cached is None:
-        _check_channel(handle, channel)
         if not 0 < flag < 2 ** 31:
             raise InvalidArgumentError(f"a call flag is in [1, 2**31); got {flag}")
-        r, w = handle.rank, handle.world
-        waits = tuple(SignalOp(WAIT, handle.slot(r, channel, p), flag, p, True)
-                      for p in range(w))
-        program = (tuple(SignalOp(WRITE, handle.slot(p, channel, r), flag, p) for p in range(w))
-                   + waits
-                   + tuple(SignalOp(WRITE, handle.slot(r, channel, p), 0, p) for p in range(w)))
-        flags = [k for k in handle._programs if isinstance(k[0], int)]
+        template, _ = _flag_template(handle, channel)
+        program = tuple(SignalOp(op.kind, op.slot, flag if op.value is None else op.value,
+                                 op.peer, op.exact) for op in template)
+        waits = tuple(op for op in program if op.kind == WAIT)
+        flags = [k for k in handle._programs if isinstance(k, tuple) and isinstance(k[0], int)]
         if len(flags) >= _FLAG_PROGRAMS_KEPT:     # many distinct calls: stay bounded
             for k in flags:
                 del handle._programs[k]
@@ -247,8 +266,11 @@ def plan_barrier(backend, handle, channel: int, queue, timeout_s: float, step: i
     if channel not in PLAN_CHANNELS:
         raise InvalidArgumentError(f"plan barriers use channels {PLAN_CHANNELS}; got {channel}")
     flag = getattr(handle, "call_flag", FLAG)
-    program, waits = handle._programs.get((channel, flag)) or _flag_program(handle, channel,
-                                                                            flag)
+    if backend.signal_templates:    # the flag is the deadline's target: one program per channel
+        program, waits = handle._programs.get(channel) or _flag_template(handle, channel)
+    else:
+        program, waits = handle._programs.get((channel, flag)) or \
+            _flag_program(handle, channel, flag)
     answer = getattr(handle, "first_wait", None)
     if answer is not None:
         handle.first_wait = None            # the call's first barrier only
@@ -287,8 +309,9 @@ def wait_on_host(op: SignalOp, deadline: Deadline, read: Callable[[Any], int],
     assert deadline.started is not None     # start() set it
     answer_at = deadline.started + _ANSWER_AFTER_S
     nap = 2e-5
-    while not op.met(seen := read(op.slot)):
-        if op.foreign(seen):
+    target = deadline.target
+    while not op.met(seen := read(op.slot), target):
+        if op.foreign(seen, target):
             deadline.fired = True
             raise deadline.error(deadline.late(read))
         if abandoned is not None and abandoned():

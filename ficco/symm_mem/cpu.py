@@ -16,6 +16,7 @@ The mapping goes when its last view does.
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import uuid
@@ -30,7 +31,50 @@ from .agree import exchange_or_fail
 SHM_DIR = "/dev/shm"
 
 
-def _map(path: str, nbytes: int) -> mmap.mmap:
+def shm_free_bytes() -> int:
+    """Bytes free in /dev/shm (for this user)."""
+    stat = os.statvfs(SHM_DIR)
+    return stat.f_bavail * stat.f_frsize
+
+
+def _room_failure(total: int, world: int) -> str | None:
+    """Why /dev/shm cannot take ``world`` files of ``total`` bytes (the ranks of this host),
+    or None. Checked by every rank before any rank takes space (then reserved up front,
+    :func:`_reserve`): a tmpfs file only takes memory as its pages are first written, and a
+    write that finds /dev/shm full kills the process with SIGBUS (a container's default
+    64 MB /dev/shm is enough to hit it)."""
+    free = shm_free_bytes()
+    return None if world * total <= free else _no_room(free, total, world)
+
+
+def _no_room(free: int, total: int, world: int) -> str:
+    return (f"/dev/shm has {_mib(free)} free, and the dma workspace needs {_mib(total)} per "
+            f"rank ({_mib(world * total)} for the {world} ranks of this host). Give /dev/shm "
+            f"more room (docker run --shm-size=..., or mount -o remount,size=... /dev/shm) or "
+            f"use FICCO_TRANSPORT=ccl, which needs no shared memory")
+
+
+def _reserve(fd: int, total: int, world: int) -> str | None:
+    """Take this rank's ``total`` bytes of /dev/shm now (its pages allocated, so no later
+    write can find the space gone); why not, or None."""
+    if total == 0:
+        return None
+    try:
+        os.posix_fallocate(fd, 0, total)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+            return _no_room(shm_free_bytes(), total, world)
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):   # no fallocate: checked only
+            return f"could not reserve {_mib(total)} of /dev/shm: {exc}"
+    return None
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes} bytes"
+
+
+def map_file(path: str, nbytes: int) -> mmap.mmap:
+    """``nbytes`` of the shared file at ``path``, mapped read-write."""
     fd = os.open(path, os.O_RDWR)
     try:
         return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -53,6 +97,7 @@ class CpuSymmHandle(SymmHandle):
             self._fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             os.unlink(name)  # from here on only descriptors keep it alive: nothing can leak
             os.ftruncate(self._fd, total)
+            failure = _room_failure(total, self.world)
             where = (os.getpid(), self._fd)
         except OSError as exc:
             failure = f"could not create its /dev/shm file: {exc}"
@@ -60,11 +105,14 @@ class CpuSymmHandle(SymmHandle):
                                   "allocate CPU symmetric memory", on_failure=self.close,
                                   nbytes=nbytes)
         maps: list[mmap.mmap] = []
-        failure = None
+        # Every rank checked the room before any took it; now each takes its own, before it
+        # maps anything (a peer's check may have raced with another job's use of /dev/shm).
+        assert self._fd is not None   # (else the exchange above raised)
+        failure = _reserve(self._fd, total, self.world)
         try:
-            for peer, (pid, fd) in enumerate(wheres):
+            for peer, (pid, fd) in enumerate(() if failure else wheres):
                 path = f"/proc/self/fd/{fd}" if peer == self.rank else f"/proc/{pid}/fd/{fd}"
-                maps.append(_map(path, total))
+                maps.append(map_file(path, total))
         except OSError as exc:
             failure = (f"could not map the shared memory of rank {peer} (pid {pid}): {exc}. CPU "
                        f"symmetric memory needs all ranks on one host under one user; use "

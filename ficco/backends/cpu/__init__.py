@@ -2,8 +2,14 @@
 
 A queue is a worker thread with a FIFO; an event is a flag; a copy queue is a thread doing
 ``Tensor.copy_`` (which releases the GIL), so copies really overlap GEMMs on a multi-core host.
-If any queue fails during a call, every other queue of this rank is woken and skips the rest,
+If any queue fails during a call, every other queue of its lane is woken and skips the rest,
 and ``finish`` raises the first error.
+
+A *lane* is one session's set of queues (:meth:`CpuBackend.lane`): worker threads of its own,
+its own abort switch and its own errors. Calls on two groups (two sessions) never share a
+queue, so one group's barrier never holds the other's work, and one group's failure never
+makes the other's queues skip work (issue 37 item 2). Work queued without a lane (benchmarks,
+doctests) runs on the backend's default lane.
 
 FICCO_TIMEOUT bounds waits on other ranks, never this rank's own work: ``finish`` gives up on a
 queue only while it runs a collective (a host task not marked local) past the deadline, or when
@@ -19,6 +25,7 @@ from __future__ import annotations
 import queue as queue_mod
 import threading
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -40,16 +47,14 @@ class _Aborted(Exception):
     """Raised inside a queue that is skipping work after another queue failed."""
 
 
-class CpuEvent:
-    __slots__ = ("flag", "time_s")
+class CpuEvent(threading.Event):
+    """An event of a plan (or a queue's marker): a thread-safe flag, and when it was set."""
 
-    def __init__(self):
-        self.flag = threading.Event()
-        self.time_s = None
+    time_s: float | None = None
 
     def set(self):
         self.time_s = time.perf_counter()
-        self.flag.set()
+        super().set()
 
 
 # Each task in a worker's FIFO carries whether its caller was in inference mode (a worker thread
@@ -64,22 +69,15 @@ WAITS = "waits"       # a wait that ends by another queue's progress or its own 
 BOUNDED = "bounded"   # a collective: it may wait on a peer, so at most FICCO_TIMEOUT
 
 
-def _kind(fn, kind: str):
-    fn.ficco_kind = kind
-    return fn
-
-
-def _work(fn, tensors: tuple):
-    """A GEMM or copy task: this rank's own work, holding its tensors (which name its plan
-    step if it fails)."""
-    fn.ficco_kind, fn.ficco_work = LOCAL, tensors
-    return fn
+# The enqueueing methods mark their tasks in place (``task.ficco_kind``; a GEMM's or copy's
+# ``task.ficco_work``, the tensors that name its plan step if it fails): one Python call per
+# plan step, no helper between.
 
 
 class _Worker:
-    def __init__(self, name: str, backend: CpuBackend):
+    def __init__(self, name: str, lane: Lane):
         self.name = name
-        self.backend = backend
+        self.lane = lane
         self.fifo: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
         self.step = None        # the plan step of the launched task now running, if named
         self.kind = None        # what the running task is (LOCAL, WAITS, BOUNDED; None: idle)
@@ -98,7 +96,7 @@ class _Worker:
             try:
                 task, in_inference = self.fifo.get(timeout=_IDLE_S)
             except queue_mod.Empty:
-                if self.backend._retire(self):
+                if self.lane.retire(self):
                     return
                 continue
             if in_inference != (inference is not None):
@@ -113,7 +111,8 @@ class _Worker:
             if isinstance(task, CpuEvent):  # finish() marker: always delivered
                 task.set()
                 continue
-            if self.backend.abort.is_set():
+            if self.lane.abort.is_set():
+                self.lane.skipped = True
                 continue
             self.step = getattr(task, "ficco_step", None)
             self.since = time.monotonic()
@@ -121,9 +120,58 @@ class _Worker:
             try:
                 task()
             except BaseException as exc:  # noqa: BLE001 - handed to the caller by finish()
-                self.backend._fail(self.name, exc, self.step, task)
+                self.lane.fail(self.name, exc, self.step, task)
             self.step = self.kind = None
             self.moved = time.monotonic()
+
+
+class Lane:
+    """One session's queues (see the module docstring): worker threads made on first use, an
+    abort switch that makes them skip what is left, and the errors they hit."""
+
+    def __init__(self, backend: CpuBackend):
+        self.backend = backend
+        self.abort = threading.Event()
+        self.skipped = False                # a task was skipped since the last finish
+        self.errors: list[tuple] = []       # (queue name, exception, step, task)
+        self.lock = threading.Lock()
+        self.workers: dict[str, _Worker] = {}
+        self.closed = False
+
+    def queue(self, name: str) -> _Worker:
+        worker = self.workers.get(name)
+        if worker is None:
+            with self.lock:
+                worker = self.workers.get(name)
+                if worker is None:
+                    worker = self.workers[name] = _Worker(name, self)
+        return worker
+
+    def retire(self, worker: _Worker) -> bool:
+        """Whether idle ``worker`` ends now: when its lane was closed (its session dropped), or
+        when no process group is left (after ``destroy_process_group()``), so ficco's threads
+        do not outlive the group; a later call starts a new one."""
+        if not self.closed and (not dist.is_available() or dist.is_initialized()):
+            return False
+        with self.lock:
+            if not worker.fifo.empty() or self.workers.get(worker.name) is not worker:
+                return False
+            del self.workers[worker.name]
+            return True
+
+    def fail(self, name, exc, step=None, task=None) -> None:
+        with self.lock:
+            self.errors.append((name, exc, step, task))
+        self.abort.set()
+
+    def close(self) -> None:
+        """End the worker threads once they ran what they hold (never waits)."""
+        self.closed = True
+        with self.lock:
+            workers = list(self.workers.values())
+            self.workers.clear()
+        for worker in workers:
+            worker.fifo.put((None, False))
 
 
 def gemm_into(a, b, out, accumulate):
@@ -144,12 +192,12 @@ def gemm_into(a, b, out, accumulate):
 
 class CpuBackend(Backend):
     name = "cpu"
+    signal_templates = True     # signal_batch reads a template's flag from the deadline
 
     def __init__(self, device=None) -> None:
-        self.abort = threading.Event()
-        self._errors: list[tuple] = []      # (queue name, exception, step, task)
         self._lock = threading.Lock()
-        self._workers: dict[str, _Worker] = {}
+        self._default = Lane(self)          # work queued without a session's lane
+        self._lanes: weakref.WeakSet[Lane] = weakref.WeakSet()
         self._provider = CpuSymmProvider(self)
 
     @classmethod
@@ -162,25 +210,24 @@ class CpuBackend(Backend):
     def device(self):
         return torch.device("cpu")
 
-    def queue(self, name):
-        worker = self._workers.get(name)
-        if worker is None:
-            with self._lock:
-                worker = self._workers.get(name)
-                if worker is None:
-                    worker = self._workers[name] = _Worker(name, self)
-        return worker
-
-    def _retire(self, worker: _Worker) -> bool:
-        """Whether idle ``worker`` ends now: when no process group is left (after
-        ``destroy_process_group()``), so ficco's threads do not outlive the group."""
-        if not dist.is_available() or dist.is_initialized():
-            return False
+    def lane(self) -> Lane:
+        """A set of queues of its own for one session (see the module docstring)."""
+        lane = Lane(self)
         with self._lock:
-            if not worker.fifo.empty() or self._workers.get(worker.name) is not worker:
-                return False
-            del self._workers[worker.name]
-            return True
+            self._lanes.add(lane)
+        return lane
+
+    def queue(self, name, lane=None):
+        return (lane or self._default).queue(name)
+
+    def queues(self, names, lane=None):
+        lane = lane or self._default
+        workers = lane.workers
+        return [workers.get(name) or lane.queue(name) for name in names]
+
+    def _every_lane(self) -> list[Lane]:
+        with self._lock:
+            return [self._default, *self._lanes]
 
     def new_event(self):
         return CpuEvent()
@@ -192,25 +239,31 @@ class CpuBackend(Backend):
         queue.fifo.put((event.set, _inference_mode()))      # instant: never held
 
     def wait(self, event, queue):
+        aborted = queue.lane.abort.is_set
+
         def wait_for_event():
-            # No deadline of its own: the event comes from another queue of this rank, which
+            # No deadline of its own: the event comes from another queue of this lane, which
             # computes (as long as it takes) or is bounded itself (finish()); a failure
-            # anywhere aborts this wait.
-            while not event.flag.wait(0.05):
-                if self.abort.is_set():
+            # anywhere in the lane aborts this wait.
+            while not event.wait(0.05):
+                if aborted():
                     raise _Aborted()
-        queue.fifo.put((_kind(wait_for_event, WAITS), _inference_mode()))
+        wait_for_event.ficco_kind = WAITS    # type: ignore[attr-defined]
+        queue.fifo.put((wait_for_event, _inference_mode()))
 
     def copy(self, dst, src, queue):
-        queue.fifo.put((_work(lambda: dst.copy_(src), (dst, src)), _inference_mode()))
+        def task():
+            dst.copy_(src)
+        task.ficco_kind, task.ficco_work = LOCAL, (dst, src)    # type: ignore[attr-defined]
+        queue.fifo.put((task, _inference_mode()))
 
-    def copy_2d(self, dst, src, queue):
-        queue.fifo.put((_work(lambda: dst.copy_(src), (dst, src)), _inference_mode()))
+    copy_2d = copy     # rows of any pitch: Tensor.copy_ takes strided views
 
     def gemm(self, a, b, out, accumulate, queue):
-        def run():
+        def task():
             gemm_into(a, b, out, accumulate)
-        queue.fifo.put((_work(run, (a, b, out)), _inference_mode()))
+        task.ficco_kind, task.ficco_work = LOCAL, (a, b, out)    # type: ignore[attr-defined]
+        queue.fifo.put((task, _inference_mode()))
 
     def launch(self, queue, fn):
         queue.fifo.put((fn, _inference_mode()))
@@ -221,22 +274,27 @@ class CpuBackend(Backend):
         queue.fifo.put((lambda: pad.__setitem__(index, value), _inference_mode()))
 
     def signal_wait(self, queue, op, deadline):
+        aborted = queue.lane.abort.is_set
+
         def wait():
-            wait_on_host(op, deadline, _read, self.abort.is_set, _Aborted)
-        queue.fifo.put((_kind(wait, WAITS), _inference_mode()))   # its own deadline bounds it
+            wait_on_host(op, deadline, _read, aborted, _Aborted)
+        wait.ficco_kind = WAITS             # type: ignore[attr-defined]  # its own deadline
+        queue.fifo.put((wait, _inference_mode()))
 
     def signal_batch(self, queue, ops, deadline):
         """A whole barrier program as one task of ``queue``: the primitives in order, as the
         GPU backends enqueue it in one driver call."""
-        aborted = self.abort.is_set
+        aborted = queue.lane.abort.is_set
+        flag = deadline.target if deadline is not None else None
 
         def program():
             for op in ops:
                 if op.kind == WRITE:
-                    _write(op.slot, op.value)
+                    _write(op.slot, flag if op.value is None else op.value)
                 else:
                     wait_on_host(op, deadline, _read, aborted, _Aborted)
-        queue.fifo.put((_kind(program, WAITS), _inference_mode()))   # its own deadline
+        program.ficco_kind = WAITS          # type: ignore[attr-defined]  # its own deadline
+        queue.fifo.put((program, _inference_mode()))
 
     def signal_now(self, ops, deadline):
         run_on_host(ops, deadline, _read, _write)
@@ -244,14 +302,24 @@ class CpuBackend(Backend):
     def finish(self, queues):
         from ... import config
 
+        lane = queues[0].lane if queues else self._default
         timeout_s = config.timeout_s()
-        stuck = self._drain([(q, _marker(q)) for q in queues], timeout_s)
+        markers = []
+        inference = _inference_mode()
+        for q in queues:
+            marker = CpuEvent()
+            q.fifo.put((marker, inference))
+            markers.append((q, marker))
+        stuck = self._drain(markers, timeout_s)
         if stuck:
-            self.abort.set()
+            lane.abort.set()
             raise self._undrained(stuck, timeout_s)
-        errors, self._errors = self._errors, []
-        self.abort.clear()
-        real = [(n, e, s, t) for n, e, s, t in errors if not isinstance(e, _Aborted)]
+        with lane.lock:
+            errors, lane.errors = lane.errors, []
+        skipped, lane.skipped = lane.skipped, False
+        lane.abort.clear()
+        real = [(n, e, s, t) for n, e, s, t in errors if not isinstance(e, _Aborted)] \
+            if errors else errors
         if real:
             name, exc, step, task = real[0]
             if isinstance(exc, FiccoError):
@@ -264,6 +332,11 @@ class CpuBackend(Backend):
             failure.ficco_local = getattr(task, "ficco_kind", None) == LOCAL
             failure.ficco_work = getattr(task, "ficco_work", None)
             raise name_step(failure, step) from exc
+        if skipped or errors:
+            # Cancelled from outside the call (ficco.shutdown(), or this session dropped while
+            # the call ran): work was skipped, so the outputs are not what they should be.
+            raise FiccoError("the call was cancelled while it ran (ficco.shutdown() or its "
+                             "group's session was dropped); nothing it computed is returned")
 
     @staticmethod
     def _drain(markers, timeout_s: float) -> list:
@@ -273,8 +346,8 @@ class CpuBackend(Backend):
         name the late peer, so they get a moment to report first."""
         limit = timeout_s + _GRACE_S
         for _, marker in markers:
-            while not marker.flag.wait(0.05):
-                busy = [w for w, m in markers if not m.flag.is_set()]
+            while not marker.wait(0.05):
+                busy = [w for w, m in markers if not m.is_set()]
                 now = time.monotonic()
                 late = [w for w in busy if w.kind == BOUNDED and now - w.since > limit]
                 if late:
@@ -300,47 +373,55 @@ class CpuBackend(Backend):
             f"[{states}]")
         return name_step(exc, q.step) if q.step else exc
 
-    def _fail(self, name, exc, step=None, task=None):
-        with self._lock:
-            self._errors.append((name, exc, step, task))
-        self.abort.set()
-
     def elapsed_s(self, start, end):
         return end.time_s - start.time_s
 
     def synchronize(self):
-        """Block until every queue ran (or, after :meth:`cancel`, skipped) what it was given,
-        bounded by FICCO_TIMEOUT; then the queues take new work normally again."""
+        """Block until every queue of every lane ran (or, after :meth:`cancel`, skipped) what
+        it was given, bounded by FICCO_TIMEOUT; then the queues take new work normally."""
+        for lane in self._every_lane():
+            self.drain(lane)
+
+    def drain(self, lane=None):
+        """:meth:`synchronize` for one lane's queues (the default lane's for None)."""
         from ... import config
 
-        with self._lock:
-            workers = list(self._workers.values())
+        lane = lane or self._default
+        with lane.lock:
+            workers = list(lane.workers.values())
         stuck = self._drain([(w, _marker(w)) for w in workers], config.timeout_s())
         if stuck:
             raise CommTimeoutError(f"queue {stuck[0].name} is still busy after FICCO_TIMEOUT; "
                                    f"its memory stays mapped")
-        with self._lock:
-            self._errors = []
-        self.abort.clear()
+        with lane.lock:
+            lane.errors = []
+        lane.skipped = False
+        lane.abort.clear()
 
-    def cancel(self):
-        """Make every queue skip what is left (a failed or interrupted call)."""
-        self.abort.set()
+    def cancel(self, lane=None):
+        """Make the queues of ``lane`` (every lane for None) skip what is left (a failed or
+        interrupted call)."""
+        for each in ([lane] if lane is not None else self._every_lane()):
+            each.abort.set()
 
-    def cancelled(self):
-        return self.abort.is_set()
+    def cancelled(self, lane=None):
+        return (lane or self._default).abort.is_set()
+
+    def close_lane(self, lane):
+        lane.close()
 
     def symm_provider(self):
         return self._provider
 
     def close(self):
-        with self._lock:
-            workers = list(self._workers.values())
-            self._workers.clear()
+        lanes = self._every_lane()
+        workers = [w for lane in lanes for w in lane.workers.values()]
+        for lane in lanes:
+            lane.close()
         for worker in workers:
-            worker.fifo.put((None, False))
-        for worker in workers:
-            worker.thread.join(timeout=5)
+            if worker.thread is not threading.current_thread():
+                worker.thread.join(timeout=5)
+        self._default = Lane(self)
 
 
 def _marker(worker) -> CpuEvent:

@@ -41,6 +41,7 @@ True
 from __future__ import annotations
 
 import ctypes
+import importlib
 
 import torch
 
@@ -91,7 +92,7 @@ class RocmVendor(Vendor):
 
     def __init__(self, hip=None) -> None:
         if hip is None:
-            from hip import hip
+            hip = importlib.import_module("hip.hip")
         self.hip = hip
         no_cu = getattr(hip.hipMemcpyKind, "hipMemcpyDeviceToDeviceNoCU", None)
         #: False on ROCm < 6.1 (no NoCU kind): the runtime then picks the engine itself
