@@ -53,6 +53,8 @@ from typing import Any
 
 from ..errors import CommTimeoutError, InvalidArgumentError, MismatchError
 
+#: int32 counters per rank and peer in every signal pad: (SIGNAL_CHANNELS, world)
+SIGNAL_CHANNELS = 8
 #: channels of the plans' stream-ordered barriers (flag mode, safe to capture in graphs)
 PLAN_CHANNELS = (0, 1)
 #: the call flag of a plan run without a call digest (benchmarks, tests): the same on every rank
@@ -185,8 +187,6 @@ class Deadline:
 
 
 def _check_channel(handle, channel: int) -> None:
-    from . import SIGNAL_CHANNELS
-
     if not 0 <= channel < SIGNAL_CHANNELS:
         raise InvalidArgumentError(f"barrier channel {channel} is outside [0, {SIGNAL_CHANNELS})")
 
@@ -294,8 +294,6 @@ def host_barrier(backend, handle, channel: int, timeout_s: float, step=None) -> 
 
 
 def _signal_channels() -> int:
-    from . import SIGNAL_CHANNELS
-
     return SIGNAL_CHANNELS
 
 

@@ -11,8 +11,9 @@ from collections.abc import Callable
 import torch
 
 from ..errors import BackendCallError, FiccoError, InvalidArgumentError
-from . import SIGNAL_CHANNELS, SymmHandle, aligned
+from .barrier import SIGNAL_CHANNELS
 from .fault import host_pad_fault, private_fault
+from .handle import SymmHandle, aligned
 
 #: host barrier channel used by close(); plans use channels 0 and 1
 CLOSE_CHANNEL = SIGNAL_CHANNELS - 1

@@ -27,8 +27,8 @@ import uuid
 
 import numpy as np
 
-from . import SIGNAL_CHANNELS
 from .agree import exchange_or_fail
+from .barrier import SIGNAL_CHANNELS
 
 SHM_DIR = "/dev/shm"
 

@@ -8,9 +8,10 @@ import torch
 
 from .. import config
 from ..group import rank_world, resolve
-from . import SIGNAL_CHANNELS, Provider, aligned
 from .agree import exchange_or_fail
+from .barrier import SIGNAL_CHANNELS
 from .device import GpuSymmHandle, device_identity, pad_bytes, sharers
+from .handle import Provider, aligned
 from .host_pads import HostPads
 from .host_pads import wanted as host_pads_wanted
 from .ipc import IpcSymmProvider
