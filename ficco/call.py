@@ -37,7 +37,7 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
 
 class _RankView(Protocol):
     """What a Call reads of its problem: a :class:`~ficco.problem.Problem`, or the expert ops'
-    :class:`~ficco.expert.problem.ExpertProblem` (a problem of its own, not a Problem)."""
+    :class:`~ficco.problem_expert.ExpertProblem` (a problem of its own, not a Problem)."""
 
     @property
     def world(self) -> int: ...

@@ -314,9 +314,9 @@ class GatedGemm:
 
 class HostOp:
     """Base of plan ops whose work is one host task sized at launch from the call's buffers
-    (``Buffers.expert``), for op families whose sizes are data: expert parallelism's routing
+    (``Buffers.task_state``), for op families whose sizes are data: expert parallelism's routing
     counts change every call, so its plans name (expert, source, chunk) and one plan serves
-    every routing (:mod:`ficco.expert`). Subclasses are frozen dataclasses with ``queue`` and
+    every routing (:mod:`ficco.plan_expert`). Subclasses are frozen dataclasses with ``queue`` and
     ``step``, a ``kind`` (the simulator prices kind ``x`` with ``_price_x``) and a static
     ``host_task(views, buffers, op) -> fn`` that the executor launches on the op's queue."""
 

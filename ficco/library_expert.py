@@ -27,12 +27,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import group as groups
-from .. import library, runtime
-from ..autograd import _first_order, _register_autocast
-from ..call import FORWARD
-from ..ops.all_to_all_grouped_mm import SPEC as DISPATCH_SPEC
-from ..ops.grouped_mm_all_to_all import SPEC as COMBINE_SPEC
+from . import group as groups
+from . import library, runtime
+from .autograd import _first_order, _register_autocast
+from .call import FORWARD
+from .ops.all_to_all_grouped_mm import SPEC as DISPATCH_SPEC
+from .ops.grouped_mm_all_to_all import SPEC as COMBINE_SPEC
 
 # The roles of the calls a backward makes: part of what the ranks agree on (its signature, its
 # digest in the counts exchange, the barriers' flag, the ccl check), so a rank that skipped a

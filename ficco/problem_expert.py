@@ -30,8 +30,8 @@ import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from ..errors import InvalidArgumentError
-from ..problem import _ITEMSIZE, DtypeFields, even_split
+from .errors import InvalidArgumentError
+from .problem import _ITEMSIZE, DtypeFields, even_split
 
 DISPATCH = "all_to_all_grouped_mm"
 COMBINE = "grouped_mm_all_to_all"
