@@ -11,7 +11,10 @@ import torch
 
 from . import profiling
 from .buffers import Buffers
-from .compiler import (
+from .compiler import CompiledPlan, compile_plan
+from .errors import name_step
+from .kernels.launch import gated_task, raise_flag
+from .lowering import (
     BARRIER,
     CALL,
     COPY,
@@ -24,11 +27,7 @@ from .compiler import (
     RECORD,
     SIGNAL,
     WAIT,
-    CompiledPlan,
-    compile_plan,
 )
-from .errors import name_step
-from .kernels.launch import gated_task, raise_flag
 from .plan import Plan, op_label
 from .symm_mem.barrier import plan_barrier
 
