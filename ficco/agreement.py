@@ -46,7 +46,7 @@ import uuid
 from dataclasses import dataclass
 
 from . import config
-from .errors import CommTimeoutError, FiccoError, MismatchError
+from .errors import CommTimeoutError, FiccoError, MismatchError, error_context
 from .group import key as group_key
 from .session import AGREED_KEPT, Channel, channel_of
 
@@ -542,7 +542,8 @@ def wait_bounded(work, *, rank: int, what: str) -> None:
 
 
 def _missing(ranks: list[int] | None, exc: CommTimeoutError) -> CommTimeoutError:
-    exc.missing = ranks
+    context = error_context(exc)
+    context.asked, context.missing = True, ranks
     return exc
 
 

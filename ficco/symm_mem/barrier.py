@@ -51,7 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CommTimeoutError, InvalidArgumentError, MismatchError
+from ..errors import CommTimeoutError, InvalidArgumentError, MismatchError, error_context
 
 #: int32 counters per rank and peer in every signal pad: (SIGNAL_CHANNELS, world)
 SIGNAL_CHANNELS = 8
@@ -158,7 +158,8 @@ class Deadline:
                 f"{[v for _, v in foreign]}, this rank's {self.target}): other shapes, dtypes, "
                 f"settings or op, each agreed at an earlier call. Nothing this call computed "
                 f"is returned; every rank must make the same calls in the same order")
-            mismatch.flags = dict(foreign)      # the runtime names the calls they stand for
+            # the runtime names the calls they stand for
+            error_context(mismatch).flags = dict(foreign)
             return mismatch
         peers = [p for p, _ in late]
         values = [v for _, v in late]

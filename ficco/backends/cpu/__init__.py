@@ -30,7 +30,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ...errors import CommTimeoutError, FiccoError, name_step
+from ...errors import CommTimeoutError, FiccoError, error_context, name_step
 from ...host_tasks import LOCAL
 from ...symm_mem.barrier import WRITE, run_on_host, wait_on_host
 from ...symm_mem.cpu import CpuSymmProvider
@@ -329,8 +329,9 @@ class CpuBackend(Backend):
             # This rank's own work (a GEMM, copy or reduction) or a collective: the executor
             # names a GEMM's or copy's plan step from the tensors the task held, the runtime
             # adds rank, op and schedule.
-            failure.ficco_local = getattr(task, "ficco_kind", None) == LOCAL
-            failure.ficco_work = getattr(task, "ficco_work", None)
+            context = error_context(failure)
+            context.local = getattr(task, "ficco_kind", None) == LOCAL
+            context.work = getattr(task, "ficco_work", None)
             raise name_step(failure, step) from exc
         if skipped or errors:
             # Cancelled from outside the call (ficco.shutdown(), or this session dropped while
