@@ -141,3 +141,42 @@ def test_the_checker_finds_a_package_submodule_loop(tmp_path):
     graph = import_graph(pkg)
     assert cycles(graph) == [["pkg", "pkg.a"]]
     assert graph["pkg.a"] == {"pkg", "pkg.b"} and graph["pkg.sub.c"] == {"pkg.sub.d"}
+
+
+def private_imports(root: Path = ROOT) -> list[str]:
+    """``path:line name`` of every private name one ficco module imports from another
+    (``from .x import _y``) or reads off one it imported (``x._y``): a helper two modules
+    share is public in its home, or lives where it is used."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        imported: set[str] = set()
+        for node in _imports(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(
+                    ".")[0] == root.name):
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        found.append(f"{path.relative_to(root.parent)}:{node.lineno} "
+                                     f"{alias.name}")
+                    imported.add(alias.asname or alias.name)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and \
+                    not node.attr.startswith("__") and isinstance(node.value, ast.Name) and \
+                    node.value.id in imported:
+                found.append(f"{path.relative_to(root.parent)}:{node.lineno} "
+                             f"{node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_module_imports_a_private_name_of_another():
+    assert private_imports() == []
+
+
+def test_the_private_import_scan_sees_them(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def _helper():\n    pass\ndef public():\n    pass\n")
+    (pkg / "b.py").write_text("from .a import _helper, public\nfrom . import a\n"
+                              "def f(obj):\n    a._helper()\n    obj._own()\n")
+    assert sorted(private_imports(pkg)) == ["pkg/b.py:1 _helper", "pkg/b.py:4 a._helper"]

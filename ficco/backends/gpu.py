@@ -29,7 +29,7 @@ from .base import Backend
 from .gpu_fence import poison_if_raised
 from .gpu_rescue import Rescue
 from .gpu_watchdog import PendingBarrier, Watchdog
-from .vendor import Copy2D, Vendor, _nothing, copy_call_args
+from .vendor import Copy2D, Vendor, copy_call_args, copy_nothing
 
 
 # -- the backend ---------------------------------------------------------------------------------
@@ -203,7 +203,7 @@ class GpuBackend(Backend):
         per bound plan while the views' addresses hold)."""
         args = copy_call_args(dst, src, two_d)
         if args is None:
-            return _nothing
+            return copy_nothing
         if type(args) is Copy2D:
             copy_2d = self.vendor.copy_2d
             return lambda queue: copy_2d(args, queue.cuda_stream)

@@ -183,7 +183,7 @@ def _timeline_rank(rank, world, init_file, args, env):
             scenario = Scenario("shape", world * m, n, k)
             ns = argparse.Namespace(profile=args.profile, out=args.out, schedule=args.schedule,
                                     rank="all", no_plots=args.no_plots, transport="dma")
-            timeline._write(ns, scenario, plan, everyone, backend, device, world)
+            timeline.write_timeline(ns, scenario, plan, everyone, backend, device, world)
         dist.barrier()
         return err
     finally:

@@ -56,12 +56,12 @@ from ..errors import CommTimeoutError, InvalidArgumentError
 from ..symm_mem.fault import KERNEL
 from . import configs
 
-# The kernel reads _clock, TRACE_WORDS and the word builtins as globals.
+# The kernel reads read_clock, TRACE_WORDS and the word builtins as globals.
 from .trace import (
     TRACE_OFF,
     TRACE_WORDS,
-    _clock,
     clock_mode,
+    read_clock,
     ticks_per_s,
     trace_supported,
     wait_clock,
@@ -115,7 +115,7 @@ def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, h
     num_tiles = num_tiles * tiles_n
     for tile in range(pid, num_tiles, programs):
         if TRACE != 0:   # constexpr: with tracing off none of this is compiled in
-            t_start = _clock(TRACE, trace)
+            t_start = read_clock(TRACE, trace)
             t_first = t_start
             t_last = t_start
             flags_seen = 0   # (not ``waited``: that is the wait's clock, reset per flag)
@@ -157,12 +157,12 @@ def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, h
                 # The halt word is the group's error word (host memory a host thread raises
                 # when the group failed): read from memory at every poll (words.py).
                 stop = load_word(halt, AMD)
-                began = _clock(CLOCK, trace)
+                began = read_clock(CLOCK, trace)
                 waited = began - began
                 while (seen_flag == 0) & (stop == 0) & (waited < wait_ticks):
                     seen_flag = tl.atomic_add(flags + flag, 0, sem="acquire")
                     stop = load_word(halt, AMD)   # the group failed: stop waiting
-                    waited = _clock(CLOCK, trace) - began
+                    waited = read_clock(CLOCK, trace) - began
                 if seen_flag == 0:
                     tl.atomic_cas(err, 0, flag + 1)
                     ok = 0
@@ -171,7 +171,7 @@ def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, h
                         # the fence poisons the call and its next call raises (W1).
                         store_word(halt, GAVE_UP)
                 if TRACE != 0:   # when this tile saw its (first, latest) flag
-                    t_last = _clock(TRACE, trace)
+                    t_last = read_clock(TRACE, trace)
                     t_first = tl.where(flags_seen == 0, t_last, t_first)
                     flags_seen = 1
             if ok != 0:
@@ -197,7 +197,7 @@ def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, h
         c_ptrs = c + (row0 + offs_m)[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
         tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
         if TRACE != 0:
-            t_end = _clock(TRACE, trace)
+            t_end = read_clock(TRACE, trace)
             rec = trace + 1 + tile * TRACE_WORDS   # (int32: tiles * 9 stays far below 2**31)
             tl.store(rec + 0, t_start)
             tl.store(rec + 1, t_first)

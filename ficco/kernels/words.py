@@ -14,7 +14,7 @@ A store that peers or the host must see is write-through (``cache_modifier=".wt"
 ``st.global.wt``; ``global_store_dword ... sc0 sc1``). ``tests/test_kernel_words.py`` checks
 the compiled loads and stores of both kernels for sm_90, gfx90a and gfx942.
 
-Both are Triton *builtins* (as :func:`ficco.kernels.trace._clock`): the compiler calls them
+Both are Triton *builtins* (as :func:`ficco.kernels.trace.read_clock`): the compiler calls them
 with its ``_semantic``, the interpreter as plain Python.
 """
 from __future__ import annotations
