@@ -159,22 +159,8 @@ def _root(node: ast.expr) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
-#: Private names of the GPU backends' files (backends/gpu.py, cuda, rocm, gpu_fence,
-#: symm_mem/device.py) that their tests read; those files are being changed by the GPU work
-#: of this round, so the names become public when it lands (and leave this list).
-GPU_FILES_PENDING = {
-    ("tests/test_backend_cuda.py", "_wrap_interface"), ("tests/test_backend_cuda.py", "_wrap_storage"),
-    ("tests/test_backend_cuda.py", "GpuBackend._enqueue_signals"),
-    ("tests/test_backend_rocm.py", "RocmBackend._capture_refusal"),
-    ("tests/test_backend_rocm.py", "RocmBackend._enqueue_signals"),
-    ("tests/test_gpu_fence.py", "_kernel"), ("tests/test_packaging.py", "_bindings_version"),
-    ("tests/test_kernel_words.py", "_kernel"),
-}
-
-
 def test_no_test_reads_a_private_name_of_ficco():
-    found = [f for f in private_uses()
-             if not any(f.startswith(path) and name in f for path, name in GPU_FILES_PENDING)]
+    found = private_uses()
     assert not found, "\n".join(found)
 
 

@@ -260,12 +260,12 @@ class GpuBackend(Backend):
         self.signal_batch(queue, (op,), deadline)
 
     def signal_batch(self, queue, ops, deadline):
-        self._enqueue_signals(queue, ops, deadline)
+        self.enqueue_signals(queue, ops, deadline)
 
-    def _enqueue_signals(self, queue, ops, deadline: Deadline | None):
+    def enqueue_signals(self, queue, ops, deadline: Deadline | None):
         capturing = torch.cuda.is_current_stream_capturing()
         if capturing and not self.captures_signals:
-            raise self._capture_refusal()    # before_dma refuses earlier; never mid-capture
+            raise self.capture_refusal()    # before_dma refuses earlier; never mid-capture
         if capturing:
             # Graphs are replayed without a host watching them; the runtime must keep this
             # memory alive while such a graph exists.
@@ -289,7 +289,7 @@ class GpuBackend(Backend):
     def signal_now(self, ops, deadline):
         """Host barrier: the program runs on a private stream; the host waits for it."""
         self._raise_died()
-        item = self._enqueue_signals(self._side(), ops, deadline)
+        item = self.enqueue_signals(self._side(), ops, deadline)
         if item is not None:
             self._watchdog.wait_done(item)
         self._raise_died()
@@ -298,7 +298,7 @@ class GpuBackend(Backend):
             error = self._take(deadline.handle) if deadline.handle is not None else None
             raise error if error is not None else deadline.error([])
 
-    def _capture_refusal(self) -> InvalidArgumentError:
+    def capture_refusal(self) -> InvalidArgumentError:
         return InvalidArgumentError(
             f"the {self.name} backend cannot capture cross-rank barriers into a graph (its "
             f"stream memory operations are not captured, so a replay would run without "
@@ -317,7 +317,7 @@ class GpuBackend(Backend):
         self._raise_died()
         if torch.cuda.is_current_stream_capturing():
             if not self.captures_signals:
-                raise self._capture_refusal()
+                raise self.capture_refusal()
             if symm is None or symm.nbytes < nbytes:
                 # Allocating synchronizes the device, frees the old workspace and maps
                 # peers' memory: each of these ends the caller's capture with an opaque

@@ -31,7 +31,7 @@ class _DeviceSpan:
                                          "strides": None, "stream": None}
 
 
-def _wrap_interface(address, nbytes, device):
+def wrap_interface(address, nbytes, device):
     if device.type == "cpu":
         # Host memory (the CPU stand-in of a GPU in tests/fake_gpu.py): a view through a
         # ctypes array of the address, never a copy.
@@ -40,7 +40,7 @@ def _wrap_interface(address, nbytes, device):
     return torch.as_tensor(_DeviceSpan(address, nbytes), device=device)
 
 
-def _wrap_storage(address, nbytes, device):
+def wrap_storage(address, nbytes, device):
     storage = torch._C._construct_storage_from_data_pointer(address, device, nbytes)
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
@@ -57,7 +57,7 @@ def tensor_at(address: int, nbytes: int, device: torch.device) -> torch.Tensor:
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8, device=device)
     seen = []
-    for wrap in (_wrap_interface, _wrap_storage):
+    for wrap in (wrap_interface, wrap_storage):
         try:
             t = wrap(address, nbytes, device)
         except (TypeError, RuntimeError, AttributeError) as exc:
