@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from ..schedules.gated import describe_flag
+from ..plan import describe_flag
 
 
 def raise_flag(backend, queue, flags: torch.Tensor, index: int) -> None:

@@ -37,27 +37,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
-from ..plan import COMPUTE, GatedGemm, Op, Plan, PlanBuilder, Record, Signal, Wait, copy_queue
+from ..plan import (
+    COMPUTE,
+    NO_FLAG,
+    GatedGemm,
+    Op,
+    Plan,
+    PlanBuilder,
+    Record,
+    Signal,
+    Wait,
+    copy_queue,
+    flag_index,
+)
 from ..problem import ALL_GATHER_MATMUL, Problem
 from . import common
 from .ficco import chunks
-
-NO_FLAG = -1
-
-
-def flag_index(problem: Problem, peer: int, chunk: int) -> int:
-    """Arrival flag of chunk ``chunk`` of ``peer``'s shard: ``chunk * W + peer``."""
-    return chunk * problem.world + peer
-
-
-def describe_flag(problem: Problem, flag: int) -> str:
-    """What arrival flag ``flag`` stands for, in error messages.
-
-    >>> describe_flag(Problem(m=8, k=8, ns=(4,), dtype="float32", world=4, rank=0), 6)
-    'chunk 1 of peer 2 (rank 0 waiting)'
-    """
-    chunk, peer = divmod(flag, problem.world)
-    return f"chunk {chunk} of peer {peer} (rank {problem.rank} waiting)"
 
 
 @dataclass(frozen=True)
