@@ -23,6 +23,7 @@ import torch.distributed as dist
 from .buffers import Buffers
 from .host_tasks import local
 from .problem_expert import DISPATCH, Layout, piece_of
+from .scaled import gemm_into_view
 
 
 @dataclass
@@ -200,13 +201,6 @@ def _write(out: torch.Tensor, product: torch.Tensor, accumulate: bool) -> None:
         out.copy_(product)
 
 
-def _wide_product(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``a @ b`` as ``dtype`` (float32), never rounded to the operands' bf16/fp16."""
-    if a.device.type == "cuda":   # (ROCm too) a float32 result of the low-precision GEMM
-        return torch.mm(a, b, out_dtype=dtype)
-    return a.to(dtype) @ b.to(dtype)
-
-
 def run_grouped(pieces, stacked: torch.Tensor | None, accumulate: bool = False) -> None:
     """``out (+)= a @ b`` for every piece ``(l, a, b, out)``: one ``torch._grouped_mm`` over
     all pieces when ``stacked`` (the (L, k, n) weights the ``b`` are cut from) is given and
@@ -217,12 +211,7 @@ def run_grouped(pieces, stacked: torch.Tensor | None, accumulate: bool = False) 
     pieces = [p for p in pieces if p[1].shape[0]]
     if stacked is None or len(pieces) < 2 or pieces[0][3].dtype != pieces[0][1].dtype:
         for _, a, b, out in pieces:
-            if out.dtype != a.dtype:
-                _write(out, _wide_product(a, b, out.dtype), accumulate)
-            elif accumulate:
-                out.addmm_(a, b)
-            else:
-                torch.matmul(a, b, out=out)
+            gemm_into_view(a, b, out, accumulate)
         return
     pieces.sort(key=lambda p: p[0])       # groups in expert order; sort is stable
     rows = [0] * stacked.shape[0]

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from ...errors import CommTimeoutError, FiccoError, error_context, name_step
 from ...host_tasks import LOCAL
+from ...scaled import gemm_into_view
 from ...symm_mem.barrier import WRITE, run_on_host, wait_on_host
 from ...symm_mem.cpu import CpuSymmProvider
 from ..base import Backend
@@ -174,22 +175,6 @@ class Lane:
             worker.fifo.put((None, False))
 
 
-def gemm_into(a, b, out, accumulate):
-    """``out (+)= a @ b``; ``a`` and ``out`` may be 3-D batched views. A wider ``out`` (fp32
-    for bf16/fp16 inputs) takes unrounded partial sums: the caller rounds once at the end."""
-    if out.dtype != a.dtype:
-        a, b = a.to(out.dtype), b.to(out.dtype)
-    if a.dim() == 2:
-        if accumulate:
-            out.addmm_(a, b)
-        else:
-            torch.mm(a, b, out=out)
-    elif accumulate:
-        out.baddbmm_(a, b.expand(a.shape[0], *b.shape))
-    else:
-        out.copy_(torch.matmul(a, b))
-
-
 class CpuBackend(Backend):
     name = "cpu"
     signal_templates = True     # signal_batch reads a template's flag from the deadline
@@ -261,7 +246,7 @@ class CpuBackend(Backend):
 
     def gemm(self, a, b, out, accumulate, queue):
         def task():
-            gemm_into(a, b, out, accumulate)
+            gemm_into_view(a, b, out, accumulate)
         task.ficco_kind, task.ficco_work = LOCAL, (a, b, out)    # type: ignore[attr-defined]
         queue.fifo.put((task, _inference_mode()))
 
