@@ -36,7 +36,7 @@ from .ops.grouped_mm_all_to_all import SPEC as COMBINE_SPEC
 
 # The roles of the calls a backward makes: part of what the ranks agree on (its signature, its
 # digest in the counts exchange, the barriers' flag, the ccl check), so a rank that skipped a
-# backward never pairs its next forward with its peers' backward (issue 29).
+# backward never pairs its next forward with its peers' backward.
 GRAD_OF_DISPATCH = "backward of all_to_all_grouped_mm (grad of x)"
 GRAD_OF_COMBINE = "backward of grouped_mm_all_to_all (grad of h)"
 

@@ -72,8 +72,8 @@ class GpuBackend(Backend):
         self._comm_stream: torch.cuda.Stream | None = None
         self._side_stream: torch.cuda.Stream | None = None
         self._provider = AutoSymmProvider(self)
-        # Failures of a group live with the group (its workspace's GroupFault, issue 25 item
-        # 5); only the watchdog's own death concerns every group.
+        # Failures of a group live with the group (its workspace's GroupFault);
+        # only the watchdog's own death concerns every group.
         self._died: FiccoError | None = None
         self._watchdog = Watchdog(Rescue(self._device, self.vendor, self.bind_thread,
                                          self._watchdog_died))
@@ -309,10 +309,10 @@ class GpuBackend(Backend):
     def before_dma(self, symm, nbytes: int = 0) -> None:
         """Start of a dma call, before it allocates or enqueues anything: refuse a graph
         capture this backend cannot replay (HIP: refusing later would break the caller's
-        capture, issue 25 item 7) or one during which the group's workspace must be
-        allocated or grown to ``nbytes`` (issue 33 M4), then raise what the group still owes:
-        the error of an earlier call's released barrier or of a gated GEMM that gave up
-        (issue 25 item 5). ``symm`` is the group's workspace, None before its first
+        capture) or one during which the group's workspace must be
+        allocated or grown to ``nbytes``, then raise what the group still owes:
+        the error of an earlier call's released barrier or of a gated GEMM that gave up.
+        ``symm`` is the group's workspace, None before its first
         allocation."""
         self._raise_died()
         if torch.cuda.is_current_stream_capturing():

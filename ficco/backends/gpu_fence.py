@@ -1,5 +1,4 @@
-"""What an eager GPU call hands back when one of its barriers never completed by itself
-(issue 15 item 4; issue 13 on GPUs).
+"""What an eager GPU call hands back when one of its barriers never completed by itself.
 
 An eager GPU call returns as soon as its work is *enqueued*; its barriers complete later, on
 the GPU. When a peer is dead, stuck or making another call, the barrier watchdog

@@ -1,5 +1,5 @@
-"""Benchmarks of the gated GEMM alone: ``python -m ficco.bench kernels <what>`` (until issue 30,
-``python -m ficco.kernels.bench``; the kernels package no longer reaches up into the API).
+"""Benchmarks of the gated GEMM alone: ``python -m ficco.bench kernels <what>`` (here, not in
+``ficco.kernels``: the kernels package never reaches up into the API).
 
 ``kernel`` (needs a GPU): the gated GEMM with every arrival flag preset, against
 ``torch.matmul`` on the same device, for Table I layer shapes at per-rank TP sizes (``M``

@@ -20,8 +20,8 @@ compute units spent on communication (the copy engines move the bytes)::
                        acc += A[tile rows, part K] @ B[part K, tile cols]
                    C[tile] = round(acc), or NaN if a wait gave up   # rounded once
 
-A wait is bounded in *time* (issue 33 W1: it counted polls against a guessed rate, and gave
-up while a peer was still inside FICCO_TIMEOUT): each wait reads the device clock
+A wait is bounded in *time*, never by a count of polls at a guessed rate (which gives up
+while a peer is still inside FICCO_TIMEOUT): each wait reads the device clock
 (``%globaltimer`` on NVIDIA, the realtime counter on AMD, the host clock in the interpreter)
 and ends ``timeout_s`` after it began. One that ends without its flag records ``1 + flag`` in
 the error word, raises the ``halt`` word (the group's error word on GPUs:
@@ -105,7 +105,7 @@ def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, h
                  AMD: tl.constexpr, TRACE: tl.constexpr = 0):
     # Persistent: the grid is at most the device's SMs/CUs minus a reserve (launch.py), and
     # each program walks tiles pid, pid + grid, ... of the arrival-ordered tile list, so
-    # tiles waiting for data never hold every compute unit (issue 25 item 1).
+    # tiles waiting for data never hold every compute unit.
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     tiles_n = (N + BLOCK_N - 1) // BLOCK_N   # not tl.cdiv: a jit helper the interpreter cannot call
@@ -168,7 +168,7 @@ def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, h
                     ok = 0
                     if stop == 0:
                         # This wait ran out: raise the group's word, so the other tiles stop,
-                        # the fence poisons the call and its next call raises (W1).
+                        # the fence poisons the call and its next call raises.
                         store_word(halt, GAVE_UP)
                 if TRACE != 0:   # when this tile saw its (first, latest) flag
                     t_last = read_clock(TRACE, trace)

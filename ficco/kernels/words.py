@@ -2,7 +2,7 @@
 error word (host memory a host thread or a peer process raises), polled by the fence and the
 gated GEMM, and raised by the gated GEMM itself when it gives up.
 
-Such a load must go to memory at every poll, on every Triton ficco accepts (issue 33 W3):
+Such a load must go to memory at every poll, on every Triton ficco accepts:
 
 - NVIDIA: ``volatile=True`` compiles to ``ld.volatile.global`` (Triton 3.6 and 3.9);
 - AMD: ``volatile=True`` is not enough. On Triton 3.6 and 3.8 a volatile load of a uniform

@@ -118,7 +118,7 @@ class Gated:
                 # Same queue, right after the copy: queue order is the whole dependency.
                 last_pull[queue] = b.add(Signal(copy_queue(queue),
                                                 flag_index(p, q, chunk.index), step=chunk.index))
-        # Launched after its copies and flag writes are queued (issue 25 item 1): where they
+        # Launched after its copies and flag writes are queued: where they
         # share a hardware queue with the compute stream, or need compute units the waiting
         # tiles hold, a kernel launched first could starve its own producers. Its grid is
         # persistent and smaller than the device (ficco.kernels.configs.resident_programs).

@@ -118,8 +118,8 @@ class GpuSymmHandle(SymmHandle):
         self._pad_base = list(host_pads.device) if host_pads is not None else \
             [int(p.data_ptr()) for p in pads]
         #: this group's error slot and error word on this rank (:mod:`.fault`). The words
-        #: live in host pads every rank maps (``words``: device signal pads get them too,
-        #: issue 33 W2), so a rank that gives up reaches its peers' words; only a pretend
+        #: live in host pads every rank maps (``words``: device signal pads get them too),
+        #: so a rank that gives up reaches its peers' words; only a pretend
         #: group of one process (:func:`single_gpu_group`) keeps a private word.
         words = words if words is not None else host_pads
         self.fault = host_pad_fault(rank, backend.device(), words, tensor_at) \
@@ -130,7 +130,7 @@ class GpuSymmHandle(SymmHandle):
         self.captured = False
         #: every "peer" is memory of this process (:func:`single_gpu_group`): no close barrier
         self.local_peers = False
-        #: ranks of this group on this rank's GPU (the provider sets it; issue 33 H1)
+        #: ranks of this group on this rank's GPU (the provider sets it)
         self.device_sharers = 1
 
     def get_buffer(self, rank, shape, dtype, offset=0):
@@ -149,8 +149,8 @@ class GpuSymmHandle(SymmHandle):
         """Each rank's data span and signal pad that is not a view of the memory barriers and
         pulls use (a copy would swallow flags and serve stale pulls); [] when all are. Data
         spans and device pads live on this rank's GPU; host pads (the default) are host
-        tensors over the mappings whose device pointers the slots hold (issue 33 M5: checking
-        them as GPU tensors at the slot address reported every host pad as a copy)."""
+        tensors over the mappings whose device pointers the slots hold (checked as GPU tensors at the slot address, every
+        host pad would read as a copy)."""
         device, problems = self.backend.device(), []
         for p in range(self.world):
             span = self._spans[p]

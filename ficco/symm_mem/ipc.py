@@ -115,7 +115,7 @@ class IpcSymmProvider(Provider):
         exchange_or_fail(group, rank, world, True, failure, "map GPU symmetric memory",
                          on_failure=lambda: release(True))
         # Host pads hold the signal slots (the default) or, with device pads, only the error
-        # words, which peers must reach either way (issue 33 W2).
+        # words, which peers must reach either way.
         try:
             host = HostPads(vendor, group, rank, world)   # collective: raises everywhere
         except BaseException:

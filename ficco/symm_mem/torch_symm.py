@@ -59,7 +59,7 @@ class TorchSymmProvider(Provider):
         exchange_or_fail(group, rank, world, True, failure, "map torch symmetric memory",
                          on_failure=keep.clear)
         spans = [w[: aligned(nbytes)] for w in whole]
-        # Host pads: the signal slots, or with device pads the error words alone (issue 33 W2).
+        # Host pads: the signal slots, or with device pads the error words alone.
         try:
             host = HostPads(self.backend.vendor, group, rank, world)   # collective
         except BaseException:

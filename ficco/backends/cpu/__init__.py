@@ -8,7 +8,7 @@ and ``finish`` raises the first error.
 A *lane* is one session's set of queues (:meth:`CpuBackend.lane`): worker threads of its own,
 its own abort switch and its own errors. Calls on two groups (two sessions) never share a
 queue, so one group's barrier never holds the other's work, and one group's failure never
-makes the other's queues skip work (issue 37 item 2). Work queued without a lane (benchmarks,
+makes the other's queues skip work. Work queued without a lane (benchmarks,
 doctests) runs on the backend's default lane.
 
 FICCO_TIMEOUT bounds waits on other ranks, never this rank's own work: ``finish`` gives up on a
@@ -59,7 +59,7 @@ class CpuEvent(threading.Event):
 
 
 # Each task in a worker's FIFO carries whether its caller was in inference mode (a worker thread
-# starts with torch's default modes, not its caller's: H3, issue 12). The enqueueing methods
+# starts with torch's default modes, not its caller's). The enqueueing methods
 # put ``(task, _inference_mode())`` themselves: the executor enqueues one task per plan step,
 # and a helper between would be one more Python call per step.
 _inference_mode = torch.is_inference_mode_enabled
