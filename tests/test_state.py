@@ -178,3 +178,42 @@ def test_the_scan_sees_private_reads(tmp_path):
     found = sorted(line.split(" ", 1)[1] for line in private_uses(tmp_path))
     assert found == sorted(["from ficco import _hidden", "runtime._plans",
                      "ficco.runtime._settings", "monkeypatch.setattr(backend, '_map', None)"]), found
+
+
+# -- what a warm call costs: ficco's Python calls and its locks -------------------------------------
+#: ficco Python calls per warm call of each dense op on CPU ranks (``python -m ficco.bench calls``)
+WARM_CALL_LIMIT = 70
+
+
+def test_a_warm_dense_call_makes_few_python_calls_and_takes_one_lock():
+    """A warm call (the same shapes and settings on the same group) is one lookup on its
+    Session, the tensors bound, the plan run: at most WARM_CALL_LIMIT calls into ficco's
+    Python, and one lock (the session's) taken by ficco's code, on every rank."""
+    from . import harness
+    from .warm_call_cases import warm_call_counts
+
+    pool = harness.pool(2)
+    for op in ("all_gather_matmul", "matmul_reduce_scatter"):
+        for ficco_calls, locks, ran in pool.run(warm_call_counts, op):
+            assert ficco_calls <= WARM_CALL_LIMIT, (op, ficco_calls, ran)
+            assert locks == 1, (op, locks, ran)
+
+
+def test_the_lock_count_sees_ficco_locks_only():
+    import cProfile
+    import pstats
+    import threading
+
+    from ficco.symm_mem import workspace
+
+    from .warm_call_cases import lock_acquisitions
+
+    own = threading.Lock()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(3):
+        workspace.kept(object())        # one `with` on the workspace registry's lock
+        with own:                       # the caller's lock: not ficco's
+            pass
+    profiler.disable()
+    assert lock_acquisitions(pstats.Stats(profiler), 3) == 1
