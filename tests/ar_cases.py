@@ -259,12 +259,15 @@ def disagree(rank, world, transport):
             ficco.matmul_all_reduce(torch.randn(rows, 6), torch.randn(6, 4), schedule="two-shot")
     except MismatchError as exc:
         return "mismatch" if "differ" in str(exc) or "different" in str(exc) else str(exc)
+    finally:
+        ficco.shutdown()      # a MismatchError poisons the group until every rank resets
     return "no error"
 
 
 def disagree_on_cached_shapes(rank, world, seed, schedule):
     """Both shapes agreed and cached, then rank 0 calls with the other one (dma): every rank
-    raises MismatchError at the plan's first barrier, and the next calls in step are right."""
+    raises MismatchError at the plan's first barrier, the next call is refused (the group
+    poisoned), and after ficco.shutdown() on every rank the calls in step are right."""
     from .rs_cases import stale_shape_mismatch
 
     b = torch.randn(6, 5, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
