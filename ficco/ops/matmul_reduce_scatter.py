@@ -217,14 +217,13 @@ class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
         rows = p.block_rows
         # wide: partial sums land in a float32 output, rounded once by result()
         out_dtype = wide_dtype(ops.out_dtype) if wide else ops.out_dtype
-        outs = [torch.empty(rows, n, dtype=out_dtype, device=dev) for n in p.ns]
-        recvs = [torch.empty(p.world * rows, n, dtype=dtype, device=dev) for n in p.ns]
         offsets = self.offsets(call)[:-1]
-        if symm is not None:
-            partials = [symm.get_buffer(p.rank, (p.m, n), dtype, off)
-                        for n, off in zip(p.ns, offsets)]
-        else:
-            partials = [torch.empty(p.m, n, dtype=dtype, device=dev) for n in p.ns]
+        outs, recvs, partials = [], [], []
+        for n, off in zip(p.ns, offsets):   # one loop, no comprehension: the warm path
+            outs.append(torch.empty(rows, n, dtype=out_dtype, device=dev))
+            recvs.append(torch.empty(p.world * rows, n, dtype=dtype, device=dev))
+            partials.append(torch.empty(p.m, n, dtype=dtype, device=dev) if symm is None
+                            else symm.get_buffer(p.rank, (p.m, n), dtype, off))
         return Buffers(call.a, call.bs, outs, None, symm, call.group, partials=partials,
                        recvs=recvs, partial_offsets=tuple(offsets), a_scale=ops.a_scale,
                        b_scales=ops.b_scales, biases=ops.biases, wide=wide)
@@ -238,8 +237,12 @@ class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
         if buffers.wide:   # the float32 sums: the bias once, then the one rounding
             return self._finish(call, [finish(o, ops.out_dtype, bias)
                                        for o, bias in zip(buffers.outs, ops.biases)])
-        dtype = ops.out_dtype
-        return self._finish(call, [o if o.dtype == dtype else o.to(dtype) for o in buffers.outs])
+        dtype, outs = ops.out_dtype, buffers.outs
+        for o in outs:
+            if o.dtype != dtype:
+                outs = [o.to(dtype) for o in outs]
+                break
+        return self._finish(call, outs)
 
     def _finish(self, call: MatmulReduceScatterCall, outs):
         p = call.problem
