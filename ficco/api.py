@@ -143,8 +143,10 @@ def explain(a_shard, b, group=None, *, gather_dim=0, schedule=None, op="all_gath
     arguments: schedule, transport, the selector that chose, its inputs and every candidate's
     score. Local: it never communicates, so one rank may call it alone (``if rank == 0:
     print(ficco.explain(...))``). Before the ranks agreed on this call, ``auto`` transport
-    assumes they share a host; before ``tune`` measured it, the decision is the model's
-    prediction and its reason says "not tuned yet" (the first real call measures).
+    assumes they share a host; before a measuring selector (``auto``, the default, or
+    ``tune``) measured it, the decision is the model's prediction and says so ("not measured
+    yet", "not tuned yet": the first real call measures); after, the measured times beside
+    the predicted ones.
     Expert parallelism: ``op="all_to_all_grouped_mm"`` (``a_shard`` is x, ``b`` is w,
     ``counts=`` its counts) or ``"grouped_mm_all_to_all"`` (h, w2, ``counts=`` recv_counts);
     without communication it assumes every rank routes like this one. ``epilogue``: the op's

@@ -116,15 +116,19 @@ KNOBS: dict[str, Knob] = {k.env: k for k in [
     Knob("FICCO_SCHEDULE", None, str,
          "a schedule name of any op (ficco.schedules.names(op=...)); it forces the ops that "
          "have it"),
-    Knob("FICCO_SELECTOR", "model", str.lower, "which selector picks a schedule",
-         choices=("paper", "model", "tune")),
+    Knob("FICCO_SELECTOR", "auto", str.lower,
+         "which selector picks a schedule: auto (the model's shortlist, measured on the live "
+         "group at a key's first sight), model, paper or tune (every schedule, measured)",
+         choices=("auto", "paper", "model", "tune")),
     Knob("FICCO_TRANSPORT", "auto", str.lower, "how bytes cross ranks",
          choices=TRANSPORT_SETTINGS),
     Knob("FICCO_DISABLE", False, _flag, "1 runs plain all_gather + matmul"),
     Knob("FICCO_PROFILE", None, str, "a built-in profile name or a JSON file path"),
     Knob("FICCO_TOPOLOGY", None, str.lower, "mesh, switch or pcie",
          choices=(None, "mesh", "switch", "pcie")),
-    Knob("FICCO_CACHE_DIR", None, str, "a directory for the tune selector's JSON cache"),
+    Knob("FICCO_CACHE_DIR", None, str,
+         "a directory for what ficco measures on this machine (the auto and tune selectors' "
+         "JSON caches, calibrated profiles)"),
     Knob("FICCO_TUNE_CANDIDATES", None, _names,
          "the schedules the tune selector measures, e.g. serial,ring,gated-1d (default: every "
          "schedule offered on this backend; gated-* only where Triton runs, never on CPU)"),

@@ -1,7 +1,8 @@
-"""``python -m ficco demo``: spawn 4 CPU ranks, run every schedule of both ops
-(``all_gather_matmul`` and its inverse ``matmul_reduce_scatter``) over both transports on a
-few shapes (one scaled from the FiCCO paper's Table I), check each against a float64
-reference and print a table. No torchrun needed; finishes in about a minute."""
+"""``python -m ficco demo``: spawn 4 CPU ranks, run the default choice (no settings: the
+``auto`` selector times its shortlist at the first call; the row says what it picked) and
+every schedule of both ops (``all_gather_matmul`` and its inverse ``matmul_reduce_scatter``)
+over both transports on a few shapes (one scaled from the FiCCO paper's Table I), check each
+against a float64 reference and print a table. No torchrun needed; finishes in about a minute."""
 from __future__ import annotations
 
 import math
@@ -47,13 +48,15 @@ def _rank(rank, world, init_file, results):
 
     rows = []
     for op in ("all_gather_matmul", "matmul_reduce_scatter"):
-        for name in ficco.schedules.names(op=op):
-            for transport in ("dma", "ccl"):
-                worst, times = 0.0, []
+        # None first: the default choice, no settings (the auto selector times its shortlist)
+        for name in (None, *ficco.schedules.names(op=op)):
+            for transport in ((None,) if name is None else ("dma", "ccl")):
+                worst, times, ran = 0.0, [], None
                 for case, shape in enumerate(SHAPES):
                     run, ref = _case(ficco, op, name, rank, world, case, shape)
-                    with ficco.config.scope(transport=transport):
+                    with ficco.config.scope(**({"transport": transport} if transport else {})):
                         out = run()
+                        ran = ran or ficco.api.last_run()
                         err = ((out.double() - ref).norm() / ref.norm()).item()
                         worst = max(worst, float("inf") if math.isnan(err) else err)
                         if case == 0:
@@ -64,7 +67,8 @@ def _rank(rank, world, init_file, results):
                                 times.append(time.perf_counter() - start)
                 slowest = torch.tensor([statistics.median(times), worst], dtype=torch.float64)
                 dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-                rows.append((op, name, transport, slowest[1].item(), slowest[0].item()))
+                rows.append((op, name or f"default: {ran[0]}", transport or ran[1],
+                             slowest[1].item(), slowest[0].item()))
     if rank == 0:
         results.extend(rows)
     ficco.shutdown()

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-import statistics
-import time
+
+import torch
 
 from . import agreement, config, guard, logs, profiling, schedules
 from . import session as sessions
@@ -187,7 +187,10 @@ def _run(call: Call, schedule, transport, selector, profiled: bool):
             exchanged = prepared is None or prepared.digest not in channel.agreed
             if exchanged or prepared is None:
                 prepared, call, word, exchanged = _prepare(call, s, number, stage)
-                if known is not None and not call.op.exchanges:
+                # (a decision made without measuring where the selector measures, a rank that
+                # could not time, is not kept: the next call measures)
+                if known is not None and not call.op.exchanges and (
+                        prepared.decision is None or prepared.decision.final):
                     if len(known.prepared) >= _PREPARED_PER_KEY:
                         known.prepared.clear()
                     known.prepared[run_key] = prepared
@@ -240,7 +243,10 @@ def _prepare(call: Call, s: dict, number: int, stage: guard.Stage):
     problem = call.problem
     if not (s["disable"] or call.plain_only):
         problem = call.op.agreed_problem(call, agreed.per_rank)
-        decision = _decide(call, s, agreed, problem)
+        # (at a key's first sight a measuring selector runs the call's candidates here)
+        stage.step = "choosing its schedule"
+        decision = _decide(call, s, agreed, problem, Live(call, s, digest, number))
+        stage.step = None
         plan, compiled = _plan(call.session, call.op, decision.schedule, decision.transport,
                                call.problem, s["copy_engines"])
         if decision.transport == "dma":
@@ -327,13 +333,17 @@ def decide(call: Call, s: dict, agreed: agreement.Agreed):
     """The Decision for ``call`` (identical on every rank: selectors see no rank, and the
     problem they see has each per-rank width at its widest, as ``agreed``), made once per
     (op, that problem's key, backend target, candidate transports, deciding settings) and then
-    looked up (LRU, on the call's session). Every part of the key is agreed across ranks, and
-    a decision is a pure function of it (``tune``'s measurements are collective and cached by
-    ``tune`` itself), so a rank that forgot a decision the others kept reaches the same one."""
-    return _decide(call, s, agreed, call.op.agreed_problem(call, agreed.per_rank))
+    looked up (LRU, on the call's session: each group decides, and measures, for itself).
+    Every part of the key is agreed across ranks, and a decision is a pure function of it
+    (what ``auto`` and ``tune`` measure is collective, agreed and cached by them), so a rank
+    that forgot a decision the others kept reaches the same one again. A decision made
+    without measuring where the selector measures (a rank could not time) is not kept: the
+    next call measures. (Outside a numbered call: a measured run carries no call check.)"""
+    return _decide(call, s, agreed, call.op.agreed_problem(call, agreed.per_rank),
+                   Live(call, s))
 
 
-def _decide(call: Call, s: dict, agreed, problem):
+def _decide(call: Call, s: dict, agreed, problem, live: Live):
     transports = candidate_transports(s["transport"], agreed.same_host)
     problem = _decided_as(problem)
     key = (call.op.name, problem.key(), call.target, transports, _DECIDING(s))
@@ -346,13 +356,14 @@ def _decide(call: Call, s: dict, agreed, problem):
 
     decision = choose(problem, transport=transports, target=call.target,
                       selector=s["selector"], forced=s["schedule"], forced_by=s["schedule_by"],
-                      live=Live(call, transports[0]))
+                      live=live)
     if isinstance(problem, Problem) and problem.m > EXACT_ROWS and decision.selector != "forced":
         decision = dataclasses.replace(decision, reason=f"{decision.reason} (decided at "
                                        f"m={problem.m}: every m of its bucket takes it)")
-    decisions[key] = decision
-    while len(decisions) > sessions.DECISIONS_KEPT:
-        decisions.popitem(last=False)
+    if decision.final:
+        decisions[key] = decision
+        while len(decisions) > sessions.DECISIONS_KEPT:
+            decisions.popitem(last=False)
     return decision
 
 
@@ -399,10 +410,12 @@ def _plan(session: Session, op, name: str, transport: str, problem, engines) -> 
 
 
 def execute(call: Call, name: str, transport: str, trace: bool = False,
-            settings: dict | None = None):
-    """Run schedule ``name`` over ``transport`` once, outside the numbered calls (tune's
-    measurements, traces): returns (buffers, plan, trace rows). Every rank runs the same
-    call here, so its barriers carry one flag on every rank. The caller holds the session."""
+            settings: dict | None = None, word: int | None = None):
+    """Run schedule ``name`` over ``transport`` once, outside the call's own run (the
+    measuring selectors' runs, traces): returns (buffers, plan, trace rows). Every rank runs
+    the same call here, so its barriers carry one flag on every rank: the call's (``word``:
+    its digest and number, as the call's own run carries it), else one for every such run.
+    The caller holds the session."""
     if settings is None:
         engines, poison, timeout_s = config.copy_engines(), config.poison(), config.timeout_s()
     else:
@@ -415,7 +428,7 @@ def execute(call: Call, name: str, transport: str, trace: bool = False,
         if call.backend.guards_dma:
             call.backend.before_dma(session.workspace, nbytes)
         symm = workspace.get(session, nbytes)
-        symm.call_flag = call_flag(None)
+        symm.call_flag = call_flag(word)
         symm.first_wait = None
     buffers = call.op.buffers(call, transport, symm, wide=plan.wide_outputs(), plan=plan)
     if poison:
@@ -428,37 +441,45 @@ def execute(call: Call, name: str, transport: str, trace: bool = False,
 
 
 class Live:
-    """The live group a selector may measure on (``tune``), through the call's session: the
-    slowest rank's median time of a schedule on this call, and whether a flag holds on every
-    rank (both collective: every rank asks the same in the same order)."""
+    """This call's group as a measuring selector (``auto``, ``tune``) sees it
+    (:class:`ficco.heuristics.measured.Live`), through the call's session: runs of the call
+    with its own operands on the session's queues, timed by the backend (CUDA/HIP events on
+    GPUs); exchanges through the group's store; the session's set of agreed cache entries. A
+    run is what the call would do once decided: with the call's flag (``digest`` and
+    ``number``) on its dma barriers, or the ccl call check, then the plan and the result's
+    layout, so a transport's per-call cost is in its time. Every rank runs the same runs in
+    the same order (the selectors' order), each one collective."""
 
-    def __init__(self, call: Call, transport: str):
-        self.call, self.transport = call, transport
+    def __init__(self, call: Call, s: dict, digest: int | None = None, number: int = 0):
+        self.call, self.settings, self.digest, self.number = call, s, digest, number
+        self.word = None if digest is None else agreement.mixed(digest, number)
+        self.agreed = call.session.measured
 
-    def measure(self, name: str, warmup: int = 2, repeat: int = 5) -> float:
-        call, backend = self.call, self.call.backend
-        lane = call.session.queues_lane()
-        for _ in range(warmup):
-            execute(call, name, self.transport)
-        times = []
-        for _ in range(repeat):
-            backend.drain(lane)
-            start = time.perf_counter()
-            execute(call, name, self.transport)
-            backend.drain(lane)
-            times.append(time.perf_counter() - start)
-        return agreement.max_over_ranks(call.group, call.rank, call.world,
-                                        statistics.median(times), what=f"tune timing of {name}")
+    def run(self, name: str, transport: str) -> float:
+        session = self.call.session
+        return self.call.backend.time_run(lambda: self._call(name, transport),
+                                          session.lane or session.queues_lane())
 
-    def agree(self, flag: bool) -> bool:
+    def _call(self, name: str, transport: str) -> None:
         call = self.call
-        return agreement.all_ranks(call.group, call.rank, call.world, flag,
-                                   what="tune cache check")
+        channel = call.session.channel
+        if transport == "ccl" and self.digest is not None and channel is not None:
+            agreement.check(channel, call.group, call.rank, call.world, self.digest,
+                            self.number, call.op.name)
+        buffers, _, _ = execute(call, name, transport, settings=self.settings, word=self.word)
+        call.op.result(call, buffers, transport)
 
+    def everyone(self, value) -> list:
+        call = self.call
+        return agreement.exchange(call.group, call.rank, call.world, value,
+                                  what="the measuring selector's exchange")
 
-def measure(call: Call, name: str, transport: str, warmup: int = 2, repeat: int = 5) -> float:
-    """Median seconds of schedule ``name`` on this call, slowest rank (identical everywhere)."""
-    return Live(call, transport).measure(name, warmup, repeat)
+    def cannot_time(self) -> str | None:
+        if torch.compiler.is_compiling():
+            return "torch.compile is tracing"
+        if torch._C._len_torch_dispatch_stack():
+            return "a torch dispatch mode is active (fake or meta tensors, tracing)"
+        return self.call.backend.timing_blocked()
 
 
 def traced(call: Call, schedule: str, transport: str | None = None):
@@ -499,27 +520,13 @@ def traced(call: Call, schedule: str, transport: str | None = None):
     return call.op.result(call, buffers, via), plan, rows or []
 
 
-class _NotTunedYet(Exception):
-    pass
-
-
-class _Offline:
-    """What ``explain`` lets a selector see of the group: nothing measured, and a tune cache
-    *file* entry counts only once every rank confirmed it (the real call does that; trusting
-    it here would also put it in this rank's memory alone and split the ranks later)."""
-
-    def measure(self, name: str) -> float:
-        raise _NotTunedYet(name)
-
-    def agree(self, flag: bool) -> bool:
-        return False
-
-
 def explain(call: Call, schedule: str | None = None):
     """The Decision ``run`` would take for ``call``, made on this rank alone: no
     communication, so one rank may explain while the others do something else. Before the
-    group agreed on this call, ``auto`` assumes every rank shares this host; before the
-    ``tune`` selector measured it, the decision is the ``model``'s prediction (and says so)."""
+    group agreed on this call, ``auto`` transport assumes every rank shares this host; before
+    a measuring selector (``auto``, ``tune``) measured it, the decision is the ``model``'s
+    prediction (and says so; a cache *file* entry counts only once the first call confirmed it
+    with every rank: trusting it here would put it in this rank's memory alone)."""
     from .heuristics import choose
 
     s = settings(call, schedule)
@@ -527,20 +534,12 @@ def explain(call: Call, schedule: str | None = None):
     known = agreement.known(call.group, sig) if call.world > 1 else None
     transports = candidate_transports(s["transport"], True if known is None else
                                       known.same_host)
-    kwargs = {"transport": transports, "target": call.target, "forced": s["schedule"],
-              "forced_by": s["schedule_by"], "live": _Offline()}
     # The widths every rank agreed on, once agreed (before: this rank's own); the rows in
     # their decision bucket, as the call decides.
     problem = _decided_as(call.problem if known is None else
                           call.op.agreed_problem(call, known.per_rank))
-    try:
-        decision = choose(problem, selector=s["selector"], **kwargs)
-    except _NotTunedYet:
-        model = choose(problem, selector="model", **kwargs)
-        decision = dataclasses.replace(
-            model, selector="tune", reason=f"not tuned yet (or only in a cache file the "
-                                           f"first call confirms with every rank): the model "
-                                           f"predicts: {model.reason}")
+    decision = choose(problem, transport=transports, target=call.target,
+                      selector=s["selector"], forced=s["schedule"], forced_by=s["schedule_by"])
     if known is None and s["transport"] == "auto" and call.world > 1:
         decision = dataclasses.replace(
             decision, reason=f"{decision.reason} (transport assumes one host: not yet agreed "

@@ -4,10 +4,11 @@ from the group *object*, never from its name.
 Everything ficco keeps about a group between calls lives here: the lock that serialises its
 calls, whether an earlier call left it poisoned, its symmetric workspace, its queues (a
 backend *lane*: threads or streams of its own), the calls it agreed with its peers, the
-:class:`Prepared` form of each call it made, its plans and decisions, and the last decision
-it ran. The conversation with the peers through the group's store (which epoch of it the
-ranks joined, how many exchanges it holds, where every rank runs, the number of this rank's
-next call) is the group's :class:`Channel`, shared by its sessions.
+:class:`Prepared` form of each call it made, its plans and decisions, which measured
+decisions (``auto``, ``tune``) every rank of it holds, and the last decision it ran. The
+conversation with the peers through the group's store (which epoch of it the ranks joined,
+how many exchanges it holds, where every rank runs, the number of this rank's next call) is
+the group's :class:`Channel`, shared by its sessions.
 
 The life cycle (docs/design.md §10):
 
@@ -150,6 +151,10 @@ class Session:
         self.decisions: OrderedDict[tuple, Any] = OrderedDict()
         self.settings: dict = {}            # settings by (snapshot, op, overrides)
         self.routings: OrderedDict[tuple, tuple] = OrderedDict()   # dispatch matrices (expert)
+        #: the measuring selectors' (auto, tune) cache entries ``(cache file, key)`` every rank
+        #: of this group holds: found in this process's memory without asking the ranks again
+        #: (ficco.heuristics.measured.Cache); an entry another group agreed on is asked about
+        self.measured: set[tuple[str, str]] = set()
         #: the Decision of the last multi-rank call run on this group in this process
         self.last: Any = None
 
@@ -226,6 +231,7 @@ class Session:
         self.decisions.clear()
         self.settings.clear()
         self.routings.clear()
+        self.measured.clear()
         lane, handle = self.lane, self.workspace
         self.lane = self.workspace = None
         backend = self.backend

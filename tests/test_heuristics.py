@@ -11,7 +11,8 @@ import torch
 import ficco
 from ficco import config, schedules
 from ficco.errors import ConfigError, InvalidArgumentError
-from ficco.heuristics import Decision, Timings, choose, model, profiles, tune
+from ficco.heuristics import Decision, choose, model, profiles, tune
+from ficco.heuristics.measured import Scripted
 from ficco.heuristics.paper import combined_score, paper_choice
 from ficco.heuristics.scenarios import PAPER_TABLE_I, table_i_problem
 from ficco.problem import Problem
@@ -157,36 +158,43 @@ def test_env_selects_selector_profile_and_topology(tmp_path):
 
 def test_tune_measures_once_breaks_ties_by_name_and_caches_to_disk(tmp_path):
     problem = Problem(64, 32, (16,), "float32", 4)
-    measured = []
-
-    def measure(name):
-        measured.append(name)
-        return 1.0 if name in ("ring-bidir", "ring") else 2.0 + len(name) * 1e-3
-
+    live = Scripted(lambda name, via: 1.0 if name in ("ring-bidir", "ring")
+                    else 2.0 + len(name) * 1e-3)
     with config.scope(cache_dir=str(tmp_path)):
         tune.clear_memory()
-        d = choose(problem, target="cpu", selector="tune", live=Timings(measure))
-        assert d.schedule == "ring" and d.selector == "tune"
-        assert measured == schedules.names()
-        d2 = choose(problem, target="cpu", selector="tune", live=Timings(measure))
-        assert d2.schedule == "ring" and len(measured) == len(schedules.names())
+        d = choose(problem, target="cpu", selector="tune", live=live)
+        assert d.schedule == "ring" and d.selector == "tune" and d.final
+        names = schedules.names()
+        # two warm-up rounds in order, then five timed ones, each in its own shuffled order
+        assert live.runs[:2 * len(names)] == [(name, "dma") for name in names] * 2
+        rounds = [live.runs[i:i + len(names)] for i in range(2 * len(names), len(live.runs),
+                                                             len(names))]
+        assert len(rounds) == 5 and all(sorted(r) == sorted(rounds[0]) for r in rounds)
+        assert len({tuple(r) for r in rounds}) > 1
+        d2 = choose(problem, target="cpu", selector="tune", live=live)
+        assert d2.schedule == "ring" and len(live.runs) == 7 * len(names)
         tune.clear_memory()   # a fresh process: the file answers, nothing is measured
 
-        def fail(name):
+        def fail(name, via):
             raise AssertionError("must not measure again")
 
-        assert choose(problem, target="cpu", selector="tune", live=Timings(fail)).schedule == "ring"
+        assert choose(problem, target="cpu", selector="tune",
+                      live=Scripted(fail)).schedule == "ring"
     data = json.loads((tmp_path / tune.CACHE_FILE).read_text())
     (key, entry), = data.items()
     assert entry["schedule"] == "ring" and "W=4" in key and "cpu" in key
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
-def test_tune_without_measure_says_what_to_do(tmp_path):
+def test_tune_without_a_live_group_says_the_model_decided(tmp_path):
+    """Offline (no live group) and before measuring, tune decides by the model and says so;
+    the runtime does not keep such a decision (final False)."""
     with config.scope(cache_dir=str(tmp_path)):
         tune.clear_memory()
-        with pytest.raises(InvalidArgumentError, match="measure"):
-            choose(Problem(64, 32, (16,), "float32", 4), target="cpu", selector="tune")
+        d = choose(Problem(64, 32, (16,), "float32", 4), target="cpu", selector="tune")
+    model = choose(Problem(64, 32, (16,), "float32", 4), target="cpu", selector="model")
+    assert (d.selector, d.schedule, d.final) == ("tune", model.schedule, False)
+    assert "not tuned yet (no live group" in d.reason and d.decided_by.startswith("model")
 
 
 def test_info_logging_once_per_problem_key(caplog):
@@ -316,7 +324,7 @@ def test_the_band_never_touches_forced_paper_or_tune_decisions(monkeypatch, tmp_
     assert (paper.schedule, paper.band) == ("hetero-unfused-1d", None)
     with config.scope(cache_dir=str(tmp_path)):
         tuned = choose(g2, target="cpu", selector="tune",
-                       live=Timings(lambda name: 1.0 if name == "ring" else 2.0))
+                       live=Scripted(lambda name, via: 1.0 if name == "ring" else 2.0))
     assert (tuned.schedule, tuned.band) == ("ring", None)
 
 

@@ -32,7 +32,9 @@ def _agreed(call, same_host=True):
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Counts heuristics.choose calls (the decision made afresh); empties the cache first."""
+    """Counts heuristics.choose calls (the decision made afresh); empties the cache first.
+    The model decides (these calls have no live group for auto to measure on)."""
+    monkeypatch.setenv("FICCO_SELECTOR", "model")
     made = []
     real = heuristics.choose
 

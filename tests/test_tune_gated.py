@@ -12,7 +12,8 @@ import torch
 import ficco
 from ficco import config, kernels, schedules
 from ficco.errors import ConfigError
-from ficco.heuristics import Timings, choose, tune
+from ficco.heuristics import choose, tune
+from ficco.heuristics.measured import Scripted
 from ficco.problem import Problem
 
 from . import harness
@@ -23,10 +24,13 @@ PROBLEM = Problem(64, 32, (16,), "float32", 4)
 
 
 def _fake_measure(measured, fastest):
-    def measure(name):
-        measured.append(name)
+    """A scripted live group whose ``fastest`` runs fastest; ``measured`` gets each name the
+    first time it runs (tune runs every candidate several times, in turn)."""
+    def seconds(name, via):
+        if name not in measured:
+            measured.append(name)
         return 1.0 if name == fastest else 2.0 + len(name) * 1e-3
-    return measure
+    return Scripted(seconds)
 
 
 def test_default_candidates_are_the_offered_schedules(tmp_path, monkeypatch):
@@ -37,16 +41,16 @@ def test_default_candidates_are_the_offered_schedules(tmp_path, monkeypatch):
     with config.scope(cache_dir=str(tmp_path)):
         tune.clear_memory()
         measured = []
-        choose(PROBLEM, target="cpu", selector="tune", live=Timings(_fake_measure(measured, "ring")))
+        choose(PROBLEM, target="cpu", selector="tune", live=_fake_measure(measured, "ring"))
         assert measured == schedules.names()
         measured = []
         d = choose(PROBLEM, target="cuda:sm_90", selector="tune",
-                   live=Timings(_fake_measure(measured, "gated-2d")))
+                   live=_fake_measure(measured, "gated-2d"))
         assert measured == schedules.names() + GATED
         assert d.schedule == "gated-2d" and set(d.scores) == set(measured)
         measured = []   # not offered over ccl: the eleven again
         choose(PROBLEM, transport="ccl", target="cuda:sm_90", selector="tune",
-               live=Timings(_fake_measure(measured, "ring")))
+               live=_fake_measure(measured, "ring"))
         assert measured == schedules.names()
 
 
@@ -58,14 +62,14 @@ def test_forced_candidates_include_gated_on_cpu_and_the_winner_survives_the_file
         tune.clear_memory()
         measured = []
         d = choose(PROBLEM, target="cpu", selector="tune",
-                   live=Timings(_fake_measure(measured, "gated-1d")))
+                   live=_fake_measure(measured, "gated-1d"))
         assert measured == ["serial", *GATED] and d.schedule == "gated-1d"
         tune.clear_memory()
 
-        def fail(name):
+        def fail(name, via):
             raise AssertionError(f"measured {name} again")
 
-        again = choose(PROBLEM, target="cpu", selector="tune", live=Timings(fail))
+        again = choose(PROBLEM, target="cpu", selector="tune", live=Scripted(fail))
         assert again.schedule == "gated-1d" and "tuned earlier" in again.reason
     (key, entry), = json.loads((tmp_path / tune.CACHE_FILE).read_text()).items()
     assert key.endswith("candidates=serial,gated-1d,gated-2d") and entry["schedule"] == "gated-1d"
@@ -73,7 +77,7 @@ def test_forced_candidates_include_gated_on_cpu_and_the_winner_survives_the_file
         tune.clear_memory()
         measured = []
         assert choose(PROBLEM, target="cpu", selector="tune",
-                      live=Timings(_fake_measure(measured, "ring"))).schedule == "ring"
+                      live=_fake_measure(measured, "ring")).schedule == "ring"
         assert measured == schedules.names()
     tune.clear_memory()
 
@@ -91,11 +95,11 @@ def test_forced_candidates_that_cannot_run_say_why_before_measuring(
     monkeypatch.setenv("FICCO_CACHE_DIR", str(tmp_path))
     tune.clear_memory()
 
-    def fail(name):
+    def fail(name, via):
         raise AssertionError("nothing may be measured")
 
     with pytest.raises(ConfigError, match=match):
-        choose(PROBLEM, transport=transport, target="cpu", selector="tune", live=Timings(fail))
+        choose(PROBLEM, transport=transport, target="cpu", selector="tune", live=Scripted(fail))
 
 
 @pytest.mark.parametrize("raw", ["ring,ring", " , "])

@@ -10,6 +10,7 @@ plan :class:`~ficco.plan.Block` s to tensors, the backend only moves and multipl
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -221,6 +222,21 @@ class Backend(ABC):
         """Int32 ``t[index]`` as a slot for :meth:`signal_write` / :meth:`signal_wait` (the
         gated schedules' arrival flags): a (tensor, index) pair here, an address on GPUs."""
         return (t, index)
+
+    def time_run(self, run: Callable[[], Any], lane: Any = None) -> float:
+        """Seconds the work ``run`` enqueues on ``lane`` (:meth:`lane`) takes, from idle queues
+        to its end (what the measuring selectors compare): here the host clock around it, the
+        lane drained before and after; GPUs time it with events on the compute queue."""
+        self.drain(lane)
+        start = time.perf_counter()
+        run()
+        self.drain(lane)
+        return time.perf_counter() - start
+
+    def timing_blocked(self) -> str | None:
+        """Why this rank cannot run and time a call now (GPUs: a graph is being captured, where
+        a synchronize would break the capture), or None."""
+        return None
 
     def elapsed_s(self, start: Any, end: Any) -> float:
         """Seconds between two recorded events of one call (tracing). Backends whose events

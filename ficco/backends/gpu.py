@@ -184,6 +184,27 @@ class GpuBackend(Backend):
         end.synchronize()
         return start.elapsed_time(end) / 1000.0
 
+    def time_run(self, run, lane=None) -> float:
+        """Events on the compute queue (the caller's stream) around the work ``run`` enqueues,
+        the device idle before (every lane's streams: ``lane`` needs no wait of its own): a
+        plan's side streams join the compute queue before it ends (:meth:`finish`), so the end
+        event follows all of it."""
+        self.synchronize()
+        stream = torch.cuda.current_stream(self._device)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        run()
+        end.record(stream)
+        seconds = self.elapsed_s(start, end)
+        self.synchronize()
+        return seconds
+
+    def timing_blocked(self) -> str | None:
+        if torch.cuda.is_current_stream_capturing():
+            return "a CUDA/HIP graph is being captured (a synchronize would break it)"
+        return None
+
     def synchronize(self) -> None:
         """Block until this device finished everything queued; raise the watchdog's death.
         A group's failure is raised by that group's next call (:meth:`before_dma`)."""

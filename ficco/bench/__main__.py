@@ -28,6 +28,8 @@ VERBS = {
     "calls": "count the Python calls and serialisations of one warm call inside ficco",
     "overhead": "host time to enqueue one W=8 call per op and schedule (null backend or a GPU)",
     "kernels": "the gated GEMM alone: vs torch.matmul, one-device timelines, offline compile",
+    "default": "the default choice (no settings) against the better serial on CPU ranks, "
+               "every op, tiny/GEMM-bound/copy-bound shapes",
 }
 
 

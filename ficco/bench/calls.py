@@ -28,7 +28,6 @@ from __future__ import annotations
 import cProfile
 import os
 import pstats
-import tempfile
 from pathlib import Path
 
 EXAMPLES = """examples:
@@ -118,22 +117,15 @@ def _case(name, rank, world, m, n, k):
     return lambda schedule: layer(x)
 
 
-def _rank(rank, world, init_file, args, results):
-    import torch
+def _profiled(rank, world, args):
+    """This rank's counts per case (every rank makes the same calls)."""
     import torch.distributed as dist
 
-    os.environ["FICCO_BACKEND"] = "cpu"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
     import ficco
 
     m, n, k = (int(x) for x in args["shape"].split(","))
     if args.get("new_shapes"):
-        results.append((rank, _first_calls(rank, world, m, n, k, args["new_shapes"])))
-        ficco.shutdown()
-        dist.destroy_process_group()
-        return
+        return _first_calls(rank, world, m, n, k, args["new_shapes"])
     rows = {}
     with ficco.config.scope(**({"transport": args["transport"]} if args["transport"] else {})):
         for name in CASES:
@@ -149,9 +141,7 @@ def _rank(rank, world, init_file, args, results):
             profiler.disable()
             rows[name] = count(pstats.Stats(profiler), args["calls"])
             rows[name]["ran"] = ficco.api.last_run()
-    results.append((rank, rows))
-    ficco.shutdown()
-    dist.destroy_process_group()
+    return rows
 
 
 def _first_calls(rank, world, m, n, k, count) -> dict:
@@ -186,25 +176,15 @@ def measure(world: int = 2, shape: str = "64,64,64", warmup: int = 5, calls: int
             schedule: str | None = None, transport: str | None = None,
             new_shapes: int = 0) -> dict:
     """``{case: counts}`` of the slowest rank (most ficco calls) per case."""
-    import torch.multiprocessing as mp
+    from .cli import cpu_ranks
 
-    fd, init_file = tempfile.mkstemp(prefix="ficco-calls-")
-    os.close(fd)
-    os.unlink(init_file)
     args = {"shape": shape, "warmup": warmup, "calls": calls, "schedule": schedule,
             "transport": transport, "new_shapes": new_shapes}
-    try:
-        with mp.Manager() as manager:
-            results = manager.list()
-            mp.spawn(_rank, args=(world, init_file, args, results), nprocs=world, join=True)
-            per_rank = list(results)
-    finally:
-        if os.path.exists(init_file):
-            os.unlink(init_file)
+    per_rank = cpu_ranks(_profiled, world, args)
     if new_shapes:
-        return {t: tuple(max(rows[t][i] for _, rows in per_rank) for i in (0, 1))
+        return {t: tuple(max(rows[t][i] for rows in per_rank) for i in (0, 1))
                 for t in ("dma", "ccl")}
-    return {name: max((rows[name] for _, rows in per_rank), key=lambda r: r["ficco"])
+    return {name: max((rows[name] for rows in per_rank), key=lambda r: r["ficco"])
             for name in CASES}
 
 

@@ -155,6 +155,44 @@ def require_torchrun(verb: str, example_args: str, single_rank_ok: bool = False)
     raise BenchUsageError(hint)
 
 
+def cpu_ranks(fn, world: int, *args) -> list:
+    """``fn(rank, world, *args)`` on ``world`` spawned CPU ranks (gloo, the cpu backend, one
+    thread each), their results in rank order; ``fn`` must be importable (top level)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    fd, init_file = tempfile.mkstemp(prefix="ficco-bench-")
+    os.close(fd)
+    os.unlink(init_file)
+    try:
+        with mp.Manager() as manager:
+            results = manager.dict()
+            mp.spawn(_cpu_rank, args=(world, init_file, fn, args, results), nprocs=world,
+                     join=True)
+            return [results[rank] for rank in range(world)]
+    finally:
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+
+
+def _cpu_rank(rank, world, init_file, fn, args, results):
+    import torch
+    import torch.distributed as dist
+
+    os.environ["FICCO_BACKEND"] = "cpu"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    import ficco
+
+    try:
+        results[rank] = fn(rank, world, *args)
+    finally:
+        ficco.shutdown()
+        dist.destroy_process_group()
+
+
 def report_usage_error(exc: BenchUsageError) -> int:
     print(f"error: {exc.message}", file=sys.stderr)
     return 2

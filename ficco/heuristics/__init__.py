@@ -1,5 +1,6 @@
 """Choosing a schedule per GEMM (DESIGN §5): device profiles, the paper's rule, a simulator
-backed cost model and measured tuning, behind one call.
+backed cost model, and two selectors that measure on the live group (``auto``, the default:
+the model's shortlist; ``tune``: every schedule), behind one call.
 
 Example::
 
@@ -12,57 +13,30 @@ Example::
 
 Precedence: a forced schedule (call argument, else ``FICCO_SCHEDULE``; the API resolves which
 and passes ``forced``/``forced_by``) > the selector (argument, else ``FICCO_SELECTOR``).
-Selectors never look at the rank, so every rank reaches the same decision.
+Selectors never look at the rank, so every rank reaches the same decision (what ``auto`` and
+``tune`` measure is agreed across ranks before they pick).
 """
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 from .. import config, logs, schedules
 from ..config import TRANSPORTS
 from ..errors import ConfigError, InvalidArgumentError
 from ..problem import Problem
 from . import bands, profiles
+from .auto import auto_choice
 from .decision import SELECTORS, Decision, decision_inputs
-from .model import banded_choice, predict_all
+from .measured import Live, Scripted
+from .model import BandedChoice, banded_choice, predict_all
 from .paper import paper_choice
-from .tune import tune_choice
+from .tune import NotMeasured, tune_choice
 
 log = logs.log
 _logged: set = set()
 _logged_lock = threading.Lock()
-
-
-class Live(Protocol):
-    """A live group the ``tune`` selector measures on (the runtime gives one made from the
-    call's session, :class:`ficco.runtime.Live`): both methods are collective, every rank
-    asks the same in the same order."""
-
-    def measure(self, name: str) -> float:
-        """The slowest rank's seconds of schedule ``name`` on this call (same on every rank)."""
-        ...
-
-    def agree(self, flag: bool) -> bool:
-        """True when ``flag`` is True on every rank."""
-        ...
-
-
-@dataclass(frozen=True)
-class Timings:
-    """A :class:`Live` from plain functions, for tuning off a group (tests, tools):
-    ``measure(name) -> seconds``; ``agree`` defaults to trusting this rank alone."""
-
-    timing: Callable[[str], float]
-    agreeing: Callable[[bool], bool] | None = None
-
-    def measure(self, name: str) -> float:
-        return self.timing(name)
-
-    def agree(self, flag: bool) -> bool:
-        return flag if self.agreeing is None else self.agreeing(flag)
 
 
 @dataclass(frozen=True)
@@ -76,7 +50,7 @@ class Context:
     inputs: dict
     copy_engines: int | None = None
     paper_thresholds: tuple[float, float] = (1.0, 5.0)
-    live: Live | None = None
+    live: Live | None = None     # the live group, for the selectors that measure
 
 
 def _paper(problem: Problem, ctx: Context) -> Decision:
@@ -90,7 +64,7 @@ def _paper(problem: Problem, ctx: Context) -> Decision:
                     {name: score}, reason)
 
 
-def _model(problem: Problem, ctx: Context) -> Decision:
+def _banded(problem: Problem, ctx: Context) -> BandedChoice:
     """The model weighs every candidate transport (with the transport left to ficco, the
     process group's collectives, few ops, beat a plan of many DMA copies for small GEMMs whose
     launches alone outlast the work) and keeps an overlapped schedule only when its predicted
@@ -98,23 +72,42 @@ def _model(problem: Problem, ctx: Context) -> Decision:
     (:mod:`ficco.heuristics.bands`)."""
     width, cls = bands.band(problem, ctx.profile, ctx.topology)
     # Optional schedules (gated-*: Triton) only where they run on this target.
-    choice = banded_choice(problem, ctx.profile, ctx.topology, ctx.transports, ctx.copy_engines,
-                           lambda via: schedules.offered(ctx.target, via, problem.op, problem),
-                           width, cls)
+    return banded_choice(problem, ctx.profile, ctx.topology, ctx.transports, ctx.copy_engines,
+                         lambda via: schedules.offered(ctx.target, via, problem.op, problem),
+                         width, cls)
+
+
+def _model(problem: Problem, ctx: Context) -> Decision:
+    choice = _banded(problem, ctx)
     return Decision(choice.schedule, choice.transport, "model", ctx.inputs, choice.scores,
-                    choice.reason, band=width, band_class=cls)
+                    choice.reason, band=choice.band, band_class=choice.band_class)
+
+
+def _auto(problem: Problem, ctx: Context) -> Decision:
+    return auto_choice(problem, transports=ctx.transports, target=ctx.target,
+                       topology=ctx.topology, copy_engines=ctx.copy_engines, live=ctx.live,
+                       inputs=ctx.inputs, model=lambda: _banded(problem, ctx))
 
 
 def _tune(problem: Problem, ctx: Context) -> Decision:
-    name, scores, reason = tune_choice(problem, transport=ctx.transports[0], target=ctx.target,
-                                       topology=ctx.topology, live=ctx.live)
-    return Decision(name, ctx.transports[0], "tune", ctx.inputs, scores, reason)
+    try:
+        name, scores, reason = tune_choice(problem, transport=ctx.transports[0],
+                                           target=ctx.target, topology=ctx.topology,
+                                           live=ctx.live)
+    except NotMeasured as why:
+        model = _model(problem, replace(ctx, transports=ctx.transports[:1]))
+        return replace(
+            model, selector="tune", final=False, decided_by=f"model, not tuned: {why}",
+            reason=f"not tuned yet ({why}; a cache file entry counts once the first call "
+                   f"confirmed it with every rank): the model predicts: {model.reason}")
+    return Decision(name, ctx.transports[0], "tune", ctx.inputs, scores, reason,
+                    decided_by="measured on the live group (every candidate; slowest rank)")
 
 
-#: Selector name -> pure function (problem, Context) -> Decision (``tune`` measures through
-#: ``Context.live``, which the runtime provides on a live group).
+#: Selector name -> function (problem, Context) -> Decision; ``auto`` and ``tune`` measure
+#: through ``Context.live``, which the runtime provides on a live group.
 SELECTOR_FUNCTIONS: dict[str, Callable[[Problem, Context], Decision]] = {
-    "paper": _paper, "model": _model, "tune": _tune}
+    "auto": _auto, "paper": _paper, "model": _model, "tune": _tune}
 
 
 def _forced_prediction(problem: Problem, profile: profiles.Profile, topology: str,
@@ -139,12 +132,13 @@ def choose(problem: Problem, *, transport: str | tuple[str, ...] = "dma", target
     and why.
 
     ``transport`` is a resolved transport (``"dma"`` or ``"ccl"``) or a tuple of candidates,
-    preferred first: the ``model`` selector weighs them all, the others take the first.
+    preferred first: ``model`` and ``auto`` weigh them all, the others take the first.
     ``target`` ("cpu", "cuda:sm_90", "rocm:gfx942", …) picks the built-in profile when
     ``FICCO_PROFILE`` is unset; ``FICCO_TOPOLOGY`` overrides the profile's topology.
-    ``live`` (a :class:`Live`: the group's session, or :class:`Timings` off a group) is
-    required by the ``tune`` selector only: it measures each candidate there, and trusts a
-    cache file only when every rank has the entry (``live.agree``).
+    ``live`` (a :class:`~ficco.heuristics.measured.Live`: the runtime's, made from the call's
+    session on a live group; :class:`~ficco.heuristics.measured.Scripted` off a group) lets
+    ``auto`` and ``tune`` measure; without it they decide from what they measured before
+    in this process, else by the model, and say so (``Decision.final`` False).
 
     >>> from ficco.problem import Problem
     >>> choose(Problem(8, 8, (8,), "float32", 2), forced="ring", forced_by="argument").reason
@@ -227,4 +221,4 @@ def _logged_once(problem: Problem, decision: Decision, target: str) -> Decision:
     return decision
 
 
-__all__ = ["SELECTORS", "Decision", "Live", "Timings", "choose", "off_by_default", "profiles"]
+__all__ = ["SELECTORS", "Decision", "Live", "Scripted", "choose", "off_by_default", "profiles"]

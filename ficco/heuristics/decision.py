@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from ..problem import Problem
 
-SELECTORS = ("paper", "model", "tune")
+SELECTORS = ("auto", "paper", "model", "tune")
 
 
 def decision_inputs(problem: Problem, profile: str, topology: str) -> dict:
@@ -29,11 +29,17 @@ KEY = ("otb = op-to-byte, the GEMM's FLOPs per byte of mt; mt = its static memor
 class Decision:
     """The schedule a selector picked for one problem, with its inputs and per-candidate scores.
 
-    ``selector`` is ``"paper"``, ``"model"``, ``"tune"`` or ``"forced"``. ``scores`` maps a
-    schedule name to predicted seconds (model), measured seconds (tune) or the paper's
-    normalised OTB·MT score (paper). ``reason`` is one line for humans. ``band`` (model only)
-    is the validated relative error of predictions in the problem's shape class
-    ``band_class``: an overlapped schedule is kept only when its predicted gain exceeds it.
+    ``selector`` is ``"auto"``, ``"paper"``, ``"model"``, ``"tune"`` or ``"forced"``.
+    ``scores`` maps a schedule name to predicted seconds (model, auto), measured seconds
+    (tune) or the paper's normalised OTB·MT score (paper). ``reason`` is one line for humans.
+    ``band`` (model, auto) is the validated relative error of predictions in the problem's
+    shape class ``band_class``: an overlapped schedule is kept only when its predicted gain
+    exceeds it. A measuring selector (auto, tune) fills ``measured``, rows ``(schedule,
+    transport, predicted seconds or None, measured seconds, note)``, and says in
+    ``decided_by`` whether the measurement or the model decided (and why the model);
+    ``final`` is False for a decision made without measuring where the selector measures (no
+    live group, a rank that cannot time): the runtime does not keep it, so the next call that
+    can time measures.
 
     >>> d = Decision("serial", "dma", "forced", {"M": 8}, {}, "forced by argument")
     >>> print(d)  # doctest: +NORMALIZE_WHITESPACE
@@ -50,6 +56,9 @@ class Decision:
     reason: str = ""
     band: float | None = None
     band_class: str = ""
+    measured: tuple = ()
+    decided_by: str = ""
+    final: bool = True
     #: GPU features off by default until a GPU lease verified them: feature -> why, how to
     #: turn it on (:func:`ficco.heuristics.off_by_default`)
     off: dict = field(default_factory=dict)
@@ -63,6 +72,8 @@ class Decision:
                  f"selector {self.selector})"),
                  f"reason    {self.reason}",
                  "inputs    " + " ".join(f"{k}={_fmt(v)}" for k, v in self.inputs.items())]
+        if self.decided_by:
+            lines.append(f"decided   {self.decided_by}")
         if "otb" in self.inputs:
             lines.append(f"key       {KEY}")
         if self.band is not None:
@@ -71,8 +82,10 @@ class Decision:
                          f"only above it")
         for feature, why in self.off.items():
             lines.append(f"off       {feature}: {why}")
+        if self.measured:
+            return "\n".join(lines + self._measured_table())
         if self.scores:
-            seconds = self.selector in ("model", "tune", "forced")
+            seconds = self.selector in ("auto", "model", "tune", "forced")
             best = min(self.scores.values())
             lines.append(f"scores    {'':2}{'schedule':<20} "
                          + (f"{'time':>13}  {'vs best':>7}" if seconds else f"{'score':>10}"))
@@ -84,6 +97,22 @@ class Decision:
                 else:
                     lines.append(f"          {mark} {name:<20} {value:10.3f}")
         return "\n".join(lines)
+
+
+    def _measured_table(self) -> list[str]:
+        """The measured candidates beside their predictions, fastest measured first."""
+        best = min(row[3] for row in self.measured)
+        head = (f"measured  {'':2}{'schedule':<20} {'transport':<9} {'predicted':>11} "
+                f"{'measured':>11}  {'vs best':>7}   (* runs; slowest rank)")
+        lines = [head]
+        for name, via, predicted, seconds, note in sorted(self.measured,
+                                                           key=lambda r: (r[3], r[0], r[1])):
+            mark = "*" if (name, via) == (self.schedule, self.transport) else " "
+            guess = "-" if predicted is None else f"{predicted * 1e3:.3f} ms"
+            lines.append(f"          {mark} {name:<20} {via:<9} {guess:>11} "
+                         f"{seconds * 1e3:8.3f} ms  {seconds / best if best > 0 else 1.0:6.2f}x"
+                         + (f"   {note}" if note else ""))
+        return lines
 
 
 def _fmt(value) -> str:

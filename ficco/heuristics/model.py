@@ -89,7 +89,8 @@ class BandedChoice:
     """What the ``model`` selector decides once it knows its own error: ``schedule`` over
     ``transport``; ``fastest`` is the fastest predicted candidate of any transport, ``gain``
     its predicted gain over the baseline (``serial`` on the better transport), ``band`` the
-    validated error of ``band_class`` (:mod:`ficco.heuristics.bands`)."""
+    validated error of ``band_class`` (:mod:`ficco.heuristics.bands`); ``per_transport`` every
+    candidate's predicted seconds per transport (what the ``auto`` selector shortlists from)."""
 
     schedule: str
     transport: str
@@ -100,6 +101,7 @@ class BandedChoice:
     gain: float
     band: float
     band_class: str
+    per_transport: dict
 
 
 def banded_choice(problem: Problem, profile: Profile, topology: str | None,
@@ -137,7 +139,7 @@ def banded_choice(problem: Problem, profile: Profile, topology: str | None,
                   f"{base_s * 1e3:.3f} ms) exceeds the model's \u00b1{band:.0%} "
                   f"({band_class}); simulated on {where}")
         return BandedChoice(fastest, fast_via, per_transport[fast_via], reason, fastest,
-                            fast_via, gain, band, band_class)
+                            fast_via, gain, band, band_class, per_transport)
     if fastest == "serial":
         reason = (f"serial: predicted fastest over {base_via} ({base_s * 1e3:.3f} ms); "
                   f"simulated on {where}")
@@ -145,4 +147,4 @@ def banded_choice(problem: Problem, profile: Profile, topology: str | None,
         reason = (f"serial: the predicted {gain:.0%} gain of {fastest} ({fast_via}) is inside "
                   f"the model's \u00b1{band:.0%} ({band_class}); simulated on {where}")
     return BandedChoice("serial", base_via, per_transport[base_via], reason, fastest, fast_via,
-                        gain, band, band_class)
+                        gain, band, band_class, per_transport)

@@ -1,0 +1,234 @@
+"""The ``auto`` selector, ficco's default: the model shortlists, the live group decides.
+
+The model (:mod:`ficco.heuristics.model`) is right only as far as its profile and its
+validated error band go, and ficco promises never to be slower than serial on the machine it
+runs on. So the first time a problem key is seen on a live group, ``auto``:
+
+1. **shortlists** with the model (:func:`shortlist`): its pick; the fastest predicted
+   schedule of every other family (:func:`family`) predicted within the band of the fastest
+   prediction, where the model cannot tell them apart; ``serial`` on every candidate transport
+   (dma and ccl when every rank shares a host);
+2. **times** the shortlist on the live group with the call's own operands
+   (:func:`ficco.heuristics.measured.time_candidates`, :data:`ROUNDS`): the slowest rank's
+   median of interleaved runs, agreed by every rank; CUDA events on GPUs;
+3. **keeps the fastest**, never one measured slower than the best serial: an overlapped
+   schedule runs only when it measured more than :data:`MARGIN` faster than it;
+4. **caches** the winner in memory and in ``<FICCO_CACHE_DIR>/auto.json`` (:func:`cache_key`:
+   like ``tune``'s, plus the device SKU, with the rows bucketed so nearby lengths share one
+   measurement). A file entry counts only once every rank holds the identical entry.
+
+The first call's extra cost is bounded by :data:`ROUNDS`: one warm-up run of each
+shortlisted schedule (at most six; baselines first), then timed rounds (at most 7) only while
+they stay within 5 serial-call times or 50 ms, whichever is more: a slow call gets one round;
+when the budget binds, a candidate whose warm-up run took over twice serial's is dropped, and
+where not even one round fits, the serials and the fastest other candidate run once more and
+decide. A fast call (serial's warm-up run under 50 ms) whose budget allowed fewer than 3
+rounds runs its finalists (the serials and the fastest other) until each has 3 timed runs:
+one late run on a busy machine must not decide alone. The cost is logged once per key
+(``FICCO_LOG=info``) and reported in ``explain()``.
+
+Where the group cannot measure (no live group: ``explain``, offline ``choose``; a rank inside
+a CUDA graph capture or a torch.compile trace) a cached decision is used if there is one,
+else the model's, marked not final so the next call that can time measures, and the Decision
+says so.
+
+Example, offline (no live group: the model's pick, provisional)::
+
+    >>> from ficco.problem import Problem
+    >>> from ficco.heuristics import choose
+    >>> d = choose(Problem(64, 32, (16,), "float32", 2), target="cpu", selector="auto")
+    >>> d.selector, d.final, d.decided_by.startswith("the model")
+    ('auto', False, True)
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from .. import config, logs, schedules
+from ..expert.problem import bucket
+from ..problem import Problem
+from . import measured, sku
+from .decision import Decision
+from .measured import Candidate, Live, ficco_version
+from .model import BandedChoice
+
+CACHE = measured.Cache("auto.json")
+#: one warm-up round, then up to 7 timed rounds within 5 serial-call times or 50 ms; a
+#: candidate slower than twice serial in the warm-up is dropped when the budget binds; a fast
+#: call's finalists get at least 3 timed runs
+ROUNDS = measured.Rounds(warmup=1, most=7, budget=5.0, floor_s=0.05, prune=2.0, confirm=3)
+#: an overlapped schedule must measure this much faster than the best serial to run: within
+#: it, the medians of a few runs on a shared machine cannot tell the two apart
+MARGIN = 0.03
+
+
+#: families named by two words (the rest: the name's first word)
+TWO_WORD_FAMILIES = ("by-expert", "one-shot", "two-shot", "rs-ag")
+
+
+def family(name: str) -> str:
+    """The family of a schedule name: its first word (``serial``, ``ring``, ``uniform``,
+    ``hetero``, ``gated``, ``chunked``), or its first two for :data:`TWO_WORD_FAMILIES`.
+
+    >>> family("hetero-fused-1d"), family("ring-bidir"), family("one-shot-sm")
+    ('hetero', 'ring', 'one-shot')
+    """
+    for prefix in TWO_WORD_FAMILIES:
+        if name.startswith(prefix):
+            return prefix
+    return name.split("-")[0]
+
+
+def bucketed(problem):
+    """``problem`` as its cache key sees it: rank 0, and the rows of a dense op (a
+    :class:`~ficco.problem.Problem`'s ``m``: the shard for an all-gather, all rows for a
+    reduce-scatter) rounded up to three significant bits, whole units (at most 25% more: 0-8
+    stay, then 10, 12, 14, 16, 20, 24, ...), so a variable-length workload measures once per
+    bucket, not once per length. The expert ops' problems bucket their routing already.
+
+    >>> bucketed(Problem(100, 8, (8,), "float32", 2, rank=1)).m
+    112
+    """
+    if not isinstance(problem, Problem):
+        return problem
+    return replace(problem, m=bucket(problem.m // problem.unit) * problem.unit, rank=0)
+
+
+def cache_key(problem, transports: tuple[str, ...], target: str, topology: str,
+              copy_engines: int | None = None) -> str:
+    """The auto cache key, as a readable string: op and candidate transports, the bucketed
+    problem's key, the backend target, the device SKU, topology, ficco version (and
+    ``FICCO_COPY_ENGINES`` when set).
+
+    >>> cache_key(Problem(100, 8, (8,), "float32", 2), ("dma", "ccl"), "cpu", "switch"
+    ...           ).split("|")[:5]
+    ['auto', 'all_gather_matmul/dma,ccl', "key=(112, 8, (8,), 'float32', 2)", 'cpu', 'sku=cpu']
+    """
+    part = sku.sku_of(sku.local_props(target)).id
+    key = ["auto", f"{problem.op}/{','.join(transports)}", f"key={bucketed(problem).key()!r}",
+           target, f"sku={part}", topology, f"ficco={ficco_version()}"]
+    if copy_engines is not None:
+        key.append(f"copy_engines={copy_engines}")
+    return "|".join(key)
+
+
+def shortlist(choice: BandedChoice, transports: tuple[str, ...]) -> list[Candidate]:
+    """What ``auto`` times (module doc), the model's pick first.
+
+    >>> from ficco.heuristics.model import BandedChoice
+    >>> times = {"dma": {"serial": 4.0, "ring": 3.0, "uniform-fused-1d": 2.9,
+    ...                  "uniform-fused-2d": 2.95, "hetero-fused-1d": 2.0}}
+    >>> pick = BandedChoice("hetero-fused-1d", "dma", times["dma"], "", "hetero-fused-1d", "dma",
+    ...                     1.0, 0.5, "x", times)
+    >>> shortlist(pick, ("dma",))
+    [('hetero-fused-1d', 'dma'), ('uniform-fused-1d', 'dma'), ('ring', 'dma'), ('serial', 'dma')]
+    """
+    predicted = {(name, via): s for via, times in choice.per_transport.items()
+                 for name, s in times.items()}
+    fastest = min(predicted.values())
+    ordered = sorted(predicted, key=lambda c: (predicted[c], transports.index(c[1]), c[0]))
+    best_of: dict[str, Candidate] = {}
+    for candidate in ordered:
+        best_of.setdefault(family(candidate[0]), candidate)
+    picks = [(choice.schedule, choice.transport)]
+    picks += [c for f, c in best_of.items() if f not in (family(choice.schedule), "serial")
+              and predicted[c] <= fastest * (1 + choice.band)]
+    picks += [("serial", via) for via in transports]
+    return list(dict.fromkeys(picks))
+
+
+def _verdict(seconds: dict, candidates: list[Candidate]) -> tuple[Candidate, str]:
+    """(what runs, why) from agreed measured seconds; ``candidates[0]`` is the model's pick."""
+    def ms(c):
+        return f"{seconds[c] * 1e3:.3f} ms"
+
+    order = {c: i for i, c in enumerate(candidates)}
+    base = min((c for c in candidates if c[0] == "serial"), key=lambda c: (seconds[c], order[c]))
+    best = min(candidates, key=lambda c: (seconds[c], order[c]))
+    pick = candidates[0]
+    if best[0] == "serial":
+        if pick[0] == "serial":
+            return best, f"serial ({best[1]}) measured fastest, {ms(best)}"
+        return best, (f"the model's pick {pick[0]} ({pick[1]}) measured {ms(pick)}, slower than "
+                      f"serial ({best[1]}) at {ms(best)}: serial runs")
+    gain = seconds[base] / seconds[best] - 1 if seconds[best] > 0 else 0.0
+    if not seconds[best] < seconds[base] * (1 - MARGIN):
+        return base, (f"{best[0]} ({best[1]}) measured only {gain:.1%} faster than serial "
+                      f"({base[1]}, {ms(base)}), inside the {MARGIN:.0%} margin: serial runs")
+    whose = "the model's pick" if best == pick else \
+        f"the model picked {pick[0]} ({pick[1]}), {ms(pick)}"
+    return best, (f"{best[0]} ({best[1]}) measured fastest, {ms(best)}, {gain:.0%} faster "
+                  f"than serial ({base[1]}, {ms(base)}); {whose}")
+
+
+def _measure(problem, live: Live, choice: BandedChoice, transports: tuple[str, ...],
+             key: str, persist: bool) -> dict:
+    """Time the shortlist, keep the winner (memory and file), log it once; the cache entry."""
+    candidates = shortlist(choice, transports)
+    timing = measured.time_candidates(live, candidates, ROUNDS,
+                                      [c for c in candidates if c[0] == "serial"])
+    (name, via), verdict = _verdict(timing.seconds, candidates)
+    serial_s = min(s for c, s in timing.seconds.items() if c[0] == "serial")
+    how = (f"median of {timing.rounds} interleaved runs each" if timing.rounds > 1 else
+           "one timed run each after a warm-up run" if not timing.dropped else
+           "a slow call: one warm-up run each, then one timed run of the serials and the "
+           "fastest other")
+    if timing.rounds < ROUNDS.confirm and timing.baseline_s < ROUNDS.floor_s:
+        how += f", {ROUNDS.confirm} of the serials and the fastest other"
+    predicted = {(n, v): s for v, times in choice.per_transport.items() for n, s in times.items()}
+    entry = {"schedule": name, "transport": via, "model": [choice.schedule, choice.transport],
+             "rows": [[n, v, predicted.get((n, v)), timing.seconds[(n, v)],
+                       "warm-up run only (dropped)" if (n, v) in timing.dropped else ""]
+                      for n, v in candidates],
+             "verdict": verdict, "how": how, "rounds": timing.rounds, "cost_s": timing.cost_s,
+             "serial_s": serial_s, "measured_key": repr(problem.key()),
+             "shortlist": f"the model's pick, the other families within its "
+                          f"\u00b1{choice.band:.0%} ({choice.band_class}), serial"}
+    CACHE.keep(key, entry, live.agreed, persist)
+    if config.log_level() in ("info", "debug"):
+        logs.ready().info(
+            "ficco auto: first sight of %s %s: measured %d candidates on the live group in "
+            "%.3f ms (%.1f serial-call times, %s): %s", problem.op, key, len(candidates),
+            timing.cost_s * 1e3, timing.cost_s / serial_s if serial_s > 0 else 0.0, how,
+            verdict)
+    return entry
+
+
+def _valid(entry: dict, problem, target: str, transports: tuple[str, ...]) -> bool:
+    """A file entry this process can run: its transport a candidate, its schedule offered."""
+    via = entry.get("transport")
+    return via in transports and entry.get("schedule") in schedules.offered(
+        target, via, problem.op, problem) and isinstance(entry.get("rows"), list)
+
+
+def auto_choice(problem, *, transports: tuple[str, ...], target: str, topology: str,
+                copy_engines: int | None, live: Live | None, inputs: dict,
+                model: Callable[[], BandedChoice], persist: bool = True) -> Decision:
+    """The ``auto`` Decision for ``problem`` (module doc); ``model()`` gives the model's
+    banded choice (called only when nothing is cached)."""
+    key = cache_key(problem, transports, target, topology, copy_engines)
+    entry, why_not = measured.first_sight(
+        CACHE, key, live, lambda e: _valid(e, problem, target, transports), persist)
+    fresh = False
+    if entry is None:
+        choice = model()
+        if live is None or why_not is not None:
+            return Decision(choice.schedule, choice.transport, "auto", inputs, choice.scores,
+                            f"not measured yet: the model's pick: {choice.reason}",
+                            band=choice.band, band_class=choice.band_class,
+                            decided_by=f"the model's prediction (not measured: {why_not})",
+                            final=False)
+        entry, fresh = _measure(problem, live, choice, transports, key, persist), True
+    rows = tuple((n, v, p, s, note) for n, v, p, s, note in entry["rows"])
+    scores = {n if v == entry["transport"] else f"{n} ({v})": s for n, v, _, s, _ in rows}
+    when = "at first sight" if fresh else f"at the key's first sight (cache {key})"
+    if not fresh and entry["measured_key"] != repr(problem.key()):
+        when += f", on the nearby problem {entry['measured_key']} of the same bucket"
+    cost = entry["cost_s"] / entry["serial_s"] if entry["serial_s"] > 0 else 0.0
+    return Decision(entry["schedule"], entry["transport"], "auto", inputs, scores,
+                    f"measured {when}: {entry['verdict']}", measured=rows,
+                    decided_by=(f"measured on the live group ({entry['how']}; slowest rank); "
+                                f"shortlist: {entry['shortlist']}; measuring cost "
+                                f"{entry['cost_s'] * 1e3:.3f} ms = {cost:.1f} serial-call "
+                                f"times, once per key"))
