@@ -217,3 +217,27 @@ def test_the_lock_count_sees_ficco_locks_only():
             pass
     profiler.disable()
     assert lock_acquisitions(pstats.Stats(profiler), 3) == 1
+
+
+_HISTORY = __import__("re").compile(r"\b[Ii]ssue \d+")
+
+
+def history_lines(root: Path = PACKAGE) -> list[str]:
+    """Lines of the package's sources that narrate which issue led to the code (git keeps
+    that; a comment states the rule)."""
+    return [f"{path.relative_to(root.parent)}:{number}"
+            for path in sorted(root.rglob("*.py"))
+            for number, line in enumerate(path.read_text().splitlines(), 1)
+            if _HISTORY.search(line)]
+
+
+def test_no_comment_narrates_history():
+    found = history_lines()
+    assert not found, "\n".join(found)
+
+
+def test_the_history_scan_sees_an_issue_number(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "m.py").write_text("x = 1  # the fix of issue 12\ny = 2  # a rule\n")
+    assert history_lines(pkg) == ["pkg/m.py:1"]
