@@ -46,7 +46,7 @@ import uuid
 from dataclasses import dataclass
 
 from . import config
-from .errors import CommTimeoutError, FiccoError, MismatchError
+from .errors import CommTimeoutError, FiccoError, MismatchError, error_context
 from .group import key as group_key
 from .session import AGREED_KEPT, Channel, channel_of
 
@@ -189,8 +189,7 @@ def check(channel: Channel, group, rank: int, world: int, word: int, number: int
         if any(part != (word, number) for part in everyone):
             raise _out_of_step(group, rank, word, number, [(what, p) for p in everyone])
         return
-    with channel.lock:
-        seq = channel.sequence = channel.sequence + 1
+    seq = channel.next_exchange()
     prefix = f"ficco/{epoch}/{seq}/"
     keys = [f"{prefix}{r}" for r in range(world)]
     mine = _CHECK.pack(word, number)
@@ -349,7 +348,7 @@ def exchange(group, rank: int, world: int, payload, *, what: str) -> list:
     if channel.epoch is None:
         join(channel, store, rank, world, timeout_s)
     with channel.lock:
-        seq = channel.sequence = channel.sequence + 1
+        seq = channel.next_exchange()
         epoch = channel.epoch
     prefix = f"ficco/{epoch}/{seq}/"
     keys = [f"{prefix}{r}" for r in range(world)]
@@ -419,9 +418,7 @@ def join(channel: Channel, store, rank: int, world: int, timeout_s: float) -> No
             f"a rank called ficco.shutdown() alone, or came to a call after its peers gave up "
             f"on it and reset. Nothing was computed; call ficco.shutdown() on every rank, "
             f"then call again")
-    with channel.lock:
-        channel.epoch = channel.last = epoch
-        channel.sequence = 0
+    channel.joined(epoch)
 
 
 _WITHDRAWN = b"x"      # a joined key's value once its rank gave up (keys are never deleted:
@@ -542,7 +539,8 @@ def wait_bounded(work, *, rank: int, what: str) -> None:
 
 
 def _missing(ranks: list[int] | None, exc: CommTimeoutError) -> CommTimeoutError:
-    exc.missing = ranks
+    context = error_context(exc)
+    context.asked, context.missing = True, ranks
     return exc
 
 

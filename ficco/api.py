@@ -187,7 +187,7 @@ def traced_matmul_reduce_scatter(a, b, group=None, *, schedule, transport=None, 
     return runtime.traced(call, schedule, transport)
 
 
-# -- expert parallelism (ficco/expert/) ------------------------------------------------------------
+# -- expert parallelism (library_expert.py) --------------------------------------------------------
 def all_to_all_grouped_mm(x, counts, w, group=None, *, schedule=None):
     """Expert-parallel dispatch: the all-to-all of tokens to their experts, then every
     expert's GEMM, with the all-to-all hidden behind the grouped GEMM. Returns
@@ -206,7 +206,7 @@ def all_to_all_grouped_mm(x, counts, w, group=None, *, schedule=None):
     >>> torch.allclose(y, torch.cat([x[:2] @ w[0], x[2:] @ w[1]])), rc.tolist()
     (True, [[2], [3]])
     """
-    from .expert import library as expert_library
+    from . import library_expert as expert_library
 
     return expert_library.all_to_all_grouped_mm(x, counts, w, group, schedule=schedule)
 
@@ -225,7 +225,7 @@ def grouped_mm_all_to_all(h, recv_counts, w2, group=None, *, schedule=None, send
     >>> torch.allclose(z, torch.cat([x[:2] @ w[0] @ w2[0], x[2:] @ w[1] @ w2[1]]), atol=1e-5)
     True
     """
-    from .expert import library as expert_library
+    from . import library_expert as expert_library
 
     return expert_library.grouped_mm_all_to_all(h, recv_counts, w2, group, schedule=schedule,
                                                 send_counts=send_counts)

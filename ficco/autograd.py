@@ -61,7 +61,7 @@ class _FirstOrderOnly(torch.autograd.Function):
             "supported; compute the higher-order term without ficco")
 
 
-def _first_order(backward):
+def first_order_only(backward):
     """Run ``backward``; under create_graph=True its results get a node that refuses a second
     differentiation, instead of a silently wrong higher-order gradient."""
 
@@ -302,7 +302,7 @@ def _ar_backward(ctx, grad_outs):
 _impls = torch.library.Library("ficco", "IMPL")
 
 
-def _register_autocast(op, device_type: str) -> None:
+def register_autocast_with_dtype(op, device_type: str) -> None:
     key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
     excluded = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
     overload = op._opoverload
@@ -328,19 +328,19 @@ def _register_autocast(op, device_type: str) -> None:
 
 def register(all_gather_matmul_op, matmul_reduce_scatter_op) -> None:
     """Register autograd and autocast on the two ops (called once by :mod:`ficco.library`)."""
-    all_gather_matmul_op.register_autograd(_first_order(_ag_backward),
+    all_gather_matmul_op.register_autograd(first_order_only(_ag_backward),
                                            setup_context=_ag_setup_context)
-    matmul_reduce_scatter_op.register_autograd(_first_order(_rs_backward),
+    matmul_reduce_scatter_op.register_autograd(first_order_only(_rs_backward),
                                                setup_context=_rs_setup_context)
     for op in (all_gather_matmul_op, matmul_reduce_scatter_op):
         for device in ("cpu", "cuda"):
-            _register_autocast(op, device)
+            register_autocast_with_dtype(op, device)
 
 
 def register_all_reduce(matmul_all_reduce_op) -> None:
     """Register autograd and autocast on the all-reduce op (once, by
     :mod:`ficco.library_all_reduce`)."""
-    matmul_all_reduce_op.register_autograd(_first_order(_ar_backward),
+    matmul_all_reduce_op.register_autograd(first_order_only(_ar_backward),
                                            setup_context=_ar_setup_context)
     for device in ("cpu", "cuda"):
-        _register_autocast(matmul_all_reduce_op, device)
+        register_autocast_with_dtype(matmul_all_reduce_op, device)

@@ -6,14 +6,11 @@ them imports another for it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .errors import InvalidArgumentError
-
-if TYPE_CHECKING:
-    from .expert.context import ExpertContext
 
 
 @dataclass
@@ -29,8 +26,9 @@ class Buffers:
     row-wise or one element), ``gathered_scale`` (row-wise all-gather: ``M x 1`` at byte
     ``gathered_scale_offset`` of the workspace with ``dma``), ``b_scales`` and ``biases``
     (``1 x n_j`` or None) per b; ``wide``: the outputs are float32 partial sums the op rounds
-    once. Expert parallelism: ``expert`` is the call's routing and row buffers, which its host
-    tasks size their work from at launch (its plans never name rows, :mod:`ficco.expert`).
+    once. ``task_state``: what an op family's host tasks read besides these fields, for families
+    whose sizes are data (expert parallelism: the call's routing and rows, which its host tasks
+    size their work from at launch, :class:`ficco.host_tasks_expert.ExpertContext`).
 
     Every host task is called ``task(views, buffers, args)`` and reads the fields it needs."""
 
@@ -52,7 +50,7 @@ class Buffers:
     b_scales: tuple = ()
     biases: tuple = ()
     wide: bool = False
-    expert: ExpertContext | None = None
+    task_state: Any = None
     _peers: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
     def peer(self, peer: int, buf: str = "gathered", index: int = 0) -> torch.Tensor:

@@ -37,7 +37,7 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
 
 class _RankView(Protocol):
     """What a Call reads of its problem: a :class:`~ficco.problem.Problem`, or the expert ops'
-    :class:`~ficco.expert.problem.ExpertProblem` (a problem of its own, not a Problem)."""
+    :class:`~ficco.problem_expert.ExpertProblem` (a problem of its own, not a Problem)."""
 
     @property
     def world(self) -> int: ...
@@ -288,7 +288,7 @@ def backend_for(t: torch.Tensor, name: str, backend=None):
             f"{name} is on {t.device} but the active backend {backend.name!r} runs on "
             f"{backend.device().type}; move the tensors or set FICCO_BACKEND"
             + (f"; {why}" if why else ""))
-    backend.check_device(t, name)   # GPUs: the very device it drives (issue 15 item 8)
+    backend.check_device(t, name)   # GPUs: the very device it drives
     return backend
 
 
@@ -315,7 +315,7 @@ def settings(schedule: str | None = None, transport: str | None = None,
         "copy_engines": knobs["FICCO_COPY_ENGINES"],
         "symm": knobs.get("FICCO_SYMM"),
         "signal_pads": knobs.get("FICCO_SIGNAL_PADS"),
-        # the selector prices one hardware queue differently (issue 25 item 4): agreed
+        # the selector prices one hardware queue differently: agreed
         "hardware_queues": (config.hardware_queues("cuda"), config.hardware_queues("rocm")),
         "backward_gather": knobs.get("FICCO_BACKWARD_GATHER"),
         "paper": (low, high),

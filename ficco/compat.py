@@ -1,6 +1,5 @@
 """Drop-in twins of ``torch.ops.symm_mem.fused_all_gather_matmul`` and
-``fused_matmul_reduce_scatter`` (the latter in ``ficco/ops/matmul_reduce_scatter.py``), and of
-their fp8 forms ``fused_all_gather_scaled_matmul`` and ``fused_scaled_matmul_reduce_scatter``
+``fused_matmul_reduce_scatter``, and of their fp8 forms ``fused_all_gather_scaled_matmul`` and ``fused_scaled_matmul_reduce_scatter``
 (``ficco/compat_scaled.py``).
 
 Same signature, return values, shapes and strides, so swapping one line is enough::
@@ -11,14 +10,16 @@ Same signature, return values, shapes and strides, so swapping one line is enoug
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from . import agreement, api
+from . import agreement, api, runtime
 from .call import backend_for, check_tensor, check_weights, normalize_dim
 from .compat_scaled import fused_all_gather_scaled_matmul, fused_scaled_matmul_reduce_scatter
 from .errors import FiccoWarning, InvalidArgumentError
 from .group import rank_world, resolve
 from .ops.all_gather_matmul import all_gather_flat
-from .ops.matmul_reduce_scatter import fused_matmul_reduce_scatter
+from .ops.matmul_reduce_scatter import SPEC as REDUCE_SCATTER_SPEC
+from .problem import REDUCE_OPS
 
 
 def fused_all_gather_matmul(A_shard: torch.Tensor, Bs: list[torch.Tensor], gather_dim: int,
@@ -65,6 +66,54 @@ def _gather_last_dim(A_shard, Bs, group_name, return_A):
     A = torch.cat(flat.view(world, *A_shard.shape).unbind(0), dim=-1)
     outs = [torch.matmul(A, B) for B in Bs]
     return (A if return_A else None), outs
+
+
+def fused_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str,
+                                scatter_dim: int, group_name: str) -> torch.Tensor:
+    """Drop-in twin of ``torch.ops.symm_mem.fused_matmul_reduce_scatter``: the same signature,
+    values, shape and (contiguous) strides as ``reduce_scatter_single(A @ B, reduce_op,
+    scatter_dim, group_name)``. As torch, it needs the world size to divide ``scatter_dim``.
+
+    ``scatter_dim`` may be the last dimension (the output columns), as in torch's op: no
+    overlapped schedule splits those, so ficco runs the plain matmul + reduce-scatter.
+    """
+    if not isinstance(A, torch.Tensor) or not isinstance(B, torch.Tensor):
+        raise InvalidArgumentError("A and B must be tensors")
+    if reduce_op not in REDUCE_OPS:
+        raise InvalidArgumentError(f"reduce_op={reduce_op!r} is not supported; use one of "
+                                   f"{', '.join(REDUCE_OPS)}")
+    nd = A.dim()
+    if nd < 2:
+        raise InvalidArgumentError(f"A must have at least 2 dims; got {tuple(A.shape)}")
+    scatter_dim = normalize_dim(scatter_dim, nd, "scatter_dim")
+    group = resolve(group_name)
+    _, world = rank_world(group)
+    size = A.shape[scatter_dim] if scatter_dim < nd - 1 else (B.shape[-1] if B.dim() else 0)
+    if size % world:
+        raise InvalidArgumentError(
+            f"fused_matmul_reduce_scatter needs the world size ({world}) to divide dim "
+            f"{scatter_dim} of A @ B ({size}), as torch's op does; ficco.matmul_reduce_scatter "
+            f"takes uneven sizes")
+    if scatter_dim == nd - 1:
+        full = (A @ B).movedim(-1, 0).contiguous()
+        mine = full.new_empty((size // world, *full.shape[1:]))
+        if world > 1:
+            dist.reduce_scatter_tensor(mine, full, op=dist.ReduceOp.SUM, group=group)
+            if reduce_op == "avg":
+                mine.div_(world)
+        else:
+            mine.copy_(full)
+        return _row_major(mine.movedim(0, -1))
+    out = runtime.run(REDUCE_SCATTER_SPEC.prepare(A, B, group_name, scatter_dim, reduce_op))
+    return _row_major(out)
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with torch's default strides, size-1 dims included (``contiguous()`` keeps any
+    stride there; torch's op returns the canonical ones)."""
+    want = torch.empty(t.shape, device="meta").stride()
+    return t if t.stride() == want else torch.empty_like(
+        t, memory_format=torch.contiguous_format).copy_(t)
 
 
 # -- torch's async TP on ficco ----------------------------------------------------------------------

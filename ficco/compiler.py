@@ -28,61 +28,22 @@ import weakref
 
 import torch
 
-from . import host_tasks
 from .buffers import Buffers
 from .errors import InvalidArgumentError
-from .plan import (
-    COMPUTE,
-    SCALE_OF,
-    SYMMETRIC_BUFFERS,
-    AllGather,
-    AllReduce,
-    AllToAll,
-    Barrier,
-    Block,
-    Copy,
-    GatedGemm,
-    Gemm,
-    HostOp,
-    Plan,
-    Record,
-    Reduce,
-    ReduceScatter,
-    SendRecv,
-    Signal,
-    Wait,
-    buffer_shapes,
-    op_label,
+from .lowering import (
+    CALL,
+    COPY,
+    COPY_2D,
+    GATED,
+    GEMM,
+    GEMM_HERE,
+    LAUNCH,
+    LAUNCH_HERE,
+    RECORD,
+    WAIT,
+    lower,
 )
-
-# Step codes; a step is (code, queue index, x, y, z, w) with slot / event numbers in x..w.
-# CALL (x: a prepared copy, called with the queue), GEMM_HERE and LAUNCH_HERE (a GEMM or host
-# task on the compute queue, which is the current stream while the executor enqueues) appear
-# only in bound steps.
-(COPY, COPY_2D, GEMM, RECORD, WAIT, BARRIER, LAUNCH, SIGNAL, GATED, CALL, GEMM_HERE,
- LAUNCH_HERE) = range(12)
-
-
-def _source_of(blk: Block) -> tuple:
-    """The slot source of ``blk``: symmetric buffers carry the peer (None: this rank's)."""
-    if blk.buf in SYMMETRIC_BUFFERS:
-        return (blk.buf, blk.index, blk.peer)
-    if blk.buf in ("input", "input_scale"):
-        return (blk.buf,)
-    return (blk.buf, blk.index)
-
-
-def _batched_spec(blocks: tuple[Block, ...]):
-    """(n, rows, cols, row0, col0, spacing) of equally spaced same-shape row blocks."""
-    first = blocks[0]
-    spacing = blocks[1].row0 - first.row0
-    for i, blk in enumerate(blocks):
-        if (blk.buf, blk.peer, blk.index, blk.rows, blk.col0, blk.cols) != \
-                (first.buf, first.peer, first.index, first.rows, first.col0, first.cols) \
-                or blk.row0 != first.row0 + i * spacing or spacing < first.rows:
-            raise InvalidArgumentError(
-                f"a fused Gemm needs same-shape, equally spaced blocks; got {blocks}")
-    return (len(blocks), first.rows, first.cols, first.row0, first.col0, spacing)
+from .plan import COMPUTE, SYMMETRIC_BUFFERS, GatedGemm, Plan, buffer_shapes
 
 
 class Binding:
@@ -111,128 +72,12 @@ class CompiledPlan:
     def __init__(self, plan: Plan):
         self.plan = plan
         self.queue_names = plan.queues
-        queue_index = {name: i for i, name in enumerate(plan.queues)}
-        self.compute = queue_index[COMPUTE]
-        self.side_queues = tuple(i for n, i in queue_index.items() if n != COMPUTE)
-        self.slots: list[tuple] = []
-        slot_of: dict[tuple, int] = {}
-
-        def slot(source, spec) -> int:
-            key = (source, spec)
-            if key not in slot_of:
-                slot_of[key] = len(self.slots)
-                self.slots.append(key)
-            return slot_of[key]
-
-        def block_slot(blk: Block) -> int:
-            return slot(_source_of(blk), ("rect", blk.row0, blk.rows, blk.col0, blk.cols))
-
-        def blocks_slot(blocks: tuple[Block, ...]) -> int:
-            if len(blocks) == 1:
-                return block_slot(blocks[0])
-            return slot(_source_of(blocks[0]), ("batched",) + _batched_spec(blocks))
-
-        def maybe_slot(blocks) -> tuple:
-            return tuple(None if blk is None else block_slot(blk) for blk in blocks)
-
-        def like() -> int:
-            # An empty view of the input: dtype and device for a collective's empty pieces.
-            return slot(("input",), ("rect", 0, 0, 0, 0))
-
-        def epilogue_args(op: Gemm) -> tuple:
-            """Slots of a GEMM's fp8 scales and bias (None: none), then accumulate and the
-            activation: the args of host_tasks.gemm_task. The bias and activation go with
-            the GEMM only when it writes the final value (no wide outputs)."""
-            p, out0 = plan.problem, op.out[0]
-            cols = ("rect", 0, 1, out0.col0, out0.cols)
-            a_scale: int | None
-            b_scale: int | None
-            if p.scaling == "row":
-                a_scale = blocks_slot(tuple(Block(SCALE_OF[blk.buf], blk.row0, blk.rows, 0, 1,
-                                                  blk.peer) for blk in op.a))
-                b_scale = slot(("b_scale", op.b), cols)
-            elif p.scaling:
-                a_scale, b_scale = slot(("input_scale",), ("whole",)), \
-                    slot(("b_scale", op.b), ("whole",))
-            else:
-                a_scale = b_scale = None
-            last = not wide
-            bias = slot(("bias", op.b), cols) if p.bias and last else None
-            return (a_scale, b_scale, bias, op.accumulate, p.activation if last else "")
-
-        wide = plan.wide_outputs()
-        epilogue = bool(plan.problem.scaling or plan.problem.bias or plan.problem.activation)
-        steps: list[tuple] = []
-        work = []   # (step number, op index) of every traced op
-        for index, op in enumerate(plan.ops):
-            q = queue_index[op.queue]
-            if isinstance(op, Record):
-                steps.append((RECORD, q, op.event, 0, 0, 0))
-                continue
-            if isinstance(op, Wait):
-                steps.append((WAIT, q, op.event, 0, 0, 0))
-                continue
-            work.append((len(steps), index))
-            if isinstance(op, Copy):
-                steps.append((COPY_2D if op.two_d else COPY, q, block_slot(op.dst),
-                              block_slot(op.src), 0, 0))
-            elif isinstance(op, Gemm):
-                out0 = op.out[0]
-                weight = slot(("b", op.b), ("krows", op.k0, op.kc, out0.col0, out0.cols))
-                if epilogue:   # fp8, bias, activation: torch ops run as a host task
-                    steps.append((LAUNCH, q, host_tasks.gemm_task,
-                                  (blocks_slot(op.a), weight, blocks_slot(op.out))
-                                  + epilogue_args(op), 0, 0))
-                else:
-                    steps.append((GEMM, q, blocks_slot(op.a), weight, blocks_slot(op.out),
-                                  op.accumulate))
-            elif isinstance(op, Barrier):
-                steps.append((BARRIER, q, op.channel, op.step, 0, 0))
-            elif isinstance(op, Reduce):
-                steps.append((LAUNCH, q, host_tasks.reduce_task,
-                              (block_slot(op.dst), tuple(block_slot(s) for s in op.srcs),
-                               op.accumulate, op.scale), 0, 0))
-            elif isinstance(op, AllToAll):
-                steps.append((LAUNCH, q, host_tasks.all_to_all_task,
-                              (maybe_slot(op.srcs), maybe_slot(op.dsts), like()), 0, 0))
-            elif isinstance(op, ReduceScatter):
-                steps.append((LAUNCH, q, host_tasks.reduce_scatter_task,
-                              (maybe_slot(op.srcs), maybe_slot((op.dst,))[0], op.scale, like()),
-                              0, 0))
-            elif isinstance(op, AllReduce):
-                steps.append((LAUNCH, q, host_tasks.all_reduce_task,
-                              (block_slot(op.src), block_slot(op.dst), op.scale), 0, 0))
-            elif isinstance(op, AllGather):
-                steps.append((LAUNCH, q, host_tasks.all_gather_task,
-                              (block_slot(op.src), tuple(block_slot(d) for d in op.dsts)), 0, 0))
-            elif isinstance(op, SendRecv):
-                send = block_slot(op.send) if op.send is not None else None
-                recv = block_slot(op.recv) if op.recv is not None else None
-                steps.append((LAUNCH, q, host_tasks.send_recv_task,
-                              (send, op.send_to, recv, op.recv_from), 0, 0))
-            elif isinstance(op, HostOp):   # sized at launch from the call's context
-                steps.append((LAUNCH, q, op.host_task, op, 0, 0))
-            elif isinstance(op, Signal):
-                steps.append((SIGNAL, q, op.flag, 0, 0, 0))
-            elif isinstance(op, GatedGemm):
-                p, n = plan.problem, plan.problem.ns[op.b]
-                views = (block_slot(Block("input", 0, p.m, 0, p.k)),
-                         block_slot(Block("gathered", 0, p.big_m, 0, p.k)),
-                         slot(("b", op.b), ("krows", 0, p.k, 0, n)),
-                         block_slot(Block("out", 0, p.big_m, 0, n, index=op.b)))
-                steps.append((GATED, q, views, (p, op), 0, 0))
-            else:
-                raise InvalidArgumentError(f"the executor does not know op {type(op).__name__}")
-            if steps[-1][0] == LAUNCH:
-                # A host task (a collective, a reduction): if it fails or hangs, the error
-                # names this step (z is free in launch steps).
-                steps[-1] = steps[-1][:4] + (
-                    f"plan step {index} ({op_label(op, plan.problem.rank)}, queue {op.queue})",
-                    0)
-        self.steps = tuple(steps)
+        self.compute = plan.queues.index(COMPUTE)
+        self.side_queues = tuple(i for i, n in enumerate(plan.queues) if n != COMPUTE)
+        self.slots, self.steps, self.work = lower(plan)
+        steps = self.steps
         self.num_flags = max((op.num_flags for op in plan.ops if isinstance(op, GatedGemm)),
                              default=0)
-        self.work = tuple(work)
         # Workspace views (this rank's symmetric buffers and the peers') vs per-call views.
         self.workspace_slots = tuple(i for i, (src, _) in enumerate(self.slots)
                                      if src[0] in SYMMETRIC_BUFFERS)

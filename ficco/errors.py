@@ -2,6 +2,7 @@
 seen and the fix."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TypeVar
 
 
@@ -58,6 +59,52 @@ class FiccoWarning(UserWarning):
     (``ficco.torchtitan``, ``ficco.compat.install_symm_mem_override``)."""
 
 
+@dataclass
+class ErrorContext:
+    """What ficco learnt about an exception on its way up, kept on it as one record
+    (:func:`error_context`) for the layer that words the final error (``ficco.guard``)."""
+
+    #: the plan step it came from (the first one named wins)
+    step: str | None = None
+    #: the executor step being enqueued when a backend raised at once
+    at: tuple | None = None
+    #: this rank's own work failed (a GEMM, a copy, a reduction), not a peer or a transport
+    local: bool = False
+    #: the tensors the failed queue task held: find its plan step
+    work: tuple | None = None
+    #: an exchange asked the peers: ``missing`` is its answer
+    asked: bool = False
+    #: the ranks that never came (None: the store itself did not answer)
+    missing: list[int] | None = None
+    #: a barrier's mismatch: each peer's call flag, which the runtime turns into its call
+    flags: dict[int, int] | None = None
+
+
+_CONTEXT = "ficco_context"
+
+
+def error_context(exc: BaseException) -> ErrorContext:
+    """The :class:`ErrorContext` of ``exc``, attached empty at first use (a throwaway record
+    for an exception type that takes no attributes).
+
+    >>> error_context(ValueError("x")).step is None
+    True
+    """
+    found = known_context(exc)
+    if _CONTEXT not in getattr(exc, "__dict__", ()):
+        try:
+            setattr(exc, _CONTEXT, found)
+        except AttributeError:      # an exception type without a __dict__
+            pass
+    return found
+
+
+def known_context(exc: BaseException | None) -> ErrorContext:
+    """What is known of ``exc`` (an empty record when nothing, or for None); attaches nothing."""
+    found = getattr(exc, "__dict__", {}).get(_CONTEXT)
+    return found if isinstance(found, ErrorContext) else ErrorContext()
+
+
 _E = TypeVar("_E", bound=BaseException)
 
 
@@ -65,12 +112,10 @@ def name_step(exc: _E, step: str) -> _E:
     """Remember on ``exc`` the plan step it came from (``ficco.guard.failed`` puts it in the
     message); the first step named wins. Returns ``exc``.
 
-    >>> name_step(name_step(ValueError("x"), "plan step 3"), "plan step 5").ficco_step
+    >>> error_context(name_step(name_step(ValueError("x"), "plan step 3"), "plan step 5")).step
     'plan step 3'
     """
-    if getattr(exc, "ficco_step", None) is None:
-        try:
-            setattr(exc, "ficco_step", step)  # noqa: B010 - any exception type
-        except AttributeError:      # an exception type without a __dict__
-            pass
+    context = error_context(exc)
+    if context.step is None:
+        context.step = step
     return exc

@@ -11,7 +11,10 @@ import torch
 
 from . import profiling
 from .buffers import Buffers
-from .compiler import (
+from .compiler import CompiledPlan, compile_plan
+from .errors import error_context, known_context, name_step
+from .kernels.launch import gated_task, raise_flag
+from .lowering import (
     BARRIER,
     CALL,
     COPY,
@@ -24,11 +27,7 @@ from .compiler import (
     RECORD,
     SIGNAL,
     WAIT,
-    CompiledPlan,
-    compile_plan,
 )
-from .errors import name_step
-from .kernels.launch import gated_task, raise_flag
 from .plan import Plan, op_label
 from .symm_mem.barrier import plan_barrier
 
@@ -91,11 +90,12 @@ def execute(plan: Plan | CompiledPlan, backend, buffers: Buffers, *, timeout_s: 
 
 
 def _name_work_step(exc: BaseException, compiled: CompiledPlan, steps, views) -> None:
-    """This rank's own work failed (a GEMM or copy): mark ``exc`` as such (``ficco_local``)
-    and name its plan step, found by the step being enqueued (``exc.ficco_at``, a backend
-    that raised at once) or by the tensors the failed task held (``exc.ficco_work``, a queue
-    that ran it later). Error path only."""
-    at, work = getattr(exc, "ficco_at", None), getattr(exc, "ficco_work", None)
+    """This rank's own work failed (a GEMM or copy): mark ``exc`` as such (its context's
+    ``local``) and name its plan step, found by the step being enqueued (``at``, a backend
+    that raised at once) or by the tensors the failed task held (``work``, a queue that ran
+    it later). Error path only."""
+    context = known_context(exc)
+    at, work = context.at, context.work
     index = dict(compiled.work)
     for number, step in enumerate(steps):
         code, _, x, y, z, _ = step
@@ -110,10 +110,7 @@ def _name_work_step(exc: BaseException, compiled: CompiledPlan, steps, views) ->
             h is t for h, t in zip(held, work)))
         if found and number in index:
             op = compiled.plan.ops[index[number]]
-            try:
-                setattr(exc, "ficco_local", True)  # noqa: B010 - any exception type
-            except AttributeError:       # an exception type without a __dict__
-                return
+            error_context(exc).local = True
             name_step(exc, f"plan step {index[number]} "
                            f"({op_label(op, compiled.plan.problem.rank)}, queue {op.queue})")
             return
@@ -162,11 +159,7 @@ def _run(steps, backend, buffers, queues, events, v, timeout_s, lane=None) -> No
         if step is not None and step[0] in (LAUNCH, LAUNCH_HERE):
             name_step(exc, step[4])
         else:
-            try:
-                # execute() names it (_name_work_step)
-                setattr(exc, "ficco_at", step)  # noqa: B010 - any exception type
-            except AttributeError:
-                pass
+            error_context(exc).at = step     # execute() names it (_name_work_step)
         raise
 
 

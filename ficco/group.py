@@ -89,7 +89,7 @@ def name_of(group) -> str:
     if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)) \
             and _is_1d_mesh(group):
         # As torch's functional collectives do: under torch.compile a mesh and its ProcessGroup
-        # are FakeScriptObjects (issue 26), its recorded group name a plain str.
+        # are FakeScriptObjects, its recorded group name a plain str.
         return group._dim_group_names[0]
     return key(resolve(group))
 

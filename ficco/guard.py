@@ -35,6 +35,8 @@ from .errors import (
     MismatchError,
     PoisonedGroupError,
     TransportError,
+    error_context,
+    known_context,
 )
 
 
@@ -66,20 +68,22 @@ def failed(call: Call, exc: BaseException, stage: Stage) -> BaseException:
     summary = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
     session.poison(summary, stage.pending)
     transport, schedule, step = stage.transport, stage.schedule, stage.step
-    if isinstance(exc, CommTimeoutError) and ("missing" in vars(exc) or (
+    asked = known_context(exc)
+    if isinstance(exc, CommTimeoutError) and (asked.asked or (
             transport == "ccl" and "rank(s)" not in str(exc))):
         # An exchange through the store names the ranks that did not come (None: the store
         # itself is gone); a collective that timed out knows no peer: find out which are gone.
-        heard = vars(exc).get("missing", ...)
+        heard = asked.missing if asked.asked else ...
         peers, who = _gone(call, heard)
         doing = _doing(call, transport or ("ccl" if heard is ... else None), schedule, exc, step)
         named = CommTimeoutError(
             f"rank {call.rank}: {doing} passed FICCO_TIMEOUT ({summary}); "
             + (who if peers else f"{who} (one is slow or made another call)")
             + ". The group is out of step: see the error-handling section of the README")
-        named.missing = peers
+        context = error_context(named)
+        context.asked, context.missing = True, peers
         return named
-    if stage.local or getattr(exc, "ficco_local", False):
+    if stage.local or known_context(exc).local:
         # This rank's own work failed (a GEMM, a copy, a reduction, an allocation): say where.
         return FiccoError(
             f"rank {call.rank}: {_doing(call, transport, schedule, exc, step)} failed on this "
@@ -98,7 +102,7 @@ def failed(call: Call, exc: BaseException, stage: Stage) -> BaseException:
 def _doing(call: Call, transport, schedule, exc: BaseException, step) -> str:
     """``all_gather_matmul (schedule ring over ccl) in plan step 3 (all-gather s0, queue
     comm)``: what the call was doing when it failed."""
-    named = getattr(exc, "ficco_step", None) or getattr(exc.__cause__, "ficco_step", None)
+    named = known_context(exc).step or known_context(exc.__cause__).step
     how = f"schedule {schedule} over " if schedule else "over "
     where = named or step
     return (f"{call.op.name} ({how}{transport or 'the process group'})"
@@ -177,7 +181,8 @@ def _unanswering(call: Call) -> list[int] | None:
             agreement.exchange(call.group, call.rank, call.world, True,
                                what="liveness check after a failure")
     except CommTimeoutError as exc:
-        return getattr(exc, "missing", [])
+        asked = known_context(exc)
+        return asked.missing if asked.asked else []
     except FiccoError:
         return []
     return []

@@ -75,10 +75,10 @@ def _moved_shape(a: Tensor, dim: int) -> tuple:
 
 
 #: restored_layout of the real kernels, whose shapes are ints: once per shape
-_layout = functools.lru_cache(maxsize=256)(restored_layout)
+cached_layout = functools.lru_cache(maxsize=256)(restored_layout)
 
 
-def _fresh(ts: Sequence[Tensor], layouts, inputs: Sequence[Tensor]) -> list[Tensor]:
+def fresh_outputs(ts: Sequence[Tensor], layouts, inputs: Sequence[Tensor]) -> list[Tensor]:
     """Each of ``ts`` in exactly its ``(shape, stride)`` of ``layouts``, sharing no memory
     with ``inputs`` or with an earlier one of ``ts`` (custom ops must return fresh tensors);
     copies only those that are not already so."""
@@ -133,7 +133,7 @@ def _run_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, schedule, ro
     return runtime.run(call, schedule)
 
 
-def _epilogue(a_scale, b_scales, biases, out_dtype, activation=None) -> dict:
+def epilogue_kwargs(a_scale, b_scales, biases, out_dtype, activation=None) -> dict:
     """The ops' optional fp8/bias/activation arguments as the op specs' keywords."""
     return {"a_scale": a_scale, "b_scale": None if b_scales is None else list(b_scales),
             "bias": None if biases is None else list(biases), "out_dtype": out_dtype,
@@ -146,14 +146,14 @@ def _epilogue(a_scale, b_scales, biases, out_dtype, activation=None) -> dict:
 # backward pass a call belongs to, which the ranks agree on (ficco.autograd passes it).
 # ``world`` and ``out_rows`` (last, see the module docstring): None only in calls written
 # before they existed, which run eagerly as before and are refused by the fake kernels.
-_EPILOGUE_SCHEMA = ("Tensor? a_scale=None, Tensor[]? b_scales=None, Tensor?[]? biases=None, "
+EPILOGUE_SCHEMA = ("Tensor? a_scale=None, Tensor[]? b_scales=None, Tensor?[]? biases=None, "
                     "ScalarType? out_dtype=None")
 
 
 @torch.library.custom_op(
     "ficco::all_gather_matmul", mutates_args=(),
     schema="(Tensor a, Tensor[] bs, str group, int gather_dim, str? schedule, "
-           f"bool return_gathered, {_EPILOGUE_SCHEMA}, str? activation=None, "
+           f"bool return_gathered, {EPILOGUE_SCHEMA}, str? activation=None, "
            f"str role=\"{FORWARD}\", int? world=None) -> (Tensor, Tensor[])")
 def all_gather_matmul_op(a: Tensor, bs: list[Tensor], group: str, gather_dim: int,
                          schedule: str | None, return_gathered: bool,
@@ -167,7 +167,7 @@ def all_gather_matmul_op(a: Tensor, bs: list[Tensor], group: str, gather_dim: in
     pg = by_name(group)
     epilogue = {} if (a_scale is None and b_scales is None and biases is None
                       and out_dtype is None and activation is None) else \
-        _epilogue(a_scale, b_scales, biases, out_dtype, activation)
+        epilogue_kwargs(a_scale, b_scales, biases, out_dtype, activation)
     out = _run_all_gather_matmul(a, list(bs), pg, gather_dim, schedule, return_gathered, role,
                                  world, **epilogue)
     gathered, outs = out if return_gathered else (None, out)
@@ -176,17 +176,17 @@ def all_gather_matmul_op(a: Tensor, bs: list[Tensor], group: str, gather_dim: in
         _, world = rank_world(pg)
     moved = _moved_shape(a, gather_dim)
     rows = world * moved[0]
-    layouts = [_layout(moved, gather_dim, rows, b.shape[1]) for b in bs]
+    layouts = [cached_layout(moved, gather_dim, rows, b.shape[1]) for b in bs]
     if not return_gathered:
-        return a.new_empty(0), _fresh(outs, layouts, [a, *bs])
+        return a.new_empty(0), fresh_outputs(outs, layouts, [a, *bs])
     assert gathered is not None   # the runtime returned (gathered, outs)
-    *outs, gathered = _fresh([*outs, gathered],
-                             [*layouts, _layout(moved, gather_dim, rows, a.shape[-1])], [a, *bs])
+    *outs, gathered = fresh_outputs([*outs, gathered],
+                             [*layouts, cached_layout(moved, gather_dim, rows, a.shape[-1])], [a, *bs])
     return gathered, outs
 
 
 # -- the fake kernels: shapes only, and the eager path's argument errors -------------------------
-def _errors_reach_the_caller(fake):
+def errors_reach_the_caller(fake):
     """A fake kernel whose ficco errors reach the caller as ficco errors under torch.compile.
 
     Dynamo runs fake kernels while it traces, and re-raises what they raise as its own
@@ -226,12 +226,12 @@ def _through_dynamo(exc: FiccoError) -> FiccoError:
 
 
 @all_gather_matmul_op.register_fake
-@_errors_reach_the_caller
+@errors_reach_the_caller
 def _(a, bs, group, gather_dim, schedule, return_gathered, a_scale=None, b_scales=None,
       biases=None, out_dtype=None, activation=None, role=FORWARD, world=None):
     gather_dim, bs, b_is_list = check_all_gather_matmul(a, bs, gather_dim)   # eager's words
     check_all_gather_epilogue(a, bs, b_is_list, gather_dim,
-                              **_epilogue(a_scale, b_scales, biases, out_dtype, activation))
+                              **epilogue_kwargs(a_scale, b_scales, biases, out_dtype, activation))
     world = world_arg("all_gather_matmul", group, world)
     moved = _moved_shape(a, gather_dim)
     rows = world * moved[0]
@@ -247,7 +247,7 @@ def _(a, bs, group, gather_dim, schedule, return_gathered, a_scale=None, b_scale
 @torch.library.custom_op(
     "ficco::matmul_reduce_scatter", mutates_args=(),
     schema="(Tensor a, Tensor[] bs, str group, int scatter_dim, str reduce_op, str? schedule, "
-           f"{_EPILOGUE_SCHEMA}, str role=\"{FORWARD}\", int? world=None, "
+           f"{EPILOGUE_SCHEMA}, str role=\"{FORWARD}\", int? world=None, "
            "SymInt? out_rows=None) -> Tensor[]")
 def matmul_reduce_scatter_op(a: Tensor, bs: list[Tensor], group: str, scatter_dim: int,
                              reduce_op: str, schedule: str | None,
@@ -259,22 +259,22 @@ def matmul_reduce_scatter_op(a: Tensor, bs: list[Tensor], group: str, scatter_di
     group's size, ``out_rows``: this rank's rows of the output along ``scatter_dim``."""
     pg = by_name(group)
     epilogue = {} if (a_scale is None and b_scales is None and biases is None
-                      and out_dtype is None) else _epilogue(a_scale, b_scales, biases, out_dtype)
+                      and out_dtype is None) else epilogue_kwargs(a_scale, b_scales, biases, out_dtype)
     outs = _run_matmul_reduce_scatter(a, list(bs), pg, scatter_dim, reduce_op, schedule, role,
                                       world, out_rows, **epilogue)
     scatter_dim %= a.dim()
     moved = _moved_shape(a, scatter_dim)
     rows = out_rows if out_rows is not None else scattered_rows(moved[0], *rank_world(pg))
-    return _fresh(outs, [_layout(moved, scatter_dim, rows, b.shape[1]) for b in bs], [a, *bs])
+    return fresh_outputs(outs, [cached_layout(moved, scatter_dim, rows, b.shape[1]) for b in bs], [a, *bs])
 
 
 @matmul_reduce_scatter_op.register_fake
-@_errors_reach_the_caller
+@errors_reach_the_caller
 def _(a, bs, group, scatter_dim, reduce_op, schedule, a_scale=None, b_scales=None, biases=None,
       out_dtype=None, role=FORWARD, world=None, out_rows=None):
     scatter_dim, bs, b_is_list = check_matmul_reduce_scatter(a, bs, scatter_dim, reduce_op)
     check_reduce_scatter_epilogue(a, bs, b_is_list, scatter_dim,
-                                  **_epilogue(a_scale, b_scales, biases, out_dtype))
+                                  **epilogue_kwargs(a_scale, b_scales, biases, out_dtype))
     moved = _moved_shape(a, scatter_dim)
     if world_arg("matmul_reduce_scatter", group, world) == 1:
         rows = moved[0]       # a world of one keeps every row
@@ -311,13 +311,13 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
     tensors on their 1-D mesh (ficco/dtensor.py)."""
     if return_gathered is not False and return_gathered is not True:
         return_gathered = check_flag(return_gathered, "return_gathered")   # or raise
-    a_shard, b, bs, b_is_list, group, plain, extra, tensors, dim = _front(
+    a_shard, b, bs, b_is_list, group, plain, extra, tensors, dim = front_end(
         "all_gather_matmul", a_shard, b, group, gather_dim, a_scale, b_scale, bias, out_dtype)
     # len(tensors) == len(bs): no epilogue tensor to look at (not `tensors is bs`: torch
     # 2.11's dynamo cannot trace `is` between two lists under fullgraph)
     if (dim is None or not (schedule is None or isinstance(schedule, str)) or extra is None
             or not (activation is None or isinstance(activation, str))
-            or _eager_suffices(a_shard, tensors, plain and len(tensors) == len(bs))):
+            or eager_suffices(a_shard, tensors, plain and len(tensors) == len(bs))):
         # No autograd, autocast, tracing or tensor subclass involved: the dispatcher would
         # add ~100 us of Python per call and change nothing.
         return _run_all_gather_matmul(a_shard, b, group, gather_dim, schedule, return_gathered,
@@ -349,11 +349,11 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
     if activation is not None:   # the eager path's validation refuses it, naming why
         return _run_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, schedule,
                                           activation=activation)
-    a, b, bs, b_is_list, group, plain, extra, tensors, dim = _front(
+    a, b, bs, b_is_list, group, plain, extra, tensors, dim = front_end(
         "matmul_reduce_scatter", a, b, group, scatter_dim, a_scale, b_scale, bias, out_dtype)
     if (dim is None or not isinstance(reduce_op, str) or extra is None
             or not (schedule is None or isinstance(schedule, str))
-            or _eager_suffices(a, tensors, plain and len(tensors) == len(bs))):
+            or eager_suffices(a, tensors, plain and len(tensors) == len(bs))):
         return _run_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, schedule,
                                           a_scale=a_scale, b_scale=b_scale,
                                           out_dtype=out_dtype, bias=bias)
@@ -370,7 +370,7 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
 _NO_EPILOGUE = (None, None, None, None)
 
 
-def _front(op: str, a, b, group, dim, a_scale, b_scale, bias, out_dtype):
+def front_end(op: str, a, b, group, dim, a_scale, b_scale, bias, out_dtype):
     """What both public front ends do first: ``b`` as a list, DTensor operands to their local
     tensors and mesh (plain tensors skip that: the hot path), the op's epilogue arguments
     (``extra``; ``tensors``: every tensor the dispatcher must look at) and ``dim`` as a plain
@@ -456,7 +456,7 @@ def _plain_int(value):
     return int(value)
 
 
-def _eager_suffices(a, bs, plain: bool = False) -> bool:
+def eager_suffices(a, bs, plain: bool = False) -> bool:
     """Whether the op's dispatcher would add nothing: no autograd, autocast, tracing or tensor
     subclass. ``plain``: ``a`` and every one of ``bs`` are known to be plain tensors."""
     if torch.compiler.is_compiling():

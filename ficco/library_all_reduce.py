@@ -21,13 +21,13 @@ from . import autograd, runtime
 from .call import FORWARD
 from .group import by_name, name_rank_world, world_arg, wrong_world
 from .library import (
-    _EPILOGUE_SCHEMA,
-    _eager_suffices,
-    _epilogue,
-    _errors_reach_the_caller,
-    _fresh,
-    _front,
-    _layout,
+    EPILOGUE_SCHEMA,
+    cached_layout,
+    eager_suffices,
+    epilogue_kwargs,
+    errors_reach_the_caller,
+    fresh_outputs,
+    front_end,
 )
 from .ops.matmul_all_reduce import SPEC, check_arguments, check_epilogue
 
@@ -48,26 +48,26 @@ def _run_matmul_all_reduce(a, b, group, reduce_op, schedule, role=FORWARD, world
 @torch.library.custom_op(
     "ficco::matmul_all_reduce", mutates_args=(),
     schema="(Tensor a, Tensor[] bs, str group, str reduce_op, str? schedule, "
-           f"{_EPILOGUE_SCHEMA}, str role=\"{FORWARD}\", int? world=None) -> Tensor[]")
+           f"{EPILOGUE_SCHEMA}, str role=\"{FORWARD}\", int? world=None) -> Tensor[]")
 def matmul_all_reduce_op(a: Tensor, bs: list[Tensor], group: str, reduce_op: str,
                          schedule: str | None, a_scale: Tensor | None = None, b_scales=None,
                          biases=None, out_dtype: torch.dtype | None = None,
                          role: str = FORWARD, world: int | None = None) -> list[Tensor]:
     """``[all_reduce(a @ b, reduce_op) (+ bias) for b in bs]``; ``world``: the group's size."""
     epilogue = {} if (a_scale is None and b_scales is None and biases is None
-                      and out_dtype is None) else _epilogue(a_scale, b_scales, biases, out_dtype)
+                      and out_dtype is None) else epilogue_kwargs(a_scale, b_scales, biases, out_dtype)
     outs = _run_matmul_all_reduce(a, list(bs), by_name(group), reduce_op, schedule, role, world,
                                   **epilogue)
     shape = tuple(a.shape)
-    return _fresh(outs, [_layout(shape, 0, shape[0], b.shape[1]) for b in bs], [a, *bs])
+    return fresh_outputs(outs, [cached_layout(shape, 0, shape[0], b.shape[1]) for b in bs], [a, *bs])
 
 
 @matmul_all_reduce_op.register_fake
-@_errors_reach_the_caller
+@errors_reach_the_caller
 def _(a, bs, group, reduce_op, schedule, a_scale=None, b_scales=None, biases=None,
       out_dtype=None, role=FORWARD, world=None):
     bs, b_is_list = check_arguments(a, bs, reduce_op)      # the eager path's words
-    check_epilogue(a, bs, b_is_list, **_epilogue(a_scale, b_scales, biases, out_dtype))
+    check_epilogue(a, bs, b_is_list, **epilogue_kwargs(a_scale, b_scales, biases, out_dtype))
     world_arg(_OP, group, world)
     return [a.new_empty((*a.shape[:-1], b.shape[1]), dtype=out_dtype or a.dtype) for b in bs]
 
@@ -76,11 +76,11 @@ def matmul_all_reduce(a, b, group=None, *, reduce_op="sum", schedule=None, a_sca
                       b_scale=None, out_dtype=None, bias=None):
     """``ficco.matmul_all_reduce`` through the ``ficco::matmul_all_reduce`` op. DTensor
     operands are taken as for the reduce-scatter (``a`` ``Shard(-1)``, ``b`` ``Shard(0)``)."""
-    a, b, bs, b_is_list, group, plain, extra, tensors, _ = _front(
+    a, b, bs, b_is_list, group, plain, extra, tensors, _ = front_end(
         _OP, a, b, group, 0, a_scale, b_scale, bias, out_dtype)
     if (not isinstance(reduce_op, str) or extra is None
             or not (schedule is None or isinstance(schedule, str))
-            or _eager_suffices(a, tensors, plain and len(tensors) == len(bs))):
+            or eager_suffices(a, tensors, plain and len(tensors) == len(bs))):
         return _run_matmul_all_reduce(a, b, group, reduce_op, schedule, a_scale=a_scale,
                                       b_scale=b_scale, out_dtype=out_dtype, bias=bias)
     if a_scale is not None and torch.is_grad_enabled():   # before any communication

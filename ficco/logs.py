@@ -5,6 +5,10 @@ times: records come from the process whose default-group rank is 0 (or a process
 process group) unless ``FICCO_LOG_RANKS=all``. Both settings are read per record, never at
 import.
 
+The application owns logging: ficco adds no handler that prints (only the ``NullHandler`` a
+library puts on its logger), so its records go wherever the application's handlers send them,
+e.g. ``logging.basicConfig(level=logging.INFO)`` with ``FICCO_LOG=info``.
+
 >>> import ficco.logs
 >>> ficco.logs.log.name
 'ficco'
@@ -19,14 +23,11 @@ log = logging.getLogger("ficco")
 
 
 def ready() -> logging.Logger:
-    """The logger, at ``FICCO_LOG``'s level, with a handler when nobody configured logging
-    (Python would drop INFO records without one)."""
+    """The logger, at ``FICCO_LOG``'s level (lowered to it, never raised)."""
     level = config.log_level()
     wanted = {"debug": logging.DEBUG, "info": logging.INFO}.get(level)
     if wanted is not None and log.getEffectiveLevel() > wanted:
         log.setLevel(wanted)
-    if not log.handlers and not logging.getLogger().handlers:
-        log.addHandler(logging.StreamHandler())
     return log
 
 
@@ -43,3 +44,5 @@ class _FromRankZero(logging.Filter):
 
 if not any(isinstance(f, _FromRankZero) for f in log.filters):
     log.addFilter(_FromRankZero())
+if not any(isinstance(h, logging.NullHandler) for h in log.handlers):
+    log.addHandler(logging.NullHandler())

@@ -281,6 +281,26 @@ class Wait:
     kind = "wait"
 
 
+# -- the gated schedules' arrival flags: one int32 word per (chunk, peer) of a call ---------
+#: a GatedGemm part that waits for no flag (this rank's own rows)
+NO_FLAG = -1
+
+
+def flag_index(problem: Problem, peer: int, chunk: int) -> int:
+    """Arrival flag of chunk ``chunk`` of ``peer``'s shard: ``chunk * W + peer``."""
+    return chunk * problem.world + peer
+
+
+def describe_flag(problem: Problem, flag: int) -> str:
+    """What arrival flag ``flag`` stands for, in error messages.
+
+    >>> describe_flag(Problem(m=8, k=8, ns=(4,), dtype="float32", world=4, rank=0), 6)
+    'chunk 1 of peer 2 (rank 0 waiting)'
+    """
+    chunk, peer = divmod(flag, problem.world)
+    return f"chunk {chunk} of peer {peer} (rank {problem.rank} waiting)"
+
+
 @dataclass(frozen=True)
 class Signal:
     """Stream-ordered write of 1 into arrival flag ``flag`` (a local int32 word of this call),
@@ -299,7 +319,7 @@ class GatedGemm:
     tiles walk ``segments`` in order; a segment ``(row0, rows, parts)`` covers rows
     ``[row0, row0+rows)`` of ``gathered`` and ``out[b]`` (this rank's own rows are read from
     ``input``) and accumulates each part ``(k0, kc, flag)`` once arrival flag ``flag`` is
-    raised (-1: no wait). It waits on flags, not events: the copies it reads run alongside."""
+    raised (``NO_FLAG``: no wait). It waits on flags, not events: the copies it reads run alongside."""
 
     queue: str
     segments: tuple[tuple[int, int, tuple[tuple[int, int, int], ...]], ...]
@@ -314,9 +334,9 @@ class GatedGemm:
 
 class HostOp:
     """Base of plan ops whose work is one host task sized at launch from the call's buffers
-    (``Buffers.expert``), for op families whose sizes are data: expert parallelism's routing
+    (``Buffers.task_state``), for op families whose sizes are data: expert parallelism's routing
     counts change every call, so its plans name (expert, source, chunk) and one plan serves
-    every routing (:mod:`ficco.expert`). Subclasses are frozen dataclasses with ``queue`` and
+    every routing (:mod:`ficco.plan_expert`). Subclasses are frozen dataclasses with ``queue`` and
     ``step``, a ``kind`` (the simulator prices kind ``x`` with ``_price_x``) and a static
     ``host_task(views, buffers, op) -> fn`` that the executor launches on the op's queue."""
 

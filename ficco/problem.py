@@ -29,7 +29,7 @@ import torch
 
 from .errors import InvalidArgumentError
 
-_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2,
+ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2,
              # fp8 operands (torch._scaled_mm): OCP forms (H100/H200/B200, MI355X) and the
              # fnuz forms of MI300X/MI325X
              "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1}
@@ -77,7 +77,7 @@ class DtypeFields:
 
     @cached_property      # read per op by the simulator: once per problem
     def itemsize(self) -> int:
-        return _ITEMSIZE[self.dtype]
+        return ITEMSIZE[self.dtype]
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -86,7 +86,7 @@ class DtypeFields:
     @property
     def out_itemsize(self) -> int:
         """Bytes of one output element (``out_dtype``, else ``dtype``)."""
-        return _ITEMSIZE[self.out_dtype or self.dtype]
+        return ITEMSIZE[self.out_dtype or self.dtype]
 
     @property
     def partial_itemsize(self) -> int:
@@ -165,9 +165,9 @@ class Problem(DtypeFields):
             raise InvalidArgumentError(
                 f"Problem needs 0 <= rank < world; got rank={self.rank}, world={self.world}")
         for name, value in (("dtype", self.dtype), ("out_dtype", self.out_dtype or "float32")):
-            if value not in _ITEMSIZE:
+            if value not in ITEMSIZE:
                 raise InvalidArgumentError(
-                    f"{name} {value!r} is not supported; use one of {sorted(_ITEMSIZE)}")
+                    f"{name} {value!r} is not supported; use one of {sorted(ITEMSIZE)}")
         if self.scaling not in SCALINGS or (self.scaling and self.itemsize != 1):
             # (an fp8 Problem without scaling prices like one: calls always set it)
             raise InvalidArgumentError(

@@ -23,7 +23,7 @@ from .call import Call
 from .call import settings as read_settings
 from .compiler import compile_plan
 from .config import TRANSPORT_SETTINGS
-from .errors import ConfigError, InvalidArgumentError, MismatchError
+from .errors import ConfigError, InvalidArgumentError, MismatchError, known_context
 from .executor import execute as execute_plan
 from .group import resolve
 from .problem import EXACT_ROWS, Problem
@@ -306,7 +306,7 @@ def _described(call: Call, exc: BaseException, number: int, digest: int | None
     """A barrier's MismatchError (it knows only the peers' call flags) with the calls those
     flags stand for, as this rank agreed them (their op, role, shapes and call number), and
     this rank's call (``digest``)."""
-    flags = getattr(exc, "flags", None)
+    flags = known_context(exc).flags
     if not flags:
         return exc
 

@@ -342,7 +342,7 @@ def gemm_into(a, b, out, accumulate: bool, a_scale=None, b_scale=None, bias=None
         out.copy_(wide)
         return
     if a_scale is None:
-        _plain(a, b, out, accumulate, bias)
+        gemm_into_view(a, b, out, accumulate, bias)
     elif a.dim() == 3:
         row = a_scale.dim() == 3
         for i in range(a.shape[0]):
@@ -353,8 +353,24 @@ def gemm_into(a, b, out, accumulate: bool, a_scale=None, b_scale=None, bias=None
         activate(out, activation)
 
 
-def _plain(a, b, out, accumulate, bias):
-    if out.dtype != a.dtype:   # a float32 output of bf16/fp16 operands: no rounding inside
+def gemm_into_view(a, b, out, accumulate: bool = False, bias=None) -> None:
+    """``out (+)= a @ b`` (``+ bias`` when not accumulating), written into ``out`` in place:
+    the one plain GEMM of ficco's host-side work (the CPU backend's GEMMs, the epilogue and
+    expert host tasks). ``a`` and ``out`` are 2-D, or 3-D views of equally spaced row blocks
+    (``b`` broadcast over the batch, nothing copied). A wider ``out`` (float32 for bf16/fp16
+    operands) takes the product unrounded: partial sums add up in float32, the caller rounds
+    once.
+
+    >>> a, b, out = torch.ones(2, 3), torch.ones(3, 4), torch.zeros(2, 4)
+    >>> gemm_into_view(a, b, out); gemm_into_view(a, b, out, accumulate=True); out[0, 0].item()
+    6.0
+    """
+    if out.dtype != a.dtype:
+        if a.device.type == "cuda" and a.dim() == 2 and bias is None:
+            # (ROCm too) the low-precision GEMM with a float32 result: no float32 copies
+            product = torch.mm(a, b, out_dtype=out.dtype)
+            out.add_(product) if accumulate else out.copy_(product)
+            return
         a, b = a.to(out.dtype), b.to(out.dtype)
     if a.dim() == 3:
         b = b.expand(a.shape[0], *b.shape)

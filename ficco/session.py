@@ -70,7 +70,10 @@ class Channel:
 
     def _start(self) -> None:
         self.epoch: str | None = None
-        self.sequence = 0                   # exchanges made in this epoch
+        #: the numbers of this rank's exchanges in this epoch (``next`` on a count: thread-safe,
+        #: so the warm ccl check takes no lock); ``sequence``, the last one taken
+        self.exchanges = itertools.count(1)
+        self.sequence = 0
         self.agreed: dict = {}              # digest -> ficco.agreement.Agreed
         self.processes: tuple | None = None  # every rank's Process, as the last agreement saw
         #: the numbers of this rank's calls (``next`` on a count: thread-safe); ``number``,
@@ -83,6 +86,19 @@ class Channel:
         """The number of the call this rank starts now."""
         self.number = number = next(self.numbers)
         return number
+
+    def next_exchange(self) -> int:
+        """The number of the exchange this rank makes now in this epoch (a session's calls
+        run one at a time, so ``sequence`` is never set back by an earlier taker)."""
+        self.sequence = sequence = next(self.exchanges)
+        return sequence
+
+    def joined(self, epoch: str) -> None:
+        """This rank joined ``epoch``: its exchanges count from 1 again."""
+        with self.lock:
+            self.epoch = self.last = epoch
+            self.exchanges = itertools.count(1)
+            self.sequence = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -468,7 +468,7 @@ def slow_grouped_gemms(rank, world, seed, schedule, transport):
     float64 ("ok", err) or what was raised."""
     import time
 
-    from ficco.expert import tasks
+    from ficco import host_tasks_expert as tasks
 
     counts, xs, w, w2 = make_case(seed, world, 1)
     local = slice(rank, rank + 1)

@@ -271,11 +271,11 @@ def test_tensor_at_refuses_a_copy_and_falls_back_to_a_real_view(monkeypatch):
     memory = torch.arange(64, dtype=torch.uint8)
     address = memory.data_ptr()
     # A torch that infers the device from the pointer: as_tensor copies.
-    monkeypatch.setattr(dev, "_wrap_interface", lambda a, n, d: memory.clone())
-    monkeypatch.setattr(dev, "_wrap_storage", lambda a, n, d: memory)
+    monkeypatch.setattr(dev, "wrap_interface", lambda a, n, d: memory.clone())
+    monkeypatch.setattr(dev, "wrap_storage", lambda a, n, d: memory)
     got = dev.tensor_at(address, 64, torch.device("cpu"))
     assert got.data_ptr() == address
-    monkeypatch.setattr(dev, "_wrap_storage", lambda a, n, d: memory.clone())
+    monkeypatch.setattr(dev, "wrap_storage", lambda a, n, d: memory.clone())
     with pytest.raises(BackendCallError, match="without a copy"):
         dev.tensor_at(address, 64, torch.device("cpu"))
     assert dev.is_view_of(memory, address, torch.device("cpu"))
@@ -478,7 +478,7 @@ def test_eager_barrier_records_arrival_then_program_then_done(monkeypatch):
     program = flag_program(handle, 0)
     deadline = Deadline(0, 0, 2, 5.0, 1, tuple(op for op in program if op.kind == "wait"))
     fake = Fake()
-    GpuBackend._enqueue_signals(fake, Queue(), program, deadline)
+    GpuBackend.enqueue_signals(fake, Queue(), program, deadline)
     assert log == [("record", "arrived", 0x77), ("mem_ops", 24, 0x77, False),
                    ("record", "done", 0x77)]
     (item,) = fake._watchdog.watched

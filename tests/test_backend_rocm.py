@@ -245,7 +245,7 @@ def test_rocm_refuses_to_capture_a_cross_rank_barrier(monkeypatch):
 
     class Fake:
         name, captures_signals = "rocm", False
-        _capture_refusal = RocmBackend._capture_refusal
+        capture_refusal = RocmBackend.capture_refusal
 
         def _raise_died(self):
             pass
@@ -256,7 +256,7 @@ def test_rocm_refuses_to_capture_a_cross_rank_barrier(monkeypatch):
         RocmBackend.before_dma(Fake(), None)
     # ... and, should a barrier still come under capture, refused there too
     with pytest.raises(InvalidArgumentError, match="cannot capture cross-rank barriers"):
-        RocmBackend._enqueue_signals(Fake(), None, (), Deadline(0, 0, 0, 1.0, 1))
+        RocmBackend.enqueue_signals(Fake(), None, (), Deadline(0, 0, 0, 1.0, 1))
 
 
 def test_host_pad_registration_calls():

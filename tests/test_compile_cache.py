@@ -150,7 +150,7 @@ def test_fake_kernels_read_sizes_only_from_their_arguments():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    import ficco.expert.library  # noqa: F401 - registers the expert ops
+    import ficco.library_expert  # noqa: F401 - registers the expert ops
     from ficco.errors import InvalidArgumentError
 
     ops = torch.ops.ficco

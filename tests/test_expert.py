@@ -16,7 +16,9 @@ import torch
 import ficco
 from ficco import schedules
 from ficco.errors import InvalidArgumentError
-from ficco.expert.problem import (
+from ficco.heuristics import profiles, simulator
+from ficco.plan import Barrier
+from ficco.problem_expert import (
     COMBINE,
     DISPATCH,
     ExpertProblem,
@@ -25,8 +27,6 @@ from ficco.expert.problem import (
     representative,
     summary,
 )
-from ficco.heuristics import profiles, simulator
-from ficco.plan import Barrier
 
 from . import ep_cases, harness
 from .ep_cases import (
@@ -212,7 +212,7 @@ def test_grouped_mm_and_gemm_loop_paths_agree_with_reference():
 
 
 def test_grouped_mm_takes_aligned_chunks_of_the_stacked_weights():
-    from ficco.expert.tasks import grouped_view_runs
+    from ficco.host_tasks_expert import grouped_view_runs
 
     stacked = torch.randn(2, 72, 40)
     assert grouped_view_runs(stacked) and grouped_view_runs(stacked[:, 24:48])
@@ -230,7 +230,7 @@ def test_float16_and_float64_too():
 def test_custom_ops_pass_torchs_opcheck():
     """Schema, autograd registration, fake kernels (data-dependent rows) and AOT dispatch with
     dynamic shapes, on one rank."""
-    import ficco.expert.library  # noqa: F401 - registers the ops
+    import ficco.library_expert  # noqa: F401 - registers the ops
 
     x, ws = torch.randn(5, 16), [torch.randn(16, 8), torch.randn(16, 8)]
     report = torch.library.opcheck(torch.ops.ficco.all_to_all_grouped_mm.default,

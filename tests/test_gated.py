@@ -11,9 +11,9 @@ import ficco
 from ficco import kernels, schedules
 from ficco.errors import InvalidArgumentError
 from ficco.heuristics import choose, profiles, simulator
-from ficco.plan import Copy, GatedGemm, Signal
+from ficco.plan import Copy, GatedGemm, Signal, flag_index
 from ficco.problem import Problem, even_split
-from ficco.schedules.gated import Gated, flag_index
+from ficco.schedules.gated import Gated
 
 from . import harness
 from .reference import ROW_TOL, make_inputs, max_row_rel_err

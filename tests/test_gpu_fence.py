@@ -43,7 +43,7 @@ def test_raised_word_turns_every_output_element_into_nan(dtype, triton_kernel, m
     monkeypatch.setattr(gpu_fence, "MAX_PROGRAMS", 2)
     monkeypatch.setattr(gpu_fence, "BLOCK", 64)
     if not triton_kernel:                       # no Triton: the torch fallback
-        monkeypatch.setattr(gpu_fence, "_kernel", lambda kind: None)
+        monkeypatch.setattr(gpu_fence, "fence_kernel", lambda kind: None)
     word = torch.zeros(1, dtype=torch.int32)
     outs = _outputs(dtype, random.randrange(1 << 30))
     strided = torch.randn(30, 20, dtype=torch.float64).to(dtype)[:, ::3]   # not contiguous

@@ -32,7 +32,7 @@ def _fence(target):
 
     sig = {"out_ptr": "*fp32", "numel": "i32", "err_ptr": "*i32", "BLOCK": "constexpr",
            "AMD": "constexpr"}
-    return _compile(gpu_fence._kernel("cuda"), target, sig,
+    return _compile(gpu_fence.fence_kernel("cuda"), target, sig,
                     {"BLOCK": 1024, "AMD": target.startswith("rocm")})
 
 

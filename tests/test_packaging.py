@@ -65,7 +65,7 @@ def test_cuda_backend_start_checks_the_binding_major(monkeypatch):
 
     monkeypatch.setattr(torch.version, "cuda", "12.6")
     monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setattr(cuda, "_bindings_version", lambda: "13.4.4")
+    monkeypatch.setattr(cuda, "installed_bindings_version", lambda: "13.4.4")
     reason = cuda.CudaBackend.unavailable_reason()
     assert reason is not None and "ficco[cuda12]" in reason, reason
 

@@ -287,10 +287,10 @@ def _local_gemm_fails(rank, world, seed, schedule, transport, where):
 
     from .cases import fail_next_gemm
 
-    real = cpu.gemm_into
+    real = cpu.gemm_into_view
 
     def broken(*args):
-        cpu.gemm_into = real
+        cpu.gemm_into_view = real
         raise RuntimeError("injected GEMM failure")
 
     shards, bs, _, _ = make_inputs(seed, world, (8, 16), (4,), torch.float32)
@@ -298,13 +298,13 @@ def _local_gemm_fails(rank, world, seed, schedule, transport, where):
         ficco.all_gather_matmul(shards[rank], bs[0], schedule=schedule)   # agreed, warm
         restore = lambda: None
         if rank == 1 and where == "queue":
-            cpu.gemm_into = broken
+            cpu.gemm_into_view = broken
         elif rank == 1:
             restore = fail_next_gemm(get_backend())
         outcome = _outcome(lambda: ficco.all_gather_matmul(shards[rank], bs[0],
                                                            schedule=schedule))
         restore()
-        cpu.gemm_into = real
+        cpu.gemm_into_view = real
     ficco.shutdown()
     return outcome
 
@@ -331,7 +331,7 @@ def _slow_gemms(rank, world, seed, transport):
     for a GEMM of another rank longer than its own, so nothing may time out."""
     from ficco.backends import cpu
 
-    real = cpu.gemm_into
+    real = cpu.gemm_into_view
 
     def slow(*args):
         time.sleep(1.5)
@@ -341,14 +341,14 @@ def _slow_gemms(rank, world, seed, transport):
     out = []
     with ficco.config.scope(transport=transport):
         ficco.all_gather_matmul(shards[rank], bs[0], schedule="hetero-fused-1d")   # agreed
-        cpu.gemm_into = slow
+        cpu.gemm_into_view = slow
         try:
             with ficco.config.scope(timeout=0.5):
                 out.append(_outcome(lambda: max_row_rel_err(
                     ficco.all_gather_matmul(shards[rank], bs[0], schedule="hetero-fused-1d"),
                     refs[0])))
         finally:
-            cpu.gemm_into = real
+            cpu.gemm_into_view = real
         out.append(_outcome(lambda: max_row_rel_err(
             ficco.all_gather_matmul(shards[rank], bs[0], schedule="hetero-fused-1d"), refs[0])))
     ficco.shutdown()

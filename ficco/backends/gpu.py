@@ -29,7 +29,7 @@ from .base import Backend
 from .gpu_fence import poison_if_raised
 from .gpu_rescue import Rescue
 from .gpu_watchdog import PendingBarrier, Watchdog
-from .vendor import Copy2D, Vendor, _nothing, copy_call_args
+from .vendor import Copy2D, Vendor, copy_call_args, copy_nothing
 
 
 # -- the backend ---------------------------------------------------------------------------------
@@ -72,8 +72,8 @@ class GpuBackend(Backend):
         self._comm_stream: torch.cuda.Stream | None = None
         self._side_stream: torch.cuda.Stream | None = None
         self._provider = AutoSymmProvider(self)
-        # Failures of a group live with the group (its workspace's GroupFault, issue 25 item
-        # 5); only the watchdog's own death concerns every group.
+        # Failures of a group live with the group (its workspace's GroupFault);
+        # only the watchdog's own death concerns every group.
         self._died: FiccoError | None = None
         self._watchdog = Watchdog(Rescue(self._device, self.vendor, self.bind_thread,
                                          self._watchdog_died))
@@ -224,7 +224,7 @@ class GpuBackend(Backend):
         per bound plan while the views' addresses hold)."""
         args = copy_call_args(dst, src, two_d)
         if args is None:
-            return _nothing
+            return copy_nothing
         if type(args) is Copy2D:
             copy_2d = self.vendor.copy_2d
             return lambda queue: copy_2d(args, queue.cuda_stream)
@@ -281,12 +281,12 @@ class GpuBackend(Backend):
         self.signal_batch(queue, (op,), deadline)
 
     def signal_batch(self, queue, ops, deadline):
-        self._enqueue_signals(queue, ops, deadline)
+        self.enqueue_signals(queue, ops, deadline)
 
-    def _enqueue_signals(self, queue, ops, deadline: Deadline | None):
+    def enqueue_signals(self, queue, ops, deadline: Deadline | None):
         capturing = torch.cuda.is_current_stream_capturing()
         if capturing and not self.captures_signals:
-            raise self._capture_refusal()    # before_dma refuses earlier; never mid-capture
+            raise self.capture_refusal()    # before_dma refuses earlier; never mid-capture
         if capturing:
             # Graphs are replayed without a host watching them; the runtime must keep this
             # memory alive while such a graph exists.
@@ -310,7 +310,7 @@ class GpuBackend(Backend):
     def signal_now(self, ops, deadline):
         """Host barrier: the program runs on a private stream; the host waits for it."""
         self._raise_died()
-        item = self._enqueue_signals(self._side(), ops, deadline)
+        item = self.enqueue_signals(self._side(), ops, deadline)
         if item is not None:
             self._watchdog.wait_done(item)
         self._raise_died()
@@ -319,7 +319,7 @@ class GpuBackend(Backend):
             error = self._take(deadline.handle) if deadline.handle is not None else None
             raise error if error is not None else deadline.error([])
 
-    def _capture_refusal(self) -> InvalidArgumentError:
+    def capture_refusal(self) -> InvalidArgumentError:
         return InvalidArgumentError(
             f"the {self.name} backend cannot capture cross-rank barriers into a graph (its "
             f"stream memory operations are not captured, so a replay would run without "
@@ -330,15 +330,15 @@ class GpuBackend(Backend):
     def before_dma(self, symm, nbytes: int = 0) -> None:
         """Start of a dma call, before it allocates or enqueues anything: refuse a graph
         capture this backend cannot replay (HIP: refusing later would break the caller's
-        capture, issue 25 item 7) or one during which the group's workspace must be
-        allocated or grown to ``nbytes`` (issue 33 M4), then raise what the group still owes:
-        the error of an earlier call's released barrier or of a gated GEMM that gave up
-        (issue 25 item 5). ``symm`` is the group's workspace, None before its first
+        capture) or one during which the group's workspace must be
+        allocated or grown to ``nbytes``, then raise what the group still owes:
+        the error of an earlier call's released barrier or of a gated GEMM that gave up.
+        ``symm`` is the group's workspace, None before its first
         allocation."""
         self._raise_died()
         if torch.cuda.is_current_stream_capturing():
             if not self.captures_signals:
-                raise self._capture_refusal()
+                raise self.capture_refusal()
             if symm is None or symm.nbytes < nbytes:
                 # Allocating synchronizes the device, frees the old workspace and maps
                 # peers' memory: each of these ends the caller's capture with an opaque

@@ -1,5 +1,4 @@
-"""What an eager GPU call hands back when one of its barriers never completed by itself
-(issue 15 item 4; issue 13 on GPUs).
+"""What an eager GPU call hands back when one of its barriers never completed by itself.
 
 An eager GPU call returns as soon as its work is *enqueued*; its barriers complete later, on
 the GPU. When a peer is dead, stuck or making another call, the barrier watchdog
@@ -39,7 +38,7 @@ BLOCK = 1024
 
 
 @functools.cache
-def _kernel(device_kind: str):
+def fence_kernel(device_kind: str):
     """The fence kernel: compiled for GPUs, interpreted on CPU (tests); None without a Triton
     in the range ficco's kernels were checked against (:func:`ficco.kernels.triton_reason`)."""
     from ..kernels import triton_reason
@@ -69,7 +68,7 @@ def poison_if_raised(outputs, word: torch.Tensor) -> None:
     >>> word[0] = 1; poison_if_raised([out], word); bool(out.isnan().all())
     True
     """
-    kernel = _kernel(word.device.type)
+    kernel = fence_kernel(word.device.type)
     for out in outputs:
         if out is None or out.numel() == 0:
             continue

@@ -1,5 +1,5 @@
 """How the barrier watchdog (:mod:`ficco.backends.gpu_watchdog`) reaches a GPU's signal pads
-without ever blocking on a stream (issue 25 item 2).
+without ever blocking on a stream.
 
 A stream stuck in a barrier wait blocks every stream that shares its hardware queue
 (``CUDA_DEVICE_MAX_CONNECTIONS=1`` always; otherwise whenever streams outnumber the queues,

@@ -10,21 +10,21 @@ watches every barrier still pending:
   the stream;
 - once a group has failed on this rank (its word raised by this rank or by a peer that gave
   up), every later barrier of that group is released as soon as its stream reaches it, with no
-  deadline of its own: a dead peer costs one FICCO_TIMEOUT, not one per queued barrier
-  (issue 25 item 3); gated GEMMs of the group stop too (they poll the same word); a word a
+  deadline of its own: a dead peer costs one FICCO_TIMEOUT, not one per queued barrier;
+  gated GEMMs of the group stop too (they poll the same word); a word a
   gated GEMM of this rank raised (it waited its own deadline) expires the barrier instead, so
-  the peers' words are raised as at any deadline (issue 33 W1);
+  the peers' words are raised as at any deadline;
 - a flag-mode barrier still waiting is *peeked* now and then (5 ms after the stream reached
   it, then at doubling gaps up to 0.5 s): a slot holding another call's flag means a peer is
   making a different call, which no wait will ever fix, so the barrier is expired at once
   with the MismatchError of :mod:`ficco.symm_mem.barrier` instead of at its deadline;
 - the thread never blocks on a stream: it reads slots and writes them through a
   :class:`WatchdogPort` that promises as much (host loads and stores on host-mapped pads), so
-  a stream stuck in front of a shared hardware queue cannot stop it (issue 25 item 2);
+  a stream stuck in front of a shared hardware queue cannot stop it;
 - if the thread itself dies, that error is surfaced, never swallowed.
 
-The watchdog knows the GPU backend only through :class:`WatchdogPort` (issue 30: no import
-of :mod:`ficco.backends.gpu`). Events are plain (no timing) and recycled once their barrier
+The watchdog knows the GPU backend only through :class:`WatchdogPort` (no import of
+:mod:`ficco.backends.gpu`). Events are plain (no timing) and recycled once their barrier
 completed.
 """
 from __future__ import annotations
@@ -159,7 +159,7 @@ class Watchdog:
         deadline.start(now)
         fault = deadline.handle.fault if deadline.handle is not None else None
         if fault is not None and fault.kernel_gave_up():
-            # A gated GEMM of this rank waited its deadline for a peer's rows (issue 33 W1):
+            # A gated GEMM of this rank waited its deadline for a peer's rows:
             # the peers this barrier waits for are late; give up on them as at a deadline.
             item.how = "expired"
             self._expire(item, fault)

@@ -201,5 +201,5 @@ def copy_call_args(dst: torch.Tensor, src: torch.Tensor, two_d: bool = False):
     return (dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
 
 
-def _nothing(queue) -> None:
+def copy_nothing(queue) -> None:
     """A prepared copy of an empty block."""

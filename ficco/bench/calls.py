@@ -6,8 +6,8 @@ CPU ranks (gloo, the cpu backend), makes each case's call ``--warmup`` times, th
 ``--calls`` more with cProfile, which records only the thread that enabled it: the caller's.
 Per warm call it reports
 
-- ``ficco calls``: function calls whose code lives in the ``ficco`` package (the budget of
-  issue 24 item 5 is 150);
+- ``ficco calls``: function calls whose code lives in the ``ficco`` package
+  (tests/test_state.py holds both dense ops to 70 per warm call);
 - ``all calls``: every profiled call (torch's Python included, C functions too);
 - ``json.dumps`` / ``pickle``: serialisations (a warm call should make none).
 

@@ -35,7 +35,7 @@ from . import calibrate, results
 from .cli import progress_bar, require_plots, run_dir
 from .fit import fit_profile, gemm_rates
 from .scenarios import Scenario, paper
-from .timing import Timer, _cover, backend_for_characterize
+from .timing import Timer, backend_for_characterize, noise_repeats
 
 EXAMPLES = """\
   python -m ficco.bench characterize                 # sizes that fit the device (CPU: quick)
@@ -313,9 +313,9 @@ def measure_cil(timer: Timer, st: Settings, dtype: torch.dtype, device, progress
         mt = (piece.big_m * piece.k + piece.k * piece.n + piece.big_m * piece.n) * a.element_size()
         gemm_alone = timer.alone(timer.compute, gemm, st.warmup, st.repeat)
         gemm_beside = timer.beside(timer.compute, gemm, timer.copies, noise_copy,
-                                   _cover(gemm_alone, copy_s), st.repeat)
+                                   noise_repeats(gemm_alone, copy_s), st.repeat)
         copy_beside = timer.beside(timer.copies[0], noise_copy, [timer.compute], gemm,
-                                   _cover(copy_s, gemm_alone), st.repeat)
+                                   noise_repeats(copy_s, gemm_alone), st.repeat)
         common = {"schema": results.CHARACTERIZE_SCHEMA, "kind": "cil", "gemm": g.name,
                       "M": piece.big_m, "N": piece.n, "K": piece.k, "mt_bytes": mt,
                       "copy_bytes": st.noise_copy_bytes, "copy_queues": len(timer.copies)}

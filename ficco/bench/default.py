@@ -1,6 +1,6 @@
 """``python -m ficco.bench default``: is the default choice ever slower than doing nothing?
 
-Issue 34's promise, checked on CPU ranks: with no settings (the default selector, ``auto``),
+ficco's promise, checked on CPU ranks: with no settings (the default selector, ``auto``),
 across a tiny, a GEMM-bound and a copy-bound shape of every op, the default choice is never
 more than 10% slower than the better serial (plain collective + GEMM over either transport)
 measured in the same run. This verb spawns ``--world`` CPU ranks (gloo, the cpu backend) and,

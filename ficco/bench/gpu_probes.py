@@ -1,5 +1,4 @@
-"""GPU-only parts of ``characterize`` (``--parts paths,enqueue``), formerly the standalone
-``bench/gpu_measure.py``:
+"""GPU-only parts of ``characterize`` (``--parts paths,enqueue``):
 
 - ``paths``: bandwidth of each way to copy a block on one GPU (the backend's 1D and 2D DMA
   copies, torch's ``copy_`` and a copy done by an SM kernel) and which device activity each

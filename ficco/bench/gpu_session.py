@@ -2,7 +2,7 @@
 lent GPU that no other verb does: several ranks as processes sharing one GPU (gloo group, IPC
 symmetric memory), each part writing JSON lines and a short table. (Correctness of every
 schedule is ``python -m ficco selftest``'s; the ``check`` part that did it here could not
-survive one failing schedule, issue 33 H2.)
+survive one failing schedule.)
 
 - ``host``: host time of one warm call end to end (``ficco.all_gather_matmul`` /
   ``matmul_reduce_scatter`` entry to return, i.e. dispatch, runtime, executor and the fence's

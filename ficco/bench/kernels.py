@@ -1,5 +1,5 @@
-"""Benchmarks of the gated GEMM alone: ``python -m ficco.bench kernels <what>`` (until issue 30,
-``python -m ficco.kernels.bench``; the kernels package no longer reaches up into the API).
+"""Benchmarks of the gated GEMM alone: ``python -m ficco.bench kernels <what>`` (here, not in
+``ficco.kernels``: the kernels package never reaches up into the API).
 
 ``kernel`` (needs a GPU): the gated GEMM with every arrival flag preset, against
 ``torch.matmul`` on the same device, for Table I layer shapes at per-rank TP sizes (``M``
@@ -183,7 +183,7 @@ def _timeline_rank(rank, world, init_file, args, env):
             scenario = Scenario("shape", world * m, n, k)
             ns = argparse.Namespace(profile=args.profile, out=args.out, schedule=args.schedule,
                                     rank="all", no_plots=args.no_plots, transport="dma")
-            timeline._write(ns, scenario, plan, everyone, backend, device, world)
+            timeline.write_timeline(ns, scenario, plan, everyone, backend, device, world)
         dist.barrier()
         return err
     finally:

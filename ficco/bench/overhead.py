@@ -1,5 +1,5 @@
 """``python -m ficco.bench overhead``: host time to enqueue one W = 8 call, per op and
-schedule (issue 18's table).
+schedule.
 
 Two ops, every schedule, rank 3 of 8 (null backend) or rank 0 of a pretend 8-rank group on one
 GPU (``--gpu``). Shapes, bfloat16: ``all_gather_matmul`` m=1024 rows per rank, K=8192, n=8192
@@ -175,8 +175,8 @@ class StubHandle:
 
 
 class OldContract:
-    """``backend`` as executors before issue 30 called it (``--compare`` with such a
-    revision): also through ``backend.barrier``, which today's executor no longer needs (it
+    """``backend`` as older executors called it (``--compare`` with such a
+    revision): also through ``backend.barrier``, which the executor does not need (it
     runs the barrier protocol itself)."""
 
     def __init__(self, backend):

@@ -163,7 +163,7 @@ def main(args) -> int:
         everyone = [None] * world
         dist.all_gather_object(everyone, {"rows": rows, "max_abs_err": max_abs_err})
         if rank == 0:
-            _write(args, scenario, plan, everyone, backend, device, world)
+            write_timeline(args, scenario, plan, everyone, backend, device, world)
         dist.barrier()
         return 0
     problem = scenario.problem(world, rank, dtype)
@@ -197,12 +197,12 @@ def main(args) -> int:
     dist.all_gather_object(everyone, {"rows": rows, "max_abs_err": max_abs_err,
                                       "chunks": summary})
     if rank == 0:
-        _write(args, scenario, plan, everyone, backend, device, world)
+        write_timeline(args, scenario, plan, everyone, backend, device, world)
     dist.barrier()
     return 0
 
 
-def _write(args, scenario, plan, everyone, backend, device, world) -> None:
+def write_timeline(args, scenario, plan, everyone, backend, device, world) -> None:
     from ..heuristics import profiles, simulator
     from .gantt import chrome_trace, draw_panels
 

@@ -58,7 +58,7 @@ def backend_for_characterize():
     return get_backend()
 
 
-def _cover(victim_s: float, noise_s: float) -> int:
+def noise_repeats(victim_s: float, noise_s: float) -> int:
     """Noise repetitions that outlast the victim by half again (capped: a tiny noise op
     against a long victim would otherwise queue thousands)."""
     return max(2, min(256, math.ceil(1.5 * victim_s / max(noise_s, 1e-9)) + 1))

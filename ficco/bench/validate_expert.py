@@ -26,10 +26,10 @@ from __future__ import annotations
 import dataclasses
 
 from .. import schedules
-from ..expert.problem import DISPATCH, ExpertProblem, representative
 from ..heuristics import model, profiles
 from ..heuristics.paper import paper_choice
 from ..heuristics.scenarios import PAPER_TABLE_I, table_i_problem
+from ..problem_expert import DISPATCH, ExpertProblem, representative
 
 EXPERT_GEMMS = ("g13", "g14", "g15", "g16")
 #: the paper's four schedules (its rule picks among them, §VI-C)

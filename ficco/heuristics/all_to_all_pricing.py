@@ -1,8 +1,8 @@
-"""Prices of the expert-parallel plan ops (:mod:`ficco.expert.plan_ops`) for the simulator.
+"""Prices of the expert-parallel plan ops (:mod:`ficco.plan_expert`) for the simulator.
 
 Their plans name work by (source rank, chunk); the sizes come from the plan's problem, whose
 counts are the routing being priced (for a decision: the representative of the call's bucketed
-routing, :class:`~ficco.expert.problem.ExpertProblem`). Each op is priced with the simulator's
+routing, :class:`~ficco.problem_expert.ExpertProblem`). Each op is priced with the simulator's
 own primitives, so expert parallelism shares every profile number with the other ops:
 
 - a pull of one peer's chunk (one copy per local expert) is one DMA copy on that peer's link,
@@ -22,7 +22,7 @@ contention function, so this module depends on neither.
 """
 from __future__ import annotations
 
-from ..expert.problem import DISPATCH, piece_of
+from ..problem_expert import DISPATCH, piece_of
 from . import gemm as gemm_cost
 
 

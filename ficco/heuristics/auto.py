@@ -46,8 +46,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from .. import config, logs, schedules
-from ..expert.problem import bucket
 from ..problem import Problem
+from ..problem_expert import bucket
 from . import measured, sku
 from .decision import Decision
 from .measured import Candidate, Live, ficco_version

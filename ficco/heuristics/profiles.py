@@ -405,7 +405,7 @@ def resolve(target: str = "cpu") -> Profile:
         profile = replace(profile, copy_2d_on_dma=False)
     queues = config.hardware_queues(target.split(":")[0])
     if queues is not None and queues != profile.hardware_queues:
-        # CUDA_DEVICE_MAX_CONNECTIONS / GPU_MAX_HW_QUEUES, as the process runs (issue 25 item 4)
+        # CUDA_DEVICE_MAX_CONNECTIONS / GPU_MAX_HW_QUEUES, as the process runs
         profile = replace(profile, hardware_queues=queues)
     return profile
 

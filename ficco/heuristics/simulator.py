@@ -36,7 +36,7 @@ Cost model (every number from :class:`~ficco.heuristics.profiles.Profile`):
   Megatron's sequence parallelism sets): every stream feeds one queue, so ops are dispatched
   in the host's issue order, an op whose stream is still busy holds back every op issued
   after it, a barrier blocks every queue until it passes, and copies run one at a time (the
-  per-peer pulls serialise). Issue 25 item 4.
+  per-peer pulls serialise).
 - Host launch: op i of the plan (events included) is enqueued at ``(i + 1) x host_op_s``
   and cannot start earlier; eager calls of plans with hundreds of ops are launch bound when
   the GEMM is small (set ``host_op_s`` to 0 in a profile for CUDA-graph replays). Each profile

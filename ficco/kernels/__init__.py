@@ -18,11 +18,11 @@ import importlib.util
 MIN_TRITON = (3, 4)
 #: The newest Triton whose code generation for the words another agent changes was checked
 #: (``tests/test_kernel_words.py``: volatile or ``.cv`` loads, write-through stores on sm_90,
-#: gfx90a, gfx942; checked on 3.6 and 3.9, issue 33 W3). A newer one is refused until the
+#: gfx90a, gfx942; checked on 3.6 and 3.9). A newer one is refused until the
 #: test passed on it: a plain load there would let a kernel miss its group's failure.
 MAX_TRITON = (3, 9)
 #: ... and the oldest whose interpreter (CPU) runs them: Triton 3.6's rejects the persistent
-#: loop over tiles (``range(pid, tiles, programs)``) and the fence's loads (issue 33 M9).
+#: loop over tiles (``range(pid, tiles, programs)``) and the fence's loads.
 MIN_TRITON_INTERPRETER = (3, 8)
 
 #: Backend targets (prefixes) the gated GEMM has been *verified* on: the GPU suite passed and

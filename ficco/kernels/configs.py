@@ -47,9 +47,9 @@ def resident_programs(compute_units: int, sharers: int = 1) -> int:
     of them, at least one), split between the sharers. Its tiles spin while their data is
     missing; whatever must run for the data to arrive and needs a compute unit (ROCm's stream
     memory operations and 2-D copies, same-device copies on one GPU) keeps at least the
-    reserve, also when several processes share the GPU (issue 33 H1: each took all but the
-    reserve, and together they filled every unit). The persistent grid walks tiles in
-    arrival order (issue 25 item 1).
+    reserve, also when several processes share the GPU (each
+    taking all but the reserve would together fill every unit). The persistent grid walks
+    tiles in arrival order.
 
     >>> resident_programs(132), resident_programs(304), resident_programs(2)
     (128, 295, 1)

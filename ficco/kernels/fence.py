@@ -9,7 +9,7 @@ from .words import load_word
 
 
 def fence_body(out_ptr, numel, err_ptr, BLOCK: tl.constexpr, AMD: tl.constexpr):
-    # A load from memory every time (issue 25 item 8, issue 33 W3: ficco.kernels.words): the
+    # A load from memory every time (ficco.kernels.words): the
     # word is host memory a host thread wrote after this kernel's stream was released; a
     # cached, scalar or hoisted read could miss it.
     if load_word(err_ptr, AMD) != 0:

@@ -20,8 +20,8 @@ compute units spent on communication (the copy engines move the bytes)::
                        acc += A[tile rows, part K] @ B[part K, tile cols]
                    C[tile] = round(acc), or NaN if a wait gave up   # rounded once
 
-A wait is bounded in *time* (issue 33 W1: it counted polls against a guessed rate, and gave
-up while a peer was still inside FICCO_TIMEOUT): each wait reads the device clock
+A wait is bounded in *time*, never by a count of polls at a guessed rate (which gives up
+while a peer is still inside FICCO_TIMEOUT): each wait reads the device clock
 (``%globaltimer`` on NVIDIA, the realtime counter on AMD, the host clock in the interpreter)
 and ends ``timeout_s`` after it began. One that ends without its flag records ``1 + flag`` in
 the error word, raises the ``halt`` word (the group's error word on GPUs:
@@ -56,12 +56,12 @@ from ..errors import CommTimeoutError, InvalidArgumentError
 from ..symm_mem.fault import KERNEL
 from . import configs
 
-# The kernel reads _clock, TRACE_WORDS and the word builtins as globals.
+# The kernel reads read_clock, TRACE_WORDS and the word builtins as globals.
 from .trace import (
     TRACE_OFF,
     TRACE_WORDS,
-    _clock,
     clock_mode,
+    read_clock,
     ticks_per_s,
     trace_supported,
     wait_clock,
@@ -105,7 +105,7 @@ def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, h
                  AMD: tl.constexpr, TRACE: tl.constexpr = 0):
     # Persistent: the grid is at most the device's SMs/CUs minus a reserve (launch.py), and
     # each program walks tiles pid, pid + grid, ... of the arrival-ordered tile list, so
-    # tiles waiting for data never hold every compute unit (issue 25 item 1).
+    # tiles waiting for data never hold every compute unit.
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     tiles_n = (N + BLOCK_N - 1) // BLOCK_N   # not tl.cdiv: a jit helper the interpreter cannot call
@@ -115,7 +115,7 @@ def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, h
     num_tiles = num_tiles * tiles_n
     for tile in range(pid, num_tiles, programs):
         if TRACE != 0:   # constexpr: with tracing off none of this is compiled in
-            t_start = _clock(TRACE, trace)
+            t_start = read_clock(TRACE, trace)
             t_first = t_start
             t_last = t_start
             flags_seen = 0   # (not ``waited``: that is the wait's clock, reset per flag)
@@ -157,21 +157,21 @@ def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, h
                 # The halt word is the group's error word (host memory a host thread raises
                 # when the group failed): read from memory at every poll (words.py).
                 stop = load_word(halt, AMD)
-                began = _clock(CLOCK, trace)
+                began = read_clock(CLOCK, trace)
                 waited = began - began
                 while (seen_flag == 0) & (stop == 0) & (waited < wait_ticks):
                     seen_flag = tl.atomic_add(flags + flag, 0, sem="acquire")
                     stop = load_word(halt, AMD)   # the group failed: stop waiting
-                    waited = _clock(CLOCK, trace) - began
+                    waited = read_clock(CLOCK, trace) - began
                 if seen_flag == 0:
                     tl.atomic_cas(err, 0, flag + 1)
                     ok = 0
                     if stop == 0:
                         # This wait ran out: raise the group's word, so the other tiles stop,
-                        # the fence poisons the call and its next call raises (W1).
+                        # the fence poisons the call and its next call raises.
                         store_word(halt, GAVE_UP)
                 if TRACE != 0:   # when this tile saw its (first, latest) flag
-                    t_last = _clock(TRACE, trace)
+                    t_last = read_clock(TRACE, trace)
                     t_first = tl.where(flags_seen == 0, t_last, t_first)
                     flags_seen = 1
             if ok != 0:
@@ -197,7 +197,7 @@ def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, h
         c_ptrs = c + (row0 + offs_m)[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
         tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
         if TRACE != 0:
-            t_end = _clock(TRACE, trace)
+            t_end = read_clock(TRACE, trace)
             rec = trace + 1 + tile * TRACE_WORDS   # (int32: tiles * 9 stays far below 2**31)
             tl.store(rec + 0, t_start)
             tl.store(rec + 1, t_first)

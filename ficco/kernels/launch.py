@@ -10,10 +10,10 @@ copy queue's worker thread right after the copy.
 Errors: on the CPU backend the kernel runs synchronously on the compute worker, so a timed-out
 wait raises :class:`~ficco.errors.CommTimeoutError` at once and the call fails. On GPUs the
 launch is asynchronous: the kernel polls the group's error word as its halt (so once the
-group failed, every queued or running launch of it stops waiting at once, issue 25 item 3),
+group failed, every queued or running launch of it stops waiting at once),
 its own error is copied to host memory behind it and raised by the group's next call, as GPU
 barrier timeouts are; the kernel never spins past its budget. The grid is persistent and at
-most :func:`~ficco.kernels.configs.resident_programs` of the device (issue 25 item 1).
+most :func:`~ficco.kernels.configs.resident_programs` of the device.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from ..schedules.gated import describe_flag
+from ..plan import describe_flag
 
 
 def raise_flag(backend, queue, flags: torch.Tensor, index: int) -> None:
@@ -128,9 +128,9 @@ def gated_task(backend, problem, op, a_local, gathered, b, out, flags, timeout_s
                          max_programs=_resident(out.device, symm.device_sharers), trace=trace,
                          trace_mode=mode)
         if torch.cuda.is_current_stream_capturing():
-            # Captured: nothing to check from here (issue 33 M3: an entry bound to a captured
-            # event and to a word only a replay writes misled the next eager call). A replay
-            # that gives up raises the group's word and writes NaN tiles itself (W1), which the
+            # Captured: nothing to check from here (an entry bound to a captured event and
+            # to a word only a replay writes would mislead the next eager call). A replay
+            # that gives up raises the group's word and writes NaN tiles itself, which the
             # group's next eager call raises.
             return
         word = torch.empty(1, dtype=torch.int32, pin_memory=out.device.type != "cpu")

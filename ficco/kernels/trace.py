@@ -42,7 +42,7 @@ _CLOCK_ASM = {
 }
 
 
-def _clock(mode, counter, _semantic=None):
+def read_clock(mode, counter, _semantic=None):
     """One int64 timestamp of kind ``mode`` (a constexpr). Marked a Triton builtin (below)
     rather than written as a jit helper: the compiler calls it with its ``_semantic``, the
     interpreter as plain Python (where tl.* are patched and ``_semantic`` is None); a jit
@@ -63,13 +63,13 @@ def _clock(mode, counter, _semantic=None):
                                      _semantic=_semantic)
 
 
-setattr(_clock, tl.core.TRITON_BUILTIN, True)
+setattr(read_clock, tl.core.TRITON_BUILTIN, True)
 
 
 @functools.cache
 def trace_supported() -> bool:
-    """Whether this Triton calls builtins with ``_semantic`` (as :func:`_clock` expects);
-    older ones (3.2, 3.3) pass ``_builder``. Tracing off never compiles ``_clock`` in."""
+    """Whether this Triton calls builtins with ``_semantic`` (as :func:`read_clock` expects);
+    older ones (3.2, 3.3) pass ``_builder``. Tracing off never compiles ``read_clock`` in."""
     import inspect
 
     return "_semantic" in inspect.signature(tl.atomic_add).parameters

@@ -2,7 +2,7 @@
 error word (host memory a host thread or a peer process raises), polled by the fence and the
 gated GEMM, and raised by the gated GEMM itself when it gives up.
 
-Such a load must go to memory at every poll, on every Triton ficco accepts (issue 33 W3):
+Such a load must go to memory at every poll, on every Triton ficco accepts:
 
 - NVIDIA: ``volatile=True`` compiles to ``ld.volatile.global`` (Triton 3.6 and 3.9);
 - AMD: ``volatile=True`` is not enough. On Triton 3.6 and 3.8 a volatile load of a uniform
@@ -14,7 +14,7 @@ A store that peers or the host must see is write-through (``cache_modifier=".wt"
 ``st.global.wt``; ``global_store_dword ... sc0 sc1``). ``tests/test_kernel_words.py`` checks
 the compiled loads and stores of both kernels for sm_90, gfx90a and gfx942.
 
-Both are Triton *builtins* (as :func:`ficco.kernels.trace._clock`): the compiler calls them
+Both are Triton *builtins* (as :func:`ficco.kernels.trace.read_clock`): the compiler calls them
 with its ``_semantic``, the interpreter as plain Python.
 """
 from __future__ import annotations

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from ..expert import routing
-from ..expert.context import ExpertContext
-from ..expert.problem import DISPATCH
-from ..expert.spec import ExpertCall, ExpertSpec
+from .. import routing
+from ..host_tasks_expert import ExpertContext
+from ..problem_expert import DISPATCH
+from .expert_base import ExpertCall, ExpertSpec
 
 
 class AllToAllGroupedMm(ExpertSpec):

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
+from .. import routing
 from ..errors import InvalidArgumentError
-from ..expert import routing
-from ..expert.context import ExpertContext
-from ..expert.problem import COMBINE
-from ..expert.spec import ExpertCall, ExpertSpec
+from ..host_tasks_expert import ExpertContext
+from ..problem_expert import COMBINE
+from .expert_base import ExpertCall, ExpertSpec
 
 
 class GroupedMmAllToAll(ExpertSpec):

@@ -32,7 +32,6 @@ from ..call import (
     check_weights,
     key_of,
     known,
-    normalize_dim,
     remember,
     row_dim,
 )
@@ -218,14 +217,13 @@ class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
         rows = p.block_rows
         # wide: partial sums land in a float32 output, rounded once by result()
         out_dtype = wide_dtype(ops.out_dtype) if wide else ops.out_dtype
-        outs = [torch.empty(rows, n, dtype=out_dtype, device=dev) for n in p.ns]
-        recvs = [torch.empty(p.world * rows, n, dtype=dtype, device=dev) for n in p.ns]
         offsets = self.offsets(call)[:-1]
-        if symm is not None:
-            partials = [symm.get_buffer(p.rank, (p.m, n), dtype, off)
-                        for n, off in zip(p.ns, offsets)]
-        else:
-            partials = [torch.empty(p.m, n, dtype=dtype, device=dev) for n in p.ns]
+        outs, recvs, partials = [], [], []
+        for n, off in zip(p.ns, offsets):   # one loop, no comprehension: the warm path
+            outs.append(torch.empty(rows, n, dtype=out_dtype, device=dev))
+            recvs.append(torch.empty(p.world * rows, n, dtype=dtype, device=dev))
+            partials.append(torch.empty(p.m, n, dtype=dtype, device=dev) if symm is None
+                            else symm.get_buffer(p.rank, (p.m, n), dtype, off))
         return Buffers(call.a, call.bs, outs, None, symm, call.group, partials=partials,
                        recvs=recvs, partial_offsets=tuple(offsets), a_scale=ops.a_scale,
                        b_scales=ops.b_scales, biases=ops.biases, wide=wide)
@@ -239,8 +237,12 @@ class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
         if buffers.wide:   # the float32 sums: the bias once, then the one rounding
             return self._finish(call, [finish(o, ops.out_dtype, bias)
                                        for o, bias in zip(buffers.outs, ops.biases)])
-        dtype = ops.out_dtype
-        return self._finish(call, [o if o.dtype == dtype else o.to(dtype) for o in buffers.outs])
+        dtype, outs = ops.out_dtype, buffers.outs
+        for o in outs:
+            if o.dtype != dtype:
+                outs = [o.to(dtype) for o in outs]
+                break
+        return self._finish(call, outs)
 
     def _finish(self, call: MatmulReduceScatterCall, outs):
         p = call.problem
@@ -258,53 +260,3 @@ class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
 
 
 SPEC = MatmulReduceScatter()
-
-
-def fused_matmul_reduce_scatter(A: torch.Tensor, B: torch.Tensor, reduce_op: str,
-                                scatter_dim: int, group_name: str) -> torch.Tensor:
-    """Drop-in twin of ``torch.ops.symm_mem.fused_matmul_reduce_scatter``: the same signature,
-    values, shape and (contiguous) strides as ``reduce_scatter_single(A @ B, reduce_op,
-    scatter_dim, group_name)``. As torch, it needs the world size to divide ``scatter_dim``.
-
-    ``scatter_dim`` may be the last dimension (the output columns), as in torch's op: no
-    overlapped schedule splits those, so ficco runs the plain matmul + reduce-scatter.
-    """
-    from .. import runtime  # late: the runtime runs op specs; api sits above both
-
-    if not isinstance(A, torch.Tensor) or not isinstance(B, torch.Tensor):
-        raise InvalidArgumentError("A and B must be tensors")
-    if reduce_op not in REDUCE_OPS:
-        raise InvalidArgumentError(f"reduce_op={reduce_op!r} is not supported; use one of "
-                                   f"{', '.join(REDUCE_OPS)}")
-    nd = A.dim()
-    if nd < 2:
-        raise InvalidArgumentError(f"A must have at least 2 dims; got {tuple(A.shape)}")
-    scatter_dim = normalize_dim(scatter_dim, nd, "scatter_dim")
-    group = resolve(group_name)
-    _, world = rank_world(group)
-    size = A.shape[scatter_dim] if scatter_dim < nd - 1 else (B.shape[-1] if B.dim() else 0)
-    if size % world:
-        raise InvalidArgumentError(
-            f"fused_matmul_reduce_scatter needs the world size ({world}) to divide dim "
-            f"{scatter_dim} of A @ B ({size}), as torch's op does; ficco.matmul_reduce_scatter "
-            f"takes uneven sizes")
-    if scatter_dim == nd - 1:
-        full = (A @ B).movedim(-1, 0).contiguous()
-        mine = full.new_empty((size // world, *full.shape[1:]))
-        if world > 1:
-            dist.reduce_scatter_tensor(mine, full, op=dist.ReduceOp.SUM, group=group)
-            if reduce_op == "avg":
-                mine.div_(world)
-        else:
-            mine.copy_(full)
-        return _row_major(mine.movedim(0, -1))
-    out = runtime.run(SPEC.prepare(A, B, group_name, scatter_dim, reduce_op))
-    return _row_major(out)
-
-
-def _row_major(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with torch's default strides, size-1 dims included (``contiguous()`` keeps any
-    stride there; torch's op returns the canonical ones)."""
-    want = torch.empty(t.shape, device="meta").stride()
-    return t if t.stride() == want else torch.empty_like(
-        t, memory_format=torch.contiguous_format).copy_(t)

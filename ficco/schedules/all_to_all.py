@@ -9,7 +9,7 @@ Step c moves chunk c of every peer's blocks at once, one copy queue per peer (al
 busy), pulled over DMA from the peer's symmetric buffer (``dma``) or moved by one all-to-all
 of the process group (``ccl``), while the grouped GEMM of the previous step's chunk runs.
 Plans name work by (source rank, chunk), never by rows: the rows are the call's routing,
-resolved at launch (:mod:`ficco.expert.context`), so one plan serves every routing and an
+resolved at launch (:mod:`ficco.host_tasks_expert`), so one plan serves every routing and an
 empty block costs nothing. Dispatch, W = 4, rank 0 (``cN``: the pulls of chunk N from the
 three peers; ``G``: a grouped GEMM over every local expert)::
 
@@ -52,9 +52,9 @@ import functools
 from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
-from ..expert.plan_ops import Exchange, GroupedGemm, Publish, Pull
-from ..expert.problem import COMBINE, DISPATCH, EXPERT_OPS, chunk_of
 from ..plan import COMM, COMPUTE, Plan, PlanBuilder, copy_queue
+from ..plan_expert import Exchange, GroupedGemm, Publish, Pull
+from ..problem_expert import COMBINE, DISPATCH, EXPERT_OPS, chunk_of
 from .by_expert import ByExpert
 from .common import Schedule, check_plan_args
 from .reduce_scatter.common import barrier, pad_barriers
@@ -75,7 +75,7 @@ class ExpertSchedule:
     """One expert-parallel schedule (see the module docstring): ``serial`` when ``chunked`` is
     False, else the FiCCO point ``{uniform|hetero}-{fused|unfused}-{1d|2d}``.
 
-    >>> from ficco.expert.problem import ExpertProblem
+    >>> from ficco.problem_expert import ExpertProblem
     >>> p = ExpertProblem(8, 4, 2, "float32", 4, rank=1)
     >>> dict(ExpertSchedule(DISPATCH).plan(p, "dma").count())
     {'expert_publish': 1, 'barrier': 2, 'expert_copy': 12, 'expert_gemm': 4}
@@ -197,7 +197,7 @@ class ExpertRing:
     """``ring``: one peer's whole blocks per step, on one copy queue (see the module
     docstring); the own block first (dispatch) or last (combine).
 
-    >>> from ficco.expert.problem import ExpertProblem
+    >>> from ficco.problem_expert import ExpertProblem
     >>> p = ExpertProblem(8, 4, 2, "float32", 4, rank=1)
     >>> dict(ExpertRing(DISPATCH).plan(p, "dma").count())
     {'expert_gemm': 4, 'expert_publish': 1, 'barrier': 2, 'expert_copy': 3}

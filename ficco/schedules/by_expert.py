@@ -25,7 +25,7 @@ it), every rank pulls its rows of expert N from every peer while ``G(eN+1)`` run
 
 ``ccl``: one all-to-all of expert N's blocks per expert, on the comm queue.
 
->>> from ficco.expert.problem import ExpertProblem
+>>> from ficco.problem_expert import ExpertProblem
 >>> p = ExpertProblem(8, 4, 3, "float32", 4, rank=1)
 >>> dict(ByExpert(DISPATCH).plan(p, "dma").count())
 {'expert_publish': 1, 'barrier': 2, 'expert_copy': 9, 'expert_gemm': 3}
@@ -35,9 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
-from ..expert.plan_ops import Exchange, GroupedGemm, Publish, Pull
-from ..expert.problem import DISPATCH, EXPERT_OPS
 from ..plan import COMM, COMPUTE, Plan, PlanBuilder, copy_queue
+from ..plan_expert import Exchange, GroupedGemm, Publish, Pull
+from ..problem_expert import DISPATCH, EXPERT_OPS
 from .common import check_plan_args
 from .reduce_scatter.common import barrier, pad_barriers
 

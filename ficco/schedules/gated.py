@@ -37,27 +37,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
-from ..plan import COMPUTE, GatedGemm, Op, Plan, PlanBuilder, Record, Signal, Wait, copy_queue
+from ..plan import (
+    COMPUTE,
+    NO_FLAG,
+    GatedGemm,
+    Op,
+    Plan,
+    PlanBuilder,
+    Record,
+    Signal,
+    Wait,
+    copy_queue,
+    flag_index,
+)
 from ..problem import ALL_GATHER_MATMUL, Problem
 from . import common
 from .ficco import chunks
-
-NO_FLAG = -1
-
-
-def flag_index(problem: Problem, peer: int, chunk: int) -> int:
-    """Arrival flag of chunk ``chunk`` of ``peer``'s shard: ``chunk * W + peer``."""
-    return chunk * problem.world + peer
-
-
-def describe_flag(problem: Problem, flag: int) -> str:
-    """What arrival flag ``flag`` stands for, in error messages.
-
-    >>> describe_flag(Problem(m=8, k=8, ns=(4,), dtype="float32", world=4, rank=0), 6)
-    'chunk 1 of peer 2 (rank 0 waiting)'
-    """
-    chunk, peer = divmod(flag, problem.world)
-    return f"chunk {chunk} of peer {peer} (rank {problem.rank} waiting)"
 
 
 @dataclass(frozen=True)
@@ -123,7 +118,7 @@ class Gated:
                 # Same queue, right after the copy: queue order is the whole dependency.
                 last_pull[queue] = b.add(Signal(copy_queue(queue),
                                                 flag_index(p, q, chunk.index), step=chunk.index))
-        # Launched after its copies and flag writes are queued (issue 25 item 1): where they
+        # Launched after its copies and flag writes are queued: where they
         # share a hardware queue with the compute stream, or need compute units the waiting
         # tiles hold, a kernel launched first could starve its own producers. Its grid is
         # persistent and smaller than the device (ficco.kernels.configs.resident_programs).

@@ -135,7 +135,7 @@ def _routing(world, m, seed):
 
 
 def _dispatch(rank, world, shape, rounding, seed) -> Case:
-    from ..expert.problem import Layout
+    from ..problem_expert import Layout
 
     m, k, n = shape
     counts = _routing(world, m, seed)
@@ -160,7 +160,7 @@ def _dispatch(rank, world, shape, rounding, seed) -> Case:
 
 
 def _combine(rank, world, shape, rounding, seed) -> Case:
-    from ..expert.problem import Layout
+    from ..problem_expert import Layout
 
     m, k, n = shape
     counts = _routing(world, m, seed)

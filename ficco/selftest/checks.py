@@ -10,7 +10,7 @@
 
 After every check the ranks exchange its outcome through the group's store with their own
 keys (never ficco's agreement sequence, which a failed call may have left mid-exchange on one
-rank: issue 33 H2), and when any rank failed every rank calls ``ficco.shutdown()``, so the
+rank), and when any rank failed every rank calls ``ficco.shutdown()``, so the
 next check starts in step on a clean group. A check that outlasts its bound ends the process
 (:class:`Watch`): a hang is reported, never waited out.
 """

@@ -51,8 +51,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CommTimeoutError, InvalidArgumentError, MismatchError
+from ..errors import CommTimeoutError, InvalidArgumentError, MismatchError, error_context
 
+#: int32 counters per rank and peer in every signal pad: (SIGNAL_CHANNELS, world)
+SIGNAL_CHANNELS = 8
 #: channels of the plans' stream-ordered barriers (flag mode, safe to capture in graphs)
 PLAN_CHANNELS = (0, 1)
 #: the call flag of a plan run without a call digest (benchmarks, tests): the same on every rank
@@ -156,7 +158,8 @@ class Deadline:
                 f"{[v for _, v in foreign]}, this rank's {self.target}): other shapes, dtypes, "
                 f"settings or op, each agreed at an earlier call. Nothing this call computed "
                 f"is returned; every rank must make the same calls in the same order")
-            mismatch.flags = dict(foreign)      # the runtime names the calls they stand for
+            # the runtime names the calls they stand for
+            error_context(mismatch).flags = dict(foreign)
             return mismatch
         peers = [p for p, _ in late]
         values = [v for _, v in late]
@@ -185,8 +188,6 @@ class Deadline:
 
 
 def _check_channel(handle, channel: int) -> None:
-    from . import SIGNAL_CHANNELS
-
     if not 0 <= channel < SIGNAL_CHANNELS:
         raise InvalidArgumentError(f"barrier channel {channel} is outside [0, {SIGNAL_CHANNELS})")
 
@@ -294,8 +295,6 @@ def host_barrier(backend, handle, channel: int, timeout_s: float, step=None) -> 
 
 
 def _signal_channels() -> int:
-    from . import SIGNAL_CHANNELS
-
     return SIGNAL_CHANNELS
 
 

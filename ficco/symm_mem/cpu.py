@@ -25,8 +25,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import SIGNAL_CHANNELS, Provider, SymmHandle, aligned
 from .agree import exchange_or_fail
+from .barrier import SIGNAL_CHANNELS
+from .handle import Provider, SymmHandle, aligned
 
 SHM_DIR = "/dev/shm"
 

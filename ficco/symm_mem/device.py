@@ -11,8 +11,9 @@ from collections.abc import Callable
 import torch
 
 from ..errors import BackendCallError, FiccoError, InvalidArgumentError
-from . import SIGNAL_CHANNELS, SymmHandle, aligned
+from .barrier import SIGNAL_CHANNELS
 from .fault import host_pad_fault, private_fault
+from .handle import SymmHandle, aligned
 
 #: host barrier channel used by close(); plans use channels 0 and 1
 CLOSE_CHANNEL = SIGNAL_CHANNELS - 1
@@ -30,7 +31,7 @@ class _DeviceSpan:
                                          "strides": None, "stream": None}
 
 
-def _wrap_interface(address, nbytes, device):
+def wrap_interface(address, nbytes, device):
     if device.type == "cpu":
         # Host memory (the CPU stand-in of a GPU in tests/fake_gpu.py): a view through a
         # ctypes array of the address, never a copy.
@@ -39,7 +40,7 @@ def _wrap_interface(address, nbytes, device):
     return torch.as_tensor(_DeviceSpan(address, nbytes), device=device)
 
 
-def _wrap_storage(address, nbytes, device):
+def wrap_storage(address, nbytes, device):
     storage = torch._C._construct_storage_from_data_pointer(address, device, nbytes)
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
@@ -56,7 +57,7 @@ def tensor_at(address: int, nbytes: int, device: torch.device) -> torch.Tensor:
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8, device=device)
     seen = []
-    for wrap in (_wrap_interface, _wrap_storage):
+    for wrap in (wrap_interface, wrap_storage):
         try:
             t = wrap(address, nbytes, device)
         except (TypeError, RuntimeError, AttributeError) as exc:
@@ -117,8 +118,8 @@ class GpuSymmHandle(SymmHandle):
         self._pad_base = list(host_pads.device) if host_pads is not None else \
             [int(p.data_ptr()) for p in pads]
         #: this group's error slot and error word on this rank (:mod:`.fault`). The words
-        #: live in host pads every rank maps (``words``: device signal pads get them too,
-        #: issue 33 W2), so a rank that gives up reaches its peers' words; only a pretend
+        #: live in host pads every rank maps (``words``: device signal pads get them too),
+        #: so a rank that gives up reaches its peers' words; only a pretend
         #: group of one process (:func:`single_gpu_group`) keeps a private word.
         words = words if words is not None else host_pads
         self.fault = host_pad_fault(rank, backend.device(), words, tensor_at) \
@@ -129,7 +130,7 @@ class GpuSymmHandle(SymmHandle):
         self.captured = False
         #: every "peer" is memory of this process (:func:`single_gpu_group`): no close barrier
         self.local_peers = False
-        #: ranks of this group on this rank's GPU (the provider sets it; issue 33 H1)
+        #: ranks of this group on this rank's GPU (the provider sets it)
         self.device_sharers = 1
 
     def get_buffer(self, rank, shape, dtype, offset=0):
@@ -148,8 +149,8 @@ class GpuSymmHandle(SymmHandle):
         """Each rank's data span and signal pad that is not a view of the memory barriers and
         pulls use (a copy would swallow flags and serve stale pulls); [] when all are. Data
         spans and device pads live on this rank's GPU; host pads (the default) are host
-        tensors over the mappings whose device pointers the slots hold (issue 33 M5: checking
-        them as GPU tensors at the slot address reported every host pad as a copy)."""
+        tensors over the mappings whose device pointers the slots hold (checked as GPU tensors at the slot address, every
+        host pad would read as a copy)."""
         device, problems = self.backend.device(), []
         for p in range(self.world):
             span = self._spans[p]

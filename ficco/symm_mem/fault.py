@@ -1,4 +1,4 @@
-"""One group's failure state on GPUs: its error slot and its error word (issue 25 item 5).
+"""One group's failure state on GPUs: its error slot and its error word.
 
 An eager GPU call returns before its barriers ran. When the barrier watchdog has to release a
 stuck barrier (a peer dead, stuck, late or in another call), the error must reach *that
@@ -15,10 +15,10 @@ With host-mapped signal pads (the default) the word is one more int32 of this ra
 so peers reach it too: a rank that gives up on the group (its barrier expired) raises every
 peer's word with the value ``gave_up(rank)``. A late peer then poisons whatever it computes
 after that and its next call raises, instead of passing a barrier on flags the giver-up left
-behind and pulling rows it has already overwritten with its next call's (issue 25 item 6).
-With device signal pads the words are host pads all the same (issue 33 W2: they were private
-pinned memory, peers could not reach them, and a late peer returned data built from rows of
-the giver-up's next call); only a pretend group inside one process keeps a private word.
+behind and pulling rows it has already overwritten with its next call's.
+With device signal pads the words are host pads all the same (in private pinned memory
+peers could not reach them, and a late peer would return data built from rows of the
+giver-up's next call); only a pretend group inside one process keeps a private word.
 """
 from __future__ import annotations
 

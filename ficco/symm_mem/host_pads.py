@@ -14,8 +14,8 @@ documents as coherent for polled flags.
 Each pad ends with one more int32, the rank's *error word* for this group
 (:mod:`.fault`): kernels read it, and peers raise it when they give up on the group.
 
-``FICCO_SIGNAL_PADS=auto`` (the default) and ``host`` both put pads here, on CUDA and ROCm
-(issue 25 item 2). ``device`` keeps them in device memory where the user asks (lower flag
+``FICCO_SIGNAL_PADS=auto`` (the default) and ``host`` both put pads here, on CUDA and ROCm.
+``device`` keeps them in device memory where the user asks (lower flag
 latency; the watchdog then releases through a stream it never waits for) and is refused
 where a stream rescue is certain to queue behind the stuck wait (one hardware queue).
 """
@@ -27,8 +27,8 @@ import uuid
 
 import numpy as np
 
-from . import SIGNAL_CHANNELS
 from .agree import exchange_or_fail
+from .barrier import SIGNAL_CHANNELS
 
 SHM_DIR = "/dev/shm"
 

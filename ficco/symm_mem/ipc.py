@@ -21,9 +21,10 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ..group import rank_world, resolve
-from . import SIGNAL_CHANNELS, Provider, aligned
 from .agree import exchange_or_fail
+from .barrier import SIGNAL_CHANNELS
 from .device import GpuSymmHandle, device_identity, pad_bytes, sharers, tensor_at
+from .handle import Provider, aligned
 from .host_pads import HostPads
 from .host_pads import wanted as host_pads_wanted
 
@@ -114,7 +115,7 @@ class IpcSymmProvider(Provider):
         exchange_or_fail(group, rank, world, True, failure, "map GPU symmetric memory",
                          on_failure=lambda: release(True))
         # Host pads hold the signal slots (the default) or, with device pads, only the error
-        # words, which peers must reach either way (issue 33 W2).
+        # words, which peers must reach either way.
         try:
             host = HostPads(vendor, group, rank, world)   # collective: raises everywhere
         except BaseException:

@@ -8,9 +8,10 @@ import torch
 
 from .. import config
 from ..group import rank_world, resolve
-from . import SIGNAL_CHANNELS, Provider, aligned
 from .agree import exchange_or_fail
+from .barrier import SIGNAL_CHANNELS
 from .device import GpuSymmHandle, device_identity, pad_bytes, sharers
+from .handle import Provider, aligned
 from .host_pads import HostPads
 from .host_pads import wanted as host_pads_wanted
 from .ipc import IpcSymmProvider
@@ -58,7 +59,7 @@ class TorchSymmProvider(Provider):
         exchange_or_fail(group, rank, world, True, failure, "map torch symmetric memory",
                          on_failure=keep.clear)
         spans = [w[: aligned(nbytes)] for w in whole]
-        # Host pads: the signal slots, or with device pads the error words alone (issue 33 W2).
+        # Host pads: the signal slots, or with device pads the error words alone.
         try:
             host = HostPads(self.backend.vendor, group, rank, world)   # collective
         except BaseException:

@@ -19,7 +19,7 @@ import threading
 import torch
 
 from ..group import rank_world, resolve
-from . import aligned, register_local
+from .handle import aligned, register_local
 
 _lock = threading.Lock()
 # Mapped until the process exits: handles made by ficco.symm_mem.empty, and workspaces that
@@ -87,11 +87,8 @@ def kept(handle) -> bool:
         return any(h is handle for h in _kept)
 
 
-def allocate_symmetric(shape, dtype, device, group):
+def allocate_symmetric(backend, shape, dtype, device, group):
     """Back end of ``ficco.symm_mem.empty``: a symmetric allocation holding one tensor."""
-    from ..backends import get_backend
-
-    backend = get_backend()
     group = resolve(group)
     rank, _ = rank_world(group)
     nbytes = aligned(int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size())

@@ -8,7 +8,7 @@ and ``finish`` raises the first error.
 A *lane* is one session's set of queues (:meth:`CpuBackend.lane`): worker threads of its own,
 its own abort switch and its own errors. Calls on two groups (two sessions) never share a
 queue, so one group's barrier never holds the other's work, and one group's failure never
-makes the other's queues skip work (issue 37 item 2). Work queued without a lane (benchmarks,
+makes the other's queues skip work. Work queued without a lane (benchmarks,
 doctests) runs on the backend's default lane.
 
 FICCO_TIMEOUT bounds waits on other ranks, never this rank's own work: ``finish`` gives up on a
@@ -30,8 +30,9 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ...errors import CommTimeoutError, FiccoError, name_step
+from ...errors import CommTimeoutError, FiccoError, error_context, name_step
 from ...host_tasks import LOCAL
+from ...scaled import gemm_into_view
 from ...symm_mem.barrier import WRITE, run_on_host, wait_on_host
 from ...symm_mem.cpu import CpuSymmProvider
 from ..base import Backend
@@ -58,7 +59,7 @@ class CpuEvent(threading.Event):
 
 
 # Each task in a worker's FIFO carries whether its caller was in inference mode (a worker thread
-# starts with torch's default modes, not its caller's: H3, issue 12). The enqueueing methods
+# starts with torch's default modes, not its caller's). The enqueueing methods
 # put ``(task, _inference_mode())`` themselves: the executor enqueues one task per plan step,
 # and a helper between would be one more Python call per step.
 _inference_mode = torch.is_inference_mode_enabled
@@ -174,22 +175,6 @@ class Lane:
             worker.fifo.put((None, False))
 
 
-def gemm_into(a, b, out, accumulate):
-    """``out (+)= a @ b``; ``a`` and ``out`` may be 3-D batched views. A wider ``out`` (fp32
-    for bf16/fp16 inputs) takes unrounded partial sums: the caller rounds once at the end."""
-    if out.dtype != a.dtype:
-        a, b = a.to(out.dtype), b.to(out.dtype)
-    if a.dim() == 2:
-        if accumulate:
-            out.addmm_(a, b)
-        else:
-            torch.mm(a, b, out=out)
-    elif accumulate:
-        out.baddbmm_(a, b.expand(a.shape[0], *b.shape))
-    else:
-        out.copy_(torch.matmul(a, b))
-
-
 class CpuBackend(Backend):
     name = "cpu"
     signal_templates = True     # signal_batch reads a template's flag from the deadline
@@ -261,7 +246,7 @@ class CpuBackend(Backend):
 
     def gemm(self, a, b, out, accumulate, queue):
         def task():
-            gemm_into(a, b, out, accumulate)
+            gemm_into_view(a, b, out, accumulate)
         task.ficco_kind, task.ficco_work = LOCAL, (a, b, out)    # type: ignore[attr-defined]
         queue.fifo.put((task, _inference_mode()))
 
@@ -314,8 +299,13 @@ class CpuBackend(Backend):
         if stuck:
             lane.abort.set()
             raise self._undrained(stuck, timeout_s)
-        with lane.lock:
-            errors, lane.errors = lane.errors, []
+        errors = lane.errors
+        if errors:
+            # A worker records its error before it reaches its marker, so every error of this
+            # call is in by now; the lock only orders the swap against a concurrent fail().
+            # A warm call without errors takes no lock here: the session's is its one lock.
+            with lane.lock:
+                errors, lane.errors = lane.errors, []
         skipped, lane.skipped = lane.skipped, False
         lane.abort.clear()
         real = [(n, e, s, t) for n, e, s, t in errors if not isinstance(e, _Aborted)] \
@@ -329,8 +319,9 @@ class CpuBackend(Backend):
             # This rank's own work (a GEMM, copy or reduction) or a collective: the executor
             # names a GEMM's or copy's plan step from the tensors the task held, the runtime
             # adds rank, op and schedule.
-            failure.ficco_local = getattr(task, "ficco_kind", None) == LOCAL
-            failure.ficco_work = getattr(task, "ficco_work", None)
+            context = error_context(failure)
+            context.local = getattr(task, "ficco_kind", None) == LOCAL
+            context.work = getattr(task, "ficco_work", None)
             raise name_step(failure, step) from exc
         if skipped or errors:
             # Cancelled from outside the call (ficco.shutdown(), or this session dropped while

@@ -157,7 +157,7 @@ def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _bindings_version() -> str | None:
+def installed_bindings_version() -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
     for dist in ("cuda-bindings", "cuda-python"):
@@ -204,7 +204,7 @@ class CudaBackend(GpuBackend):
             major = torch.version.cuda.split(".")[0]
             return (f"cuda-python is missing ({exc}); install the one matching torch's CUDA "
                     f"{torch.version.cuda}: pip install 'ficco[cuda{major}]'")
-        mismatch = cuda_python_mismatch(torch.version.cuda, _bindings_version())
+        mismatch = cuda_python_mismatch(torch.version.cuda, installed_bindings_version())
         if mismatch:
             return mismatch
         if not torch.cuda.is_available():

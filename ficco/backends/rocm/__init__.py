@@ -6,8 +6,8 @@ expose, made through hip-python (``from hip import hip``, imported only when use
   SDMA engine and never takes compute units;
 - 2-D copies: ``hipMemcpy2DAsync`` with ``hipMemcpyDeviceToDevice`` (it runs as a kernel on
   compute units whatever kind it is given, so asking for NoCU only pretended otherwise);
-- signals: a whole barrier program in one ``hipStreamBatchMemOp`` call (issue 25 item 7: one
-  call per op was 24 per barrier at W = 8), its parameter array built once per program in the
+- signals: a whole barrier program in one ``hipStreamBatchMemOp`` call (one
+  call per op would be 24 per barrier at W = 8), its parameter array built once per program in the
   C layout of ``hipStreamBatchMemOpParams`` with ctypes (hip-python 10.0's generated struct
   drops the ``value`` union, so its own setters would write ``flags`` where HIP reads the
   value); if this ROCm refuses the batch call or lacks it (before 6.4: hip-python raises
@@ -149,7 +149,7 @@ class RocmVendor(Vendor):
                 result = self.hip.hipStreamBatchMemOp(stream, len(chunk),
                                                       ctypes.addressof(chunk), 0)
             except (AttributeError, RuntimeError):
-                # ROCm < 6.4 has no such call (issue 33 M1): an older hip-python has no
+                # ROCm < 6.4 has no such call: an older hip-python has no
                 # binding (AttributeError), a newer one over an older library fails its dlsym
                 # (RuntimeError). Nothing was enqueued.
                 if self.batches_mem_ops is not None:

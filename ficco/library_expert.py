@@ -27,16 +27,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import group as groups
-from .. import library, runtime
-from ..autograd import _first_order, _register_autocast
-from ..call import FORWARD
-from ..ops.all_to_all_grouped_mm import SPEC as DISPATCH_SPEC
-from ..ops.grouped_mm_all_to_all import SPEC as COMBINE_SPEC
+from . import group as groups
+from . import library, runtime
+from .autograd import first_order_only, register_autocast_with_dtype
+from .call import FORWARD
+from .ops.all_to_all_grouped_mm import SPEC as DISPATCH_SPEC
+from .ops.grouped_mm_all_to_all import SPEC as COMBINE_SPEC
 
 # The roles of the calls a backward makes: part of what the ranks agree on (its signature, its
 # digest in the counts exchange, the barriers' flag, the ccl check), so a rank that skipped a
-# backward never pairs its next forward with its peers' backward (issue 29).
+# backward never pairs its next forward with its peers' backward.
 GRAD_OF_DISPATCH = "backward of all_to_all_grouped_mm (grad of x)"
 GRAD_OF_COMBINE = "backward of grouped_mm_all_to_all (grad of h)"
 
@@ -181,11 +181,11 @@ def _combine_backward(ctx, grad_z, _grad_routing, _grad_counts):
     return grad_h if ctx.h_needs else None, None, grad_ws, None, None, None, None, None, None
 
 
-dispatch_op.register_autograd(_first_order(_dispatch_backward), setup_context=_dispatch_setup)
-combine_op.register_autograd(_first_order(_combine_backward), setup_context=_combine_setup)
+dispatch_op.register_autograd(first_order_only(_dispatch_backward), setup_context=_dispatch_setup)
+combine_op.register_autograd(first_order_only(_combine_backward), setup_context=_combine_setup)
 for _op in (dispatch_op, combine_op):
     for _device in ("cpu", "cuda"):
-        _register_autocast(_op, _device)
+        register_autocast_with_dtype(_op, _device)
 
 
 # -- the public functions' front end ---------------------------------------------------------------
@@ -204,7 +204,7 @@ def all_to_all_grouped_mm(x, counts, w, group=None, *, schedule=None):
     autograd, autocast or tracing is involved, else the ``ficco::all_to_all_grouped_mm`` op."""
     ws = list(w.unbind(0)) if isinstance(w, Tensor) and w.dim() == 3 else w
     if not isinstance(ws, (list, tuple)) or not isinstance(x, Tensor) or not isinstance(
-            schedule, (str, type(None))) or library._eager_suffices(x, list(ws)):
+            schedule, (str, type(None))) or library.eager_suffices(x, list(ws)):
         y, recv_counts, _, _ = runtime.run(_prepared(DISPATCH_SPEC, group, x, counts, w),
                                            schedule)
         return y, recv_counts
@@ -220,7 +220,7 @@ def grouped_mm_all_to_all(h, recv_counts, w2, group=None, *, schedule=None, send
     eager runtime when nothing needs the dispatcher)."""
     ws = list(w2.unbind(0)) if isinstance(w2, Tensor) and w2.dim() == 3 else w2
     if not isinstance(ws, (list, tuple)) or not isinstance(h, Tensor) or not isinstance(
-            schedule, (str, type(None))) or library._eager_suffices(h, list(ws)):
+            schedule, (str, type(None))) or library.eager_suffices(h, list(ws)):
         call = _prepared(COMBINE_SPEC, group, h, recv_counts, w2, send_counts=send_counts)
         return runtime.run(call, schedule)[0]
     send = None if send_counts is None else _counts_tensor(send_counts)

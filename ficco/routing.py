@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import agreement
-from ..errors import InvalidArgumentError
-from ..session import ROUTINGS_KEPT
+from . import agreement
+from .errors import InvalidArgumentError
+from .session import ROUTINGS_KEPT
 
 #: :func:`recall`'s answer for a pair that no remembered dispatch has on this rank
 MISSING = ()

@@ -1,11 +1,11 @@
 """The plan ops of expert-parallel schedules: work named by (source rank, chunk), sized at
-launch from the call's routing (:mod:`ficco.expert.tasks`), so a plan never depends on the
+launch from the call's routing (:mod:`ficco.host_tasks_expert`), so a plan never depends on the
 counts. Each is a :class:`~ficco.plan.HostOp`; the simulator prices them from the problem's
 counts (:mod:`ficco.heuristics.all_to_all_pricing`).
 
 ``chunk`` is the FiCCO chunk index: chunk c of every block is ``even_split(rows, W)[c]`` of
 its rows (1d) or, with ``two_d``, of the columns that cross the links (dispatch: K, combine:
-n; :func:`~ficco.expert.problem.piece_of`); ``None`` is the whole block. ``experts`` names the
+n; :func:`~ficco.problem_expert.piece_of`); ``None`` is the whole block. ``experts`` names the
 local experts an op covers (``None``: every one): the ``by-expert`` schedules move and multiply
 one expert at a time, each expert's GEMM whole.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..plan import HostOp
-from . import tasks
+from . import host_tasks_expert as tasks
+from .plan import HostOp
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from ..errors import InvalidArgumentError
-from ..problem import _ITEMSIZE, DtypeFields, even_split
+from .errors import InvalidArgumentError
+from .problem import ITEMSIZE, DtypeFields, even_split
 
 DISPATCH = "all_to_all_grouped_mm"
 COMBINE = "grouped_mm_all_to_all"
@@ -215,9 +215,9 @@ class ExpertProblem(DtypeFields):
         if self.world < 1 or not 0 <= self.rank < self.world:
             raise InvalidArgumentError(f"ExpertProblem needs 0 <= rank < world; got "
                                        f"rank={self.rank}, world={self.world}")
-        if self.dtype not in _ITEMSIZE:
+        if self.dtype not in ITEMSIZE:
             raise InvalidArgumentError(f"dtype {self.dtype!r} is not supported; use one of "
-                                       f"{sorted(_ITEMSIZE)}")
+                                       f"{sorted(ITEMSIZE)}")
         if self.counts and (len(self.counts) != self.world or any(
                 len(row) != self.world * self.experts for row in self.counts)):
             raise InvalidArgumentError(

@@ -1,11 +1,11 @@
 """The op specs of expert parallelism: dispatch (``all_to_all_grouped_mm``) and combine
-(``grouped_mm_all_to_all``). See :mod:`ficco.expert.problem` for the layouts.
+(``grouped_mm_all_to_all``). See :mod:`ficco.problem_expert` for the layouts.
 
 What differs from the other ops: the routing counts are data. ``prepare`` checks this rank's
 counts (never communicating); :meth:`ExpertSpec.exchange` agrees on the whole matrix once per
 call (after the runtime's agreement on shapes and settings) and completes the call: its exact
-:class:`~ficco.expert.problem.Layout` for the host tasks and workspaces, and the bucketed
-:class:`~ficco.expert.problem.ExpertProblem` for the decision and the (count-free) plan.
+:class:`~ficco.problem_expert.Layout` for the host tasks and workspaces, and the bucketed
+:class:`~ficco.problem_expert.ExpertProblem` for the decision and the (count-free) plan.
 """
 from __future__ import annotations
 
@@ -16,16 +16,15 @@ from dataclasses import dataclass
 import torch
 
 from .. import group as groups
+from .. import routing
 from ..buffers import Buffers
 from ..call import Call, backend_for, check_fits, check_like, check_tensor
 from ..errors import InvalidArgumentError
-from ..ops.base import OpSpec
+from ..host_tasks_expert import ExpertContext, context_of, exchange_task, gemm_task, grouped_mm_runs
 from ..problem import dtype_name
+from ..problem_expert import COMBINE, DISPATCH, ExpertProblem, Layout
 from ..symm_mem import aligned
-from . import routing
-from .context import ExpertContext
-from .problem import COMBINE, DISPATCH, ExpertProblem, Layout
-from .tasks import context_of, exchange_task, gemm_task, grouped_mm_runs
+from .base import OpSpec
 
 
 @dataclass(kw_only=True)     # (its tensors follow Call's defaulted fields and have none)
@@ -164,7 +163,7 @@ class ExpertSpec(OpSpec[ExpertCall]):
         partials = [ctx.shared] if self.name == COMBINE and ctx.shared is not None else []
         return Buffers(call.inp, call.weights, [ctx.out],
                        ctx.shared if self.name == DISPATCH else None, symm, call.group,
-                       partials=partials, expert=ctx)
+                       partials=partials, task_state=ctx)
 
     def poison(self, buffers: Buffers) -> None:
         ctx = context_of(buffers)
@@ -179,7 +178,7 @@ class ExpertSpec(OpSpec[ExpertCall]):
         order = [exchange_task, gemm_task] if self.name == DISPATCH else [gemm_task, exchange_task]
         if call.world == 1:
             order = [gemm_task]
-        from .plan_ops import Exchange, GroupedGemm  # plan ops name what the tasks do
+        from ..plan_expert import Exchange, GroupedGemm  # plan ops name what the tasks do
 
         op_of = {exchange_task: Exchange("comm", None),
                  gemm_task: GroupedGemm("compute", tuple(range(call.world)), None)}
