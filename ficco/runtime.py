@@ -277,7 +277,7 @@ def _execute(session: Session, call: Call, prepared: Prepared, word: int, number
         symm = session.workspace
         if symm is None or symm.nbytes < nbytes:
             stage.step = "allocating the dma workspace"
-            symm = workspace.get(session, nbytes)
+            symm = workspace.get(session, nbytes, _agreeing(call))
         symm.call_flag = word % 0x7FFFFFFF + 1      # (barrier.call_flag, written out)
         answer = symm.first_wait = prepared.answer
         answer.number = number
@@ -387,6 +387,15 @@ def plan_for(op, name: str, transport: str, problem, engines=..., session=None):
     return _plan(session, op, name, transport, problem, engines)[0]
 
 
+def _agreeing(call: Call):
+    """True when a flag is True on every rank of ``call``'s group (one exchange; none for one
+    rank): whether every rank can close the group's old workspace as it grows."""
+    if call.world == 1:
+        return None
+    return lambda flag: agreement.all_ranks(call.group, call.rank, call.world, flag,
+                                            what=f"{call.op.name}: close the old dma workspace")
+
+
 def _plan(session: Session, op, name: str, transport: str, problem, engines) -> tuple:
     """``(plan, compiled plan)`` from the session's LRU."""
     key = (op.name, name, transport, problem, engines)
@@ -427,7 +436,7 @@ def execute(call: Call, name: str, transport: str, trace: bool = False,
         nbytes = call.op.workspace_bytes(call)
         if call.backend.guards_dma:
             call.backend.before_dma(session.workspace, nbytes)
-        symm = workspace.get(session, nbytes)
+        symm = workspace.get(session, nbytes, _agreeing(call))
         symm.call_flag = call_flag(word)
         symm.first_wait = None
     buffers = call.op.buffers(call, transport, symm, wide=plan.wide_outputs(), plan=plan)

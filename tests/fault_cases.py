@@ -391,3 +391,27 @@ def peer_views(rank, world, env):
 
     _setup("cuda", 8, env)
     return peer_views_are_views(rank, world)
+
+
+def one_rank_cannot_close_its_workspace(rank, world, seed):
+    """The workspace grows while rank 0's old one cannot be closed (its queues did not
+    drain): every rank keeps the old one, so no rank's release exchange meets a peer's
+    allocation. Returns each call's error against float64."""
+    from ficco.symm_mem import workspace
+
+    _setup("cuda", 8)
+    real = workspace.drained
+    if rank == 0:
+        workspace.drained = lambda backend, lane: False
+    errors = []
+    try:
+        with ficco.config.scope(transport="dma", timeout=10):
+            for i, shape in enumerate([(4, 8), (64, 96)]):     # the second grows it
+                shards, bs, _, refs = _inputs(seed + i, world, shape, 16)
+                out = ficco.all_gather_matmul(shards[rank], bs[0], schedule="ring")
+                torch.cuda.synchronize()
+                errors.append(max_row_rel_err(out, refs[0]))
+    finally:
+        workspace.drained = real
+        ficco.shutdown()
+    return errors

@@ -214,3 +214,12 @@ def test_the_fake_device_frees_a_host_tasks_tensors_only_when_every_queue_is_idl
         assert alive() is None, "kept after every queue went idle"
     finally:
         fake_gpu.uninstall()
+
+
+def test_a_workspace_one_rank_cannot_close_is_kept_by_every_rank():
+    """Closing a GPU workspace is collective (its release is an exchange): when one rank must
+    keep its old workspace at a growth, every rank keeps it, and the grown calls are right.
+    Before, rank 0 allocated while rank 1 ran the release: both timed out."""
+    for errors in harness.pool(2, {"FICCO_TIMEOUT": "20"}).run(
+            cases.one_rank_cannot_close_its_workspace, random.randrange(1 << 20), timeout_s=120):
+        assert max(errors) <= 1e-5, errors

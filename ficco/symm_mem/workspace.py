@@ -15,6 +15,7 @@ the call's flag (``handle.call_flag``, set by the runtime per call; see
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -27,10 +28,14 @@ _lock = threading.Lock()
 _kept: list = []
 
 
-def get(session, nbytes: int):
+def get(session, nbytes: int, agree: Callable[[bool], bool] | None = None):
     """The workspace of ``session`` holding at least ``nbytes`` per rank. Collective when it
     (re)allocates: every rank grows at the same call because every rank agreed on the same
-    problem first. The old one is closed once the session's queues drained."""
+    problem first. The old one is closed once the session's queues drained. ``agree`` (the
+    runtime's: True when the flag is True on every rank) makes closing the old one collective
+    too: closing is a barrier and an exchange where peers map it (GPUs), so every rank closes
+    it or every rank keeps it; a rank that closed alone would meet its peers' allocation with
+    its release."""
     handle = session.workspace
     if handle is not None and handle.nbytes >= nbytes:
         return handle
@@ -38,9 +43,12 @@ def get(session, nbytes: int):
     backend = session.backend
     if handle is not None:
         session.workspace = None
-        close(handle, drained(backend, session.lane))
-    grown = max(nbytes, 2 * handle.nbytes if handle is not None else 0)
+        closable = drained(backend, session.lane) and not must_keep(handle)
+        if agree is not None:
+            closable = agree(closable)
+        close(handle, closable)
     group = session.group
+    grown = max(nbytes, 2 * handle.nbytes if handle is not None else 0)
     handle = session.workspace = backend.symm_provider().allocate(grown, group,
                                                                   backend.device())
     return handle
@@ -60,20 +68,20 @@ def close(handle, drained: bool, failed: bool = False) -> None:
     """Close a workspace whose queues ``drained``; keep it mapped until exit otherwise.
     ``failed``: its session was poisoned by a failure: a GPU workspace (one with a group
     fault) is kept too, since closing it is a barrier with peers that may be gone."""
-    if handle.captured or (failed and handle.fault is not None):
-        # A CUDA graph captured a barrier on this workspace and may still replay it: its
-        # memory stays mapped until exit (never free what a graph references).
-        keep(handle)
-        return
-    if handle.fault is not None and handle.fault.failed():
-        # A barrier of this group was released: a peer may be dead (its close barrier would
-        # only time out) or late (still pulling from this memory). Kept until exit.
-        keep(handle)
-        return
-    if not drained:
+    if must_keep(handle, failed) or not drained:
         keep(handle)
         return
     handle.close()
+
+
+def must_keep(handle, failed: bool = False) -> bool:
+    """Whether ``handle`` stays mapped until exit whatever its queues did: a CUDA graph
+    captured a barrier on it and may still replay it (never free what a graph references); its
+    session failed and it has a group fault (closing is a barrier with peers that may be
+    gone); or a barrier of its group was released (a peer may be dead, its close barrier
+    would only time out, or late, still pulling from this memory)."""
+    return bool(handle.captured or (failed and handle.fault is not None)
+                or (handle.fault is not None and handle.fault.failed()))
 
 
 def keep(handle) -> None:
