@@ -174,17 +174,15 @@ class Device:
                 with self.cond:
                     stream.pending -= 1
                     # The command's references (the tensors a host task closed over) live
-                    # until every queue is idle: a CUDA caching allocator hands a freed block
-                    # only to work ordered after the work that used it, whereas the CPU
-                    # allocator would hand it at once to a command of another queue while a
-                    # copy engine still reads it by address.
+                    # until a host wait finds every queue idle: a CUDA caching allocator hands
+                    # a freed block only to work ordered after the work that used it, whereas
+                    # the CPU allocator would hand it at once to a command of another queue
+                    # while a copy engine still reads it by address. They are dropped on the
+                    # host thread (:meth:`host_wait`), as CUDA programs free their tensors, so
+                    # no finalizer runs on a queue's thread.
                     self._retired.append(fn)
-                    drop = None
-                    if all(s.pending == 0 for s in list(self.streams.values())):
-                        drop, self._retired = self._retired, []
                     self.cond.notify_all()
                 fn = None
-                del drop
 
     def spin(self, ready, what: str) -> None:
         """Block the calling hardware queue until ``ready()`` (a stream wait)."""
@@ -203,6 +201,10 @@ class Device:
                 if self.stopped:
                     raise _Stopped()
                 self.cond.wait(0.01)
+            retired = []
+            if all(s.pending == 0 for s in list(self.streams.values())):
+                retired, self._retired = self._retired, []
+        del retired          # outside the lock: a finalizer may take other locks
 
     def synchronize(self) -> None:
         graph = getattr(_tls, "capture", None)
