@@ -98,7 +98,7 @@ def report(world: int, parts: list, rows: list) -> tuple[int, int]:
     ranks = f"{world} CPU rank{'s' if world > 1 else ''}"
     print(f"ficco demo: {ranks}, float32; every result checked against float64 on one process "
           f"(ok: relative error <= {TOL:g}).")
-    model = demo_model.Model(world)
+    model = demo_model.Model.for_world(world)
     print(f"\n1. A small mixture-of-experts transformer on {ranks} ({model.describe()}).\n"
           f"   Per ficco call: the schedule the default choice picked (auto: timed at the "
           f"call's first sight),\n   its median time, and its time when every call is forced "

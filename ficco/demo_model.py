@@ -37,32 +37,23 @@ TOL = 1e-4
 
 @dataclass(frozen=True)
 class Model:
-    """The demo model's sizes for ``world`` ranks: two heads, two experts and 16 tokens of
-    each sequence per rank (all_gather_matmul takes equal shards)."""
+    """The demo model's sizes; :meth:`for_world` gives each of ``world`` ranks two heads, two
+    experts and 16 tokens of each sequence (all_gather_matmul takes equal shards)."""
 
     world: int
-    batch: int = 2
+    batch: int
+    seq: int
+    dim: int
+    heads: int
+    ffn: int
+    experts: int
     top: int = 2
 
-    @property
-    def seq(self) -> int:
-        return 16 * self.world
-
-    @property
-    def heads(self) -> int:
-        return 2 * self.world
-
-    @property
-    def dim(self) -> int:
-        return 16 * self.heads
-
-    @property
-    def ffn(self) -> int:
-        return 3 * self.dim
-
-    @property
-    def experts(self) -> int:
-        return 2 * self.world
+    @classmethod
+    def for_world(cls, world: int) -> Model:
+        heads = 2 * world
+        return cls(world, batch=2, seq=16 * world, dim=16 * heads, heads=heads,
+                   ffn=48 * heads, experts=2 * world)
 
     def describe(self) -> str:
         return (f"dim {self.dim}, {self.heads} heads, ffn {self.ffn}, {self.experts} experts "
@@ -222,7 +213,7 @@ def run(rank: int, world: int, repeats: int = 5) -> list[tuple]:
     ``(name, what, rel err, [(label, op, default pick, default s, serial s)])``. The error is
     ``max |out - ref| / max |ref|``, the times medians of ``repeats`` runs."""
     rows = []
-    for name, what, part, reference in _parts(Model(world), rank):
+    for name, what, part, reference in _parts(Model.for_world(world), rank):
         calls = Calls()
         out = part(calls)                      # the default choice's first sight: it measures
         want = reference()
