@@ -48,6 +48,8 @@ JSON schema (every key at top level; units in the names)::
               "depth_u": 64,                   # ... its K step per iteration
               "split_k_workspace_bytes": 79691776,  # ... float32 partials must fit here
               "memory_efficiency": 0.8,        # fraction of HBM bandwidth a copy kernel gets
+              "l2_bytes_per_s_per_unit": null, # L2 -> one compute unit (a DeepGEMM block's
+                                               # operand feed, heuristics/gemm.py)
               "launch_s": 5e-06},              # fixed cost of one kernel
       "cil": {"dma_gemm": 0.2,                 # GEMM slowdown rate beside copy_engines copies
                                                # (x s(MT)), while both run
