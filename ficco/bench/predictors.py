@@ -369,7 +369,9 @@ PREDICTORS: dict[str, Callable[..., float]] = {
 def row_class(quantity: str, prof, **shapes) -> str:
     """``"<op>/<regime>"`` (:func:`ficco.heuristics.bands.shape_class`) of a point row, or
     ``""`` for a quantity that is not one shape of an op."""
-    if quantity in ("ag_then_mm_us", "schedule_us"):
+    if quantity == "async_tp_us":      # an overlapped MM+RS plan the simulator replays
+        shapes = dict(shapes, op="matmul_reduce_scatter")
+    if quantity in ("ag_then_mm_us", "schedule_us", "async_tp_us"):
         problem = _problem(shapes.get("op", "all_gather_matmul"), shapes["m"], shapes["n"],
                            shapes["k"], shapes.get("world", 8), shapes.get("dtype", "bfloat16"))
         return bands.shape_class(problem, prof)

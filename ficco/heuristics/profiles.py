@@ -63,6 +63,8 @@ JSON schema (every key at top level; units in the names)::
               "cu_mem_unit_fraction": 0.5},    # share of CUs a gather/scatter kernel takes
       "ccl": {"efficiency": 0.8,               # fraction of link bandwidth a collective reaches
               "latency_s": 2e-05,
+              "all_reduce_latency_s": null,    # the all-reduce's (null: 2 x latency_s;
+                                               # heuristics/all_reduce_pricing.py)
               "compute_unit_fraction": 0.1},   # share of CUs a collective kernel occupies
       "sources": {"peak_flops": "...", ...}    # where every number comes from
     }
@@ -150,7 +152,8 @@ DEFAULTS: _Defaults = {
     "cil": {"dma_gemm": 0.2, "dma_copy": 0.25, "gemm_copies_exp": 0.25, "copy_copies_exp": 0.7,
             "ccl_gemm": 0.35, "ccl_copy": 0.3, "mt_half_bytes": 2e9, "mt_exp": 1.0,
             "copy_mt_power": 1.0, "cu_mem_unit_fraction": 0.5},
-    "ccl": {"efficiency": 0.8, "latency_s": 20e-6, "compute_unit_fraction": 0.1},
+    "ccl": {"efficiency": 0.8, "latency_s": 20e-6, "compute_unit_fraction": 0.1,
+            "all_reduce_latency_s": None},
 }
 _NESTED: tuple[Literal["dil", "cil", "ccl"], ...] = ("dil", "cil", "ccl")
 
