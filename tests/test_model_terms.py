@@ -141,7 +141,7 @@ def test_deepgemm_menu_follows_its_sm90_candidates_and_prices_small_m_on_h20():
     assert (64, 32) in sizes and (128, 256) in sizes and (256, 256) not in sizes
     # 128 x 1024 x 8192: 64 blocks of 64 x 32 in one partial wave of 78 SMs, no split-K
     dil, units = H20.dil, H20.compute_units
-    fraction = dict(((m, n), f) for m, n, f in menu)[(64, 32)]
+    fraction = {(m, n): f for m, n, f in menu}[(64, 32)]
     assert fraction == 1.0       # H20's slow tensor cores never outrun L2's 64 B/cycle/SM
     block_s = 2 * 64 * 32 * (8192 + dil["tile_k_overhead"]) / (
         H20.flops("bfloat16") * dil["gemm_efficiency"] / units)

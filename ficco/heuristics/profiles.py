@@ -152,8 +152,7 @@ DEFAULTS: _Defaults = {
     "cil": {"dma_gemm": 0.2, "dma_copy": 0.25, "gemm_copies_exp": 0.25, "copy_copies_exp": 0.7,
             "ccl_gemm": 0.35, "ccl_copy": 0.3, "mt_half_bytes": 2e9, "mt_exp": 1.0,
             "copy_mt_power": 1.0, "cu_mem_unit_fraction": 0.5},
-    "ccl": {"efficiency": 0.8, "latency_s": 20e-6, "compute_unit_fraction": 0.1,
-            "all_reduce_latency_s": None},
+    "ccl": {"efficiency": 0.8, "latency_s": 20e-6, "compute_unit_fraction": 0.1},
 }
 _NESTED: tuple[Literal["dil", "cil", "ccl"], ...] = ("dil", "cil", "ccl")
 
