@@ -38,8 +38,7 @@ from ..errors import InvalidArgumentError
 from ..plan import COMM, COMPUTE, Plan, PlanBuilder, copy_queue
 from ..plan_expert import Exchange, GroupedGemm, Publish, Pull
 from ..problem_expert import DISPATCH, EXPERT_OPS
-from .common import check_plan_args
-from .reduce_scatter.common import barrier, pad_barriers
+from .common import barrier, check_plan_args, pad_barriers, pull_order
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,7 @@ class ByExpert:
 
     def _dispatch(self, builder: PlanBuilder, p, transport: str, engines: int) -> None:
         everyone = tuple(range(p.world))
-        peers = [(p.rank + i) % p.world for i in range(1, p.world)]
+        peers = pull_order(p)
         last: dict[int, int] = {}
         if transport == "dma":
             ready = barrier(builder, step=0, after=[builder.add(Publish(copy_queue(0)))])
@@ -88,7 +87,7 @@ class ByExpert:
 
     def _combine(self, builder: PlanBuilder, p, transport: str, engines: int) -> None:
         everyone = tuple(range(p.world))
-        peers = [(p.rank + i) % p.world for i in range(1, p.world)]
+        peers = pull_order(p)
         last: dict[int, int] = {}
         if transport == "dma":
             pad_barriers(builder, p.experts + 1)
