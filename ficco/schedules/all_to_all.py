@@ -51,10 +51,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ..errors import InvalidArgumentError
 from ..plan import COMM, COMPUTE, Plan, PlanBuilder, copy_queue
 from ..plan_expert import Exchange, GroupedGemm, Publish, Pull
-from ..problem_expert import COMBINE, DISPATCH, EXPERT_OPS, chunk_of
+from ..problem_expert import COMBINE, DISPATCH, check_op, chunk_of
 from .by_expert import ByExpert
 from .common import Schedule, barrier, check_plan_args, pad_barriers, pull_order
 
@@ -82,8 +81,7 @@ class ExpertSchedule:
     two_d: bool = False
 
     def __post_init__(self):
-        if self.op not in EXPERT_OPS:
-            raise InvalidArgumentError(f"op must be one of {EXPERT_OPS}; got {self.op!r}")
+        check_op(self.op, type(self).__name__)
 
     @property
     def name(self) -> str:
@@ -201,8 +199,7 @@ class ExpertRing:
     name = "ring"
 
     def __post_init__(self):
-        if self.op not in EXPERT_OPS:
-            raise InvalidArgumentError(f"op must be one of {EXPERT_OPS}; got {self.op!r}")
+        check_op(self.op, type(self).__name__)
 
     def plan(self, problem, transport: str = "dma", copy_engines: int | None = None) -> Plan:
         builder = _begin(self, problem, transport, copy_engines)

@@ -34,10 +34,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import InvalidArgumentError
 from ..plan import COMM, COMPUTE, Plan, PlanBuilder, copy_queue
 from ..plan_expert import Exchange, GroupedGemm, Publish, Pull
-from ..problem_expert import DISPATCH, EXPERT_OPS
+from ..problem_expert import DISPATCH, check_op
 from .common import barrier, check_plan_args, pad_barriers, pull_order
 
 
@@ -49,8 +48,7 @@ class ByExpert:
     name = "by-expert"
 
     def __post_init__(self):
-        if self.op not in EXPERT_OPS:
-            raise InvalidArgumentError(f"op must be one of {EXPERT_OPS}; got {self.op!r}")
+        check_op(self.op, type(self).__name__)
 
     def plan(self, problem, transport: str = "dma", copy_engines: int | None = None) -> Plan:
         check_plan_args(self.op, problem, transport, copy_engines)
