@@ -65,12 +65,7 @@ def test_validate_shows_every_row_and_the_mechanism_of_each_over_20_percent(caps
 
 #: Families whose median |error| misses the 10% target today, and why (docs/heuristics.md says
 #: so; when one meets it, move it out of here and out of the docs' list).
-KNOWN_MISSES = {
-    "async-tp": "R10-R12: torch's fused_matmul_reduce_scatter priced as ficco's ring, 8-18% "
-                "fast, a per-step residual that grows with the rows of a step",
-    "baselines": "G1-G4 (held out): DeepGEMM's small-M GEMMs on H20 run at twice the rate the "
-                 "GEMM model gives a 78-SM part",
-}
+KNOWN_MISSES: dict[str, str] = {}
 
 
 def test_validate_per_family_against_the_targets():
