@@ -291,6 +291,12 @@ def all_to_all_us(prof, recv_bytes: int | str, world: int | str = "8") -> float:
     return simulator.simulate(plan, dataclasses.replace(prof, host_op_s=0.0)).makespan_s * 1e6
 
 
+def all_to_all_gbps(prof, recv_bytes: int | str, world: int | str = "8") -> float:
+    """GB/s (1e9 bytes) of :func:`all_to_all_us`: ``recv_bytes`` over its time, the figure
+    DeepEP's and mori's dispatch/combine benchmarks print where they give no time."""
+    return int(recv_bytes) / all_to_all_us(prof, recv_bytes, world) / 1e3
+
+
 def gemm_us(prof, m: int | str, n: int | str, k: int | str, dtype: str = "bfloat16",
             library: str = "") -> float:
     """Microseconds of one ``(m, k) @ (k, n)`` GEMM launch on ``prof`` by the kernel
@@ -358,6 +364,7 @@ PREDICTORS: dict[str, Callable[..., float]] = {
     "schedule_us": schedule_us,
     "async_tp_us": async_tp_us,
     "all_to_all_us": all_to_all_us,
+    "all_to_all_gbps": all_to_all_gbps,
     "gemm_us": gemm_us,
     "gemm_tflops": gemm_tflops,
     "nccl_busbw_gbps": nccl_busbw_gbps,
