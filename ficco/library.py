@@ -99,38 +99,46 @@ def _run_all_gather_matmul(a, b, group, gather_dim, schedule, return_gathered, r
     """The eager implementation: the real kernel of ``ficco::all_gather_matmul`` and the public
     function's path when the dispatcher adds nothing. Straight to the runtime (``api`` sits
     above this module). ``epilogue``: fp8 scales, out_dtype, bias, activation; ``role``:
-    FORWARD, or the backward pass the call belongs to; ``world``: the op's argument, checked.
-    A call refused here still takes its place in the group's sequence (runtime.abandoned)."""
-    try:
-        call = ALL_GATHER_MATMUL.prepare(a, b, group, gather_dim, return_gathered, **epilogue)
-        call.role = role
-        if world is not None and world != call.world:
-            raise wrong_world("all_gather_matmul", group, world, call.world)
-    except Exception:
-        runtime.abandoned(group)
-        raise
-    return runtime.run(call, schedule)
+    FORWARD, or the backward pass the call belongs to; ``world``: the op's argument, checked."""
+    return runtime.run(prepared(ALL_GATHER_MATMUL, group, a, b, group, gather_dim,
+                                return_gathered, role=role, world=world, **epilogue), schedule)
 
 
 def _run_matmul_reduce_scatter(a, b, group, scatter_dim, reduce_op, schedule, role=FORWARD,
                                world=None, out_rows=None, **epilogue):
+    def check_out_rows(call) -> None:
+        rows = scattered_rows(a.shape[scatter_dim], call.rank, call.world)
+        if out_rows != rows:
+            raise InvalidArgumentError(
+                f"torch.ops.ficco.matmul_reduce_scatter: out_rows={out_rows}, but rank "
+                f"{call.rank} of {call.world} gets {rows} of the {a.shape[scatter_dim]} "
+                f"rows along scatter_dim (longer blocks first); pass ficco.library."
+                f"scattered_rows(rows, rank, world) or call ficco.matmul_reduce_scatter")
+
+    return runtime.run(prepared(MATMUL_REDUCE_SCATTER, group, a, b, group, scatter_dim,
+                                reduce_op, role=role, world=world,
+                                then=None if out_rows is None else check_out_rows, **epilogue),
+                       schedule)
+
+
+def prepared(spec, group, *args, role: str = FORWARD, world: int | None = None, then=None,
+             **kwargs):
+    """``spec.prepare(*args, **kwargs)``: every op's Call, made for the pass ``role`` (FORWARD,
+    or the backward it belongs to), with an op's ``world`` argument checked against
+    ``group``'s size and ``then(call)`` (a check of the op's own, or None) run. A call refused
+    here still takes its place in the group's sequence, so its peers' same call never pairs
+    with this rank's next one (runtime.abandoned)."""
     try:
-        call = MATMUL_REDUCE_SCATTER.prepare(a, b, group, scatter_dim, reduce_op, **epilogue)
+        call = spec.prepare(*args, **kwargs)
         call.role = role
         if world is not None and world != call.world:
-            raise wrong_world("matmul_reduce_scatter", group, world, call.world)
-        if out_rows is not None:
-            rows = scattered_rows(a.shape[scatter_dim], call.rank, call.world)
-            if out_rows != rows:
-                raise InvalidArgumentError(
-                    f"torch.ops.ficco.matmul_reduce_scatter: out_rows={out_rows}, but rank "
-                    f"{call.rank} of {call.world} gets {rows} of the {a.shape[scatter_dim]} "
-                    f"rows along scatter_dim (longer blocks first); pass ficco.library."
-                    f"scattered_rows(rows, rank, world) or call ficco.matmul_reduce_scatter")
+            raise wrong_world(spec.name, group, world, call.world)
+        if then is not None:
+            then(call)
+        return call
     except Exception:
         runtime.abandoned(group)
         raise
-    return runtime.run(call, schedule)
 
 
 def epilogue_kwargs(a_scale, b_scales, biases, out_dtype, activation=None) -> dict:

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from . import autograd, runtime
 from .call import FORWARD
-from .group import by_name, name_rank_world, world_arg, wrong_world
+from .group import by_name, name_rank_world, world_arg
 from .library import (
     EPILOGUE_SCHEMA,
     cached_layout,
@@ -28,6 +28,7 @@ from .library import (
     errors_reach_the_caller,
     fresh_outputs,
     front_end,
+    prepared,
 )
 from .ops.matmul_all_reduce import SPEC, check_arguments, check_epilogue
 
@@ -37,12 +38,10 @@ _OP = "matmul_all_reduce"
 def _run_matmul_all_reduce(a, b, group, reduce_op, schedule, role=FORWARD, world=None,
                            **epilogue):
     """The eager implementation: the op's real kernel and the public function's path when the
-    dispatcher adds nothing."""
-    call = SPEC.prepare(a, b, group, reduce_op, **epilogue)
-    call.role = role
-    if world is not None and world != call.world:
-        raise wrong_world(_OP, group, world, call.world)
-    return runtime.run(call, schedule)
+    dispatcher adds nothing. A call refused here still takes its place in the group's sequence
+    (:func:`ficco.library.prepared`)."""
+    return runtime.run(prepared(SPEC, group, a, b, group, reduce_op, role=role, world=world,
+                                **epilogue), schedule)
 
 
 @torch.library.custom_op(

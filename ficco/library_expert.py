@@ -59,15 +59,8 @@ def dispatch_op(x: Tensor, counts: Tensor, ws: list[Tensor], group: str,
     backward this call belongs to; ``world``: the group's size
     (:func:`ficco.group.name_rank_world`)."""
     pg = groups.by_name(group)
-    try:
-        call = DISPATCH_SPEC.prepare(x, counts, ws, pg, routing=routing,
-                                     return_received=return_received)
-        if world is not None and world != call.world:
-            raise groups.wrong_world("all_to_all_grouped_mm", group, world, call.world)
-        call.role = role
-    except Exception:
-        runtime.abandoned(pg)      # (a refused call still takes its place: ficco.session)
-        raise
+    call = library.prepared(DISPATCH_SPEC, pg, x, counts, ws, pg, routing=routing,
+                            return_received=return_received, role=role, world=world)
     y, recv_counts, received, agreed = runtime.run(call, schedule)
     if received is None:
         received = x.new_empty(0, x.shape[1])
@@ -95,15 +88,8 @@ def combine_op(h: Tensor, recv_counts: Tensor, ws: list[Tensor], group: str,
     """``(z, routing, this rank's row of the routing)``: the counts of z's rows, what the
     backward's dispatch takes; ``role`` as for dispatch."""
     pg = groups.by_name(group)
-    try:
-        call = COMBINE_SPEC.prepare(h, recv_counts, ws, pg, routing=routing,
-                                    send_counts=send_counts)
-        if world is not None and world != call.world:
-            raise groups.wrong_world("grouped_mm_all_to_all", group, world, call.world)
-        call.role = role
-    except Exception:
-        runtime.abandoned(pg)
-        raise
+    call = library.prepared(COMBINE_SPEC, pg, h, recv_counts, ws, pg, routing=routing,
+                            send_counts=send_counts, role=role, world=world)
     z, agreed = runtime.run(call, schedule)
     return z, agreed, agreed[call.rank].clone()
 
@@ -189,24 +175,14 @@ for _op in (dispatch_op, combine_op):
 
 
 # -- the public functions' front end ---------------------------------------------------------------
-def _prepared(spec, group, *args, **kwargs):
-    """``spec.prepare(*args, group, **kwargs)``; a call refused there still takes its place in
-    the group's sequence (runtime.abandoned)."""
-    try:
-        return spec.prepare(*args, group, **kwargs)
-    except Exception:
-        runtime.abandoned(group)
-        raise
-
-
 def all_to_all_grouped_mm(x, counts, w, group=None, *, schedule=None):
     """``ficco.all_to_all_grouped_mm`` (see it for the arguments): the eager runtime when no
     autograd, autocast or tracing is involved, else the ``ficco::all_to_all_grouped_mm`` op."""
     ws = list(w.unbind(0)) if isinstance(w, Tensor) and w.dim() == 3 else w
     if not isinstance(ws, (list, tuple)) or not isinstance(x, Tensor) or not isinstance(
             schedule, (str, type(None))) or library.eager_suffices(x, list(ws)):
-        y, recv_counts, _, _ = runtime.run(_prepared(DISPATCH_SPEC, group, x, counts, w),
-                                           schedule)
+        y, recv_counts, _, _ = runtime.run(
+            library.prepared(DISPATCH_SPEC, group, x, counts, w, group), schedule)
         return y, recv_counts
     name, _, world = groups.name_rank_world(group)
     y, recv_counts, _, _ = torch.ops.ficco.all_to_all_grouped_mm(
@@ -221,7 +197,8 @@ def grouped_mm_all_to_all(h, recv_counts, w2, group=None, *, schedule=None, send
     ws = list(w2.unbind(0)) if isinstance(w2, Tensor) and w2.dim() == 3 else w2
     if not isinstance(ws, (list, tuple)) or not isinstance(h, Tensor) or not isinstance(
             schedule, (str, type(None))) or library.eager_suffices(h, list(ws)):
-        call = _prepared(COMBINE_SPEC, group, h, recv_counts, w2, send_counts=send_counts)
+        call = library.prepared(COMBINE_SPEC, group, h, recv_counts, w2, group,
+                                send_counts=send_counts)
         return runtime.run(call, schedule)[0]
     send = None if send_counts is None else _counts_tensor(send_counts)
     name, _, world = groups.name_rank_world(group)

@@ -46,7 +46,7 @@ from .plan import (
  LAUNCH_HERE) = range(12)
 
 
-def source_of(blk: Block) -> tuple:
+def slot_source(blk: Block) -> tuple:
     """The slot source of ``blk``: symmetric buffers carry the peer (None: this rank's)."""
     if blk.buf in SYMMETRIC_BUFFERS:
         return (blk.buf, blk.index, blk.peer)
@@ -85,12 +85,12 @@ class Slots:
         return number
 
     def block(self, blk: Block) -> int:
-        return self.slot(source_of(blk), ("rect", blk.row0, blk.rows, blk.col0, blk.cols))
+        return self.slot(slot_source(blk), ("rect", blk.row0, blk.rows, blk.col0, blk.cols))
 
     def blocks(self, blocks: tuple[Block, ...]) -> int:
         if len(blocks) == 1:
             return self.block(blocks[0])
-        return self.slot(source_of(blocks[0]), ("batched",) + batched_spec(blocks))
+        return self.slot(slot_source(blocks[0]), ("batched",) + batched_spec(blocks))
 
     def maybe(self, blocks) -> tuple:
         return tuple(None if blk is None else self.block(blk) for blk in blocks)

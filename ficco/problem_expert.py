@@ -184,6 +184,12 @@ def representative(world: int, experts: int, mean_rows: int, ratio: float):
                  for _ in range(world))
 
 
+def check_op(op, owner: str) -> None:
+    """``op`` must name an expert op (``owner``: what takes it, for the message)."""
+    if op not in EXPERT_OPS:
+        raise InvalidArgumentError(f"{owner}.op must be one of {EXPERT_OPS}; got {op!r}")
+
+
 @dataclass(frozen=True)
 class ExpertProblem(DtypeFields):
     """One rank's view of an expert-parallel call, as schedules, selectors and the simulator
@@ -206,9 +212,7 @@ class ExpertProblem(DtypeFields):
     counts: tuple = field(default=(), compare=False, hash=False)
 
     def __post_init__(self):
-        if self.op not in EXPERT_OPS:
-            raise InvalidArgumentError(f"ExpertProblem.op must be one of {EXPERT_OPS}; "
-                                       f"got {self.op!r}")
+        check_op(self.op, "ExpertProblem")
         if self.k <= 0 or self.n <= 0 or self.experts <= 0:
             raise InvalidArgumentError(f"ExpertProblem needs k, n and experts > 0; got "
                                        f"k={self.k}, n={self.n}, experts={self.experts}")

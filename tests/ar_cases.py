@@ -249,21 +249,6 @@ def _dtensor_a(a, b, world):
     return ficco.matmul_all_reduce(distribute_tensor(a, mesh, [Replicate()]), b)
 
 
-def disagree(rank, world, transport):
-    """Rank 0 passes another shape: every rank gets MismatchError naming it, none hangs."""
-    from ficco.errors import MismatchError
-
-    rows = 8 if rank else 12
-    try:
-        with config.scope(transport=transport):
-            ficco.matmul_all_reduce(torch.randn(rows, 6), torch.randn(6, 4), schedule="two-shot")
-    except MismatchError as exc:
-        return "mismatch" if "differ" in str(exc) or "different" in str(exc) else str(exc)
-    finally:
-        ficco.shutdown()      # a MismatchError poisons the group until every rank resets
-    return "no error"
-
-
 def disagree_on_cached_shapes(rank, world, seed, schedule):
     """Both shapes agreed and cached, then rank 0 calls with the other one (dma): every rank
     raises MismatchError at the plan's first barrier, the next call is refused (the group
@@ -285,19 +270,12 @@ def disagree_on_cached_shapes(rank, world, seed, schedule):
 
 
 def selector_picks(rank, world, seed):
-    """explain(op="matmul_all_reduce"): the paper rule hands over to the model and says so;
-    with no schedule forced the model's pick runs, agrees on every rank, and is right."""
-    lead, k, ns = (6, 4), 16, (10,)
-    a_s, b_s, _, _, _, refs = make_inputs(seed, world, lead, k, ns, torch.float32)
-    a, b = a_s[rank], b_s[rank][0]
-    with config.scope(selector="paper"):
-        paper = ficco.explain(a, b, op="matmul_all_reduce")
-    with config.scope(selector="model"):
-        decision = ficco.explain(a, b, op="matmul_all_reduce")
-        out = ficco.matmul_all_reduce(a, b)
-    return (paper.selector, paper.reason, decision.schedule, decision.transport,
-            sorted(decision.scores), runtime.last_run(),
-            max_row_rel_err(out, expected(refs, 0, "sum", world)))
+    """:func:`.rs_cases.explain_and_run` of the all-reduce, with its output's error."""
+    from .rs_cases import explain_and_run
+
+    a_s, b_s, _, _, _, refs = make_inputs(seed, world, (6, 4), 16, (10,), torch.float32)
+    *picks, out = explain_and_run("matmul_all_reduce", a_s[rank], b_s[rank][0])
+    return (*picks, max_row_rel_err(out, expected(refs, 0, "sum", world)))
 
 
 def decode_example(rank, world, seed, schedule):

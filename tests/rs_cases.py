@@ -122,13 +122,15 @@ def bad_inputs(rank, world):
     return invalid_argument_report(cases)
 
 
-def disagree(rank, world):
-    """Rank 0 passes another shape: every rank gets MismatchError, none hangs."""
+def disagree(rank, world, op="matmul_reduce_scatter", schedule="ring", transport=None):
+    """Rank 0 passes another shape to ``op``: every rank gets MismatchError naming it, none
+    hangs (``transport``: None, the setting's)."""
     from ficco.errors import MismatchError
 
     rows = 8 if rank else 12
     try:
-        ficco.matmul_reduce_scatter(torch.randn(rows, 6), torch.randn(6, 4), schedule="ring")
+        with config.scope(**({} if transport is None else {"transport": transport})):
+            getattr(ficco, op)(torch.randn(rows, 6), torch.randn(6, 4), schedule=schedule)
     except MismatchError as exc:
         return "mismatch" if "differ" in str(exc) or "different" in str(exc) else str(exc)
     finally:
@@ -201,18 +203,35 @@ def survivors_fail(rank, world, dead, op="matmul_reduce_scatter", transport="dma
     return "no error"
 
 
-def selector_picks(rank, world, seed):
-    """explain(op=...) for the new op: the paper rule hands over to the model and says so;
-    with no schedule forced the model's pick runs, agrees on every rank, and is right."""
-    a_s, b_s, refs = make_inputs(seed, world, (24, 32), (40,), torch.float32)
-    a, b = a_s[rank], b_s[rank][0]
+def explain_and_run(op, a, b):
+    """``explain(op=op)`` under the paper rule, then under the model, and the call with no
+    schedule forced under the model: (the paper rule's selector and reason, the model's
+    schedule, transport and scored names, what ran, the output)."""
     with config.scope(selector="paper"):
-        paper = ficco.explain(a, b, op="matmul_reduce_scatter")
+        paper = ficco.explain(a, b, op=op)
     with config.scope(selector="model"):
-        decision = ficco.explain(a, b, op="matmul_reduce_scatter")
-        out = ficco.matmul_reduce_scatter(a, b)
+        decision = ficco.explain(a, b, op=op)
+        out = getattr(ficco, op)(a, b)
     return (paper.selector, paper.reason, decision.schedule, decision.transport,
-            sorted(decision.scores), runtime.last_run(), max_row_rel_err(out, refs[0][rank]))
+            sorted(decision.scores), runtime.last_run(), out)
+
+
+def check_selector_picks(results, names) -> None:
+    """The ranks' :func:`explain_and_run` rows (the output replaced by its error): the paper
+    rule hands over to the model and says so; the model scores every schedule in ``names``,
+    its pick runs, agrees on every rank, and is right."""
+    assert len({(r[2], r[3], r[5]) for r in results}) == 1, results   # one decision everywhere
+    for paper_selector, reason, schedule, transport, scored, ran, err in results:
+        assert paper_selector == "model" and "paper's rule covers all_gather_matmul only" in reason
+        assert set(scored) >= set(names) and ran == (schedule, transport)
+        assert err <= ROW_TOL[torch.float32]
+
+
+def selector_picks(rank, world, seed):
+    """:func:`explain_and_run` of the reduce-scatter, with its output's error."""
+    a_s, b_s, refs = make_inputs(seed, world, (24, 32), (40,), torch.float32)
+    *picks, out = explain_and_run("matmul_reduce_scatter", a_s[rank], b_s[rank][0])
+    return (*picks, max_row_rel_err(out, refs[0][rank]))
 
 
 def empty_inner_shapes(rank, world):

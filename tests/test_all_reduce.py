@@ -207,9 +207,10 @@ def test_bad_inputs_raise_before_any_communication():
 
 @pytest.mark.parametrize("transport", ["dma", "ccl"])
 def test_ranks_that_disagree_all_get_mismatch(transport):
-    from .ar_cases import disagree
+    from .rs_cases import disagree
 
-    assert harness.pool(2).run(disagree, transport) == ["mismatch", "mismatch"]
+    assert harness.pool(2).run(disagree, "matmul_all_reduce", "two-shot", transport) == \
+        ["mismatch", "mismatch"]
 
 
 def test_disagreement_on_a_cached_shape_raises_on_every_rank_then_runs_right():
@@ -241,13 +242,9 @@ def test_no_shared_memory_file_outlives_the_calls():
 # -- choosing, pricing -----------------------------------------------------------------------------
 def test_explain_and_selectors_cover_the_new_op():
     from .ar_cases import selector_picks
+    from .rs_cases import check_selector_picks
 
-    results = harness.pool(3).run(selector_picks, random.randrange(1 << 30))
-    assert len({(r[2], r[3], r[5]) for r in results}) == 1, results   # one decision everywhere
-    for paper_selector, reason, schedule, transport, scored, ran, err in results:
-        assert paper_selector == "model" and "paper's rule covers all_gather_matmul only" in reason
-        assert set(scored) >= set(NAMES) and ran == (schedule, transport)
-        assert err <= ROW_TOL[torch.float32]
+    check_selector_picks(harness.pool(3).run(selector_picks, random.randrange(1 << 30)), NAMES)
 
 
 def test_all_reduce_pricing_holds_to_published_nccl_times_and_prices_every_plan():

@@ -65,12 +65,7 @@ def test_validate_shows_every_row_and_the_mechanism_of_each_over_20_percent(caps
 
 #: Families whose median |error| misses the 10% target today, and why (docs/heuristics.md says
 #: so; when one meets it, move it out of here and out of the docs' list).
-KNOWN_MISSES = {
-    "async-tp": "R10-R12: torch's fused_matmul_reduce_scatter priced as ficco's ring, 8-18% "
-                "fast, a per-step residual that grows with the rows of a step",
-    "baselines": "G1-G4 (held out): DeepGEMM's small-M GEMMs on H20 run at twice the rate the "
-                 "GEMM model gives a 78-SM part",
-}
+KNOWN_MISSES: dict[str, str] = {}
 
 
 def test_validate_per_family_against_the_targets():
@@ -174,3 +169,22 @@ def test_the_paper_runs_price_serial_as_the_paper_ran_it():
     run = paper_runs.paper_run("serial", problem, load_profile("mi300x:graphs"))
     assert not any(r["label"] == "publish" for r in run.rows)
     assert simulator.ideal_speedup(run) > 1
+
+
+def test_all_to_all_bandwidth_is_the_received_bytes_over_the_all_to_all_time():
+    """``all_to_all_gbps`` (D1-D2, Y1-Y2) prices what DeepEP and mori print: the bytes a rank
+    receives, its own share included, over the time of one all-to-all of that volume. The
+    share that never travels lets it exceed the rate into a rank, never by more than W/(W-1):
+    on a switch the (W-1)/W that cross NVLink arrive at most at the link rate; on a mesh at
+    most W-1 links' worth."""
+    for name, links in (("h800", 1), ("mi300x", 7)):
+        prof = load_profile(name)
+        for recv in (4_857_864, 160_309_525):
+            us = predictors.all_to_all_us(prof, recv)
+            gbps = predictors.all_to_all_gbps(prof, str(recv))
+            assert gbps == pytest.approx(recv / (us * 1e-6) / 1e9, rel=1e-12)
+            ceiling = prof.link_bytes_per_s * links * 8 / 7 / 1e9
+            assert 0 < gbps <= ceiling, (name, recv, gbps, ceiling)
+        # more bytes per peer, nearer the link: bandwidth grows with the volume
+        assert predictors.all_to_all_gbps(prof, 160_309_525) > \
+            predictors.all_to_all_gbps(prof, 4_857_864)

@@ -22,6 +22,7 @@ from typing import NamedTuple
 from ..heuristics import bands, collectives, gemm, simulator
 from ..plan import COMPUTE, AllGather, AllToAll, Block, Copy, Gemm, Op, Plan, ReduceScatter
 from ..problem import Problem
+from .async_tp import async_tp_us
 from .paper_runs import PAPER_FOUR, emulated_2d, fraction_of_ideal, geomean, paper_run, table_i
 
 
@@ -290,15 +291,26 @@ def all_to_all_us(prof, recv_bytes: int | str, world: int | str = "8") -> float:
     return simulator.simulate(plan, dataclasses.replace(prof, host_op_s=0.0)).makespan_s * 1e6
 
 
-def gemm_us(prof, m: int | str, n: int | str, k: int | str, dtype: str = "bfloat16") -> float:
-    """Microseconds of one ``(m, k) @ (k, n)`` GEMM launch on ``prof``."""
+def all_to_all_gbps(prof, recv_bytes: int | str, world: int | str = "8") -> float:
+    """GB/s (1e9 bytes) of :func:`all_to_all_us`: ``recv_bytes`` over its time, the figure
+    DeepEP's and mori's dispatch/combine benchmarks print where they give no time."""
+    return int(recv_bytes) / all_to_all_us(prof, recv_bytes, world) / 1e3
+
+
+def gemm_us(prof, m: int | str, n: int | str, k: int | str, dtype: str = "bfloat16",
+            library: str = "") -> float:
+    """Microseconds of one ``(m, k) @ (k, n)`` GEMM launch on ``prof`` by the kernel
+    ``library`` (empty: the profile's vendor library; ``deepgemm``: DeepGEMM's kernels,
+    :func:`ficco.heuristics.gemm.deepgemm_tiles`)."""
     problem = Problem(int(m), int(k), (int(n),), dtype, 1)
-    return gemm.gemm_seconds(prof, dtype, [int(m)], int(n), int(k), problem.itemsize) * 1e6
+    return gemm.gemm_seconds(prof, dtype, [int(m)], int(n), int(k), problem.itemsize,
+                             library=library or None) * 1e6
 
 
-def gemm_tflops(prof, m: int | str, n: int | str, k: int | str, dtype: str = "bfloat16") -> float:
+def gemm_tflops(prof, m: int | str, n: int | str, k: int | str, dtype: str = "bfloat16",
+                library: str = "") -> float:
     """TFLOP/s of one ``(m, k) @ (k, n)`` GEMM launch on ``prof`` (:func:`gemm_us`)."""
-    return 2 * int(m) * int(n) * int(k) / gemm_us(prof, m, n, k, dtype) / 1e6
+    return 2 * int(m) * int(n) * int(k) / gemm_us(prof, m, n, k, dtype, library) / 1e6
 
 
 def nccl_busbw_gbps(prof, kind: str, size: int | str, world: int | str = "8") -> float:
@@ -350,7 +362,9 @@ PREDICTORS: dict[str, Callable[..., float]] = {
     "independent_overlap_ms": independent_overlap_ms,
     "ag_then_mm_us": ag_then_mm_us,
     "schedule_us": schedule_us,
+    "async_tp_us": async_tp_us,
     "all_to_all_us": all_to_all_us,
+    "all_to_all_gbps": all_to_all_gbps,
     "gemm_us": gemm_us,
     "gemm_tflops": gemm_tflops,
     "nccl_busbw_gbps": nccl_busbw_gbps,
@@ -362,7 +376,9 @@ PREDICTORS: dict[str, Callable[..., float]] = {
 def row_class(quantity: str, prof, **shapes) -> str:
     """``"<op>/<regime>"`` (:func:`ficco.heuristics.bands.shape_class`) of a point row, or
     ``""`` for a quantity that is not one shape of an op."""
-    if quantity in ("ag_then_mm_us", "schedule_us"):
+    if quantity == "async_tp_us":      # an overlapped MM+RS plan the simulator replays
+        shapes = dict(shapes, op="matmul_reduce_scatter")
+    if quantity in ("ag_then_mm_us", "schedule_us", "async_tp_us"):
         problem = _problem(shapes.get("op", "all_gather_matmul"), shapes["m"], shapes["n"],
                            shapes["k"], shapes.get("world", 8), shapes.get("dtype", "bfloat16"))
         return bands.shape_class(problem, prof)

@@ -1,31 +1,33 @@
 """Prices of the all-reduce's own pieces for the simulator (``matmul_all_reduce``):
 
-- **the process group's all-reduce** (:class:`~ficco.plan.AllReduce`, NCCL/RCCL): the
-  simulator's one collective primitive (:meth:`_Simulation.collective`, the profile's
-  per-primitive bus-bandwidth curve, :mod:`ficco.heuristics.collectives`), except where a fit
-  to published all-reduce *times* exists (:data:`PUBLISHED`): a latency, then the bus volume
-  of a bandwidth-optimal all-reduce, ``2 (W-1)/W`` of the message per rank (nccl-tests'
-  definition: ``busbw = algbw * 2 (W-1)/W``), at the peak bus bandwidth scaled by the
-  profile's copy-efficiency curve at the per-rank piece (``S/W``: small messages do not fill
-  the links);
+- **the process group's all-reduce** (:class:`~ficco.plan.AllReduce`, NCCL/RCCL), on every
+  profile alike: a latency, then the bus volume of a bandwidth-optimal all-reduce,
+  ``2 (W-1)/W`` of the message per rank (nccl-tests' definition: ``busbw = algbw * 2 (W-1)/W``),
+  at the peak bus bandwidth scaled by the profile's copy-efficiency curve at the per-rank
+  piece (``S/W``: small messages do not fill the links). The profile carries both numbers:
+  the latency is ``ccl.all_reduce_latency_s`` (``None``: two collective latencies,
+  ``2 x ccl.latency_s``, a reduce-scatter then an all-gather), the peak the plateau (largest
+  size) of its ``all_reduce`` bus-bandwidth curve, or without one the link it crosses
+  (every link of a mesh) at ``ccl.efficiency``. A calibrated or new profile prices it with
+  no name check;
 - **a kernel that reads peers' symmetric memory with loads** (a :class:`~ficco.plan.Reduce`
   whose sources name peers: the ``-sm`` schedules): the remote bytes over this GPU's ingress
   (the W-1 links of a mesh, the GPU's link into a switch) at the collective efficiency, beside
   the local bytes over HBM; it runs on compute units, so it contends with the GEMM as a
   collective does.
 
-The fit (h100, h200: NVSwitch, NVLink SHARP): peak bus bandwidth 480 GB/s on 8 GPUs with
-NVLink SHARP, NCCL's default all-reduce there (370 GB/s with ``NCCL_ALGO=Ring``): NCCL's
-maintainer in github.com/NVIDIA/nccl-tests/issues/212. Latency 12 us: fitted (with that
-bandwidth) to vLLM's published PyNccl all-reduce times on H100, TP = 4, bf16 (m, 8192), m =
-32-256 (0.5-4 MB): github.com/vllm-project/vllm/pull/24111 (17-37 us) and /pull/24532 (21-39
-us, a later run of the same benchmark: the two runs differ by up to 24% themselves). It is
-within 13% of all twelve points (median 9%); :func:`check_published` holds it there. The h100
-profile's all-reduce curve (an estimate: the all-gather curve scaled to NVLink SHARP's peak)
-prices the same twelve calls 23-44% faster than published, its first point (2 MiB) holding the
-time of every smaller message: so the fit prices the all-reduce on h100 until the curve holds
-these points (and a latency for small messages, which a curve read at ``bytes x W`` cannot
-carry from 4 GPUs to 8). H200 has the same NVSwitch and links: the same numbers, not measured.
+The h100 numbers (h200: the same NVSwitch and links, the same numbers, not measured): peak
+bus bandwidth 480 GB/s on 8 GPUs with NVLink SHARP, NCCL's default all-reduce there (370 GB/s
+with ``NCCL_ALGO=Ring``): NCCL's maintainer in github.com/NVIDIA/nccl-tests/issues/212 (the
+h100 ``all_reduce`` curve's plateau). Latency 12 us (``all_reduce_latency_s``): fitted (with
+that bandwidth) to vLLM's published PyNccl all-reduce times on H100, TP = 4, bf16 (m, 8192),
+m = 32-256 (0.5-4 MB): github.com/vllm-project/vllm/pull/24111 (17-37 us) and /pull/24532
+(21-39 us, a later run of the same benchmark: the two runs differ by up to 24% themselves).
+It is within 13% of all twelve points (median 9%); :func:`check_published` holds it there.
+Reading the curve at each size instead (as the other primitives are) prices the same twelve
+calls 23-44% faster than published: the curve is the all-gather's shape scaled to the SHARP
+peak, read at ``bytes x 8`` for a 4-GPU call, and no curve point carries a 4-GPU call's
+latency.
 
 The loads need no number of their own: priced with the profile's link, ``ccl.efficiency`` and
 HBM, a one-shot reduction by loads is within 9% of vLLM's one-stage custom all-reduce on H100,
@@ -39,9 +41,7 @@ Example::
 """
 from __future__ import annotations
 
-#: profile name -> (all-reduce bus bandwidth at large messages, latency): the fit to published
-#: all-reduce times (module docstring)
-PUBLISHED = {"h100": (480e9, 12e-6), "h200": (480e9, 12e-6)}
+from . import collectives
 
 #: published all-reduce times: (source, kind, profile, world, message bytes, seconds); kind
 #: "nccl": the process group's all-reduce; "loads": vLLM's one-stage custom all-reduce, one
@@ -66,20 +66,44 @@ def _ingress(profile, world: int, topology: str | None = None) -> float:
 
 
 def collective_seconds(profile, nbytes: int, world: int, topology: str | None = None) -> float:
-    """Seconds of an all-reduce of ``nbytes`` per rank over ``world`` ranks, alone, by the fit
-    of a profile in :data:`PUBLISHED`."""
+    """Seconds of an all-reduce of ``nbytes`` per rank over ``world`` ranks, alone."""
     latency_s, work_s = collective_parts(profile, nbytes, world, topology)
     return latency_s + work_s
 
 
-def collective_parts(profile, nbytes: int, world: int,
-                     topology: str | None = None) -> tuple[float, float]:
-    """(latency, bandwidth part) of an all-reduce of ``nbytes`` per rank, alone."""
+def latency_seconds(profile) -> float:
+    """The all-reduce's latency on ``profile``: ``ccl.all_reduce_latency_s``, or two
+    collective latencies (a reduce-scatter then an all-gather) where the profile gives none.
+
+    >>> from ficco.heuristics import profiles
+    >>> latency_seconds(profiles.load("h100")), latency_seconds(profiles.load("mi300x"))
+    (1.2e-05, 5e-05)
+    """
+    given = profile.ccl.get("all_reduce_latency_s")
+    return float(given) if given is not None else 2 * profile.ccl["latency_s"]
+
+
+def peak_busbw(profile, world: int, topology: str | None = None) -> float:
+    """The all-reduce's peak bus bandwidth: the plateau of the profile's ``all_reduce`` curve
+    on its own topology, else the links it crosses (a mesh's W-1, a switch's one) at
+    ``ccl.efficiency``."""
+    topology = topology or profile.topology
+    points = collectives.curve(profile, "all_reduce") if topology == profile.topology else []
+    if points:
+        return points[-1][1]
+    return _ingress(profile, world, topology) * profile.ccl["efficiency"]
+
+
+def collective_parts(profile, nbytes: int, world: int, topology: str | None = None,
+                     size_scale: float = 1.0) -> tuple[float, float]:
+    """(latency, bandwidth part) of an all-reduce of ``nbytes`` per rank, alone; the copy
+    curve is read at the per-rank piece times ``size_scale`` (a slower link than the
+    profile's own fills at fewer bytes, as for every collective)."""
     if nbytes <= 0 or world <= 1:
         return 0.0, 0.0
-    busbw, latency_s = PUBLISHED[profile.name]
-    ramp = profile.copy_fraction(nbytes / world)
-    return latency_s, 2 * (world - 1) / world * nbytes / (busbw * ramp)
+    ramp = profile.copy_fraction(nbytes / world * size_scale)
+    work_s = 2 * (world - 1) / world * nbytes / (peak_busbw(profile, world, topology) * ramp)
+    return latency_seconds(profile), work_s
 
 
 def loads_seconds(profile, nbytes: int, world: int, topology: str | None = None) -> float:
@@ -112,12 +136,12 @@ def check_published(load) -> list[tuple[str, str, int, float, float, float]]:
 
 def price_all_reduce(sim, op, task):
     """The simulator task of an :class:`~ficco.plan.AllReduce` (a collective on compute
-    units: it takes some of the GEMM's, as every collective does): the fit where there is
-    one, else the simulator's collective primitive."""
+    units: it takes some of the GEMM's, as every collective does)."""
     nbytes, world = sim._bytes(op.src), sim.problem.world
-    if sim.profile.name not in PUBLISHED or sim.topology != sim.profile.topology:
-        return sim.collective("all_reduce", nbytes / world, world - 1)
-    latency_s, work_s = collective_parts(sim.profile, nbytes, world, sim.topology)
+    latency_s, work_s = collective_parts(sim.profile, nbytes, world, sim.topology,
+                                         sim.size_scale)
+    if not nbytes or world <= 1:
+        return task("ccl", 0.0, 0.0)
     return task("ccl", latency_s, work_s)
 
 

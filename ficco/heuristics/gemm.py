@@ -24,6 +24,20 @@ machine). This model does the same, cheaply:
 - **Roofline.** Never faster than its memory traffic (A, B, and C, read too when the GEMM
   accumulates) at ``gemm_memory_efficiency`` of HBM bandwidth (GEMM epilogues stream C
   slower than a copy kernel moves memory; ``memory_efficiency`` when not given).
+- **Chunking a GEMM that feeds a collective** (a schedule's per-step or per-peer GEMMs) costs
+  what the pieces above add up to, nothing else: each chunk is a launch of its own (its
+  ``launch_s``), its own waves (a chunk's last wave is as quantized as a whole GEMM's, so
+  ``W`` chunks of ``tiles / W`` tiles can take ``W`` partial waves where the whole took one
+  full one) and its own roofline (every chunk reads all of B again: ``W`` chunks move
+  ``W x K x N`` weight bytes).
+- **The kernel library** (``library``): ``None`` prices the profile's vendor library (the tile
+  menu above, cuBLAS's or hipBLASLt's); ``"deepgemm"`` prices DeepGEMM's persistent SM90 bf16
+  kernels (:func:`deepgemm_tiles`): a grid of one block per SM, block sizes from 64 rows and
+  16 columns up (its candidate list), no split-K.
+- **Concurrency.** :func:`gemm_cost` also says how much of the machine the launch holds
+  (``units``: the fraction of compute units its first wave covers) and how much of its time
+  is spent waiting on HBM (``hbm``: memory time over total): two GEMMs on two streams share
+  the machine by these (:mod:`ficco.heuristics.simulator`).
 
 Example::
 
@@ -36,13 +50,27 @@ Example::
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 #: Split-K factors a library considers, as hipBLASLt's GSU and cuBLAS's split-K kernels do.
 SPLITS = (2, 4, 8, 16, 32, 64)
 
 
+class GemmCost(NamedTuple):
+    """One GEMM launch: ``seconds`` in all (launch included), its ``compute_s`` and
+    ``memory_s`` sides, the fraction of compute units its first wave holds (``units``) and the
+    fraction of its time HBM is the bottleneck (``hbm``)."""
+
+    seconds: float
+    compute_s: float
+    memory_s: float
+    units: float
+    hbm: float
+
+
 def gemm_seconds(profile, dtype: str, block_rows: list[int], n: int, k: int, itemsize: int,
-                 accumulate: bool = False, out_itemsize: int | None = None) -> float:
+                 accumulate: bool = False, out_itemsize: int | None = None,
+                 library: str | None = None) -> float:
     """Seconds of ONE GEMM launch computing ``block_rows`` row blocks (a strided batch, all
     with the same ``n`` columns and ``k`` inner extent) on ``profile``.
 
@@ -50,14 +78,25 @@ def gemm_seconds(profile, dtype: str, block_rows: list[int], n: int, k: int, ite
     >>> round(gemm_seconds(profiles.load("mi300x"), "bfloat16", [0], 128, 128, 2), 9)
     0.0
     """
+    return gemm_cost(profile, dtype, block_rows, n, k, itemsize, accumulate, out_itemsize,
+                     library).seconds
+
+
+def gemm_cost(profile, dtype: str, block_rows: list[int], n: int, k: int, itemsize: int,
+              accumulate: bool = False, out_itemsize: int | None = None,
+              library: str | None = None) -> GemmCost:
+    """:func:`gemm_seconds` with its parts (:class:`GemmCost`)."""
     rows = sum(block_rows)
     if rows == 0 or n == 0 or k == 0:
-        return 0.0
-    dil = profile.dil
-    compute_s = min(_tile_seconds(profile, dtype, block_rows, n, k, tile)
-                    for tile in tiles(profile))
-    return dil["launch_s"] + max(compute_s, memory_seconds(profile, rows, n, k, itemsize,
-                                                           accumulate, out_itemsize))
+        return GemmCost(0.0, 0.0, 0.0, 0.0, 0.0)
+    menu = deepgemm_tiles(profile, dtype, itemsize) if library == "deepgemm" else tiles(profile)
+    splits = library != "deepgemm"
+    compute_s, units = min(_tile_seconds(profile, dtype, block_rows, n, k, tile, splits)
+                           for tile in menu)
+    memory_s = memory_seconds(profile, rows, n, k, itemsize, accumulate, out_itemsize)
+    busy = max(compute_s, memory_s)
+    return GemmCost(profile.dil["launch_s"] + busy, compute_s, memory_s, units,
+                    memory_s / busy if busy else 0.0)
 
 
 def memory_seconds(profile, rows: int, n: int, k: int, itemsize: int,
@@ -88,15 +127,65 @@ def tiles(profile) -> list[tuple[int, int, float]]:
     return [(int(tm), int(tn), float(eff)) for tm, tn, eff in menu]
 
 
-def _tile_seconds(profile, dtype, block_rows, n, k, tile) -> float:
+def deepgemm_tiles(profile, dtype: str, itemsize: int) -> list[tuple[int, int, float]]:
+    """DeepGEMM's SM90 block candidates for a bf16 GEMM with a bf16 output
+    (``csrc/jit_kernels/heuristics/sm90.hpp``, ``get_layout_candidates``): ``block_m`` 64, 128
+    or 256, ``block_n`` 16 to 256 in steps of 16, not both above 128, and at least 3 pipeline
+    stages of ``(block_m + block_n) x block_k`` operands (4 below ``128 x 192``) beside the
+    ``block_m x block_n`` output in its 232,448 B of shared memory (``block_k`` = 128 B of
+    elements). Each block's sustained fraction is what its operand feed allows
+    (:func:`feed_fraction`).
+
+    >>> from ficco.heuristics import profiles
+    >>> menu = deepgemm_tiles(profiles.load("h20"), "bfloat16", 2)
+    >>> (64, 32, 1.0) in menu, any(m > 128 and n > 128 for m, n, _ in menu)
+    (True, False)
+    """
+    smem, block_k = 232448, 128 // itemsize
+    menu = []
+    for tm in (64, 128, 256):
+        for tn in range(16, 257, 16):
+            if tm > 128 and tn > 128:
+                continue
+            out = -(-tm * tn * itemsize // 1024) * 1024
+            stages = (smem - out - 16 * 8 * 2) // ((tm + tn) * block_k * itemsize)
+            if stages < 3 or (tm * tn < 128 * 192 and stages < 4):
+                continue
+            menu.append((tm, tn, feed_fraction(profile, dtype, tm, tn, itemsize)))
+    return menu
+
+
+def feed_fraction(profile, dtype: str, tile_m: int, tile_n: int, itemsize: int) -> float:
+    """The fraction of a compute unit's peak a ``tile_m x tile_n`` block sustains when its
+    operands come from L2 at ``l2_bytes_per_s_per_unit`` (profile ``dil``; DeepGEMM's SM90
+    heuristic models 64 B per cycle per SM): each K step loads ``(tile_m + tile_n) x itemsize``
+    bytes for ``2 x tile_m x tile_n`` FLOPs. 1.0 where the profile gives no L2 bandwidth.
+
+    >>> from ficco.heuristics import profiles
+    >>> h20 = profiles.load("h20")
+    >>> feed_fraction(h20, "bfloat16", 64, 64, 2), round(feed_fraction(h20, "bfloat16", 64, 16, 2), 2)
+    (1.0, 0.85)
+    """
+    feed = profile.dil.get("l2_bytes_per_s_per_unit")
+    if not feed:
+        return 1.0
+    unit_flops = profile.flops(dtype) / profile.compute_units
+    intensity = 2 * tile_m * tile_n / ((tile_m + tile_n) * itemsize)
+    return min(1.0, feed * intensity / unit_flops)
+
+
+def _tile_seconds(profile, dtype, block_rows, n, k, tile, splits=True) -> tuple[float, float]:
+    """(seconds, fraction of compute units held) of the GEMM with ``tile``, its best split."""
     tile_m, tile_n, tile_eff = tile
     dil, units = profile.dil, profile.compute_units
     count = sum(math.ceil(r / tile_m) for r in block_rows if r) * math.ceil(n / tile_n)
     # One compute unit's sustained FLOP/s with this tile when the whole machine is busy.
     unit_flops = profile.flops(dtype) * dil["gemm_efficiency"] * tile_eff / units
-    best = math.inf
+    best, held = math.inf, 1.0
     candidates: tuple[int, ...]
-    if dil.get("split_k_rule") == "hipblaslt_auto":
+    if not splits:
+        candidates = (1,)
+    elif dil.get("split_k_rule") == "hipblaslt_auto":
         candidates = (auto_gsu(profile, count, k, tile_m * tile_n),)
     else:
         candidates = (1,) + tuple(s for s in SPLITS if _library_splits(profile, count, k, s))
@@ -107,8 +196,9 @@ def _tile_seconds(profile, dtype, block_rows, n, k, tile) -> float:
         reduce_s = 0.0
         if split > 1:   # float32 partial sums written and read back once
             reduce_s = partials_seconds(profile, split * sum(block_rows) * n * 4)
-        best = min(best, wave_s + reduce_s)
-    return best
+        if wave_s + reduce_s < best:
+            best, held = wave_s + reduce_s, min(1.0, waves)
+    return best, held
 
 
 def partials_seconds(profile, nbytes: float) -> float:

@@ -48,6 +48,8 @@ JSON schema (every key at top level; units in the names)::
               "depth_u": 64,                   # ... its K step per iteration
               "split_k_workspace_bytes": 79691776,  # ... float32 partials must fit here
               "memory_efficiency": 0.8,        # fraction of HBM bandwidth a copy kernel gets
+              "l2_bytes_per_s_per_unit": null, # L2 -> one compute unit (a DeepGEMM block's
+                                               # operand feed, heuristics/gemm.py)
               "launch_s": 5e-06},              # fixed cost of one kernel
       "cil": {"dma_gemm": 0.2,                 # GEMM slowdown rate beside copy_engines copies
                                                # (x s(MT)), while both run
@@ -61,6 +63,8 @@ JSON schema (every key at top level; units in the names)::
               "cu_mem_unit_fraction": 0.5},    # share of CUs a gather/scatter kernel takes
       "ccl": {"efficiency": 0.8,               # fraction of link bandwidth a collective reaches
               "latency_s": 2e-05,
+              "all_reduce_latency_s": null,    # the all-reduce's (null: 2 x latency_s;
+                                               # heuristics/all_reduce_pricing.py)
               "compute_unit_fraction": 0.1},   # share of CUs a collective kernel occupies
       "sources": {"peak_flops": "...", ...}    # where every number comes from
     }

@@ -19,6 +19,10 @@ Cost model (every number from :class:`~ficco.heuristics.profiles.Profile`):
   ``copy_engines`` copies progress at once. Where the runtime runs 2-D copies as kernels
   (profile ``copy_2d_on_dma: false``; ROCm's ``hipMemcpy2DAsync`` ignores the NoCU kind), a
   2-D peer copy is a CU copy: same link, but it contends with the GEMM like a collective.
+- GEMMs on two streams at once (PyTorch's Async-TP runs its chunk GEMMs on two) share the
+  machine: each holds the fraction of compute units its first wave covers and, for the part
+  of its time it is memory-bound, HBM; while the sums stay under one they run as fast as
+  alone (small GEMMs filling each other's idle units), beyond that all slow alike.
 - Contention (CIL, paper Fig. 8; :mod:`ficco.heuristics.contention`): while a GEMM runs beside
   ``c`` flowing copies it slows by ``1 + cil.dma_gemm x s(MT) x (c / copy_engines)^
   cil.gemm_copies_exp`` and each copy by ``1 + cil.dma_copy x s(MT)^copy_mt_power x (c /
@@ -100,6 +104,8 @@ class _Task:
     resource: tuple = ()     # which link a dma copy uses
     demand: float = 0.0      # bytes/s this copy moves when alone
     mt_factor: float = 0.0   # s(MT) of a GEMM, in [0, 1)
+    units: float = 1.0       # a GEMM: fraction of the compute units its first wave holds
+    hbm: float = 0.0         # a GEMM: fraction of its time HBM is its bottleneck
 
 
 def simulate(plan: Plan, profile: Profile, topology: str | None = None,
@@ -275,6 +281,11 @@ class Simulation:
         share = {link: min(1.0, link_cap / d) if d > 0 else 1.0
                  for link, d in demand_by_link.items()}
         gemm_mt = max((t.mt_factor for t in flowing.values() if t.category == "gemm"), default=None)
+        # GEMMs on several streams share the machine: together they hold at most all compute
+        # units and all of HBM; past that every one of them slows alike (processor sharing)
+        gemms = [t for t in flowing.values() if t.category == "gemm"]
+        machine = max(1.0, sum(t.units for t in gemms), sum(t.hbm for t in gemms)) \
+            if len(gemms) > 1 else 1.0
         # Kernels that move data on compute units (a collective, a CU copy, a gather or
         # scatter kernel) take CUs from the GEMM and contend more than DMA engines (paper
         # Fig. 3d and Fig. 8: core-driven communication against DMA).
@@ -309,7 +320,7 @@ class Simulation:
                 if cu_running:
                     slowdown += cil["ccl_gemm"] * t.mt_factor
                     slowdown /= 1 - cu_taken
-                rate = 1 / slowdown
+                rate = 1 / (slowdown * machine)
             elif t.category in ("mem", "cu_mem"):
                 slowdown = dma_contention(prof, 1.0, len(copies))[0]
                 if gemm_mt is not None:
@@ -333,16 +344,19 @@ class Simulation:
         block_rows = [block.rows for block in op.a]
         out_itemsize = self._bytes(op.out[0], 1)
         if p.scaling:   # torch._scaled_mm is not batched: one launch per block
-            seconds = sum(gemm_cost.gemm_seconds(self.profile, p.dtype, [rows], n, op.kc,
-                                                 self.itemsize, op.accumulate, out_itemsize)
-                          for rows in block_rows)
+            costs = [gemm_cost.gemm_cost(self.profile, p.dtype, [rows], n, op.kc, self.itemsize,
+                                         op.accumulate, out_itemsize) for rows in block_rows]
         else:
-            seconds = gemm_cost.gemm_seconds(self.profile, p.dtype, block_rows, n, op.kc,
-                                             self.itemsize, op.accumulate, out_itemsize)
+            costs = [gemm_cost.gemm_cost(self.profile, p.dtype, block_rows, n, op.kc,
+                                         self.itemsize, op.accumulate, out_itemsize)]
+        seconds = sum(c.seconds for c in costs)
         if seconds == 0:
             return _Task("gemm", 0.0, 0.0)
         launch_s = self.profile.dil["launch_s"]
-        return _Task("gemm", launch_s, seconds - launch_s, mt_factor=self._problem_mt_factor(n))
+        busy = sum(max(c.compute_s, c.memory_s) for c in costs)
+        return _Task("gemm", launch_s, seconds - launch_s, mt_factor=self._problem_mt_factor(n),
+                     units=max(c.units for c in costs),
+                     hbm=sum(c.memory_s for c in costs) / busy if busy else 0.0)
 
     def _price_gated_gemm(self, op) -> _Task:
         """A piece of a gated GEMM (:func:`_lower_gated`): its share of ONE full-size GEMM at

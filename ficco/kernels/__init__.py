@@ -33,6 +33,15 @@ MIN_TRITON_INTERPRETER = (3, 8)
 VERIFIED_TARGETS: tuple[str, ...] = ()
 
 
+def _major_minor(version: str) -> tuple[int, ...]:
+    """``(3, 6)`` of ``"3.6.0"``: of the first two dot-separated parts, those of digits only."""
+    return tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
+
+
+def _dotted(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version))
+
+
 @functools.cache
 def triton_reason() -> str | None:
     """None when a usable Triton imports, else why not and how to fix it."""
@@ -43,13 +52,13 @@ def triton_reason() -> str | None:
         import triton
     except Exception as exc:  # noqa: BLE001 - a broken install is reported, not raised
         return f"Triton is installed but does not import ({type(exc).__name__}: {exc})"
-    version = tuple(int(x) for x in triton.__version__.split(".")[:2] if x.isdigit())
+    version = _major_minor(triton.__version__)
     if version < MIN_TRITON:
         return f"Triton {triton.__version__} is too old; ficco's kernels need >= " \
-               f"{'.'.join(map(str, MIN_TRITON))}"
+               f"{_dotted(MIN_TRITON)}"
     if version > MAX_TRITON:
         return (f"Triton {triton.__version__} is newer than the newest ficco's kernels were "
-                f"checked against ({'.'.join(map(str, MAX_TRITON))}): whether its loads of "
+                f"checked against ({_dotted(MAX_TRITON)}): whether its loads of "
                 f"the group's error word still go to memory is unverified "
                 f"(tests/test_kernel_words.py decides; then raise ficco.kernels.MAX_TRITON)")
     return None
@@ -81,12 +90,12 @@ def interpreter_reason() -> str | None:
     """None when Triton's interpreter runs the gated GEMM and the fence on CPU, else why not."""
     import triton
 
-    version = tuple(int(x) for x in triton.__version__.split(".")[:2] if x.isdigit())
+    version = _major_minor(triton.__version__)
     if version < MIN_TRITON_INTERPRETER:
         return (f"Triton {triton.__version__}'s interpreter cannot run the gated GEMM on CPU "
                 f"(it rejects the kernel's persistent loop over tiles and the fence's loads); "
                 f"the CPU backend needs Triton >= "
-                f"{'.'.join(map(str, MIN_TRITON_INTERPRETER))} for it")
+                f"{_dotted(MIN_TRITON_INTERPRETER)} for it")
     return None
 
 

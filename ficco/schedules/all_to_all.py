@@ -51,23 +51,16 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ..errors import InvalidArgumentError
 from ..plan import COMM, COMPUTE, Plan, PlanBuilder, copy_queue
 from ..plan_expert import Exchange, GroupedGemm, Publish, Pull
-from ..problem_expert import COMBINE, DISPATCH, EXPERT_OPS, chunk_of
+from ..problem_expert import COMBINE, DISPATCH, check_op, chunk_of
 from .by_expert import ByExpert
-from .common import Schedule, check_plan_args
-from .reduce_scatter.common import barrier, pad_barriers
+from .common import Schedule, barrier, check_plan_args, pad_barriers, pull_order
 
 
 def _begin(schedule, problem, transport: str, copy_engines: int | None) -> PlanBuilder:
     check_plan_args(schedule.op, problem, transport, copy_engines)
     return PlanBuilder(schedule.name, transport, problem)
-
-
-def _peers(rank: int, world: int) -> list[int]:
-    """Remote ranks in pull order r+1, r+2, …: at any moment ranks read different peers."""
-    return [(rank + i) % world for i in range(1, world)]
 
 
 @dataclass(frozen=True)
@@ -88,8 +81,7 @@ class ExpertSchedule:
     two_d: bool = False
 
     def __post_init__(self):
-        if self.op not in EXPERT_OPS:
-            raise InvalidArgumentError(f"op must be one of {EXPERT_OPS}; got {self.op!r}")
+        check_op(self.op, type(self).__name__)
 
     @property
     def name(self) -> str:
@@ -122,7 +114,7 @@ class ExpertSchedule:
     # -- dispatch: move, then multiply ---------------------------------------------------------
     def _dispatch(self, builder: PlanBuilder, transport: str, engines: int) -> None:
         p, two_d = builder.problem, self.two_d
-        r, peers = p.rank, _peers(p.rank, p.world)
+        r, peers = p.rank, pull_order(p)
         steps = self._steps(p)
         own_first = self.chunked and not self.uniform
         if own_first:
@@ -164,7 +156,7 @@ class ExpertSchedule:
     # -- combine: multiply, then move back ------------------------------------------------------
     def _combine(self, builder: PlanBuilder, transport: str, engines: int) -> None:
         p, two_d = builder.problem, self.two_d
-        r, peers = p.rank, _peers(p.rank, p.world)
+        r, peers = p.rank, pull_order(p)
         steps = self._steps(p)
         own_last = self.chunked and not self.uniform
         if transport == "dma":
@@ -207,8 +199,7 @@ class ExpertRing:
     name = "ring"
 
     def __post_init__(self):
-        if self.op not in EXPERT_OPS:
-            raise InvalidArgumentError(f"op must be one of {EXPERT_OPS}; got {self.op!r}")
+        check_op(self.op, type(self).__name__)
 
     def plan(self, problem, transport: str = "dma", copy_engines: int | None = None) -> Plan:
         builder = _begin(self, problem, transport, copy_engines)

@@ -34,12 +34,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import InvalidArgumentError
 from ..plan import COMM, COMPUTE, Plan, PlanBuilder, copy_queue
 from ..plan_expert import Exchange, GroupedGemm, Publish, Pull
-from ..problem_expert import DISPATCH, EXPERT_OPS
-from .common import check_plan_args
-from .reduce_scatter.common import barrier, pad_barriers
+from ..problem_expert import DISPATCH, check_op
+from .common import barrier, check_plan_args, pad_barriers, pull_order
 
 
 @dataclass(frozen=True)
@@ -50,8 +48,7 @@ class ByExpert:
     name = "by-expert"
 
     def __post_init__(self):
-        if self.op not in EXPERT_OPS:
-            raise InvalidArgumentError(f"op must be one of {EXPERT_OPS}; got {self.op!r}")
+        check_op(self.op, type(self).__name__)
 
     def plan(self, problem, transport: str = "dma", copy_engines: int | None = None) -> Plan:
         check_plan_args(self.op, problem, transport, copy_engines)
@@ -67,7 +64,7 @@ class ByExpert:
 
     def _dispatch(self, builder: PlanBuilder, p, transport: str, engines: int) -> None:
         everyone = tuple(range(p.world))
-        peers = [(p.rank + i) % p.world for i in range(1, p.world)]
+        peers = pull_order(p)
         last: dict[int, int] = {}
         if transport == "dma":
             ready = barrier(builder, step=0, after=[builder.add(Publish(copy_queue(0)))])
@@ -88,7 +85,7 @@ class ByExpert:
 
     def _combine(self, builder: PlanBuilder, p, transport: str, engines: int) -> None:
         everyone = tuple(range(p.world))
-        peers = [(p.rank + i) % p.world for i in range(1, p.world)]
+        peers = pull_order(p)
         last: dict[int, int] = {}
         if transport == "dma":
             pad_barriers(builder, p.experts + 1)

@@ -1,4 +1,5 @@
-"""Pieces every schedule shares: the publish/barrier prologue, the closing barrier, and block
+"""Pieces every schedule shares: the argument check, the pull order, the plan-barrier rule,
+the ``avg`` factor; and the all-gather's publish/barrier prologue, closing barrier and block
 constructors. Schedules build Plans only from these and :mod:`ficco.plan`."""
 from __future__ import annotations
 
@@ -50,6 +51,32 @@ def check_plan_args(op: str, problem, transport: str, copy_engines: int | None) 
     if copy_engines is not None and copy_engines < 1:
         raise InvalidArgumentError(
             f"copy_engines must be >= 1 or None (one per peer); got {copy_engines}")
+
+
+def pull_order(p) -> list[int]:
+    """Remote ranks in pull order r+1, r+2, …: at any moment the ranks read different peers,
+    so no rank's memory is read by everyone at once (``p``: any op's problem)."""
+    return [(p.rank + i) % p.world for i in range(1, p.world)]
+
+
+def avg_scale(p) -> float | None:
+    """The factor ``reduce_op="avg"`` applies once to each output element (None for ``sum``)."""
+    return 1.0 / p.world if p.reduce_op == "avg" and p.world > 1 else None
+
+
+def barrier(builder: PlanBuilder, step: int, after=()) -> int:
+    """The next plan barrier, on copy0 (all of a plan's barriers: one order on every rank);
+    channels alternate 0, 1, … (:mod:`ficco.symm_mem.barrier`)."""
+    return builder.add(Barrier(copy_queue(0), channel=builder.barriers() % 2, step=step),
+                       after=after)
+
+
+def pad_barriers(builder: PlanBuilder, total: int) -> None:
+    """Plan barriers alternate channels 0, 1, … and must end on 1 (the flag protocol of
+    :mod:`ficco.symm_mem.barrier`): with an odd ``total`` put one extra barrier first, on
+    copy0, where it waits beside the first GEMM and costs no time on the critical path."""
+    if total % 2:
+        barrier(builder, step=0)
 
 
 def shard_rows(p: Problem, peer: int, row0: int = 0, rows: int | None = None, *,

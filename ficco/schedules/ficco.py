@@ -154,10 +154,7 @@ class _Planner:
 
     @property
     def peers(self) -> list[int]:
-        """Remote ranks in pull order r+1, r+2, …: at any moment the ranks pull from
-        different peers, so no shard is read by everyone at once."""
-        p = self.builder.problem
-        return [(p.rank + i) % p.world for i in range(1, p.world)]
+        return common.pull_order(self.builder.problem)
 
     def run(self) -> None:
         p, s = self.builder.problem, self.schedule

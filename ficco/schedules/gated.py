@@ -98,7 +98,7 @@ class Gated:
             _gated_gemms(b, (local,))
             return b.build()
         engines = copy_engines or p.world - 1
-        peers = [(p.rank + i) % p.world for i in range(1, p.world)]
+        peers = common.pull_order(p)
         _, ready = common.publish_on_copy_engine(b)
         todo = chunks(p, self.two_d)
         if self.two_d:

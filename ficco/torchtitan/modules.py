@@ -35,10 +35,16 @@ _SEQ_DIM = 1     # torchtitan's activations are (batch, seq, dim)
 
 # -- the modules ---------------------------------------------------------------------------------
 class _OnTensorParallelGroup:
-    """Remembers the tensor-parallel mesh torchtitan parallelizes the module over (None: TP
-    is off, torchtitan's own forward runs)."""
+    """What every module here shares: built, it reports the plan (:func:`_report_plan`);
+    parallelized, it remembers the tensor-parallel mesh torchtitan parallelizes it over (None:
+    TP is off, torchtitan's own forward runs). Each module still declares its own ``Config``:
+    torchtitan builds the class a ``Config`` is declared in."""
 
     _ficco_tp = None
+
+    def __init__(self, config) -> None:   # torchtitan builds a module as ``Owner(config=...)``
+        super().__init__(config)  # type: ignore[call-arg]
+        _report_plan()
 
     def parallelize(self, parallel_dims) -> None:
         self._ficco_tp = parallel_dims.get_mesh("tp") if parallel_dims.tp_enabled else None
@@ -60,10 +66,6 @@ class FiccoFusedQKVLinear(_OnTensorParallelGroup, FusedQKVLinear):
     class Config(FusedQKVLinear.Config):
         pass
 
-    def __init__(self, config: Config):
-        super().__init__(config)
-        _report_plan()
-
     def forward(self, x: Tensor):  # type: ignore[override]
         mesh = self._tp_mesh()
         if mesh is None:
@@ -82,10 +84,6 @@ class FiccoQKVLinear(_OnTensorParallelGroup, QKVLinear):
     class Config(QKVLinear.Config):
         pass
 
-    def __init__(self, config: Config):
-        super().__init__(config)
-        _report_plan()
-
     def forward(self, x: Tensor):  # type: ignore[override]
         mesh = self._tp_mesh()
         if mesh is None:
@@ -103,10 +101,6 @@ class FiccoRowParallelLinear(_OnTensorParallelGroup, Linear):
     class Config(Linear.Config):
         pass
 
-    def __init__(self, config: Config):
-        super().__init__(config)
-        _report_plan()
-
     def forward(self, input: Tensor) -> Tensor:
         mesh = self._tp_mesh()
         if mesh is None:
@@ -121,10 +115,6 @@ class FiccoFeedForward(_OnTensorParallelGroup, FeedForward):
     @dataclass(kw_only=True, slots=True)
     class Config(FeedForward.Config):
         pass
-
-    def __init__(self, config: Config):
-        super().__init__(config)
-        _report_plan()
 
     def forward(self, x: Tensor) -> Tensor:
         mesh = self._tp_mesh()

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from ...plan import COMM, AllReduce, Plan
 from ...problem import Problem, even_split
+from ..common import avg_scale, pad_barriers
 from . import common
 from .shots import two_shot_rows
 
@@ -52,7 +53,7 @@ class Chunked:
         dma = transport == "dma"
         target = "partial" if dma or not common.straight_to_out(p) else "out"
         if dma:
-            common.pad_barriers(builder, 2 * len(ranges) + 1)
+            pad_barriers(builder, 2 * len(ranges) + 1)
         engines = copy_engines or p.world - 1
         reads, recv_row0 = [], 0
         gemms = common.gemms(builder, *ranges[0], target, step=0) if ranges else []
@@ -70,7 +71,7 @@ class Chunked:
                 for j in range(len(p.ns)):
                     builder.add(AllReduce(COMM, common.rows(p, target, j, (start, count)),
                                           common.rows(p, "out", j, (start, count)), step=c,
-                                          scale=common.scale(p)), after=gemms)
+                                          scale=avg_scale(p)), after=gemms)
             gemms = ahead
         if dma:
             common.close(builder, transport, reads)

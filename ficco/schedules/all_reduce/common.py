@@ -1,5 +1,5 @@
 """Pieces the all-reduce schedules share: blocks of the ``partial``, ``recv``, ``reduced`` and
-``out`` buffers, the barrier rule, and the two halves of a bandwidth-optimal all-reduce of a
+``out`` buffers, the closing barrier, and the two halves of a bandwidth-optimal all-reduce of a
 range of rows (each rank reduces its piece, then pulls every peer's), which ``serial``,
 ``two-shot`` and ``chunked-*`` run; ``rs-ag-*`` gets its reduce-scatter half from the
 reduce-scatter schedules instead (:mod:`.rs_ag`).
@@ -24,7 +24,6 @@ from ...plan import (
     COMPUTE,
     AllGather,
     AllToAll,
-    Barrier,
     Block,
     Copy,
     Gemm,
@@ -34,7 +33,7 @@ from ...plan import (
     copy_queue,
 )
 from ...problem import MATMUL_ALL_REDUCE, Problem, even_split
-from ..common import check_plan_args
+from ..common import avg_scale, barrier, check_plan_args, pull_order
 
 #: (first row, rows) of one rank's piece of a range of rows
 Piece = tuple[int, int]
@@ -76,34 +75,10 @@ def straight_to_out(p: Problem) -> bool:
     return p.partial_itemsize == p.out_itemsize and not p.bias
 
 
-def scale(p: Problem) -> float | None:
-    """The factor ``avg`` applies once to each output element (None for ``sum``)."""
-    return 1.0 / p.world if p.reduce_op == "avg" and p.world > 1 else None
-
-
 def pieces(p: Problem, row0: int, count: int) -> list[Piece]:
     """Every rank's piece of rows ``[row0, row0+count)`` (``even_split``: longer pieces first,
     as :meth:`Problem.block` splits all M rows)."""
     return [(row0 + start, length) for start, length in even_split(count, p.world)]
-
-
-def peers(p: Problem) -> list[int]:
-    """Remote ranks in pull order r+1, r+2, …: at any moment ranks read different peers."""
-    return [(p.rank + i) % p.world for i in range(1, p.world)]
-
-
-def barrier(builder: PlanBuilder, step: int, after=()) -> int:
-    """The next plan barrier, on copy0 (all of a plan's barriers: one order on every rank);
-    channels alternate 0, 1, … (:mod:`ficco.symm_mem.barrier`)."""
-    return builder.add(Barrier(copy_queue(0), channel=builder.barriers() % 2, step=step),
-                       after=after)
-
-
-def pad_barriers(builder: PlanBuilder, total: int) -> None:
-    """Plans end on channel 1: with an odd ``total`` one extra barrier goes first, beside the
-    first GEMM, where it costs nothing on the critical path."""
-    if total % 2:
-        barrier(builder, step=0)
 
 
 def close(builder: PlanBuilder, transport: str, after) -> None:
@@ -133,16 +108,16 @@ def reduce_piece(builder: PlanBuilder, split: list[Piece], *, engines: int, load
                     for q in range(p.world)]
             landed = list(after)
         else:
-            slot = {q: (recv_row0 + q * mine[1], mine[1]) for q in peers(p)}
+            slot = {q: (recv_row0 + q * mine[1], mine[1]) for q in pull_order(p)}
             landed = [builder.add(Copy(copy_queue(i % engines),
                                        rows(p, "partial", j, mine, q), rows(p, "recv", j, slot[q]),
                                        step=step), after=after)
-                      for i, q in enumerate(peers(p))]
+                      for i, q in enumerate(pull_order(p))]
             reads += landed
             srcs = [rows(p, "partial", j, mine) if q == p.rank else rows(p, "recv", j, slot[q])
                     for q in range(p.world)]
         h = builder.add(Reduce(COMPUTE, tuple(srcs), rows(p, "reduced", j, mine), False, step,
-                                 scale(p)), after=landed)
+                                 avg_scale(p)), after=landed)
         reductions.append(h)
         if loads:
             reads.append(h)
@@ -157,7 +132,7 @@ def gather_pieces(builder: PlanBuilder, split: list[Piece], *, engines: int, loa
     ``own_after`` (its reductions). Returns every read of a peer's memory."""
     p = builder.problem
     reads = []
-    for i, q in enumerate(peers(p)):
+    for i, q in enumerate(pull_order(p)):
         if not split[q][1]:
             continue
         for j in range(len(p.ns)):
@@ -191,7 +166,7 @@ def all_reduce_ccl(builder: PlanBuilder, split: list[Piece], *, step: int, after
     for j in range(len(p.ns)):
         srcs = tuple(rows(p, "partial", j, piece) if piece[1] else None for piece in split)
         reduced = builder.add(ReduceScatter(
-            COMM, srcs, rows(p, "reduced", j, mine) if mine[1] else None, step, scale(p)),
+            COMM, srcs, rows(p, "reduced", j, mine) if mine[1] else None, step, avg_scale(p)),
             after=after)
         if len({length for _, length in split}) == 1:
             builder.add(AllGather(COMM, rows(p, "reduced", j, mine),

@@ -43,6 +43,7 @@ from ...plan import (
 )
 from ...problem import MATMUL_REDUCE_SCATTER, Problem, even_split
 from .. import reduce_scatter
+from ..common import barrier, pad_barriers, pull_order
 from . import common
 
 #: the reduce-scatter schedules registered as ``rs-ag-*``: the one that pipelines (its blocks
@@ -74,7 +75,7 @@ class RsAg:
         groups = _groups(lead, problem)
         if transport == "dma":
             # the reduce-scatter's barriers (an even count), one per group, the closing one
-            common.pad_barriers(builder, len(groups) + 1)
+            pad_barriers(builder, len(groups) + 1)
         _Replay(builder, mine, groups, copy_engines or problem.world - 1).run()
         # The reduced rows travel in the outputs' dtype, float32 where the reduce-scatter adds
         # partial sums in place: rank 0's plan says so for every rank (a rank without rows has
@@ -213,7 +214,7 @@ class _Replay:
                 f"reduce-scatter schedule's plans differ in structure across ranks")
         final = [self.handle[i] for i in written]
         step = p.world + 1
-        ready = common.barrier(b, step, after=final) if b.transport == "dma" else None
+        ready = barrier(b, step, after=final) if b.transport == "dma" else None
         for run in _runs(chunks):
             span = {d: _span(p, d, run) for d in range(p.world)}
             mine = span[p.rank]
@@ -225,7 +226,7 @@ class _Replay:
                         common.rows(p, "out", j, span[q]) if q != p.rank and span[q][1] else None
                         for q in range(p.world)), step), after=final)
                 else:
-                    for lane, q in enumerate(common.peers(p)):
+                    for lane, q in enumerate(pull_order(p)):
                         if span[q][1]:
                             self.reads.append(b.add(Copy(
                                 copy_queue(lane % self.engines),

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 from ...plan import COMM, COMPUTE, AllGather, AllReduce, Copy, Plan, PlanBuilder, Reduce, copy_queue
 from ...problem import Problem
+from ..common import avg_scale, barrier, pad_barriers, pull_order
 from . import common
 
 
@@ -54,10 +55,10 @@ def two_shot_rows(builder: PlanBuilder, row0: int, count: int, gemms: list[int],
     if builder.transport == "ccl":
         common.all_reduce_ccl(builder, split, step=step, after=gemms)
         return [], 0
-    ready = common.barrier(builder, step, after=gemms)
+    ready = barrier(builder, step, after=gemms)
     reductions, reads = common.reduce_piece(builder, split, engines=engines, loads=loads,
                                             recv_row0=recv_row0, step=step, after=[ready])
-    done = common.barrier(builder, step, after=reductions)
+    done = barrier(builder, step, after=reductions)
     reads += common.gather_pieces(builder, split, engines=engines, loads=loads, step=step,
                                   after=[done], own_after=reductions)
     return reads, p.world * split[p.rank][1]
@@ -82,7 +83,7 @@ class TwoShot:
     def fill(self, builder: PlanBuilder, copy_engines: int | None) -> None:
         p = builder.problem
         if builder.transport == "dma":
-            common.pad_barriers(builder, 3)
+            pad_barriers(builder, 3)
         gemms = common.gemms(builder, 0, p.m, "partial")
         reads, _ = two_shot_rows(builder, 0, p.m, gemms, engines=copy_engines or p.world - 1,
                                  loads=self.loads)
@@ -111,7 +112,7 @@ class Serial:
                 everything = (0, p.m)
                 builder.add(AllReduce(COMM, common.rows(p, target, j, everything),
                                       common.rows(p, "out", j, everything),
-                                      scale=common.scale(p)), after=gemms)
+                                      scale=avg_scale(p)), after=gemms)
         return builder.build()
 
 
@@ -132,7 +133,7 @@ class OneShot:
         p = problem
         everything = (0, p.m)
         gemms = common.gemms(builder, 0, p.m, "partial")
-        ready = common.barrier(builder, 0, after=gemms) if transport == "dma" else -1
+        ready = barrier(builder, 0, after=gemms) if transport == "dma" else -1
         engines = copy_engines or p.world - 1
         reads: list[int] = []
         for j in range(len(p.ns)):
@@ -151,12 +152,12 @@ class OneShot:
                 landed = [builder.add(Copy(copy_queue(i % engines),
                                            common.rows(p, "partial", j, everything, q),
                                            slots[q]), after=[ready])
-                          for i, q in enumerate(common.peers(p))]
+                          for i, q in enumerate(pull_order(p))]
                 reads += landed
                 srcs = [common.rows(p, "partial", j, everything) if q == p.rank else slots[q]
                         for q in range(p.world)]
             h = builder.add(Reduce(COMPUTE, tuple(srcs), common.rows(p, "out", j, everything),
-                                   False, 1, common.scale(p)), after=landed)
+                                   False, 1, avg_scale(p)), after=landed)
             if self.loads:
                 reads.append(h)
         if transport == "dma":

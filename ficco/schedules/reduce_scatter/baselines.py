@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from ...plan import COMM, COMPUTE, Gemm, Plan, ReduceScatter, SendRecv
 from ...problem import Problem
+from ..common import avg_scale, barrier, pad_barriers, pull_order
 from . import common
 
 
@@ -60,13 +61,13 @@ class Serial:
                              for q in range(p.world))
                 mine = common.whole(p, p.rank, j)
                 builder.add(ReduceScatter(COMM, srcs, common.out(p, j, mine) if mine else None,
-                                          scale=common.scale(p)), after=gemms)
+                                          scale=avg_scale(p)), after=gemms)
             return builder.build()
-        ready = common.barrier(builder, step=0, after=gemms)
+        ready = barrier(builder, step=0, after=gemms)
         engines = copy_engines or p.world - 1
         copies: dict = {}
         landed = []
-        for lane, q in enumerate(common.peers(p)):
+        for lane, q in enumerate(pull_order(p)):
             for j in range(len(p.ns)):
                 piece = common.whole(p, p.rank, j)
                 if piece:
@@ -76,7 +77,7 @@ class Serial:
         for j in range(len(p.ns)):
             piece = common.whole(p, p.rank, j)
             if piece:
-                common.reduce(builder, j, piece, common.peers(p), own=True, accumulate=False,
+                common.reduce(builder, j, piece, pull_order(p), own=True, accumulate=False,
                               final=True, step=1, after=landed)
         common.close(builder, transport, copies)
         return builder.build()
@@ -115,7 +116,7 @@ class Ring:
         p = problem
         steps = self.steps(p.world, p.rank)
         if transport == "dma":
-            common.pad_barriers(builder, len(steps) + 1)
+            pad_barriers(builder, len(steps) + 1)
         copies: dict = {}
         arrived: list[tuple[int, int, list[int]]] = []   # (step, source, handles)
         reduced, written = 0, False   # written: out holds something to accumulate onto
@@ -140,7 +141,7 @@ class Ring:
                                                       (common.partial(p, j, dest, piece),), j,
                                                       0, p.k, step=s)))
             if transport == "dma":
-                ready = common.barrier(builder, step=s, after=gemms)
+                ready = barrier(builder, step=s, after=gemms)
             for lane, (dest, src) in enumerate(pairs):
                 handles = []
                 for j in range(len(p.ns)):

@@ -1,7 +1,7 @@
 """Pieces the reduce-scatter schedules share: blocks of the ``partial``, ``recv`` and ``out``
 buffers, the move of one step's partials to their owners (``dma``: pulls after a barrier;
-``ccl``: one all-to-all), reductions and the barrier channel rule. Schedules build Plans only
-from these and :mod:`ficco.plan`.
+``ccl``: one all-to-all), reductions and the closing barrier. Schedules build Plans only
+from these, :mod:`..common` (pull order, barrier channels, ``avg``) and :mod:`ficco.plan`.
 
 Why pull, not push: a rank pulls the partials of its own block from its peers' symmetric
 ``partial`` buffers into a per-call ``recv`` buffer. Only ``partial`` must be symmetric, no
@@ -16,7 +16,6 @@ from ...plan import (
     COMM,
     COMPUTE,
     AllToAll,
-    Barrier,
     Block,
     Copy,
     Gemm,
@@ -25,7 +24,7 @@ from ...plan import (
     copy_queue,
 )
 from ...problem import MATMUL_REDUCE_SCATTER, Problem, even_split
-from ..common import check_plan_args
+from ..common import avg_scale, barrier, check_plan_args
 
 #: a rectangle of one destination block, relative to the block: (row0, rows, col0, cols)
 Piece = tuple[int, int, int, int]
@@ -58,11 +57,6 @@ def own_gemms(builder: PlanBuilder, accumulate: bool, step: int) -> list[int]:
                                             (out(p, j, piece),), j, 0, p.k, accumulate,
                                             step)))
     return handles
-
-
-def scale(p: Problem) -> float | None:
-    """The factor ``avg`` applies once to each output element (None for ``sum``)."""
-    return 1.0 / p.world if p.reduce_op == "avg" and p.world > 1 else None
 
 
 def whole(p: Problem, dest: int, j: int) -> Piece | None:
@@ -103,25 +97,7 @@ def out(p: Problem, j: int, piece: Piece) -> Block:
     return Block("out", r0, rows, c0, cols, index=j)
 
 
-def peers(p: Problem) -> list[int]:
-    """Remote ranks in pull order r+1, r+2, …: at any moment ranks read different peers."""
-    return [(p.rank + i) % p.world for i in range(1, p.world)]
-
-
-# -- barriers ------------------------------------------------------------------------------------
-def pad_barriers(builder: PlanBuilder, total: int) -> None:
-    """Plan barriers alternate channels 0, 1, … and must end on 1 (the flag protocol of
-    :mod:`ficco.symm_mem.barrier`): with an odd ``total`` put one extra barrier first, on
-    copy0, where it waits beside the first GEMM and costs no time on the critical path."""
-    if total % 2:
-        barrier(builder, step=0)
-
-
-def barrier(builder: PlanBuilder, step: int, after=()) -> int:
-    return builder.add(Barrier(copy_queue(0), channel=builder.barriers() % 2, step=step),
-                       after=after)
-
-
+# -- the closing barrier --------------------------------------------------------------------------
 def close(builder: PlanBuilder, transport: str, copies: dict) -> None:
     """With ``dma``: once this rank's pulls are done, tell peers they may overwrite their
     partials (the closing barrier, after the last pull of each copy queue)."""
@@ -160,14 +136,14 @@ def reduce(builder: PlanBuilder, j: int, piece: Piece, srcs_from: list[int], *, 
     if own:
         srcs = (partial(p, j, p.rank, piece),) + srcs
     return builder.add(Reduce(COMPUTE, srcs, out(p, j, piece), accumulate, step,
-                              scale(p) if final else None), after=after)
+                              avg_scale(p) if final else None), after=after)
 
 
 def rescale(builder: PlanBuilder, j: int, piece: Piece, step: int) -> None:
     """``avg`` when the last writer of ``piece`` was a GEMM: one scaling pass."""
     p = builder.problem
-    if scale(p) is not None:
-        builder.add(Reduce(COMPUTE, (), out(p, j, piece), True, step, scale(p)))
+    if avg_scale(p) is not None:
+        builder.add(Reduce(COMPUTE, (), out(p, j, piece), True, step, avg_scale(p)))
 
 
 def blocks_by_runs(p: Problem, dests: list[int], piece_of) -> list[list[int]]:

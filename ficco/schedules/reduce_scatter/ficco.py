@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 
 from ...plan import COMPUTE, Block, Gemm, Plan, PlanBuilder
 from ...problem import Problem
+from ..common import barrier, pad_barriers, pull_order
 from ..ficco import coalesce
 from . import common
 
@@ -118,7 +119,7 @@ class _Planner:
         if not steps:
             return
         if self.transport == "dma":
-            common.pad_barriers(self.builder, len(steps) + 1)
+            pad_barriers(self.builder, len(steps) + 1)
         last_mine = {j: max((c for c in steps if self.chunk(p.rank, c, j)), default=None)
                      for j in range(len(p.ns))}
         # The host enqueues in plan order: step c+1's GEMMs go before step c's copies, so the
@@ -143,7 +144,7 @@ class _Planner:
     # -- compute ------------------------------------------------------------------------------
     def compute(self, c: int) -> list[int]:
         p, s = self.builder.problem, self.schedule
-        dests = [p.rank] + common.peers(p) if s.uniform else common.peers(p)
+        dests = [p.rank] + pull_order(p) if s.uniform else pull_order(p)
         handles = []
         for j in range(len(p.ns)):
             pieces = {d: piece for d in dests if (piece := self.chunk(d, c, j))}
@@ -170,7 +171,7 @@ class _Planner:
     def move(self, c: int, gemms: list[int]) -> None:
         p = self.builder.problem
         if self.transport == "dma":
-            ready = common.barrier(self.builder, step=c, after=gemms)
+            ready = barrier(self.builder, step=c, after=gemms)
         for j in range(len(p.ns)):
             mine = self.chunk(p.rank, c, j)
             if self.transport == "ccl":
@@ -180,7 +181,7 @@ class _Planner:
                 handles = [common.all_to_all(self.builder, j, pieces, step=c, after=gemms)]
             else:
                 handles = []
-                for lane, q in enumerate(common.peers(p)):
+                for lane, q in enumerate(pull_order(p)):
                     if mine:
                         h = common.pull(self.builder, lane % self.engines, q, j, mine, step=c,
                                         after=[ready])
@@ -193,7 +194,7 @@ class _Planner:
     def reduce_item(self, item, *, accumulate: bool | None = None, final: bool | None = None):
         step, j, piece, handles = item
         uniform = self.schedule.uniform
-        common.reduce(self.builder, j, piece, common.peers(self.builder.problem),
+        common.reduce(self.builder, j, piece, pull_order(self.builder.problem),
                       own=self.own_in_partial,
                       accumulate=(uniform and not self.own_in_partial) if accumulate is None
                       else accumulate,
@@ -210,7 +211,7 @@ class _Planner:
             items = [i for i in self.pending if i[1] == j]
             whole = common.whole(p, p.rank, j)
             if whole:
-                common.reduce(self.builder, j, whole, common.peers(p), own=self.own_in_partial,
+                common.reduce(self.builder, j, whole, pull_order(p), own=self.own_in_partial,
                               accumulate=not self.own_in_partial, final=True, step=p.world,
                               after=[h for i in items for h in i[3]])
             for item in items:
@@ -224,7 +225,7 @@ class _Planner:
                 items = [i for i in self.pending if i[1] == j]
                 whole = common.whole(p, p.rank, j)
                 if whole:
-                    common.reduce(builder, j, whole, common.peers(p), own=False,
+                    common.reduce(builder, j, whole, pull_order(p), own=False,
                                   accumulate=True, final=True, step=step,
                                   after=[h for i in items for h in i[3]])
             self.pending.clear()

@@ -1,0 +1,184 @@
+"""Issue 34 item 3: the terms the shipped model gained from published runs, each checked against
+its own arithmetic (so removing or mis-wiring a term fails here): chunking a GEMM that feeds a
+collective, per-chunk copy latencies, GEMMs sharing the machine across streams, PyTorch's
+Async-TP replayed as torch runs it, DeepGEMM's block menu, and the all-reduce priced from
+profile numbers rather than a profile's name. No speed of this machine is asserted."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from ficco.bench import async_tp
+from ficco.heuristics import all_reduce_pricing, gemm, profiles, simulator
+from ficco.plan import COMPUTE, Barrier, Block, Copy, Gemm, Plan, Reduce
+from ficco.problem import Problem
+
+H100 = profiles.load("h100")
+H20 = profiles.load("h20")
+
+
+def _one_tile(prof, tile=128, **dil):
+    """``prof`` with one tile, no split-K and no partial-wave speedup: wave math in whole waves."""
+    return dataclasses.replace(prof, dil={**prof.dil, "tiles": [[tile, tile, 1.0]],
+                                          "split_k_below_waves": 0.0,
+                                          "partial_wave_speedup": 1.0, **dil})
+
+
+def test_a_gemm_chunked_for_a_collective_pays_waves_launches_and_weight_reads_per_chunk():
+    prof = _one_tile(H100)
+    units, dil = prof.compute_units, prof.dil
+    k, n = 8192, 128 * (units // 4)      # a 128-row chunk holds a quarter of the units
+    unit_flops = prof.flops("bfloat16") * dil["gemm_efficiency"] / units
+    tile_s = 2 * 128 * 128 * (k + dil["tile_k_overhead"]) / unit_flops
+    whole = gemm.gemm_seconds(prof, "bfloat16", [8 * 128], n, k, 2)
+    assert whole == pytest.approx(dil["launch_s"] + 2 * tile_s)         # 2 full waves
+    # 8 chunks of 128 rows: a quarter wave each, priced as a whole wave, plus its own launch
+    chunk = gemm.gemm_seconds(prof, "bfloat16", [128], n, k, 2)
+    assert chunk == pytest.approx(dil["launch_s"] + tile_s)
+    assert 8 * chunk / whole == pytest.approx((8 * (dil["launch_s"] + tile_s))
+                                              / (dil["launch_s"] + 2 * tile_s))
+    # memory-bound chunks read all of B again: 8 chunks move 8 x K x N weight bytes
+    slow_hbm = dataclasses.replace(prof, hbm_bytes_per_s=prof.hbm_bytes_per_s / 1000)
+    eff = dil["gemm_memory_efficiency"]
+    chunks = 8 * gemm.gemm_seconds(slow_hbm, "bfloat16", [128], n, k, 2)
+    weight = 8 * k * n * 2 + 8 * 128 * (k + n) * 2
+    assert chunks == pytest.approx(8 * dil["launch_s"]
+                                   + weight / (slow_hbm.hbm_bytes_per_s * eff))
+
+
+def test_each_chunked_copy_pays_the_copy_latency():
+    """A schedule that cuts a peer's rows into c copies pays c copy latencies for the same bytes
+    (mi355x: the latency S1's published SDMA round trip set)."""
+    prof = dataclasses.replace(profiles.load("mi355x"), host_op_s=0.0)
+    problem = Problem(4096, 1024, (1024,), "bfloat16", 2)
+
+    def copies(count):
+        rows = problem.m // count
+        ops = tuple(Copy("copy0", Block("input", i * rows, rows, 0, problem.k, peer=1),
+                         Block("gathered", problem.m + i * rows, rows, 0, problem.k))
+                    for i in range(count))
+        return simulator.simulate(Plan("c", "dma", problem, ("copy0",), ops), prof).makespan_s
+
+    one, eight = copies(1), copies(8)
+    assert eight - one >= 7 * prof.copy_latency_s * 0.999
+
+
+def _gemm(queue, rows, k, n, row0=0):
+    return Gemm(queue, (Block("input", row0, rows, 0, k),), (Block("out", row0, rows, 0, n),),
+                0, 0, k)
+
+
+def _two_streams(problem, prof):
+    rows = problem.m // 2
+    both = Plan("x", "dma", problem, (COMPUTE, "backend"),
+                (_gemm(COMPUTE, rows, problem.k, problem.ns[0]),
+                 _gemm("backend", rows, problem.k, problem.ns[0], rows)))
+    one = Plan("x", "dma", problem, (COMPUTE,), (_gemm(COMPUTE, rows, problem.k, problem.ns[0]),))
+    return (simulator.simulate(both, prof, wide_outputs=False).makespan_s,
+            simulator.simulate(one, prof, wide_outputs=False).makespan_s)
+
+
+def test_gemms_on_two_streams_share_compute_units_and_hbm():
+    prof = dataclasses.replace(H100, host_op_s=0.0)
+    launch = prof.dil["launch_s"]
+    # memory-bound (64 rows against a 14336 x 4096 weight): together they share HBM
+    big = Problem(128, 14336, (4096,), "bfloat16", 1)
+    cost = gemm.gemm_cost(prof, "bfloat16", [64], 4096, 14336, 2)
+    assert cost.hbm == pytest.approx(1.0)
+    both, one = _two_streams(big, prof)
+    assert both - launch == pytest.approx(2 * (one - launch), rel=1e-6)
+    # two small GEMMs that each hold a few units run side by side as fast as alone
+    small = Problem(256, 512, (256,), "bfloat16", 1)
+    cost = gemm.gemm_cost(prof, "bfloat16", [128], 256, 512, 2)
+    assert cost.units < 0.5 and cost.hbm < 0.5
+    both, one = _two_streams(small, prof)
+    assert both == pytest.approx(one, rel=1e-6)
+
+
+def test_async_tp_plan_is_torchs_pipelined_produce_and_all2all():
+    world = 8
+    problem = Problem(1024, 14336, (4096,), "bfloat16", world, op="matmul_reduce_scatter")
+    plan = async_tp.plan(problem)
+    gemms = [op for op in plan.ops if isinstance(op, Gemm)]
+    copies = [op for op in plan.ops if isinstance(op, Copy)]
+    assert len(gemms) == world and all(g.a[0].rows == 1024 // world and g.kc == 14336
+                                       for g in gemms)
+    assert len(copies) == world - 1
+    assert [c.queue for c in copies] == ["backend" if s % 2 else COMPUTE for s in range(1, world)]
+    assert sorted(c.src.peer for c in copies) == list(range(1, world))
+    for copy in copies:      # barrier, copy, barrier on the copy's own stream
+        i = plan.ops.index(copy)
+        assert isinstance(plan.ops[i - 1], Barrier) and plan.ops[i - 1].queue == copy.queue
+        assert isinstance(plan.ops[i + 1], Barrier) and plan.ops[i + 1].queue == copy.queue
+        assert isinstance(plan.ops[i - 2], Gemm) and plan.ops[i - 2].queue == copy.queue
+    last = plan.ops[-1]
+    assert isinstance(last, Reduce) and len(last.srcs) == world and not plan.wide_outputs()
+
+
+def test_async_tp_two_streams_in_lockstep_expose_their_copies():
+    """Its memory-bound chunk GEMMs take as long side by side as one after another, and each
+    stream's next GEMM waits for its copy and two barriers: the run is at least every chunk
+    GEMM's time plus, per pair of steps, two barriers and a copy."""
+    prof = dataclasses.replace(H100, host_op_s=0.0)
+    world, m, n, k = 8, 512, 4096, 14336
+    problem = Problem(m, k, (n,), "bfloat16", world, op="matmul_reduce_scatter")
+    result = simulator.simulate(async_tp.plan(problem), prof, wide_outputs=False)
+    chunk = gemm.gemm_seconds(prof, "bfloat16", [m // world], n, k, 2)
+    copy_s = min(r["end_s"] - r["start_s"] for r in result.rows if r["kind"] == "copy_1d")
+    rounds = world // 2
+    floor = world * (chunk - prof.dil["launch_s"]) + rounds * (2 * prof.barrier_latency_s + copy_s)
+    assert result.makespan_s >= floor
+    assert async_tp.async_tp_us(prof, m, n, k) == pytest.approx(result.makespan_s * 1e6)
+
+
+def test_deepgemm_menu_follows_its_sm90_candidates_and_prices_small_m_on_h20():
+    menu = gemm.deepgemm_tiles(H20, "bfloat16", 2)
+    sizes = {(m, n) for m, n, _ in menu}
+    assert {m for m, _ in sizes} == {64, 128, 256}
+    assert all(n % 16 == 0 and 16 <= n <= 256 and not (m > 128 and n > 128) for m, n in sizes)
+    assert (64, 32) in sizes and (128, 256) in sizes and (256, 256) not in sizes
+    # 128 x 1024 x 8192: 64 blocks of 64 x 32 in one partial wave of 78 SMs, no split-K
+    dil, units = H20.dil, H20.compute_units
+    fraction = {(m, n): f for m, n, f in menu}[(64, 32)]
+    assert fraction == 1.0       # H20's slow tensor cores never outrun L2's 64 B/cycle/SM
+    block_s = 2 * 64 * 32 * (8192 + dil["tile_k_overhead"]) / (
+        H20.flops("bfloat16") * dil["gemm_efficiency"] / units)
+    expected = dil["launch_s"] + block_s * max(64 / units, 1 / dil["partial_wave_speedup"])
+    deep = gemm.gemm_seconds(H20, "bfloat16", [128], 1024, 8192, 2, library="deepgemm")
+    assert deep == pytest.approx(expected)
+    assert deep < gemm.gemm_seconds(H20, "bfloat16", [128], 1024, 8192, 2)
+
+
+def test_feed_fraction_is_l2_bandwidth_times_intensity_over_the_unit_rate():
+    feed = H20.dil["l2_bytes_per_s_per_unit"]
+    unit = H20.flops("bfloat16") / H20.compute_units
+    for tm, tn in ((64, 16), (64, 32), (128, 128)):
+        intensity = 2 * tm * tn / ((tm + tn) * 2)
+        assert gemm.feed_fraction(H20, "bfloat16", tm, tn, 2) == \
+            pytest.approx(min(1.0, feed * intensity / unit))
+    assert gemm.feed_fraction(H20, "bfloat16", 64, 16, 2) < 1.0
+    assert gemm.feed_fraction(H100, "bfloat16", 64, 16, 2) == 1.0   # no L2 number: no limit
+
+
+def test_all_reduce_is_priced_from_profile_numbers_not_its_name():
+    nbytes, world = 4 << 20, 4
+    renamed = dataclasses.replace(H100, name="my-calibrated-h100")
+    assert all_reduce_pricing.collective_seconds(renamed, nbytes, world) == \
+        pytest.approx(all_reduce_pricing.collective_seconds(H100, nbytes, world))
+    # the latency term is the profile's, added once
+    later = dataclasses.replace(H100, ccl={**H100.ccl, "all_reduce_latency_s": 30e-6})
+    assert all_reduce_pricing.collective_seconds(later, nbytes, world) - \
+        all_reduce_pricing.collective_seconds(H100, nbytes, world) == pytest.approx(18e-6)
+    # the bandwidth part: bus volume at the curve's plateau, ramped by the copy curve
+    ramp = H100.copy_fraction(nbytes / world)
+    assert all_reduce_pricing.collective_parts(H100, nbytes, world)[1] == pytest.approx(
+        2 * (world - 1) / world * nbytes / (480e9 * ramp))
+    # without a curve or a latency of its own: two collective latencies, the links it crosses
+    mi = profiles.load("mi300x")
+    latency, work = all_reduce_pricing.collective_parts(mi, nbytes, 8)
+    assert latency == pytest.approx(2 * mi.ccl["latency_s"])
+    links = 7 * mi.link_for("mesh", 8) * mi.ccl["efficiency"]
+    assert work == pytest.approx(2 * 7 / 8 * nbytes / (links * mi.copy_fraction(nbytes / 8)))
+    assert math.isclose(all_reduce_pricing.latency_seconds(profiles.load("h200")), 12e-6)
