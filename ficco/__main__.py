@@ -13,7 +13,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=version())
     sub = parser.add_subparsers(dest="verb", required=True)
-    demo = sub.add_parser("demo", help="run every schedule on 4 CPU ranks and check the results")
+    demo = sub.add_parser("demo", help="on CPU ranks: the four patterns in a small MoE "
+                                       "transformer, then every schedule of the two "
+                                       "sequence-parallel ops, each checked against float64")
     demo.add_argument("--world", type=_ranks, default=4, help="number of CPU ranks (default 4)")
     sub.add_parser("selftest", add_help=False,
                    help="check ficco on this machine: every schedule vs float64, faults, a "
