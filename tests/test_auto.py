@@ -77,6 +77,32 @@ def test_overlap_runs_only_when_measured_faster_than_serial_by_more_than_the_mar
         assert f"inside the {auto.MARGIN:.0%} margin: serial runs" in d.reason
 
 
+def test_an_overlapped_winner_that_loses_back_to_back_with_serial_does_not_run(cache):
+    """The rounds' medians favour the model's pick (a drift in load, say), but in the
+    back-to-back pairs that follow it takes longer than serial: serial runs, and says why.
+    A pick that also wins the pairs runs (the 0.5 ms case above)."""
+    model = _model_pick(G6)
+    pick = (model.schedule, model.transport)
+    listed = auto.shortlist(_model_banded(), ("dma", "ccl"))
+    live = Scripted(lambda name, via: 0)
+    rounds_runs = len(listed) * (1 + auto.ROUNDS.most)   # warm-up and 7 rounds of a fast call
+
+    def seconds(name, via):
+        late = len(live.runs) > rounds_runs               # the head-to-head pairs
+        if (name, via) == pick:
+            return (1.2 if late else 0.5) * MS
+        return 1 * MS if name == "serial" else 3 * MS
+    live.seconds = seconds
+    d = choose(G6, transport=("dma", "ccl"), target=GPU, selector="auto", live=live)
+    duel = live.runs[rounds_runs:]
+    assert duel == [("serial", "dma"), pick, pick, ("serial", "dma"), ("serial", "dma"), pick]
+    assert (d.schedule, d.transport) == ("serial", "dma"), d.reason
+    assert "back to back with serial (dma) it took 1.20x serial's time" in d.reason
+    assert "3 back-to-back pairs: 1.20x" in d.decided_by
+    rows = {(n, v): s for n, v, _, s, _ in d.measured}
+    assert rows[pick] == 0.5 * MS                         # the rounds' median, shown as timed
+
+
 def test_the_shortlist_is_the_pick_the_other_families_within_the_band_and_serial_everywhere():
     from ficco.heuristics import bands, profiles
     from ficco.heuristics.model import banded_choice
@@ -123,6 +149,11 @@ def test_the_first_call_cost_is_bounded_and_slow_calls_get_fewer_rounds(cache):
         kept = listed if others < 2 else [c for c in listed if live.seconds(*c) <= 2 * serial_ms
                                           * MS]
         in_rounds, confirming = timed[:rounds * len(kept)], timed[rounds * len(kept):]
+        # the overlapped winner then meets the best serial back to back: 3 pairs, 1 if slow
+        pairs = auto.ROUNDS.duel if serial_ms * MS < auto.ROUNDS.floor_s else 1
+        confirming, duel = confirming[:len(confirming) - 2 * pairs], confirming[-2 * pairs:]
+        assert sorted(duel) == sorted([("serial", "dma"), (model.schedule, model.transport)]
+                                      * pairs), (serial_ms, duel)
         spent = sum(live.seconds(*c) for c in in_rounds)
         assert spent <= max(5 * serial_ms * MS, 0.05) + 1e-12, (serial_ms, spent)
         assert sorted(set(in_rounds)) == sorted(kept), (serial_ms, in_rounds)

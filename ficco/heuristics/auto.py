@@ -12,7 +12,8 @@ runs on. So the first time a problem key is seen on a live group, ``auto``:
    (:func:`ficco.heuristics.measured.time_candidates`, :data:`ROUNDS`): the slowest rank's
    median of interleaved runs, agreed by every rank; CUDA events on GPUs;
 3. **keeps the fastest**, never one measured slower than the best serial: an overlapped
-   schedule runs only when it measured more than :data:`MARGIN` faster than it;
+   schedule runs only when it measured more than :data:`MARGIN` faster than it, in the rounds
+   and again back to back with it (:func:`ficco.heuristics.measured.head_to_head`);
 4. **caches** the winner in memory and in ``<FICCO_CACHE_DIR>/auto.json`` (:func:`cache_key`:
    like ``tune``'s, plus the device SKU, with the rows bucketed so nearby lengths share one
    measurement). A file entry counts only once every rank holds the identical entry.
@@ -56,8 +57,10 @@ from .model import BandedChoice
 CACHE = measured.Cache("auto.json")
 #: one warm-up round, then up to 7 timed rounds within 5 serial-call times or 50 ms; a
 #: candidate slower than twice serial in the warm-up is dropped when the budget binds; a fast
-#: call's finalists get at least 3 timed runs
-ROUNDS = measured.Rounds(warmup=1, most=7, budget=5.0, floor_s=0.05, prune=2.0, confirm=3)
+#: call's finalists get at least 3 timed runs; an overlapped winner meets the best serial again
+#: in 3 back-to-back pairs (one for a slow call) and runs only if it still wins by the margin
+ROUNDS = measured.Rounds(warmup=1, most=7, budget=5.0, floor_s=0.05, prune=2.0, confirm=3,
+                         duel=3)
 #: an overlapped schedule must measure this much faster than the best serial to run: within
 #: it, the medians of a few runs on a shared machine cannot tell the two apart
 MARGIN = 0.03
@@ -170,18 +173,35 @@ def _measure(problem, live: Live, choice: BandedChoice, transports: tuple[str, .
                                       [c for c in candidates if c[0] == "serial"])
     (name, via), verdict = _verdict(timing.seconds, candidates)
     serial_s = min(s for c, s in timing.seconds.items() if c[0] == "serial")
+    cost_s, duel = timing.cost_s, ""
+    if name != "serial" and ROUNDS.duel:
+        # The rounds' medians were taken rounds apart: on a busy machine a drift in load can
+        # favour one candidate. The winner meets the best serial again, back to back.
+        base = min((c for c in candidates if c[0] == "serial"),
+                   key=lambda c: (timing.seconds[c], candidates.index(c)))
+        pairs = ROUNDS.duel if timing.baseline_s < ROUNDS.floor_s else 1
+        ratio, spent = measured.head_to_head(live, (name, via), base, pairs)
+        cost_s += spent
+        duel = (f"; then {name} ({via}) against serial ({base[1]}) in {pairs} back-to-back "
+                f"pair{'s' if pairs > 1 else ''}: {ratio:.2f}x serial's time")
+        if not ratio < 1 - MARGIN:
+            verdict = (f"{name} ({via}) measured fastest in the rounds ({verdict}), but back "
+                       f"to back with serial ({base[1]}) it took {ratio:.2f}x serial's time, "
+                       f"not beyond the {MARGIN:.0%} margin: serial runs")
+            name, via = base
     how = (f"median of {timing.rounds} interleaved runs each" if timing.rounds > 1 else
            "one timed run each after a warm-up run" if not timing.dropped else
            "a slow call: one warm-up run each, then one timed run of the serials and the "
            "fastest other")
     if timing.rounds < ROUNDS.confirm and timing.baseline_s < ROUNDS.floor_s:
         how += f", {ROUNDS.confirm} of the serials and the fastest other"
+    how += duel
     predicted = {(n, v): s for v, times in choice.per_transport.items() for n, s in times.items()}
     entry = {"schedule": name, "transport": via, "model": [choice.schedule, choice.transport],
              "rows": [[n, v, predicted.get((n, v)), timing.seconds[(n, v)],
                        "warm-up run only (dropped)" if (n, v) in timing.dropped else ""]
                       for n, v in candidates],
-             "verdict": verdict, "how": how, "rounds": timing.rounds, "cost_s": timing.cost_s,
+             "verdict": verdict, "how": how, "rounds": timing.rounds, "cost_s": cost_s,
              "serial_s": serial_s, "measured_key": repr(problem.key()),
              "shortlist": f"the model's pick, the other families within its "
                           f"\u00b1{choice.band:.0%} ({choice.band_class}), serial"}
@@ -190,7 +210,7 @@ def _measure(problem, live: Live, choice: BandedChoice, transports: tuple[str, .
         logs.ready().info(
             "ficco auto: first sight of %s %s: measured %d candidates on the live group in "
             "%.3f ms (%.1f serial-call times, %s): %s", problem.op, key, len(candidates),
-            timing.cost_s * 1e3, timing.cost_s / serial_s if serial_s > 0 else 0.0, how,
+            cost_s * 1e3, cost_s / serial_s if serial_s > 0 else 0.0, how,
             verdict)
     return entry
 

@@ -105,6 +105,9 @@ class Rounds:
     floor_s: float = 0.0
     prune: float | None = None
     confirm: int = 0
+    #: back-to-back pairs in which an overlapped winner meets the best baseline again before
+    #: it is kept (:func:`head_to_head`); one for a slow call
+    duel: int = 0
 
 
 @dataclass(frozen=True)
@@ -189,6 +192,26 @@ def time_candidates(live: Live, candidates: list[Candidate], rounds: Rounds,
     seconds.update(zip(kept, agreed[:-1]))
     return Timing({c: seconds[c] for c in candidates}, timed,
                   tuple(c for c in candidates if c not in kept), agreed[-1], base)
+
+
+def head_to_head(live: Live, pick: Candidate, base: Candidate, pairs: int
+                 ) -> tuple[float, float]:
+    """``pick`` against ``base`` in ``pairs`` back-to-back pairs, alternating which runs first
+    (base-pick, pick-base, ...): the median over the pairs of pick's time over base's (each run
+    the slowest rank's), and the slowest rank's seconds spent, agreed in one exchange. A pair
+    shares the machine's state of the moment, so a drift in load (a busy neighbour, a
+    collective's threads winding down) moves both sides of it: what a few medians taken
+    rounds apart cannot tell, a paired ratio can."""
+    started = time.perf_counter()
+    runs = []
+    for index in range(pairs):
+        first, second = (base, pick) if index % 2 == 0 else (pick, base)
+        a, b = live.run(*first), live.run(*second)
+        runs.append((a, b) if first == base else (b, a))
+    *slowest, spent = _slowest(live, [*[t for pair in runs for t in pair],
+                                      time.perf_counter() - started])
+    ratios = [p / b if b > 0 else 1.0 for b, p in zip(slowest[0::2], slowest[1::2])]
+    return statistics.median(ratios), spent
 
 
 def _rounds_left(budget_s: float, per_round_s: float, most: int) -> int:
