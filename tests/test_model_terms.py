@@ -65,6 +65,27 @@ def test_each_chunked_copy_pays_the_copy_latency():
     assert eight - one >= 7 * prof.copy_latency_s * 0.999
 
 
+def test_a_copy_past_one_sdma_packet_pays_each_further_packet():
+    """A copy longer than one SDMA copy command carries (ROCr: 2^30 - 1 bytes on gfx94x/gfx950)
+    is several commands; each after the first costs mi355x's copy_packet_s (mori's ~3 us issue
+    interval between queued puts). 2 GiB is three packets: exactly two packet costs more than
+    the same copy with no per-packet cost; 1 MiB is one packet and pays none."""
+    prof = dataclasses.replace(profiles.load("mi355x"), host_op_s=0.0)
+    assert prof.copy_packet_bytes == 2**30 - 1 and prof.copy_packet_s == pytest.approx(3e-6)
+    free = dataclasses.replace(prof, copy_packet_s=0.0)
+
+    def copy(profile, rows, k):
+        problem = Problem(rows, k, (1024,), "bfloat16", 2)
+        op = Copy("copy0", Block("input", 0, rows, 0, k, peer=1), Block("gathered", rows, rows,
+                                                                         0, k))
+        plan = Plan("c", "dma", problem, ("copy0",), (op,))
+        return simulator.simulate(plan, profile).makespan_s
+
+    big = (2**17, 2**13)        # 2^17 rows x 2^13 bf16 columns = 2^31 bytes: 3 packets
+    assert copy(prof, *big) - copy(free, *big) == pytest.approx(2 * prof.copy_packet_s)
+    assert copy(prof, 512, 1024) == copy(free, 512, 1024)
+
+
 def _gemm(queue, rows, k, n, row0=0):
     return Gemm(queue, (Block("input", row0, rows, 0, k),), (Block("out", row0, rows, 0, n),),
                 0, 0, k)

@@ -22,6 +22,9 @@ JSON schema (every key at top level; units in the names)::
                                                # switch: per GPU per direction
       "pcie_bytes_per_s": 6.4e10,              # per GPU per direction, for topology "pcie"
       "copy_latency_s": 1e-05,                 # fixed cost of one DMA copy
+      "copy_packet_bytes": 1073741823,         # most bytes one copy command (SDMA packet)
+                                               # carries; a larger copy is split (null: no cap)
+      "copy_packet_s": 3e-06,                  # cost of each packet after a copy's first
       "llc_bytes": 268435456,                  # last-level cache size (0: none modelled)
       "llc_bytes_per_s": 1.72e13,              # its bandwidth (null: none modelled); split-K
                                                # partial sums that fit move at this rate
@@ -113,6 +116,8 @@ class _Defaults(TypedDict):
     gpus_per_node: int
     pcie_bytes_per_s: float
     copy_latency_s: float
+    copy_packet_bytes: int | None
+    copy_packet_s: float
     llc_bytes: float
     copy_efficiency: dict[str, float]
     copy_2d_half_row_bytes: float
@@ -132,6 +137,10 @@ DEFAULTS: _Defaults = {
     "gpus_per_node": 8,
     "pcie_bytes_per_s": 32e9,
     "copy_latency_s": 10e-6,
+    # A copy longer than one copy command carries is split into several; each after the
+    # first costs copy_packet_s (None / 0.0: no cap, no cost; only where a source gives them).
+    "copy_packet_bytes": None,
+    "copy_packet_s": 0.0,
     "llc_bytes": 0.0,
     "copy_efficiency": {"4096": 0.05, "65536": 0.3, "1048576": 0.75, "16777216": 0.92,
                         "268435456": 0.97},
@@ -180,6 +189,8 @@ class Profile:
     pcie_bytes_per_s: float = DEFAULTS["pcie_bytes_per_s"]
     pcie_aggregate_bytes_per_s: float = DEFAULTS["pcie_aggregate_bytes_per_s"]
     copy_latency_s: float = DEFAULTS["copy_latency_s"]
+    copy_packet_bytes: int | None = DEFAULTS["copy_packet_bytes"]
+    copy_packet_s: float = DEFAULTS["copy_packet_s"]
     llc_bytes: float = DEFAULTS["llc_bytes"]
     llc_bytes_per_s: float | None = None
     copy_efficiency: dict = field(default_factory=lambda: dict(DEFAULTS["copy_efficiency"]))
@@ -217,6 +228,12 @@ class Profile:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"profile {self.name!r}: {name} must be positive, "
                                   f"got {getattr(self, name)!r}")
+        if self.copy_packet_bytes is not None and not self.copy_packet_bytes >= 1:
+            raise ConfigError(f"profile {self.name!r}: copy_packet_bytes must be at least 1 "
+                              f"(or null: no cap), got {self.copy_packet_bytes!r}")
+        if not self.copy_packet_s >= 0:
+            raise ConfigError(f"profile {self.name!r}: copy_packet_s must be >= 0, "
+                              f"got {self.copy_packet_s!r}")
 
     # -- derived numbers ---------------------------------------------------------------------
     def flops(self, dtype: str) -> float:
@@ -251,6 +268,19 @@ class Profile:
         (s0, f0), (s1, f1) = points[i - 1], points[i]
         t = (math.log(size_bytes) - math.log(s0)) / (math.log(s1) - math.log(s0))
         return f0 + t * (f1 - f0)
+
+    def copy_packet_overhead_s(self, nbytes: float) -> float:
+        """What one copy of ``nbytes`` pays beyond ``copy_latency_s`` for being split into
+        copy commands of at most ``copy_packet_bytes``: ``copy_packet_s`` per command after
+        the first (0 without a cap).
+
+        >>> mi = load("mi355x")
+        >>> mi.copy_packet_overhead_s(2**20), mi.copy_packet_overhead_s(3 * mi.copy_packet_bytes)
+        (0.0, 6e-06)
+        """
+        if not self.copy_packet_bytes or nbytes <= self.copy_packet_bytes:
+            return 0.0
+        return (math.ceil(nbytes / self.copy_packet_bytes) - 1) * self.copy_packet_s
 
     def link_for(self, topology: str, world: int | None = None) -> float:
         """Bandwidth per link (mesh) or per GPU (switch, pcie) when the profile is used with

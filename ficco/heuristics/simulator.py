@@ -456,7 +456,10 @@ class Simulation:
             bandwidth = min(bandwidth, prof.copy_engine_bytes_per_s)
         demand = bandwidth * fraction
         link = ("link", peer) if self.topology == "mesh" else ("gpu",)
-        return _Task("dma", prof.copy_latency_s, nbytes / demand, link, demand)
+        # a copy past one SDMA packet's byte count is several packets, each after the
+        # first paying the engine's per-packet cost (Profile.copy_packet_overhead_s)
+        fixed = prof.copy_latency_s + prof.copy_packet_overhead_s(nbytes)
+        return _Task("dma", fixed, nbytes / demand, link, demand)
 
     def _memory_move(self, nbytes: int, on_copy_engine: bool = True) -> _Task:
         """A memory-bound local move (read + write): on a copy engine, or a kernel on the
