@@ -23,13 +23,12 @@ from .group import by_name, name_rank_world, world_arg
 from .library import (
     EPILOGUE_SCHEMA,
     cached_layout,
-    eager_suffices,
     epilogue_kwargs,
     errors_reach_the_caller,
     fresh_outputs,
-    front_end,
     prepared,
 )
+from .library_front import eager_suffices, front_end
 from .ops.matmul_all_reduce import SPEC, check_arguments, check_epilogue
 
 _OP = "matmul_all_reduce"

@@ -31,6 +31,7 @@ from . import group as groups
 from . import library, runtime
 from .autograd import first_order_only, register_autocast_with_dtype
 from .call import FORWARD
+from .library_front import eager_suffices
 from .ops.all_to_all_grouped_mm import SPEC as DISPATCH_SPEC
 from .ops.grouped_mm_all_to_all import SPEC as COMBINE_SPEC
 
@@ -180,7 +181,7 @@ def all_to_all_grouped_mm(x, counts, w, group=None, *, schedule=None):
     autograd, autocast or tracing is involved, else the ``ficco::all_to_all_grouped_mm`` op."""
     ws = list(w.unbind(0)) if isinstance(w, Tensor) and w.dim() == 3 else w
     if not isinstance(ws, (list, tuple)) or not isinstance(x, Tensor) or not isinstance(
-            schedule, (str, type(None))) or library.eager_suffices(x, list(ws)):
+            schedule, (str, type(None))) or eager_suffices(x, list(ws)):
         y, recv_counts, _, _ = runtime.run(
             library.prepared(DISPATCH_SPEC, group, x, counts, w, group), schedule)
         return y, recv_counts
@@ -196,7 +197,7 @@ def grouped_mm_all_to_all(h, recv_counts, w2, group=None, *, schedule=None, send
     eager runtime when nothing needs the dispatcher)."""
     ws = list(w2.unbind(0)) if isinstance(w2, Tensor) and w2.dim() == 3 else w2
     if not isinstance(ws, (list, tuple)) or not isinstance(h, Tensor) or not isinstance(
-            schedule, (str, type(None))) or library.eager_suffices(h, list(ws)):
+            schedule, (str, type(None))) or eager_suffices(h, list(ws)):
         call = library.prepared(COMBINE_SPEC, group, h, recv_counts, w2, group,
                                 send_counts=send_counts)
         return runtime.run(call, schedule)[0]

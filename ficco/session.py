@@ -14,8 +14,9 @@ The life cycle (docs/design.md §10):
 
 - **create**: at the group's first call in this process (or the first after a drop);
 - **agree**: the first exchange of a channel joins an epoch every rank proposes alike
-  (:func:`ficco.agreement.join`); each call takes the next *number* of the channel, and calls
-  pair by number (the n-th call that enters ficco on a rank runs with the n-th of its peers);
+  (:func:`ficco.agreement_store.join`); each call takes the next *number* of the channel,
+  and calls pair by number (the n-th call that enters ficco on a rank runs with the n-th of
+  its peers);
 - **poison**: a call that fails after it could have communicated, or whose ranks disagree,
   leaves its session refusing calls (sticky, surviving ``ficco.shutdown()``, when a collective
   of the process group may still be pending in it: then only the group's destruction ends it);
@@ -48,7 +49,7 @@ ROUTINGS_KEPT = 512
 
 class Channel:
     """A group's conversation with its peers through the group's store (see the module
-    docstring and :func:`ficco.agreement.join`). ``last`` is the last epoch this process
+    docstring and :func:`ficco.agreement_store.join`). ``last`` is the last epoch this process
     joined and ``generation`` the number of resets; both survive :meth:`reset`, so a rank
     never joins an epoch it left, nor one its peers joined from another generation."""
 
@@ -57,7 +58,7 @@ class Channel:
         self.lock = threading.Lock()
         self.last: str | None = None
         #: how many times this process reset the channel (ranks join an epoch only at equal
-        #: generations: ficco.agreement.join)
+        #: generations: ficco.agreement_store.join)
         self.generation = 0
         self._start()
 
