@@ -129,26 +129,26 @@ def test_a_replayed_experiment_is_slowed_only_while_both_ops_run():
         gemm_ratio, copy_ratio = predictors.fig8_experiment(prof, problem, 7)
         exposure = contention.shard_mt_factor(prof, problem, problem.n_total)
         gemm_rate, copy_rate = contention.dma_contention(prof, exposure, 7)
-        assert 1 < gemm_ratio <= gemm_rate * (1 + 1e-9)
-        assert 1 < copy_ratio <= copy_rate * (1 + 1e-9)
-        # The outlasting op, worked out from the times alone: while both run (until the
-        # shorter one ends, slowed by its rate) it advances at 1/rate, then alone at full
-        # speed, so its end is overlap + (alone - overlap / rate).
+        assert gemm_rate > 1 and copy_rate > 1, (gemm_rate, copy_rate)   # both slow down
+        # The op the other outlasts is slowed over (nearly) its whole life: its ratio is its
+        # rate, launch latencies aside, never above it. The outlasting op, worked out from
+        # the times alone: while both run (until the shorter one ends, slowed by its rate)
+        # it advances at 1/rate, then alone at full speed, so its end is overlap + (alone -
+        # overlap / rate): more than 1, less than its rate.
         t = predictors.fig8_times(prof, problem, 7)
-        if name == "g10":
-            overlap = t.copies_alone * copy_rate
-            expected = (overlap + t.gemm_alone - overlap / gemm_rate) / t.gemm_alone
-            assert gemm_ratio == pytest.approx(expected, rel=0.01)
-        else:
-            overlap = t.gemm_alone * gemm_rate
-            expected = (overlap + t.copies_alone - overlap / copy_rate) / t.copies_alone
-            assert copy_ratio == pytest.approx(expected, rel=0.01)
         if name == "g10":    # the step's copies cover a small part of the long GEMM
+            outlasted, outlasting = (copy_ratio, copy_rate), (gemm_ratio, gemm_rate)
+            overlap, alone = t.copies_alone * copy_rate, t.gemm_alone
             assert gemm_ratio < 1 + 0.5 * (gemm_rate - 1)
-            assert copy_ratio == pytest.approx(copy_rate, rel=0.01)
         else:                # the GEMM is over before the copies
-            assert gemm_ratio == pytest.approx(gemm_rate, rel=0.01)   # launch latencies aside
-            assert copy_ratio < copy_rate
+            outlasted, outlasting = (gemm_ratio, gemm_rate), (copy_ratio, copy_rate)
+            overlap, alone = t.gemm_alone * gemm_rate, t.copies_alone
+        ratio, rate = outlasted
+        assert ratio == pytest.approx(rate, rel=0.01) and ratio - rate < 1e-12, (name, ratio, rate)
+        ratio, rate = outlasting
+        expected = (overlap + alone - overlap / rate) / alone
+        assert ratio == pytest.approx(expected, rel=0.01), (name, ratio, expected)
+        assert 1 < ratio < rate, (name, ratio, rate)
 
 
 def test_the_shipped_contention_constants_reproduce_the_papers_fig8():
