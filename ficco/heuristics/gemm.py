@@ -59,13 +59,17 @@ SPLITS = (2, 4, 8, 16, 32, 64)
 class GemmCost(NamedTuple):
     """One GEMM launch: ``seconds`` in all (launch included), its ``compute_s`` and
     ``memory_s`` sides, the fraction of compute units its first wave holds (``units``) and the
-    fraction of its time HBM is the bottleneck (``hbm``)."""
+    fraction of its time HBM is the bottleneck (:attr:`hbm`)."""
 
     seconds: float
     compute_s: float
     memory_s: float
     units: float
-    hbm: float
+
+    @property
+    def hbm(self) -> float:
+        busy = max(self.compute_s, self.memory_s)
+        return self.memory_s / busy if busy else 0.0
 
 
 def gemm_seconds(profile, dtype: str, block_rows: list[int], n: int, k: int, itemsize: int,
@@ -88,15 +92,14 @@ def gemm_cost(profile, dtype: str, block_rows: list[int], n: int, k: int, itemsi
     """:func:`gemm_seconds` with its parts (:class:`GemmCost`)."""
     rows = sum(block_rows)
     if rows == 0 or n == 0 or k == 0:
-        return GemmCost(0.0, 0.0, 0.0, 0.0, 0.0)
+        return GemmCost(0.0, 0.0, 0.0, 0.0)
     menu = deepgemm_tiles(profile, dtype, itemsize) if library == "deepgemm" else tiles(profile)
     splits = library != "deepgemm"
     compute_s, units = min(_tile_seconds(profile, dtype, block_rows, n, k, tile, splits)
                            for tile in menu)
     memory_s = memory_seconds(profile, rows, n, k, itemsize, accumulate, out_itemsize)
-    busy = max(compute_s, memory_s)
-    return GemmCost(profile.dil["launch_s"] + busy, compute_s, memory_s, units,
-                    memory_s / busy if busy else 0.0)
+    return GemmCost(profile.dil["launch_s"] + max(compute_s, memory_s), compute_s, memory_s,
+                    units)
 
 
 def memory_seconds(profile, rows: int, n: int, k: int, itemsize: int,
