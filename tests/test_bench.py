@@ -300,3 +300,32 @@ def test_docs_list_every_sweep_field():
     text = (REPO / "docs" / "benchmarks.md").read_text()
     missing = [f for f in results.SWEEP_FIELDS if f"| `{f}` |" not in text]
     assert not missing, f"docs/benchmarks.md lacks schema rows for {missing}"
+
+
+def test_bench_default_pairs_each_round_so_a_drifting_load_cancels_out():
+    """``bench default``'s ratios are the median of per-round ratios: a load that drifts
+    between rounds slows both samples of a round alike, so the ratio stays the true one, where
+    a ratio of medians follows whichever variant the machine's bursts caught in the light
+    rounds."""
+    import numpy as np
+
+    from ficco.bench.default import summary
+
+    rng = np.random.default_rng()
+    rounds = 21
+    load = np.linspace(1, 3, rounds) * (1 + 0.01 * rng.random(rounds))  # a drifting load
+    dma_s, ccl_s, true = rng.uniform(1e-3, 2e-3), rng.uniform(2e-3, 3e-3), 1.05
+    dma, ccl = dma_s * load, ccl_s * load
+    burst = np.where(np.arange(rounds) < 8, 2.0, 1.0)  # bursts caught the default's 8 first
+    default = true * dma_s * load * burst
+    same = true * dma_s * load
+    row = summary([list(default), list(dma), list(ccl), list(same)])
+    assert row["vs_serial"] == pytest.approx(true, rel=1e-12)     # paired with serial over dma
+    assert np.median(default) / np.median(dma) > 1.1 * true       # what medians' ratio says
+    assert row["vs_itself"] == pytest.approx(1.0, rel=1e-12)
+    assert row["serial_dma_s"] == pytest.approx(np.median(dma))
+    assert row["default_s"] == pytest.approx(np.median(default))
+    assert row["fastest_vs_serial"] == pytest.approx(default.min() / dma.min())
+    # the better serial is the one with the lower median: ccl, once it is faster
+    row = summary([list(default), list(dma), list(0.5 * dma_s * load), list(same)])
+    assert row["vs_serial"] == pytest.approx(2 * true, rel=1e-12)

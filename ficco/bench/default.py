@@ -13,11 +13,13 @@ per op and shape:
 2. times ``--calls`` interleaved rounds of four samples (``--per-sample`` back-to-back calls
    each, the ranks lined up before each sample): the default, ``serial`` over dma and
    ``serial`` over ccl (forced), and the default's own pick forced (``vs itself``: how far two
-   timings of one schedule drift apart in this run, its noise); each rank's median, the
-   slowest rank's (``fastest``: the same with each variant's fastest sample instead of its
-   median, which a busy machine's bursts cannot inflate);
-3. reports the default's time over the better serial's (``vs serial``; fails above
-   ``--limit``) and the first call's extra cost, in serial-call times: ``first call`` is the
+   timings of one schedule drift apart in this run, its noise); each sample the slowest
+   rank's;
+3. reports each variant's median time, the default against the better serial (``vs serial``,
+   the median over rounds of the default's sample over that serial's sample in the same
+   round, see :func:`summary`; fails above ``--limit``; ``fastest``: the fastest samples'
+   ratio, which a busy machine's bursts cannot inflate) and the first call's extra cost, in
+   serial-call times: ``first call`` is the
    first call's time less a warm default call's, ``measuring`` what ``auto`` itself says it
    spent (``Decision.decided_by``).
 
@@ -157,16 +159,37 @@ def _case_rows(rank: int, world: int, calls: int, per_sample: int) -> list[dict]
                 random.Random(round_).shuffle(order)
                 for j in order:
                     times[j].append(_timed(call, *variants[j], calls=per_sample))
-            medians = _slowest([first] + [statistics.median(t) for t in times]
-                               + [min(t) for t in times])
+            # every sample agreed at once: the slowest rank's (the ranks lined up before each)
+            flat = _slowest([first] + [x for t in times for x in t])
+            first = flat[0]
+            times = [flat[1 + j * calls:1 + (j + 1) * calls] for j in range(len(variants))]
             out.append({"op": op, "case": label, "sizes": sizes, "ran": list(ran),
-                        "first_s": medians[0], "default_s": medians[1],
-                        "serial_dma_s": medians[2], "serial_ccl_s": medians[3],
-                        "same_forced_s": medians[4], "min_s": medians[5:],
+                        "first_s": first, **summary(times),
                         "decided_by": decision.decided_by,
                         "measured": [list(r) for r in decision.measured]})
     ficco.shutdown()
     return out
+
+
+def summary(times: list[list[float]]) -> dict:
+    """One case's figures from its agreed samples, ``times`` = [default, serial over dma,
+    serial over ccl, the default's pick forced], each a list of one sample per round.
+
+    The times are each variant's median. The ratios are paired: the median over rounds of the
+    default's sample over the other variant's sample in the same round (``vs_serial``: over the
+    serial with the lower median; ``vs_itself``: over its own pick forced). Both samples of a
+    pair ran moments apart under the same load, so a drift in the machine's load between rounds
+    cancels out of the ratio instead of favouring whichever variant it caught less often.
+    ``fastest_vs_serial`` is the default's fastest sample over the better serial's fastest.
+    """
+    default, dma, ccl, same = times
+    serial = dma if statistics.median(dma) <= statistics.median(ccl) else ccl
+    return {"default_s": statistics.median(default), "serial_dma_s": statistics.median(dma),
+            "serial_ccl_s": statistics.median(ccl), "same_forced_s": statistics.median(same),
+            "min_s": [min(t) for t in times],
+            "vs_serial": statistics.median(d / s for d, s in zip(default, serial)),
+            "vs_itself": statistics.median(d / s for d, s in zip(default, same)),
+            "fastest_vs_serial": min(default) / min(serial)}
 
 
 def measure(world: int = 2, calls: int = 21, per_sample: int = 4) -> list[dict]:
@@ -185,23 +208,21 @@ def main(args) -> int:
                               f"{args.world} --calls {args.calls}")
     rows = measure(args.world, args.calls, args.per_sample)
     print(f"the default choice against the better serial: W={args.world} CPU ranks (gloo), "
-          f"float32, no settings, median of {args.calls} interleaved samples of "
-          f"{args.per_sample} calls each, slowest rank")
+          f"float32, no settings, {args.calls} interleaved rounds of one sample ("
+          f"{args.per_sample} calls) per variant, slowest rank; times: medians; ratios: "
+          f"median of each round's paired ratio")
     print(f"{'op':<22} {'case':<11} {'default ran':<26} {'default':>9} {'serial':>9} "
           f"{'vs serial':>9} {'vs itself':>9} {'fastest':>9} {'first call':>10} "
           f"{'measuring':>9}")
     worst = noise = 0.0
     for row in rows:
         serial = min(row["serial_dma_s"], row["serial_ccl_s"])
-        ratio = row["default_s"] / serial
+        ratio, itself, fastest = row["vs_serial"], row["vs_itself"], row["fastest_vs_serial"]
         worst = max(worst, ratio)
-        itself = row["default_s"] / row["same_forced_s"]
-        fastest = row["min_s"][0] / min(row["min_s"][1:3])
         noise = max(noise, abs(itself - 1))
         extra = (row["first_s"] - row["default_s"]) / serial
         spent = _measuring_calls(row["decided_by"])
-        row.update(vs_serial=ratio, vs_itself=itself, fastest_vs_serial=fastest,
-                   first_call_extra_serial_calls=extra)
+        row.update(first_call_extra_serial_calls=extra)
         print(f"{row['op']:<22} {row['case']:<11} {'/'.join(row['ran']):<26} "
               f"{row['default_s'] * 1e3:7.3f}ms {serial * 1e3:7.3f}ms {ratio:8.2f}x "
               f"{itself:8.2f}x {fastest:8.2f}x {extra:9.1f}x {spent:>9}")
