@@ -1,8 +1,9 @@
 """Issue 34 item 3: the terms the shipped model gained from published runs, each checked against
 its own arithmetic (so removing or mis-wiring a term fails here): chunking a GEMM that feeds a
 collective, per-chunk copy latencies, GEMMs sharing the machine across streams, PyTorch's
-Async-TP replayed as torch runs it, DeepGEMM's block menu, and the all-reduce priced from
-profile numbers rather than a profile's name. No speed of this machine is asserted."""
+Async-TP replayed as torch runs it, DeepGEMM's block menu, the all-reduce priced from
+profile numbers rather than a profile's name, NVLS's measured all-reduce curve on 8x H100, and
+the latency-bandwidth law of compute-unit collectives on MI300X. No speed of this machine is asserted."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,13 +11,14 @@ import math
 
 import pytest
 
-from ficco.bench import async_tp
-from ficco.heuristics import all_reduce_pricing, gemm, profiles, simulator
-from ficco.plan import COMPUTE, Barrier, Block, Copy, Gemm, Plan, Reduce
+from ficco.bench import async_tp, predictors
+from ficco.heuristics import all_reduce_pricing, collectives, gemm, profiles, simulator
+from ficco.plan import COMPUTE, AllToAll, Barrier, Block, Copy, Gemm, Plan, Reduce
 from ficco.problem import Problem
 
 H100 = profiles.load("h100")
 H20 = profiles.load("h20")
+MI300X = profiles.load("mi300x")
 
 
 def _one_tile(prof, tile=128, **dil):
@@ -196,10 +198,68 @@ def test_all_reduce_is_priced_from_profile_numbers_not_its_name():
     ramp = H100.copy_fraction(nbytes / world)
     assert all_reduce_pricing.collective_parts(H100, nbytes, world)[1] == pytest.approx(
         2 * (world - 1) / world * nbytes / (480e9 * ramp))
-    # without a curve or a latency of its own: two collective latencies, the links it crosses
-    mi = profiles.load("mi300x")
+    # without a curve, a law or a latency of its own: two collective latencies, the links it
+    # crosses at ccl.efficiency, ramped by the copy curve
+    mi = dataclasses.replace(MI300X, ccl={k: v for k, v in MI300X.ccl.items()
+                                          if k != "latency_bandwidth"})
     latency, work = all_reduce_pricing.collective_parts(mi, nbytes, 8)
     assert latency == pytest.approx(2 * mi.ccl["latency_s"])
     links = 7 * mi.link_for("mesh", 8) * mi.ccl["efficiency"]
     assert work == pytest.approx(2 * 7 / 8 * nbytes / (links * mi.copy_fraction(nbytes / 8)))
     assert math.isclose(all_reduce_pricing.latency_seconds(profiles.load("h200")), 12e-6)
+
+
+def test_nvls_all_reduce_on_eight_h100s_is_priced_by_its_measured_curve():
+    """N1-N3: NCCL's NVLS all-reduce measured by nccl-tests on 8x H100 (Azure) sets the h100
+    all_reduce curve; at 8 MiB it runs at about the all-gather's bus bandwidth (172 GB/s, not
+    the 225 of the all-gather curve scaled by 480/360), and an 8-rank call from the curve's
+    first size on is priced by the curve itself, a 4-rank one (vLLM's fit) as before."""
+    mib8 = 8 << 20
+    assert predictors.nccl_busbw_gbps(H100, "all_reduce", mib8) == pytest.approx(172.13)
+    assert predictors.nccl_busbw_gbps(H100, "all_reduce", 64 << 20) == pytest.approx(361.78)
+    assert predictors.nccl_busbw_gbps(H100, "all_reduce", 1 << 30) == pytest.approx(466.35)
+    # below 8 MiB the curve is the all-gather's (its 2 MiB point)
+    ar, ag = (collectives.busbw_at(collectives.curve(H100, kind), 2 << 20)
+              for kind in ("all_reduce", "all_gather"))
+    assert ar == ag == 90.8e9
+    # the simulator's all-reduce on 8 ranks: the curve's time, bus volume over 172.13 GB/s,
+    # split into the 12 us latency and the rest
+    latency, work = all_reduce_pricing.collective_parts(H100, mib8, 8)
+    assert latency == pytest.approx(12e-6)
+    assert latency + work == pytest.approx(2 * 7 / 8 * mib8 / 172.13e9)
+    # on 4 ranks, or below the curve's first size: 12 us + the plateau ramped by the copy curve
+    for nbytes, world in ((mib8, 4), (1 << 20, 8)):
+        ramp = H100.copy_fraction(nbytes / world)
+        assert all_reduce_pricing.collective_seconds(H100, nbytes, world) == pytest.approx(
+            12e-6 + 2 * (world - 1) / world * nbytes / (480e9 * ramp))
+
+
+def test_compute_unit_collectives_on_mi300x_follow_their_latency_bandwidth_law():
+    """N7-N9, Q1 (RCCL's all-reduce) and Y1-Y4 (mori's all-to-all) on 8x MI300X: latency plus
+    the bytes over each link at the law's efficiency, no DMA-shaped copy ramp."""
+    link = MI300X.link_bytes_per_s
+    per_peer = 607_233      # Y3: 4.86 MB received over 8 ranks
+    a2a = collectives.collective_seconds(MI300X, "all_to_all", per_peer, 7, world=8)
+    assert a2a == pytest.approx(20e-6 + per_peer / (link * 0.67))
+    # the copy ramp and ccl.latency_s (25 us) would price it at 58 us, mori measured 35
+    assert collectives.latency_seconds(MI300X, "all_to_all") == 20e-6
+    assert collectives.latency_seconds(MI300X, "all_gather") == MI300X.ccl["latency_s"]
+    # the simulator's task: the law's latency fixed, the rest bandwidth
+    problem = Problem(per_peer // 2, 1, (1,), "bfloat16", 8)
+    block = Block("input", 0, per_peer // 2, 0, 1)
+    peers = tuple(None if q == 0 else block for q in range(8))
+    plan = Plan("a2a", "ccl", problem, ("comm",), (AllToAll("comm", peers, peers),))
+    run = simulator.simulate(plan, dataclasses.replace(MI300X, host_op_s=0.0))
+    assert run.makespan_s == pytest.approx(20e-6 + (per_peer // 2) * 2 / (link * 0.67))
+    task = simulator.Simulation(plan, MI300X, "mesh").collective("all_to_all", 4 << 20, 7)
+    assert (task.fixed_s, task.work_s) == pytest.approx((20e-6, (4 << 20) / (link * 0.67)))
+    # RCCL's all-reduce: 54 us + the bus volume over the 7 links at 0.695
+    mib8 = 8 << 20
+    latency, work = all_reduce_pricing.collective_parts(MI300X, mib8, 8)
+    assert (latency, work) == pytest.approx((54e-6, 2 * 7 / 8 * mib8 / (7 * link * 0.695)))
+    busbw = predictors.nccl_busbw_gbps(MI300X, "all_reduce", mib8)
+    assert busbw == pytest.approx(2 * 7 / 8 * mib8 / (latency + work) / 1e9)
+    # the law holds on the topology it was measured on only: elsewhere the physics fallback
+    assert collectives.law(MI300X, "all_to_all", "switch") is None
+    assert collectives.collective_seconds(MI300X, "all_to_all", per_peer, 7, world=8,
+                                          topology="switch") > a2a

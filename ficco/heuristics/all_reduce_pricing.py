@@ -1,33 +1,45 @@
 """Prices of the all-reduce's own pieces for the simulator (``matmul_all_reduce``):
 
-- **the process group's all-reduce** (:class:`~ficco.plan.AllReduce`, NCCL/RCCL), on every
-  profile alike: a latency, then the bus volume of a bandwidth-optimal all-reduce,
-  ``2 (W-1)/W`` of the message per rank (nccl-tests' definition: ``busbw = algbw * 2 (W-1)/W``),
-  at the peak bus bandwidth scaled by the profile's copy-efficiency curve at the per-rank
-  piece (``S/W``: small messages do not fill the links). The profile carries both numbers:
-  the latency is ``ccl.all_reduce_latency_s`` (``None``: two collective latencies,
-  ``2 x ccl.latency_s``, a reduce-scatter then an all-gather), the peak the plateau (largest
-  size) of its ``all_reduce`` bus-bandwidth curve, or without one the link it crosses
-  (every link of a mesh) at ``ccl.efficiency``. A calibrated or new profile prices it with
-  no name check;
+- **the process group's all-reduce** (:class:`~ficco.plan.AllReduce`, NCCL/RCCL), from the
+  profile's numbers, whichever it carries (no name check: a calibrated or new profile prices it
+  the same way), first match wins:
+
+  1. an ``all_reduce`` bus-bandwidth curve measured on as many ranks as the call has
+     (``ccl.busbw_world``), for a message from the curve's first size on: the curve itself
+     (:func:`ficco.heuristics.collectives.collective_seconds`), which carries that rank
+     count's latency and fill (h100, h200 at 8 GPUs, 2 MiB and up: NVLS). Below its first
+     size a curve only holds that size's time, which a smaller message does not take;
+  2. a latency-bandwidth law of its own (``ccl.latency_bandwidth["all_reduce"]``,
+     :func:`ficco.heuristics.collectives.law`): compute-unit kernels that stream into peers
+     from their first bytes, so its latency plus the bus volume, ``2 (W-1)/W`` of the message
+     per rank (nccl-tests' ``busbw = algbw * 2 (W-1)/W``), over the links it crosses at the
+     law's efficiency, with no copy-size ramp (mi300x, mi325x: RCCL's all-reduce);
+  3. otherwise a latency, then the bus volume at the peak bus bandwidth scaled by the
+     profile's copy-efficiency curve at the per-rank piece (``S/W``: small messages do not
+     fill the links). The latency is ``ccl.all_reduce_latency_s`` (``None``: two collective
+     latencies, ``2 x ccl.latency_s``, a reduce-scatter then an all-gather), the peak the
+     plateau (largest size) of its ``all_reduce`` curve, or without one the link it crosses
+     (every link of a mesh) at ``ccl.efficiency``;
 - **a kernel that reads peers' symmetric memory with loads** (a :class:`~ficco.plan.Reduce`
   whose sources name peers: the ``-sm`` schedules): the remote bytes over this GPU's ingress
   (the W-1 links of a mesh, the GPU's link into a switch) at the collective efficiency, beside
   the local bytes over HBM; it runs on compute units, so it contends with the GEMM as a
   collective does.
 
-The h100 numbers (h200: the same NVSwitch and links, the same numbers, not measured): peak
-bus bandwidth 480 GB/s on 8 GPUs with NVLink SHARP, NCCL's default all-reduce there (370 GB/s
-with ``NCCL_ALGO=Ring``): NCCL's maintainer in github.com/NVIDIA/nccl-tests/issues/212 (the
-h100 ``all_reduce`` curve's plateau). Latency 12 us (``all_reduce_latency_s``): fitted (with
-that bandwidth) to vLLM's published PyNccl all-reduce times on H100, TP = 4, bf16 (m, 8192),
-m = 32-256 (0.5-4 MB): github.com/vllm-project/vllm/pull/24111 (17-37 us) and /pull/24532
-(21-39 us, a later run of the same benchmark: the two runs differ by up to 24% themselves).
-It is within 13% of all twelve points (median 9%); :func:`check_published` holds it there.
-Reading the curve at each size instead (as the other primitives are) prices the same twelve
-calls 23-44% faster than published: the curve is the all-gather's shape scaled to the SHARP
-peak, read at ``bytes x 8`` for a 4-GPU call, and no curve point carries a 4-GPU call's
-latency.
+The h100 numbers (h200: the same NVSwitch and links, the same numbers, not measured): the
+``all_reduce`` curve is NCCL's NVLS all-reduce as nccl-tests measured it on 8x H100 (Azure's
+benchmarking guide: 172, 362, 466 GB/s busbw at 8 MiB, 64 MiB, 1 GiB; published.csv N1-N3)
+up to the ~480 GB/s peak NCCL's maintainer gives (github.com/NVIDIA/nccl-tests/issues/212),
+with the all-gather's bus bandwidth at 2 MiB: a small NVLS all-reduce runs at about the
+all-gather's (N1: 172 against 169 at 8 MiB). On 8 GPUs from 2 MiB on the curve prices it.
+On other rank counts the curve's latency does not carry, nor below 2 MiB its time, and rule 3
+prices it: latency 12 us (``all_reduce_latency_s``), fitted (with the 480 GB/s peak) to vLLM's
+published PyNccl all-reduce times on H100, TP = 4, bf16 (m, 8192), m = 32-256 (0.5-4 MB):
+github.com/vllm-project/vllm/pull/24111 (17-37 us) and /pull/24532 (21-39 us, a later run of
+the same benchmark: the two runs differ by up to 24% themselves). It is within 13% of all
+twelve points (median 9%); :func:`check_published` holds it there. Reading the measured
+8-GPU curve at those 4-GPU calls instead (at ``bytes x 8``, as the other primitives are read)
+gives -25% to +2% (median 6%): within the first run's 9%, up to 25% fast against the second.
 
 The loads need no number of their own: priced with the profile's link, ``ccl.efficiency`` and
 HBM, a one-shot reduction by loads is within 9% of vLLM's one-stage custom all-reduce on H100,
@@ -71,14 +83,18 @@ def collective_seconds(profile, nbytes: int, world: int, topology: str | None = 
     return latency_s + work_s
 
 
-def latency_seconds(profile) -> float:
-    """The all-reduce's latency on ``profile``: ``ccl.all_reduce_latency_s``, or two
-    collective latencies (a reduce-scatter then an all-gather) where the profile gives none.
+def latency_seconds(profile, topology: str | None = None) -> float:
+    """The all-reduce's latency on ``profile``: its law's (``ccl.latency_bandwidth``), else
+    ``ccl.all_reduce_latency_s``, else two collective latencies (a reduce-scatter then an
+    all-gather).
 
     >>> from ficco.heuristics import profiles
     >>> latency_seconds(profiles.load("h100")), latency_seconds(profiles.load("mi300x"))
-    (1.2e-05, 5e-05)
+    (1.2e-05, 5.4e-05)
     """
+    rule = collectives.law(profile, "all_reduce", topology)
+    if rule:
+        return rule[0]
     given = profile.ccl.get("all_reduce_latency_s")
     return float(given) if given is not None else 2 * profile.ccl["latency_s"]
 
@@ -101,9 +117,22 @@ def collective_parts(profile, nbytes: int, world: int, topology: str | None = No
     profile's own fills at fewer bytes, as for every collective)."""
     if nbytes <= 0 or world <= 1:
         return 0.0, 0.0
+    topology = topology or profile.topology
+    bus_bytes = 2 * (world - 1) / world * nbytes
+    points = collectives.curve(profile, "all_reduce") if topology == profile.topology else []
+    if (points and nbytes >= points[0][0]
+            and world == int(profile.ccl.get("busbw_world") or profile.gpus_per_node)):
+        # 1: the curve measured on this many ranks and sizes, its latency and fill included
+        seconds = collectives.collective_seconds(profile, "all_reduce", nbytes / world,
+                                                 world - 1, world=world, topology=topology)
+        fixed = min(latency_seconds(profile, topology), seconds / 2)
+        return fixed, seconds - fixed
+    rule = collectives.law(profile, "all_reduce", topology)
+    if rule:            # 2: compute-unit kernels at their own latency and efficiency
+        return rule[0], bus_bytes / (_ingress(profile, world, topology) * rule[1])
     ramp = profile.copy_fraction(nbytes / world * size_scale)
-    work_s = 2 * (world - 1) / world * nbytes / (peak_busbw(profile, world, topology) * ramp)
-    return latency_seconds(profile), work_s
+    work_s = bus_bytes / (peak_busbw(profile, world, topology) * ramp)
+    return latency_seconds(profile, topology), work_s
 
 
 def loads_seconds(profile, nbytes: int, world: int, topology: str | None = None) -> float:

@@ -23,10 +23,21 @@ kind               size (bytes)                        factor
 The curve is interpolated linearly in log(size) x log(busbw); below its smallest size the
 time stays that point's time (launch and protocol latency dominate), above its largest the
 bandwidth stays flat. Measured curves already hold the latency, so no separate latency is
-added. A primitive without a curve, or a topology other than the profile's (``FICCO_TOPOLOGY``
-overrides), is priced by the physics the simulator always used: ``ccl.latency_s`` plus the
-bytes over ``link x ccl.efficiency x copy_fraction(bytes per peer)``, an all-reduce as a
-reduce-scatter followed by an all-gather.
+added. A primitive without a curve may carry a latency-bandwidth law of its own
+(``ccl.latency_bandwidth[kind]``: ``latency_s`` and ``efficiency``): compute-unit kernels that
+store into peers over the links from their first bytes (RCCL's all-reduce, mori's all-to-all on
+MI300X) take that latency plus the bytes over ``link x efficiency``, with no copy-size ramp,
+since the copy curve is shaped after DMA copies, whose per-copy setup small messages do not
+amortise:
+
+    time = latency_s + moved bytes / (link x efficiency)
+
+where moved bytes are what crosses this rank's links (a mesh: one peer's, each peer on its own
+link; a switch: every peer's through the GPU's one link), twice a block for an all-reduce. Like
+a curve, the law holds on the profile's own topology. Any other primitive, or another topology
+(``FICCO_TOPOLOGY`` overrides), is priced by the physics the simulator always used:
+``ccl.latency_s`` plus the bytes over ``link x ccl.efficiency x copy_fraction(bytes per peer)``,
+an all-reduce as a reduce-scatter followed by an all-gather.
 
 Example (MI300X, 8 GPUs, an all-to-all of 256 MiB per peer)::
 
@@ -82,6 +93,26 @@ def busbw_at(points: list[tuple[float, float]], size: float) -> float:
     return math.exp(math.log(b0) + t * (math.log(b1) - math.log(b0)))
 
 
+def law(profile, kind: str, topology: str | None = None) -> tuple[float, float] | None:
+    """``(latency_s, efficiency)`` of ``kind``'s latency-bandwidth law on ``topology`` (the
+    profile's own by default), or None where the profile gives none or the topology is another.
+
+    >>> from ficco.heuristics import profiles
+    >>> law(profiles.load("mi300x"), "all_to_all"), law(profiles.load("h100"), "all_to_all")
+    ((2e-05, 0.67), None)
+    """
+    if (topology or profile.topology) != profile.topology:
+        return None
+    given = (profile.ccl.get("latency_bandwidth") or {}).get(kind)
+    return (float(given["latency_s"]), float(given["efficiency"])) if given else None
+
+
+def latency_seconds(profile, kind: str, topology: str | None = None) -> float:
+    """The fixed part of one collective ``kind``: its law's latency, else ``ccl.latency_s``."""
+    rule = law(profile, kind, topology)
+    return rule[0] if rule else float(profile.ccl["latency_s"])
+
+
 def collective_seconds(profile, kind: str, bytes_per_peer: float, peers: int, *, world: int,
                        topology: str | None = None, link_bytes_per_s: float | None = None,
                        size_scale: float = 1.0) -> float:
@@ -93,7 +124,8 @@ def collective_seconds(profile, kind: str, bytes_per_peer: float, peers: int, *,
     ``peers`` below ``world - 1`` (a ring step of an all-to-all) uses as many links on a mesh
     (same time) and moves fewer bytes through a switch. Otherwise the physics fallback, on
     ``link_bytes_per_s`` (the simulator's link for the topology in force) with the copy
-    curve read at ``bytes_per_peer x size_scale``.
+    curve read at ``bytes_per_peer x size_scale``; a primitive with a law of its own
+    (:func:`law`) takes its latency and the bytes at its efficiency, without the copy curve.
 
     >>> from ficco.heuristics import profiles
     >>> h = profiles.load("h100")
@@ -116,7 +148,10 @@ def collective_seconds(profile, kind: str, bytes_per_peer: float, peers: int, *,
         lanes = reference - 1 if topology == "mesh" else peers
         return moved * lanes / bandwidth
     link = link_bytes_per_s or profile.link_for(topology, world)
-    bandwidth = link * profile.ccl["efficiency"] * profile.copy_fraction(bytes_per_peer * size_scale)
     volume = moved * (1 if topology == "mesh" else peers)
+    rule = law(profile, kind, topology)
+    if rule:
+        return rule[0] + volume / (link * rule[1])
+    bandwidth = link * profile.ccl["efficiency"] * profile.copy_fraction(bytes_per_peer * size_scale)
     rounds = 2 if kind == "all_reduce" else 1          # reduce-scatter, then all-gather
     return rounds * profile.ccl["latency_s"] + volume / bandwidth

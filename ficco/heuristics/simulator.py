@@ -483,7 +483,7 @@ class Simulation:
             topology=self.topology, link_bytes_per_s=self.link_bytes_per_s,
             size_scale=self.size_scale)
         # the launch latency is never slowed by contention; the rest is bandwidth
-        fixed = min(self.profile.ccl["latency_s"], seconds / 2)
+        fixed = min(collectives.latency_seconds(self.profile, kind, self.topology), seconds / 2)
         return _Task("ccl", fixed, seconds - fixed)
 
 
