@@ -13,7 +13,7 @@ import pytest
 
 from ficco.bench import async_tp, predictors
 from ficco.heuristics import all_reduce_pricing, collectives, gemm, profiles, simulator
-from ficco.plan import COMPUTE, AllToAll, Barrier, Block, Copy, Gemm, Plan, Reduce
+from ficco.plan import COMPUTE, AllToAll, Barrier, Block, Copy, Gemm, Plan, Record, Reduce
 from ficco.problem import Problem
 
 H100 = profiles.load("h100")
@@ -50,21 +50,52 @@ def test_a_gemm_chunked_for_a_collective_pays_waves_launches_and_weight_reads_pe
                                    + weight / (slow_hbm.hbm_bytes_per_s * eff))
 
 
-def test_each_chunked_copy_pays_the_copy_latency():
-    """A schedule that cuts a peer's rows into c copies pays c copy latencies for the same bytes
-    (mi355x: the latency S1's published SDMA round trip set)."""
-    prof = dataclasses.replace(profiles.load("mi355x"), host_op_s=0.0)
+def test_each_chunked_copy_pays_the_copy_latency_or_the_queued_issue_interval():
+    """A schedule that cuts a peer's rows into c copies on one queue pays one copy latency
+    and c - 1 issue intervals of copies queued behind it (mi355x: S1's 6 us SDMA round trip,
+    mori's 3 us pipelined issue interval); an event between two copies, or a profile with no
+    measured interval (mi300x), pays the whole round trip for each."""
     problem = Problem(4096, 1024, (1024,), "bfloat16", 2)
 
-    def copies(count):
+    def copies(prof, count, record=False):
         rows = problem.m // count
-        ops = tuple(Copy("copy0", Block("input", i * rows, rows, 0, problem.k, peer=1),
-                         Block("gathered", problem.m + i * rows, rows, 0, problem.k))
-                    for i in range(count))
-        return simulator.simulate(Plan("c", "dma", problem, ("copy0",), ops), prof).makespan_s
+        ops = []
+        for i in range(count):
+            ops.append(Copy("copy0", Block("input", i * rows, rows, 0, problem.k, peer=1),
+                            Block("gathered", problem.m + i * rows, rows, 0, problem.k)))
+            if record:
+                ops.append(Record("copy0", i))
+        plan = Plan("c", "dma", problem, ("copy0",), tuple(ops))
+        return simulator.simulate(plan, dataclasses.replace(prof, host_op_s=0.0)).makespan_s
 
-    one, eight = copies(1), copies(8)
-    assert eight - one >= 7 * prof.copy_latency_s * 0.999
+    def moving(prof, count):        # the bytes of count copies at their size's efficiency
+        nbytes = problem.m // count * problem.k * 2
+        engine = min(prof.link_bytes_per_s, prof.copy_engine_bytes_per_s or math.inf)
+        return count * nbytes / (engine * prof.copy_fraction(nbytes))
+
+    mi355, mi300 = profiles.load("mi355x"), profiles.load("mi300x")
+    assert (mi355.copy_latency_s, mi355.queued_copy_s()) == (6e-6, 3e-6)
+    assert copies(mi355, 1) == pytest.approx(6e-6 + moving(mi355, 1))
+    assert copies(mi355, 8) == pytest.approx(6e-6 + 7 * 3e-6 + moving(mi355, 8))
+    assert copies(mi355, 8, record=True) == pytest.approx(8 * 6e-6 + moving(mi355, 8))
+    assert mi300.queued_copy_s() == mi300.copy_latency_s == 10e-6
+    assert copies(mi300, 8) == pytest.approx(8 * 10e-6 + moving(mi300, 8))
+
+
+def test_an_expert_pull_pays_one_round_trip_and_queued_intervals_for_its_other_blocks():
+    """An expert-parallel pull of one peer's rows is one copy per local expert, queued back to
+    back on one engine: the first pays the copy latency, each further one the issue interval
+    (mi355x: 6 + 3 x 3 us for 4 experts; mi300x, no measured interval: 4 x 10 us)."""
+    from ficco import schedules
+    from ficco.problem_expert import ExpertProblem, representative
+
+    p = ExpertProblem(64, 32, 4, "bfloat16", 2, 0, "all_to_all_grouped_mm",
+                      representative(2, 4, 16, 1.0))
+    plan = schedules.get("serial", op=p.op).plan(p, "dma")
+    pull = next(op for op in plan.ops if op.kind == "expert_copy" and op.experts is None)
+    for name, fixed in (("mi355x", 6e-6 + 3 * 3e-6), ("mi300x", 4 * 10e-6)):
+        task = simulator.Simulation(plan, profiles.load(name), "mesh")._task(pull)
+        assert task.fixed_s == pytest.approx(fixed)
 
 
 def test_a_copy_past_one_sdma_packet_pays_each_further_packet():

@@ -6,7 +6,10 @@ routing, :class:`~ficco.problem_expert.ExpertProblem`). Each op is priced with t
 own primitives, so expert parallelism shares every profile number with the other ops:
 
 - a pull of one peer's chunk (one copy per local expert) is one DMA copy on that peer's link,
-  paying the copy latency once per non-empty expert block (a 2d chunk is a strided copy, at
+  paying the copy latency for its first non-empty expert block and, for each block after it
+  (queued behind it on the same engine), the engine's issue interval
+  (:meth:`~ficco.heuristics.profiles.Profile.queued_copy_s`: the copy latency where the
+  profile gives none) (a 2d chunk is a strided copy, at
   the efficiency its row length gives, as for the other ops' 2d copies);
 - a grouped GEMM is one launch over its experts' row blocks (tiles and waves over all of them,
   as :func:`ficco.heuristics.gemm.gemm_seconds` prices a batch), plus reading every expert's
@@ -40,8 +43,8 @@ def price(sim, op, task, mt_factor):
         row_bytes = cols * sim.itemsize if op.two_d else None
         moved = sim._dma(op.peer, sum(rows for rows, _ in pieces) * cols * sim.itemsize,
                          row_bytes)
-        if len(pieces) > 1:
-            moved.fixed_s += (len(pieces) - 1) * sim.profile.copy_latency_s
+        if len(pieces) > 1:     # the blocks after the first are queued behind it
+            moved.fixed_s += (len(pieces) - 1) * sim.profile.queued_copy_s()
         return moved
     if op.kind == "expert_gemm":
         return _grouped_gemm(sim, p, op, task, mt_factor)

@@ -25,6 +25,9 @@ JSON schema (every key at top level; units in the names)::
       "copy_packet_bytes": 1073741823,         # most bytes one copy command (SDMA packet)
                                                # carries; a larger copy is split (null: no cap)
       "copy_packet_s": 3e-06,                  # cost of each packet after a copy's first
+      "copy_queued_s": 3e-06,                  # a copy queued right behind another on its
+                                               # copy queue pays this, not copy_latency_s
+                                               # (the engine's issue interval; null: none)
       "llc_bytes": 268435456,                  # last-level cache size (0: none modelled)
       "llc_bytes_per_s": 1.72e13,              # its bandwidth (null: none modelled); split-K
                                                # partial sums that fit move at this rate
@@ -118,6 +121,7 @@ class _Defaults(TypedDict):
     copy_latency_s: float
     copy_packet_bytes: int | None
     copy_packet_s: float
+    copy_queued_s: float | None
     llc_bytes: float
     copy_efficiency: dict[str, float]
     copy_2d_half_row_bytes: float
@@ -141,6 +145,10 @@ DEFAULTS: _Defaults = {
     # first costs copy_packet_s (None / 0.0: no cap, no cost; only where a source gives them).
     "copy_packet_bytes": None,
     "copy_packet_s": 0.0,
+    # A copy queued right behind another on the same copy queue (no completion wait between)
+    # pays the engine's issue interval instead of copy_latency_s (None: every copy pays the
+    # full round trip; only where a source measures the interval).
+    "copy_queued_s": None,
     "llc_bytes": 0.0,
     "copy_efficiency": {"4096": 0.05, "65536": 0.3, "1048576": 0.75, "16777216": 0.92,
                         "268435456": 0.97},
@@ -191,6 +199,7 @@ class Profile:
     copy_latency_s: float = DEFAULTS["copy_latency_s"]
     copy_packet_bytes: int | None = DEFAULTS["copy_packet_bytes"]
     copy_packet_s: float = DEFAULTS["copy_packet_s"]
+    copy_queued_s: float | None = DEFAULTS["copy_queued_s"]
     llc_bytes: float = DEFAULTS["llc_bytes"]
     llc_bytes_per_s: float | None = None
     copy_efficiency: dict = field(default_factory=lambda: dict(DEFAULTS["copy_efficiency"]))
@@ -234,6 +243,9 @@ class Profile:
         if not self.copy_packet_s >= 0:
             raise ConfigError(f"profile {self.name!r}: copy_packet_s must be >= 0, "
                               f"got {self.copy_packet_s!r}")
+        if self.copy_queued_s is not None and not 0 <= self.copy_queued_s <= self.copy_latency_s:
+            raise ConfigError(f"profile {self.name!r}: copy_queued_s must be between 0 and "
+                              f"copy_latency_s (or null), got {self.copy_queued_s!r}")
 
     # -- derived numbers ---------------------------------------------------------------------
     def flops(self, dtype: str) -> float:
@@ -268,6 +280,16 @@ class Profile:
         (s0, f0), (s1, f1) = points[i - 1], points[i]
         t = (math.log(size_bytes) - math.log(s0)) / (math.log(s1) - math.log(s0))
         return f0 + t * (f1 - f0)
+
+    def queued_copy_s(self) -> float:
+        """What a copy queued right behind another on its copy queue pays instead of
+        ``copy_latency_s``: the engine's pipelined issue interval ``copy_queued_s`` where the
+        profile gives one, else the full round trip.
+
+        >>> load("mi355x").queued_copy_s(), load("mi300x").queued_copy_s()
+        (3e-06, 1e-05)
+        """
+        return self.copy_latency_s if self.copy_queued_s is None else self.copy_queued_s
 
     def copy_packet_overhead_s(self, nbytes: float) -> float:
         """What one copy of ``nbytes`` pays beyond ``copy_latency_s`` for being split into

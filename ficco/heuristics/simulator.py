@@ -141,6 +141,10 @@ class Simulation:
         #: one hardware queue: ops dispatch in plan (issue) order; ``head`` is the next one
         self.one_queue = profile.hardware_queues == 1
         self.head = 0
+        #: the last op started on each queue, and the ops that ran as DMA copies (a copy
+        #: queued right behind one pays the engine's issue interval: ``_begin``)
+        self.last_on_queue: dict[str, int] = {}
+        self.dma_ops: set[int] = set()
 
     # -- event loop --------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -234,8 +238,9 @@ class Simulation:
                     if isinstance(op, Record):
                         recorded.add(op.event)
                     elif not isinstance(op, Wait):
-                        active[i] = self._task(op)
+                        active[i] = self._begin(i, end, now)
                         busy.add(queue)
+                    self.last_on_queue[queue] = i
 
     def _issue_in_order(self, next_op, recorded, busy, active, start, end, now):
         """One hardware queue: the next op in issue order starts once the host issued it, its
@@ -257,8 +262,24 @@ class Simulation:
             if isinstance(op, Record):
                 recorded.add(op.event)
             elif not isinstance(op, Wait):
-                active[i] = self._task(op)
+                active[i] = self._begin(i, end, now)
                 busy.add(op.queue)
+            self.last_on_queue[op.queue] = i
+
+    def _begin(self, i: int, end: list[float], now: float) -> _Task:
+        """The task of op ``i``, starting at ``now``. A DMA copy queued right behind another
+        DMA copy on its queue (that copy ended now, nothing between them on the queue, and
+        the host had issued this one by then) pays the engine's pipelined issue interval
+        (:meth:`Profile.queued_copy_s`) instead of the copy latency: the engine moves on to a
+        queued copy without a completion round trip."""
+        task = self._task(self.ops[i])
+        if task.category == "dma":
+            prev = self.last_on_queue.get(self.ops[i].queue)
+            if (task.fixed_s > 0 and prev in self.dma_ops and abs(end[prev] - now) <= _EPS
+                    and self.issue_s[i] <= end[prev] + _EPS):
+                task.fixed_s -= self.profile.copy_latency_s - self.profile.queued_copy_s()
+            self.dma_ops.add(i)
+        return task
 
     # -- rates -------------------------------------------------------------------------------
     def _rates(self, active: dict[int, _Task]) -> dict[int, float]:
