@@ -39,6 +39,7 @@ import time
 EXAMPLES = """examples:
   python -m ficco.bench default                   # W=2, every op, tiny/GEMM-bound/copy-bound
   python -m ficco.bench default --world 4 --calls 31 --json bench/runs/default.json
+  python -m ficco.bench default --op matmul_reduce_scatter --case GEMM-bound   # one case
 """
 
 #: per op: (label, sizes) with sizes the op's inputs below: dense ops (rows per rank, K, n;
@@ -69,6 +70,11 @@ def add_arguments(parser) -> None:
                         help="fail where the default takes longer than this times the better "
                              "serial")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument("--op", action="append", default=None, choices=sorted(CASES),
+                        help="only this op's cases (repeatable; default: every op)")
+    parser.add_argument("--case", action="append", default=None,
+                        choices=sorted({label for cases in CASES.values() for label, _ in cases}),
+                        help="only cases with this label (repeatable; default: all three)")
 
 
 def _inputs(op: str, rank: int, world: int, sizes: tuple, seed: int):
@@ -126,12 +132,20 @@ def _slowest(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def _case_rows(rank: int, world: int, calls: int, per_sample: int) -> list[dict]:
+def selected(ops: list[str] | None = None, labels: list[str] | None = None) -> dict:
+    """:data:`CASES` narrowed to ``ops`` and case ``labels`` (None: all)."""
+    return {op: tuple(c for c in cases if labels is None or c[0] in labels)
+            for op, cases in CASES.items() if ops is None or op in ops}
+
+
+def _case_rows(rank: int, world: int, calls: int, per_sample: int,
+               cases_of: dict | None = None) -> list[dict]:
     """Every case's row on this rank (the numbers agreed: the slowest rank's)."""
     import ficco
     from ficco import runtime
 
     os.environ["FICCO_CACHE_DIR"] = tempfile.mkdtemp(prefix="ficco-bench-default-")
+    cases_of = CASES if cases_of is None else cases_of
     for op, cases in CASES.items():
         # what a process pays once (queues, workspaces, communicators), on a shape of its own,
         # so that the first call below pays only for its own key
@@ -139,7 +153,7 @@ def _case_rows(rank: int, world: int, calls: int, per_sample: int) -> list[dict]
         for via in ("dma", "ccl"):
             _timed(call, "serial", via)
     out = []
-    for op, cases in CASES.items():
+    for op, cases in cases_of.items():
         for seed, (label, sizes) in enumerate(cases):
             call, explain = _inputs(op, rank, world, sizes, seed)
             first = _timed(call)
@@ -192,10 +206,11 @@ def summary(times: list[list[float]]) -> dict:
             "fastest_vs_serial": min(default) / min(serial)}
 
 
-def measure(world: int = 2, calls: int = 21, per_sample: int = 4) -> list[dict]:
+def measure(world: int = 2, calls: int = 21, per_sample: int = 4,
+            cases_of: dict | None = None) -> list[dict]:
     from .cli import cpu_ranks
 
-    return cpu_ranks(_case_rows, world, calls, per_sample)[0]
+    return cpu_ranks(_case_rows, world, calls, per_sample, cases_of)[0]
 
 
 def main(args) -> int:
@@ -206,7 +221,9 @@ def main(args) -> int:
         raise BenchUsageError(f"ficco.bench default compares schedules across ranks: it needs "
                               f"--world 2 or more and --calls 1 or more; got --world "
                               f"{args.world} --calls {args.calls}")
-    rows = measure(args.world, args.calls, args.per_sample)
+    narrowed = args.op is not None or args.case is not None
+    rows = measure(args.world, args.calls, args.per_sample,
+                   selected(args.op, args.case) if narrowed else None)
     print(f"the default choice against the better serial: W={args.world} CPU ranks (gloo), "
           f"float32, no settings, {args.calls} interleaved rounds of one sample ("
           f"{args.per_sample} calls) per variant, slowest rank; times: medians; ratios: "
@@ -227,6 +244,9 @@ def main(args) -> int:
               f"{row['default_s'] * 1e3:7.3f}ms {serial * 1e3:7.3f}ms {ratio:8.2f}x "
               f"{itself:8.2f}x {fastest:8.2f}x {extra:9.1f}x {spent:>9}")
     missing = [op for op in ops.names() if op not in CASES]
+    if narrowed:
+        print(f"narrowed to --op {args.op or 'all'} --case {args.case or 'all'}: not the "
+              f"whole check")
     if missing:
         print(f"not covered (no cases in ficco/bench/default.py): {', '.join(missing)}")
     print(f"worst: the default at {worst:.2f}x the better serial (limit {args.limit:.2f}x); "
