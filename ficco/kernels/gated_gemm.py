@@ -180,8 +180,10 @@ def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, h
                     mask_k = offs_k < k0 + kc
                     a_tile = tl.load(a_rows[:, None] + offs_k[None, :],
                                      mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                    # Both offsets in int64: B is the caller's weight as given, and for a
+                    # column-major ``w.t()`` offs_n * stride_bn passes 2**31 once N*K does.
                     b_tile = tl.load(b + offs_k[:, None].to(tl.int64) * stride_bk
-                                     + offs_n[None, :] * stride_bn,
+                                     + offs_n[None, :].to(tl.int64) * stride_bn,
                                      mask=mask_k[:, None] & mask_n[None, :], other=0.0)
                     if UPCAST:
                         # The interpreter keeps bf16 as raw uint16 and its dot multiplies those

@@ -117,11 +117,14 @@ def gated_task(backend, problem, op, a_local, gathered, b, out, flags, timeout_s
             if trace is not None:   # the host clock the tiles read: times count from this launch
                 traced_launch["origin"] = time.perf_counter_ns()
             halt = torch.zeros(1, dtype=torch.int32)
-            with _Watch(halt, lambda: backend.cancelled(lane), expires):
+            with _Watch(halt, lambda: backend.cancelled(lane), expires) as watch:
                 err = gated_gemm(a, gathered, b, out, segments, flags,
                                  local_row0=local_row0, halt=halt, timeout_s=timeout_s,
                                  family=family, trace=trace, trace_mode=mode)
             check_error(err, describe, timeout_s)
+            # A halt raised while tiles were still to start left them NaN with no wait run
+            # out (every flag had arrived): the launch must fail, not hand NaN rows back.
+            watch.check(timeout_s)
             return
         err = gated_gemm(a, gathered, b, out, segments, flags, local_row0=local_row0,
                          halt=fault.word_device, timeout_s=timeout_s, family=family,
@@ -176,12 +179,27 @@ class _Watch:
     def __init__(self, halt: torch.Tensor, cancelled, expires: float):
         self.halt, self.cancelled, self.expires = halt, cancelled, expires
         self.done = threading.Event()
+        self.why: str | None = None     # set with the halt: what raised it
 
     def _loop(self, deadline: float) -> None:
         while not self.done.wait(0.01):
-            if time.monotonic() > deadline or self.cancelled():
+            late = time.monotonic() > deadline
+            if late or self.cancelled():
+                self.why = "its call's deadline passed" if late else \
+                    "another queue of its call failed"
                 self.halt.fill_(1)
                 return
+
+    def check(self, timeout_s: float) -> None:
+        """Raise when the halt was raised during the launch: tiles that started after it were
+        written as NaN (none of their waits ran out, so the kernel's error word is 0)."""
+        if self.why is not None:
+            from ..errors import CommTimeoutError
+
+            raise CommTimeoutError(
+                f"gated GEMM: {self.why} (FICCO_TIMEOUT {timeout_s:.3g}s, counted from when "
+                f"the call enqueued it) before all its tiles were computed; the rest are NaN "
+                f"and the call returns nothing. Raise FICCO_TIMEOUT if the GEMM is only slow")
 
     def __enter__(self):
         self.thread = threading.Thread(target=self._loop, name="ficco-gated-watch",
