@@ -72,3 +72,83 @@ def test_cpu_gated_launch_never_returns_nan_tiles_without_an_error():
     ref = gathered.double() @ b.double()
     assert not out.isnan().any(), "a gated launch returned NaN tiles and no error"
     assert torch.allclose(out.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+# -- on a GPU (skipped without one): a suspicion the interpreter cannot show ------------------
+def _divergence_probe(mode: str, launches: int, device: str) -> str:
+    """Launch the gated GEMM ``launches`` times with many programs waiting for a flag that never
+    comes, ended by the clock (``mode`` "clock": every wait runs out at about the same moment)
+    or by the host raising the halt word in pinned host memory while they wait ("halt").
+    Every launch must finish, own rows must match float64, waiting rows must be NaN and the
+    error word must name the flag. Returns "" or what went wrong. The compiled kernel reads
+    the halt word and the clock per thread (ld.volatile / %globaltimer, s_memrealtime per
+    wave) and its wait loop holds CTA barriers (the flag poll's broadcast): warps that read
+    different values leave the loop at different iterations."""
+    import time
+
+    from ficco.kernels import configs
+    from ficco.kernels.gated_gemm import Segment, gated_gemm
+    from ficco.symm_mem.device import tensor_at
+
+    dev = torch.device(device)
+    on_gpu = dev.type == "cuda"
+    family = configs.family(configs.current_target()) if on_gpu else "cpu"
+    m, waiting, k, n = (128, 128 * 24, 64, 256) if on_gpu else (32, 64, 32, 32)
+    gen = torch.Generator().manual_seed(7)
+    a = torch.randn(m + waiting, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(k, n, generator=gen).to(torch.bfloat16)
+    ref = a[:m].double() @ b.double()
+    segs = (Segment(0, m, ((0, k, -1),)), Segment(m, waiting, ((0, k, 0),)))
+    a_dev, b_dev = a.to(dev), b.to(dev)
+    host = torch.zeros(1, dtype=torch.int32, pin_memory=on_gpu)
+    halt = tensor_at(host.data_ptr(), 4, dev).view(torch.int32) if on_gpu else host
+    for launch in range(launches):
+        host.zero_()
+        c = torch.zeros(m + waiting, n, dtype=torch.bfloat16, device=dev)
+        flags = torch.zeros(1, dtype=torch.int32, device=dev)
+        done = torch.cuda.Event() if on_gpu else None
+        err = gated_gemm(a_dev[:m], a_dev, b_dev, c, segs, flags, local_row0=0, halt=halt,
+                         timeout_s=0.05 if mode == "clock" else 30.0, family=family,
+                         device_kind=None if on_gpu else "cpu")
+        if on_gpu:
+            done.record()
+            if mode == "halt":
+                time.sleep(0.02)
+                host[0] = 1            # what the watchdog does: a host store
+            deadline = time.monotonic() + 20.0
+            while not done.query():
+                if time.monotonic() > deadline:
+                    return f"launch {launch} ({mode}): the kernel never finished"
+                time.sleep(0.001)
+        got = c.double().cpu()
+        if int(err.reshape(-1)[0].cpu()) != 1:
+            return f"launch {launch} ({mode}): error word {int(err[0])}, not 1 (flag 0)"
+        if not torch.allclose(got[:m], ref, rtol=2e-2, atol=2e-2):
+            return f"launch {launch} ({mode}): own rows wrong"
+        if not got[m:].isnan().all():
+            return f"launch {launch} ({mode}): {int((~got[m:].isnan()).sum())} waiting " \
+                   f"elements are numbers, not NaN"
+    return ""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+@pytest.mark.parametrize("mode", ["clock", "halt"])
+def test_gated_waits_end_alike_in_every_warp_on_gpu(mode):
+    """Suspicion for a GPU (docs: report of the symmetric-path review): many programs
+    ending their waits at once, by the clock or by the halt word, must all finish with NaN
+    tiles and the flag named, launch after launch. Run in a subprocess: a CTA whose warps
+    left the wait loop at different iterations can hang at a barrier, and a hung kernel
+    would hang this process."""
+    import subprocess
+    import sys
+
+    code = ("import sys, tests.test_review_symm_path as t; "
+            "r = t._divergence_probe(sys.argv[1], 30, 'cuda'); print(r or 'ok'); "
+            "sys.exit(1 if r else 0)")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, mode], check=False,
+                              capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{mode}: the probe hung (a gated GEMM never finished)")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
