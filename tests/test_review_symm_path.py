@@ -135,7 +135,7 @@ def _divergence_probe(mode: str, launches: int, device: str) -> str:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 @pytest.mark.parametrize("mode", ["clock", "halt"])
 def test_gated_waits_end_alike_in_every_warp_on_gpu(mode):
-    """Suspicion for a GPU (docs: report of the symmetric-path review): many programs
+    """A suspicion of the symmetric-path review, for a GPU: many programs
     ending their waits at once, by the clock or by the halt word, must all finish with NaN
     tiles and the flag named, launch after launch. Run in a subprocess: a CTA whose warps
     left the wait loop at different iterations can hang at a barrier, and a hung kernel
