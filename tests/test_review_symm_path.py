@@ -74,6 +74,48 @@ def test_cpu_gated_launch_never_returns_nan_tiles_without_an_error():
     assert torch.allclose(out.double(), ref, rtol=1e-4, atol=1e-4)
 
 
+def test_interpreted_gated_gemms_of_two_threads_both_right():
+    """On the CPU backend each session (group) runs its gated GEMMs on its own compute worker,
+    in Triton's interpreter, and two groups' calls may run at once. The interpreter patches
+    ``triton.language`` process-wide for the length of a launch and keeps the program id in one
+    global: a launch that ended restored the patches under a running one (which then raised
+    "Did you forget to add @triton.jit"), and a launch could read another's program id (tiles
+    computed twice, others never). One long launch runs while another thread makes short
+    ones; every result must match float64."""
+    import threading
+
+    from ficco.kernels.gated_gemm import Segment, gated_gemm
+
+    results: dict = {}
+    start = threading.Barrier(2)
+
+    def launches(seed, m, n, count):
+        gen = torch.Generator().manual_seed(seed)
+        k = 32
+        a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
+        ref = a.double() @ b.double()
+        start.wait()
+        errors = []
+        for _ in range(count):
+            c = torch.full((m, n), float("nan"))
+            try:
+                gated_gemm(a, a, b, c, (Segment(0, m, ((0, k, -1),)),),
+                           torch.ones(1, dtype=torch.int32), local_row0=0, device_kind="cpu")
+                errors.append(float((c.double() - ref).abs().max()))
+            except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+                errors.append(repr(exc)[:120])
+        results[seed] = errors
+
+    threads = [threading.Thread(target=launches, args=(0, 256, 256, 1)),
+               threading.Thread(target=launches, args=(1, 32, 32, 12))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for seed, errors in results.items():
+        assert all(isinstance(e, float) and e < 1e-4 for e in errors), (seed, errors)
+
+
 # -- on a GPU (skipped without one): a suspicion the interpreter cannot show ------------------
 def _divergence_probe(mode: str, launches: int, device: str) -> str:
     """Launch the gated GEMM ``launches`` times with many programs waiting for a flag that never

@@ -50,9 +50,9 @@ def fence_kernel(device_kind: str):
     from ..kernels.fence import fence_body as fence
 
     if device_kind == "cpu":
-        from triton.runtime.interpreter import InterpretedFunction
+        from ..kernels import interpreted
 
-        return InterpretedFunction(fence)
+        return interpreted(fence)
     return triton.jit(fence)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import threading
 
 #: Triton's oldest version these kernels run on: the device-clock and word builtins
 #: (:mod:`.trace`, :mod:`.words`) need its ``_semantic`` builtin convention (3.4).
@@ -114,5 +115,37 @@ def selectable_reason(target: str) -> str | None:
     return reason
 
 
-__all__ = ["MAX_TRITON", "MIN_TRITON", "MIN_TRITON_INTERPRETER", "interpreter_reason",
-           "selectable_reason", "triton_reason", "unavailable_reason"]
+#: Held by every launch of a kernel in Triton's interpreter (:func:`interpreted`).
+_INTERPRETER_LOCK = threading.Lock()
+
+
+class _OneAtATime:
+    """An interpreted kernel whose launches (``kernel[grid](*args)``) run one at a time."""
+
+    def __init__(self, function):
+        self.function = function
+
+    def __getitem__(self, grid):
+        launch = self.function[grid]
+
+        def run(*args, **kwargs):
+            with _INTERPRETER_LOCK:
+                return launch(*args, **kwargs)
+        return run
+
+
+def interpreted(body):
+    """The kernel function ``body`` built for Triton's interpreter (CPU tensors), whatever
+    TRITON_INTERPRET says, launched as ``kernel[grid](*args)``, one launch at a time in this
+    process. The interpreter patches ``triton.language`` process-wide for the length of a
+    launch and keeps the running program's id in one global, so two launches at once (the
+    compute workers of two CPU sessions, two fake-GPU streams) make one fail when the other
+    restores the patches, or read the other's program ids. A gated GEMM waiting inside the
+    lock waits for flags that copy workers raise, never for another interpreted kernel."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return _OneAtATime(InterpretedFunction(body))
+
+
+__all__ = ["MAX_TRITON", "MIN_TRITON", "MIN_TRITON_INTERPRETER", "interpreted",
+           "interpreter_reason", "selectable_reason", "triton_reason", "unavailable_reason"]

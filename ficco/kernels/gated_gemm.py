@@ -221,9 +221,9 @@ def _compiled(device_kind: str, family: str):
     if device_kind == "cpu":
         # Built directly (not through TRITON_INTERPRET): ficco's CPU backend runs the kernel in
         # the interpreter whatever the environment says, and GPU kernels stay compiled.
-        from triton.runtime.interpreter import InterpretedFunction
+        from . import interpreted
 
-        return InterpretedFunction(_kernel_body), configs.INTERPRETER
+        return interpreted(_kernel_body), configs.INTERPRETER
     jitted = triton.jit(_kernel_body)
     # cache_results: the winner per key also goes to Triton's on-disk cache (keyed by the
     # kernel source, key values, dtypes and the GPU target), so a restart does not re-time.
