@@ -420,6 +420,16 @@ class GpuBackend(Backend):
             event.record(q)
             compute.wait_event(event)
 
+    def finish_failed(self, queues):
+        """The caller's stream waits for the side streams of a call that raised mid-enqueue,
+        as :meth:`finish` (no host wait: a side stream held by a barrier is released by the
+        watchdog at its deadline). The call's recv buffers, outputs and temporaries go back
+        to the caller's stream's caching allocator when the exception drops them; without the
+        join, copies already queued (peers' partials pulled into recv) would write into
+        whatever the caller's next kernel is given there."""
+        with contextlib.suppress(Exception):   # the call's own error is the one to raise
+            self.finish(queues)
+
     def symm_provider(self):
         return self._provider
 
