@@ -6,6 +6,7 @@ pretend group: peers' symmetric buffers are other tensors and every barrier pass
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -107,3 +108,88 @@ def test_a_call_failing_mid_enqueue_orders_the_callers_stream_after_its_side_cop
         gate.set()
     dev.synchronize()
     torch.testing.assert_close(recv.double(), x.double() @ w.double(), rtol=1e-5, atol=1e-5)
+
+
+
+def _ag_call(p, k, handle):
+    """An all-gather call's buffers with fresh own data (the pretend peers' shards, already
+    in the handle, stay) and its float64 reference outputs."""
+    peers = handle.peer_shards
+    a = torch.randn(p.m, k)
+    bs = [torch.randn(k, n) for n in p.ns]
+    outs = [torch.empty(p.big_m, n) for n in p.ns]
+    full = torch.cat([a if r == RANK else peers[r] for r in range(WORLD)]).double()
+    return (Buffers(a, bs, outs, handle.get_buffer(RANK, (p.big_m, k), torch.float32), handle,
+                    None), [full @ b.double() for b in bs])
+
+
+def _rs_call(p, k, handle):
+    """A reduce-scatter call's buffers with fresh own data (the pretend peers' partials, in
+    the handle, stay) and its float64 reference outputs."""
+    a = torch.randn(p.m, k)
+    bs = [torch.randn(k, n) for n in p.ns]
+    offsets = (0, p.m * p.ns[0] * 4)
+    partials = [handle.get_buffer(RANK, (p.m, n), torch.float32, off)
+                for n, off in zip(p.ns, offsets)]
+    outs = [torch.empty(p.block_rows, n) for n in p.ns]
+    recvs = [torch.empty(WORLD * p.block_rows, n) for n in p.ns]
+    row0, rows = p.block(RANK)
+    refs = [(a.double() @ b.double() + sum(handle.peer_partials[q][j].double()
+                                            for q in handle.peer_partials))[row0:row0 + rows]
+            for j, b in enumerate(bs)]
+    return (Buffers(a, bs, outs, None, handle, None, partials=partials, recvs=recvs,
+                    partial_offsets=offsets), refs)
+
+
+def _pretend_peers(p, k) -> Handle:
+    """A handle whose peers' gathered rows (all-gather) or partials (reduce-scatter) hold
+    fresh random data, the same for every call of a test."""
+    from .test_enqueue_gpu import Handle
+
+    if p.reduces:
+        handle = Handle(p.m * sum(p.ns))
+        offsets = (0, p.m * p.ns[0] * 4)
+        handle.peer_partials = {q: [torch.randn(p.m, n) for n in p.ns]
+                                for q in range(WORLD) if q != RANK}
+        for q, parts in handle.peer_partials.items():
+            for part, off in zip(parts, offsets):
+                handle.get_buffer(q, part.shape, torch.float32, off).copy_(part)
+        return handle
+    handle = Handle(p.big_m * k)
+    handle.peer_shards = {r: torch.randn(p.m, k) for r in range(WORLD) if r != RANK}
+    for r, shard in handle.peer_shards.items():
+        handle.get_buffer(r, (p.big_m, k), torch.float32)[r * p.m:(r + 1) * p.m] = shard
+    return handle
+
+
+@pytest.mark.parametrize("op,name", [("all_gather_matmul", "serial"),
+                                     ("matmul_reduce_scatter", "serial"),
+                                     ("matmul_reduce_scatter", "uniform-fused-1d")])
+def test_two_calls_on_two_caller_streams_never_share_the_workspace_at_once(device, op, name):
+    """Call 1 on stream S1 (busy with the caller's earlier work), call 2 right after on
+    stream S2, same group: call 2's compute-stream work (publishing this rank's shard into
+    the symmetric ``gathered`` buffer; the GEMMs writing this rank's symmetric partials) must
+    not run before call 1's compute-stream work that writes or reads the same workspace. The
+    caller ordered nothing between the two (the workspace is ficco's, not theirs): each
+    call's result must match float64."""
+    from .test_enqueue_gpu import AG, K
+
+    dev, backend = device
+    p = AG if op == "all_gather_matmul" else RS
+    plan = schedules.get(name, op=p.op).plan(p, "dma", None)
+    handle = _pretend_peers(p, K)
+    lane: dict = {}
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    gate = _gate(s1)          # the caller's earlier work on S1, still running
+    calls = []
+    for stream in (s1, s2):
+        buffers, refs = (_rs_call if p.reduces else _ag_call)(p, K, handle)
+        with torch.cuda.stream(stream):
+            execute(plan, backend, buffers, timeout_s=10.0, lane=lane)
+        calls.append((buffers, refs))   # (alive: the fake's tensors are CPU allocator's)
+    time.sleep(0.3)           # S2 runs what it may meanwhile
+    gate.set()
+    dev.synchronize()
+    for buffers, refs in calls:
+        for out, ref in zip(buffers.outs, refs):
+            torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
