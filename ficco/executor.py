@@ -85,6 +85,7 @@ def execute(plan: Plan | CompiledPlan, backend, buffers: Buffers, *, timeout_s: 
         backend.finish(queues)
     except BaseException as exc:
         _name_work_step(exc, compiled, steps, views)
+        backend.finish_failed(queues)   # what was queued still runs: order it (GPUs)
         raise
     return None
 

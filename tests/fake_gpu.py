@@ -274,6 +274,7 @@ class FakeEvent:
         def mark():
             self.time_s = time.perf_counter()
             self.reached = max(self.reached, gen)
+            self._done(gen)
         stream.enqueue(mark)
 
     def wait(self, stream=None):
@@ -286,14 +287,23 @@ class FakeEvent:
             return
         gen = self.recorded
         dev = stream.device
-        stream.enqueue(lambda: dev.spin(lambda: self.reached >= gen, "event wait"))
+        stream.enqueue(lambda: dev.spin(lambda: self._reached(gen), "event wait"))
 
     def query(self) -> bool:
-        return self.reached >= self.recorded
+        return self._reached(self.recorded)
 
     def synchronize(self) -> None:
         gen = self.recorded
-        _device().host_wait(lambda: self.reached >= gen, "Event.synchronize")
+        _device().host_wait(lambda: self._reached(gen), "Event.synchronize")
+
+    # Records of one event on several streams complete in any order; a wait (as CUDA's)
+    # binds to the record made before it, which a later record's completion says nothing of.
+    def _done(self, gen: int) -> None:
+        done = self.__dict__.setdefault("done_gens", set())
+        done.add(gen)
+
+    def _reached(self, gen: int) -> bool:
+        return gen == 0 or gen in self.__dict__.get("done_gens", ())
 
     def elapsed_time(self, end) -> float:
         return (end.time_s - self.time_s) * 1000.0

@@ -173,6 +173,12 @@ class Backend(ABC):
         """End of one call: make the caller's compute queue wait for every other queue (GPU),
         or block until all queues drained and re-raise any worker error (CPU)."""
 
+    def finish_failed(self, queues: list[Any]) -> None:
+        """End of a call that raised while its plan was being enqueued (never raises): what
+        its queues still hold must be ordered before the caller's next work (GPUs: the
+        call's per-call tensors go back to the caller's stream's allocator while copies and
+        collectives already queued on side streams may still write them). Nothing here."""
+
     # -- symmetric memory ---------------------------------------------------------------------
     @abstractmethod
     def symm_provider(self) -> Any:

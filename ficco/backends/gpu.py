@@ -71,6 +71,7 @@ class GpuBackend(Backend):
         self._copy_streams: dict[int, torch.cuda.Stream] = {}
         self._comm_stream: torch.cuda.Stream | None = None
         self._side_stream: torch.cuda.Stream | None = None
+        self._shared_lane: dict = {}   # the caller's stream of the last call on no lane
         self._provider = AutoSymmProvider(self)
         # Failures of a group live with the group (its workspace's GroupFault);
         # only the watchdog's own death concerns every group.
@@ -120,7 +121,32 @@ class GpuBackend(Backend):
         executor's per-call lookup; reading a setting costs about a microsecond)."""
         self._raise_died()
         engines = config.copy_engines()
-        return [self._queue(name, engines, lane) for name in names]
+        current = torch.cuda.current_stream(self._device)   # the compute queue
+        self._after_last_call(self._shared_lane if lane is None else lane, current)
+        return [current if name == "compute" else self._queue(name, engines, lane)
+                for name in names]
+
+    def _after_last_call(self, lane, current) -> None:
+        """A call whose caller's stream is not the last call's (same session): make it wait
+        for everything the last call's stream holds (that call joined its side streams into
+        it). The workspace is the session's, not the caller's: without this, this call's
+        compute-stream work (the serial all-gather's publish into ``gathered``, the
+        reduce-scatter GEMMs writing the symmetric partials) runs beside the last call's
+        GEMMs and reductions reading that memory, and before its closing barrier told the
+        peers' pulls are done. Not while capturing: ``torch.cuda.graph`` synchronizes the
+        device before it begins, and a capture may not wait on an event recorded outside."""
+        if torch.cuda.is_current_stream_capturing():
+            return
+        last = lane.get("caller")
+        if last is None or last == current:
+            lane["caller"] = current
+            return
+        event = lane.get("caller_event")
+        if event is None:
+            event = lane["caller_event"] = torch.cuda.Event()
+        event.record(last)
+        current.wait_event(event)
+        lane["caller"] = current
 
     def _queue(self, name, engines, lane=None):
         if name == "compute":
@@ -420,6 +446,16 @@ class GpuBackend(Backend):
             event.record(q)
             compute.wait_event(event)
 
+    def finish_failed(self, queues):
+        """The caller's stream waits for the side streams of a call that raised mid-enqueue,
+        as :meth:`finish` (no host wait: a side stream held by a barrier is released by the
+        watchdog at its deadline). The call's recv buffers, outputs and temporaries go back
+        to the caller's stream's caching allocator when the exception drops them; without the
+        join, copies already queued (peers' partials pulled into recv) would write into
+        whatever the caller's next kernel is given there."""
+        with contextlib.suppress(Exception):   # the call's own error is the one to raise
+            self.finish(queues)
+
     def symm_provider(self):
         return self._provider
 
@@ -427,4 +463,5 @@ class GpuBackend(Backend):
         self._watchdog.stop()
         self._copy_streams.clear()
         self._join_events.clear()
+        self._shared_lane.clear()
         self._comm_stream = self._side_stream = None
