@@ -116,6 +116,51 @@ def test_interpreted_gated_gemms_of_two_threads_both_right():
         assert all(isinstance(e, float) and e < 1e-4 for e in errors), (seed, errors)
 
 
+def two_caller_streams(rank, world, seed):
+    """Rank side of the test below: a warm-up call, then call 1 on stream s1 and call 2 on
+    s2, same group and shape, other inputs; each call's error against float64."""
+    import ficco
+
+    from . import fake_gpu
+    from . import fault_cases as cases
+    from .reference import make_inputs, max_row_rel_err
+
+    cases._setup("cuda", 8)
+    m, k, n = 1024, 512, 1024      # call 1's GEMM takes a while on the fake GPU
+    shards1, bs1, _, refs1 = make_inputs(seed, world, (m, k), (n,), torch.float32)
+    shards2, bs2, _, refs2 = make_inputs(seed + 1, world, (m, k), (n,), torch.float32)
+    try:
+        with ficco.config.scope(transport="dma"):
+            ficco.all_gather_matmul(shards1[rank], bs1[0], schedule="serial")   # workspace
+            torch.cuda.synchronize()
+            s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+            with torch.cuda.stream(s1):
+                out1 = ficco.all_gather_matmul(shards1[rank], bs1[0], schedule="serial")
+            with torch.cuda.stream(s2):
+                out2 = ficco.all_gather_matmul(shards2[rank], bs2[0], schedule="serial")
+            torch.cuda.synchronize()
+    finally:
+        fake_gpu.uninstall()
+    return max_row_rel_err(out1, refs1[0]), max_row_rel_err(out2, refs2[0])
+
+
+def test_two_caller_streams_keep_the_barrier_flags_and_workspace_apart():
+    """Two dma calls of one group from two caller streams, two ranks on the fake GPU, through
+    the API with real barriers. Before main's stream ordering (the copy-path review) call 2's
+    copies filled the workspace's gathered rows under call 1's GEMM (call 1 returned call 2's
+    rows, error ~0.1), and call 2's barrier 0 (on s2) was not ordered after call 1's
+    barriers: a call-2 flag overwrote a call-1 flag in a peer's slot before the peer read it,
+    breaking the flag protocol's channel alternation (ficco/symm_mem/barrier.py); the peer
+    saw a foreign flag and the group failed (NaN). Both calls must match float64.
+    FICCO_POISON is off here: the fake GPU runs an op's poison fill at once on the host,
+    not in stream order."""
+    from . import harness
+
+    results = harness.pool(2, {"FICCO_POISON": "0"}).run(two_caller_streams, 3, timeout_s=120)
+    for errors in results:
+        assert all(e < 1e-4 for e in errors), results
+
+
 # -- on a GPU (skipped without one): a suspicion the interpreter cannot show ------------------
 def _divergence_probe(mode: str, launches: int, device: str) -> str:
     """Launch the gated GEMM ``launches`` times with many programs waiting for a flag that never
