@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # What waits for the lease after bench/gpu_lease.sh (issue 33), as one device call of at most
-# 9.5 minutes (the bounds add up to 480 s), each part bounded, streamed into $OUT:
+# 9.5 minutes (the bounds add up to 570 s), each part bounded, streamed into $OUT:
 #
 #   1 memcheck: compute-sanitizer over two ranks' small calls of every kind of copy and
 #     barrier (no gated schedule)                                        -> next.log
 #   2 one traced uniform-fused-1d call with CUDA_DEVICE_MAX_CONNECTIONS=8, then =1
 #                                    -> timeline-*-connections-{8,1}.json and .png
-#   3 the gated GEMM's TFLOP/s against torch.matmul on four shapes       -> kernels.json
-#   4 the executor-only host_op_s (characterize --parts enqueue)     -> enqueue.tar.gz
+#   3 the gated GEMM's waits end alike in every warp (a halt or the clock crossed between
+#     two warps' reads must not leave them at different barriers: a hang) -> next.log
+#   4 the gated GEMM's TFLOP/s against torch.matmul on four shapes       -> kernels.json
+#   5 the executor-only host_op_s (characterize --parts enqueue)     -> enqueue.tar.gz
 #
 #   PY=python3 bash bench/gpu_lease_next.sh
 #
@@ -34,6 +36,8 @@ for c in 8 1; do   # read when CUDA starts in the ranks
         "$PY" -m ficco.bench.gpu_session timeline --world "$WORLD" --shape "$SHAPE" \
         --schedule uniform-fused-1d --label="-connections-$c" --out "$OUT"
 done
+part gated-wait-exit 90 next.log env FICCO_TIMEOUT=20 "$PY" -m pytest -q -m gpu \
+    tests/test_review_symm_path.py -k waits_end_alike -p no:cacheprovider -rfE
 part gated-tflops 150 next.log "$PY" -m ficco.bench kernels kernel --variant both \
     "${KERNELS[@]}" --out "$OUT/kernels.json"
 mkdir -p "$OUT/enqueue"

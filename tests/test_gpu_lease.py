@@ -76,7 +76,8 @@ def test_the_next_lease_runs_every_part_on_the_fake_gpu(tmp_path):
     log = (out / "next.log").read_text()
     parts = _parts(log)
     assert list(parts) == ["memcheck", "timeline-connections-8", "timeline-connections-1",
-                           "gated-tflops", "enqueue-profile"], log
+                           "gated-wait-exit", "gated-tflops", "enqueue-profile"], log
+    assert parts["gated-wait-exit"] == 0, log     # no GPU here: the probe skips, naming why
     assert parts["timeline-connections-8"] == parts["timeline-connections-1"] == 0, log
     assert parts["gated-tflops"] == parts["enqueue-profile"] == 0, log
     for c in (8, 1):
