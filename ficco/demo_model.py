@@ -197,10 +197,13 @@ def _parts(model: Model, rank: int):
 
 def _medians(part, repeats: int, calls: int) -> list[list[float]]:
     """The median seconds of each of ``part``'s ``calls`` ficco calls over ``repeats`` runs,
-    ``[default, serial]``: the two alternate, so a change in the machine's load hits both."""
+    ``[default, serial]``: the two alternate, so a change in the machine's load hits both, and
+    which runs first alternates too (on the 2-core VM the second of a pair ran up to 25%
+    slower, the same schedule included)."""
     runs: dict[str | None, list] = {None: [], "serial": []}
-    for _ in range(repeats):
-        for schedule, times in runs.items():
+    for repeat in range(repeats):
+        order = list(runs.items())
+        for schedule, times in order if repeat % 2 == 0 else order[::-1]:
             timed = Calls(schedule)
             part(timed)
             times.append([seconds for *_, seconds in timed.log])
