@@ -162,6 +162,12 @@ def _verdict(seconds: dict, candidates: list[Candidate], base: Candidate | None 
                key=lambda c: (seconds[c], order[c]))
     pick = candidates[0]
     if best[0] == "serial":
+        fastest = min((c for c in candidates if c[0] == "serial"),
+                      key=lambda c: (seconds[c], order[c]))
+        if fastest != best:      # the serials' back-to-back pairs overturned the rounds
+            return best, (f"serial ({best[1]}) beat serial ({fastest[1]}) back to back "
+                          f"({ms(best)} against {ms(fastest)} in the rounds); nothing else "
+                          f"measured faster")
         if pick[0] == "serial":
             return best, f"serial ({best[1]}) measured fastest, {ms(best)}"
         return best, (f"the model's pick {pick[0]} ({pick[1]}) measured {ms(pick)}, slower than "
@@ -194,8 +200,12 @@ def _settle_serials(live: Live, timing, candidates: list[Candidate], pairs: int
     winner = other if ratio < 1 else base
     return winner, cost_s + spent, (
         f"; serial ({other[1]}) measured within {SERIALS_CLOSE:.0%} of serial ({base[1]}), "
-        f"then took {ratio:.2f}x its time in {pairs} back-to-back pair"
-        f"{'s' if pairs > 1 else ''}: serial ({winner[1]}) is the baseline")
+        f"then took {ratio:.2f}x its time in {_pairs(pairs)}: serial ({winner[1]}) is the "
+        f"baseline")
+
+
+def _pairs(pairs: int) -> str:
+    return f"{pairs} back-to-back pair{'s' if pairs > 1 else ''}"
 
 
 def _measure(problem, live: Live, choice: BandedChoice, transports: tuple[str, ...],
@@ -215,8 +225,8 @@ def _measure(problem, live: Live, choice: BandedChoice, transports: tuple[str, .
     if name != "serial" and ROUNDS.duel:
         ratio, spent = measured.head_to_head(live, (name, via), base, pairs)
         cost_s += spent
-        duel += (f"; then {name} ({via}) against serial ({base[1]}) in {pairs} back-to-back "
-                f"pair{'s' if pairs > 1 else ''}: {ratio:.2f}x serial's time")
+        duel += (f"; then {name} ({via}) against serial ({base[1]}) in {_pairs(pairs)}: "
+                 f"{ratio:.2f}x serial's time")
         if not ratio < 1 - MARGIN:
             verdict = (f"{name} ({via}) measured fastest in the rounds ({verdict}), but back "
                        f"to back with serial ({base[1]}) it took {ratio:.2f}x serial's time, "
