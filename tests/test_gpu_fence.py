@@ -56,3 +56,28 @@ def test_raised_word_turns_every_output_element_into_nan(dtype, triton_kernel, m
     before = [o.clone() for o in fresh]
     poison_if_raised(fresh, word)
     assert all(torch.equal(o, b) for o, b in zip(fresh, before))
+
+
+def test_an_interpreter_that_cannot_run_the_fence_gets_the_torch_fence(monkeypatch):
+    """The fake GPU's fence runs on CPU tensors, in Triton's interpreter. Triton 3.6's
+    interpreter cannot run the fence (its word load raised ``TypeError: only 0-dimensional
+    arrays can be converted to Python scalars`` the first time a word was raised), and the
+    CPU kernel was built whatever :func:`ficco.kernels.interpreter_reason` said: with such a
+    Triton the CPU fence must be the torch one, and still turn every element into NaN."""
+    import triton
+
+    from ficco import kernels
+
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    gpu_fence.fence_kernel.cache_clear()
+    try:
+        assert kernels.interpreter_reason() is not None
+        assert gpu_fence.fence_kernel("cpu") is None
+        assert gpu_fence.fence_kernel("cuda") is not None     # compiled kernels are fine
+        word = torch.ones(1, dtype=torch.int32)
+        outs = _outputs(torch.float32, random.randrange(1 << 30))
+        poison_if_raised(outs, word)
+        assert all(bool(o.isnan().all()) for o in outs)
+    finally:
+        monkeypatch.undo()
+        gpu_fence.fence_kernel.cache_clear()
