@@ -33,6 +33,8 @@ chosen by ``FICCO_BACKWARD_GATHER`` (see :mod:`ficco.config`):
 from __future__ import annotations
 
 import functools
+import inspect
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -196,20 +198,72 @@ def all_gather_matmul_op(a: Tensor, bs: list[Tensor], group: str, gather_dim: in
 
 # -- the fake kernels: shapes only, and the eager path's argument errors -------------------------
 def errors_reach_the_caller(fake):
-    """A fake kernel whose ficco errors reach the caller as ficco errors under torch.compile.
+    """A fake kernel whose ficco errors reach the caller as ficco errors under torch.compile,
+    and whose refusal takes its call's number when torch.compile will not run the call.
 
     Dynamo runs fake kernels while it traces, and re-raises what they raise as its own
     TorchRuntimeError, which ``except FiccoError`` misses. The one kind it passes on untouched
     is its graph-break signal, ``Unsupported``: with ``fullgraph=True`` it reaches the caller as
     is, otherwise dynamo runs the call eagerly, whose validation raises the same error. So the
-    error raised here is the same ficco class, made an ``Unsupported`` too."""
+    error raised here is the same ficco class, made an ``Unsupported`` too.
+
+    A refused call takes its number in the group's sequence of calls, in compiled code as in
+    eager (:func:`ficco.runtime.abandoned`): when dynamo graph-breaks, the eager run of the call
+    is refused and takes it there; when the refusal ends the trace (``fullgraph=True``,
+    ``error_on_graph_break``), the graph runs on the peers but not here, so the refusal takes
+    a number for the refused call and for every ficco call the trace had reached before it
+    (on each one's group): no call of the peers' graph can pair with this rank's next call.
+    ``torch.export`` and fake tensors outside torch.compile run no call: nothing is taken."""
+    group_at = list(inspect.signature(fake).parameters).index("group")
+
     @functools.wraps(fake)
     def checked(*args, **kwargs):
+        tracer = _tracer()
         try:
-            return fake(*args, **kwargs)
+            out = fake(*args, **kwargs)
         except FiccoError as exc:
+            if tracer is not None and _ends_the_trace(tracer):
+                group = kwargs["group"] if "group" in kwargs else args[group_at]
+                for name in (*_TRACED.pop(tracer, ()), group):
+                    runtime.abandoned(name)
             raise _through_dynamo(exc) from None
+        if tracer is not None:
+            _TRACED.setdefault(tracer, []).append(
+                kwargs["group"] if "group" in kwargs else args[group_at])
+        return out
     return checked
+
+
+#: the groups of the ficco calls each live dynamo trace has met, in order (a trace that ends
+#: refused takes their numbers: errors_reach_the_caller)
+_TRACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _tracer():
+    """The dynamo trace running now (its root instruction translator; a new one per restart of
+    the analysis), or None outside torch.compile's trace."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return InstructionTranslator.current_tx()
+    except Exception:  # noqa: BLE001 - no trace (unset), or a torch without dynamo
+        return None
+
+
+def _ends_the_trace(tracer) -> bool:
+    """Whether a graph break now ends the trace with its error (``fullgraph=True``, or
+    ``torch._dynamo.error_on_graph_break(True)`` where the call is) instead of dynamo running
+    the call eagerly; never while exporting (an exported program runs no call now)."""
+    if getattr(tracer, "export", False):
+        return False
+    if getattr(tracer, "one_graph", True):
+        return True
+    try:
+        from torch._dynamo.utils import _get_error_on_graph_break
+
+        return bool(_get_error_on_graph_break())
+    except Exception:  # noqa: BLE001 - a torch without the setting: the translator's copy
+        return bool(getattr(tracer, "error_on_graph_break", False))
 
 
 @functools.cache

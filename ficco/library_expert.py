@@ -71,6 +71,7 @@ def dispatch_op(x: Tensor, counts: Tensor, ws: list[Tensor], group: str,
 
 
 @dispatch_op.register_fake
+@library.errors_reach_the_caller
 def _(x, counts, ws, group, schedule, routing, return_received, role=FORWARD, world=None):
     world = groups.world_arg("all_to_all_grouped_mm", group, world)
     rows = torch.library.get_ctx().new_dynamic_size()
@@ -96,6 +97,7 @@ def combine_op(h: Tensor, recv_counts: Tensor, ws: list[Tensor], group: str,
 
 
 @combine_op.register_fake
+@library.errors_reach_the_caller
 def _(h, recv_counts, ws, group, schedule, routing, send_counts, role=FORWARD, world=None):
     world = groups.world_arg("grouped_mm_all_to_all", group, world)
     rows = torch.library.get_ctx().new_dynamic_size()

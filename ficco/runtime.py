@@ -272,8 +272,10 @@ def _execute(session: Session, call: Call, prepared: Prepared, word: int, number
         nbytes = prepared.workspace_bytes or 0
         if backend.guards_dma:
             # Before allocating or enqueuing: a capture the backend cannot replay, or an error
-            # the group owes from an earlier call (GPUs), is raised with nothing sent.
-            backend.before_dma(session.workspace, nbytes)
+            # the group owes from an earlier call (GPUs), is raised with nothing sent; the
+            # caller's stream is ordered after the session's last call's first (GPUs).
+            backend.before_dma(session.workspace, nbytes,
+                               session.lane or session.queues_lane())
         symm = session.workspace
         if symm is None or symm.nbytes < nbytes:
             stage.step = "allocating the dma workspace"
@@ -284,7 +286,7 @@ def _execute(session: Session, call: Call, prepared: Prepared, word: int, number
     stage.step, stage.local = "allocating the call's buffers", True
     buffers = call.op.buffers(call, transport, symm, wide=prepared.wide, plan=prepared.plan)
     if prepared.settings["poison"]:
-        call.op.poison(buffers)
+        _poison(call.op, backend, buffers)
     stage.local = False
     if transport == "ccl" and not exchanged:
         stage.step = "the call check before the plan"
@@ -299,6 +301,17 @@ def _execute(session: Session, call: Call, prepared: Prepared, word: int, number
         # GPUs: NaN instead of data if the watchdog had to release one of this call's barriers.
         backend.fence([*buffers.outs, buffers.gathered], symm)
     return buffers
+
+
+def _poison(op, backend, buffers) -> None:
+    """FICCO_POISON's NaN fill of ``buffers``, in the compute queue's order where that is the
+    caller's stream (GPUs: the fills are kernels on it, after :meth:`before_dma` ordered it
+    after the session's last call, whose GEMMs and peers' pulls may still read the symmetric
+    buffers); elsewhere now."""
+    if backend.compute_on_current:
+        backend.launch_current(lambda: op.poison(buffers))
+    else:
+        op.poison(buffers)
 
 
 def _described(call: Call, exc: BaseException, number: int, digest: int | None
@@ -435,13 +448,14 @@ def execute(call: Call, name: str, transport: str, trace: bool = False,
     if transport == "dma":
         nbytes = call.op.workspace_bytes(call)
         if call.backend.guards_dma:
-            call.backend.before_dma(session.workspace, nbytes)
+            call.backend.before_dma(session.workspace, nbytes,
+                                    session.lane or session.queues_lane())
         symm = workspace.get(session, nbytes, _agreeing(call))
         symm.call_flag = call_flag(word)
         symm.first_wait = None
     buffers = call.op.buffers(call, transport, symm, wide=plan.wide_outputs(), plan=plan)
     if poison:
-        call.op.poison(buffers)
+        _poison(call.op, call.backend, buffers)
     rows = execute_plan(compiled, call.backend, buffers, timeout_s=timeout_s, trace=trace,
                         lane=session.lane or session.queues_lane())
     if symm is not None and call.backend.guards_dma:

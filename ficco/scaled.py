@@ -397,7 +397,9 @@ def _scaled(a, b, sa, sb, bias, out, accumulate):
     if not accumulate and (cpu or not row or out.dtype == torch.bfloat16) and \
             not (cpu and row and not cpu_rowwise_scaled_mm()):
         sa, bias = _aligned(sa), _bias_for(bias, out)
-        if cpu or out.is_contiguous():   # GPUs write only whole rows in place
+        # Only a contiguous out= is written in place, on every device (torch's CPU kernel
+        # writes a strided view's values elsewhere and leaves the view unwritten)
+        if out.is_contiguous():
             torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=out.dtype, out=out)
         else:
             out.copy_(torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=out.dtype))

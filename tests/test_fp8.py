@@ -191,3 +191,20 @@ def test_fp8_calls_compile_with_fullgraph():
         compiled = torch.compile(fn, fullgraph=True, backend="eager")
         got, want = compiled(a, b, sa, sb, bias), fn(a, b, sa, sb, bias)
         assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("view", ["columns", "rows"])
+def test_a_scaled_gemm_into_a_strided_view_writes_every_value(view):
+    """fp8 GEMMs write straight into views of wider outputs (a 2-D schedule's column block, a
+    3-D output's row block): every value lands, against float64."""
+    from ficco.scaled import gemm_into
+    a = torch.randn(12, 16).to(E4M3)
+    b = torch.randn(32, 16).to(E4M3).t()              # column-major, as torch._scaled_mm wants
+    sa, sb = torch.rand(()) + 0.5, torch.rand(()) + 0.5
+    big = torch.full((12, 64) if view == "columns" else (24, 32), float("nan"),
+                     dtype=torch.bfloat16)
+    out = big[:, 16:48] if view == "columns" else big[::2]
+    gemm_into(a, b, out, False, sa, sb)
+    want = (a.double() * sa.double()) @ (b.double() * sb.double())
+    assert not out.isnan().any()
+    assert torch.allclose(out.double(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())

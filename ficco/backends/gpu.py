@@ -353,14 +353,20 @@ class GpuBackend(Backend):
             f"under graph capture")
 
     # -- a group's failures (ficco.symm_mem.fault) ------------------------------------------
-    def before_dma(self, symm, nbytes: int = 0) -> None:
+    def before_dma(self, symm, nbytes: int = 0, lane=None) -> None:
         """Start of a dma call, before it allocates or enqueues anything: refuse a graph
         capture this backend cannot replay (HIP: refusing later would break the caller's
         capture) or one during which the group's workspace must be
-        allocated or grown to ``nbytes``, then raise what the group still owes:
-        the error of an earlier call's released barrier or of a gated GEMM that gave up.
-        ``symm`` is the group's workspace, None before its first
-        allocation."""
+        allocated or grown to ``nbytes``; order the caller's stream after the last call's of
+        the session (``lane``, :meth:`_after_last_call`); then raise what the group still
+        owes: the error of an earlier call's released barrier or of a gated GEMM that gave
+        up. ``symm`` is the group's workspace, None before its first allocation.
+
+        The ordering comes first because everything after it is enqueued on the caller's
+        stream and touches what the last call may still be using: the error word's lowering
+        (the last call's fence, still queued on its stream, must see the word raised) and
+        the FICCO_POISON fill of the symmetric buffers (the last call's GEMMs and the peers'
+        pulls still read them)."""
         self._raise_died()
         if torch.cuda.is_current_stream_capturing():
             if not self.captures_signals:
@@ -374,6 +380,8 @@ class GpuBackend(Backend):
                     f"the group has {symm.nbytes if symm is not None else 0}: it cannot be "
                     f"allocated during a CUDA graph capture. Run the call (at the largest "
                     f"shape the graph will use) once eagerly on every rank before capturing")
+        self._after_last_call(self._shared_lane if lane is None else lane,
+                              torch.cuda.current_stream(self._device))
         if symm is not None:
             error = self._take(symm)
             if error is not None:

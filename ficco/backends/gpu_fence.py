@@ -20,7 +20,8 @@ arrived. So they are **poisoned** instead:
 Cost when nothing failed: one small Triton launch per output tensor (each program loads one
 word and returns); without Triton (it ships with PyTorch's CUDA and ROCm wheels), or with one
 outside the range whose code generation was checked, the fence is ``masked_fill_`` with a
-device-side mask, one pass over the outputs. The CPU backend needs no
+device-side mask, one pass over the outputs; so it is on CPU tensors (the fake GPU's) when
+Triton's interpreter cannot run the kernel (Triton older than 3.8). The CPU backend needs no
 fence: its barriers run on host threads and a released barrier raises before the call
 returns.
 """
@@ -39,11 +40,16 @@ BLOCK = 1024
 
 @functools.cache
 def fence_kernel(device_kind: str):
-    """The fence kernel: compiled for GPUs, interpreted on CPU (tests); None without a Triton
-    in the range ficco's kernels were checked against (:func:`ficco.kernels.triton_reason`)."""
-    from ..kernels import triton_reason
+    """The fence kernel: compiled for GPUs, interpreted on CPU (tests, the fake GPU); None
+    without a Triton in the range ficco's kernels were checked against
+    (:func:`ficco.kernels.triton_reason`), and on CPU when this Triton's interpreter cannot run
+    it (:func:`ficco.kernels.interpreter_reason`: Triton 3.6's raises at the word's load once
+    the word is raised). None means the ``masked_fill_`` fence."""
+    from ..kernels import interpreter_reason, triton_reason
 
     if triton_reason() is not None:
+        return None
+    if device_kind == "cpu" and interpreter_reason() is not None:
         return None
     import triton
 
