@@ -98,10 +98,10 @@ def test_a_late_peer_makes_every_rank_raise_within_the_timeout(name):
 
     seed = random.randrange(1 << 30)
     own = harness.pool(3, {**harness.DEFAULT_ENV, "FICCO_TIMEOUT": str(TIMEOUT_S)})
-    results = own.run(late_peer, seed, name, TIMEOUT_S + 1.5, timeout_s=120)
+    results = own.run(late_peer, seed, name, 2 * TIMEOUT_S + 1, timeout_s=120)
     for outcome, took, after in results:
         assert outcome == "CommTimeoutError", results
-        assert took < 3 * TIMEOUT_S, results      # bounded (loaded 2-core box: slack)
+        assert took < 4 * TIMEOUT_S, results      # bounded (loaded 2-core box: slack)
         assert after < 1e-5, results
 
 
