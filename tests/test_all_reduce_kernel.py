@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from ficco import kernels, schedules
+from ficco.ops.matmul_all_reduce.schedules.kernel import ShotAllReduce
 from ficco.plan import Barrier
-from ficco.problem import Problem
-from ficco.schedules.all_reduce.kernel import ShotAllReduce
+from ficco.plan.problem import Problem
 
 from . import harness
 from .ar_cases import run_grid

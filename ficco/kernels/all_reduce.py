@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from ..errors import CommTimeoutError, InvalidArgumentError, MismatchError
-from ..problem import even_split
+from ..plan.problem import even_split
 from ..symm_mem.barrier import SIGNAL_CHANNELS
 from ..symm_mem.fault import KERNEL
 
