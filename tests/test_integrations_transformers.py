@@ -84,6 +84,20 @@ def test_tiny_model_trains_and_generates_like_unsharded_on_ficco(world, kind, pa
         _check(res, kind)
 
 
+def test_use_ficco_swaps_the_stock_names_and_restores_them_and_bad_modules_are_refused():
+    for out in client_pool.pool(2).run(transformers_cases.registry_case):
+        assert out["registered"] == ["ficco_colwise", "ficco_rowwise"] and out["ep"], out
+        stock = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel",
+                 "ep:auto": "AutoEP", "ep:all_to_all": "AllToAllEP"}
+        assert out["before"] == out["off"] == stock, out
+        assert out["on"] == {"colwise": "FiccoColwiseParallel", "rowwise": "FiccoRowwiseParallel",
+                             "ep:auto": "FiccoEP", "ep:all_to_all": "FiccoEP"}, out
+        for name in ("ficco_colwise", "ficco_rowwise"):
+            assert f"{name} shards an nn.Linear; Embedding is not one" in out["refusals"][name]
+        assert "gate_up_proj" in out["refusals"]["ep"] and "'all_to_all'" in \
+            out["refusals"]["ep"], out
+
+
 def test_docstring_examples_run_in_the_client_pool():
     for results in client_pool.pool(2).run(transformers_cases.run_doctests):
         assert all(failed == 0 for _, failed in results), results

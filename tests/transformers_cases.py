@@ -151,3 +151,40 @@ def run_doctests(rank, world):
                for m in (ficco.integrations, ficco.integrations.megatron,
                          ficco.integrations.transformers)]
     return [(r.attempted, r.failed) for r in results]
+
+
+def registry_case(rank, world):
+    """What importing the module registers, what ``use_ficco()`` points the stock names at and
+    ``use_ficco(False)`` restores, and the refusals of modules ficco's styles cannot run (each
+    an InvalidArgumentError when the model is built, before any communication)."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed.expert_parallel import EPImplementationInterface
+    from transformers.distributed.parallel_utils import ParallelInterface
+
+    from ficco.errors import InvalidArgumentError
+    from ficco.integrations import transformers as ficco_hf
+
+    out = {"registered": sorted(n for n in ParallelInterface() if n.startswith("ficco")),
+           "ep": ficco_hf.EP_IMPLEMENTATION in EPImplementationInterface()}
+    out["before"] = ficco_hf.stock_styles()
+    ficco_hf.use_ficco()
+    ficco_hf.use_ficco()                       # twice: still restorable
+    out["on"] = ficco_hf.stock_styles()
+    ficco_hf.use_ficco(False)
+    out["off"] = ficco_hf.stock_styles()
+    mesh = init_device_mesh("cpu", (world,))
+    refusals = {}
+    for name in ficco_hf.STYLE_NAMES:
+        try:
+            ParallelInterface()[name].install_forward(nn.Embedding(4, 8), mesh)
+            refusals[name] = "no error"
+        except InvalidArgumentError as exc:
+            refusals[name] = str(exc)
+    try:
+        EPImplementationInterface()[ficco_hf.EP_IMPLEMENTATION](nn.Linear(8, 8), mesh, mesh)
+        refusals["ep"] = "no error"
+    except InvalidArgumentError as exc:
+        refusals["ep"] = str(exc)
+    out["refusals"] = refusals
+    return out

@@ -205,16 +205,18 @@ def _make_classes():
         with the experts' grouped GEMM."""
 
         def __init__(self, experts, ep_mesh, tp_mesh):
-            super().__init__(experts, ep_mesh, tp_mesh)
+            # the layout first: transformers' own __init__ reads num_experts
             gate_up, down = (getattr(experts, n, None) for n in ("gate_up_proj", "down_proj"))
             if (gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3
-                    or not hasattr(experts, "act_fn") or getattr(experts, "has_bias", False)
+                    or not hasattr(experts, "act_fn") or not hasattr(experts, "num_experts")
+                    or getattr(experts, "has_bias", False)
                     or getattr(experts, "is_transposed", False)):
                 raise InvalidArgumentError(
                     f"ep_implementation='ficco' runs experts stored as 3-D gate_up_proj (E, "
                     f"2*I, H) and down_proj (E, H, I) with an act_fn and no biases (Mixtral's "
                     f"layout); {type(experts).__name__} is not: use ep_implementation="
                     f"'all_to_all' for it")
+            super().__init__(experts, ep_mesh, tp_mesh)
             self.experts = experts
 
         def __call__(self, hidden_states, top_k_index, top_k_weights):
