@@ -117,3 +117,36 @@ def test_a_peer_in_another_call_is_a_mismatch_on_every_rank():
         assert small < 1e-5 and large < 1e-5 and again < 1e-5, (name, small, large, again)
         assert mismatched == "mismatch", (name, mismatched)
         assert refused == "refused", (name, refused)
+
+
+# -- torch's kernels as candidates -------------------------------------------------------------
+TORCH = ("torch-one-shot", "torch-two-shot", "torch-multimem")
+
+
+def test_torch_kernels_are_gated_where_they_cannot_run():
+    from ficco.ops.matmul_all_reduce.schedules.torch_kernels import torch_reason
+
+    assert set(TORCH) <= set(schedules.optional_names(op=OP))
+    for name in TORCH:
+        assert "CUDA" in schedules.why_not_here(name, "cpu", op=OP)
+        assert "CUDA" in schedules.why_not_here(name, "rocm:gfx942", op=OP)
+        assert "dma" in schedules.why_not_here(name, "cuda:sm_90", "ccl", op=OP)
+        assert name in schedules.unavailable("cuda:sm_90", op=OP)    # never run on a GPU yet
+    assert "NVLink SHARP" in torch_reason("multimem", "cuda:sm_80")
+    assert torch_reason("one-shot", "cuda:sm_80") is None            # the op is in this torch
+
+
+def test_torch_kernels_plumbing_with_stand_ins_on_cpu_ranks():
+    """What runs around torch's kernels (nothing of torch's kernels runs on CPU)."""
+    from .ar_kernel_cases import torch_plumbing
+
+    cases = [{"schedule": s, "transport": "dma", "shape": 3, "dtype": torch.bfloat16}
+             for s in TORCH]
+    cases += [{"schedule": "torch-one-shot", "transport": "dma", "shape": 0, "reduce_op": "avg",
+               "bias": True}]
+    seed = random.randrange(1 << 30)
+    for failures, calls in harness.pool(2).run(torch_plumbing, seed, cases):
+        assert failures == [], (seed, failures)
+        assert calls == [("multimem_all_reduce_", "sum", True, False),
+                         ("one_shot_all_reduce_out", "sum", True, True),
+                         ("two_shot_all_reduce_out", "sum", True, True)], calls

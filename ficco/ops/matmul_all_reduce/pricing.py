@@ -198,6 +198,24 @@ def price_shot_kernel(sim, op, task):
                              out_bytes))
 
 
+def price_torch_kernel(sim, op, task):
+    """torch's ``symm_mem`` all-reduce (``torch-*``): priced as the one-kernel all-reduce of
+    the same shape (one-shot: two barriers; two-shot and multimem: three, multimem's reads and
+    writes through the switch's multicast at the same link rate), after a local copy of the
+    partial into torch's buffer (ficco's workspace is not torch's unless FICCO_SYMM says so)."""
+    p = sim.problem
+    n = p.ns[op.b]
+    nbytes = p.m * n * item_bytes(p, "partial")
+    if not nbytes or p.world <= 1:
+        return task("ccl", 0.0, 0.0)
+    two_shot = op.variant != "one-shot"
+    copy_in = 2 * nbytes / (sim.profile.hbm_bytes_per_s * sim.profile.dil["memory_efficiency"])
+    return task("ccl", kernel_fixed_seconds(sim.profile, 3 if two_shot else 2)
+                + sim.profile.dil["launch_s"],
+                copy_in + _kernel_work(sim.profile, nbytes, p.world, two_shot, sim.topology,
+                                       p.m * n * item_bytes(p, "out", sim.wide)))
+
+
 def check_published(load) -> list[tuple[str, str, int, float, float, float]]:
     """(source, kind, bytes, published s, predicted s, relative error) of every point in
     :data:`POINTS`; ``load`` loads a profile by name.
