@@ -10,8 +10,6 @@ installs it).
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -152,26 +150,12 @@ def test_the_tested_release_is_the_one_installed_and_pinned():
     assert metadata.version(dist) == tested
 
 
-def _fresh(monkeypatch, name, hide=None, version=None):
-    """``name`` imported anew, with ``hide`` (a top-level module) hidden from ``find_spec``
-    and/or ``importlib.metadata.version`` answering ``version``."""
-    from importlib import metadata
-
-    real_spec, real_version = importlib.util.find_spec, metadata.version
-    monkeypatch.setattr(importlib.util, "find_spec", lambda mod, *a: None
-                        if hide and mod.split(".")[0] == hide else real_spec(mod, *a))
-    if version is not None:
-        monkeypatch.setattr(metadata, "version", lambda dist: version
-                            if dist in ("transformers", "megatron-core") else real_version(dist))
-    monkeypatch.delitem(sys.modules, name, raising=False)
-    return importlib.import_module(name)
-
-
 def test_imports_without_transformers_and_refuses_clearly(monkeypatch):
     from ficco.errors import BackendUnavailableError
 
     before = {m for m in sys.modules if m.split(".")[0] == "transformers"}
-    module = _fresh(monkeypatch, "ficco.integrations.transformers", hide="transformers")
+    module = client_pool.fresh_import(monkeypatch, "ficco.integrations.transformers",
+                                      hide="transformers")
     assert {m for m in sys.modules if m.split(".")[0] == "transformers"} <= before
     assert module.transformers_version() is None
     for call in (module.use_ficco, module.register):
@@ -184,7 +168,8 @@ def test_imports_without_transformers_and_refuses_clearly(monkeypatch):
 def test_refuses_another_release_naming_the_tested_range(monkeypatch, version):
     from ficco.errors import BackendUnavailableError
 
-    module = _fresh(monkeypatch, "ficco.integrations.transformers", version=version)
+    module = client_pool.fresh_import(monkeypatch, "ficco.integrations.transformers",
+                                      version=version)
     with pytest.raises(BackendUnavailableError) as info:
         module.use_ficco()
     assert f"transformers {version} is installed" in str(info.value)

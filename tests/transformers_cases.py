@@ -84,8 +84,9 @@ def _load(kind, path, world, how, code):
             exec(compile(code, "docs", "exec"), ns)     # noqa: S102 - the docs' own code
             return ns["model"]
         if how == "sp":
-            return cls.from_pretrained(path, dtype=torch.float64, distributed_config=DistributedConfig(
-                tp_size=world, tp_plan=ficco_hf.SEQUENCE_PARALLEL_PLAN))
+            return cls.from_pretrained(
+                path, dtype=torch.float64, distributed_config=DistributedConfig(
+                    tp_size=world, tp_plan=ficco_hf.SEQUENCE_PARALLEL_PLAN))
         assert how == "names" and kind == "mixtral", (how, kind)
         return cls.from_pretrained(path, dtype=torch.float64, distributed_config=DistributedConfig(
             tp_size=world, ep_size=world, tp_plan=MOE_PLAN,

@@ -91,8 +91,9 @@ EP_IMPLEMENTATION = "ficco"
 STOCK = {"colwise": "ficco_colwise", "rowwise": "ficco_rowwise"}
 STOCK_EP = ("auto", "all_to_all")
 
-__all__ = ["EP_IMPLEMENTATION", "SEQUENCE_PARALLEL_PLAN", "SP_STYLE_NAMES", "STYLE_NAMES", "SUPPORTED_TRANSFORMERS", "TESTED_TRANSFORMERS",
-           "register", "stock_styles", "transformers_version", "use_ficco"]
+__all__ = ["EP_IMPLEMENTATION", "SEQUENCE_PARALLEL_PLAN", "SP_STYLE_NAMES", "STYLE_NAMES",
+           "SUPPORTED_TRANSFORMERS", "TESTED_TRANSFORMERS", "register", "stock_styles",
+           "transformers_version", "use_ficco"]
 
 _saved: dict = {}
 
