@@ -125,6 +125,11 @@ def test_use_ficco_swaps_the_stock_names_and_restores_them_and_bad_modules_are_r
                              "ep:auto": "FiccoEP", "ep:all_to_all": "FiccoEP"}, out
         for name in ("ficco_colwise", "ficco_rowwise"):
             assert f"{name} shards an nn.Linear; Embedding is not one" in out["refusals"][name]
+        for name in ("ficco_colwise_sp", "ficco_rowwise_sp", "ficco_colwise_gathered"):
+            assert "OwnForward is not one or overrides its forward" in out["refusals"][name], out
+        for name, messages in out["kept_own_forward"].items():
+            assert len(messages) == 1 and "OwnForward overrides nn.Linear.forward" in \
+                messages[0] and "transformers' style" in messages[0], out
         assert "gate_up_proj" in out["refusals"]["ep"] and "'all_to_all'" in \
             out["refusals"]["ep"], out
 

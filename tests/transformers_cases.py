@@ -200,6 +200,26 @@ def registry_case(rank, world):
             refusals[name] = "no error"
         except InvalidArgumentError as exc:
             refusals[name] = str(exc)
+    class OwnForward(nn.Linear):      # a quantized or adapter linear's shape
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    for name in ("ficco_colwise_sp", "ficco_rowwise_sp", "ficco_colwise_gathered"):
+        try:
+            ParallelInterface()[name].install_forward(OwnForward(8, 8), mesh)
+            refusals[name] = "no error"
+        except InvalidArgumentError as exc:
+            refusals[name] = str(exc)
+    import warnings
+
+    kept = {}
+    for name in ficco_hf.STYLE_NAMES:
+        linear = OwnForward(8, 8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ParallelInterface()[name].install_forward(linear, mesh)
+        kept[name] = [str(w.message) for w in caught if w.category.__name__ == "FiccoWarning"]
+    out["kept_own_forward"] = kept
     try:
         EPImplementationInterface()[ficco_hf.EP_IMPLEMENTATION](nn.Linear(8, 8), mesh, mesh)
         refusals["ep"] = "no error"

@@ -49,7 +49,9 @@ the range. This module imports without transformers.
 """
 from __future__ import annotations
 
-from ..errors import BackendUnavailableError, InvalidArgumentError
+import warnings
+
+from ..errors import BackendUnavailableError, FiccoWarning, InvalidArgumentError
 from . import CLIENTS
 from ._common import check_version, column_linear, installed_version
 
@@ -183,11 +185,20 @@ def _make_classes():
     def _local(t):
         return t.to_local() if isinstance(t, DTensor) else t
 
-    def _linear(module, style: str):
+    def _own_forward(module, style: str) -> bool:
+        """Whether ficco's forward can replace ``module``'s: an ``nn.Linear`` with
+        nn.Linear's own forward. A subclass with a forward of its own (a quantized or adapter
+        linear) keeps it under transformers' style, with a warning."""
         if not isinstance(module, torch.nn.Linear):
             raise InvalidArgumentError(
                 f"{style} shards an nn.Linear; {type(module).__name__} is not one (keep "
                 f"transformers' own style for it)")
+        if type(module).forward is torch.nn.Linear.forward:
+            return True
+        warnings.warn(f"{style}: {type(module).__name__} overrides nn.Linear.forward, so it "
+                      f"keeps its forward and runs transformers' style (no ficco op)",
+                      FiccoWarning, stacklevel=4)
+        return False
 
     class FiccoColwiseParallel(ColwiseParallel):
         """transformers' ``"colwise"`` (replicated input, ``Shard(-1)`` output) with the
@@ -197,7 +208,8 @@ def _make_classes():
             super().__init__(input_layouts=Replicate(), output_layouts=Shard(-1))
 
         def install_forward(self, module, mesh):
-            _linear(module, "ficco_colwise")
+            if not _own_forward(module, "ficco_colwise"):
+                return super().install_forward(module, mesh)
 
             def forward(x, *args, **kwargs):
                 if isinstance(x, DTensor):
@@ -216,7 +228,8 @@ def _make_classes():
             super().__init__(input_layouts=Shard(-1), output_layouts=Replicate())
 
         def install_forward(self, module, mesh):
-            _linear(module, "ficco_rowwise")
+            if not _own_forward(module, "ficco_rowwise"):
+                return super().install_forward(module, mesh)
 
             def forward(x, *args, **kwargs):
                 if isinstance(x, DTensor):
@@ -303,6 +316,16 @@ def _sequence_parallel_classes(colwise, rowwise) -> dict:
 
     def _local(t):
         return t.to_local() if isinstance(t, DTensor) else t
+
+    def _plain_linear(module, style: str) -> None:
+        """A sequence-parallel linear must be an ``nn.Linear`` with its own forward: a subclass
+        that overrides it (a quantized or adapter linear) cannot take a sequence slice."""
+        if not isinstance(module, torch.nn.Linear) or \
+                type(module).forward is not torch.nn.Linear.forward:
+            raise InvalidArgumentError(
+                f"{style} runs an nn.Linear on a slice of the sequence; "
+                f"{type(module).__name__} is not one or overrides its forward (leave "
+                f"sequence parallelism out of its plan)")
 
     class FiccoSequenceStart(TensorParallelLayer):
         """The embedding: where a forward starts. Its output stays whole (the model derives
@@ -408,6 +431,7 @@ def _sequence_parallel_classes(colwise, rowwise) -> dict:
         ways."""
 
         def install_forward(self, module, mesh):
+            _plain_linear(module, "ficco_colwise_gathered")
             super().install_forward(module, mesh)
             replicated = module.forward
 
@@ -425,6 +449,7 @@ def _sequence_parallel_classes(colwise, rowwise) -> dict:
         ``ficco.all_gather_matmul`` (backward: ``ficco.matmul_reduce_scatter``)."""
 
         def install_forward(self, module, mesh):
+            _plain_linear(module, "ficco_colwise_sp")
             super().install_forward(module, mesh)
             replicated = module.forward
 
@@ -444,6 +469,7 @@ def _sequence_parallel_classes(colwise, rowwise) -> dict:
         replicated bias is added once, its gradient summed over the group."""
 
         def install_forward(self, module, mesh):
+            _plain_linear(module, "ficco_rowwise_sp")
             super().install_forward(module, mesh)
             replicated = module.forward
 
