@@ -24,6 +24,9 @@ pytest.importorskip("transformers", reason="transformers is a test extra (pip in
                                            "'.[transformers]'; make test installs it)")
 
 TOL = {"loss": 1e-12, "logits": 1e-12, "grad": 1e-12}
+SP_NAMES = ["ficco_colwise_gathered", "ficco_colwise_sp", "ficco_rowwise_sp",
+            "ficco_sequence_gather", "ficco_sequence_norm", "ficco_sequence_norm_gather",
+            "ficco_sequence_shard", "ficco_sequence_start"]
 LAYERS = 2
 ROOT = Path(__file__).parents[1]
 
@@ -34,14 +37,27 @@ def model_dirs(tmp_path_factory):
     return {kind: str(base / kind) for kind in ("llama", "mixtral")}
 
 
-def _check(res, kind):
+def _check(res, kind, world=2, sp=False):
     assert res["worst"]["loss"] < TOL["loss"], res
     assert res["worst"]["logits"] < TOL["logits"], res
     assert res["worst"]["grad"] < TOL["grad"], res
     assert res["same_params"] and res["tokens_equal"] and res["new_tokens"] == \
         transformers_cases.NEW, res
     new = transformers_cases.NEW
-    if kind == "llama":
+    if sp:
+        # per layer: gate and up gather (all_gather_matmul), o_proj and down scatter
+        # (matmul_reduce_scatter), each op's backward the other; Q/K/V behind the attention's
+        # gather run local GEMMs. generate: the prompt (6 tokens) splits over W = 2, not over
+        # W = 4; a decode step's one token never does, so those run the all-reduce path
+        assert res["calls"] == {"all_gather_matmul": LAYERS * 4,
+                                "matmul_reduce_scatter": LAYERS * 4}, res
+        whole = new - 1 if world == 2 else new
+        want = {"matmul_all_reduce": LAYERS * 2 * whole}
+        if world == 2:
+            want.update(all_gather_matmul=LAYERS * 2, matmul_reduce_scatter=LAYERS * 2)
+        assert res["generate_calls"] == want, res
+        assert res["sharded"] == ["(Shard(dim=0),)", "(Shard(dim=1),)"], res
+    elif kind == "llama":
         # forward: o_proj and down_proj all-reduce; backward: the input gradients of q, k, v,
         # gate and up (the rowwise layers' backward is local)
         assert res["calls"] == {"matmul_all_reduce": LAYERS * 7}, res
@@ -65,13 +81,13 @@ def _check(res, kind):
 CASES = [(2, "llama", "README.md", "DistributedConfig(tp_size=2))"),
          (2, "mixtral", "README.md", "DistributedConfig(tp_size=2, ep_size=2))"),
          (4, "llama", "docs/integrations.md", "tp_plan=plan"),
-         (4, "mixtral", None, None)]
+         (4, "mixtral", None, "names")]
 
 
 @pytest.mark.parametrize("world,kind,page,marker", CASES)
 def test_tiny_model_trains_and_generates_like_unsharded_on_ficco(world, kind, page, marker,
                                                                  model_dirs):
-    how, code = "names", None
+    how, code = marker, None
     if page is not None:
         how, code = "block", client_pool.client_block(page, marker)
         if page == "README.md":
@@ -84,9 +100,24 @@ def test_tiny_model_trains_and_generates_like_unsharded_on_ficco(world, kind, pa
         _check(res, kind)
 
 
+# W = 4: the block of docs/integrations.md, as written
+@pytest.mark.parametrize("world", [2, 4])
+def test_llama_under_sequence_parallelism_trains_and_generates_like_unsharded(world,
+                                                                             model_dirs):
+    how, code = ("sp", None) if world == 2 else \
+        ("block", client_pool.client_block("docs/integrations.md", "SEQUENCE_PARALLEL_PLAN"))
+    results = client_pool.pool(world).run(transformers_cases.compare, "llama",
+                                          model_dirs["llama"], how, code, timeout_s=600)
+    print(f"W={world} llama (SEQUENCE_PARALLEL_PLAN): {results[0]['worst']}, ficco calls "
+          f"{results[0]['calls']}, generate {results[0]['generate_calls']}")
+    for res in results:
+        _check(res, "llama", world, sp=True)
+
+
 def test_use_ficco_swaps_the_stock_names_and_restores_them_and_bad_modules_are_refused():
     for out in client_pool.pool(2).run(transformers_cases.registry_case):
-        assert out["registered"] == ["ficco_colwise", "ficco_rowwise"] and out["ep"], out
+        assert out["registered"] == sorted(["ficco_colwise", "ficco_rowwise", *SP_NAMES]) \
+            and out["ep"], out
         stock = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel",
                  "ep:auto": "AutoEP", "ep:all_to_all": "AllToAllEP"}
         assert out["before"] == out["off"] == stock, out
@@ -94,6 +125,11 @@ def test_use_ficco_swaps_the_stock_names_and_restores_them_and_bad_modules_are_r
                              "ep:auto": "FiccoEP", "ep:all_to_all": "FiccoEP"}, out
         for name in ("ficco_colwise", "ficco_rowwise"):
             assert f"{name} shards an nn.Linear; Embedding is not one" in out["refusals"][name]
+        for name in ("ficco_colwise_sp", "ficco_rowwise_sp", "ficco_colwise_gathered"):
+            assert "OwnForward is not one or overrides its forward" in out["refusals"][name], out
+        for name, messages in out["kept_own_forward"].items():
+            assert len(messages) == 1 and "OwnForward overrides nn.Linear.forward" in \
+                messages[0] and "transformers' style" in messages[0], out
         assert "gate_up_proj" in out["refusals"]["ep"] and "'all_to_all'" in \
             out["refusals"]["ep"], out
 
