@@ -48,7 +48,8 @@ Cost model (every number from :class:`~ficco.heuristics.profiles.Profile`):
   estimate.
 
 Ops are priced by ``op.kind``: kind ``"x"`` is priced by ``Simulation._price_x`` (a new op
-kind adds one such method).
+kind adds one such method), or by the op's own ``price(sim, op, task, mt_factor)`` when its
+class carries one (a :class:`~ficco.plan.HostOp` of an op package that prices its own work).
 
 Example::
 
@@ -354,6 +355,9 @@ class Simulation:
 
     # -- solo costs, one method per op kind -------------------------------------------------
     def _task(self, op) -> _Task:
+        own = getattr(op, "price", None)
+        if own is not None:     # a plan op that carries its price (HostOp.price)
+            return own(self, op, _Task, mt_factor)
         price = getattr(self, f"_price_{op.kind}", None)
         if price is None:
             raise InvalidArgumentError(

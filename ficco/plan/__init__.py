@@ -337,7 +337,8 @@ class HostOp:
     (``Buffers.task_state``), for op families whose sizes are data: expert parallelism's routing
     counts change every call, so its plans name (expert, source, chunk) and one plan serves
     every routing (:mod:`ficco.ops.expert.plan_ops`). Subclasses are frozen dataclasses with ``queue`` and
-    ``step``, a ``kind`` (the simulator prices kind ``x`` with ``_price_x``) and a static
+    ``step``, a ``kind`` (the simulator prices kind ``x`` with ``_price_x``, or with the
+    class's own static ``price(sim, op, task, mt_factor)`` when it has one) and a static
     ``host_task(views, buffers, op) -> fn`` that the executor launches on the op's queue."""
 
     queue: str

@@ -41,6 +41,13 @@ _OPTIONAL: dict[str, dict[str, Gated | ShotKernel | TorchShot]] = {
     **{op: {} for op in all_to_all.SCHEDULES}}
 
 
+def register(op: str, table, optional=()) -> None:
+    """Register ``op``'s schedules (baseline first) and its optional ones: an op package
+    that carries its schedules calls this when it is imported (:mod:`ficco.ops.ulysses`)."""
+    _REGISTRY[op] = {s.name: s for s in table}
+    _OPTIONAL[op] = {s.name: s for s in optional}
+
+
 def _registry(op: str) -> dict:
     try:
         return _REGISTRY[op]
@@ -148,6 +155,7 @@ __all__ = [
     "names",
     "offered",
     "optional_names",
+    "register",
     "unavailable",
     "why_not_here",
 ]
