@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from . import library, library_all_reduce
+from .call import check_flag
 from .errors import InvalidArgumentError
 from .group import NO_GROUP, name_of, rank_world, resolve
 from .problem import even_split
@@ -169,7 +170,7 @@ class RowParallelLinear(nn.Module):
                  dtype=None):
         super().__init__()
         self.group, self.seq_dim = group, seq_dim
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel = check_flag(sequence_parallel, "sequence_parallel")
         rank, world = rank_world(resolve(group))
         _check_features(in_features, [out_features])
         self.in_features, self.out_features = in_features, out_features

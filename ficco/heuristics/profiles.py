@@ -387,12 +387,18 @@ def load(name_or_path: str | os.PathLike) -> Profile:
     if key in _loaded:
         return _loaded[key]
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"profile file {str(path)!r} does not exist; give a built-in name "
                           f"({', '.join(builtin_names())}) or an existing JSON path") from None
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"profile file {str(path)!r} is not valid JSON: {exc}") from None
+    except OSError as exc:   # a directory, no permission
+        raise ConfigError(f"profile file {str(path)!r} cannot be read ({exc.strerror}); give "
+                          f"a readable JSON file or a built-in name") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"profile file {str(path)!r} holds a JSON {type(data).__name__}, "
+                          f"not an object of profile keys")
     profile = Profile.from_dict(data, origin=str(path))
     if key is not None:
         _loaded[key] = profile

@@ -111,5 +111,5 @@ def warm_call(seen: Any, group, a, b, epilogue: tuple, dim: int, rows_of) -> Any
     if epilogue:
         a_scale, b_scale, _, bias, _ = epilogue
         ops = rebound(ops, bs, rows_of=rows_of(dim), a_scale=a_scale, b_scale=b_scale, bias=bias,
-                      b_is_list=seen.b_is_list)
+                      b_is_list=seen.b_is_list, rows=p.m)
     return seen.clone(group=group, bs=bs, ops=ops, a=a.movedim(dim, 0).reshape(p.m, p.k))
