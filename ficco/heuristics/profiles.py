@@ -421,7 +421,8 @@ def detect(target: str, device_name: str | None = None) -> str:
 
 def cache_root() -> Path:
     """Where ficco keeps what it learns on this machine: ``FICCO_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/ficco`` (``~/.cache/ficco``): ``tune.json`` and ``profiles/<sku>.json``."""
+    ``$XDG_CACHE_HOME/ficco`` (``~/.cache/ficco``, the user's own): ``auto/``, ``tune/`` and
+    ``profiles/<sku>.json`` (:mod:`ficco.heuristics.cache`)."""
     from .. import config
 
     return Path(config.cache_dir() or os.path.join(
@@ -441,10 +442,20 @@ def in_force(target: str = "cpu") -> tuple[Profile, str]:
     >>> in_force("rocm:gfx942")[0].name   # doctest: +SKIP
     'mi300x'
     """
+    from .cache import trusted, warn_once
+
     part = sku.sku_of(sku.local_props(target))
     path = calibrated_path(part.id)
-    if path.is_file():
-        return load(path), f"calibrated for {part.id} ({path})"
+    if path.exists():
+        why = trusted(path) or trusted(path.parent)
+        if why:          # another user's numbers would price this user's calls
+            warn_once(path, why, "the built-in profile prices instead")
+        else:
+            try:
+                return load(path), f"calibrated for {part.id} ({path})"
+            except ConfigError as exc:   # the cache is optional: the built-in profile prices
+                warn_once(path, f"is not a usable profile ({exc})",
+                          "the built-in profile prices instead")
     return load(part.profile), f"built-in for {part.id} ({part.reason})"
 
 
