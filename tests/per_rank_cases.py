@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 import ficco
-from ficco import config, runtime
+from ficco import config
+from ficco.runtime import path as runtime
 from ficco.errors import FiccoError
 
 from .ar_cases import _same_everywhere, k_slices
