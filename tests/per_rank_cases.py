@@ -12,8 +12,8 @@ import torch
 
 import ficco
 from ficco import config
-from ficco.runtime import path as runtime
 from ficco.errors import FiccoError
+from ficco.runtime import path as runtime
 
 from .ar_cases import _same_everywhere, k_slices
 from .fp8_cases import E4M3, quantize
