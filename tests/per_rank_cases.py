@@ -109,8 +109,9 @@ def ar_fp8_partials(rank, world, seed, cases) -> list[str]:
 
 def ar_bias_per_rank(rank, world, seed, cases) -> list[str]:
     """matmul_all_reduce with a bias that differs on one rank (a replicated parameter that
-    drifted): every rank raises a ficco error before any output; then the same call with the
-    bias alike runs, against the float64 sum, the same bits on every rank."""
+    drifted): every rank raises a ficco error naming the bias before any output; then the
+    same call with the bias alike runs, against the float64 sum, the same bits on every
+    rank."""
     failures = []
     m, k, n = 6, 8 * world, 5
     for i, case in enumerate(cases):
@@ -133,6 +134,9 @@ def ar_bias_per_rank(rank, world, seed, cases) -> list[str]:
             except FiccoError as exc:
                 if "bias" not in str(exc):
                     failures.append(f"{_label(case, world)}: the error names no bias: {exc}")
+                # (found by the call's check, or its first barrier's call flags: the group is
+                # refused until every rank shuts it down, as for any call ranks disagree on)
+                ficco.shutdown()
             out = ficco.matmul_all_reduce(a, b, schedule=case["schedule"], bias=bias)
         failures += _ran(case, world)
         ref = a_full @ b_full + bias.double()
@@ -180,3 +184,17 @@ def scales_with_grad(rank, world, seed) -> list[str]:
         if not err <= ROW_TOL[torch.float32]:
             failures.append(f"{name}: detached scales, error {err:.3g}")
     return failures
+
+
+def warm_dma_call_then_peer_dies(rank, world, dead):
+    """A dma ring call made warm on every rank, then rank ``dead`` exits and the others call
+    again: their barrier times out (FICCO_TIMEOUT); the error propagates (its text is the
+    test's)."""
+    import os
+
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    with config.scope(transport="dma"):
+        ficco.all_gather_matmul(a, b, schedule="ring")
+        if rank == dead:
+            os._exit(3)
+        ficco.all_gather_matmul(a, b, schedule="ring")

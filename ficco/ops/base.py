@@ -62,6 +62,16 @@ class OpSpec(ABC, Generic[C]):
                 "dtype": p.dtype, "world": p.world, "unit": p.unit, "reduce_op": p.reduce_op,
                 "backend": call.target, **({"epilogue": epilogue} if any(epilogue) else {})}
 
+    #: what :meth:`values_word` digests, for messages ("" when the op digests nothing)
+    values_what: ClassVar[str] = ""
+
+    def values_word(self, call: C) -> int:
+        """A 63-bit digest of values every rank must pass alike that no signature holds (the
+        all-reduce's bias: every rank adds its own, so different values would leave the ranks
+        with different outputs), mixed into the call's per-call check and barrier flag, so
+        ranks whose values differ raise MismatchError before any output; 0: none."""
+        return 0
+
     def agreed_problem(self, call: C, per_rank: tuple):
         """The Problem every rank decides on (selector, simulator, tune cache): this call's,
         with each per-rank width replaced by the widest rank's (``per_rank``: every rank's
