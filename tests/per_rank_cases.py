@@ -8,11 +8,13 @@ transport and returns its failures as strings.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 import ficco
 from ficco import config
-from ficco.errors import FiccoError
+from ficco.errors import FiccoError, FiccoWarning
 from ficco.runtime import path as runtime
 
 from .ar_cases import _same_everywhere, k_slices
@@ -198,3 +200,107 @@ def warm_dma_call_then_peer_dies(rank, world, dead):
         if rank == dead:
             os._exit(3)
         ficco.all_gather_matmul(a, b, schedule="ring")
+
+
+# -- a random program over the per-rank knobs (bench/campaigns.py per-rank) ----------------------
+CACHE_STATES = ("missing", "unwritable", "corrupt", "huge", "shared")
+RECIPES = ("float32", "bfloat16", "fp8-tensor", "fp8-row")
+
+
+def _draw(gen: torch.Generator, choices):
+    return choices[int(torch.randint(len(choices), (1,), generator=gen))]
+
+
+def _operand(t: torch.Tensor, recipe: str, dim: int):
+    """(t in the recipe's dtype, its scale or None, its float64 dequantization)."""
+    if recipe.startswith("fp8"):
+        q, scale = quantize(t, E4M3, rows=recipe == "fp8-row", dim=dim)
+        return q, scale, q.double() * scale.double()
+    low = t.to(getattr(torch, recipe))
+    return low, None, low.double()
+
+
+def random_per_rank_program(rank, world, seed, calls, root):
+    """``calls`` random calls of the three dense ops (one generator on every rank, so every
+    rank knows every rank's data): random schedule and transport, dtype recipe, each rank's own
+    fp8 scales and widths, a bias (the all-reduce's drifted on one rank now and then: it must
+    be refused), a third of them under ``auto`` with the cache in a random state. Returns one
+    outcome per call: right, wrong, refused (a drifted bias, as wanted), ficco error, raw
+    error."""
+    from ficco import schedules
+    from ficco.errors import MismatchError
+
+    from .cache_cases import spoil
+
+    gen = torch.Generator().manual_seed(seed)
+    state = _draw(gen, CACHE_STATES)
+    cache_dir = "/proc/ficco-cache-unwritable" if state == "unwritable" else root
+    if rank == 0 and state != "unwritable":
+        spoil(root, "huge" if state == "huge" else "missing")
+    outcomes = []
+    for i in range(calls):
+        op = _draw(gen, ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"))
+        recipe = _draw(gen, RECIPES)
+        schedule = _draw(gen, schedules.names(op=op))
+        transport = _draw(gen, ("dma", "ccl"))
+        auto_here = bool(torch.rand((), generator=gen) < 0.3)
+        drift = op == "matmul_all_reduce" and bool(torch.rand((), generator=gen) < 0.2)
+        m, k = 2 + int(torch.randint(5, (1,), generator=gen)), 16 * (1 + i % 2)
+        widths = [16 * (1 + int(torch.randint(2, (1,), generator=gen))) for _ in range(world)]
+        fp8 = recipe.startswith("fp8")
+        out_dtype = torch.bfloat16 if fp8 else None
+        kw: dict = {}
+        if op == "all_gather_matmul":     # each rank its own n, its shard's own scale
+            parts = [_operand(torch.randn(m, k, generator=gen) * 2.0 ** q, recipe, -1)
+                     for q in range(world)]
+            bs = [_operand(torch.randn(k, n, generator=gen), recipe, 0) for n in widths]
+            bias = [torch.randn(n, generator=gen) for n in widths][rank]   # (every rank's)
+            ref = torch.cat([p[2] for p in parts]) @ bs[rank][2] + bias.double()
+            scale = torch.cat([p[2] for p in parts]).abs() @ bs[rank][2].abs() + bias.abs()
+            a, b = parts[rank][0], bs[rank][0]
+        else:                             # each rank its own K
+            rows = m * world
+            parts = [_operand(torch.randn(rows, kq, generator=gen), recipe, -1)
+                     for kq in widths]
+            bs = [_operand(torch.randn(kq, 16, generator=gen), recipe, 0) for kq in widths]
+            bias = torch.randn(16, generator=gen)
+            ref = sum(p[2] @ q[2] for p, q in zip(parts, bs)) + bias.double()
+            scale = sum(p[2].abs() @ q[2].abs() for p, q in zip(parts, bs)) + bias.abs()
+            if op == "matmul_reduce_scatter":
+                ref, scale = ref[rank * m:(rank + 1) * m], scale[rank * m:(rank + 1) * m]
+            a, b = parts[rank][0], bs[rank][0]
+            if drift and rank == world - 1:
+                bias = bias + 1.0
+        if fp8:
+            kw = {"a_scale": parts[rank][1], "b_scale": bs[rank][1], "out_dtype": out_dtype}
+        ref.scale = scale
+        settings = {"transport": transport}
+        if auto_here:
+            settings.update(selector="auto", cache_dir=cache_dir)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FiccoWarning)   # the cache's: counted apart
+                with config.scope(**settings):
+                    out = getattr(ficco, op)(a, b, schedule=None if auto_here else schedule,
+                                             bias=bias, **kw)
+        except MismatchError as exc:
+            outcomes.append("refused" if drift and "bias" in str(exc) else f"ficco error: {exc}")
+            ficco.shutdown()
+            continue
+        except FiccoError as exc:
+            outcomes.append(f"ficco error: {type(exc).__name__}: {str(exc)[:200]}")
+            ficco.shutdown()
+            continue
+        except Exception as exc:  # noqa: BLE001 - the campaign counts it
+            outcomes.append(f"raw error: {type(exc).__name__}: {str(exc)[:200]}")
+            ficco.shutdown()
+            continue
+        tol = ROW_TOL[torch.bfloat16 if recipe != "float32" else torch.float32]
+        err = max_row_rel_err(out, ref)
+        if drift:
+            outcomes.append(f"wrong: {op} with a drifted bias returned an output")
+        elif err <= tol:
+            outcomes.append("right")
+        else:
+            outcomes.append(f"wrong: {op}/{schedule}/{transport}/{recipe}: error {err:.3g}")
+    return outcomes
