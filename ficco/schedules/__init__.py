@@ -15,6 +15,8 @@ from ..ops.all_gather_matmul.schedules.ring import Ring
 from ..ops.all_gather_matmul.schedules.serial import Serial
 from ..ops.expert.schedules import all_to_all
 from ..ops.matmul_all_reduce import schedules as all_reduce
+from ..ops.matmul_all_reduce.schedules.kernel import KERNEL_SCHEDULES, ShotKernel
+from ..ops.matmul_all_reduce.schedules.torch_kernels import TORCH_SCHEDULES, TorchShot
 from ..ops.matmul_reduce_scatter import schedules as reduce_scatter
 from ..plan.problem import ALL_GATHER_MATMUL, MATMUL_ALL_REDUCE, MATMUL_REDUCE_SCATTER
 from .common import Schedule
@@ -32,9 +34,10 @@ _REGISTRY: dict[str, dict[str, Schedule]] = {
 #: Schedules that need an optional extra (Triton), per op: get() knows them and they plan and
 #: simulate anywhere, but names() leaves them out and selectors see them only where they run
 #: (offered()).
-_OPTIONAL: dict[str, dict[str, Gated]] = {
+_OPTIONAL: dict[str, dict[str, Gated | ShotKernel | TorchShot]] = {
     ALL_GATHER_MATMUL: {s.name: s for s in GATED_SCHEDULES}, MATMUL_REDUCE_SCATTER: {},
-    MATMUL_ALL_REDUCE: {},
+    MATMUL_ALL_REDUCE: {**{s.name: s for s in KERNEL_SCHEDULES},
+                        **{s.name: s for s in TORCH_SCHEDULES}},
     **{op: {} for op in all_to_all.SCHEDULES}}
 
 
@@ -127,9 +130,10 @@ def why_not_here(name: str, target: str, transport: str = "dma",
 
 def epilogue_reason(name: str, problem) -> str | None:
     """Why schedule ``name`` cannot run ``problem``'s epilogue (fp8 scales, out_dtype, bias,
-    activation), or None: the optional gated kernel multiplies plain operands only."""
+    activation), or None: the optional gated kernel multiplies plain operands only (the
+    one-kernel all-reduce sums what a library GEMM made, epilogue included)."""
     extra = problem.scaling or problem.out_dtype or problem.bias or problem.activation
-    if extra and name in _OPTIONAL.get(problem.op, {}):
+    if extra and isinstance(_OPTIONAL.get(problem.op, {}).get(name), Gated):
         return (f"{name}'s gated GEMM kernel multiplies plain operands: no fp8 scales, "
                 f"out_dtype, bias or activation")
     return None

@@ -54,6 +54,7 @@ Example::
 from __future__ import annotations
 
 from ...heuristics import collectives
+from ...plan import item_bytes
 
 #: published all-reduce times: (source, kind, profile, world, message bytes, seconds); kind
 #: "nccl": the process group's all-reduce; "loads": vLLM's one-stage custom all-reduce, one
@@ -145,6 +146,74 @@ def _loads(profile, remote: int, local: int, world: int, topology: str | None) -
     link_s = remote / (profile.ccl["efficiency"] * _ingress(profile, world, topology))
     memory_s = local / (profile.hbm_bytes_per_s * profile.dil["memory_efficiency"])
     return profile.dil["launch_s"] + max(link_s, memory_s)
+
+
+def kernel_fixed_seconds(profile, barriers: int) -> float:
+    """The fixed cost of one launch of the one-kernel all-reduce with ``barriers`` flag
+    barriers inside: the profile's kernel launch, then a flag round trip per barrier
+    (``ccl.kernel_flag_s``, else a fifth of the plan barrier's latency: a store and a poll of
+    peer memory from a running kernel, no stream memory operation)."""
+    flag_s = profile.ccl.get("kernel_flag_s")
+    if flag_s is None:
+        flag_s = profile.barrier_latency_s / 5
+    return profile.dil["launch_s"] + barriers * float(flag_s)
+
+
+def shot_kernel_seconds(profile, nbytes: int, world: int, two_shot: bool = False,
+                        topology: str | None = None, out_bytes: int | None = None) -> float:
+    """Seconds of the one-kernel all-reduce of ``nbytes`` per rank, alone: its fixed cost
+    (:func:`kernel_fixed_seconds`) and its reads of peers' memory over this GPU's ingress
+    beside its HBM traffic. One-shot reads the W-1 peers' whole partials; two-shot reads
+    (W-1)/W of them for its piece, then (W-1)/W of the output from the peers' pieces."""
+    if nbytes <= 0 or world <= 1:
+        return 0.0
+    return kernel_fixed_seconds(profile, 3 if two_shot else 2) + \
+        _kernel_work(profile, nbytes, world, two_shot, topology, out_bytes)
+
+
+def _kernel_work(profile, nbytes, world, two_shot, topology, out_bytes=None) -> float:
+    out_bytes = nbytes if out_bytes is None else out_bytes
+    if two_shot:
+        remote = (world - 1) * nbytes / world + (world - 1) * out_bytes / world
+        local = nbytes / world + 2 * out_bytes
+    else:
+        remote, local = (world - 1) * nbytes, nbytes + out_bytes
+    link_s = remote / (profile.ccl["efficiency"] * _ingress(profile, world, topology))
+    memory_s = local / (profile.hbm_bytes_per_s * profile.dil["memory_efficiency"])
+    return max(link_s, memory_s)
+
+
+def price_shot_kernel(sim, op, task):
+    """The simulator task of a one-kernel all-reduce launch (``one-shot-kernel``,
+    ``two-shot-kernel``): one kernel's fixed cost, its barriers inside, then its loads; on
+    compute units, so it contends with a GEMM as a collective does."""
+    p = sim.problem
+    n = p.ns[op.b]
+    nbytes = p.m * n * item_bytes(p, "partial")
+    out_bytes = p.m * n * item_bytes(p, "out", sim.wide)
+    if not nbytes or p.world <= 1:
+        return task("ccl", 0.0, 0.0)
+    return task("ccl", kernel_fixed_seconds(sim.profile, op.barriers),
+                _kernel_work(sim.profile, nbytes, p.world, op.two_shot, sim.topology,
+                             out_bytes))
+
+
+def price_torch_kernel(sim, op, task):
+    """torch's ``symm_mem`` all-reduce (``torch-*``): priced as the one-kernel all-reduce of
+    the same shape (one-shot: two barriers; two-shot and multimem: three, multimem's reads and
+    writes through the switch's multicast at the same link rate), after a local copy of the
+    partial into torch's buffer (ficco's workspace is not torch's unless FICCO_SYMM says so)."""
+    p = sim.problem
+    n = p.ns[op.b]
+    nbytes = p.m * n * item_bytes(p, "partial")
+    if not nbytes or p.world <= 1:
+        return task("ccl", 0.0, 0.0)
+    two_shot = op.variant != "one-shot"
+    copy_in = 2 * nbytes / (sim.profile.hbm_bytes_per_s * sim.profile.dil["memory_efficiency"])
+    return task("ccl", kernel_fixed_seconds(sim.profile, 3 if two_shot else 2)
+                + sim.profile.dil["launch_s"],
+                copy_in + _kernel_work(sim.profile, nbytes, p.world, two_shot, sim.topology,
+                                       p.m * n * item_bytes(p, "out", sim.wide)))
 
 
 def check_published(load) -> list[tuple[str, str, int, float, float, float]]:
