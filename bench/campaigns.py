@@ -277,8 +277,9 @@ def per_rank(count: int, world: int, calls: int) -> dict:
     from tests import harness
     from tests.per_rank_cases import random_per_rank_program
 
-    totals: dict = {"programs": 0, "calls": 0, "right": 0, "refused as wanted": 0, "wrong": 0,
-                    "raw errors": 0, "ficco errors": 0, "lost programs": 0, "failures": []}
+    totals: dict = {"programs": 0, "calls (every rank's)": 0, "right": 0,
+                    "refused as wanted": 0, "wrong": 0, "raw errors": 0, "ficco errors": 0,
+                    "lost programs": 0, "cache states": {}, "failures": []}
     pool = harness.RankPool(world, {"FICCO_TIMEOUT": "20"})
     for _ in range(count):
         seed = random.randrange(1 << 30)
@@ -293,9 +294,11 @@ def per_rank(count: int, world: int, calls: int) -> dict:
             pool = harness.RankPool(world, {"FICCO_TIMEOUT": "20"})
             continue
         totals["programs"] += 1
-        for outcomes in results:
+        state = results[0][0]
+        totals["cache states"][state] = totals["cache states"].get(state, 0) + 1
+        for _, outcomes in results:
             for outcome in outcomes:
-                totals["calls"] += 1
+                totals["calls (every rank's)"] += 1
                 kind = {"right": "right", "refused": "refused as wanted", "wrong": "wrong",
                         "raw error": "raw errors", "ficco error": "ficco errors"
                         }[outcome.split(":")[0]]

@@ -224,21 +224,30 @@ def random_per_rank_program(rank, world, seed, calls, root):
     """``calls`` random calls of the three dense ops (one generator on every rank, so every
     rank knows every rank's data): random schedule and transport, dtype recipe, each rank's own
     fp8 scales and widths, a bias (the all-reduce's drifted on one rank now and then: it must
-    be refused), a third of them under ``auto`` with the cache in a random state. Returns one
-    outcome per call: right, wrong, refused (a drifted bias, as wanted), ficco error, raw
-    error."""
+    be refused), a third of them under ``auto`` with the cache in a random state (corrupt or
+    shared: what the first half kept is spoilt at half time, memory forgotten). Returns the
+    state and one outcome per call: right, wrong, refused (a drifted bias, as wanted), ficco
+    error, raw error."""
     from ficco import schedules
     from ficco.errors import MismatchError
+    from ficco.heuristics import auto
 
     from .cache_cases import spoil
 
     gen = torch.Generator().manual_seed(seed)
     state = _draw(gen, CACHE_STATES)
     cache_dir = "/proc/ficco-cache-unwritable" if state == "unwritable" else root
-    if rank == 0 and state != "unwritable":
-        spoil(root, "huge" if state == "huge" else "missing")
+    if rank == 0 and state == "huge":
+        spoil(root, state)
     outcomes = []
     for i in range(calls):
+        if i == calls // 2 and state in ("corrupt", "shared"):   # what the first half kept
+            torch.distributed.barrier()
+            if rank == 0:
+                spoil(root, state)
+            torch.distributed.barrier()
+            ficco.shutdown()
+            auto.CACHE.forget()     # a new process: the files answer
         op = _draw(gen, ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"))
         recipe = _draw(gen, RECIPES)
         schedule = _draw(gen, schedules.names(op=op))
@@ -303,4 +312,4 @@ def random_per_rank_program(rank, world, seed, calls, root):
             outcomes.append("right")
         else:
             outcomes.append(f"wrong: {op}/{schedule}/{transport}/{recipe}: error {err:.3g}")
-    return outcomes
+    return state, outcomes
