@@ -121,7 +121,8 @@ def collective_parts(profile, nbytes: int, world: int, topology: str | None = No
     topology = topology or profile.topology
     bus_bytes = 2 * (world - 1) / world * nbytes
     points = collectives.curve(profile, "all_reduce") if topology == profile.topology else []
-    if (points and nbytes >= points[0][0]
+    below = collectives.small_latency(profile, "all_reduce") is not None
+    if (points and (nbytes >= points[0][0] or below)
             and world == int(profile.ccl.get("busbw_world") or profile.gpus_per_node)):
         # 1: the curve measured on this many ranks and sizes, its latency and fill included
         seconds = collectives.collective_seconds(profile, "all_reduce", nbytes / world,
@@ -198,22 +199,35 @@ def price_shot_kernel(sim, op, task):
                              out_bytes))
 
 
+def torch_kernel_seconds(profile, nbytes: int, world: int, variant: str = "one-shot",
+                         topology: str | None = None, copy_in: bool = False) -> float:
+    """Seconds of torch's ``symm_mem`` all-reduce ``variant`` of ``nbytes`` per rank, alone:
+    the one-kernel all-reduce's price (one-shot: two barriers; two-shot and multimem: three,
+    multimem's reads and writes through the switch's multicast at the same link rate) plus
+    one more launch (torch's kernel takes its pointers from a host-side table per call), and
+    with ``copy_in`` the copy of the partial into torch's buffer."""
+    if nbytes <= 0 or world <= 1:
+        return 0.0
+    two_shot = variant != "one-shot"
+    moved = 2 * nbytes / (profile.hbm_bytes_per_s * profile.dil["memory_efficiency"]) \
+        if copy_in else 0.0
+    return shot_kernel_seconds(profile, nbytes, world, two_shot, topology) + \
+        profile.dil["launch_s"] + moved
+
+
 def price_torch_kernel(sim, op, task):
-    """torch's ``symm_mem`` all-reduce (``torch-*``): priced as the one-kernel all-reduce of
-    the same shape (one-shot: two barriers; two-shot and multimem: three, multimem's reads and
-    writes through the switch's multicast at the same link rate), after a local copy of the
-    partial into torch's buffer (ficco's workspace is not torch's unless FICCO_SYMM says so)."""
+    """torch's ``symm_mem`` all-reduce (``torch-*``): :func:`torch_kernel_seconds`, with the
+    copy of the partial into torch's buffer (ficco's workspace is not torch's unless
+    FICCO_SYMM says so); on compute units."""
     p = sim.problem
-    n = p.ns[op.b]
-    nbytes = p.m * n * item_bytes(p, "partial")
+    nbytes = p.m * p.ns[op.b] * item_bytes(p, "partial")
     if not nbytes or p.world <= 1:
         return task("ccl", 0.0, 0.0)
-    two_shot = op.variant != "one-shot"
-    copy_in = 2 * nbytes / (sim.profile.hbm_bytes_per_s * sim.profile.dil["memory_efficiency"])
-    return task("ccl", kernel_fixed_seconds(sim.profile, 3 if two_shot else 2)
-                + sim.profile.dil["launch_s"],
-                copy_in + _kernel_work(sim.profile, nbytes, p.world, two_shot, sim.topology,
-                                       p.m * n * item_bytes(p, "out", sim.wide)))
+    seconds = torch_kernel_seconds(sim.profile, nbytes, p.world, op.variant, sim.topology,
+                                   copy_in=True)
+    fixed = kernel_fixed_seconds(sim.profile, 2 if op.variant == "one-shot" else 3) + \
+        sim.profile.dil["launch_s"]
+    return task("ccl", fixed, seconds - fixed)
 
 
 def check_published(load) -> list[tuple[str, str, int, float, float, float]]:
