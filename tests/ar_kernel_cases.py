@@ -80,3 +80,10 @@ def torch_plumbing(rank, world, seed, cases):
     finally:
         (torch_kernels.torch_op, torch_kernels.symmetric_input,
          torch_kernels.torch_reason) = saved
+
+
+def explain_decode(rank, world, profile):
+    """``ficco.explain`` of a decode-sized all-reduce on ``profile``: its printed text."""
+    with config.scope(profile=profile):
+        return str(ficco.explain(torch.randn(4, 64), torch.randn(64, 4096),
+                                 op="matmul_all_reduce"))

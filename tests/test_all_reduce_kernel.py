@@ -150,3 +150,33 @@ def test_torch_kernels_plumbing_with_stand_ins_on_cpu_ranks():
         assert calls == [("multimem_all_reduce_", "sum", True, False),
                          ("one_shot_all_reduce_out", "sum", True, True),
                          ("two_shot_all_reduce_out", "sum", True, True)], calls
+
+
+# -- explain ------------------------------------------------------------------------------------
+def test_explain_of_a_decode_shape_names_its_kernel_and_the_published_time():
+    from ficco.heuristics.decision import Decision
+    from ficco.ops.matmul_all_reduce.pricing import priced_against
+
+    from .ar_kernel_cases import explain_decode
+
+    p = Problem(16, 512, (4096,), "bfloat16", 8, op=OP)     # 128 KB per rank
+    for profile, schedule, transport, kernel, row in (
+            ("h100", "serial", "ccl", "NCCL/RCCL", "W4"),
+            ("mi355x", "two-shot-kernel", "dma", "two-shot", "W43"),
+            ("h100", "torch-one-shot", "dma", "one_shot_all_reduce_out", "W25")):
+        lines = priced_against(p, Decision(schedule, transport, "model", {"profile": profile}))
+        assert kernel in lines[0] and "128 KB per rank on 8 ranks" in lines[0], lines
+        assert f"(validate row {row}," in lines[1], lines
+    text = harness.pool(2).run(explain_decode, "h100")[0]
+    assert "priced    " in text and "2 ranks" in text, text
+    assert "one-shot-kernel would run ficco's one-kernel all-reduce" in text, text
+
+
+def test_the_decode_example_runs_on_the_one_kernel_all_reduce():
+    """examples/tp_decode.py with its row-parallel projections forced to one-shot-kernel
+    (2 ranks, through the interpreter), against the unsharded block."""
+    from .ar_cases import decode_example
+
+    seed = random.randrange(1 << 30)
+    for errors in harness.pool(2).run(decode_example, seed, "one-shot-kernel"):
+        assert max(errors) <= 1e-5, (seed, errors)

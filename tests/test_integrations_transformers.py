@@ -10,8 +10,6 @@ installs it).
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -45,18 +43,30 @@ def _check(res, kind, world=2, sp=False):
         transformers_cases.NEW, res
     new = transformers_cases.NEW
     if sp:
-        # per layer: gate and up gather (all_gather_matmul), o_proj and down scatter
-        # (matmul_reduce_scatter), each op's backward the other; Q/K/V behind the attention's
-        # gather run local GEMMs. generate: the prompt (6 tokens) splits over W = 2, not over
-        # W = 4; a decode step's one token never does, so those run the all-reduce path
-        assert res["calls"] == {"all_gather_matmul": LAYERS * 4,
-                                "matmul_reduce_scatter": LAYERS * 4}, res
-        whole = new - 1 if world == 2 else new
-        want = {"matmul_all_reduce": LAYERS * 2 * whole}
-        if world == 2:
-            want.update(all_gather_matmul=LAYERS * 2, matmul_reduce_scatter=LAYERS * 2)
+        # generate: the prompt (6 tokens) splits over W = 2, not over W = 4; a decode step's
+        # one token never does, so those forwards run the replicated (all-reduce) path
+        split = 1 if world == 2 else 0
+        if kind == "llama":
+            # per layer: gate and up gather (all_gather_matmul), o_proj and down scatter
+            # (matmul_reduce_scatter), each op's backward the other; Q/K/V behind the
+            # attention's gather run local GEMMs
+            assert res["calls"] == {"all_gather_matmul": LAYERS * 4,
+                                    "matmul_reduce_scatter": LAYERS * 4}, res
+            want = {"matmul_all_reduce": LAYERS * 2 * (new - split)}
+            if split:
+                want.update(all_gather_matmul=LAYERS * 2, matmul_reduce_scatter=LAYERS * 2)
+        else:
+            # per layer: o_proj scatters (its backward gathers); each rank's own tokens go to
+            # the experts (dispatch and combine, each one's backward the other)
+            assert res["calls"] == {"all_gather_matmul": LAYERS, "matmul_reduce_scatter": LAYERS,
+                                    "all_to_all_grouped_mm": LAYERS * 2,
+                                    "grouped_mm_all_to_all": LAYERS * 2}, res
+            want = {"matmul_all_reduce": LAYERS * (new - split),
+                    "all_to_all_grouped_mm": LAYERS * new, "grouped_mm_all_to_all": LAYERS * new}
+            if split:
+                want.update(matmul_reduce_scatter=LAYERS)
         assert res["generate_calls"] == want, res
-        assert res["sharded"] == ["(Shard(dim=0),)", "(Shard(dim=1),)"], res
+        assert res["sharded"][:2] == ["(Shard(dim=0),)", "(Shard(dim=1),)"], res
     elif kind == "llama":
         # forward: o_proj and down_proj all-reduce; backward: the input gradients of q, k, v,
         # gate and up (the rowwise layers' backward is local)
@@ -100,18 +110,20 @@ def test_tiny_model_trains_and_generates_like_unsharded_on_ficco(world, kind, pa
         _check(res, kind)
 
 
-# W = 4: the block of docs/integrations.md, as written
-@pytest.mark.parametrize("world", [2, 4])
-def test_llama_under_sequence_parallelism_trains_and_generates_like_unsharded(world,
-                                                                             model_dirs):
-    how, code = ("sp", None) if world == 2 else \
-        ("block", client_pool.client_block("docs/integrations.md", "SEQUENCE_PARALLEL_PLAN"))
-    results = client_pool.pool(world).run(transformers_cases.compare, "llama",
-                                          model_dirs["llama"], how, code, timeout_s=600)
-    print(f"W={world} llama (SEQUENCE_PARALLEL_PLAN): {results[0]['worst']}, ficco calls "
+# the Llama at W = 4: the block of docs/integrations.md, as written
+@pytest.mark.parametrize("world,kind", [(2, "llama"), (4, "llama"), (2, "mixtral"),
+                                        (4, "mixtral")])
+def test_under_sequence_parallelism_trains_and_generates_like_unsharded(world, kind,
+                                                                       model_dirs):
+    how, code = ("block", client_pool.client_block("docs/integrations.md",
+                                                   "SEQUENCE_PARALLEL_PLAN")) \
+        if (world, kind) == (4, "llama") else ("sp", None)
+    results = client_pool.pool(world).run(transformers_cases.compare, kind, model_dirs[kind],
+                                          how, code, timeout_s=600)
+    print(f"W={world} {kind} (sequence parallel): {results[0]['worst']}, ficco calls "
           f"{results[0]['calls']}, generate {results[0]['generate_calls']}")
     for res in results:
-        _check(res, "llama", world, sp=True)
+        _check(res, kind, world, sp=True)
 
 
 def test_use_ficco_swaps_the_stock_names_and_restores_them_and_bad_modules_are_refused():
@@ -125,6 +137,11 @@ def test_use_ficco_swaps_the_stock_names_and_restores_them_and_bad_modules_are_r
                              "ep:auto": "FiccoEP", "ep:all_to_all": "FiccoEP"}, out
         for name in ("ficco_colwise", "ficco_rowwise"):
             assert f"{name} shards an nn.Linear; Embedding is not one" in out["refusals"][name]
+        for name in ("ficco_colwise_sp", "ficco_rowwise_sp", "ficco_colwise_gathered"):
+            assert "OwnForward is not one or overrides its forward" in out["refusals"][name], out
+        for name, messages in out["kept_own_forward"].items():
+            assert len(messages) == 1 and "OwnForward overrides nn.Linear.forward" in \
+                messages[0] and "transformers' style" in messages[0], out
         assert "gate_up_proj" in out["refusals"]["ep"] and "'all_to_all'" in \
             out["refusals"]["ep"], out
 
@@ -147,26 +164,12 @@ def test_the_tested_release_is_the_one_installed_and_pinned():
     assert metadata.version(dist) == tested
 
 
-def _fresh(monkeypatch, name, hide=None, version=None):
-    """``name`` imported anew, with ``hide`` (a top-level module) hidden from ``find_spec``
-    and/or ``importlib.metadata.version`` answering ``version``."""
-    from importlib import metadata
-
-    real_spec, real_version = importlib.util.find_spec, metadata.version
-    monkeypatch.setattr(importlib.util, "find_spec", lambda mod, *a: None
-                        if hide and mod.split(".")[0] == hide else real_spec(mod, *a))
-    if version is not None:
-        monkeypatch.setattr(metadata, "version", lambda dist: version
-                            if dist in ("transformers", "megatron-core") else real_version(dist))
-    monkeypatch.delitem(sys.modules, name, raising=False)
-    return importlib.import_module(name)
-
-
 def test_imports_without_transformers_and_refuses_clearly(monkeypatch):
     from ficco.errors import BackendUnavailableError
 
     before = {m for m in sys.modules if m.split(".")[0] == "transformers"}
-    module = _fresh(monkeypatch, "ficco.integrations.transformers", hide="transformers")
+    module = client_pool.fresh_import(monkeypatch, "ficco.integrations.transformers",
+                                      hide="transformers")
     assert {m for m in sys.modules if m.split(".")[0] == "transformers"} <= before
     assert module.transformers_version() is None
     for call in (module.use_ficco, module.register):
@@ -179,7 +182,8 @@ def test_imports_without_transformers_and_refuses_clearly(monkeypatch):
 def test_refuses_another_release_naming_the_tested_range(monkeypatch, version):
     from ficco.errors import BackendUnavailableError
 
-    module = _fresh(monkeypatch, "ficco.integrations.transformers", version=version)
+    module = client_pool.fresh_import(monkeypatch, "ficco.integrations.transformers",
+                                      version=version)
     with pytest.raises(BackendUnavailableError) as info:
         module.use_ficco()
     assert f"transformers {version} is installed" in str(info.value)

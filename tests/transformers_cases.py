@@ -69,7 +69,8 @@ MOE_PLAN = {**{f"model.layers.*.self_attn.{n}_proj": "ficco_colwise" for n in "q
 
 def _load(kind, path, world, how, code):
     """The sharded model: "names" (the MoE, its plan naming ficco's styles and
-    ``ep_implementation="ficco"``), "sp" (the Llama under ``SEQUENCE_PARALLEL_PLAN``) or
+    ``ep_implementation="ficco"``), "sp" (the Llama under ``SEQUENCE_PARALLEL_PLAN``, the MoE
+    under ``SEQUENCE_PARALLEL_MOE_PLAN`` with ``ep_implementation="ficco"``) or
     "block" (``code``, a block of the README or docs/, run as
     written with ``model_dir`` / ``moe_dir`` and, as torchrun sets it, ``WORLD_SIZE``)."""
     from transformers.distributed import DistributedConfig
@@ -83,9 +84,15 @@ def _load(kind, path, world, how, code):
             ns = {"model_dir": path, "moe_dir": path}
             exec(compile(code, "docs", "exec"), ns)     # noqa: S102 - the docs' own code
             return ns["model"]
+        if how == "sp" and kind == "llama":
+            return cls.from_pretrained(
+                path, dtype=torch.float64, distributed_config=DistributedConfig(
+                    tp_size=world, tp_plan=ficco_hf.SEQUENCE_PARALLEL_PLAN))
         if how == "sp":
-            return cls.from_pretrained(path, dtype=torch.float64, distributed_config=DistributedConfig(
-                tp_size=world, tp_plan=ficco_hf.SEQUENCE_PARALLEL_PLAN))
+            return cls.from_pretrained(
+                path, dtype=torch.float64, distributed_config=DistributedConfig(
+                    tp_size=world, ep_size=world, tp_plan=ficco_hf.SEQUENCE_PARALLEL_MOE_PLAN,
+                    ep_implementation=ficco_hf.EP_IMPLEMENTATION))
         assert how == "names" and kind == "mixtral", (how, kind)
         return cls.from_pretrained(path, dtype=torch.float64, distributed_config=DistributedConfig(
             tp_size=world, ep_size=world, tp_plan=MOE_PLAN,
@@ -200,6 +207,26 @@ def registry_case(rank, world):
             refusals[name] = "no error"
         except InvalidArgumentError as exc:
             refusals[name] = str(exc)
+    class OwnForward(nn.Linear):      # a quantized or adapter linear's shape
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    for name in ("ficco_colwise_sp", "ficco_rowwise_sp", "ficco_colwise_gathered"):
+        try:
+            ParallelInterface()[name].install_forward(OwnForward(8, 8), mesh)
+            refusals[name] = "no error"
+        except InvalidArgumentError as exc:
+            refusals[name] = str(exc)
+    import warnings
+
+    kept = {}
+    for name in ficco_hf.STYLE_NAMES:
+        linear = OwnForward(8, 8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ParallelInterface()[name].install_forward(linear, mesh)
+        kept[name] = [str(w.message) for w in caught if w.category.__name__ == "FiccoWarning"]
+    out["kept_own_forward"] = kept
     try:
         EPImplementationInterface()[ficco_hf.EP_IMPLEMENTATION](nn.Linear(8, 8), mesh, mesh)
         refusals["ep"] = "no error"

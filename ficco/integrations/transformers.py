@@ -37,7 +37,9 @@ norms run on the slice (their gradients summed over the group). The attention re
 input's sequence length, so it takes the whole sequence: its input is gathered (a plain
 all-gather, its backward a reduce-scatter) and Q/K/V run local GEMMs. A forward whose sequence
 does not split evenly over the group (a decode step's single token) runs the replicated path
-(``"ficco_colwise"`` / ``"ficco_rowwise"``'s).
+(``"ficco_colwise"`` / ``"ficco_rowwise"``'s). A Mixtral-layout mixture of experts takes
+:data:`SEQUENCE_PARALLEL_MOE_PLAN` with ``ep_implementation="ficco"``: each rank then sends its
+own slice of the tokens to the experts.
 
 The release it is tested with is :data:`TESTED_TRANSFORMERS`; :func:`use_ficco` and
 :func:`register` refuse others outside :data:`SUPPORTED_TRANSFORMERS` with a ficco error naming
@@ -49,7 +51,9 @@ the range. This module imports without transformers.
 """
 from __future__ import annotations
 
-from ..errors import BackendUnavailableError, InvalidArgumentError
+import warnings
+
+from ..errors import BackendUnavailableError, FiccoWarning, InvalidArgumentError
 from . import CLIENTS
 from ._common import check_version, column_linear, installed_version
 
@@ -83,14 +87,25 @@ SEQUENCE_PARALLEL_PLAN = {
     "model.layers.*.mlp.down_proj": "ficco_rowwise_sp",
     "model.norm": "ficco_sequence_norm_gather",
 }
+#: A Mixtral-layout mixture of experts under sequence parallelism (with ``ep_size`` = the
+#: tensor-parallel size and ``ep_implementation="ficco"``, or after :func:`use_ficco`): the
+#: attention as in :data:`SEQUENCE_PARALLEL_PLAN`; the router (``mlp.gate``) runs on this rank's
+#: slice, its gradient summed over the group; the experts get each rank's own tokens through
+#: ficco's dispatch and combine.
+SEQUENCE_PARALLEL_MOE_PLAN = {
+    **{k: v for k, v in SEQUENCE_PARALLEL_PLAN.items() if ".mlp." not in k},
+    "model.layers.*.mlp.gate": "ficco_sequence_norm",
+}
 #: ficco's ``DistributedConfig.ep_implementation``.
 EP_IMPLEMENTATION = "ficco"
 #: The stock names :func:`use_ficco` points at ficco's styles.
 STOCK = {"colwise": "ficco_colwise", "rowwise": "ficco_rowwise"}
 STOCK_EP = ("auto", "all_to_all")
 
-__all__ = ["EP_IMPLEMENTATION", "SEQUENCE_PARALLEL_PLAN", "SP_STYLE_NAMES", "STYLE_NAMES", "SUPPORTED_TRANSFORMERS", "TESTED_TRANSFORMERS",
-           "register", "stock_styles", "transformers_version", "use_ficco"]
+__all__ = ["EP_IMPLEMENTATION", "SEQUENCE_PARALLEL_MOE_PLAN", "SEQUENCE_PARALLEL_PLAN",
+           "SP_STYLE_NAMES", "STYLE_NAMES",
+           "SUPPORTED_TRANSFORMERS", "TESTED_TRANSFORMERS", "register", "stock_styles",
+           "transformers_version", "use_ficco"]
 
 _saved: dict = {}
 
@@ -183,11 +198,20 @@ def _make_classes():
     def _local(t):
         return t.to_local() if isinstance(t, DTensor) else t
 
-    def _linear(module, style: str):
+    def _own_forward(module, style: str) -> bool:
+        """Whether ficco's forward can replace ``module``'s: an ``nn.Linear`` with
+        nn.Linear's own forward. A subclass with a forward of its own (a quantized or adapter
+        linear) keeps it under transformers' style, with a warning."""
         if not isinstance(module, torch.nn.Linear):
             raise InvalidArgumentError(
                 f"{style} shards an nn.Linear; {type(module).__name__} is not one (keep "
                 f"transformers' own style for it)")
+        if type(module).forward is torch.nn.Linear.forward:
+            return True
+        warnings.warn(f"{style}: {type(module).__name__} overrides nn.Linear.forward, so it "
+                      f"keeps its forward and runs transformers' style (no ficco op)",
+                      FiccoWarning, stacklevel=4)
+        return False
 
     class FiccoColwiseParallel(ColwiseParallel):
         """transformers' ``"colwise"`` (replicated input, ``Shard(-1)`` output) with the
@@ -197,7 +221,8 @@ def _make_classes():
             super().__init__(input_layouts=Replicate(), output_layouts=Shard(-1))
 
         def install_forward(self, module, mesh):
-            _linear(module, "ficco_colwise")
+            if not _own_forward(module, "ficco_colwise"):
+                return super().install_forward(module, mesh)
 
             def forward(x, *args, **kwargs):
                 if isinstance(x, DTensor):
@@ -216,7 +241,8 @@ def _make_classes():
             super().__init__(input_layouts=Shard(-1), output_layouts=Replicate())
 
         def install_forward(self, module, mesh):
-            _linear(module, "ficco_rowwise")
+            if not _own_forward(module, "ficco_rowwise"):
+                return super().install_forward(module, mesh)
 
             def forward(x, *args, **kwargs):
                 if isinstance(x, DTensor):
@@ -249,7 +275,10 @@ def _make_classes():
 
         def __call__(self, hidden_states, top_k_index, top_k_weights):
             num_tokens = hidden_states.size(0)
-            if self.tp_mesh.size() > 1:
+            # under sequence parallelism each rank holds its own slice of the tokens already;
+            # otherwise the ranks of the TP group share one batch
+            shared = self.tp_mesh.size() > 1 and not _sequence_sharded(self.tp_mesh)
+            if shared:
                 # each rank of the TP group sends a disjoint slice of the batch it shares
                 hidden_states, top_k_index, top_k_weights = (
                     DTensor.from_local(t, self.tp_mesh, [Replicate()], run_check=False)
@@ -273,7 +302,7 @@ def _make_classes():
             out = torch.empty_like(z).index_copy(0, order, z)
             out = (out.view(*top_k_weights.shape, hidden)
                    * top_k_weights.unsqueeze(-1).to(out.dtype)).sum(1)
-            if self.tp_mesh.size() == 1:
+            if not shared:
                 return out
             return DTensor.from_local(out.contiguous(), self.tp_mesh, [Shard(0)],
                                       shape=(num_tokens, hidden),
@@ -298,11 +327,20 @@ def _sequence_parallel_classes(colwise, rowwise) -> dict:
 
     seq = 1         # transformers' models are batch-first: (batch, seq, hidden)
 
-    def sharded(mesh) -> bool:
-        return _SHARDED.get(id(mesh)) is True
+    sharded = _sequence_sharded
 
     def _local(t):
         return t.to_local() if isinstance(t, DTensor) else t
+
+    def _plain_linear(module, style: str) -> None:
+        """A sequence-parallel linear must be an ``nn.Linear`` with its own forward: a subclass
+        that overrides it (a quantized or adapter linear) cannot take a sequence slice."""
+        if not isinstance(module, torch.nn.Linear) or \
+                type(module).forward is not torch.nn.Linear.forward:
+            raise InvalidArgumentError(
+                f"{style} runs an nn.Linear on a slice of the sequence; "
+                f"{type(module).__name__} is not one or overrides its forward (leave "
+                f"sequence parallelism out of its plan)")
 
     class FiccoSequenceStart(TensorParallelLayer):
         """The embedding: where a forward starts. Its output stays whole (the model derives
@@ -315,7 +353,7 @@ def _sequence_parallel_classes(colwise, rowwise) -> dict:
             def forward(*args, **kwargs):
                 out = original(*args, **kwargs)
                 even = out.dim() > seq and out.shape[seq] % mesh.size() == 0
-                _SHARDED[id(mesh)] = "pending" if even else False
+                _SHARDED[_key(mesh)] = "pending" if even else False
                 return out
 
             module.forward = forward
@@ -330,8 +368,8 @@ def _sequence_parallel_classes(colwise, rowwise) -> dict:
             original = module.forward
 
             def forward(*args, **kwargs):
-                if _SHARDED.get(id(mesh)) == "pending":
-                    _SHARDED[id(mesh)] = True
+                if _SHARDED.get(_key(mesh)) == "pending":
+                    _SHARDED[_key(mesh)] = True
                     if "hidden_states" in kwargs:
                         kwargs["hidden_states"] = split(kwargs["hidden_states"])
                     else:
@@ -346,8 +384,9 @@ def _sequence_parallel_classes(colwise, rowwise) -> dict:
             return module
 
     class FiccoSequenceNorm(TensorParallelLayer):
-        """A norm on this rank's rows; under sequence parallelism its parameters' gradients
-        are summed over the group (each rank's rows give part of them)."""
+        """A module on this rank's rows with replicated parameters (a norm, a mixture of
+        experts' router); under sequence parallelism their gradients are summed over the group
+        (each rank's rows give part of them)."""
 
         gather = False
 
@@ -366,7 +405,7 @@ def _sequence_parallel_classes(colwise, rowwise) -> dict:
                 finally:
                     module._parameters.update(params)
                 if self.gather:
-                    _SHARDED.pop(id(mesh), None)       # the model's last sequence-parallel op
+                    _SHARDED.pop(_key(mesh), None)       # the model's last sequence-parallel op
                     out = DTensor.from_local(out, mesh, [Shard(seq)], run_check=False) \
                         .redistribute(mesh, [Replicate()]).to_local()
                 return out
@@ -408,6 +447,7 @@ def _sequence_parallel_classes(colwise, rowwise) -> dict:
         ways."""
 
         def install_forward(self, module, mesh):
+            _plain_linear(module, "ficco_colwise_gathered")
             super().install_forward(module, mesh)
             replicated = module.forward
 
@@ -425,6 +465,7 @@ def _sequence_parallel_classes(colwise, rowwise) -> dict:
         ``ficco.all_gather_matmul`` (backward: ``ficco.matmul_reduce_scatter``)."""
 
         def install_forward(self, module, mesh):
+            _plain_linear(module, "ficco_colwise_sp")
             super().install_forward(module, mesh)
             replicated = module.forward
 
@@ -444,6 +485,7 @@ def _sequence_parallel_classes(colwise, rowwise) -> dict:
         replicated bias is added once, its gradient summed over the group."""
 
         def install_forward(self, module, mesh):
+            _plain_linear(module, "ficco_rowwise_sp")
             super().install_forward(module, mesh)
             replicated = module.forward
 
@@ -465,10 +507,22 @@ def _sequence_parallel_classes(colwise, rowwise) -> dict:
                                      FiccoSequenceNormGather)))
 
 
-#: id(tensor-parallel mesh) -> this forward's sequence: "pending" (it splits evenly; the first
-#: decoder layer splits it), True (split), False (kept whole); set by the embedding's style,
-#: ended by the final norm's.
-_SHARDED: dict[int, bool] = {}
+#: the tensor-parallel group's name -> this forward's sequence: "pending" (it splits evenly; the
+#: first decoder layer splits it), True (split), False (kept whole); set by the embedding's
+#: style, ended by the final norm's.
+_SHARDED: dict[str, bool | str] = {}
+
+
+def _key(mesh) -> str:
+    """The state's key for a tensor-parallel mesh: its group's name (transformers slices a new
+    DeviceMesh object for each of its uses)."""
+    return mesh.get_group().group_name
+
+
+def _sequence_sharded(mesh) -> bool:
+    """Whether this forward's sequence is split over ``mesh`` (its residual stream holds this
+    rank's slice)."""
+    return _SHARDED.get(_key(mesh)) is True
 
 
 def _register_on_import() -> None:
