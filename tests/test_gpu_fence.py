@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from ficco.backends import gpu_fence
-from ficco.backends.gpu_fence import poison_if_raised
+from ficco.backends.gpu import fence as gpu_fence
+from ficco.backends.gpu.fence import poison_if_raised
 
 pytest.importorskip("triton")
 

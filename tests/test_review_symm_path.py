@@ -1,5 +1,5 @@
 """Silent wrong results found by the desk review of the symmetric-memory, barrier and kernel
-path (ficco/symm_mem, ficco/kernels, ficco/backends/gpu_fence|watchdog|rescue): each test
+path (ficco/symm_mem, ficco/kernels, ficco/backends/gpu/fence|watchdog|rescue): each test
 failed on the code before its fix. The gated GEMM runs in Triton's interpreter (CPU), which
 computes pointer offsets in the same integer widths the compiled kernel does."""
 from __future__ import annotations
@@ -51,7 +51,7 @@ def test_cpu_gated_launch_never_returns_nan_tiles_without_an_error():
     from ficco.errors import CommTimeoutError
     from ficco.kernels.launch import gated_task
     from ficco.plan import GatedGemm
-    from ficco.problem import Problem
+    from ficco.plan.problem import Problem
 
     problem = Problem(m=64, k=32, ns=(96,), dtype="float32", world=2, rank=0)
     plan = schedules.get("gated-1d").plan(problem)
@@ -255,7 +255,7 @@ def failed_call_then_other_stream(rank, world, tag, timeout_s):
     numbers, not NaN; what call 2 raised)."""
     import time
 
-    from ficco import session as sessions
+    from ficco.runtime import session as sessions
 
     from . import fault_cases as cases
 

@@ -222,7 +222,7 @@ class Backend(ABC):
     def fence(self, outputs: list, symm: Any = None) -> None:
         """End of a dma call on group workspace ``symm``, after ``finish``: backends whose
         calls return before their barriers completed poison ``outputs`` when one of the
-        group's barriers was released (GPUs, :mod:`ficco.backends.gpu_fence`). Here a
+        group's barriers was released (GPUs, :mod:`ficco.backends.gpu.fence`). Here a
         released barrier has raised already."""
 
     def tensor_slot(self, t: torch.Tensor, index: int) -> Any:

@@ -1,4 +1,4 @@
-"""The fence kernel of :mod:`ficco.backends.gpu_fence`: NaN into one output when the group's
+"""The fence kernel of :mod:`ficco.backends.gpu.fence`: NaN into one output when the group's
 error word is raised. Its own module because it imports Triton (an optional extra) and its
 globals (the word builtins) must be module globals for the interpreter too."""
 from __future__ import annotations
