@@ -29,12 +29,13 @@ from ficco.kernels.trace import TRACE_GLOBALTIMER, read_clock
 from ficco.kernels.words import load_word
 
 NV_CLOCK = tl.constexpr(TRACE_GLOBALTIMER)   # (a kernel reads constexpr globals only)
+LANES = tl.constexpr(POLL)
 
 
 def _each_thread_decides(word, out, ticks, CLOCK: tl.constexpr):
     """Spins while the word is 0 (or, CLOCK, until ``ticks`` passed), a reduction in the loop;
     every thread's own load (or clock) decides when it leaves."""
-    x = tl.arange(0, POLL)
+    x = tl.arange(0, LANES)
     total = 0
     i = 0
     began = read_clock(NV_CLOCK, out)
@@ -52,9 +53,9 @@ def _each_thread_decides(word, out, ticks, CLOCK: tl.constexpr):
 def _one_thread_decides(word, out, ticks, CLOCK: tl.constexpr):
     """The same loops, their exit decided by one thread's reads and handed to all by a
     block-wide reduction (the gated GEMM's way)."""
-    x = tl.arange(0, POLL)
-    lane0 = tl.arange(0, POLL) == 0
-    at0 = tl.arange(0, POLL) * 0
+    x = tl.arange(0, LANES)
+    lane0 = tl.arange(0, LANES) == 0
+    at0 = tl.arange(0, LANES) * 0
     total = 0
     i = 0
     began = read_clock(NV_CLOCK, out)

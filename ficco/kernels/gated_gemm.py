@@ -70,10 +70,12 @@ from .words import load_word, store_word
 
 #: the word value a gated GEMM that gave up writes into the group's error word
 GAVE_UP = tl.constexpr(KERNEL)
-#: elements of the vectors a program's polls are made of: at least the threads of any config
-#: (8 warps of 64 on AMD), so no element is held by two threads and the reduction that
-#: decides a poll spans every warp
-POLL = tl.constexpr(1024)
+#: elements of the vectors a compiled program's polls are made of (the kernel's ``POLL``): at
+#: least the threads of any config (8 warps of 64 on AMD), so no element is held by two
+#: threads and the reduction that decides a poll spans every warp. The interpreter runs a
+#: program as one thread: there ``POLL`` is 1 (a 1024-element poll made its launches 2.3x
+#: slower)
+POLL = 1024
 #: the combine function of those reductions: tl.max is a jit helper, which a kernel built
 #: with InterpretedFunction cannot call; tl.reduce with Triton's own max combine runs in
 #: both (the interpreter reduces it with numpy)
@@ -110,7 +112,7 @@ def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, h
                  stride_al, stride_ag, stride_bk, stride_bn, stride_cm,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  IEEE: tl.constexpr, UPCAST: tl.constexpr, CLOCK: tl.constexpr,
-                 AMD: tl.constexpr, TRACE: tl.constexpr = 0):
+                 AMD: tl.constexpr, TRACE: tl.constexpr = 0, POLL: tl.constexpr = 1024):
     # Persistent: the grid is at most the device's SMs/CUs minus a reserve (launch.py), and
     # each program walks tiles pid, pid + grid, ... of the arrival-ordered tile list, so
     # tiles waiting for data never hold every compute unit.
@@ -310,7 +312,7 @@ def gated_gemm(a_local: torch.Tensor, a_gathered: torch.Tensor, b: torch.Tensor,
     ieee = c.dtype == torch.float32 or a_gathered.dtype == torch.float32
     if fixed is not None:
         kernel[grid(fixed)](*args, **fixed, IEEE=ieee, UPCAST=True, CLOCK=clock, AMD=amd,
-                            TRACE=trace_mode)
+                            TRACE=trace_mode, POLL=1)
         return err
     key = (family, n, k_total, a_gathered.shape[0], len(segments), c.dtype, c.device)
     if key not in _tuned:
@@ -387,7 +389,7 @@ def compile_offline(target: str, dtype: str = "bf16", block=(128, 128, 64), num_
                 "err": "*i32", "halt": "*i32", "trace": "*i64"}
     constexprs = {"BLOCK_M": block[0], "BLOCK_N": block[1], "BLOCK_K": block[2],
                   "IEEE": dtype == "fp32", "UPCAST": False, "CLOCK": clock_mode(target),
-                  "AMD": kind != "cuda", "TRACE": trace_mode}
+                  "AMD": kind != "cuda", "TRACE": trace_mode, "POLL": POLL}
     pointers["wait_ticks"] = "i64"
     signature = {name: pointers.get(name, "constexpr" if name in constexprs else "i32")
                  for name in jitted.arg_names}
