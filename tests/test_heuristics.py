@@ -12,6 +12,7 @@ import ficco
 from ficco import config, schedules
 from ficco.errors import ConfigError, InvalidArgumentError
 from ficco.heuristics import Decision, choose, model, profiles, tune
+from ficco.heuristics.cache import entries_in
 from ficco.heuristics.measured import Scripted
 from ficco.heuristics.paper import combined_score, paper_choice
 from ficco.heuristics.scenarios import PAPER_TABLE_I, table_i_problem
@@ -203,10 +204,10 @@ def test_tune_measures_once_breaks_ties_by_name_and_caches_to_disk(tmp_path):
 
         assert choose(problem, target="cpu", selector="tune",
                       live=Scripted(fail)).schedule == "ring"
-    data = json.loads((tmp_path / tune.CACHE_FILE).read_text())
+    data = entries_in(tmp_path / tune.CACHE_FILE)
     (key, entry), = data.items()
     assert entry["schedule"] == "ring" and "W=4" in key and "cpu" in key
-    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
 
 
 def test_tune_without_a_live_group_says_the_model_decided(tmp_path):
@@ -269,7 +270,7 @@ def test_explain_is_local_and_reports_what_the_call_tuned(tmp_path):
         assert schedule == ran and "tuned earlier" in reason, results
         assert scored == tuple(sorted(schedules.names())), results
         assert err <= ROW_TOL[torch.float32] and picked == ("paper", "model"), results
-    entries = json.loads((tmp_path / tune.CACHE_FILE).read_text())
+    entries = entries_in(tmp_path / tune.CACHE_FILE)
     assert [e["schedule"] for e in entries.values()] == [results[0][2]]
 
 
