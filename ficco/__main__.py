@@ -1,5 +1,5 @@
 """``python -m ficco selftest``: ficco checks itself where it runs (ficco/selftest); ``python
--m ficco demo``: the end-to-end demo on CPU ranks (ficco/demo.py). Benchmarks live under
+-m ficco demo``: the end-to-end demo on CPU ranks (ficco/demo/__init__.py). Benchmarks live under
 ``python -m ficco.bench``."""
 from __future__ import annotations
 

@@ -2,17 +2,19 @@
 ``matmul_all_reduce``, the expert-parallel pair, ``explain`` and ``shutdown``.
 
 Data flows one way: arguments -> op spec (``ficco/ops/``: validated, canonical Call) ->
-runtime (``ficco/runtime.py``: agreement, Decision, Plan, executor) -> the caller's layout.
+runtime (``ficco/runtime/path.py``: agreement, Decision, Plan, executor) -> the caller's layout.
 """
 from __future__ import annotations
 
 import atexit
 
-from . import library, library_all_reduce, runtime
 from .errors import InvalidArgumentError
-from .ops.all_gather_matmul import SPEC as _ALL_GATHER_MATMUL
-from .ops.matmul_all_reduce import SPEC as _MATMUL_ALL_REDUCE
-from .ops.matmul_reduce_scatter import SPEC as _MATMUL_REDUCE_SCATTER
+from .ops import library
+from .ops.all_gather_matmul.spec import SPEC as _ALL_GATHER_MATMUL
+from .ops.matmul_all_reduce import torch_op as library_all_reduce
+from .ops.matmul_all_reduce.spec import SPEC as _MATMUL_ALL_REDUCE
+from .ops.matmul_reduce_scatter.spec import SPEC as _MATMUL_REDUCE_SCATTER
+from .runtime import path as runtime
 
 last_run = runtime.last_run    # (schedule, transport) of a group's last call: session_of().last
 _EXPERT_OPS = ("all_to_all_grouped_mm", "grouped_mm_all_to_all")
@@ -49,7 +51,7 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
     >>> c.dtype, tuple(c.shape)
     (torch.bfloat16, (4, 16))
     """
-    # Through the torch custom op (autograd, autocast, torch.compile); ficco/library.py.
+    # Through the torch custom op (autograd, autocast, torch.compile); ficco/ops/library.py.
     return library.all_gather_matmul(a_shard, b, group, gather_dim=gather_dim,
                                      schedule=schedule, return_gathered=return_gathered,
                                      a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype,
@@ -81,7 +83,7 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
     >>> torch.allclose(ficco.matmul_reduce_scatter(a, w), a @ w)   # one rank: a plain matmul
     True
     """
-    # Through the torch custom op (autograd, autocast, torch.compile); ficco/library.py.
+    # Through the torch custom op (autograd, autocast, torch.compile); ficco/ops/library.py.
     return library.matmul_reduce_scatter(a, b, group, scatter_dim=scatter_dim,
                                          reduce_op=reduce_op, schedule=schedule,
                                          a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype,
@@ -187,7 +189,7 @@ def traced_matmul_reduce_scatter(a, b, group=None, *, schedule, transport=None, 
     return runtime.traced(call, schedule, transport)
 
 
-# -- expert parallelism (library_expert.py) --------------------------------------------------------
+# -- expert parallelism (ops/expert/torch_op.py) ----------------------------------------------------
 def all_to_all_grouped_mm(x, counts, w, group=None, *, schedule=None):
     """Expert-parallel dispatch: the all-to-all of tokens to their experts, then every
     expert's GEMM, with the all-to-all hidden behind the grouped GEMM. Returns
@@ -206,7 +208,7 @@ def all_to_all_grouped_mm(x, counts, w, group=None, *, schedule=None):
     >>> torch.allclose(y, torch.cat([x[:2] @ w[0], x[2:] @ w[1]])), rc.tolist()
     (True, [[2], [3]])
     """
-    from . import library_expert as expert_library
+    from .ops.expert import torch_op as expert_library
 
     return expert_library.all_to_all_grouped_mm(x, counts, w, group, schedule=schedule)
 
@@ -225,14 +227,14 @@ def grouped_mm_all_to_all(h, recv_counts, w2, group=None, *, schedule=None, send
     >>> torch.allclose(z, torch.cat([x[:2] @ w[0] @ w2[0], x[2:] @ w[1] @ w2[1]]), atol=1e-5)
     True
     """
-    from . import library_expert as expert_library
+    from .ops.expert import torch_op as expert_library
 
     return expert_library.grouped_mm_all_to_all(h, recv_counts, w2, group, schedule=schedule,
                                                 send_counts=send_counts)
 
 
 def session_of(group=None):
-    """The :class:`~ficco.session.Session` of ``group`` (a ProcessGroup, a group name, a 1-D
+    """The :class:`~ficco.runtime.session.Session` of ``group`` (a ProcessGroup, a group name, a 1-D
     DeviceMesh or None: the default group, or no group) with the active backend in this
     process, made at first use: what ficco keeps about the group between calls. Read it,
     don't change it: ``last`` (the Decision of its last multi-rank call), ``poisoned`` (None,
@@ -246,14 +248,14 @@ def session_of(group=None):
     """
     from .backends import get_backend
     from .group import resolve
-    from .session import of
+    from .runtime.session import of
 
     return of(resolve(group), get_backend())
 
 
 def shutdown() -> None:
     """Drop what ficco keeps about every group in this process (workspaces, queues, calls,
-    plans, decisions, agreements; ficco.session): the one recovery after an error, run on every
+    plans, decisions, agreements; ficco.runtime.session): the one recovery after an error, run on every
     rank (it is local: a group is in step again once every rank called it). Safe to call
     twice; runs at interpreter exit.
 

@@ -362,7 +362,7 @@ def stream_context(s):
 
 # -- the vendor: copies and memory operations as stream commands -----------------------------------
 def vendor_class(vendor_name: str):
-    from ficco.backends.vendor import Vendor
+    from ficco.backends.gpu.vendor import Vendor
     from ficco.symm_mem.barrier import WRITE
 
     class FakeVendor(Vendor):

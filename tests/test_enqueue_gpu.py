@@ -18,10 +18,10 @@ import torch
 
 from ficco import schedules
 from ficco.backends.gpu import GpuBackend
-from ficco.backends.vendor import Copy2D, Vendor
-from ficco.buffers import Buffers
+from ficco.backends.gpu.vendor import Copy2D, Vendor
 from ficco.executor import execute
-from ficco.problem import Problem
+from ficco.plan.buffers import Buffers
+from ficco.plan.problem import Problem
 
 WORLD, RANK, K, NS = 4, 1, 12, (7, 3)
 
@@ -252,7 +252,7 @@ def test_repeat_calls_reuse_events_streams_and_prepared_copies(gpu):
 def test_every_record_and_wait_lands_on_its_event_and_stream(problem, name, gpu):
     """The plan's records and waits, bound once per plan as the events' own calls: in every
     call, first or repeated, each one reaches the plan's event on its op's stream, in order."""
-    from ficco.compiler import compile_plan
+    from ficco.executor.compiler import compile_plan
     from ficco.plan import Record, Wait
 
     backend, rec = gpu

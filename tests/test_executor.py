@@ -17,12 +17,12 @@ import torch
 
 from ficco import schedules
 from ficco.backends.cpu import CpuBackend
-from ficco.backends.vendor import Copy2D, copy_call_args
-from ficco.buffers import Buffers
+from ficco.backends.gpu.vendor import Copy2D, copy_call_args
 from ficco.errors import InvalidArgumentError
 from ficco.executor import compile_plan, execute
 from ficco.plan import WORK_OPS
-from ficco.problem import Problem
+from ficco.plan.buffers import Buffers
+from ficco.plan.problem import Problem
 
 WORLD, RANK = 4, 1
 M_SHARD, K, NS = 5, 12, (7, 3)     # uneven chunks on purpose (5 rows over 4 peers)
@@ -275,7 +275,7 @@ def _rs_run_once(plan, backend, handle, recvs=None):
     """Rank RANK's reduce-scatter call with fresh data: the peers' partials (their a_q @ b_qj)
     are placed in their symmetric buffers as they would have computed them; returns
     (outputs, float64 references of this rank's block)."""
-    from ficco.ops.matmul_reduce_scatter import SPEC
+    from ficco.ops.matmul_reduce_scatter.spec import SPEC
 
     p = plan.problem
     a_s = [torch.randn(p.m, p.k) for _ in range(p.world)]

@@ -12,9 +12,10 @@ import math
 import pytest
 
 from ficco.bench import async_tp, predictors
-from ficco.heuristics import all_reduce_pricing, collectives, gemm, profiles, simulator
+from ficco.heuristics import collectives, gemm, profiles, simulator
+from ficco.ops.matmul_all_reduce import pricing as all_reduce_pricing
 from ficco.plan import COMPUTE, AllToAll, Barrier, Block, Copy, Gemm, Plan, Record, Reduce
-from ficco.problem import Problem
+from ficco.plan.problem import Problem
 
 H100 = profiles.load("h100")
 H20 = profiles.load("h20")
@@ -87,7 +88,7 @@ def test_an_expert_pull_pays_one_round_trip_and_queued_intervals_for_its_other_b
     back on one engine: the first pays the copy latency, each further one the issue interval
     (mi355x: 6 + 3 x 3 us for 4 experts; mi300x, no measured interval: 4 x 10 us)."""
     from ficco import schedules
-    from ficco.problem_expert import ExpertProblem, representative
+    from ficco.ops.expert.problem import ExpertProblem, representative
 
     p = ExpertProblem(64, 32, 4, "bfloat16", 2, 0, "all_to_all_grouped_mm",
                       representative(2, 4, 16, 1.0))

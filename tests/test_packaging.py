@@ -71,7 +71,8 @@ def test_cuda_backend_start_checks_the_binding_major(monkeypatch):
 
 
 def test_a_gpu_tensor_under_the_cpu_backend_says_why_no_gpu_backend_runs(monkeypatch):
-    from ficco import backends, call
+    from ficco import backends
+    from ficco.runtime import call
 
     monkeypatch.setenv("FICCO_BACKEND", "cpu")
     monkeypatch.setattr(backends, "gpu_reasons",

@@ -1,4 +1,4 @@
-"""Issue 37: a group's state is its Session's (ficco/session.py), found from the group object.
+"""Issue 37: a group's state is its Session's (ficco/runtime/session.py), found from the group object.
 Two groups never share a queue, an abort switch or a lock; a new group of an old name starts
 clean; a rank's shutdown is local and the group is back in step once every rank called it;
 agreed calls pair by number, so a call that failed on one rank never pairs its next call with
@@ -300,6 +300,89 @@ def test_a_call_refused_on_one_rank_never_pairs_its_next_call_with_a_peers_pendi
     assert "MismatchError" in (zero[1][0], one[2][0]), results       # said at once, not timed out
 
 
+def _refused_while_tracing(rank, world, seed, transport, fullgraph, groups):
+    """A compiled step of ``groups`` all_gather_matmul calls (one group: the world; two: two
+    groups of every rank), the last one with a bias; a bad bias (one value too many) refuses it
+    while dynamo traces. First every rank's step is refused, then every rank's next step
+    runs; then rank 1's step alone is refused while rank 0 runs its step, and rank 1 makes its
+    next call: the step again (one group), or the first group's call alone (two groups).
+    Each outcome: ("ok", worst row error against float64) or the error."""
+    torch._dynamo.reset()
+    pgs = [None] if groups == 1 else [dist.new_group(list(range(world))) for _ in range(groups)]
+
+    def step(a, w, bias):
+        return [ficco.all_gather_matmul(a, w, group=pg, schedule="ring",
+                                        bias=bias if i == len(pgs) - 1 else None)
+                for i, pg in enumerate(pgs)]
+
+    def first(a, w, bias):
+        return [ficco.all_gather_matmul(a, w, group=pgs[0], schedule="ring")]
+
+    compiled = torch.compile(step, fullgraph=fullgraph, backend="eager")
+    compiled_first = torch.compile(first, fullgraph=fullgraph, backend="eager")
+
+    def call(s, bad=False, fn=compiled):
+        gen = torch.Generator().manual_seed(s)
+        shards = torch.randn(world, 8, 16, generator=gen, dtype=torch.float64)
+        w = torch.randn(16, 4, generator=gen, dtype=torch.float64)
+        bias = torch.randn(4, generator=gen, dtype=torch.float64)
+        full = shards.reshape(-1, 16)
+        given = torch.cat([bias, bias[:1]]) if bad else bias
+        outs = fn(shards[rank].float(), w.float(), given.float())
+        refs = [full @ w for _ in outs]
+        if fn is compiled:
+            refs[-1] = refs[-1] + bias
+        for ref in refs:
+            ref.scale = full.abs() @ w.abs() + bias.abs()
+        return max(max_row_rel_err(out, ref) for out, ref in zip(outs, refs))
+
+    out = []
+    with ficco.config.scope(transport=transport, timeout=5):
+        out.append(_outcome(lambda: call(seed)))
+        out.append(_outcome(lambda: call(seed + 1, bad=True)))      # refused on every rank
+        out.append(_outcome(lambda: call(seed + 2)))
+        if rank == 1:
+            out.append(_outcome(lambda: call(seed + 3, bad=True)))  # refused here only
+            out.append(_outcome(lambda: call(seed + 4, fn=compiled if groups == 1 else
+                                             compiled_first)))
+        else:
+            out.append(_outcome(lambda: call(seed + 3)))    # pairs with the refused call
+    ficco.shutdown()
+    torch._dynamo.reset()
+    for pg in pgs:
+        if pg is not None:
+            dist.destroy_process_group(pg)
+    return out
+
+
+@pytest.mark.parametrize("transport, fullgraph, groups", [
+    ("dma", True, 1), ("ccl", True, 1), ("dma", False, 1), ("ccl", True, 2)])
+def test_a_call_refused_while_torch_compile_traces_it_still_takes_its_number(
+        transport, fullgraph, groups):
+    """Before, under torch.compile(fullgraph=True): rank 1's call refused while dynamo traced
+    its fake kernel (a bias of the wrong length) took no number, so its next call paired with
+    rank 0's call of the step before, and both returned data made of two steps' inputs (rank
+    0's call erred 0.83 of its scale against float64, rank 1's 0.56). Now the refusal takes
+    the number, and a fullgraph refusal also takes the numbers of the ficco calls the trace met
+    before it (two groups: the first group's call ran on rank 0 alone); without fullgraph,
+    dynamo runs the call eagerly, which takes it, once (two groups: before, rank 1's next call
+    of the first group paired with rank 0's of the refused step). Refused on every rank, the
+    ranks stay in step and the next call is right."""
+    results = harness.pool(2).run(_refused_while_tracing, random.randrange(1 << 30), transport,
+                                  fullgraph, groups)
+    tol = ROW_TOL[torch.float32]
+    for out in results:
+        assert out[0][0] == "ok" and out[0][1] <= tol, results
+        assert out[1][0] == "InvalidArgumentError", results
+        assert out[2][0] == "ok" and out[2][1] <= tol, results       # still in step
+        # never data made of two steps' inputs: every call returns right or raises
+        assert all(kind != "ok" or err <= tol for kind, err in out[3:]), results
+    zero, one = results
+    assert one[3][0] == "InvalidArgumentError", results
+    assert zero[3][0] != "ok" and one[4][0] != "ok", results
+    assert "MismatchError" in (zero[3][0], one[4][0]), results        # said at once
+
+
 def _timed_out_then_torch_collective(rank, world, seed):
     inputs = make_inputs(seed, world, (8, 16), (4,), torch.float32)
     with ficco.config.scope(transport="ccl"):
@@ -368,7 +451,7 @@ def test_two_dispatches_in_flight_then_their_combines_with_send_counts():
 
 # -- item 9: a local allocation failure -------------------------------------------------------------
 def _allocation_fails(rank, world, seed):
-    from ficco.ops.all_gather_matmul import SPEC
+    from ficco.ops.all_gather_matmul.spec import SPEC
 
     inputs = make_inputs(seed, world, (8, 16), (4,), torch.float32)
     out = []

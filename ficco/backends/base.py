@@ -209,19 +209,20 @@ class Backend(ABC):
         """Raise InvalidArgumentError when ``t`` (argument ``name``) lives on another device
         than the one this backend drives (GPUs: another GPU index)."""
 
-    def before_dma(self, symm: Any, nbytes: int = 0) -> None:
+    def before_dma(self, symm: Any, nbytes: int = 0, lane: Any = None) -> None:
         """Start of a dma call, before it allocates or enqueues anything (``symm``: the
         group's workspace, None before its first allocation; ``nbytes``: what the call needs
-        of it): raise what this backend must refuse now (GPUs: a graph capture it cannot
-        replay, or one during which the workspace would have to be allocated), or what the
-        group still owes from an earlier call whose error could not be raised by that call
-        (GPUs: a barrier released after the call returned). Here a failed call raised
-        already."""
+        of it; ``lane``: the session's queues, :meth:`lane`): raise what this backend must
+        refuse now (GPUs: a graph capture it cannot replay, or one during which the
+        workspace would have to be allocated), or what the group still owes from an earlier
+        call whose error could not be raised by that call (GPUs: a barrier released after
+        the call returned; its lowering of the error word is ordered after the session's
+        last call). Here a failed call raised already."""
 
     def fence(self, outputs: list, symm: Any = None) -> None:
         """End of a dma call on group workspace ``symm``, after ``finish``: backends whose
         calls return before their barriers completed poison ``outputs`` when one of the
-        group's barriers was released (GPUs, :mod:`ficco.backends.gpu_fence`). Here a
+        group's barriers was released (GPUs, :mod:`ficco.backends.gpu.fence`). Here a
         released barrier has raised already."""
 
     def tensor_slot(self, t: torch.Tensor, index: int) -> Any:

@@ -40,8 +40,8 @@ import torch
 from .. import executor as current_executor
 from .. import schedules
 from ..backends.base import Backend
-from ..backends.vendor import copy_call_args
-from ..problem import Problem
+from ..backends.gpu.vendor import copy_call_args
+from ..plan.problem import Problem
 from .cli import BenchUsageError
 
 EXAMPLES = """examples:
@@ -50,7 +50,7 @@ EXAMPLES = """examples:
   python -m ficco.bench overhead --gpu                         # the real backend on one GPU
   python -m ficco.bench overhead --gpu --profile hetero-unfused-1d --calls 20
 """
-#: The repository root (``--compare`` reads ficco/executor.py of a git revision from it).
+#: The repository root (``--compare`` reads the executor of a git revision from it).
 ROOT = Path(__file__).resolve().parents[2]
 
 WORLD, DTYPE = 8, torch.bfloat16
@@ -192,24 +192,28 @@ class OldContract:
 
 
 def load_executor(rev: str):
-    """ficco/executor.py as it was at git revision ``rev``, as a module of this process (its
-    relative imports resolve against today's package; the executor's own code is REV's)."""
+    """The executor (``ficco/executor/__init__.py``) as it was at git revision ``rev``, as a
+    module of this process (its relative imports resolve against today's package; the
+    executor's own code is REV's). A revision of the flat layout held it in ``ficco/executor.py``
+    and its imports name the flat modules, so only a revision of today's layout loads."""
+    path = "ficco/executor/__init__.py"
     try:
-        source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:ficco/executor.py"],
+        source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"],
                                 check=True, capture_output=True, text=True).stdout
     except (OSError, subprocess.CalledProcessError) as exc:
-        raise BenchUsageError(f"--compare {rev}: cannot read ficco/executor.py at {rev} from "
-                              f"git in {ROOT} ({exc}); run from a git checkout") from None
-    module = types.ModuleType(f"ficco._executor_{rev}")
-    module.__package__ = "ficco"
-    module.__file__ = f"{rev}:ficco/executor.py"
+        raise BenchUsageError(f"--compare {rev}: cannot read {path} at {rev} from git in {ROOT} "
+                              f"({exc}); run from a git checkout, with a revision of the "
+                              "folder layout") from None
+    module = types.ModuleType(f"ficco.executor._at_{rev}")
+    module.__package__ = "ficco.executor"
+    module.__file__ = f"{rev}:{path}"
     sys.modules[module.__name__] = module   # dataclasses look their module up
     exec(compile(source, module.__file__, "exec"), module.__dict__)  # noqa: S102 - our own git history
     return module
 
 
 def make_call(ex, plan, backend, handle, a, bs, device):
-    """One call as ficco/runtime.py makes it: fresh outputs (and landing buffers) each time,
+    """One call as ficco/runtime/path.py makes it: fresh outputs (and landing buffers) each time,
     this rank's workspace buffers from the handle. Returns (call, outs); call() returns the
     host seconds of execute() alone."""
     p = plan.problem
@@ -417,7 +421,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--op", choices=OPS, default=None, help="one op only (default both)")
     parser.add_argument("--gpu", action="store_true", help="the real GPU backend instead")
     parser.add_argument("--compare", metavar="REV", default=None,
-                        help="also time ficco/executor.py as of git revision REV")
+                        help="also time the executor as of git revision REV")
     parser.add_argument("--profile", metavar="SCHEDULE", default=None,
                         help="with --gpu: cProfile --calls enqueues of SCHEDULE instead")
     parser.add_argument("--label", default="", help="text appended to the table's title")
@@ -433,7 +437,7 @@ def main(args) -> int:
         return 0
     before = load_executor(args.compare) if args.compare else None
     ops = (args.op,) if args.op else OPS
-    cmp = f" vs ficco/executor.py at {args.compare}" if args.compare else ""
+    cmp = f" vs the executor at {args.compare}" if args.compare else ""
     if args.gpu:
         head = (f"# eager host time per W={WORLD} call, real backend on one GPU (loopback "
                 f"barriers), median of 20{cmp} {args.label}").rstrip()

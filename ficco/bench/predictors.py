@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from ..heuristics import bands, collectives, gemm, simulator
 from ..plan import COMPUTE, AllGather, AllToAll, Block, Copy, Gemm, Op, Plan, ReduceScatter
-from ..problem import Problem
+from ..plan.problem import Problem
 from .async_tp import async_tp_us
 from .paper_runs import PAPER_FOUR, emulated_2d, fraction_of_ideal, geomean, paper_run, table_i
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..problem import Problem
+from ..plan.problem import Problem
 
 SELECTORS = ("auto", "paper", "model", "tune")
 
@@ -11,7 +11,7 @@ SELECTORS = ("auto", "paper", "model", "tune")
 def decision_inputs(problem: Problem, profile: str, topology: str) -> dict:
     """The inputs every Decision reports: M, n, K, dtype, world, OTB, MT, profile, topology.
 
-    >>> from ficco.problem import Problem
+    >>> from ficco.plan.problem import Problem
     >>> decision_inputs(Problem(2, 4, (8,), "float32", 2), "cpu", "switch")["M"]
     4
     """

@@ -2,7 +2,7 @@
 
 An op (``all_gather_matmul``, ``matmul_reduce_scatter``) is one small object that knows its
 own arguments and layouts; everything else (agreement across ranks, choosing a schedule,
-plans, workspaces, executing, measuring) is shared and lives in :mod:`ficco.runtime`::
+plans, workspaces, executing, measuring) is shared and lives in :mod:`ficco.runtime.path`::
 
     call = spec.prepare(*args, **kwargs)        # validate -> canonical Call, no communication
     spec.signature(call)                        # fields every rank must share
@@ -20,8 +20,8 @@ from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Generic, TypeVar
 
 from .. import schedules
-from ..call import Call
-from ..scaled import rebound
+from ..plan.epilogue import rebound
+from ..runtime.call import Call
 
 #: the op's own Call subclass, which its methods take (each op reads its own fields)
 C = TypeVar("C", bound=Call)
@@ -99,7 +99,7 @@ class OpSpec(ABC, Generic[C]):
 
 
 def warm_call(seen: Any, group, a, b, epilogue: tuple, dim: int, rows_of) -> Any:
-    """A call of a known key (:func:`ficco.call.known`) of an op on ``a`` and weights ``b``
+    """A call of a known key (:func:`ficco.runtime.call.known`) of an op on ``a`` and weights ``b``
     (``all_gather_matmul``, ``matmul_reduce_scatter``): ``seen``'s checked and derived fields
     with this call's group, weights, canonical A (``dim`` first, leading dims flattened) and
     epilogue tensors (``epilogue``: ``(a_scale, b_scale, out_dtype, bias, activation)`` or

@@ -21,7 +21,7 @@ import torch
 
 from ...symm_mem.barrier import WRITE
 from ..gpu import GpuBackend
-from ..vendor import Copy2D, Vendor, handle_bytes
+from ..gpu.vendor import Copy2D, Vendor, handle_bytes
 
 IPC_HANDLE_BYTES = 64
 #: cuStreamBatchMemOp takes fewer than 256 operations per call

@@ -1,0 +1,155 @@
+"""Hugging Face transformers' tensor and expert parallelism on ficco (ficco/integrations/):
+a tiny Llama (TP) and a tiny Mixtral-like MoE (TP attention, EP experts) built from a config
+with random weights, loaded by transformers' ``from_pretrained(distributed_config=...)`` on W = 2
+and 4 CPU ranks, float64: loss, logits, every gradient and greedy ``generate`` tokens (KV cache)
+against the same model unsharded, with ficco's ops counted; the README's line as written; the
+release check.
+
+Needs the transformers release pyproject's ``transformers`` extra pins (``make test``
+installs it).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from . import client_pool, transformers_cases
+
+pytest.importorskip("transformers", reason="transformers is a test extra (pip install -e "
+                                           "'.[transformers]'; make test installs it)")
+
+TOL = {"loss": 1e-12, "logits": 1e-12, "grad": 1e-12}
+LAYERS = 2
+ROOT = Path(__file__).parents[1]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("hf")
+    return {kind: str(base / kind) for kind in ("llama", "mixtral")}
+
+
+def _check(res, kind):
+    assert res["worst"]["loss"] < TOL["loss"], res
+    assert res["worst"]["logits"] < TOL["logits"], res
+    assert res["worst"]["grad"] < TOL["grad"], res
+    assert res["same_params"] and res["tokens_equal"] and res["new_tokens"] == \
+        transformers_cases.NEW, res
+    new = transformers_cases.NEW
+    if kind == "llama":
+        # forward: o_proj and down_proj all-reduce; backward: the input gradients of q, k, v,
+        # gate and up (the rowwise layers' backward is local)
+        assert res["calls"] == {"matmul_all_reduce": LAYERS * 7}, res
+        assert res["generate_calls"] == {"matmul_all_reduce": LAYERS * 2 * new}, res
+        assert res["sharded"] == ["(Shard(dim=0),)", "(Shard(dim=1),)"], res
+    else:
+        # o_proj forward, q/k/v backward; dispatch and combine forward, each one's backward
+        # the other
+        assert res["calls"] == {"matmul_all_reduce": LAYERS * 4,
+                                "all_to_all_grouped_mm": LAYERS * 2,
+                                "grouped_mm_all_to_all": LAYERS * 2}, res
+        assert res["generate_calls"] == {"matmul_all_reduce": LAYERS * new,
+                                         "all_to_all_grouped_mm": LAYERS * new,
+                                         "grouped_mm_all_to_all": LAYERS * new}, res
+        assert res["sharded"] == ["(Shard(dim=0),)", "(Shard(dim=1),)", "(Shard(dim=0),)"], res
+
+
+# W = 2 runs the README's two blocks as written (use_ficco(), the one line); W = 4 the block of
+# docs/integrations.md whose plan names ficco's styles (the Llama) and a plan naming them with
+# ep_implementation="ficco" (the MoE)
+CASES = [(2, "llama", "README.md", "DistributedConfig(tp_size=2))"),
+         (2, "mixtral", "README.md", "DistributedConfig(tp_size=2, ep_size=2))"),
+         (4, "llama", "docs/integrations.md", "tp_plan=plan"),
+         (4, "mixtral", None, None)]
+
+
+@pytest.mark.parametrize("world,kind,page,marker", CASES)
+def test_tiny_model_trains_and_generates_like_unsharded_on_ficco(world, kind, page, marker,
+                                                                 model_dirs):
+    how, code = "names", None
+    if page is not None:
+        how, code = "block", client_pool.client_block(page, marker)
+        if page == "README.md":
+            assert "ficco.integrations.transformers.use_ficco()" in code
+    results = client_pool.pool(world).run(transformers_cases.compare, kind, model_dirs[kind],
+                                          how, code, timeout_s=600)
+    print(f"W={world} {kind} ({page or how}): {results[0]['worst']}, ficco calls "
+          f"{results[0]['calls']}, generate {results[0]['generate_calls']}")
+    for res in results:
+        _check(res, kind)
+
+
+def test_use_ficco_swaps_the_stock_names_and_restores_them_and_bad_modules_are_refused():
+    for out in client_pool.pool(2).run(transformers_cases.registry_case):
+        assert out["registered"] == ["ficco_colwise", "ficco_rowwise"] and out["ep"], out
+        stock = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel",
+                 "ep:auto": "AutoEP", "ep:all_to_all": "AllToAllEP"}
+        assert out["before"] == out["off"] == stock, out
+        assert out["on"] == {"colwise": "FiccoColwiseParallel", "rowwise": "FiccoRowwiseParallel",
+                             "ep:auto": "FiccoEP", "ep:all_to_all": "FiccoEP"}, out
+        for name in ("ficco_colwise", "ficco_rowwise"):
+            assert f"{name} shards an nn.Linear; Embedding is not one" in out["refusals"][name]
+        assert "gate_up_proj" in out["refusals"]["ep"] and "'all_to_all'" in \
+            out["refusals"]["ep"], out
+
+
+def test_docstring_examples_run_in_the_client_pool():
+    for results in client_pool.pool(2).run(transformers_cases.run_doctests):
+        assert all(failed == 0 for _, failed in results), results
+        assert sum(attempted for attempted, _ in results) >= 5, results
+
+
+def test_the_tested_release_is_the_one_installed_and_pinned():
+    from importlib import metadata
+
+    import ficco.integrations
+
+    dist, tested, _ = ficco.integrations.CLIENTS["transformers"]
+    assert dist == "transformers"
+    assert f'"{dist}=={tested}' in (ROOT / "pyproject.toml").read_text()
+    assert f"{dist}=={tested}" in (ROOT / "Makefile").read_text()
+    assert metadata.version(dist) == tested
+
+
+def _fresh(monkeypatch, name, hide=None, version=None):
+    """``name`` imported anew, with ``hide`` (a top-level module) hidden from ``find_spec``
+    and/or ``importlib.metadata.version`` answering ``version``."""
+    from importlib import metadata
+
+    real_spec, real_version = importlib.util.find_spec, metadata.version
+    monkeypatch.setattr(importlib.util, "find_spec", lambda mod, *a: None
+                        if hide and mod.split(".")[0] == hide else real_spec(mod, *a))
+    if version is not None:
+        monkeypatch.setattr(metadata, "version", lambda dist: version
+                            if dist in ("transformers", "megatron-core") else real_version(dist))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    return importlib.import_module(name)
+
+
+def test_imports_without_transformers_and_refuses_clearly(monkeypatch):
+    from ficco.errors import BackendUnavailableError
+
+    before = {m for m in sys.modules if m.split(".")[0] == "transformers"}
+    module = _fresh(monkeypatch, "ficco.integrations.transformers", hide="transformers")
+    assert {m for m in sys.modules if m.split(".")[0] == "transformers"} <= before
+    assert module.transformers_version() is None
+    for call in (module.use_ficco, module.register):
+        with pytest.raises(BackendUnavailableError, match=re.escape(
+                "tested with transformers 5.24.0 (supported: >=5.24,<5.25")):
+            call()
+
+
+@pytest.mark.parametrize("version", ["5.23.1", "5.25.0", "4.57.6"])
+def test_refuses_another_release_naming_the_tested_range(monkeypatch, version):
+    from ficco.errors import BackendUnavailableError
+
+    module = _fresh(monkeypatch, "ficco.integrations.transformers", version=version)
+    with pytest.raises(BackendUnavailableError) as info:
+        module.use_ficco()
+    assert f"transformers {version} is installed" in str(info.value)
+    assert ">=5.24,<5.25" in str(info.value) and "5.24.0" in str(info.value)
