@@ -18,8 +18,8 @@ What is modelled, because ficco's GPU code relies on it:
 - **graph capture**: work issued while capturing is recorded; ``replay`` issues it again;
   a synchronize during capture invalidates the capture, as on CUDA.
 - **device-side argument checks**: what a real device refuses of its tensors, though these
-  are host tensors: ficco's own GPU-only checks and code paths run (``ficco.scaled.device_side``
-  answers True), and ``torch._scaled_mm`` refuses what cuBLASLt does (:func:`checked_scaled_mm`:
+  are host tensors: ficco's own GPU-only checks and code paths run
+  (``ficco.plan.epilogue.device_side`` answers True), and ``torch._scaled_mm`` refuses what cuBLASLt does (:func:`checked_scaled_mm`:
   fp8 operands, mat1's K and mat2's dimensions multiples of 16, mat1 row-major and mat2
   column-major, row-wise scales 16-byte aligned); a stream memory operation refuses an address
   that is not 4-byte aligned or a value outside 32 bits; work issued while capturing may not
@@ -587,7 +587,7 @@ def install(vendor: str = "cuda", hw_queues: int = 8, sms: int = 16):
     for name, value in patched.items():
         setattr(torch.cuda, name, value)
     # the device's own argument checks, on host tensors
-    from ficco import scaled
+    from ficco.plan import epilogue as scaled
 
     _state["saved_checks"] = (scaled.device_side, torch._scaled_mm)
     scaled.device_side = lambda t: True
@@ -609,7 +609,7 @@ def uninstall() -> None:
     for name, value in _state["saved"].items():
         setattr(torch.cuda, name, value)
     if "saved_checks" in _state:
-        from ficco import scaled
+        from ficco.plan import epilogue as scaled
 
         scaled.device_side, torch._scaled_mm = _state["saved_checks"]
     os.environ.pop("FICCO_BACKEND", None)

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from ficco import ops, schedules
-from ficco.selftest import FAILED, HUNG, OK, exit_code
+from ficco.selftest import FAILED, HUNG, OK, WRONG, exit_code
 
 from . import harness
 from . import selftest_cases as cases
@@ -64,7 +64,8 @@ def test_selftest_fails_on_a_planted_broken_schedule():
         assert all(r["transport"] in ("dma", "ccl") for r in bad)
         good = [r for r in report["rows"] if r["status"] == "ok"]
         assert {r["schedule"] for r in good} >= {"serial", "uniform-fused-1d"}
-    assert exit_code(reports) == FAILED
+        assert all(r["wrong"] for r in bad)        # the calls returned wrong numbers
+    assert exit_code(reports) == WRONG
 
 
 def test_a_hung_check_ends_the_run_within_its_bound():
@@ -146,13 +147,13 @@ def test_the_timing_row_fails_when_the_pick_is_slower_than_serial():
 @pytest.mark.parametrize("device", ["gpu", "cpu"])
 def test_every_case_selftest_builds_passes_the_devices_own_checks(device):
     """Each fp8 case selftest builds (every scaled op and shape, W = 2..4) as a GPU would meet
-    it: ficco's device-only argument checks (``ficco.scaled.check_gpu``: K and n multiples of
-    16, B column-major) and ``torch._scaled_mm``'s own (tests/fake_gpu.py); the tiny ones'
+    it: ficco's device-only argument checks (``ficco.plan.epilogue.check_gpu``: K and n
+    multiples of 16, B column-major) and ``torch._scaled_mm``'s own (tests/fake_gpu.py); the tiny ones'
     local products then against float64. A case a GPU refuses fails the smoke of a lease at
     its first fp8 call."""
     import torch
 
-    from ficco import scaled
+    from ficco.plan import epilogue as scaled
     from ficco.selftest import cases as built
     from ficco.selftest.checks import SHAPES
 
