@@ -50,7 +50,7 @@ fi
 PYTEST=(-m pytest -v -p no:cacheprovider -rfE -m gpu)
 
 echo "ficco GPU lease $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)" | tee -a "$LOG"
-part versions 15 versions.txt bash -c "$VERSIONS"
+part versions 20 versions.txt bash -c "$VERSIONS"
 part smoke 45 lease.log "$PY" -m ficco selftest --share-gpu 2 --smoke --timeout 20 \
     --bound "$(bound 40)" --jsonl "$OUT/smoke.jsonl" "${SMOKE[@]}"
 smoke=$?
@@ -71,5 +71,5 @@ part warp-exit 55 pytest.txt env FICCO_PROBE_TIMEOUT_S="$(bound 22)" "$PY" "${PY
     --timeout "$(bound 25)" tests/test_review_symm_path.py -k waits_end_alike
 part speed 90 lease.log "$PY" -m ficco.bench.gpu_session speed --world 2 "${SPEED[@]}" \
     --out "$OUT"
-part faults 50 pytest.txt "$PY" "${PYTEST[@]}" --timeout 40 tests/gpu/test_gpu_faults.py
+part faults 45 pytest.txt "$PY" "${PYTEST[@]}" --timeout 40 tests/gpu/test_gpu_faults.py
 finish

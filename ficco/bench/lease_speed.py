@@ -128,8 +128,8 @@ def measure(rank: int, world: int, args: dict) -> list[dict]:
     import torch.distributed as dist
 
     import ficco
-    from ficco.runtime import path as runtime
     from ficco.backends import get_backend
+    from ficco.runtime import path as runtime
     from ficco.runtime.agreement import max_over_ranks
 
     backend = get_backend()
