@@ -103,7 +103,9 @@ test-gpu: $(BIN)/.test-installed
 # GPU image's versions; then the kernel tests' GPU cases must be collected under its Triton
 rehearse-lease-image: $(IMAGE_VENV)/bin/.installed
 	$(IMAGE_VENV)/bin/python -c 'import sys, torch, triton; print("image:", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__)'
-	$(IMAGE_VENV)/bin/python -m pytest -v -p no:cacheprovider -rfE tests/test_gpu_lease.py -k "lease_runs_every_part"
+	$(IMAGE_VENV)/bin/python -m pytest -v -p no:cacheprovider -rfE -o timeout=1800 \
+	  --basetemp=$${TMPDIR:-/tmp}/ficco-rehearse-lease-image tests/test_gpu_lease.py \
+	  -k test_the_lease_runs_every_part
 	$(IMAGE_VENV)/bin/python -m pytest -q -p no:cacheprovider --collect-only -m gpu tests/test_kernels.py
 
 clean:
