@@ -43,3 +43,47 @@ def late_peer(rank, world, seed, schedule, late_s):
         out = ficco.matmul_all_reduce(a, b, schedule=schedule)
     ficco.shutdown()
     return outcome, took, float((out.double() - ref).abs().max() / ref.abs().max())
+
+
+def torch_plumbing(rank, world, seed, cases):
+    """torch's kernels cannot run on CPU: ``torch-*`` run here with stand-ins for
+    ``torch.ops.symm_mem`` (the process group's all-reduce, with torch's signatures: input,
+    reduce_op, group_name[, out]), for torch's rendezvoused buffer (a copy) and for the
+    availability check (CUDA only), so the plan, its
+    barriers, the avg scale, wide outputs (a bias) and several b are checked, not torch's
+    kernels. Returns run_grid's failures and the stand-in's calls."""
+    from ficco.ops.matmul_all_reduce.schedules import torch_kernels
+
+    from .ar_cases import run_grid
+
+    seen = []
+
+    def stand_in(name):
+        def kernel(source, reduce_op, group_name, out=None):
+            seen.append((name, reduce_op, group_name == dist.group.WORLD.group_name,
+                         out is not None))
+            total = source.clone()
+            dist.all_reduce(total)
+            if out is None:
+                source.copy_(total)
+                return source
+            out.copy_(total)
+            return out
+        return kernel
+
+    saved = torch_kernels.torch_op, torch_kernels.symmetric_input, torch_kernels.torch_reason
+    torch_kernels.torch_op = stand_in
+    torch_kernels.symmetric_input = lambda partial, group: partial.clone()
+    torch_kernels.torch_reason = lambda variant, target: None     # "runs here"
+    try:
+        return run_grid(rank, world, seed, cases), sorted(set(seen))
+    finally:
+        (torch_kernels.torch_op, torch_kernels.symmetric_input,
+         torch_kernels.torch_reason) = saved
+
+
+def explain_decode(rank, world, profile):
+    """``ficco.explain`` of a decode-sized all-reduce on ``profile``: its printed text."""
+    with config.scope(profile=profile):
+        return str(ficco.explain(torch.randn(4, 64), torch.randn(64, 4096),
+                                 op="matmul_all_reduce"))

@@ -117,3 +117,66 @@ def test_a_peer_in_another_call_is_a_mismatch_on_every_rank():
         assert small < 1e-5 and large < 1e-5 and again < 1e-5, (name, small, large, again)
         assert mismatched == "mismatch", (name, mismatched)
         assert refused == "refused", (name, refused)
+
+
+# -- torch's kernels as candidates -------------------------------------------------------------
+TORCH = ("torch-one-shot", "torch-two-shot", "torch-multimem")
+
+
+def test_torch_kernels_are_gated_where_they_cannot_run():
+    from ficco.ops.matmul_all_reduce.schedules.torch_kernels import torch_reason
+
+    assert set(TORCH) <= set(schedules.optional_names(op=OP))
+    for name in TORCH:
+        assert "CUDA" in schedules.why_not_here(name, "cpu", op=OP)
+        assert "CUDA" in schedules.why_not_here(name, "rocm:gfx942", op=OP)
+        assert "dma" in schedules.why_not_here(name, "cuda:sm_90", "ccl", op=OP)
+        assert name in schedules.unavailable("cuda:sm_90", op=OP)    # never run on a GPU yet
+    assert "NVLink SHARP" in torch_reason("multimem", "cuda:sm_80")
+    assert torch_reason("one-shot", "cuda:sm_80") is None            # the op is in this torch
+
+
+def test_torch_kernels_plumbing_with_stand_ins_on_cpu_ranks():
+    """What runs around torch's kernels (nothing of torch's kernels runs on CPU)."""
+    from .ar_kernel_cases import torch_plumbing
+
+    cases = [{"schedule": s, "transport": "dma", "shape": 3, "dtype": torch.bfloat16}
+             for s in TORCH]
+    cases += [{"schedule": "torch-one-shot", "transport": "dma", "shape": 0, "reduce_op": "avg",
+               "bias": True}]
+    seed = random.randrange(1 << 30)
+    for failures, calls in harness.pool(2).run(torch_plumbing, seed, cases):
+        assert failures == [], (seed, failures)
+        assert calls == [("multimem_all_reduce_", "sum", True, False),
+                         ("one_shot_all_reduce_out", "sum", True, True),
+                         ("two_shot_all_reduce_out", "sum", True, True)], calls
+
+
+# -- explain ------------------------------------------------------------------------------------
+def test_explain_of_a_decode_shape_names_its_kernel_and_the_published_time():
+    from ficco.heuristics.decision import Decision
+    from ficco.ops.matmul_all_reduce.pricing import priced_against
+
+    from .ar_kernel_cases import explain_decode
+
+    p = Problem(16, 512, (4096,), "bfloat16", 8, op=OP)     # 128 KB per rank
+    for profile, schedule, transport, kernel, row in (
+            ("h100", "serial", "ccl", "NCCL/RCCL", "W4"),
+            ("mi355x", "two-shot-kernel", "dma", "two-shot", "W43"),
+            ("h100", "torch-one-shot", "dma", "one_shot_all_reduce_out", "W25")):
+        lines = priced_against(p, Decision(schedule, transport, "model", {"profile": profile}))
+        assert kernel in lines[0] and "128 KB per rank on 8 ranks" in lines[0], lines
+        assert f"(validate row {row}," in lines[1], lines
+    text = harness.pool(2).run(explain_decode, "h100")[0]
+    assert "priced    " in text and "2 ranks" in text, text
+    assert "one-shot-kernel would run ficco's one-kernel all-reduce" in text, text
+
+
+def test_the_decode_example_runs_on_the_one_kernel_all_reduce():
+    """examples/tp_decode.py with its row-parallel projections forced to one-shot-kernel
+    (2 ranks, through the interpreter), against the unsharded block."""
+    from .ar_cases import decode_example
+
+    seed = random.randrange(1 << 30)
+    for errors in harness.pool(2).run(decode_example, seed, "one-shot-kernel"):
+        assert max(errors) <= 1e-5, (seed, errors)

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from . import client_pool, megatron_cases
-from .test_integrations_transformers import _fresh
 
 pytest.importorskip("megatron.core", reason="megatron-core is a test extra (pip install -e "
                                             "'.[megatron]'; make test installs it)")
@@ -73,7 +72,8 @@ def test_imports_without_megatron_and_refuses_clearly(monkeypatch):
     from ficco.errors import BackendUnavailableError
 
     before = {m for m in sys.modules if m.split(".")[0] == "megatron"}
-    module = _fresh(monkeypatch, "ficco.integrations.megatron", hide="megatron")
+    module = client_pool.fresh_import(monkeypatch, "ficco.integrations.megatron",
+                                      hide="megatron")
     assert {m for m in sys.modules if m.split(".")[0] == "megatron"} <= before
     assert module.megatron_core_version() is None
     with pytest.raises(BackendUnavailableError, match=re.escape(
@@ -87,7 +87,8 @@ def test_imports_without_megatron_and_refuses_clearly(monkeypatch):
 def test_refuses_another_release_naming_the_tested_range(monkeypatch, version):
     from ficco.errors import BackendUnavailableError
 
-    module = _fresh(monkeypatch, "ficco.integrations.megatron", version=version)
+    module = client_pool.fresh_import(monkeypatch, "ficco.integrations.megatron",
+                                      version=version)
     with pytest.raises(BackendUnavailableError) as info:
         module.use_ficco(object())
     assert f"megatron-core {version} is installed" in str(info.value)

@@ -259,11 +259,17 @@ def test_nvls_all_reduce_on_eight_h100s_is_priced_by_its_measured_curve():
     latency, work = all_reduce_pricing.collective_parts(H100, mib8, 8)
     assert latency == pytest.approx(12e-6)
     assert latency + work == pytest.approx(2 * 7 / 8 * mib8 / 172.13e9)
-    # on 4 ranks, or below the curve's first size: 12 us + the plateau ramped by the copy curve
-    for nbytes, world in ((mib8, 4), (1 << 20, 8)):
-        ramp = H100.copy_fraction(nbytes / world)
-        assert all_reduce_pricing.collective_seconds(H100, nbytes, world) == pytest.approx(
-            12e-6 + 2 * (world - 1) / world * nbytes / (480e9 * ramp))
+    # on 4 ranks: 12 us + the plateau ramped by the copy curve
+    nbytes, world = mib8, 4
+    ramp = H100.copy_fraction(nbytes / world)
+    assert all_reduce_pricing.collective_seconds(H100, nbytes, world) == pytest.approx(
+        12e-6 + 2 * (world - 1) / world * nbytes / (480e9 * ramp))
+    # below the curve's first size on 8 ranks: straight from the small-message latency (22 us,
+    # ccl.small_latency_s) at no bytes up to the 2 MiB point's time
+    first = 2 * 7 / 8 * (2 << 20) / 90.8e9
+    for nbytes in (16 << 10, 1 << 20):
+        assert all_reduce_pricing.collective_seconds(H100, nbytes, 8) == pytest.approx(
+            22e-6 + (first - 22e-6) * nbytes / (2 << 20))
 
 
 def test_compute_unit_collectives_on_mi300x_follow_their_latency_bandwidth_law():

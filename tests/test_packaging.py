@@ -139,4 +139,5 @@ def test_version_names_ficco_torch_triton_and_the_bindings():
     assert out[0] == f"ficco {ficco.__version__}"
     assert out[1].startswith(f"torch {torch.__version__} (")
     assert [line.split()[0] for line in out[2:]] == ["Triton", "cuda-bindings", "hip-python",
-                                                     "torchtitan"], out
+                                                     "torchtitan", "transformers",
+                                                     "megatron-core"], out

@@ -69,7 +69,9 @@ MOE_PLAN = {**{f"model.layers.*.self_attn.{n}_proj": "ficco_colwise" for n in "q
 
 def _load(kind, path, world, how, code):
     """The sharded model: "names" (the MoE, its plan naming ficco's styles and
-    ``ep_implementation="ficco"``) or "block" (``code``, a block of the README or docs/, run as
+    ``ep_implementation="ficco"``), "sp" (the Llama under ``SEQUENCE_PARALLEL_PLAN``, the MoE
+    under ``SEQUENCE_PARALLEL_MOE_PLAN`` with ``ep_implementation="ficco"``) or
+    "block" (``code``, a block of the README or docs/, run as
     written with ``model_dir`` / ``moe_dir`` and, as torchrun sets it, ``WORLD_SIZE``)."""
     from transformers.distributed import DistributedConfig
 
@@ -82,6 +84,15 @@ def _load(kind, path, world, how, code):
             ns = {"model_dir": path, "moe_dir": path}
             exec(compile(code, "docs", "exec"), ns)     # noqa: S102 - the docs' own code
             return ns["model"]
+        if how == "sp" and kind == "llama":
+            return cls.from_pretrained(
+                path, dtype=torch.float64, distributed_config=DistributedConfig(
+                    tp_size=world, tp_plan=ficco_hf.SEQUENCE_PARALLEL_PLAN))
+        if how == "sp":
+            return cls.from_pretrained(
+                path, dtype=torch.float64, distributed_config=DistributedConfig(
+                    tp_size=world, ep_size=world, tp_plan=ficco_hf.SEQUENCE_PARALLEL_MOE_PLAN,
+                    ep_implementation=ficco_hf.EP_IMPLEMENTATION))
         assert how == "names" and kind == "mixtral", (how, kind)
         return cls.from_pretrained(path, dtype=torch.float64, distributed_config=DistributedConfig(
             tp_size=world, ep_size=world, tp_plan=MOE_PLAN,
@@ -94,32 +105,47 @@ def compare(rank, world, kind, path, how, code=None):
     """Training step (loss, logits, every gradient) and greedy ``generate`` with the KV cache,
     sharded (see :func:`_load` for ``how``) against the same model unsharded."""
     model = _load(kind, path, world, how, code)
-    # transformers' default grouped-GEMM experts take no float64: the reference's run eager
-    reference = _saved(kind, path).from_pretrained(
-        path, dtype=torch.float64,
-        **({"experts_implementation": "eager"} if kind != "llama" else {}))
     gen = torch.Generator().manual_seed(SEED + world)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    prompt = ids[:, :SEQ // 2]
+    ref = _reference(kind, path, ids, prompt)
     out, calls = ficco_calls(lambda: _step(model, ids))
-    ref = reference(ids, labels=ids)
-    ref.loss.backward()
-    worst = {"loss": abs(out.loss.item() - ref.loss.item()) / abs(ref.loss.item()),
-             "logits": _rel(out.logits, ref.logits), "grad": 0.0}
-    ref_params = dict(reference.named_parameters())
+    worst = {"loss": abs(out.loss.item() - ref["loss"]) / abs(ref["loss"]),
+             "logits": _rel(out.logits, ref["logits"]), "grad": 0.0}
     names = []
     for name, p in model.named_parameters():
         names.append(name)
-        worst["grad"] = max(worst["grad"], _rel(p.grad, ref_params[name].grad))
-    prompt = ids[:, :SEQ // 2]
+        worst["grad"] = max(worst["grad"], _rel(p.grad, ref["grads"][name]))
     with torch.no_grad():
         tokens, gen_calls = ficco_calls(lambda: model.generate(
             prompt, max_new_tokens=NEW, do_sample=False, use_cache=True, pad_token_id=0))
-        ref_tokens = reference.generate(prompt, max_new_tokens=NEW, do_sample=False,
-                                        use_cache=True, pad_token_id=0)
-    return {"worst": worst, "same_params": sorted(names) == sorted(ref_params),
+    return {"worst": worst, "same_params": sorted(names) == sorted(ref["grads"]),
             "sharded": _sharded(model), "calls": calls, "generate_calls": gen_calls,
-            "tokens_equal": torch.equal(tokens, ref_tokens),
+            "tokens_equal": torch.equal(tokens, ref["tokens"]),
             "new_tokens": tokens.shape[1] - prompt.shape[1]}
+
+
+_REFERENCES: dict = {}
+
+
+def _reference(kind, path, ids, prompt) -> dict:
+    """The unsharded model's loss, logits, gradients and greedy tokens for ``ids`` (kept per
+    pool: the cases of one W share their batch)."""
+    key = (kind, path, tuple(ids.flatten().tolist()))
+    if key not in _REFERENCES:
+        # transformers' default grouped-GEMM experts take no float64: the reference's run eager
+        reference = _saved(kind, path).from_pretrained(
+            path, dtype=torch.float64,
+            **({"experts_implementation": "eager"} if kind != "llama" else {}))
+        out = reference(ids, labels=ids)
+        out.loss.backward()
+        with torch.no_grad():
+            tokens = reference.generate(prompt, max_new_tokens=NEW, do_sample=False,
+                                        use_cache=True, pad_token_id=0)
+        _REFERENCES[key] = {"loss": out.loss.item(), "logits": out.logits.detach(),
+                            "grads": {n: p.grad for n, p in reference.named_parameters()},
+                            "tokens": tokens}
+    return _REFERENCES[key]
 
 
 def _sharded(model) -> list[str]:
@@ -181,6 +207,26 @@ def registry_case(rank, world):
             refusals[name] = "no error"
         except InvalidArgumentError as exc:
             refusals[name] = str(exc)
+    class OwnForward(nn.Linear):      # a quantized or adapter linear's shape
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    for name in ("ficco_colwise_sp", "ficco_rowwise_sp", "ficco_colwise_gathered"):
+        try:
+            ParallelInterface()[name].install_forward(OwnForward(8, 8), mesh)
+            refusals[name] = "no error"
+        except InvalidArgumentError as exc:
+            refusals[name] = str(exc)
+    import warnings
+
+    kept = {}
+    for name in ficco_hf.STYLE_NAMES:
+        linear = OwnForward(8, 8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ParallelInterface()[name].install_forward(linear, mesh)
+        kept[name] = [str(w.message) for w in caught if w.category.__name__ == "FiccoWarning"]
+    out["kept_own_forward"] = kept
     try:
         EPImplementationInterface()[ficco_hf.EP_IMPLEMENTATION](nn.Linear(8, 8), mesh, mesh)
         refusals["ep"] = "no error"

@@ -32,6 +32,11 @@ class Backend(ABC):
     #: Not on CPU, where a copy holds its tensors: a fresh tensor at an old address is another
     #: tensor.
     prepares_copies: ClassVar[bool] = False
+    #: :meth:`prepare_copies` submits several copies of one queue in ONE call whose copies run
+    #: concurrently (CUDA >= 12.8: ``cudaMemcpyBatchAsync``), so the executor may put every
+    #: copy queue's work on one queue (:func:`ficco.executor.lowering.coalesce`); else a queue's copies
+    #: are one call each, in order, and the plan's copy queues stay apart.
+    batches_copies: bool = False
     #: :meth:`plan_events` gives the same events to every call of one compiled plan, so event
     #: records and waits are bound once (:meth:`prepare_record`, :meth:`prepare_wait`).
     reuses_plan_events: ClassVar[bool] = False
@@ -122,6 +127,17 @@ class Backend(ABC):
         where :attr:`prepares_copies`)."""
         copy = self.copy_2d if two_d else self.copy
         return lambda queue: copy(dst, src, queue)
+
+    def prepare_copies(self, pairs: list) -> Callable[[Any], None]:
+        """Copies ``[(dst, src, two_d), ...]`` of one queue as one ready call of the queue (a
+        batched submission where :attr:`batches_copies`; here one prepared copy after the
+        other)."""
+        calls = [self.prepare_copy(dst, src, two_d) for dst, src, two_d in pairs]
+
+        def run(queue) -> None:
+            for call in calls:
+                call(queue)
+        return run
 
     @abstractmethod
     def gemm(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool,

@@ -148,7 +148,7 @@ def report_rows(rows: list[dict], table) -> None:
 
 
 #: The families targets are set for, and the targets (median |error| of unfitted point rows).
-FAMILIES = ("all-gather", "reduce-scatter", "all-to-all", "baselines", "async-tp")
+FAMILIES = ("all-gather", "reduce-scatter", "all-to-all", "baselines", "async-tp", "decode")
 TARGET_ALL, TARGET_FAMILY = 0.08, 0.10
 #: Roles of rows no profile number was set from: ``tune`` rows were looked at while the model
 #: changed, ``holdout`` rows were not (they measure how it generalises).

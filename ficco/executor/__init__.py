@@ -11,7 +11,7 @@ import torch
 
 from .. import profiling
 from ..errors import error_context, known_context, name_step
-from ..kernels.launch import gated_task, raise_flag
+from ..kernels.launch import gated_task, raise_flag, raise_flags
 from ..plan import Plan, op_label
 from ..plan.buffers import Buffers
 from ..symm_mem.barrier import plan_barrier
@@ -19,6 +19,7 @@ from .compiler import CompiledPlan, compile_plan
 from .lowering import (
     BARRIER,
     CALL,
+    COPIES,
     COPY,
     COPY_2D,
     GATED,
@@ -28,6 +29,7 @@ from .lowering import (
     LAUNCH_HERE,
     RECORD,
     SIGNAL,
+    SIGNALS,
     WAIT,
 )
 
@@ -63,6 +65,7 @@ def execute(plan: Plan | CompiledPlan, backend, buffers: Buffers, *, timeout_s: 
     # traces and profiler ranges run per step (profiling: compiled.steps): every view made
     if profiled is None:
         profiled = profiling.recording()
+    variant = compiled.variant(backend, trace or profiled)
     steps, views = compiled.bind(backend, buffers, events, every_view=trace or profiled)
     if compiled.num_flags:   # zeroed on the compute queue, before the side queues start
         buffers.flags = torch.zeros(compiled.num_flags, dtype=torch.int32,
@@ -70,8 +73,12 @@ def execute(plan: Plan | CompiledPlan, backend, buffers: Buffers, *, timeout_s: 
     # Side queues start after everything the caller queued before this call (the input may
     # still be being written on the caller's stream).
     backend.record(entry, queues[compiled.compute])
-    for i in compiled.side_queues:
+    for i in variant.side_queues:
         backend.wait(entry, queues[i])
+    if len(variant.used) < len(queues):   # coalesced onto fewer queues: join only those
+        queues_used = [queues[i] for i in variant.used]
+    else:
+        queues_used = queues
     try:
         if trace:
             return _run_traced(compiled, steps, backend, buffers, queues, events, views,
@@ -82,29 +89,30 @@ def execute(plan: Plan | CompiledPlan, backend, buffers: Buffers, *, timeout_s: 
                 lambda op: op_label(op, plan.problem.rank))
         else:
             _run(steps, backend, buffers, queues, events, views, timeout_s, lane)
-        backend.finish(queues)
+        backend.finish(queues_used)
     except BaseException as exc:
-        _name_work_step(exc, compiled, steps, views)
-        backend.finish_failed(queues)   # what was queued still runs: order it (GPUs)
+        _name_work_step(exc, compiled, variant.work, steps, views)
+        backend.finish_failed(queues_used)   # what was queued still runs: order it (GPUs)
         raise
     return None
 
 
-def _name_work_step(exc: BaseException, compiled: CompiledPlan, steps, views) -> None:
+def _name_work_step(exc: BaseException, compiled: CompiledPlan, numbered, steps,
+                    views) -> None:
     """This rank's own work failed (a GEMM or copy): mark ``exc`` as such (its context's
     ``local``) and name its plan step, found by the step being enqueued (``at``, a backend
     that raised at once) or by the tensors the failed task held (``work``, a queue that ran
     it later). Error path only."""
     context = known_context(exc)
     at, work = context.at, context.work
-    index = dict(compiled.work)
+    index = dict(numbered)   # step number -> plan op index, for the steps that ran
     for number, step in enumerate(steps):
         code, _, x, y, z, _ = step
         held: tuple
         if code in (GEMM, GEMM_HERE):
             held = (views[x], views[y], views[z])
-        elif code in (COPY, COPY_2D, CALL):
-            held = (views[x], views[y]) if code != CALL else ()
+        elif code in (COPY, COPY_2D, CALL, COPIES):
+            held = (views[x], views[y]) if code in (COPY, COPY_2D) else ()
         else:
             continue
         found = step is at or (work is not None and len(held) == len(work) and all(
@@ -141,10 +149,15 @@ def _run(steps, backend, buffers, queues, events, v, timeout_s, lane=None) -> No
                 copy(v[x], v[y], queues[q])
             elif code == COPY_2D:
                 copy_2d(v[x], v[y], queues[q])
+            elif code == COPIES:     # a backend that does not prepare copies: one call each
+                for dst, src, two_d in x:
+                    (copy_2d if two_d else copy)(v[dst], v[src], queues[q])
             elif code == BARRIER:
                 plan_barrier(backend, buffers.symm, x, queues[q], timeout_s, y)
             elif code == SIGNAL:
                 raise_flag(backend, queues[q], buffers.flags, x)
+            elif code == SIGNALS:
+                raise_flags(backend, queues[q], buffers.flags, x)
             elif code == GATED:
                 backend.launch(queues[q], gated_task(backend, y[0], y[1], v[x[0]], v[x[1]],
                                                      v[x[2]], v[x[3]], buffers.flags,

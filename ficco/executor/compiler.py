@@ -33,6 +33,7 @@ from ..plan import COMPUTE, SYMMETRIC_BUFFERS, GatedGemm, Plan, buffer_shapes
 from ..plan.buffers import Buffers
 from .lowering import (
     CALL,
+    COPIES,
     COPY,
     COPY_2D,
     GATED,
@@ -42,7 +43,8 @@ from .lowering import (
     LAUNCH_HERE,
     RECORD,
     WAIT,
-    lower,
+    coalesce,
+    lower_slots,
 )
 
 
@@ -52,11 +54,33 @@ class Binding:
     Never changed once made: a call that needs other steps makes a new one, so a thread that
     read the old one still runs consistent steps."""
 
-    __slots__ = ("backend", "call_key", "events", "ref", "steps", "ws_key", "ws_views")
+    __slots__ = ("backend", "call_key", "events", "ref", "steps", "variant", "ws_key",
+                 "ws_views")
 
-    def __init__(self, backend, ref, ws_key, ws_views, call_key, steps, events):
+    def __init__(self, backend, ref, ws_key, ws_views, call_key, steps, events, variant):
         self.backend, self.ref, self.ws_key, self.ws_views = backend, ref, ws_key, ws_views
-        self.call_key, self.steps, self.events = call_key, steps, events
+        self.call_key, self.steps, self.events, self.variant = call_key, steps, events, variant
+
+
+class Steps:
+    """One way to run a compiled plan: its steps, ``work`` (step number -> plan op index,
+    for traces and error messages), the queue indices it uses (``side_queues``: those but the
+    compute queue), ``stands`` (per step, the plan ops it runs) and the copies a backend may
+    prepare (step number, sources touched)."""
+
+    __slots__ = ("copies", "side_queues", "stands", "steps", "used", "work")
+
+    def __init__(self, steps: tuple, work: tuple, used: tuple, stands: tuple, compute: int,
+                 slots: list):
+        self.steps, self.work, self.used, self.stands = steps, work, used, stands
+        self.side_queues = tuple(i for i in used if i != compute)
+
+        def sources(step) -> frozenset:
+            pairs = step[2] if step[0] == COPIES else ((step[2], step[3], False),)
+            return frozenset(slots[x][0] for d, src, _ in pairs for x in (d, src))
+
+        self.copies = tuple((i, sources(step)) for i, step in enumerate(steps)
+                            if step[0] in (COPY, COPY_2D, COPIES))
 
 
 class CompiledPlan:
@@ -74,8 +98,19 @@ class CompiledPlan:
         self.queue_names = plan.queues
         self.compute = plan.queues.index(COMPUTE)
         self.side_queues = tuple(i for i, n in enumerate(plan.queues) if n != COMPUTE)
-        self.slots, self.steps, self.work = lower(plan)
+        s, self.steps, self.work = lower_slots(plan)
         steps = self.steps
+        # Three ways to run it: every op as its own step (traces, profiler ranges), and
+        # coalesced (:func:`~ficco.executor.lowering.coalesce`) for backends that submit a queue's copies
+        # one call each or all in one call (``Backend.batches_copies``).
+        lean = {merge: coalesce(plan, s, steps, merge) for merge in (False, True)}
+        self.slots = s.slots
+        self.variants = {
+            "full": Steps(steps, self.work, tuple(range(len(plan.queues))),
+                          tuple(() if st[0] in (RECORD, WAIT) else (n,)
+                                for n, st in enumerate(steps)), self.compute, self.slots),
+            **{("batched" if merge else "lean"): Steps(*lean[merge], self.compute, self.slots)
+               for merge in (False, True)}}
         self.num_flags = max((op.num_flags for op in plan.ops if isinstance(op, GatedGemm)),
                              default=0)
         # Workspace views (this rank's symmetric buffers and the peers') vs per-call views.
@@ -87,15 +122,21 @@ class CompiledPlan:
         # Copies a backend may prepare: (step number, the sources they read or write). With a
         # workspace (dma) only the per-call sources key a prepared copy; without one (ccl)
         # the symmetric buffers are fresh tensors too.
-        self.copies = tuple((i, frozenset((self.slots[s[2]][0], self.slots[s[3]][0])))
-                            for i, s in enumerate(steps) if s[0] in (COPY, COPY_2D))
-        every = sorted({src for _, sources in self.copies for src in sources}, key=repr)
+        every = sorted({src for v in self.variants.values() for _, sources in v.copies
+                        for src in sources}, key=repr)
         self.copy_sources = {True: tuple(s for s in every if s[0] not in SYMMETRIC_BUFFERS),
                              False: tuple(every)}
-        # Per-call views only prepared copies use (the reduce-scatter's 2-D landing chunks):
-        # not made while the prepared copies hold.
-        copy_only = {x for s in steps if s[0] in (COPY, COPY_2D) for x in s[2:4]}
-        copy_only -= _slots_used_by(steps)
+        # Per-call views only prepared copies use (the reduce-scatter's 2-D landing chunks,
+        # coalesced copies' blocks): not made while the prepared copies hold.
+        copy_only = set()
+        for v in self.variants.values():
+            for st in v.steps:
+                if st[0] in (COPY, COPY_2D):
+                    copy_only.update(st[2:4])
+                elif st[0] == COPIES:
+                    copy_only.update(x for d, src, _ in st[2] for x in (d, src))
+        for v in self.variants.values():
+            copy_only -= _slots_used_by(v.steps)
         self.lean_call_slots = tuple(i for i in self.call_slots if i not in copy_only)
         self._binding: Binding | None = None
 
@@ -138,21 +179,32 @@ class CompiledPlan:
         return tuple(splits), covered
 
     # -- binding -------------------------------------------------------------------------------
+    def variant(self, backend, every_op: bool = False) -> Steps:
+        """How a call on ``backend`` runs: one step per plan op with ``every_op`` (traces,
+        profiler ranges), else coalesced, copy queues merged where the backend submits a
+        queue's copies in one call (:attr:`Backend.batches_copies`)."""
+        if every_op:
+            return self.variants["full"]
+        return self.variants["batched" if backend.batches_copies else "lean"]
+
     def bind(self, backend, buffers: Buffers, events: list | None = None,
              every_view: bool = False) -> tuple[tuple, list]:
-        """``(steps, views)`` of one call on ``backend``: the steps to run, with the copies
+        """``(steps, views)`` of one call on ``backend``: the steps to run (of
+        :meth:`variant`; ``every_view``: one per plan op, as ``self.steps``), with the copies
         prepared by the backend (when it can) and kept from the last call while the addresses
         they were prepared for still hold, and the views by slot (those only prepared copies
-        use are None unless ``every_view``: to run ``self.steps`` instead). ``events``: this
-        call's plan events; a backend that prepares event records and waits (GPUs, whose
-        events are one set per compiled plan) gets them bound into the steps."""
+        use are None unless ``every_view``). ``events``: this call's plan events; a backend
+        that prepares event records and waits (GPUs, whose events are one set per compiled
+        plan) gets them bound into the steps."""
         symm = buffers.symm
         old = self._binding
+        variant = self.variant(backend, every_view)
         # Events key the binding only where they are bound into it (the CPU backend makes
         # fresh events every call).
         if not backend.reuses_plan_events:
             events = None
         if old is not None and (old.backend() is not backend or old.events is not events or
+                                old.variant is not variant or
                                 (old.ref() if old.ref is not None else None) is not symm):
             old = None
         if symm is None:
@@ -179,7 +231,7 @@ class CompiledPlan:
             return old.steps, self.views(buffers, ws_views, lean)
         views = self.views(buffers, ws_views)
         steps = self._bound_steps(backend, prepare, old, call_key, symm is not None, views,
-                                  events)
+                                  events, variant)
         ref = None
         if symm is not None:
             try:
@@ -191,17 +243,17 @@ class CompiledPlan:
                 return steps, views
         # The backend weakly too: a closed backend is not kept alive by a plan it ran.
         self._binding = Binding(weakref.ref(backend), ref, ws_key, ws_views, call_key, steps,
-                                events)
+                                events, variant)
         return steps, views
 
     def _bound_steps(self, backend, prepare, old: Binding | None, call_key, dma: bool,
-                     views: list, events: list | None) -> tuple:
+                     views: list, events: list | None, variant: Steps) -> tuple:
         if old is not None:
             steps = list(old.steps)
             moved = {s for s, was, now in zip(self.copy_sources[dma], old.call_key, call_key)
                      if was != now}
         else:
-            steps = list(self.steps)
+            steps = list(variant.steps)
             moved = None   # every copy is prepared
             here = {GEMM: GEMM_HERE, LAUNCH: LAUNCH_HERE} if backend.compute_on_current else {}
             compute = self.compute
@@ -215,11 +267,15 @@ class CompiledPlan:
                          (CALL, s[1], wait(events[s[2]]), 0, 0, 0) if s[0] == WAIT else s
                          for s in steps]
         if prepare is not None:
-            for i, sources in self.copies:
+            for i, sources in variant.copies:
                 if moved is None or not moved.isdisjoint(sources):
-                    code, q, dst, src, _, _ = self.steps[i]
-                    steps[i] = (CALL, q, prepare(views[dst], views[src], code == COPY_2D), 0, 0,
-                                0)
+                    code, q, dst, src, _, _ = variant.steps[i]
+                    if code == COPIES:
+                        call = backend.prepare_copies([(views[d], views[s], two_d)
+                                                       for d, s, two_d in dst])
+                    else:
+                        call = prepare(views[dst], views[src], code == COPY_2D)
+                    steps[i] = (CALL, q, call, 0, 0, 0)
         return tuple(steps)
 
     def _forget(self, ref) -> None:
@@ -277,7 +333,7 @@ def _slots_used_by(steps) -> set:
             used.add(x)
 
     for code, _, x, y, z, _w in steps:
-        if code == GEMM:
+        if code in (GEMM, GEMM_HERE):
             used.update((x, y, z))
         elif code == LAUNCH:
             walk(y)

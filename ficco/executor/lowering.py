@@ -41,9 +41,11 @@ from ..plan import tasks as host_tasks
 # Step codes; a step is (code, queue index, x, y, z, w) with slot / event numbers in x..w.
 # CALL (x: a prepared copy, called with the queue), GEMM_HERE and LAUNCH_HERE (a GEMM or host
 # task on the compute queue, which is the current stream while the executor enqueues) appear
-# only in bound steps.
+# only in bound steps. COPIES (x: ``((dst, src, two_d), ...)``, copies of one queue submitted
+# together) and SIGNALS (x: arrival flags raised by one barrier-program call) appear only in
+# coalesced steps (:func:`coalesce`).
 (COPY, COPY_2D, GEMM, RECORD, WAIT, BARRIER, LAUNCH, SIGNAL, GATED, CALL, GEMM_HERE,
- LAUNCH_HERE) = range(12)
+ LAUNCH_HERE, COPIES, SIGNALS) = range(14)
 
 
 def slot_source(blk: Block) -> tuple:
@@ -209,6 +211,12 @@ LOWER: dict[type, Callable[..., tuple]] = {
 def lower(plan: Plan) -> tuple[list[tuple], tuple, tuple]:
     """``(slots, steps, work)`` of ``plan``: its views, its steps, and ``(step number, op
     index)`` of every traced op (all but records and waits)."""
+    s, steps, work = lower_slots(plan)
+    return s.slots, steps, work
+
+
+def lower_slots(plan: Plan) -> tuple[Slots, tuple, tuple]:
+    """:func:`lower` with the :class:`Slots` themselves (:func:`coalesce` adds views)."""
     queue_index = {name: i for i, name in enumerate(plan.queues)}
     s = Slots()
     steps: list[tuple] = []
@@ -228,4 +236,206 @@ def lower(plan: Plan) -> tuple[list[tuple], tuple, tuple]:
             step = step[:4] + (
                 f"plan step {index} ({op_label(op, plan.problem.rank)}, queue {op.queue})", 0)
         steps.append(step)
-    return s.slots, tuple(steps), tuple(work)
+    return s, tuple(steps), tuple(work)
+
+
+# -- coalescing: the fewest backend calls that keep the plan's order ---------------------------
+def coalesce(plan: Plan, s: Slots, steps: tuple, merge_copy_queues: bool
+             ) -> tuple[tuple, tuple, tuple, tuple]:
+    """The steps a warm call runs: ``steps`` (:func:`lower`'s, one per plan op) with every
+    record and wait that orders nothing new left out, copies of one queue that follow each
+    other submitted as one ``COPIES`` step, and row blocks that continue each other moved as
+    one copy. Returns ``(steps, work, queues)``: ``work`` maps each step that stands for plan
+    ops to the first op's index (error messages), ``queues`` the queue indices still used.
+
+    With ``merge_copy_queues`` (a backend that submits a queue's copies in one call whose
+    copies run concurrently: ``cudaMemcpyBatchAsync``), every copy queue's work goes on the
+    first copy queue, and copies there that only records separate become one submission with
+    one record at its end: whoever waited for one of them waits for the submission. Without
+    it, the queues stay as the plan has them (one call per copy runs in order on its stream,
+    so merging queues would serialise the engines). A run is the copies of one plan step;
+    arrival flags raised between them (gated GEMMs) are raised after the run, together.
+
+    Order is kept: a wait is left out only when its queue is already ordered after the
+    event's record (vector clocks over the queues' positions, waits of one queue taken
+    together before that queue's next op); a wait with no later op on its queue orders
+    nothing (the call's end joins every queue). Also returns ``stands``: per step, the
+    indices of the plan ops it runs (none for records and waits)."""
+    queue_of = list(range(len(plan.queues)))
+    if merge_copy_queues:
+        copies = [i for i, name in enumerate(plan.queues) if name.startswith("copy")]
+        for i in copies:
+            queue_of[i] = copies[0]
+    # items: (step, the plan op indices it runs); steps number like plan ops here
+    items = [((step[0], queue_of[step[1]]) + step[2:],
+              () if step[0] in (RECORD, WAIT) else (n,)) for n, step in enumerate(steps)]
+    if merge_copy_queues:
+        items = _records_after_runs(items, plan)
+    items = _prune_waits(items, len(plan.queues))
+    items = _batch_copies(items, s)
+    items = _batch_signals(items)
+    used = sorted({step[1] for step, _ in items})
+    return (tuple(step for step, _ in items),
+            tuple((n, ops[0]) for n, (_, ops) in enumerate(items) if ops),
+            tuple(used), tuple(ops for _, ops in items))
+
+
+def _records_after_runs(items: list, plan: Plan) -> list:
+    """Copies of one queue and plan step that only records and arrival flags of that queue
+    separate: their records move to the end of the run as ONE record (the others' waiters
+    wait for it, renamed), their flags after it, in order."""
+    out: list = []
+    alias: dict[int, int] = {}
+    i = 0
+
+    def plan_step(item) -> int:
+        return getattr(plan.ops[item[1][0]], "step", 0)
+
+    while i < len(items):
+        step = items[i][0]
+        if step[0] not in (COPY, COPY_2D):
+            if step[0] == WAIT and step[2] in alias:
+                step = (WAIT, step[1], alias[step[2]], 0, 0, 0)
+            out.append((step, items[i][1]))
+            i += 1
+            continue
+        q, j, first = step[1], i, plan_step(items[i])
+        run: list = []
+        records: list = []
+        flags: list = []
+        while j < len(items) and items[j][0][1] == q:
+            code = items[j][0][0]
+            if code == RECORD:
+                records.append(items[j])
+            elif code == SIGNAL:
+                flags.append(items[j])
+            elif code in (COPY, COPY_2D) and plan_step(items[j]) == first:
+                run.append(items[j])
+            else:
+                break
+            j += 1
+        out.extend(run)
+        if records:
+            last = records[-1][0][2]
+            for rec, _ in records[:-1]:
+                alias[rec[2]] = last
+            out.append(records[-1])
+        out.extend(flags)
+        i = j
+    return out
+
+
+def _batch_signals(items: list) -> list:
+    """Arrival flags raised one after the other on one queue: one SIGNALS step."""
+    out: list = []
+    for step, op in items:
+        prev = out[-1][0] if out else None
+        if step[0] == SIGNAL and prev is not None and prev[1] == step[1] and \
+                prev[0] in (SIGNAL, SIGNALS):
+            flags = prev[2] if prev[0] == SIGNALS else (prev[2],)
+            out[-1] = ((SIGNALS, step[1], flags + (step[2],), 0, 0, 0), out[-1][1] + op)
+            continue
+        out.append((step, op))
+    return out
+
+
+def _prune_waits(items: list, queues: int) -> list:
+    pos = [0] * queues
+    clock = [[0] * queues for _ in range(queues)]
+    event_clock: dict[int, list] = {}
+    pending: dict[int, list] = {}
+    out: list = []
+
+    def covers(big, small) -> bool:
+        return all(b >= x for b, x in zip(big, small))
+
+    def flush(q: int) -> None:
+        waits = pending.pop(q, [])
+        keep = []
+        for n, (event, item) in enumerate(waits):
+            c = event_clock.get(event)
+            if c is None:    # recorded after (not a PlanBuilder plan): keep it as it is
+                out.append(item)
+                continue
+            if covers(clock[q], c):
+                continue
+            if any(e in event_clock and covers(event_clock[e], c) and
+                   (event_clock[e] != c or m < n) for m, (e, _) in enumerate(waits) if m != n):
+                continue     # another wait of this group covers it
+            keep.append(item)
+        for item in keep:
+            clock[q] = [max(a, b) for a, b in zip(clock[q], event_clock[item[0][2]])]
+            out.append(item)
+
+    for step, op in items:
+        code, q = step[0], step[1]
+        if code == WAIT:
+            pending.setdefault(q, []).append((step[2], (step, op)))
+            continue
+        flush(q)
+        if code == RECORD:
+            event_clock[step[2]] = clock[q][:q] + [pos[q]] + clock[q][q + 1:]
+        else:
+            pos[q] += 1
+            clock[q][q] = pos[q]
+        out.append((step, op))
+    # (waits still pending have no later op on their queue: dropped)
+    waited = {step[2] for step, _ in out if step[0] == WAIT}
+    return [(step, op) for step, op in out if step[0] != RECORD or step[2] in waited]
+
+
+def _batch_copies(items: list, s: Slots) -> list:
+    out: list = []
+    for step, op in items:
+        prev = out[-1][0] if out else None
+        if step[0] in (COPY, COPY_2D) and prev is not None and prev[1] == step[1] and \
+                prev[0] in (COPY, COPY_2D, COPIES):
+            pairs = list(prev[2]) if prev[0] == COPIES else [(prev[2], prev[3],
+                                                              prev[0] == COPY_2D)]
+            pair = (step[2], step[3], step[0] == COPY_2D)
+            if any(_overlap(s, pair[1], d) or _overlap(s, pair[0], d) or
+                   _overlap(s, pair[0], src) for d, src, _ in pairs):
+                out.append((step, op))   # it reads or writes what the group writes: after it
+                continue
+            joined = _continued(s, pairs[-1], pair)
+            if joined is not None:
+                pairs[-1] = joined
+            else:
+                pairs.append(pair)
+            merged = (COPIES, step[1], tuple(pairs), 0, 0, 0) if len(pairs) > 1 else \
+                (COPY_2D if pairs[0][2] else COPY, step[1], pairs[0][0], pairs[0][1], 0, 0)
+            out[-1] = (merged, out[-1][1] + op)
+            continue
+        out.append((step, op))
+    return out
+
+
+def _overlap(s: Slots, a: int, b: int) -> bool:
+    """Whether views ``a`` and ``b`` (slot numbers) may share memory: the same buffer (and
+    peer) and rectangles that intersect."""
+    (src_a, spec_a), (src_b, spec_b) = s.slots[a], s.slots[b]
+    if src_a != src_b:
+        return False
+    if spec_a[0] != "rect" or spec_b[0] != "rect":
+        return True
+    _, r0, nr, c0, nc = spec_a
+    _, r1, mr, c1, mc = spec_b
+    return r0 < r1 + mr and r1 < r0 + nr and c0 < c1 + mc and c1 < c0 + nc
+
+
+def _continued(s: Slots, first: tuple, then: tuple) -> tuple | None:
+    """One copy for two whose rows continue each other in both buffers (same columns), or
+    None."""
+    (d0, s0, two_d), (d1, s1, two_d1) = first, then
+    if two_d != two_d1:
+        return None
+    blocks = []
+    for a, b in ((d0, d1), (s0, s1)):
+        (src_a, spec_a), (src_b, spec_b) = s.slots[a], s.slots[b]
+        if src_a != src_b or spec_a[0] != "rect" or spec_b[0] != "rect":
+            return None
+        _, row0, rows, col0, cols = spec_a
+        if spec_b[1:] != (row0 + rows, spec_b[2], col0, cols) or not two_d and rows < 1:
+            return None
+        blocks.append(s.slot(src_a, ("rect", row0, rows + spec_b[2], col0, cols)))
+    return (blocks[0], blocks[1], two_d)

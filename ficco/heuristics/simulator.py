@@ -455,6 +455,10 @@ class Simulation:
         """The one-kernel all-reduce: :mod:`ficco.heuristics.all_reduce_pricing`."""
         return all_reduce_pricing.price_shot_kernel(self, op, _Task)
 
+    def _price_torch_all_reduce(self, op) -> _Task:
+        """torch's symmetric-memory all-reduce: :mod:`ficco.heuristics.all_reduce_pricing`."""
+        return all_reduce_pricing.price_torch_kernel(self, op, _Task)
+
     def _price_send_recv(self, op) -> _Task:
         block = op.recv if op.recv is not None else op.send
         return self.collective("all_to_all", self._bytes(block) if block else 0, 1)

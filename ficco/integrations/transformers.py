@@ -7,7 +7,7 @@ One line, before the model is built::
 makes the stock style names of every model's plan run on ficco: ``"colwise"`` and ``"rowwise"``
 (the tensor-parallel linears) and the ``"auto"`` and ``"all_to_all"`` expert-parallel token
 exchanges. Without it, importing this module registers ficco's styles under their own names, so
-a plan opts in per layer (``DistributedConfig(tp_size=W, tp_plan={"layers.*.mlp.down_proj":
+a plan opts in per layer (``DistributedConfig(tp_size=W, tp_plan={"model.layers.*.mlp.down_proj":
 "ficco_rowwise"})``) and ``DistributedConfig(ep_size=W, ep_implementation="ficco")`` picks
 ficco's token exchange:
 
@@ -28,11 +28,18 @@ Parameters stay the DTensors transformers' own styles make (same placements), so
 optimizers and ``save_pretrained`` see what they see without ficco.
 
 Sequence parallelism: transformers (this release) keeps the whole sequence on every rank
-(``DistributedConfig.enable_sequence_parallel`` is reserved, not wired), and its attention
-modules reshape by the input's sequence length, so a sequence-sharded activation cannot enter
-them. ficco's sequence-parallel forms (``ficco.all_gather_matmul`` /
-``ficco.matmul_reduce_scatter``) are reached through ``ficco.parallel`` (torch's
-``parallelize_module``), torchtitan or Megatron-core instead (README).
+(``DistributedConfig.enable_sequence_parallel`` is reserved, not wired). ficco's sequence-parallel
+styles (:data:`SP_STYLE_NAMES`) keep the residual stream between the layers' linears as this
+rank's slice of the sequence, for a Llama-layout decoder with ``tp_plan=SEQUENCE_PARALLEL_PLAN``:
+the MLP's gate and up projections gather it inside ``ficco.all_gather_matmul``, the attention's
+output and the MLP's down projections scatter back inside ``ficco.matmul_reduce_scatter``, the
+norms run on the slice (their gradients summed over the group). The attention reshapes by its
+input's sequence length, so it takes the whole sequence: its input is gathered (a plain
+all-gather, its backward a reduce-scatter) and Q/K/V run local GEMMs. A forward whose sequence
+does not split evenly over the group (a decode step's single token) runs the replicated path
+(``"ficco_colwise"`` / ``"ficco_rowwise"``'s). A Mixtral-layout mixture of experts takes
+:data:`SEQUENCE_PARALLEL_MOE_PLAN` with ``ep_implementation="ficco"``: each rank then sends its
+own slice of the tokens to the experts.
 
 The release it is tested with is :data:`TESTED_TRANSFORMERS`; :func:`use_ficco` and
 :func:`register` refuse others outside :data:`SUPPORTED_TRANSFORMERS` with a ficco error naming
@@ -44,7 +51,9 @@ the range. This module imports without transformers.
 """
 from __future__ import annotations
 
-from ..errors import BackendUnavailableError, InvalidArgumentError
+import warnings
+
+from ..errors import BackendUnavailableError, FiccoWarning, InvalidArgumentError
 from . import CLIENTS
 from ._common import check_version, column_linear, installed_version
 
@@ -57,14 +66,46 @@ TESTED_TRANSFORMERS: str = CLIENTS["transformers"][1]
 SUPPORTED_TRANSFORMERS: tuple[str, str] = CLIENTS["transformers"][2]
 #: ficco's tensor-parallel styles, as registered in transformers' ``ParallelInterface``.
 STYLE_NAMES = ("ficco_colwise", "ficco_rowwise")
+#: ficco's sequence-parallel styles (:data:`SEQUENCE_PARALLEL_PLAN` names them all).
+SP_STYLE_NAMES = ("ficco_sequence_start", "ficco_sequence_shard", "ficco_sequence_norm",
+                  "ficco_sequence_gather", "ficco_colwise_gathered", "ficco_colwise_sp",
+                  "ficco_rowwise_sp", "ficco_sequence_norm_gather")
+#: A Llama-layout decoder (``model.embed_tokens``, ``model.layers.*.{input_layernorm,
+#: self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj}``,
+#: ``model.norm``) under sequence parallelism: the residual stream between the layers' linears
+#: holds this rank's slice of the sequence.
+SEQUENCE_PARALLEL_PLAN = {
+    "model.embed_tokens": "ficco_sequence_start",
+    "model.layers.*": "ficco_sequence_shard",
+    "model.layers.*.input_layernorm": "ficco_sequence_norm",
+    "model.layers.*.self_attn": "ficco_sequence_gather",
+    **{f"model.layers.*.self_attn.{p}_proj": "ficco_colwise_gathered" for p in "qkv"},
+    "model.layers.*.self_attn.o_proj": "ficco_rowwise_sp",
+    "model.layers.*.post_attention_layernorm": "ficco_sequence_norm",
+    "model.layers.*.mlp.gate_proj": "ficco_colwise_sp",
+    "model.layers.*.mlp.up_proj": "ficco_colwise_sp",
+    "model.layers.*.mlp.down_proj": "ficco_rowwise_sp",
+    "model.norm": "ficco_sequence_norm_gather",
+}
+#: A Mixtral-layout mixture of experts under sequence parallelism (with ``ep_size`` = the
+#: tensor-parallel size and ``ep_implementation="ficco"``, or after :func:`use_ficco`): the
+#: attention as in :data:`SEQUENCE_PARALLEL_PLAN`; the router (``mlp.gate``) runs on this rank's
+#: slice, its gradient summed over the group; the experts get each rank's own tokens through
+#: ficco's dispatch and combine.
+SEQUENCE_PARALLEL_MOE_PLAN = {
+    **{k: v for k, v in SEQUENCE_PARALLEL_PLAN.items() if ".mlp." not in k},
+    "model.layers.*.mlp.gate": "ficco_sequence_norm",
+}
 #: ficco's ``DistributedConfig.ep_implementation``.
 EP_IMPLEMENTATION = "ficco"
 #: The stock names :func:`use_ficco` points at ficco's styles.
 STOCK = {"colwise": "ficco_colwise", "rowwise": "ficco_rowwise"}
 STOCK_EP = ("auto", "all_to_all")
 
-__all__ = ["EP_IMPLEMENTATION", "STYLE_NAMES", "SUPPORTED_TRANSFORMERS", "TESTED_TRANSFORMERS",
-           "register", "stock_styles", "transformers_version", "use_ficco"]
+__all__ = ["EP_IMPLEMENTATION", "SEQUENCE_PARALLEL_MOE_PLAN", "SEQUENCE_PARALLEL_PLAN",
+           "SP_STYLE_NAMES", "STYLE_NAMES",
+           "SUPPORTED_TRANSFORMERS", "TESTED_TRANSFORMERS", "register", "stock_styles",
+           "transformers_version", "use_ficco"]
 
 _saved: dict = {}
 
@@ -91,9 +132,11 @@ def register() -> None:
     from transformers.distributed.expert_parallel import EPImplementationInterface
     from transformers.distributed.parallel_utils import ParallelInterface
 
-    colwise, rowwise, ep = _classes()
+    colwise, rowwise, ep, sp = _classes()
     ParallelInterface.register("ficco_colwise", colwise())
     ParallelInterface.register("ficco_rowwise", rowwise())
+    for name, style in sp.items():
+        ParallelInterface.register(name, style())
     EPImplementationInterface.register(EP_IMPLEMENTATION, ep)
 
 
@@ -155,11 +198,20 @@ def _make_classes():
     def _local(t):
         return t.to_local() if isinstance(t, DTensor) else t
 
-    def _linear(module, style: str):
+    def _own_forward(module, style: str) -> bool:
+        """Whether ficco's forward can replace ``module``'s: an ``nn.Linear`` with
+        nn.Linear's own forward. A subclass with a forward of its own (a quantized or adapter
+        linear) keeps it under transformers' style, with a warning."""
         if not isinstance(module, torch.nn.Linear):
             raise InvalidArgumentError(
                 f"{style} shards an nn.Linear; {type(module).__name__} is not one (keep "
                 f"transformers' own style for it)")
+        if type(module).forward is torch.nn.Linear.forward:
+            return True
+        warnings.warn(f"{style}: {type(module).__name__} overrides nn.Linear.forward, so it "
+                      f"keeps its forward and runs transformers' style (no ficco op)",
+                      FiccoWarning, stacklevel=4)
+        return False
 
     class FiccoColwiseParallel(ColwiseParallel):
         """transformers' ``"colwise"`` (replicated input, ``Shard(-1)`` output) with the
@@ -169,7 +221,8 @@ def _make_classes():
             super().__init__(input_layouts=Replicate(), output_layouts=Shard(-1))
 
         def install_forward(self, module, mesh):
-            _linear(module, "ficco_colwise")
+            if not _own_forward(module, "ficco_colwise"):
+                return super().install_forward(module, mesh)
 
             def forward(x, *args, **kwargs):
                 if isinstance(x, DTensor):
@@ -188,7 +241,8 @@ def _make_classes():
             super().__init__(input_layouts=Shard(-1), output_layouts=Replicate())
 
         def install_forward(self, module, mesh):
-            _linear(module, "ficco_rowwise")
+            if not _own_forward(module, "ficco_rowwise"):
+                return super().install_forward(module, mesh)
 
             def forward(x, *args, **kwargs):
                 if isinstance(x, DTensor):
@@ -221,7 +275,10 @@ def _make_classes():
 
         def __call__(self, hidden_states, top_k_index, top_k_weights):
             num_tokens = hidden_states.size(0)
-            if self.tp_mesh.size() > 1:
+            # under sequence parallelism each rank holds its own slice of the tokens already;
+            # otherwise the ranks of the TP group share one batch
+            shared = self.tp_mesh.size() > 1 and not _sequence_sharded(self.tp_mesh)
+            if shared:
                 # each rank of the TP group sends a disjoint slice of the batch it shares
                 hidden_states, top_k_index, top_k_weights = (
                     DTensor.from_local(t, self.tp_mesh, [Replicate()], run_check=False)
@@ -245,13 +302,227 @@ def _make_classes():
             out = torch.empty_like(z).index_copy(0, order, z)
             out = (out.view(*top_k_weights.shape, hidden)
                    * top_k_weights.unsqueeze(-1).to(out.dtype)).sum(1)
-            if self.tp_mesh.size() == 1:
+            if not shared:
                 return out
             return DTensor.from_local(out.contiguous(), self.tp_mesh, [Shard(0)],
                                       shape=(num_tokens, hidden),
                                       stride=(hidden, 1)).full_tensor()
 
-    return FiccoColwiseParallel, FiccoRowwiseParallel, FiccoEP
+    return (FiccoColwiseParallel, FiccoRowwiseParallel, FiccoEP,
+            _sequence_parallel_classes(FiccoColwiseParallel, FiccoRowwiseParallel))
+
+
+def _sequence_parallel_classes(colwise, rowwise) -> dict:
+    """The sequence-parallel styles. The embedding's style decides, per forward, whether the
+    sequence splits evenly over the group (a decode step's single token does not) and the first
+    decoder layer's splits it; every other style reads that decision from the mesh's state and
+    runs the replicated (tensor-parallel only) path where the sequence stayed whole. The final
+    norm's style ends the forward's state."""
+    import torch
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from transformers.distributed.tensor_parallel import TensorParallelLayer
+
+    import ficco
+    import ficco.nn
+
+    seq = 1         # transformers' models are batch-first: (batch, seq, hidden)
+
+    sharded = _sequence_sharded
+
+    def _local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def _plain_linear(module, style: str) -> None:
+        """A sequence-parallel linear must be an ``nn.Linear`` with its own forward: a subclass
+        that overrides it (a quantized or adapter linear) cannot take a sequence slice."""
+        if not isinstance(module, torch.nn.Linear) or \
+                type(module).forward is not torch.nn.Linear.forward:
+            raise InvalidArgumentError(
+                f"{style} runs an nn.Linear on a slice of the sequence; "
+                f"{type(module).__name__} is not one or overrides its forward (leave "
+                f"sequence parallelism out of its plan)")
+
+    class FiccoSequenceStart(TensorParallelLayer):
+        """The embedding: where a forward starts. Its output stays whole (the model derives
+        positions and masks from its length); whether the sequence splits evenly over the group
+        is decided here, and the first decoder layer splits it."""
+
+        def install_forward(self, module, mesh):
+            original = module.forward
+
+            def forward(*args, **kwargs):
+                out = original(*args, **kwargs)
+                even = out.dim() > seq and out.shape[seq] % mesh.size() == 0
+                _SHARDED[_key(mesh)] = "pending" if even else False
+                return out
+
+            module.forward = forward
+            return module
+
+    class FiccoSequenceShard(TensorParallelLayer):
+        """A decoder layer: the first one of a forward cuts its input to this rank's slice of
+        the sequence (its backward gathers the slices' gradients); the layers after it get
+        slices already."""
+
+        def install_forward(self, module, mesh):
+            original = module.forward
+
+            def forward(*args, **kwargs):
+                if _SHARDED.get(_key(mesh)) == "pending":
+                    _SHARDED[_key(mesh)] = True
+                    if "hidden_states" in kwargs:
+                        kwargs["hidden_states"] = split(kwargs["hidden_states"])
+                    else:
+                        args = (split(args[0]), *args[1:])
+                return original(*args, **kwargs)
+
+            def split(x):
+                return DTensor.from_local(x, mesh, [Replicate()], run_check=False) \
+                    .redistribute(mesh, [Shard(seq)]).to_local()
+
+            module.forward = forward
+            return module
+
+    class FiccoSequenceNorm(TensorParallelLayer):
+        """A module on this rank's rows with replicated parameters (a norm, a mixture of
+        experts' router); under sequence parallelism their gradients are summed over the group
+        (each rank's rows give part of them)."""
+
+        gather = False
+
+        def install_forward(self, module, mesh):
+            original = module.forward
+
+            def forward(x, *args, **kwargs):
+                if not sharded(mesh):
+                    return original(x, *args, **kwargs)
+                params = dict(module._parameters)
+                for name, p in params.items():
+                    if p is not None:
+                        module._parameters[name] = ficco.nn.replicated(p, mesh)
+                try:
+                    out = original(x, *args, **kwargs)
+                finally:
+                    module._parameters.update(params)
+                if self.gather:
+                    _SHARDED.pop(_key(mesh), None)       # the model's last sequence-parallel op
+                    out = DTensor.from_local(out, mesh, [Shard(seq)], run_check=False) \
+                        .redistribute(mesh, [Replicate()]).to_local()
+                return out
+
+            module.forward = forward
+            return module
+
+    class FiccoSequenceNormGather(FiccoSequenceNorm):
+        """The final norm: on this rank's rows, then the sequence gathered for the head."""
+
+        gather = True
+
+    class FiccoSequenceGather(TensorParallelLayer):
+        """The attention's input gathered (its backward reduce-scatters the input gradient):
+        the attention reshapes by its input's sequence length, so it takes the whole
+        sequence; its Q/K/V projections are ``"ficco_colwise_gathered"``."""
+
+        def install_forward(self, module, mesh):
+            original = module.forward
+
+            def forward(*args, **kwargs):
+                if sharded(mesh):
+                    if "hidden_states" in kwargs:
+                        kwargs["hidden_states"] = gather(kwargs["hidden_states"])
+                    else:
+                        args = (gather(args[0]), *args[1:])
+                return original(*args, **kwargs)
+
+            def gather(x):
+                return DTensor.from_local(x, mesh, [Shard(seq)], run_check=False).redistribute(
+                    mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+
+            module.forward = forward
+            return module
+
+    class FiccoColwiseGathered(colwise):
+        """``"ficco_colwise"`` inside a ``"ficco_sequence_gather"`` module: under sequence
+        parallelism the gather's backward sums the input gradient, so the GEMM is local both
+        ways."""
+
+        def install_forward(self, module, mesh):
+            _plain_linear(module, "ficco_colwise_gathered")
+            super().install_forward(module, mesh)
+            replicated = module.forward
+
+            def forward(x, *args, **kwargs):
+                if not sharded(mesh):
+                    return replicated(x, *args, **kwargs)
+                bias = None if module.bias is None else _local(module.bias)
+                return torch.nn.functional.linear(x, _local(module.weight), bias)
+
+            module.forward = forward
+            return module
+
+    class FiccoColwiseSP(colwise):
+        """A column-parallel linear whose input is this rank's slice of the sequence:
+        ``ficco.all_gather_matmul`` (backward: ``ficco.matmul_reduce_scatter``)."""
+
+        def install_forward(self, module, mesh):
+            _plain_linear(module, "ficco_colwise_sp")
+            super().install_forward(module, mesh)
+            replicated = module.forward
+
+            def forward(x, *args, **kwargs):
+                if not sharded(mesh):
+                    return replicated(x, *args, **kwargs)
+                out = ficco.all_gather_matmul(x, _local(module.weight).t(), mesh,
+                                              gather_dim=seq)
+                return out if module.bias is None else out + _local(module.bias)
+
+            module.forward = forward
+            return module
+
+    class FiccoRowwiseSP(rowwise):
+        """A row-parallel linear whose output is this rank's slice of the sequence:
+        ``ficco.matmul_reduce_scatter`` (backward: ``ficco.all_gather_matmul``); the
+        replicated bias is added once, its gradient summed over the group."""
+
+        def install_forward(self, module, mesh):
+            _plain_linear(module, "ficco_rowwise_sp")
+            super().install_forward(module, mesh)
+            replicated = module.forward
+
+            def forward(x, *args, **kwargs):
+                if not sharded(mesh):
+                    return replicated(x, *args, **kwargs)
+                bias = None if module.bias is None else ficco.nn.replicated(
+                    _local(module.bias), mesh)
+                out = ficco.matmul_reduce_scatter(x, _local(module.weight).t(), mesh,
+                                                  scatter_dim=seq)
+                return out if bias is None else out + bias
+
+            module.forward = forward
+            return module
+
+    return dict(zip(SP_STYLE_NAMES, (FiccoSequenceStart, FiccoSequenceShard, FiccoSequenceNorm,
+                                     FiccoSequenceGather,
+                                     FiccoColwiseGathered, FiccoColwiseSP, FiccoRowwiseSP,
+                                     FiccoSequenceNormGather)))
+
+
+#: the tensor-parallel group's name -> this forward's sequence: "pending" (it splits evenly; the
+#: first decoder layer splits it), True (split), False (kept whole); set by the embedding's
+#: style, ended by the final norm's.
+_SHARDED: dict[str, bool | str] = {}
+
+
+def _key(mesh) -> str:
+    """The state's key for a tensor-parallel mesh: its group's name (transformers slices a new
+    DeviceMesh object for each of its uses)."""
+    return mesh.get_group().group_name
+
+
+def _sequence_sharded(mesh) -> bool:
+    """Whether this forward's sequence is split over ``mesh`` (its residual stream holds this
+    rank's slice)."""
+    return _SHARDED.get(_key(mesh)) is True
 
 
 def _register_on_import() -> None:

@@ -122,8 +122,13 @@ def _shot_body(partials, reduceds, pads, part_local, out, err, halt, counters, p
         if stop == 0:
             store_word(halt, GAVE_UP)
     else:
-        for q in tl.static_range(WORLD):   # acquire what each peer released with its flag
-            tl.atomic_add(own_pad + FIRST * WORLD + q, 0, sem="acquire", scope="sys")
+        # Acquire what each peer released with its flag (the values read back are the flags,
+        # checked so that no compiler drops the reads).
+        held = 0
+        for q in tl.static_range(WORLD):
+            held += tl.where(tl.atomic_add(own_pad + FIRST * WORLD + q, 0, sem="acquire",
+                                           scope="sys") == flag, 1, 0)
+        ok = tl.where(held == WORLD, ok, 0)
 
     # -- the sums -------------------------------------------------------------------------
     if TWO_SHOT:
@@ -184,8 +189,11 @@ def _shot_body(partials, reduceds, pads, part_local, out, err, halt, counters, p
             if stop == 0:
                 store_word(halt, GAVE_UP)
         else:
+            held = 0
             for q in tl.static_range(WORLD):
-                tl.atomic_add(own_pad + (1 - FIRST) * WORLD + q, 0, sem="acquire", scope="sys")
+                held += tl.where(tl.atomic_add(own_pad + (1 - FIRST) * WORLD + q, 0,
+                                               sem="acquire", scope="sys") == flag, 1, 0)
+            ok = tl.where(held == WORLD, ok, 0)
         # -- the peers' pieces -------------------------------------------------------------
         for q in tl.static_range(WORLD):
             if q != rank:
@@ -238,9 +246,9 @@ def _shot_body(partials, reduceds, pads, part_local, out, err, halt, counters, p
         # programs finished first wrote (a replayed graph has no fence to do it).
         if tl.reduce(load_word(halt + nowhere, AMD), 0, _MAX) != 0:
             nan = tl.full((BLOCK,), float("nan"), tl.float32).to(out.dtype.element_ty)
-            for start in range(0, numel, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                tl.store(out + offs, nan, mask=offs < numel)
+            for at in range(0, numel, BLOCK):
+                spots = at + tl.arange(0, BLOCK)
+                tl.store(out + spots, nan, mask=spots < numel)
 
 
 @functools.cache
@@ -361,3 +369,38 @@ def check_error(err: torch.Tensor, rank: int, timeout_s: float | None = None) ->
 
 
 __all__ = ["SIGNAL_CHANNELS", "check_error", "pieces_table", "shot_all_reduce", "tables_for"]
+
+
+def compile_offline(target: str, dtype: str = "bf16", out_dtype: str | None = None,
+                    world: int = 8, two_shot: bool = False, **options) -> dict:
+    """Compile the kernel for ``target`` ("cuda:sm_90", "rocm:gfx942", ...) without a device
+    (Triton ships its own LLVM and assemblers) and return its assembly by stage (``"ptx"``,
+    ``"amdgcn"``, ...): proof off-GPU that the compiled path builds, and what its flag
+    writes, polls and decisions lower to."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from .trace import clock_mode
+
+    kind, _, arch = target.partition(":")
+    if kind == "cuda":
+        gpu = GPUTarget("cuda", int(arch.removeprefix("sm_")), 32)
+    elif kind in ("rocm", "hip"):
+        gpu = GPUTarget("hip", arch, 64)
+    else:
+        raise InvalidArgumentError(f"compile_offline needs a cuda:sm_XX or rocm:gfxXXX target; "
+                                   f"got {target!r}")
+    jitted = triton.jit(_shot_body)
+    out_dtype = out_dtype or dtype
+    types = {"partials": "*i64", "reduceds": "*i64", "pads": "*i64", "part_local": f"*{dtype}",
+             "out": f"*{out_dtype}", "err": "*i32", "halt": "*i32", "counters": "*i32",
+             "pieces": "*i64", "numel": "i32", "rank": "i32", "flag": "i32",
+             "wait_ticks": "i64", "scale": "fp32"}
+    lanes = LANES if kind == "cuda" else 2 * LANES     # 32 x warps, 64 x waves
+    constexprs = {"WORLD": world, "LANES": lanes, "BLOCK": BLOCK, "TWO_SHOT": two_shot,
+                  "FIRST": 0, "SCALED": True, "WIDE": out_dtype == "fp64",
+                  "CLOCK": clock_mode(target), "AMD": kind != "cuda"}
+    signature = {name: types.get(name, "constexpr") for name in jitted.arg_names}
+    kernel = triton.compile(ASTSource(fn=jitted, signature=signature, constexprs=constexprs),
+                            target=gpu, options={"num_warps": NUM_WARPS, **options})
+    return dict(kernel.asm)

@@ -24,6 +24,7 @@ import weakref
 import torch
 
 from ..plan import describe_flag
+from ..symm_mem.barrier import WRITE, SignalOp
 
 
 def raise_flag(backend, queue, flags: torch.Tensor, index: int) -> None:
@@ -31,6 +32,14 @@ def raise_flag(backend, queue, flags: torch.Tensor, index: int) -> None:
     backend's ``signal_write`` (the barrier protocol's primitive) at the backend's slot for
     that word."""
     backend.signal_write(queue, backend.tensor_slot(flags, index), 1)
+
+
+def raise_flags(backend, queue, flags: torch.Tensor, indices: tuple) -> None:
+    """:func:`raise_flag` of every index in ``indices``, in order, as one barrier program
+    (``signal_batch``: one ``cuStreamBatchMemOp`` on CUDA)."""
+    slot = backend.tensor_slot
+    backend.signal_batch(queue, tuple(SignalOp(WRITE, slot(flags, i), 1, -1) for i in indices),
+                         None)
 
 
 class TileTrace:

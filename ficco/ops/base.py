@@ -85,6 +85,12 @@ class OpSpec(ABC, Generic[C]):
         ``plan``: the Plan that will run (a buffer whose layout is the schedule's is sized
         from it: the all-reduce's landing rows, :meth:`~ficco.plan.Plan.rows_of`)."""
 
+    def annotate(self, decision, problem):
+        """``decision`` (what ``explain`` shows for ``problem``) with what this op adds to it:
+        the all-reduce names the kernel its pick runs and the published time that kernel is
+        priced against. By default unchanged."""
+        return decision
+
     def poison(self, buffers) -> None:
         """FICCO_POISON: fill what the plan must write with NaN so unwritten values show."""
         for t in (*buffers.outs, buffers.gathered):

@@ -568,7 +568,7 @@ def explain(call: Call, schedule: str | None = None):
         decision = dataclasses.replace(
             decision, reason=f"{decision.reason} (transport assumes one host: not yet agreed "
                              f"with the other ranks)")
-    return decision
+    return call.op.annotate(decision, problem)
 
 
 def last_run(group=None) -> tuple[str, str] | None:

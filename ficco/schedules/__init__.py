@@ -16,6 +16,7 @@ from ..ops.all_gather_matmul.schedules.serial import Serial
 from ..ops.expert.schedules import all_to_all
 from ..ops.matmul_all_reduce import schedules as all_reduce
 from ..ops.matmul_all_reduce.schedules.kernel import KERNEL_SCHEDULES, ShotKernel
+from ..ops.matmul_all_reduce.schedules.torch_kernels import TORCH_SCHEDULES, TorchShot
 from ..ops.matmul_reduce_scatter import schedules as reduce_scatter
 from ..plan.problem import ALL_GATHER_MATMUL, MATMUL_ALL_REDUCE, MATMUL_REDUCE_SCATTER
 from .common import Schedule
@@ -33,9 +34,10 @@ _REGISTRY: dict[str, dict[str, Schedule]] = {
 #: Schedules that need an optional extra (Triton), per op: get() knows them and they plan and
 #: simulate anywhere, but names() leaves them out and selectors see them only where they run
 #: (offered()).
-_OPTIONAL: dict[str, dict[str, Gated | ShotKernel]] = {
+_OPTIONAL: dict[str, dict[str, Gated | ShotKernel | TorchShot]] = {
     ALL_GATHER_MATMUL: {s.name: s for s in GATED_SCHEDULES}, MATMUL_REDUCE_SCATTER: {},
-    MATMUL_ALL_REDUCE: {s.name: s for s in KERNEL_SCHEDULES},
+    MATMUL_ALL_REDUCE: {**{s.name: s for s in KERNEL_SCHEDULES},
+                        **{s.name: s for s in TORCH_SCHEDULES}},
     **{op: {} for op in all_to_all.SCHEDULES}}
 
 

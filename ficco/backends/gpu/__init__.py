@@ -68,6 +68,7 @@ class GpuBackend(Backend):
         self._device = self._torch_device(device)
         self.vendor = type(self).make_vendor()
         self.vendor.bind_device(self._device.index)
+        self.batches_copies = self.vendor.batches_copies
         self._copy_streams: dict[int, torch.cuda.Stream] = {}
         self._comm_stream: torch.cuda.Stream | None = None
         self._side_stream: torch.cuda.Stream | None = None
@@ -256,6 +257,46 @@ class GpuBackend(Backend):
             return lambda queue: copy_2d(args, queue.cuda_stream)
         copy_1d, (d, s, n) = self.vendor.copy_1d, args
         return lambda queue: copy_1d(d, s, n, queue.cuda_stream)
+
+    def prepare_copies(self, pairs):
+        """Copies of one queue as one ready call of the queue: where the vendor batches
+        copies, the 1-D ones in one :meth:`Vendor.copy_batch` and the 2-D ones in one
+        :meth:`Vendor.copy_batch_2d` (one vendor call each while a graph is captured: the batch
+        calls' capture has not run on a GPU here); else one vendor call per copy."""
+        args = [copy_call_args(dst, src, two_d) for dst, src, two_d in pairs]
+        flat = [a for a in args if a is not None and type(a) is not Copy2D]
+        pitched = [a for a in args if type(a) is Copy2D]
+        vendor = self.vendor
+        copy_1d, copy_2d = vendor.copy_1d, vendor.copy_2d
+        if not self.batches_copies:
+            def one_by_one(queue):
+                stream = queue.cuda_stream
+                for d, s, n in flat:
+                    copy_1d(d, s, n, stream)
+                for a in pitched:
+                    copy_2d(a, stream)
+            return one_by_one
+        batch, batch_2d = vendor.copy_batch, vendor.copy_batch_2d
+        dsts, srcs, sizes = ([a[i] for a in flat] for i in range(3))
+        capturing = torch.cuda.is_current_stream_capturing
+
+        def batched(queue):
+            stream = queue.cuda_stream
+            if capturing():
+                for d, s, n in flat:
+                    copy_1d(d, s, n, stream)
+                for a in pitched:
+                    copy_2d(a, stream)
+                return
+            if len(flat) > 1:
+                batch(dsts, srcs, sizes, stream)
+            elif flat:
+                copy_1d(dsts[0], srcs[0], sizes[0], stream)
+            if len(pitched) > 1:
+                batch_2d(pitched, stream)
+            elif pitched:
+                copy_2d(pitched[0], stream)
+        return batched
 
     def gemm(self, a, b, out, accumulate, queue):
         if out.numel() == 0:

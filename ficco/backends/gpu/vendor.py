@@ -52,6 +52,26 @@ class Vendor(ABC):
     @abstractmethod
     def copy_2d(self, args: Copy2D, stream: int) -> None: ...
 
+    #: :meth:`copy_batch` is one runtime call whose copies run concurrently (set per instance
+    #: by vendors that have one: CUDA >= 12.8's ``cudaMemcpyBatchAsync``)
+    batches_copies: bool = False
+
+    def copy_batch(self, dsts: list[int], srcs: list[int], sizes: list[int],
+                   stream: int) -> None:
+        """1-D copies ``dsts[i] <- srcs[i]`` of ``sizes[i]`` bytes, independent of each other,
+        in stream order as a whole. Vendors with a batch call override it; this one makes one
+        call per copy."""
+        for dst, src, nbytes in zip(dsts, srcs, sizes):
+            self.copy_1d(dst, src, nbytes, stream)
+
+    def copy_batch_2d(self, copies: list[Copy2D], stream: int) -> None:
+        """2-D copies, independent of each other, in stream order as a whole (one call where
+        :attr:`batches_copies`: CUDA's ``cudaMemcpy3DBatchAsync``; here one call each).
+        ``copies`` is the same list object every call of a bound plan (vendors may keep what
+        they built from it)."""
+        for args in copies:
+            self.copy_2d(args, stream)
+
     @abstractmethod
     def write_value32(self, stream: int, address: int, value: int) -> None:
         """Stream-ordered store of ``value`` at ``address``, fenced after earlier work."""

@@ -115,6 +115,15 @@ class MatmulAllReduce(MatmulReduceScatter):
                        reduced_offsets=tuple(offsets[count:]), a_scale=ops.a_scale,
                        b_scales=ops.b_scales, biases=ops.biases, wide=wide)
 
+    def annotate(self, decision, problem):
+        """The decision with the kernel its pick runs and the published time it is priced
+        against (:func:`~ficco.ops.matmul_all_reduce.pricing.priced_against`)."""
+        import dataclasses
+
+        from .pricing import priced_against
+
+        return dataclasses.replace(decision, priced=priced_against(problem, decision))
+
     def poison(self, buffers: Buffers) -> None:
         for t in (*buffers.outs, *buffers.recvs, *buffers.partials, *buffers.reduced):
             t.fill_(float("nan"))
