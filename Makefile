@@ -7,7 +7,11 @@
 #   (tests/test_kernels.py, test_gated.py) and whose import torchtitan's model code needs; and
 #   torchtitan (tests/test_torchtitan.py) without its trainer's dependencies (datasets, wandb,
 #   tensorboard, ...: ~60 packages the test never imports), plus the few its model and config
-#   code imports.
+#   code imports; transformers and megatron-core (tests/test_integrations_*.py): transformers
+#   with its own dependencies (tokenizers, safetensors, huggingface-hub, ...: what its model
+#   loading imports) and accelerate (its from_pretrained needs it for a tensor-parallel load);
+#   megatron-core needs nothing beyond torch, numpy and packaging (no Transformer Engine, no
+#   apex: the tests use its local layer spec).
 # - lint: ruff and mypy (pinned: a new release may find new things).
 PY ?= python3
 VENV ?= .venv
@@ -20,6 +24,10 @@ LINTERS ?= ruff==0.17.5 mypy==2.4.1
 # torchtitan extra); torchtitan needs Python >= 3.11
 TORCHTITAN ?= torchtitan==0.3.0
 TORCHTITAN_IMPORTS ?= tyro spmd_types==0.2.3
+# the releases ficco.integrations is tested with (ficco.integrations.CLIENTS, pyproject's
+# transformers and megatron extras); transformers 5.24 needs Python >= 3.11
+TRANSFORMERS ?= transformers==5.24.0 accelerate==1.15.0
+MEGATRON ?= megatron-core==0.16.1
 # The other end of the supported torch range: the GPU machines' torch 2.11 (PyPI's wheel, a
 # CUDA build, with its Triton 3.6), in a venv of its own, on the tests that touch what changed
 # between torch releases (custom ops and compile, fp8, async TP, the parallel styles; the
@@ -41,8 +49,10 @@ $(BIN)/.test-installed: $(BIN)/.demo-installed Makefile
 	$(BIN)/pip install -q -e '.[bench,test,triton,cuda13]' 'hip-python==10.*'
 	if $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
 	  $(BIN)/pip install -q --no-deps $(TORCHTITAN) && \
-	  $(BIN)/pip install -q $(TORCHTITAN_IMPORTS); \
-	else echo "torchtitan needs Python >= 3.11: tests/test_torchtitan.py will skip"; fi
+	  $(BIN)/pip install -q $(TORCHTITAN_IMPORTS) $(TRANSFORMERS); \
+	else echo "torchtitan and transformers need Python >= 3.11: tests/test_torchtitan.py and" \
+	  "tests/test_integrations_transformers.py will skip"; fi
+	$(BIN)/pip install -q $(MEGATRON)
 	touch $@
 
 $(BIN)/.lint-installed: $(BIN)/.demo-installed Makefile

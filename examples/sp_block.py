@@ -73,7 +73,7 @@ class SPTPBlock(nn.Module):
     def reference_params(self, reference: Block, rank: int, world: int):
         """(name, this rank's parameter, the matching slice of ``reference``'s) for each
         parameter, to compare a sharded training run with an unsharded one."""
-        from ficco.problem import even_split
+        from ficco.plan.problem import even_split
 
         def rows(t, n):
             start, length = even_split(n, world)[rank]

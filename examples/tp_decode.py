@@ -27,7 +27,7 @@ from torch import nn
 
 import ficco
 import ficco.nn as fnn
-from ficco.problem import even_split
+from ficco.plan.problem import even_split
 
 
 class DecodeBlock(nn.Module):

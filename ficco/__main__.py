@@ -1,5 +1,5 @@
 """``python -m ficco selftest``: ficco checks itself where it runs (ficco/selftest); ``python
--m ficco demo``: the end-to-end demo on CPU ranks (ficco/demo.py). Benchmarks live under
+-m ficco demo``: the end-to-end demo on CPU ranks (ficco/demo/__init__.py). Benchmarks live under
 ``python -m ficco.bench``."""
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def main(argv=None) -> int:
 
 def version() -> str:
     """What ``--version`` prints: ficco's version and, one a line, those of what it runs on (torch and its
-    CUDA or ROCm, Triton, the GPU bindings, torchtitan), "-" for what is not installed.
+    CUDA or ROCm, Triton, the GPU bindings, the clients ficco integrates with: torchtitan,
+    transformers, megatron-core), "-" for what is not installed.
 
     >>> version().startswith("ficco ")
     True
@@ -51,7 +52,8 @@ def version() -> str:
         f"ROCm {torch.version.hip}" if getattr(torch.version, "hip", None) else "CPU"
     parts = [f"torch {torch.__version__} ({build})"]
     for label, dist in (("Triton", "triton"), ("cuda-bindings", "cuda-bindings"),
-                        ("hip-python", "hip-python"), ("torchtitan", "torchtitan")):
+                        ("hip-python", "hip-python"), ("torchtitan", "torchtitan"),
+                        ("transformers", "transformers"), ("megatron-core", "megatron-core")):
         parts.append(f"{label} {_installed(dist)}")
     return "\n".join([f"ficco {__version__}", *parts])
 

@@ -1,18 +1,23 @@
 """The public entry points: ``all_gather_matmul``, ``matmul_reduce_scatter``,
-``matmul_all_reduce``, the expert-parallel pair, ``explain`` and ``shutdown``.
+``matmul_all_reduce``, the expert-parallel pair, ``explain``, ``warmup`` and ``shutdown``.
 
 Data flows one way: arguments -> op spec (``ficco/ops/``: validated, canonical Call) ->
-runtime (``ficco/runtime.py``: agreement, Decision, Plan, executor) -> the caller's layout.
+runtime (``ficco/runtime/path.py``: agreement, Decision, Plan, executor) -> the caller's layout.
 """
 from __future__ import annotations
 
 import atexit
+from collections.abc import Callable
 
-from . import library, library_all_reduce, runtime
+import torch
+
 from .errors import InvalidArgumentError
-from .ops.all_gather_matmul import SPEC as _ALL_GATHER_MATMUL
-from .ops.matmul_all_reduce import SPEC as _MATMUL_ALL_REDUCE
-from .ops.matmul_reduce_scatter import SPEC as _MATMUL_REDUCE_SCATTER
+from .ops import library
+from .ops.all_gather_matmul.spec import SPEC as _ALL_GATHER_MATMUL
+from .ops.matmul_all_reduce import torch_op as library_all_reduce
+from .ops.matmul_all_reduce.spec import SPEC as _MATMUL_ALL_REDUCE
+from .ops.matmul_reduce_scatter.spec import SPEC as _MATMUL_REDUCE_SCATTER
+from .runtime import path as runtime
 
 last_run = runtime.last_run    # (schedule, transport) of a group's last call: session_of().last
 _EXPERT_OPS = ("all_to_all_grouped_mm", "grouped_mm_all_to_all")
@@ -49,7 +54,7 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
     >>> c.dtype, tuple(c.shape)
     (torch.bfloat16, (4, 16))
     """
-    # Through the torch custom op (autograd, autocast, torch.compile); ficco/library.py.
+    # Through the torch custom op (autograd, autocast, torch.compile); ficco/ops/library.py.
     return library.all_gather_matmul(a_shard, b, group, gather_dim=gather_dim,
                                      schedule=schedule, return_gathered=return_gathered,
                                      a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype,
@@ -81,7 +86,7 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
     >>> torch.allclose(ficco.matmul_reduce_scatter(a, w), a @ w)   # one rank: a plain matmul
     True
     """
-    # Through the torch custom op (autograd, autocast, torch.compile); ficco/library.py.
+    # Through the torch custom op (autograd, autocast, torch.compile); ficco/ops/library.py.
     return library.matmul_reduce_scatter(a, b, group, scatter_dim=scatter_dim,
                                          reduce_op=reduce_op, schedule=schedule,
                                          a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype,
@@ -113,6 +118,43 @@ def matmul_all_reduce(a, b, group=None, *, reduce_op="sum", schedule=None, a_sca
     return library_all_reduce.matmul_all_reduce(a, b, group, reduce_op=reduce_op,
                                                 schedule=schedule, a_scale=a_scale,
                                                 b_scale=b_scale, out_dtype=out_dtype, bias=bias)
+
+
+def warmup(op, shapes, group=None, *, dtype=torch.bfloat16, **kwargs) -> list:
+    """Make the first sight of each problem now: one call of ``op`` (``"all_gather_matmul"``,
+    ``"matmul_reduce_scatter"`` or ``"matmul_all_reduce"``) per ``(rows, K, n)`` in
+    ``shapes``, on random operands of ``dtype`` on this process's device, so the ``auto``
+    selector measures its shortlist for each of them here (a serving process that knows its
+    buckets calls it at start) and later calls of those keys find the decision cached. Rows
+    and K are the op's own: the all-gather's rows per rank and K; the reduce-scatter's and
+    all-reduce's rows and this rank's K. ``kwargs`` go to every call (``schedule``,
+    ``reduce_op``, ``out_dtype``, ...). Every rank of ``group`` must call it with the same
+    list, as any ficco call. Returns ``(schedule, transport)`` per shape as the calls ran.
+
+    >>> import ficco
+    >>> ficco.warmup("matmul_all_reduce", [(4, 8, 5)], dtype=torch.float32)  # one rank
+    [None]
+    """
+    from .backends import get_backend
+
+    calls: dict[str, Callable[..., object]] = {
+        "all_gather_matmul": all_gather_matmul, "matmul_reduce_scatter": matmul_reduce_scatter,
+        "matmul_all_reduce": matmul_all_reduce}
+    if op not in calls:
+        raise InvalidArgumentError(f"warmup takes {', '.join(calls)}; got op={op!r}")
+    shapes = [tuple(shape) for shape in shapes]
+    if any(len(shape) != 3 or not all(isinstance(x, int) and x > 0 for x in shape)
+           for shape in shapes):
+        raise InvalidArgumentError(f"warmup shapes are (rows, K, n) of positive ints; got "
+                                   f"{shapes}")
+    device = get_backend().device()
+    ran = []
+    for rows, k, n in shapes:
+        a = torch.randn(rows, k, device=device).to(dtype)
+        b = torch.randn(k, n, device=device).to(dtype)
+        calls[op](a, b, group, **kwargs)
+        ran.append(last_run(group))
+    return ran
 
 
 def _prepare(op, a, b, group, dim, reduce_op, counts=None, epilogue=None):
@@ -187,7 +229,7 @@ def traced_matmul_reduce_scatter(a, b, group=None, *, schedule, transport=None, 
     return runtime.traced(call, schedule, transport)
 
 
-# -- expert parallelism (library_expert.py) --------------------------------------------------------
+# -- expert parallelism (ops/expert/torch_op.py) ----------------------------------------------------
 def all_to_all_grouped_mm(x, counts, w, group=None, *, schedule=None):
     """Expert-parallel dispatch: the all-to-all of tokens to their experts, then every
     expert's GEMM, with the all-to-all hidden behind the grouped GEMM. Returns
@@ -206,7 +248,7 @@ def all_to_all_grouped_mm(x, counts, w, group=None, *, schedule=None):
     >>> torch.allclose(y, torch.cat([x[:2] @ w[0], x[2:] @ w[1]])), rc.tolist()
     (True, [[2], [3]])
     """
-    from . import library_expert as expert_library
+    from .ops.expert import torch_op as expert_library
 
     return expert_library.all_to_all_grouped_mm(x, counts, w, group, schedule=schedule)
 
@@ -225,14 +267,14 @@ def grouped_mm_all_to_all(h, recv_counts, w2, group=None, *, schedule=None, send
     >>> torch.allclose(z, torch.cat([x[:2] @ w[0] @ w2[0], x[2:] @ w[1] @ w2[1]]), atol=1e-5)
     True
     """
-    from . import library_expert as expert_library
+    from .ops.expert import torch_op as expert_library
 
     return expert_library.grouped_mm_all_to_all(h, recv_counts, w2, group, schedule=schedule,
                                                 send_counts=send_counts)
 
 
 def session_of(group=None):
-    """The :class:`~ficco.session.Session` of ``group`` (a ProcessGroup, a group name, a 1-D
+    """The :class:`~ficco.runtime.session.Session` of ``group`` (a ProcessGroup, a group name, a 1-D
     DeviceMesh or None: the default group, or no group) with the active backend in this
     process, made at first use: what ficco keeps about the group between calls. Read it,
     don't change it: ``last`` (the Decision of its last multi-rank call), ``poisoned`` (None,
@@ -246,14 +288,14 @@ def session_of(group=None):
     """
     from .backends import get_backend
     from .group import resolve
-    from .session import of
+    from .runtime.session import of
 
     return of(resolve(group), get_backend())
 
 
 def shutdown() -> None:
     """Drop what ficco keeps about every group in this process (workspaces, queues, calls,
-    plans, decisions, agreements; ficco.session): the one recovery after an error, run on every
+    plans, decisions, agreements; ficco.runtime.session): the one recovery after an error, run on every
     rank (it is local: a group is in step again once every rank called it). Safe to call
     twice; runs at interpreter exit.
 

@@ -21,7 +21,7 @@ class ConfigError(FiccoError, ValueError):
 class MismatchError(FiccoError):
     """Ranks of one group called with different shapes, dtypes or schedules, or made their
     calls in another order: their programs are out of step, so the group's session is poisoned
-    until ``ficco.shutdown()`` ran on every rank (ficco.guard)."""
+    until ``ficco.shutdown()`` ran on every rank (ficco.runtime.guard)."""
 
     #: a plan barrier's mismatch: peer rank -> the call flag its slot held, which the runtime
     #: turns into the calls they stand for (ficco.symm_mem.barrier)
@@ -62,7 +62,7 @@ class FiccoWarning(UserWarning):
 @dataclass
 class ErrorContext:
     """What ficco learnt about an exception on its way up, kept on it as one record
-    (:func:`error_context`) for the layer that words the final error (``ficco.guard``)."""
+    (:func:`error_context`) for the layer that words the final error (``ficco.runtime.guard``)."""
 
     #: the plan step it came from (the first one named wins)
     step: str | None = None
@@ -109,7 +109,7 @@ _E = TypeVar("_E", bound=BaseException)
 
 
 def name_step(exc: _E, step: str) -> _E:
-    """Remember on ``exc`` the plan step it came from (``ficco.guard.failed`` puts it in the
+    """Remember on ``exc`` the plan step it came from (``ficco.runtime.guard.failed`` puts it in the
     message); the first step named wins. Returns ``exc``.
 
     >>> error_context(name_step(name_step(ValueError("x"), "plan step 3"), "plan step 5")).step

@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import torch
 
-from . import agreement, library
 from .errors import InvalidArgumentError
 from .group import name_of, rank_world, resolve
+from .ops import library
+from .runtime import agreement
 
 RECIPES = ("rowwise", "tensorwise")
 

@@ -38,10 +38,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from . import library, library_all_reduce
 from .errors import InvalidArgumentError
 from .group import NO_GROUP, name_of, rank_world, resolve
-from .problem import even_split
+from .ops import library
+from .ops.matmul_all_reduce import torch_op as library_all_reduce
+from .plan.problem import even_split
 
 
 def _check_features(in_features, out_features: list) -> None:

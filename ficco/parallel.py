@@ -48,9 +48,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import style as _torch
 
-from . import library, library_all_reduce
 from .errors import InvalidArgumentError
 from .nn import replicated
+from .ops import library
+from .ops.matmul_all_reduce import torch_op as library_all_reduce
 
 __all__ = [
     "ColwiseParallel",

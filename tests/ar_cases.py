@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 import ficco
-from ficco import config, runtime
-from ficco.problem import even_split
+from ficco import config
+from ficco.plan.problem import even_split
+from ficco.runtime import path as runtime
 
 from .fp8_cases import E4M3, quantize
 from .reference import ROW_TOL, max_row_rel_err

@@ -92,7 +92,7 @@ def check_ar_plans(plans: list[Plan]) -> None:
     """:func:`tests.plan_checks.check_plans` for ``matmul_all_reduce`` plans.
 
     >>> from ficco import schedules
-    >>> from ficco.problem import Problem
+    >>> from ficco.plan.problem import Problem
     >>> p = [Problem(5, 4, (3,), "float32", 2, r, op="matmul_all_reduce") for r in (0, 1)]
     >>> check_ar_plans([schedules.get("two-shot", op=q.op).plan(q) for q in p])
     """

@@ -19,8 +19,9 @@ from torch import nn
 import ficco
 import ficco.moe
 import ficco.nn as fnn
-from ficco import agreement, compat, session
+from ficco import compat
 from ficco.errors import FiccoError
+from ficco.runtime import agreement, session
 
 E4M3 = torch.float8_e4m3fn
 _COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce",
@@ -278,8 +279,9 @@ def schedule_env_per_family(rank, world, seed):
     """FICCO_SCHEDULE (here its scope) naming a dense schedule forces the dense ops and leaves
     the expert ops to their selector (they have no ring-bidir); a name of no op fails every
     op with a ConfigError before any communication. Returns what ran and what raised."""
-    from ficco import config, runtime
+    from ficco import config
     from ficco.errors import ConfigError
+    from ficco.runtime import path as runtime
 
     gen = torch.Generator().manual_seed(seed)
     a, b = torch.randn(4, 6, generator=gen), torch.randn(6, 3, generator=gen)

@@ -5,7 +5,8 @@ the docs use without defining them (``x_shard``, ``w_up``, ``group_name``, ``tp_
 built by :func:`namespace` from one seed, so every rank holds shards of the same tensors). A
 ```` ```python fragment ```` block is not runnable as written (a signature with ``*,``, a plan
 shown with ``...``, a CUDA graph); its ``ficco.…`` names must resolve after ``import ficco`` and
-the keywords it passes to them must be parameters of theirs. :data:`CHECKS` compares what a
+the keywords it passes to them must be parameters of theirs. A ```` ```python client ```` block
+is a client package's code (:func:`client_blocks`), run by that client's tests. :data:`CHECKS` compares what a
 block computes, or what it prints, with a float64 reference.
 """
 from __future__ import annotations
@@ -51,6 +52,13 @@ def runnable() -> list[Block]:
 
 def fragments() -> list[Block]:
     return [b for b in blocks() if b.info == "python fragment"]
+
+
+def client_blocks() -> list[Block]:
+    """```` ```python client ```` blocks: a client package's code (transformers,
+    megatron-core), run as written by that client's tests (tests/test_integrations_*.py), in
+    their pools, with the names they use (a model directory, ...)."""
+    return [b for b in blocks() if b.info == "python client"]
 
 
 # --- the names the docs use -------------------------------------------------------------------

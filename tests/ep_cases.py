@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 import ficco
-from ficco import config, runtime
+from ficco import config
+from ficco.runtime import path as runtime
 
 from .reference import ROW_TOL, invalid_argument_report, max_row_rel_err
 
@@ -468,7 +469,7 @@ def slow_grouped_gemms(rank, world, seed, schedule, transport):
     float64 ("ok", err) or what was raised."""
     import time
 
-    from ficco import host_tasks_expert as tasks
+    from ficco.ops.expert import tasks
 
     counts, xs, w, w2 = make_case(seed, world, 1)
     local = slice(rank, rank + 1)

@@ -152,6 +152,8 @@ class Device:
         if graph is not None:
             graph.nodes.append((stream, fn, False))
             return
+        # commands this thread submitted (submitted()): a GPU runtime call each
+        _tls.submitted = getattr(_tls, "submitted", 0) + 1
         with self.cond:
             stream.pending += 1
         self._fifos[stream.hw].put((stream, fn))
@@ -352,7 +354,7 @@ def stream_context(s):
 
 # -- the vendor: copies and memory operations as stream commands -----------------------------------
 def vendor_class(vendor_name: str):
-    from ficco.backends.vendor import Vendor
+    from ficco.backends.gpu.vendor import Vendor
     from ficco.symm_mem.barrier import WRITE
 
     class FakeVendor(Vendor):
@@ -361,6 +363,9 @@ def vendor_class(vendor_name: str):
         def __init__(self):
             self.dev = _device()
             self.calls: list[tuple[str, int]] = []     # (call, stream) in issue order
+            # cudaMemcpyBatchAsync / cudaMemcpy3DBatchAsync (CUDA >= 12.8): one command whose
+            # copies run in any order (here: the reverse of theirs)
+            self.batches_copies = _state.get("batch_copies", False)
 
         def _describe(self, status):
             return str(status)
@@ -390,6 +395,31 @@ def vendor_class(vendor_name: str):
                     self.dev.memory.check(d, args.width, "2-D copy destination")
                     ctypes.memmove(d, s, args.width)
             self._on(stream, "copy_2d", run)
+
+        def copy_batch(self, dsts, srcs, sizes, stream):
+            if not self.batches_copies:
+                return Vendor.copy_batch(self, dsts, srcs, sizes, stream)
+            moves = list(zip(dsts, srcs, sizes))
+
+            def run():
+                for dst, src, nbytes in reversed(moves):
+                    self.dev.memory.check(src, nbytes, "copy source")
+                    self.dev.memory.check(dst, nbytes, "copy destination")
+                    ctypes.memmove(dst, src, nbytes)
+            self._on(stream, "copy_batch", run)
+
+        def copy_batch_2d(self, copies, stream):
+            if not self.batches_copies:
+                return Vendor.copy_batch_2d(self, copies, stream)
+
+            def run():
+                for args in reversed(copies):
+                    for row in range(args.height):
+                        s, d = args.src + row * args.spitch, args.dst + row * args.dpitch
+                        self.dev.memory.check(s, args.width, "2-D copy source")
+                        self.dev.memory.check(d, args.width, "2-D copy destination")
+                        ctypes.memmove(d, s, args.width)
+            self._on(stream, "copy_batch_2d", run)
 
         def write_value32(self, stream, address, value):
             def run():
@@ -500,14 +530,16 @@ class _Properties:
         self.name, self.gcnArchName, self.major, self.minor = "fake GPU", "gfx942", 9, 0
 
 
-def install(vendor: str = "cuda", hw_queues: int = 8, sms: int = 16):
+def install(vendor: str = "cuda", hw_queues: int = 8, sms: int = 16,
+            batch_copies: bool = False):
     """Replace ``torch.cuda``'s streams and events by the fake device's and make the fake
-    backend ficco's ``vendor`` backend (``FICCO_BACKEND=vendor``). Returns the device."""
+    backend ficco's ``vendor`` backend (``FICCO_BACKEND=vendor``). Returns the device.
+    ``batch_copies``: the vendor submits a queue's copies in one call (as CUDA >= 12.8)."""
     from ficco import backends
 
     uninstall()
     device = Device(hw_queues, sms)
-    _state.update(device=device, vendor=vendor, hw_queues=hw_queues,
+    _state.update(device=device, vendor=vendor, hw_queues=hw_queues, batch_copies=batch_copies,
                   saved={name: getattr(torch.cuda, name) for name in _PATCHED})
     patched = {"Stream": FakeStream, "Event": FakeEvent, "current_stream": current_stream,
                "stream": stream_context, "current_device": lambda: 0,
@@ -553,3 +585,10 @@ def ensure(vendor: str = "cuda", hw_queues: int = 8) -> Device:
 
 def device() -> Device:
     return _device()
+
+
+def submitted() -> int:
+    """Commands the calling thread submitted to the device so far (each a runtime call on a
+    GPU: a copy or batch of copies, an event record or wait, a stream memory operation, a
+    kernel)."""
+    return getattr(_tls, "submitted", 0)

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 import ficco
 import ficco.float8 as f8
-from ficco.problem import even_split
+from ficco.plan.problem import even_split
 
 
 def bias_gradcheck(rank, world, seed):

@@ -15,8 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ficco
 from ficco import api, config
-from ficco.problem import even_split
-from ficco.scaled import cpu_rowwise_scaled_mm
+from ficco.plan.epilogue import cpu_rowwise_scaled_mm
+from ficco.plan.problem import even_split
 
 from .reference import ROW_TOL, max_row_rel_err
 

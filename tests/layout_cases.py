@@ -14,7 +14,8 @@ import random
 import torch
 
 import ficco
-from ficco import config, runtime
+from ficco import config
+from ficco.runtime import path as runtime
 
 from . import ep_cases
 from .reference import ROW_TOL, max_row_rel_err
@@ -85,7 +86,7 @@ def _kind(turn: int, rank: int, operand: int) -> str:
 def dense_case(rank, world, op, schedule, transport, seed, turn):
     """One random case of a dense op, forward and backward (every operand, the output
     gradient included, in a layout of its own on each rank); returns failures as strings."""
-    from ficco.problem import even_split
+    from ficco.plan.problem import even_split
 
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     dtype = rng.choice((torch.float32, torch.float32, torch.bfloat16))
@@ -255,7 +256,7 @@ def gpu_gather_layouts(rank, world, vendor, seed):
     layouts (copy engines read rows of unit-stride columns; a transposed shard was refused
     mid-call, an expanded one read past its rows); the worst error over float64 per layout
     of this rank's shard."""
-    from ficco.ops import all_gather_matmul as agm
+    from ficco.ops.all_gather_matmul import spec as agm
 
     from . import fault_cases
 

@@ -700,7 +700,7 @@ def check_plans(plans: list[Plan], checker_class: type[_Checker] = _Checker) -> 
     ``tests/ar_plan_checks.py``).
 
     >>> from ficco.schedules import get
-    >>> from ficco.problem import Problem
+    >>> from ficco.plan.problem import Problem
     >>> check_plans([get("ring").plan(Problem(4, 8, (8,), "float32", 2, r)) for r in (0, 1)])
     """
     checker = checker_class(list(plans))

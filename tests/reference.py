@@ -74,3 +74,21 @@ def ficco_calls(fn):
         if event.name.startswith("ficco::") and parent is None:
             counts[event.name] = counts.get(event.name, 0) + 1
     return result, counts
+
+
+def ficco_call_ranges(fn):
+    """``fn()`` under the profiler: its result and {op name: calls} of every multi-rank ficco
+    call it made (each is a ``ficco.<op> ...`` range, ficco/profiling.py), eager calls and the
+    ones inside an autograd backward included (:func:`ficco_calls` sees only those dispatched
+    as ``torch.ops.ficco.*``)."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        result = fn()
+    counts: dict = {}
+    for event in prof.events():
+        name = event.name.split(" ")[0]
+        if name.startswith("ficco.") and name != "ficco.execute":
+            op = name[len("ficco."):]
+            counts[op] = counts.get(op, 0) + 1
+    return result, counts

@@ -4,8 +4,9 @@ from __future__ import annotations
 import torch
 
 import ficco
-from ficco import config, runtime
-from ficco.problem import even_split
+from ficco import config
+from ficco.plan.problem import even_split
+from ficco.runtime import path as runtime
 
 from .reference import ROW_TOL, invalid_argument_report, max_row_rel_err
 

@@ -14,11 +14,11 @@ import ficco
 from ficco import schedules
 from ficco.errors import InvalidArgumentError
 from ficco.heuristics import model, profiles, simulator
-from ficco.heuristics.all_reduce_pricing import check_published, collective_seconds
+from ficco.ops.matmul_all_reduce.pricing import check_published, collective_seconds
+from ficco.ops.matmul_all_reduce.schedules import RsAg
+from ficco.ops.matmul_reduce_scatter import schedules as reduce_scatter
 from ficco.plan import AllReduce, Barrier, Reduce
-from ficco.problem import Problem
-from ficco.schedules import reduce_scatter
-from ficco.schedules.all_reduce import RsAg
+from ficco.plan.problem import Problem
 
 from . import harness
 from .ar_cases import DTYPES, SHAPES, make_inputs, run_grid

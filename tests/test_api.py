@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import ficco
-from ficco import ops, runtime
+from ficco import ops
+from ficco.runtime import path as runtime
 
 from . import harness
 from .cases import DTYPES, SHAPES, run_matrix

@@ -61,7 +61,7 @@ def _ops_directly(rank, world, seed):
         except NotImplementedError:
             return True
         return False
-    # the fp8 forms (ficco/compat_scaled.py holds its twins to torch's fallbacks)
+    # the fp8 forms (ficco/compat/scaled.py holds its twins to torch's fallbacks)
     fp8 = torch.float8_e4m3fn
     a8, a8_full = a_shard.div(4).to(fp8), a.div(4).to(fp8)
     b8 = torch.randn(16, 8, generator=gen).div(4).to(fp8).T             # column-major (8, 16)

@@ -15,7 +15,7 @@ from ficco import config
 from ficco.heuristics import auto, choose, measured
 from ficco.heuristics.measured import Scripted
 from ficco.heuristics.scenarios import table_i_problem
-from ficco.problem import Problem
+from ficco.plan.problem import Problem
 
 from . import harness
 from .reference import ROW_TOL, make_inputs, max_row_rel_err
@@ -364,8 +364,8 @@ def _slowed_model_pick(rank, world, seed, root):
     again; the result is right; explain() shows both times."""
     import time
 
-    from ficco import runtime
     from ficco.heuristics import choose as choose_now
+    from ficco.runtime import path as runtime
 
     real_execute = runtime.execute
     ran = []
@@ -417,7 +417,7 @@ def test_live_auto_runs_serial_when_the_models_pick_is_slow(tmp_path):
 def _every_op_with_auto(rank, world, seed, root):
     """auto on the reduce-scatter and the expert dispatch and combine (the all-gather: above):
     the same decision on every rank, and right."""
-    from ficco import runtime
+    from ficco.runtime import path as runtime
 
     from .ep_cases import make_case, round_trip_reference
 
@@ -459,7 +459,7 @@ def _two_groups_share_a_rank(rank, world, root):
 
     import torch.distributed as dist
 
-    from ficco import runtime
+    from ficco.runtime import path as runtime
 
     group_a, group_b = dist.new_group([0, 1]), dist.new_group([1, 2])
     own = os.path.join(root, f"rank{rank}")
@@ -489,7 +489,8 @@ def test_a_rank_in_two_groups_takes_part_in_each_groups_first_sight(tmp_path):
 
 # -- the fake GPU: inside a graph capture nothing is timed ----------------------------------------
 def _capture_then_measure(rank, world, root):
-    from ficco import heuristics, runtime
+    from ficco import heuristics
+    from ficco.runtime import path as runtime
 
     from .fault_cases import _capture, _inputs, _setup, _warm_up
 

@@ -12,10 +12,10 @@ import torch
 
 from ficco.backends.base import Backend
 from ficco.backends.cuda import CudaBackend, CudaVendor
+from ficco.backends.gpu.vendor import Copy2D, copy_2d_args
 from ficco.backends.rocm import RocmBackend
-from ficco.backends.vendor import Copy2D, copy_2d_args
 from ficco.errors import BackendCallError, BackendUnavailableError, InvalidArgumentError
-from ficco.problem import Problem
+from ficco.plan.problem import Problem
 
 
 def replay_memcpy_2d(args: Copy2D, base: int, memory: bytearray) -> None:
@@ -318,7 +318,7 @@ class _Port:
 
 
 def _dog(port):
-    from ficco.backends.gpu_watchdog import Watchdog, WatchdogPort
+    from ficco.backends.gpu.watchdog import Watchdog, WatchdogPort
 
     WatchdogPort.register(_Port)
     return Watchdog(port)
@@ -327,7 +327,7 @@ def _dog(port):
 def test_watchdog_deadline_starts_when_the_stream_reaches_the_barrier():
     import time
 
-    from ficco.backends.gpu_watchdog import PendingBarrier
+    from ficco.backends.gpu.watchdog import PendingBarrier
     from ficco.symm_mem.barrier import Deadline
 
     port = _Port()
@@ -349,7 +349,7 @@ def test_watchdog_deadline_starts_when_the_stream_reaches_the_barrier():
 def test_a_dead_watchdog_thread_is_reported_not_swallowed():
     import time
 
-    from ficco.backends.gpu_watchdog import PendingBarrier
+    from ficco.backends.gpu.watchdog import PendingBarrier
     from ficco.symm_mem.barrier import Deadline
 
     port = _Port(fail_bind=True)
@@ -424,7 +424,7 @@ def test_host_pad_registration_calls_match_cuda_python_signatures():
 def test_a_host_barrier_does_not_block_on_a_dead_watchdog():
     import threading
 
-    from ficco.backends.gpu_watchdog import PendingBarrier
+    from ficco.backends.gpu.watchdog import PendingBarrier
     from ficco.symm_mem.barrier import Deadline
 
     port = _Port(fail_bind=True)

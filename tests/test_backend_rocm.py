@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ficco.backends.gpu.vendor import Copy2D
 from ficco.backends.rocm import ALL_BITS, RocmBackend, RocmVendor, address_of, hip_python_mismatch
-from ficco.backends.vendor import Copy2D
 from ficco.errors import BackendCallError, BackendUnavailableError
 
 hip = pytest.importorskip("hip", reason="hip-python is not installed").hip

@@ -157,7 +157,7 @@ def test_a_characterized_profile_keeps_the_copy_bandwidth_it_measured(backend):
     local and says nothing about the links, the built-in link numbers stay."""
     from ficco.heuristics import profiles, simulator
     from ficco.plan import Block, Copy, Plan
-    from ficco.problem import Problem
+    from ficco.plan.problem import Problem
 
     base = profiles.load("cpu" if backend == "cpu" else "h100")
     bandwidth, latency = 55e9, 3e-6

@@ -150,7 +150,7 @@ def test_fake_kernels_read_sizes_only_from_their_arguments():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    import ficco.library_expert  # noqa: F401 - registers the expert ops
+    import ficco.ops.expert.torch_op  # noqa: F401 - registers the expert ops
     from ficco.errors import InvalidArgumentError
 
     ops = torch.ops.ficco
@@ -183,9 +183,9 @@ def test_fake_kernels_read_sizes_only_from_their_arguments():
 def old_and_wrong_calls(rank, world, seed):
     """(the old positional calls' results equal the new ones', the errors of a wrong world and
     of wrong out_rows)."""
-    from ficco import library
     from ficco.errors import InvalidArgumentError
     from ficco.group import name_rank_world
+    from ficco.ops import library
 
     name, _, _ = name_rank_world(None)
     a, b = _inputs("matmul_reduce_scatter", world, 5, seed)[rank]

@@ -134,7 +134,7 @@ def _rs_schedules():
 
 
 def _gradcheck_op(rank, world, seed, op):
-    import ficco.library as lib
+    import ficco.ops.library as lib
 
     torch.manual_seed(seed)          # the same inputs and gradcheck vectors on every rank
     failures = []
@@ -217,7 +217,7 @@ def _layouts(rank, world, seed):
     """(real via op, real via the eager fast path, fake) layouts of every variant."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import ficco.library as lib
+    import ficco.ops.library as lib
 
     gen = torch.Generator().manual_seed(seed)
     found = []
@@ -327,7 +327,7 @@ def test_double_backward_raises_clearly():
 
 
 def test_export_keeps_both_ops_as_nodes():
-    import ficco.library as lib
+    import ficco.ops.library as lib
 
     class TwoOps(torch.nn.Module):
         def __init__(self):

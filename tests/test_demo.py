@@ -1,4 +1,4 @@
-"""``python -m ficco demo`` (ficco/demo.py, ficco/demo_model.py): the README's first command.
+"""``python -m ficco demo`` (ficco/demo/__init__.py, ficco/demo/model.py): the README's first command.
 Its model covers ficco's four patterns, each part checked against float64; a broken op must
 fail its part and only its part."""
 from __future__ import annotations
@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ficco import demo, demo_model
+from ficco import demo
+from ficco.demo import model as demo_model
 
 from . import harness
 

@@ -23,7 +23,8 @@ RUNNABLE = doc_snippets.runnable()
 
 def test_the_pages_have_runnable_blocks_and_few_fragments():
     infos = {b.info for b in doc_snippets.blocks()}
-    assert infos <= {"python", "python fragment", "bash", "text", "diff", ""}, infos
+    assert infos <= {"python", "python fragment", "python client", "bash", "text", "diff", ""}, \
+        infos
     frags = doc_snippets.fragments()
     assert len(RUNNABLE) >= 12 and len(frags) <= len(RUNNABLE), (len(RUNNABLE), len(frags))
     for marker, _ in doc_snippets.CHECKS:           # a check whose block is gone fails here

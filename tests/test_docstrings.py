@@ -12,8 +12,10 @@ import ficco
 
 # ficco.torchtitan's examples run in tests/test_torchtitan.py's own rank pool: importing it
 # imports torchtitan's model stack (which patches torch), and its modules need torchtitan.
+# ficco.integrations' run in the client tests' pool (tests/test_integrations_transformers.py):
+# importing them imports transformers / megatron-core where installed.
 MODULES = sorted(m.name for m in pkgutil.walk_packages(ficco.__path__, "ficco.")
-                 if not m.name.startswith("ficco.torchtitan"))
+                 if not m.name.startswith(("ficco.torchtitan", "ficco.integrations")))
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -18,10 +18,10 @@ import torch
 
 from ficco import schedules
 from ficco.backends.gpu import GpuBackend
-from ficco.backends.vendor import Copy2D, Vendor
-from ficco.buffers import Buffers
+from ficco.backends.gpu.vendor import Copy2D, Vendor
 from ficco.executor import execute
-from ficco.problem import Problem
+from ficco.plan.buffers import Buffers
+from ficco.plan.problem import Problem
 
 WORLD, RANK, K, NS = 4, 1, 12, (7, 3)
 
@@ -250,10 +250,12 @@ def test_repeat_calls_reuse_events_streams_and_prepared_copies(gpu):
 @pytest.mark.parametrize("problem,name", [(AG, "uniform-fused-1d"), (AG, "hetero-unfused-2d"),
                                           (RS, "ring"), (RS, "uniform-fused-2d")])
 def test_every_record_and_wait_lands_on_its_event_and_stream(problem, name, gpu):
-    """The plan's records and waits, bound once per plan as the events' own calls: in every
-    call, first or repeated, each one reaches the plan's event on its op's stream, in order."""
-    from ficco.compiler import compile_plan
-    from ficco.plan import Record, Wait
+    """The records and waits a call runs (the plan's, less those that order nothing new:
+    :func:`ficco.executor.lowering.coalesce`), bound once per plan as the events' own calls:
+    in every call, first or repeated, each one reaches its event on its op's stream, in
+    order."""
+    from ficco.executor.compiler import compile_plan
+    from ficco.executor.lowering import RECORD, WAIT
 
     backend, rec = gpu
     plan = schedules.get(name, op=problem.op).plan(problem, "dma", None)
@@ -261,9 +263,11 @@ def test_every_record_and_wait_lands_on_its_event_and_stream(problem, name, gpu)
     handle = Handle(problem.m * sum(problem.ns) if problem.reduces else problem.big_m * K)
     events = backend.plan_events(compile_plan(plan), plan.num_events + 1)
     index = {id(e): i for i, e in enumerate(events[:-1])}   # the last is the entry event
-    streams = dict(zip(plan.queues, (q.cuda_stream for q in backend.queues(plan.queues))))
-    want = [("record" if isinstance(op, Record) else "wait", op.event, streams[op.queue])
-            for op in plan.ops if isinstance(op, (Record, Wait))]
+    streams = [q.cuda_stream for q in backend.queues(plan.queues)]
+    steps = compile_plan(plan).variant(backend).steps
+    want = [("record" if step[0] == RECORD else "wait", step[2], streams[step[1]])
+            for step in steps if step[0] in (RECORD, WAIT)]
+    assert want
     for _ in range(3):
         rec.marks.clear()
         run(plan, backend, handle)

@@ -17,12 +17,12 @@ import torch
 
 from ficco import schedules
 from ficco.backends.cpu import CpuBackend
-from ficco.backends.vendor import Copy2D, copy_call_args
-from ficco.buffers import Buffers
+from ficco.backends.gpu.vendor import Copy2D, copy_call_args
 from ficco.errors import InvalidArgumentError
 from ficco.executor import compile_plan, execute
 from ficco.plan import WORK_OPS
-from ficco.problem import Problem
+from ficco.plan.buffers import Buffers
+from ficco.plan.problem import Problem
 
 WORLD, RANK = 4, 1
 M_SHARD, K, NS = 5, 12, (7, 3)     # uneven chunks on purpose (5 rows over 4 peers)
@@ -126,9 +126,29 @@ class AddressBackend(CpuBackend):
         self.gemm(a, b, out, accumulate, self.queue("compute"))
 
 
-@pytest.fixture(scope="module", params=["cpu", "prepared"])
+class BatchingBackend(AddressBackend):
+    """:class:`AddressBackend` that submits a queue's copies as one batch, the way a backend
+    with ``cudaMemcpyBatchAsync`` does, so the executor merges the copy queues
+    (:func:`ficco.executor.lowering.coalesce`). A batch's copies run in the reverse of their order
+    (a batch promises none): copies that depend on each other in one batch give wrong
+    results."""
+
+    batches_copies = True
+
+    def __init__(self):
+        super().__init__()
+        self.batches = 0
+
+    def prepare_copies(self, pairs):
+        self.batches += 1
+        moves = [AddressBackend.prepare_copy(self, d, s, t) for d, s, t in pairs]
+        return lambda queue: [move(queue) for move in reversed(moves)]
+
+
+@pytest.fixture(scope="module", params=["cpu", "prepared", "batched"])
 def backend(request):
-    b = CpuBackend() if request.param == "cpu" else AddressBackend()
+    b = {"cpu": CpuBackend, "prepared": AddressBackend,
+         "batched": BatchingBackend}[request.param]()
     yield b
     b.close()
 
@@ -275,7 +295,7 @@ def _rs_run_once(plan, backend, handle, recvs=None):
     """Rank RANK's reduce-scatter call with fresh data: the peers' partials (their a_q @ b_qj)
     are placed in their symmetric buffers as they would have computed them; returns
     (outputs, float64 references of this rank's block)."""
-    from ficco.ops.matmul_reduce_scatter import SPEC
+    from ficco.ops.matmul_reduce_scatter.spec import SPEC
 
     p = plan.problem
     a_s = [torch.randn(p.m, p.k) for _ in range(p.world)]
@@ -325,9 +345,9 @@ def test_reduce_scatter_plans_match_float64(name, backend):
 
 
 # -- prepared copies (the GPU path) follow the workspace and the per-call buffers -----------------
-@pytest.fixture()
-def prepared():
-    b = AddressBackend()
+@pytest.fixture(params=["prepared", "batched"])
+def prepared(request):
+    b = AddressBackend() if request.param == "prepared" else BatchingBackend()
     yield b
     b.close()
 

@@ -17,8 +17,7 @@ import ficco
 from ficco import schedules
 from ficco.errors import InvalidArgumentError
 from ficco.heuristics import profiles, simulator
-from ficco.plan import Barrier
-from ficco.problem_expert import (
+from ficco.ops.expert.problem import (
     COMBINE,
     DISPATCH,
     ExpertProblem,
@@ -27,6 +26,7 @@ from ficco.problem_expert import (
     representative,
     summary,
 )
+from ficco.plan import Barrier
 
 from . import ep_cases, harness
 from .ep_cases import (
@@ -68,7 +68,7 @@ def test_layout_is_torchs_vdev_2d_order():
 
 
 def test_plans_are_count_free_and_cached_across_routings():
-    from ficco import runtime
+    from ficco.runtime import path as runtime
 
     a = ExpertProblem(8, 4, 2, "float32", 3, 1, counts=representative(3, 2, 5, 1.0))
     b = ExpertProblem(8, 4, 2, "float32", 3, 1, counts=representative(3, 2, 40, 3.0))
@@ -212,7 +212,7 @@ def test_grouped_mm_and_gemm_loop_paths_agree_with_reference():
 
 
 def test_grouped_mm_takes_aligned_chunks_of_the_stacked_weights():
-    from ficco.host_tasks_expert import grouped_view_runs
+    from ficco.ops.expert.tasks import grouped_view_runs
 
     stacked = torch.randn(2, 72, 40)
     assert grouped_view_runs(stacked) and grouped_view_runs(stacked[:, 24:48])
@@ -230,7 +230,7 @@ def test_float16_and_float64_too():
 def test_custom_ops_pass_torchs_opcheck():
     """Schema, autograd registration, fake kernels (data-dependent rows) and AOT dispatch with
     dynamic shapes, on one rank."""
-    import ficco.library_expert  # noqa: F401 - registers the ops
+    import ficco.ops.expert.torch_op  # noqa: F401 - registers the ops
 
     x, ws = torch.randn(5, 16), [torch.randn(16, 8), torch.randn(16, 8)]
     report = torch.library.opcheck(torch.ops.ficco.all_to_all_grouped_mm.default,
@@ -315,11 +315,7 @@ def test_table_i_expert_gemms_are_priced_as_all_to_all():
     """validate's g13-g16 rows: the dispatch moves 1/W of the all-gather reading's bytes (uniform
     routing: every rank keeps its own 1/W), its GEMM has the same FLOPs, and every dispatch
     schedule is priced."""
-    from ficco.bench.validate_expert import (
-        EXPERT_GEMMS,
-        expert_rows,
-        table_i_expert_problem,
-    )
+    from ficco.bench.validate_g13_g16 import EXPERT_GEMMS, expert_rows, table_i_expert_problem
     from ficco.heuristics.scenarios import table_i_problem
 
     for name in EXPERT_GEMMS:

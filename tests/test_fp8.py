@@ -84,7 +84,7 @@ def test_row_scales_travel_with_their_rows_in_every_plan():
     scales of the rows it multiplies, after they arrived, from the same rows."""
     from dataclasses import replace
 
-    from ficco.problem import Problem
+    from ficco.plan.problem import Problem
 
     from .plan_checks import check_plans
 
@@ -102,7 +102,7 @@ def test_row_scales_travel_with_their_rows_in_every_plan():
 
 
 def test_fp8_column_chunks_are_whole_multiples_of_16():
-    from ficco.problem import Problem
+    from ficco.plan.problem import Problem
 
     fp8 = Problem(4, 100, (40,), "float8_e4m3fn", 4, scaling="tensor")
     assert fp8.col_chunks() == [(0, 32), (32, 32), (64, 32), (96, 4)]   # 7 units of 16
@@ -112,12 +112,12 @@ def test_fp8_column_chunks_are_whole_multiples_of_16():
 
 
 def test_gemm_pieces_match_the_float64_product():
-    """ficco.scaled.gemm_into on every recipe, output dtype and layout it meets in a plan:
+    """ficco.plan.epilogue.gemm_into on every recipe, output dtype and layout it meets in a plan:
     2-D and strided-batched pieces, column slices of b, accumulation, the GPUs' portable
     row-wise path, bias and activation."""
     import torch.nn.functional as F
 
-    from ficco.scaled import gemm_into, scaled_product
+    from ficco.plan.epilogue import gemm_into, scaled_product
 
     gen = torch.Generator().manual_seed(random.randrange(1 << 30))
     a = torch.randn(3, 8, 48, generator=gen).to(E4M3)   # products well inside e4m3 range
@@ -147,7 +147,7 @@ def test_simulator_and_explain_price_fp8():
     time of an fp8 all-gather GEMM is below the bf16 one's, and explain says fp8."""
     import ficco
     from ficco.heuristics import profiles, simulator
-    from ficco.problem import Problem
+    from ficco.plan.problem import Problem
 
     for profile in ("h100", "mi300x"):
         prof = profiles.load(profile)
@@ -191,3 +191,20 @@ def test_fp8_calls_compile_with_fullgraph():
         compiled = torch.compile(fn, fullgraph=True, backend="eager")
         got, want = compiled(a, b, sa, sb, bias), fn(a, b, sa, sb, bias)
         assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("view", ["columns", "rows"])
+def test_a_scaled_gemm_into_a_strided_view_writes_every_value(view):
+    """fp8 GEMMs write straight into views of wider outputs (a 2-D schedule's column block, a
+    3-D output's row block): every value lands, against float64."""
+    from ficco.plan.epilogue import gemm_into
+    a = torch.randn(12, 16).to(E4M3)
+    b = torch.randn(32, 16).to(E4M3).t()              # column-major, as torch._scaled_mm wants
+    sa, sb = torch.rand(()) + 0.5, torch.rand(()) + 0.5
+    big = torch.full((12, 64) if view == "columns" else (24, 32), float("nan"),
+                     dtype=torch.bfloat16)
+    out = big[:, 16:48] if view == "columns" else big[::2]
+    gemm_into(a, b, out, False, sa, sb)
+    want = (a.double() * sa.double()) @ (b.double() * sb.double())
+    assert not out.isnan().any()
+    assert torch.allclose(out.double(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())

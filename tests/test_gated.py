@@ -1,4 +1,4 @@
-"""The gated schedules (ficco/schedules/gated.py): plans, simulation, who offers them, and end
+"""The gated schedules (ficco/ops/all_gather_matmul/schedules/gated.py): plans, simulation, who offers them, and end
 to end on the CPU backend (the gated GEMM in Triton's interpreter) against float64."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import ficco
 from ficco import kernels, schedules
 from ficco.errors import InvalidArgumentError
 from ficco.heuristics import choose, profiles, simulator
+from ficco.ops.all_gather_matmul.schedules.gated import Gated
 from ficco.plan import Copy, GatedGemm, Signal, flag_index
-from ficco.problem import Problem, even_split
-from ficco.schedules.gated import Gated
+from ficco.plan.problem import Problem, even_split
 
 from . import harness
 from .reference import ROW_TOL, make_inputs, max_row_rel_err
@@ -139,8 +139,8 @@ def _run_gated(rank, world, seed):
                     err = max_row_rel_err(out, ref)
                     if not err <= ROW_TOL[dtype]:
                         failures.append(f"{name}/{label}/{dtype}/b{j}: err {err:.3g}")
-                if ficco.runtime.last_run() != (name, "dma"):
-                    failures.append(f"{label}: ran {ficco.runtime.last_run()}")
+                if ficco.runtime.path.last_run() != (name, "dma"):
+                    failures.append(f"{label}: ran {ficco.runtime.path.last_run()}")
     return failures
 
 
@@ -280,7 +280,7 @@ def test_without_triton_ficco_imports_and_gated_schedules_say_why():
         "import ficco\n"
         "from ficco import schedules\n"
         "from ficco.heuristics import profiles, simulator\n"
-        "from ficco.problem import Problem\n"
+        "from ficco.plan.problem import Problem\n"
         "assert len(schedules.names()) == 11, schedules.names()\n"
         "why = schedules.unavailable('cuda:sm_90')\n"
         "assert set(why) == {'gated-1d', 'gated-2d'} and 'not installed' in why['gated-1d']\n"
@@ -300,7 +300,7 @@ def test_explain_says_which_gpu_features_are_off_until_a_lease_verified_them():
     verified them there, and every Decision printed on a GPU target says so and how to turn
     them on; CPU decisions carry nothing of it."""
     from ficco.heuristics import choose
-    from ficco.problem import Problem
+    from ficco.plan.problem import Problem
 
     problem = Problem(64, 64, (64,), "bfloat16", 4)
     shown = str(choose(problem, target="cuda:sm_90", selector="model"))

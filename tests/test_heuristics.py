@@ -15,7 +15,7 @@ from ficco.heuristics import Decision, choose, model, profiles, tune
 from ficco.heuristics.measured import Scripted
 from ficco.heuristics.paper import combined_score, paper_choice
 from ficco.heuristics.scenarios import PAPER_TABLE_I, table_i_problem
-from ficco.problem import Problem
+from ficco.plan.problem import Problem
 
 from . import harness
 from .reference import ROW_TOL, make_inputs, max_row_rel_err
@@ -221,7 +221,7 @@ def test_table_i_is_the_papers():
 
 # -- explain on a live group -------------------------------------------------------------------
 def _explain_live(rank, world, seed, cache_dir):
-    from ficco import runtime
+    from ficco.runtime import path as runtime
 
     shards, bs, _, refs = make_inputs(seed, world, (12, 16), (20,), torch.float32)
     with ficco.config.scope(selector="tune", cache_dir=cache_dir):

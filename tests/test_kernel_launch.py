@@ -22,7 +22,7 @@ def test_a_captured_gated_launch_leaves_nothing_for_the_next_eager_call():
     from ficco.backends import get_backend
     from ficco.kernels.launch import gated_task
     from ficco.plan import GatedGemm
-    from ficco.problem import Problem
+    from ficco.plan.problem import Problem
     from ficco.symm_mem.fault import GroupFault
 
     fake_gpu.install("cuda", 8)

@@ -28,7 +28,7 @@ STORE = {"cuda:sm_90": "st.global.wt", "rocm:gfx942": "sc0 sc1",
 
 
 def _fence(target):
-    from ficco.backends import gpu_fence
+    from ficco.backends.gpu import fence as gpu_fence
 
     sig = {"out_ptr": "*fp32", "numel": "i32", "err_ptr": "*i32", "BLOCK": "constexpr",
            "AMD": "constexpr"}

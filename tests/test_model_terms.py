@@ -12,9 +12,10 @@ import math
 import pytest
 
 from ficco.bench import async_tp, predictors
-from ficco.heuristics import all_reduce_pricing, collectives, gemm, profiles, simulator
+from ficco.heuristics import collectives, gemm, profiles, simulator
+from ficco.ops.matmul_all_reduce import pricing as all_reduce_pricing
 from ficco.plan import COMPUTE, AllToAll, Barrier, Block, Copy, Gemm, Plan, Record, Reduce
-from ficco.problem import Problem
+from ficco.plan.problem import Problem
 
 H100 = profiles.load("h100")
 H20 = profiles.load("h20")
@@ -87,7 +88,7 @@ def test_an_expert_pull_pays_one_round_trip_and_queued_intervals_for_its_other_b
     back on one engine: the first pays the copy latency, each further one the issue interval
     (mi355x: 6 + 3 x 3 us for 4 experts; mi300x, no measured interval: 4 x 10 us)."""
     from ficco import schedules
-    from ficco.problem_expert import ExpertProblem, representative
+    from ficco.ops.expert.problem import ExpertProblem, representative
 
     p = ExpertProblem(64, 32, 4, "bfloat16", 2, 0, "all_to_all_grouped_mm",
                       representative(2, 4, 16, 1.0))
@@ -258,11 +259,17 @@ def test_nvls_all_reduce_on_eight_h100s_is_priced_by_its_measured_curve():
     latency, work = all_reduce_pricing.collective_parts(H100, mib8, 8)
     assert latency == pytest.approx(12e-6)
     assert latency + work == pytest.approx(2 * 7 / 8 * mib8 / 172.13e9)
-    # on 4 ranks, or below the curve's first size: 12 us + the plateau ramped by the copy curve
-    for nbytes, world in ((mib8, 4), (1 << 20, 8)):
-        ramp = H100.copy_fraction(nbytes / world)
-        assert all_reduce_pricing.collective_seconds(H100, nbytes, world) == pytest.approx(
-            12e-6 + 2 * (world - 1) / world * nbytes / (480e9 * ramp))
+    # on 4 ranks: 12 us + the plateau ramped by the copy curve
+    nbytes, world = mib8, 4
+    ramp = H100.copy_fraction(nbytes / world)
+    assert all_reduce_pricing.collective_seconds(H100, nbytes, world) == pytest.approx(
+        12e-6 + 2 * (world - 1) / world * nbytes / (480e9 * ramp))
+    # below the curve's first size on 8 ranks: straight from the small-message latency (22 us,
+    # ccl.small_latency_s) at no bytes up to the 2 MiB point's time
+    first = 2 * 7 / 8 * (2 << 20) / 90.8e9
+    for nbytes in (16 << 10, 1 << 20):
+        assert all_reduce_pricing.collective_seconds(H100, nbytes, 8) == pytest.approx(
+            22e-6 + (first - 22e-6) * nbytes / (2 << 20))
 
 
 def test_compute_unit_collectives_on_mi300x_follow_their_latency_bandwidth_law():

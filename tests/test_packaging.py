@@ -71,7 +71,8 @@ def test_cuda_backend_start_checks_the_binding_major(monkeypatch):
 
 
 def test_a_gpu_tensor_under_the_cpu_backend_says_why_no_gpu_backend_runs(monkeypatch):
-    from ficco import backends, call
+    from ficco import backends
+    from ficco.runtime import call
 
     monkeypatch.setenv("FICCO_BACKEND", "cpu")
     monkeypatch.setattr(backends, "gpu_reasons",
@@ -138,4 +139,5 @@ def test_version_names_ficco_torch_triton_and_the_bindings():
     assert out[0] == f"ficco {ficco.__version__}"
     assert out[1].startswith(f"torch {torch.__version__} (")
     assert [line.split()[0] for line in out[2:]] == ["Triton", "cuda-bindings", "hip-python",
-                                                     "torchtitan"], out
+                                                     "torchtitan", "transformers",
+                                                     "megatron-core"], out

@@ -380,7 +380,7 @@ def _dtensor_operands_compiled(rank, world, seed):
 
 
 def test_device_mesh_and_dtensor_operands_compile_fullgraph():
-    """Before: "got FakeScriptObject" (ficco/call.py) for a DeviceMesh group or a DTensor
+    """Before: "got FakeScriptObject" (ficco/runtime/call.py) for a DeviceMesh group or a DTensor
     input under torch.compile(fullgraph=True); DTensor weights were refused."""
     seed = random.randrange(1 << 30)
     for errors in harness.pool(2, COMPILE_ENV).run(_dtensor_operands_compiled, seed,

@@ -7,9 +7,9 @@ import torch
 import ficco
 from ficco import profiling, schedules
 from ficco.backends.cpu import CpuBackend
-from ficco.buffers import Buffers
 from ficco.executor import execute
-from ficco.problem import Problem
+from ficco.plan.buffers import Buffers
+from ficco.plan.problem import Problem
 
 
 def _names(prof) -> list[str]:

@@ -12,9 +12,9 @@ import torch
 import ficco
 from ficco import schedules
 from ficco.errors import InvalidArgumentError
+from ficco.ops.matmul_reduce_scatter.schedules import Ficco, Ring
 from ficco.plan import AllToAll, Barrier, Copy, Gemm, Reduce
-from ficco.problem import Problem
-from ficco.schedules.reduce_scatter import Ficco, Ring
+from ficco.plan.problem import Problem
 
 from . import harness, rs_cases
 from .plan_checks import PlanCheckError, all_ranks, check_plans

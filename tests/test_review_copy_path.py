@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from ficco import schedules
-from ficco.buffers import Buffers
 from ficco.errors import BackendCallError
 from ficco.executor import execute
 from ficco.plan import Copy, Wait
+from ficco.plan.buffers import Buffers
 
 from . import fake_gpu
 from .test_enqueue_gpu import RANK, RS, WORLD, Handle

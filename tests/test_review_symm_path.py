@@ -1,5 +1,5 @@
 """Silent wrong results found by the desk review of the symmetric-memory, barrier and kernel
-path (ficco/symm_mem, ficco/kernels, ficco/backends/gpu_fence|watchdog|rescue): each test
+path (ficco/symm_mem, ficco/kernels, ficco/backends/gpu/fence|watchdog|rescue): each test
 failed on the code before its fix. The gated GEMM runs in Triton's interpreter (CPU), which
 computes pointer offsets in the same integer widths the compiled kernel does."""
 from __future__ import annotations
@@ -51,7 +51,7 @@ def test_cpu_gated_launch_never_returns_nan_tiles_without_an_error():
     from ficco.errors import CommTimeoutError
     from ficco.kernels.launch import gated_task
     from ficco.plan import GatedGemm
-    from ficco.problem import Problem
+    from ficco.plan.problem import Problem
 
     problem = Problem(m=64, k=32, ns=(96,), dtype="float32", world=2, rank=0)
     plan = schedules.get("gated-1d").plan(problem)
@@ -144,7 +144,8 @@ def two_caller_streams(rank, world, seed):
     return max_row_rel_err(out1, refs1[0]), max_row_rel_err(out2, refs2[0])
 
 
-def test_two_caller_streams_keep_the_barrier_flags_and_workspace_apart():
+@pytest.mark.parametrize("poison", ["0", "1"])
+def test_two_caller_streams_keep_the_barrier_flags_and_workspace_apart(poison):
     """Two dma calls of one group from two caller streams, two ranks on the fake GPU, through
     the API with real barriers. Before main's stream ordering (the copy-path review) call 2's
     copies filled the workspace's gathered rows under call 1's GEMM (call 1 returned call 2's
@@ -152,11 +153,13 @@ def test_two_caller_streams_keep_the_barrier_flags_and_workspace_apart():
     barriers: a call-2 flag overwrote a call-1 flag in a peer's slot before the peer read it,
     breaking the flag protocol's channel alternation (ficco/symm_mem/barrier.py); the peer
     saw a foreign flag and the group failed (NaN). Both calls must match float64.
-    FICCO_POISON is off here: the fake GPU runs an op's poison fill at once on the host,
-    not in stream order."""
+    With FICCO_POISON=1 call 2's NaN fill of the symmetric ``gathered`` rows runs on s2 in
+    stream order (on the fake GPU as on a GPU): it was enqueued before s2 was ordered after
+    s1, so it landed under call 1's GEMM (call 1 returned NaN rows)."""
     from . import harness
 
-    results = harness.pool(2, {"FICCO_POISON": "0"}).run(two_caller_streams, 3, timeout_s=120)
+    results = harness.pool(2, {"FICCO_POISON": poison}).run(two_caller_streams, 3,
+                                                              timeout_s=120)
     for errors in results:
         assert all(e < 1e-4 for e in errors), results
 
@@ -239,3 +242,69 @@ def test_gated_waits_end_alike_in_every_warp_on_gpu(mode):
     except subprocess.TimeoutExpired:
         pytest.fail(f"{mode}: the probe hung (a gated GEMM never finished)")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+# -- a failed call's fence on one caller stream, the group's next call on another ------------
+def failed_call_then_other_stream(rank, world, tag, timeout_s):
+    """Rank side of the test below. The last rank makes no call after the warm-up; the others
+    make call 1 on stream s1 (its first barrier expires after ``timeout_s``: the watchdog
+    raises the group's error word and releases it, and s1 goes on with the call's GEMM and
+    its fence), wait until their watchdog has failed the group, then make call 2 on s2,
+    which must raise the group's error. Returns (how many of call 1's output elements are
+    numbers, not NaN; what call 2 raised)."""
+    import time
+
+    from ficco.runtime import session as sessions
+
+    from . import fault_cases as cases
+
+    cases._setup("cuda", 8)
+    m, k, n = 512, 256, 512     # call 1's GEMM keeps s1 busy after the release
+    shards, bs, _, _ = cases._inputs(tag % 1000, world, (m, k), n)
+    with ficco_scope():
+        cases._call(shards[rank], bs[0], "serial", 20.0)      # the workspace, every rank
+    torch.cuda.synchronize()
+    if rank == world - 1:
+        return cases._stall(tag, world, 60)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(s1):
+        out1 = cases._call(shards[rank], bs[0], "serial", timeout_s)
+    deadline = time.monotonic() + 10 * timeout_s + 10
+    while not any(s.workspace is not None and s.workspace.fault is not None
+                  and s.workspace.fault.failed() for s in sessions.every()):
+        assert time.monotonic() < deadline, "the watchdog never failed the group"
+        time.sleep(0.005)
+
+    def call_2():
+        with torch.cuda.stream(s2):       # (stream contexts are per thread)
+            return cases._call(shards[rank], bs[0], "serial", timeout_s)
+    nxt = cases._bounded(call_2, 5 * timeout_s + 10)
+    drained = cases._bounded(torch.cuda.synchronize, 10 * timeout_s + 20)
+    cases._signal_done(tag)
+    assert drained[0] == "ok", drained
+    return int((~out1.isnan()).sum()), cases._outcome(nxt)
+
+
+def ficco_scope():
+    import ficco
+
+    return ficco.config.scope(transport="dma")
+
+
+def test_a_failed_calls_fence_on_one_stream_sees_the_word_the_next_call_lowers_on_another():
+    """The group's next dma call raises the group's error and lowers its error word in stream
+    order, so that fences already queued still see it raised. The lowering runs on the new
+    call's caller stream: before that stream was ordered after the last call's (s1, still
+    busy with the failed call's GEMM, its fence behind it), the word was lowered at once, the
+    fence read 0 and call 1's outputs came back as numbers computed from rows that never
+    arrived. Every element of call 1's output must be NaN, and call 2 must raise."""
+    import random
+
+    from . import harness
+
+    results = harness.pool(3).run(failed_call_then_other_stream, random.randrange(1 << 40),
+                                  1.0, timeout_s=120)
+    for numbers, nxt in results[:-1]:
+        assert nxt.startswith("CommTimeoutError"), results
+        assert numbers == 0, results
+    assert results[-1] == "stalled"

@@ -11,10 +11,12 @@ import pytest
 import torch
 
 import ficco
-from ficco import agreement, backends, config, heuristics, runtime
+from ficco import backends, config, heuristics
 from ficco.heuristics import profiles
-from ficco.ops.all_gather_matmul import SPEC as ALL_GATHER_MATMUL
-from ficco.problem import Problem
+from ficco.ops.all_gather_matmul.spec import SPEC as ALL_GATHER_MATMUL
+from ficco.plan.problem import Problem
+from ficco.runtime import agreement
+from ficco.runtime import path as runtime
 
 from . import harness
 
@@ -82,7 +84,7 @@ def test_a_decision_is_made_once_per_key_and_again_when_a_deciding_setting_chang
 
 
 def test_the_decision_cache_is_bounded_lru(counted, monkeypatch):
-    monkeypatch.setattr(ficco.session, "DECISIONS_KEPT", 3)
+    monkeypatch.setattr(ficco.runtime.session, "DECISIONS_KEPT", 3)
     s = runtime.settings(_call())
     calls = [_call(n=n) for n in (8, 16, 24, 32)]
     for call in calls[:3]:
@@ -200,8 +202,8 @@ def test_a_warm_call_checks_nothing_again_and_computes_with_its_own_tensors(monk
     """Issue 24 item 5: the canonical Call of a key (op, shapes, dtypes, devices, group,
     backend, the other arguments) is made once; a warm call of that key runs no check again
     but computes with its own operands, scales and bias (fresh values every call)."""
-    from ficco.ops import all_gather_matmul as ag
-    from ficco.ops import matmul_reduce_scatter as rs
+    from ficco.ops.all_gather_matmul import spec as ag
+    from ficco.ops.matmul_reduce_scatter import spec as rs
 
     ficco.shutdown()
     checked = []

@@ -1,4 +1,4 @@
-"""Issue 37: a group's state is its Session's (ficco/session.py), found from the group object.
+"""Issue 37: a group's state is its Session's (ficco/runtime/session.py), found from the group object.
 Two groups never share a queue, an abort switch or a lock; a new group of an old name starts
 clean; a rank's shutdown is local and the group is back in step once every rank called it;
 agreed calls pair by number, so a call that failed on one rank never pairs its next call with
@@ -451,7 +451,7 @@ def test_two_dispatches_in_flight_then_their_combines_with_send_counts():
 
 # -- item 9: a local allocation failure -------------------------------------------------------------
 def _allocation_fails(rank, world, seed):
-    from ficco.ops.all_gather_matmul import SPEC
+    from ficco.ops.all_gather_matmul.spec import SPEC
 
     inputs = make_inputs(seed, world, (8, 16), (4,), torch.float32)
     out = []

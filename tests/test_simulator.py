@@ -25,7 +25,7 @@ from ficco.plan import (
     Record,
     Wait,
 )
-from ficco.problem import Problem
+from ficco.plan.problem import Problem
 
 MI300X = profiles.load("mi300x")
 H100 = profiles.load("h100")

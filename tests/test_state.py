@@ -1,4 +1,4 @@
-"""Issue 38: a group's state lives on its Session (ficco/session.py), not in containers at
+"""Issue 38: a group's state lives on its Session (ficco/runtime/session.py), not in containers at
 module level keyed by the group's name; and the tests read ficco only through public names.
 Both are counted by reading the source (ast), not by running it."""
 from __future__ import annotations
@@ -171,13 +171,13 @@ def test_the_scan_sees_private_reads(tmp_path):
         "from ficco.backends import cpu as backend\n"
         "def test(monkeypatch):\n"
         "    runtime._plans.clear()\n"
-        "    ficco.runtime._settings.clear()\n"
+        "    ficco.runtime.path._settings.clear()\n"
         "    monkeypatch.setattr(backend, '_map', None)\n"
         "    runtime.run()\n"                      # public: fine
         "    obj = object(); obj._mine = 1\n")     # not ficco's
     found = sorted(line.split(" ", 1)[1] for line in private_uses(tmp_path))
     assert found == sorted(["from ficco import _hidden", "runtime._plans",
-                     "ficco.runtime._settings", "monkeypatch.setattr(backend, '_map', None)"]), found
+                     "ficco.runtime.path._settings", "monkeypatch.setattr(backend, '_map', None)"]), found
 
 
 # -- what a warm call costs: ficco's Python calls and its locks -------------------------------------

@@ -436,8 +436,8 @@ def _expire_on_host_pads(memory: dict, flag: int):
     error left in the group's fault. Any stream or vendor call would fail."""
     import numpy as np
 
-    from ficco.backends.gpu_rescue import Rescue
-    from ficco.backends.gpu_watchdog import PendingBarrier, Watchdog
+    from ficco.backends.gpu.rescue import Rescue
+    from ficco.backends.gpu.watchdog import PendingBarrier, Watchdog
     from ficco.symm_mem.barrier import WAIT, Deadline, SignalOp
     from ficco.symm_mem.fault import GroupFault
 
@@ -497,7 +497,7 @@ def test_watchdog_names_a_peer_in_another_call_as_a_mismatch():
 def test_watchdog_peeks_find_a_foreign_flag_before_the_deadline():
     """The watchdog's peek (not the deadline) expires a flag-mode barrier whose slot holds
     another call's flag, and only once a peek is due."""
-    from ficco.backends.gpu_watchdog import PendingBarrier, Watchdog
+    from ficco.backends.gpu.watchdog import PendingBarrier, Watchdog
     from ficco.symm_mem.barrier import WAIT, Deadline, SignalOp
 
     flag = random.randrange(2, 1 << 30)

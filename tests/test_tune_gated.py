@@ -14,7 +14,7 @@ from ficco import config, kernels, schedules
 from ficco.errors import ConfigError
 from ficco.heuristics import choose, tune
 from ficco.heuristics.measured import Scripted
-from ficco.problem import Problem
+from ficco.plan.problem import Problem
 
 from . import harness
 from .reference import ROW_TOL, max_row_rel_err
@@ -120,7 +120,7 @@ def _tune_gated_live(rank, world, seed, root):
                             tune_candidates=("serial", "gated-1d")):
         tune.clear_memory()
         out = ficco.all_gather_matmul(shards[rank], bs[0])
-        ran = ficco.runtime.last_run()
+        ran = ficco.runtime.path.last_run()
         decision = ficco.explain(shards[rank], bs[0])
     tune.clear_memory()
     return decision.schedule, sorted(decision.scores), ran, max_row_rel_err(out, refs[0])

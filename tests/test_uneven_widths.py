@@ -12,7 +12,7 @@ import torch
 
 import ficco
 from ficco import api
-from ficco.problem import even_split
+from ficco.plan.problem import even_split
 
 from . import harness
 from .reference import ROW_TOL, max_row_rel_err
@@ -228,7 +228,7 @@ def _gather_pieces(piece, dim, sizes):
 
 
 def _gradcheck_widths(rank, world, seed):
-    import ficco.library as lib
+    import ficco.ops.library as lib
 
     torch.manual_seed(seed)        # the same inputs and gradcheck vectors on every rank
     n_sizes = [n for _, n in even_split(2 * world + 1, world)]     # e.g. 3/2 at W=2

@@ -92,8 +92,10 @@ def test_b_without_columns_gives_an_empty_result_like_torch():
 
 
 def test_plan_cache_is_bounded():
-    from ficco import ops, runtime, session
-    from ficco.problem import Problem
+    from ficco import ops
+    from ficco.plan.problem import Problem
+    from ficco.runtime import path as runtime
+    from ficco.runtime import session
 
     spec = ops.get("all_gather_matmul")
     ficco.shutdown()

@@ -32,6 +32,11 @@ class Backend(ABC):
     #: Not on CPU, where a copy holds its tensors: a fresh tensor at an old address is another
     #: tensor.
     prepares_copies: ClassVar[bool] = False
+    #: :meth:`prepare_copies` submits several copies of one queue in ONE call whose copies run
+    #: concurrently (CUDA >= 12.8: ``cudaMemcpyBatchAsync``), so the executor may put every
+    #: copy queue's work on one queue (:func:`ficco.executor.lowering.coalesce`); else a queue's copies
+    #: are one call each, in order, and the plan's copy queues stay apart.
+    batches_copies: bool = False
     #: :meth:`plan_events` gives the same events to every call of one compiled plan, so event
     #: records and waits are bound once (:meth:`prepare_record`, :meth:`prepare_wait`).
     reuses_plan_events: ClassVar[bool] = False
@@ -123,6 +128,17 @@ class Backend(ABC):
         copy = self.copy_2d if two_d else self.copy
         return lambda queue: copy(dst, src, queue)
 
+    def prepare_copies(self, pairs: list) -> Callable[[Any], None]:
+        """Copies ``[(dst, src, two_d), ...]`` of one queue as one ready call of the queue (a
+        batched submission where :attr:`batches_copies`; here one prepared copy after the
+        other)."""
+        calls = [self.prepare_copy(dst, src, two_d) for dst, src, two_d in pairs]
+
+        def run(queue) -> None:
+            for call in calls:
+                call(queue)
+        return run
+
     @abstractmethod
     def gemm(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool,
              queue: Any) -> None:
@@ -209,19 +225,20 @@ class Backend(ABC):
         """Raise InvalidArgumentError when ``t`` (argument ``name``) lives on another device
         than the one this backend drives (GPUs: another GPU index)."""
 
-    def before_dma(self, symm: Any, nbytes: int = 0) -> None:
+    def before_dma(self, symm: Any, nbytes: int = 0, lane: Any = None) -> None:
         """Start of a dma call, before it allocates or enqueues anything (``symm``: the
         group's workspace, None before its first allocation; ``nbytes``: what the call needs
-        of it): raise what this backend must refuse now (GPUs: a graph capture it cannot
-        replay, or one during which the workspace would have to be allocated), or what the
-        group still owes from an earlier call whose error could not be raised by that call
-        (GPUs: a barrier released after the call returned). Here a failed call raised
-        already."""
+        of it; ``lane``: the session's queues, :meth:`lane`): raise what this backend must
+        refuse now (GPUs: a graph capture it cannot replay, or one during which the
+        workspace would have to be allocated), or what the group still owes from an earlier
+        call whose error could not be raised by that call (GPUs: a barrier released after
+        the call returned; its lowering of the error word is ordered after the session's
+        last call). Here a failed call raised already."""
 
     def fence(self, outputs: list, symm: Any = None) -> None:
         """End of a dma call on group workspace ``symm``, after ``finish``: backends whose
         calls return before their barriers completed poison ``outputs`` when one of the
-        group's barriers was released (GPUs, :mod:`ficco.backends.gpu_fence`). Here a
+        group's barriers was released (GPUs, :mod:`ficco.backends.gpu.fence`). Here a
         released barrier has raised already."""
 
     def tensor_slot(self, t: torch.Tensor, index: int) -> Any:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from ..heuristics import simulator
 from ..plan import COMPUTE, Barrier, Block, Copy, Gemm, Op, Plan, Record, Reduce, Wait
-from ..problem import Problem
+from ..plan.problem import Problem
 
 #: the second stream of ``_pipelined_produce_and_all2all`` (``_get_backend_stream()``)
 BACKEND = "backend"

@@ -168,7 +168,7 @@ def _cols_gemm(backend, a, b, out, ways: int):
 
 
 def _split(total: int, parts: int):
-    from ..problem import even_split
+    from ..plan.problem import even_split
 
     return [(s, n) for s, n in even_split(total, parts) if n > 0]
 

@@ -142,7 +142,7 @@ def _case_rows(rank: int, world: int, calls: int, per_sample: int,
                cases_of: dict | None = None) -> list[dict]:
     """Every case's row on this rank (the numbers agreed: the slowest rank's)."""
     import ficco
-    from ficco import runtime
+    from ficco.runtime import path as runtime
 
     os.environ["FICCO_CACHE_DIR"] = tempfile.mkdtemp(prefix="ficco-bench-default-")
     cases_of = CASES if cases_of is None else cases_of

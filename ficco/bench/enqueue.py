@@ -74,7 +74,7 @@ def _timed_backend():
 
 
 def _buffers(problem, handle, dtype):
-    from ..buffers import Buffers
+    from ..plan.buffers import Buffers
 
     a = torch.randn(problem.m, problem.k, dtype=dtype)
     b = torch.randn(problem.k, problem.ns[0], dtype=dtype)
@@ -94,7 +94,7 @@ def measure_cpu_enqueue(quick: bool, names: list[str] | None = None, progress=No
     ``enqueue_s``, the median host seconds to enqueue one eager call."""
     from .. import schedules
     from ..executor import execute
-    from ..problem import Problem
+    from ..plan.problem import Problem
 
     backend = _timed_backend()
     m, n, k = (16, 32, 32) if quick else (64, 128, 128)

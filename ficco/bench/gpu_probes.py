@@ -97,9 +97,9 @@ def measure_enqueue(backend, quick: bool, progress=None) -> list[dict]:
     ``enqueue_s`` (host time of one eager call), ``call_wall_s`` (to the GPU's end),
     ``graph_replay_enqueue_s`` and ``graph_result_rel_err`` (or ``graph_error``)."""
     from .. import schedules
-    from ..buffers import Buffers
     from ..executor import execute
-    from ..problem import Problem
+    from ..plan.buffers import Buffers
+    from ..plan.problem import Problem
 
     dev, world = backend.device(), 8
     m, n, k = (256, 2048, 2048) if quick else (1024, 8192, 8192)

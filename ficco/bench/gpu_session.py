@@ -81,7 +81,7 @@ def _inputs(op: str, rank: int, world: int, m: int, k: int, n: int, dtype, seed:
     """This rank's (a, b) on the GPU and its float64 reference block (on the GPU: a CPU
     float64 GEMM of this size per rank would take minutes), with the rounding scale."""
     from ..backends import get_backend
-    from ..problem import even_split
+    from ..plan.problem import even_split
 
     gen = torch.Generator().manual_seed(seed)
     dev = get_backend().device()
@@ -123,7 +123,7 @@ def _call(op, a, b, schedule):
 def _ops_of(op, schedule, world, m, k, n, dtype_name) -> int:
     """Ops of the plan this rank runs (events included), the simulator's host_op_s unit."""
     from .. import schedules
-    from ..problem import Problem
+    from ..plan.problem import Problem
 
     p = Problem(m=m if op == "all_gather_matmul" else world * m, k=k, ns=(n,), dtype=dtype_name,
                 world=world, op=op)

@@ -22,9 +22,9 @@ import torch
 
 from ..errors import BackendUnavailableError
 from ..heuristics.scenarios import PAPER_TABLE_I
+from ..ops.all_gather_matmul.schedules.gated import Gated
 from ..plan import GatedGemm
-from ..problem import Problem
-from ..schedules.gated import Gated
+from ..plan.problem import Problem
 from .cli import BenchUsageError
 
 EXAMPLES = """examples:

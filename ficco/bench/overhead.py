@@ -1,14 +1,16 @@
-"""``python -m ficco.bench overhead``: host time to enqueue one W = 8 call, per op and
-schedule.
+"""``python -m ficco.bench overhead``: what one warm call costs the host, per op and schedule.
 
-Two ops, every schedule, rank 3 of 8 (null backend) or rank 0 of a pretend 8-rank group on one
-GPU (``--gpu``). Shapes, bfloat16: ``all_gather_matmul`` m=1024 rows per rank, K=8192, n=8192
-(the GEMM of the GPU enqueue table in docs/gpu.md); ``matmul_reduce_scatter`` its mirror,
-M=8192, K=1024 per rank, n=8192.
+Null backend (the default): every op (the five: ``all_gather_matmul``,
+``matmul_reduce_scatter``, ``matmul_all_reduce``, ``all_to_all_grouped_mm``,
+``grouped_mm_all_to_all``), every schedule (the optional gated ones included), at W = 2, 4
+and 8, rank min(3, W-1); shapes in :func:`problem_of`. ``--gpu``: the first two ops at W = 8 as
+rank 0 of a pretend 8-rank group on one GPU.
 
-- null backend (default, runs anywhere): every backend call returns at once, so what is timed
-  is ficco's executor, compiler and barrier protocol. The null backend prepares copies as the
-  GPU backends do (``copy_call_args``), so the bound-plan path is what runs.
+- null backend (runs anywhere): every backend call returns at once, so what is timed is
+  ficco's executor, compiler and barrier protocol. The null backend prepares copies as the
+  GPU backends do (``copy_call_args``), so the bound-plan path is what runs, and it counts the
+  runtime calls a GPU would get (``ops``: a batched copy submission counts once, a barrier
+  program once; ``1-by-1``: the same without batched copies, ROCm's path).
 - ``--gpu``: the real CUDA/ROCm backend. The "peers" are other allocations on this GPU and
   every barrier signals this rank's own pad (a loopback handle: the same driver calls as in a
   real group, and every barrier passes), so each copy moves real bytes. Eager host us per call
@@ -40,8 +42,9 @@ import torch
 from .. import executor as current_executor
 from .. import schedules
 from ..backends.base import Backend
-from ..backends.vendor import copy_call_args
-from ..problem import Problem
+from ..backends.gpu.vendor import Copy2D, copy_call_args
+from ..ops.expert.problem import EXPERT_OPS, ExpertProblem
+from ..plan.problem import Problem
 from .cli import BenchUsageError
 
 EXAMPLES = """examples:
@@ -50,30 +53,63 @@ EXAMPLES = """examples:
   python -m ficco.bench overhead --gpu                         # the real backend on one GPU
   python -m ficco.bench overhead --gpu --profile hetero-unfused-1d --calls 20
 """
-#: The repository root (``--compare`` reads ficco/executor.py of a git revision from it).
+#: The repository root (``--compare`` reads the executor of a git revision from it).
 ROOT = Path(__file__).resolve().parents[2]
 
 WORLD, DTYPE = 8, torch.bfloat16
-OPS = ("all_gather_matmul", "matmul_reduce_scatter")
+WORLDS = (2, 4, 8)
+OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce",
+       "all_to_all_grouped_mm", "grouped_mm_all_to_all")
+#: the GPU table's ops (the loopback group pretends peers for these two)
+GPU_OPS = OPS[:2]
 
 
-def problem_of(op: str, rank: int) -> Problem:
+def problem_of(op: str, rank: int, world: int = WORLD):
+    """The problem each op is timed on: bfloat16, the all-gather's 1024 rows per rank x K = 8192
+    x n = 8192 (the GEMM of the GPU enqueue table in docs/gpu.md), the reduce-scatter and
+    all-reduce its mirror (M = 8192, K = 1024 per rank), the expert ops 1024 rows per rank
+    routed evenly to 2 experts per rank, K = n = 4096."""
     if op == "all_gather_matmul":
-        return Problem(m=1024, k=8192, ns=(8192,), dtype="bfloat16", world=WORLD, rank=rank)
-    return Problem(m=8192, k=1024, ns=(8192,), dtype="bfloat16", world=WORLD, rank=rank,
+        return Problem(m=1024, k=8192, ns=(8192,), dtype="bfloat16", world=world, rank=rank)
+    if op in EXPERT_OPS:
+        counts = tuple(tuple(1024 // (2 * world) for _ in range(2 * world))
+                       for _ in range(world))
+        return ExpertProblem(4096, 4096, 2, "bfloat16", world, rank, op, counts)
+    return Problem(m=8192, k=1024, ns=(8192,), dtype="bfloat16", world=world, rank=rank,
                    op=op)
 
 
-def workspace_numel(p: Problem) -> int:
+def workspace_numel(p) -> int:
+    if isinstance(p, ExpertProblem):
+        return 2 * sum(map(sum, p.counts)) * max(p.k, p.n)
+    if p.all_reduces:
+        return 2 * p.m * p.n_total * 2    # partials, then the float32 reduced rows
     return p.m * p.n_total if p.reduces else p.big_m * p.k
+
+
+def schedule_names(op: str) -> list[str]:
+    """Every schedule of ``op``, the optional (Triton) ones included: they plan anywhere."""
+    return schedules.names(op=op) + schedules.optional_names(op=op)
 
 
 class NullBackend(Backend):
     """Every call returns at once: only ficco's own host time remains. Copies are prepared
-    (arguments computed, a no-op returned) the way the GPU backends prepare theirs."""
+    (arguments computed, a no-op returned) the way the GPU backends prepare theirs.
+    ``calls`` counts what would be runtime calls on a GPU: an event record or wait, a copy, a
+    batched copy submission (once), a GEMM, a host task, a barrier program (one
+    ``cuStreamBatchMemOp``) or signal write; ``finish`` joins each side queue (a record and a
+    wait). ``batches``: whether it submits a queue's copies in one call (as CUDA >= 12.8)."""
 
     name = "null"
     compute_on_current = prepares_copies = reuses_plan_events = True
+
+    def __init__(self, batches: bool = True):
+        self.batches_copies = batches
+        self.calls = 0
+        self.prepared = 0
+
+    def _count(self, queue=None):
+        self.calls += 1
 
     @classmethod
     def unavailable_reason(cls):
@@ -99,56 +135,71 @@ class NullBackend(Backend):
         return events[id(compiled)][1]
 
     def record(self, event, queue):
-        pass
+        self.calls += 1
 
     def wait(self, event, queue):
-        pass
+        self.calls += 1
 
     def prepare_record(self, event):
-        return _ignore
+        return self._count
 
     def prepare_wait(self, event):
-        return _ignore
+        return self._count
 
     def copy(self, dst, src, queue):
         copy_call_args(dst, src)
+        self.calls += 1
 
     def copy_2d(self, dst, src, queue):
         copy_call_args(dst, src, True)
+        self.calls += 1
 
     def prepare_copy(self, dst, src, two_d=False):
-        self.prepared = getattr(self, "prepared", 0) + 1
-        copy_call_args(dst, src, two_d)
-        return _ignore
+        self.prepared += 1
+        return self._count if copy_call_args(dst, src, two_d) is not None else _ignore
+
+    def prepare_copies(self, pairs):
+        self.prepared += len(pairs)
+        args = [copy_call_args(dst, src, two_d) for dst, src, two_d in pairs]
+        flat = sum(1 for a in args if a is not None and not isinstance(a, Copy2D))
+        pitched = sum(1 for a in args if isinstance(a, Copy2D))
+        calls = (min(flat, 1) + min(pitched, 1)) if self.batches_copies else flat + pitched
+
+        def run(queue):
+            self.calls += calls
+        return run
 
     def gemm(self, a, b, out, accumulate, queue):
-        pass
+        self.calls += 1
 
     def gemm_current(self, a, b, out, accumulate):
-        pass
+        self.calls += 1
 
     def launch(self, queue, fn):
-        pass
+        self.calls += 1
 
     def launch_current(self, fn):
-        pass
+        self.calls += 1
 
     # The barrier itself is the real protocol (ficco.symm_mem.barrier: cached program, one
     # signal_batch call); only the primitives do nothing.
     def signal_write(self, queue, slot, value):
-        pass
+        self.calls += 1
 
     def signal_wait(self, queue, op, deadline):
-        pass
+        self.calls += 1
 
     def signal_batch(self, queue, ops, deadline):
-        pass
+        self.calls += 1
 
     def signal_now(self, ops, deadline):
-        pass
+        self.calls += 1
+
+    def tensor_slot(self, t, index):
+        return 0
 
     def finish(self, queues):
-        pass
+        self.calls += 2 * len({id(q) for q in queues if q != "compute"})
 
     def symm_provider(self):
         return None
@@ -163,15 +214,16 @@ class StubHandle:
 
     def __init__(self, rank: int, world: int, numel: int):
         self.rank, self.world, self.nbytes = rank, world, numel * 2
-        self._data = [torch.empty(numel, dtype=DTYPE) for _ in range(world)]
+        self._data = [torch.empty(numel * 2, dtype=torch.uint8) for _ in range(world)]
         self._programs: dict = {}
+        self.fault = None     # no group fault word (the gated GEMM's launch reads it)
 
     def slot(self, owner, channel, writer):
         return 0x1000 * owner + 4 * (channel * self.world + writer)   # an address, as on GPUs
 
     def get_buffer(self, rank, shape, dtype, offset=0):
-        start = offset // 2
-        return self._data[rank][start: start + shape[0] * shape[1]].view(dtype).view(tuple(shape))
+        nbytes = shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
+        return self._data[rank][offset: offset + nbytes].view(dtype).view(tuple(shape))
 
 
 class OldContract:
@@ -192,45 +244,96 @@ class OldContract:
 
 
 def load_executor(rev: str):
-    """ficco/executor.py as it was at git revision ``rev``, as a module of this process (its
-    relative imports resolve against today's package; the executor's own code is REV's)."""
+    """The executor (``ficco/executor/__init__.py``) as it was at git revision ``rev``, as a
+    module of this process (its relative imports resolve against today's package; the
+    executor's own code is REV's). A revision of the flat layout held it in ``ficco/executor.py``
+    and its imports name the flat modules, so only a revision of today's layout loads."""
+    path = "ficco/executor/__init__.py"
     try:
-        source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:ficco/executor.py"],
+        source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"],
                                 check=True, capture_output=True, text=True).stdout
     except (OSError, subprocess.CalledProcessError) as exc:
-        raise BenchUsageError(f"--compare {rev}: cannot read ficco/executor.py at {rev} from "
-                              f"git in {ROOT} ({exc}); run from a git checkout") from None
-    module = types.ModuleType(f"ficco._executor_{rev}")
-    module.__package__ = "ficco"
-    module.__file__ = f"{rev}:ficco/executor.py"
+        raise BenchUsageError(f"--compare {rev}: cannot read {path} at {rev} from git in {ROOT} "
+                              f"({exc}); run from a git checkout, with a revision of the "
+                              "folder layout") from None
+    module = types.ModuleType(f"ficco.executor._at_{rev}")
+    module.__package__ = "ficco.executor"
+    module.__file__ = f"{rev}:{path}"
     sys.modules[module.__name__] = module   # dataclasses look their module up
     exec(compile(source, module.__file__, "exec"), module.__dict__)  # noqa: S102 - our own git history
     return module
 
 
+def operands(p, device="cpu"):
+    """(a, bs) of one call of problem ``p`` (the expert ops: x or h, and the stacked weights)."""
+    if isinstance(p, ExpertProblem):
+        lay = p.layout
+        rows = lay.send_rows(p.rank) if p.op == EXPERT_OPS[0] else lay.recv_rows(p.rank)
+        a = torch.empty(rows, p.k, dtype=DTYPE, device=device)
+        return a, [torch.empty(p.k, p.n, dtype=DTYPE, device=device)
+                   for _ in range(p.experts)]
+    return (torch.empty(p.m, p.k, dtype=DTYPE, device=device),
+            [torch.empty(p.k, n, dtype=DTYPE, device=device) for n in p.ns])
+
+
+def call_buffers(ex, plan, handle, a, bs, device):
+    """This call's Buffers as ficco/runtime.py makes them: fresh outputs (and landing buffers),
+    the workspace's from the handle."""
+    p = plan.problem
+    if isinstance(p, ExpertProblem):
+        return _expert_buffers(ex, p, handle, a, bs, device)
+    out_dtype = torch.float32 if plan.wide_outputs() else DTYPE   # as the runtime allocates
+    if p.all_reduces:
+        outs = [torch.empty(p.m, n, dtype=out_dtype, device=device) for n in p.ns]
+        partial_at, reduced_at = 0, p.m * p.n_total * 2
+        return ex.Buffers(
+            a, bs, outs, None, handle, None,
+            partials=[handle.get_buffer(p.rank, (p.m, p.ns[0]), DTYPE, partial_at)],
+            recvs=[torch.empty(max(plan.rows_of("recv"), 1), p.ns[0], dtype=DTYPE,
+                               device=device)],
+            partial_offsets=(partial_at,),
+            reduced=[handle.get_buffer(p.rank, (p.m, p.ns[0]), out_dtype, reduced_at)],
+            reduced_offsets=(reduced_at,))
+    outs = [torch.empty(p.block_rows if p.reduces else p.big_m, n, dtype=out_dtype,
+                        device=device) for n in p.ns]
+    if p.reduces:
+        return ex.Buffers(a, bs, outs, None, handle, None,
+                          partials=[handle.get_buffer(p.rank, (p.m, p.ns[0]), DTYPE)],
+                          recvs=[torch.empty(p.world * p.block_rows, p.ns[0], dtype=DTYPE,
+                                             device=device)],
+                          partial_offsets=(0,))
+    return ex.Buffers(a, bs, outs, handle.get_buffer(p.rank, (p.big_m, p.k), DTYPE), handle,
+                      None)
+
+
+def _expert_buffers(ex, p, handle, a, bs, device):
+    from ..ops.expert.problem import DISPATCH
+    from ..ops.expert.tasks import ExpertContext
+
+    lay, r = p.layout, p.rank
+    if p.op == DISPATCH:
+        shared = handle.get_buffer(r, (lay.max_send_rows, p.k), DTYPE)
+        rows = lay.recv_rows(r)
+        ctx = ExpertContext(DISPATCH, lay, r, a, bs, torch.empty(rows, p.n, dtype=DTYPE),
+                            shared, torch.empty(rows, p.k, dtype=DTYPE), None)
+        return ex.Buffers(a, bs, [ctx.out], shared, handle, None, task_state=ctx)
+    shared = handle.get_buffer(r, (lay.max_recv_rows, p.n), DTYPE)
+    ctx = ExpertContext(p.op, lay, r, a, bs, torch.empty(lay.send_rows(r), p.n, dtype=DTYPE),
+                        shared, None, None)
+    return ex.Buffers(a, bs, [ctx.out], None, handle, None, partials=[shared], task_state=ctx)
+
+
 def make_call(ex, plan, backend, handle, a, bs, device):
-    """One call as ficco/runtime.py makes it: fresh outputs (and landing buffers) each time,
+    """One call as ficco/runtime/path.py makes it: fresh outputs (and landing buffers) each time,
     this rank's workspace buffers from the handle. Returns (call, outs); call() returns the
     host seconds of execute() alone."""
-    p = plan.problem
     outs_box = []
-    out_dtype = torch.float32 if plan.wide_outputs() else DTYPE   # as the runtime allocates
 
     def call() -> float:
         # The previous call's buffers are gone before this call allocates (as in the runtime:
         # the caller keeps only the result), so an allocator may hand the same blocks back.
         outs_box.clear()
-        outs = [torch.empty(p.block_rows if p.reduces else p.big_m, n, dtype=out_dtype,
-                            device=device) for n in p.ns]
-        if p.reduces:
-            buffers = ex.Buffers(a, bs, outs, None, handle, None,
-                                 partials=[handle.get_buffer(p.rank, (p.m, p.ns[0]), DTYPE)],
-                                 recvs=[torch.empty(p.world * p.block_rows, p.ns[0],
-                                                    dtype=DTYPE, device=device)],
-                                 partial_offsets=(0,))
-        else:
-            buffers = ex.Buffers(a, bs, outs, handle.get_buffer(p.rank, (p.big_m, p.k), DTYPE),
-                                 handle, None)
+        buffers = call_buffers(ex, plan, handle, a, bs, device)
         outs_box[:] = [buffers]
         t0 = time.perf_counter()
         ex.execute(plan, backend, buffers, timeout_s=60.0)
@@ -240,14 +343,27 @@ def make_call(ex, plan, backend, handle, a, bs, device):
 
 
 # -- null backend -------------------------------------------------------------------------------
-def null_rows(op: str, calls: int, before) -> list[str]:
-    p = problem_of(op, rank=3)
+def calls_per_call(plan, batches: bool = True) -> int:
+    """Runtime calls one warm call of ``plan`` makes on the null backend (see
+    :class:`NullBackend`; ``batches``: copies of a queue in one submission)."""
+    p = plan.problem
+    handle = StubHandle(p.rank, p.world, workspace_numel(p))
+    a, bs = operands(p)
+    backend = NullBackend(batches)
+    call, _ = make_call(current_executor, plan, backend, handle, a, bs, "cpu")
+    call()
+    before = backend.calls
+    call()
+    return backend.calls - before
+
+
+def null_rows(op: str, calls: int, before, world: int = WORLD) -> list[str]:
+    p = problem_of(op, rank=min(3, world - 1), world=world)
     rows = []
-    for name in schedules.names(op=op):
+    for name in schedule_names(op):
         plan = schedules.get(name, op=op).plan(p, "dma", None)
-        handle = StubHandle(p.rank, WORLD, workspace_numel(p))
-        a = torch.empty(p.m, p.k, dtype=DTYPE)
-        bs = [torch.empty(p.k, n, dtype=DTYPE) for n in p.ns]
+        handle = StubHandle(p.rank, world, workspace_numel(p))
+        a, bs = operands(p)
         runs: dict[str, tuple[Any, Any]] = {"now": (current_executor, NullBackend())}
         if before is not None:
             runs["before"] = (before, OldContract(NullBackend()))
@@ -257,18 +373,19 @@ def null_rows(op: str, calls: int, before) -> list[str]:
         for _ in range(5):
             for call in made.values():
                 call()
-        prepared0 = runs["now"][1].__dict__.get("prepared", 0)
+        backend = runs["now"][1]
+        calls0 = backend.calls
         rounds = 10
         for _ in range(rounds):   # interleaved: drift on a shared box hits both alike
             for k, call in made.items():
                 times[k] += [call() for _ in range(max(1, calls // rounds))]
-        prepared = (runs["now"][1].__dict__.get("prepared", 0) - prepared0) / len(times["now"])
-        ops = len(plan.ops)
+        ops = (backend.calls - calls0) // len(times["now"])
         now = statistics.median(times["now"]) * 1e6
-        line = f"{op:<22} {name:<20} {ops:>4} {now:>9.1f} {now / ops:>7.2f} {prepared:>8.1f}"
+        line = (f"{op:<22} {name:<22} {world:>2} {len(plan.ops):>5} {ops:>4} "
+                f"{calls_per_call(plan, False):>8} {now:>9.1f} {now / ops:>7.2f}")
         if before is not None:
             old = statistics.median(times["before"]) * 1e6
-            line += f" {old:>9.1f} {old / ops:>7.2f}"
+            line += f" {old:>9.1f}"
         rows.append(line)
         print(line, flush=True)
     return rows
@@ -414,10 +531,12 @@ def gpu_profile(name: str, calls: int, op: str) -> None:
 
 def add_arguments(parser) -> None:
     parser.add_argument("--calls", type=int, default=200, help="timed calls per schedule")
-    parser.add_argument("--op", choices=OPS, default=None, help="one op only (default both)")
+    parser.add_argument("--op", choices=OPS, default=None, help="one op only (default all)")
+    parser.add_argument("--world", type=int, choices=WORLDS, action="append", default=None,
+                        help="group size (repeatable; default 2, 4 and 8; --gpu: 8)")
     parser.add_argument("--gpu", action="store_true", help="the real GPU backend instead")
     parser.add_argument("--compare", metavar="REV", default=None,
-                        help="also time ficco/executor.py as of git revision REV")
+                        help="also time the executor as of git revision REV")
     parser.add_argument("--profile", metavar="SCHEDULE", default=None,
                         help="with --gpu: cProfile --calls enqueues of SCHEDULE instead")
     parser.add_argument("--label", default="", help="text appended to the table's title")
@@ -432,27 +551,35 @@ def main(args) -> int:
         gpu_profile(args.profile, args.calls, args.op or OPS[0])
         return 0
     before = load_executor(args.compare) if args.compare else None
-    ops = (args.op,) if args.op else OPS
-    cmp = f" vs ficco/executor.py at {args.compare}" if args.compare else ""
+    cmp = f" vs the executor at {args.compare}" if args.compare else ""
     if args.gpu:
+        ops: tuple[str, ...] = (args.op,) if args.op else GPU_OPS
+        if any(op not in GPU_OPS for op in ops):
+            raise BenchUsageError(f"--gpu times {' and '.join(GPU_OPS)} (its loopback group "
+                                  f"pretends their peers); got --op {args.op}")
         head = (f"# eager host time per W={WORLD} call, real backend on one GPU (loopback "
                 f"barriers), median of 20{cmp} {args.label}").rstrip()
         cols = f"{'us/call':>9} {'us/op':>7} {'wall ms':>8} {'rel err':>8} {'replay us':>12}"
-    else:
-        head = (f"# host time per W={WORLD} call, null backend, median of {args.calls} calls"
-                f"{cmp} {args.label}").rstrip()
-        cols = f"{'us/call':>9} {'us/op':>7} {'prep/call':>8}"
+        lines = [head, f"{'op':<22} {'schedule':<20} {'ops':>4} {cols}"]
         if before is not None:
-            cols += f" {'before':>9} {'us/op':>7}"
-    lines = [head, f"{'op':<22} {'schedule':<20} {'ops':>4} {cols}"]
-    if before is not None and args.gpu:
-        lines.append(f"# (the same columns again for {args.compare})")
+            lines.append(f"# (the same columns again for {args.compare})")
+    else:
+        ops = (args.op,) if args.op else OPS
+        head = (f"# host cost of one warm call, null backend, median of {args.calls} calls"
+                f"{cmp} {args.label}").rstrip()
+        legend = ("# plan: the plan's ops; ops: runtime calls per call on a GPU with batched "
+                  "copy submission (CUDA >= 12.8); 1-by-1: without it (one call per copy, "
+                  "ROCm); us/op = us/call / ops")
+        lines = [head, legend,
+                 f"{'op':<22} {'schedule':<22} {'W':>2} {'plan':>5} {'ops':>4} {'1-by-1':>8} "
+                 f"{'us/call':>9} {'us/op':>7}" + (f" {'before':>9}" if before else "")]
     print("\n".join(lines), flush=True)
     if args.gpu:
         lines += gpu_rows(ops, before)
     else:
-        for op in ops:
-            lines += null_rows(op, args.calls, before)
+        for world in args.world or WORLDS:
+            for op in ops:
+                lines += null_rows(op, args.calls, before, world)
     if args.out:
         with open(args.out, "a") as fh:
             fh.write("\n".join(lines) + "\n\n")

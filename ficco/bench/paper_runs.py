@@ -23,7 +23,7 @@ from ..heuristics import gemm, profiles, simulator
 from ..heuristics.paper import paper_choice
 from ..heuristics.scenarios import PAPER_TABLE_I, table_i_problem
 from ..plan import COMPUTE, Block, Copy, Gemm, Op, Plan, Record, Wait
-from ..problem import Problem
+from ..plan.problem import Problem
 
 #: The paper's four schedules (§V-B), among which its rule picks.
 PAPER_FOUR = ("uniform-fused-1d", "hetero-fused-1d", "hetero-unfused-1d", "uniform-fused-2d")

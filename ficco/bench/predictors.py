@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from ..heuristics import bands, collectives, gemm, simulator
 from ..plan import COMPUTE, AllGather, AllToAll, Block, Copy, Gemm, Op, Plan, ReduceScatter
-from ..problem import Problem
+from ..plan.problem import Problem
 from .async_tp import async_tp_us
 from .paper_runs import PAPER_FOUR, emulated_2d, fraction_of_ideal, geomean, paper_run, table_i
 
@@ -322,6 +322,35 @@ def nccl_busbw_gbps(prof, kind: str, size: int | str, world: int | str = "8") ->
     return size * collectives.bus_factor(kind, world) / seconds / 1e9
 
 
+def all_reduce_us(prof, size: int | str, world: int | str = "8") -> float:
+    """Microseconds of the process group's all-reduce (NCCL/RCCL) of ``size`` bytes per rank
+    over ``world`` ranks, alone (:mod:`ficco.ops.matmul_all_reduce.pricing`)."""
+    from ..ops.matmul_all_reduce import pricing
+
+    return pricing.collective_seconds(prof, int(size), int(world)) * 1e6
+
+
+def kernel_all_reduce_us(prof, size: int | str, world: int | str = "8",
+                         shots: str = "best") -> float:
+    """Microseconds of the one-kernel all-reduce of ``size`` bytes per rank: ``shots`` "one"
+    (``one-shot-kernel``), "two" (``two-shot-kernel``) or "best" (the faster: what a custom
+    all-reduce that picks its algorithm by size runs)."""
+    from ..ops.matmul_all_reduce import pricing
+
+    one, two = (pricing.shot_kernel_seconds(prof, int(size), int(world), two_shot=t) * 1e6
+                for t in (False, True))
+    return {"one": one, "two": two, "best": min(one, two)}[shots]
+
+
+def torch_all_reduce_us(prof, size: int | str, world: int | str = "8",
+                        variant: str = "one-shot") -> float:
+    """Microseconds of torch's ``symm_mem`` all-reduce ``variant`` of ``size`` bytes per rank
+    as ``torch-<variant>`` prices it, its input already in torch's symmetric memory."""
+    from ..ops.matmul_all_reduce import pricing
+
+    return pricing.torch_kernel_seconds(prof, int(size), int(world), variant) * 1e6
+
+
 def dma_copy_us(prof, nbytes: int | str) -> float:
     """Microseconds of one peer DMA copy of ``nbytes`` with its completion (latency + bytes
     over the copy's bandwidth at its size), alone on the link."""
@@ -369,6 +398,9 @@ PREDICTORS: dict[str, Callable[..., float]] = {
     "gemm_tflops": gemm_tflops,
     "nccl_busbw_gbps": nccl_busbw_gbps,
     "dma_copy_us": dma_copy_us,
+    "all_reduce_us": all_reduce_us,
+    "kernel_all_reduce_us": kernel_all_reduce_us,
+    "torch_all_reduce_us": torch_all_reduce_us,
 }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..problem import MATMUL_REDUCE_SCATTER, Problem
+from ..plan.problem import MATMUL_REDUCE_SCATTER, Problem
 
 OP_CHOICES = ("all-gather-matmul", "matmul-reduce-scatter")
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
 from ..heuristics.scenarios import PAPER_TABLE_I
-from ..problem import Problem
+from ..plan.problem import Problem
 
 # Public model configurations: hidden size, attention heads, KV heads, head dim, MLP width.
 LLAMA_MODELS = {

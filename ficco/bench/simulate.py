@@ -23,7 +23,7 @@ from ..errors import InvalidArgumentError
 from ..heuristics import bands, model, profiles, simulator
 from ..heuristics.paper import paper_choice
 from ..heuristics.scenarios import PAPER_TABLE_I, gemm_problem
-from ..problem import Problem
+from ..plan.problem import Problem
 
 EXAMPLES = """\
   python -m ficco.bench simulate --profile mi300x --scenarios paper --world 8

@@ -32,7 +32,7 @@ import statistics
 from pathlib import Path
 
 from ..heuristics import bands, gemm, profiles
-from . import predictors, validate_expert
+from . import predictors, validate_g13_g16
 from .paper_runs import (  # noqa: F401
     GRAPHS,
     PAPER_FOUR,
@@ -80,7 +80,7 @@ def main(args) -> int:
               f"{json.dumps(fitted, sort_keys=True)}")
         return 0
     report_picks()
-    validate_expert.report()   # g13-g16 priced as all-to-all (expert parallelism)
+    validate_g13_g16.report()   # g13-g16 priced as all-to-all (expert parallelism)
     rows = evaluate(read_table(args.table))
     report_rows(rows, args.table)
     fit = gemm_fit_errors()
@@ -148,7 +148,7 @@ def report_rows(rows: list[dict], table) -> None:
 
 
 #: The families targets are set for, and the targets (median |error| of unfitted point rows).
-FAMILIES = ("all-gather", "reduce-scatter", "all-to-all", "baselines", "async-tp")
+FAMILIES = ("all-gather", "reduce-scatter", "all-to-all", "baselines", "async-tp", "decode")
 TARGET_ALL, TARGET_FAMILY = 0.08, 0.10
 #: Roles of rows no profile number was set from: ``tune`` rows were looked at while the model
 #: changed, ``holdout`` rows were not (they measure how it generalises).

@@ -4,7 +4,7 @@ the model's shortlist; ``tune``: every schedule), behind one call.
 
 Example::
 
-    >>> from ficco.problem import Problem
+    >>> from ficco.plan.problem import Problem
     >>> from ficco.heuristics import choose
     >>> d = choose(Problem(32768, 8192, (1024,), "bfloat16", 8), target="rocm:gfx942",
     ...            selector="paper")
@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from .. import config, logs, schedules
 from ..config import TRANSPORTS
 from ..errors import ConfigError, InvalidArgumentError
-from ..problem import Problem
+from ..plan.problem import Problem
 from . import bands, profiles
 from .auto import auto_choice
 from .decision import SELECTORS, Decision, decision_inputs
@@ -140,7 +140,7 @@ def choose(problem: Problem, *, transport: str | tuple[str, ...] = "dma", target
     ``auto`` and ``tune`` measure; without it they decide from what they measured before
     in this process, else by the model, and say so (``Decision.final`` False).
 
-    >>> from ficco.problem import Problem
+    >>> from ficco.plan.problem import Problem
     >>> choose(Problem(8, 8, (8,), "float32", 2), forced="ring", forced_by="argument").reason
     'forced by argument; the model predicts ... ms for it over dma (its fastest: ...'
     """

@@ -35,7 +35,7 @@ says so.
 
 Example, offline (no live group: the model's pick, provisional)::
 
-    >>> from ficco.problem import Problem
+    >>> from ficco.plan.problem import Problem
     >>> from ficco.heuristics import choose
     >>> d = choose(Problem(64, 32, (16,), "float32", 2), target="cpu", selector="auto")
     >>> d.selector, d.final, d.decided_by.startswith("the model")
@@ -47,8 +47,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from .. import config, logs, schedules
-from ..problem import Problem
-from ..problem_expert import bucket
+from ..ops.expert.problem import bucket
+from ..plan.problem import Problem
 from . import measured, sku
 from .decision import Decision
 from .measured import Candidate, Live, ficco_version
@@ -90,7 +90,7 @@ def family(name: str) -> str:
 
 def bucketed(problem):
     """``problem`` as its cache key sees it: rank 0, and the rows of a dense op (a
-    :class:`~ficco.problem.Problem`'s ``m``: the shard for an all-gather, all rows for a
+    :class:`~ficco.plan.problem.Problem`'s ``m``: the shard for an all-gather, all rows for a
     reduce-scatter) rounded up to three significant bits, whole units (at most 25% more: 0-8
     stay, then 10, 12, 14, 16, 20, 24, ...), so a variable-length workload measures once per
     bucket, not once per length. The expert ops' problems bucket their routing already.

@@ -22,7 +22,7 @@ predicted gain exceeds the band (:func:`ficco.heuristics.choose`).
 
 Example::
 
-    >>> from ficco.problem import Problem
+    >>> from ficco.plan.problem import Problem
     >>> from ficco.heuristics import profiles
     >>> width, name = band(Problem(8192, 8192, (1024,), "bfloat16", 8), profiles.load("h100"))
     >>> 0 < width < 1, name.startswith("all_gather_matmul/")
@@ -52,7 +52,7 @@ def parts(problem, profile, topology: str | None = None) -> tuple[float, float]:
     GEMM, and the bytes a rank receives over its ingress bandwidth (W - 1 links on a mesh,
     the GPU's bandwidth on a switch or PCIe).
 
-    >>> from ficco.problem import Problem
+    >>> from ficco.plan.problem import Problem
     >>> from ficco.heuristics import profiles
     >>> g, c = parts(Problem(1024, 1024, (1024,), "bfloat16", 8), profiles.load("mi300x"))
     >>> g > 0 and c > 0

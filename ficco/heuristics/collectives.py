@@ -21,8 +21,10 @@ kind               size (bytes)                        factor
 =================  ==================================  ===================
 
 The curve is interpolated linearly in log(size) x log(busbw); below its smallest size the
-time stays that point's time (launch and protocol latency dominate), above its largest the
-bandwidth stays flat. Measured curves already hold the latency, so no separate latency is
+time stays that point's time (launch and protocol latency dominate) or, where the profile
+gives ``ccl.small_latency_s[kind]`` (fitted to published small-message times), falls linearly
+from that point's time to that latency at no bytes; above its largest the bandwidth stays
+flat. Measured curves already hold the latency, so no separate latency is
 added. A primitive without a curve may carry a latency-bandwidth law of its own
 (``ccl.latency_bandwidth[kind]``: ``latency_s`` and ``efficiency``): compute-unit kernels that
 store into peers over the links from their first bytes (RCCL's all-reduce, mori's all-to-all on
@@ -93,6 +95,19 @@ def busbw_at(points: list[tuple[float, float]], size: float) -> float:
     return math.exp(math.log(b0) + t * (math.log(b1) - math.log(b0)))
 
 
+def small_latency(profile, kind: str) -> float | None:
+    """``ccl.small_latency_s[kind]``: the time of a message of no bytes, fitted to published
+    small-message times (docs/heuristics.md names each source), which extends ``kind``'s curve
+    below its first measured size; None: below it the time stays that point's.
+
+    >>> from ficco.heuristics import profiles
+    >>> small_latency(profiles.load("h100"), "all_reduce")
+    2.2e-05
+    """
+    given = (profile.ccl.get("small_latency_s") or {}).get(kind)
+    return None if given is None else float(given)
+
+
 def law(profile, kind: str, topology: str | None = None) -> tuple[float, float] | None:
     """``(latency_s, efficiency)`` of ``kind``'s latency-bandwidth law on ``topology`` (the
     profile's own by default), or None where the profile gives none or the topology is another.
@@ -142,11 +157,18 @@ def collective_seconds(profile, kind: str, bytes_per_peer: float, peers: int, *,
     if points:
         # the curve was measured on `reference` ranks; read it at the same bytes per peer
         reference = int(profile.ccl.get("busbw_world") or profile.gpus_per_node)
-        bandwidth = busbw_at(points, bytes_per_peer * reference)
+        size = bytes_per_peer * reference
+        bandwidth = busbw_at(points, size)
         # busbw is the rate into one rank: on a mesh spread over its reference - 1 links
         # (each peer has its own, so fewer peers take as long), through a switch shared
         lanes = reference - 1 if topology == "mesh" else peers
-        return moved * lanes / bandwidth
+        seconds = moved * lanes / bandwidth
+        small = small_latency(profile, kind)
+        if small is not None and size < points[0][0]:
+            # below the first measured size (where the curve keeps that size's time): from
+            # the latency fitted to published small-message times straight up to it
+            seconds = small + (seconds - small) * size / points[0][0]
+        return seconds
     link = link_bytes_per_s or profile.link_for(topology, world)
     volume = moved * (1 if topology == "mesh" else peers)
     rule = law(profile, kind, topology)

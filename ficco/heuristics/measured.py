@@ -47,7 +47,7 @@ Candidate = tuple[str, str]          # (schedule name, transport)
 
 class Live(Protocol):
     """A live group as a measuring selector sees it (the runtime's, made from the call's
-    :class:`~ficco.session.Session`); ``agreed`` is the group's set of cache entries
+    :class:`~ficco.runtime.session.Session`); ``agreed`` is the group's set of cache entries
     ``(cache file, key)`` every rank of it holds (the session's: dropped with it)."""
 
     agreed: set

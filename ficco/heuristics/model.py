@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .. import schedules
-from ..problem import Problem
-from ..problem_expert import ExpertProblem
+from ..ops.expert.problem import ExpertProblem
+from ..plan.problem import Problem
 from .profiles import Profile
 from .simulator import SimResult, simulate
 

@@ -33,7 +33,7 @@ Example::
 """
 from __future__ import annotations
 
-from ..problem import Problem
+from ..plan.problem import Problem
 from .profiles import Profile
 
 #: The window that turns the machine's FLOP/s into a FLOP count comparable with a GEMM's.

@@ -15,7 +15,7 @@ Example::
 from __future__ import annotations
 
 from ..errors import InvalidArgumentError
-from ..problem import Problem
+from ..plan.problem import Problem
 
 #: name -> (M, N, K), FiCCO paper Table I ("GEMMs occurring in real world scenarios").
 PAPER_TABLE_I: dict[str, tuple[int, int, int]] = {

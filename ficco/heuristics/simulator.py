@@ -53,7 +53,7 @@ kind adds one such method).
 Example::
 
     >>> from ficco import schedules
-    >>> from ficco.problem import Problem
+    >>> from ficco.plan.problem import Problem
     >>> from ficco.heuristics import profiles, simulator
     >>> plan = schedules.get("serial").plan(Problem(4096, 8192, (8192,), "bfloat16", 8))
     >>> result = simulator.simulate(plan, profiles.load("mi300x"))
@@ -67,8 +67,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..errors import InvalidArgumentError
+from ..ops.expert import pricing as all_to_all_pricing
+from ..ops.matmul_all_reduce import pricing as all_reduce_pricing
 from ..plan import COMPUTE, GatedGemm, Op, Plan, Record, Wait, item_bytes, op_label
-from . import all_reduce_pricing, all_to_all_pricing, collectives
+from . import collectives
 from . import gemm as gemm_cost
 
 # Contention rates live in .contention; re-exported here for callers of simulator.*.
@@ -76,7 +78,7 @@ from .contention import dma_contention, mt_factor, shard_mt_factor
 from .profiles import Profile
 
 if TYPE_CHECKING:   # as _lower_gated: the schedules package is loaded only for gated plans
-    from ..schedules.gated import GatedPiece
+    from ..ops.all_gather_matmul.schedules.gated import GatedPiece
 
 _EPS = 1e-12
 #: Plan ops that only order queues: they take no time and are not drawn.
@@ -425,7 +427,7 @@ class Simulation:
         reading every source (and the destination when accumulating) and writing it once;
         slowed like any memory-bound op while copies stream beside it. One that reads peers'
         memory (the all-reduce's ``-sm`` loads) is priced over the links
-        (:mod:`ficco.heuristics.all_reduce_pricing`)."""
+        (:mod:`ficco.ops.matmul_all_reduce.pricing`)."""
         rank = self.problem.rank
         if any(s.peer is not None and s.peer != rank for s in op.srcs):
             return all_reduce_pricing.price_remote_reduce(self, op, _Task)
@@ -446,8 +448,16 @@ class Simulation:
         return self.collective("reduce_scatter", block, self.problem.world - 1)
 
     def _price_all_reduce(self, op) -> _Task:
-        """The process group's all-reduce (NCCL/RCCL): :mod:`ficco.heuristics.all_reduce_pricing`."""
+        """The process group's all-reduce (NCCL/RCCL): :mod:`ficco.ops.matmul_all_reduce.pricing`."""
         return all_reduce_pricing.price_all_reduce(self, op, _Task)
+
+    def _price_shot_all_reduce(self, op) -> _Task:
+        """The one-kernel all-reduce: :mod:`ficco.heuristics.all_reduce_pricing`."""
+        return all_reduce_pricing.price_shot_kernel(self, op, _Task)
+
+    def _price_torch_all_reduce(self, op) -> _Task:
+        """torch's symmetric-memory all-reduce: :mod:`ficco.heuristics.all_reduce_pricing`."""
+        return all_reduce_pricing.price_torch_kernel(self, op, _Task)
 
     def _price_send_recv(self, op) -> _Task:
         block = op.recv if op.recv is not None else op.send
@@ -455,7 +465,7 @@ class Simulation:
 
     def _price_expert(self, op) -> _Task:
         """Expert-parallel ops (sizes from the problem's routing counts): priced in
-        :mod:`ficco.heuristics.all_to_all_pricing` with this simulator's primitives."""
+        :mod:`ficco.ops.expert.pricing` with this simulator's primitives."""
         return all_to_all_pricing.price(self, op, _Task, mt_factor)
 
     _price_expert_publish = _price_expert_copy = _price_expert_gemm = _price_expert
@@ -511,10 +521,10 @@ class Simulation:
 def _lower_gated(plan: Plan) -> tuple[tuple[Op | GatedPiece, ...], Sequence[int]]:
     """(ops, origin): the plan's ops with gated GEMMs split into pieces gated on their flags'
     Signals, and per op the index of the op the host enqueued for it (see
-    ficco.schedules.gated)."""
+    ficco.ops.all_gather_matmul.schedules.gated)."""
     if not any(isinstance(op, GatedGemm) for op in plan.ops):
         return plan.ops, range(len(plan.ops))
-    from ..schedules.gated import lower_for_simulation
+    from ..ops.all_gather_matmul.schedules.gated import lower_for_simulation
 
     return lower_for_simulation(plan)
 

@@ -22,7 +22,7 @@ decides by the model, saying so.
 
 Example::
 
-    >>> from ficco.problem import Problem
+    >>> from ficco.plan.problem import Problem
     >>> from ficco.heuristics.measured import Scripted
     >>> p = Problem(4, 8, (8,), "float32", 2)
     >>> live = Scripted(lambda name, via: 1.0 if name == "ring" else 2.0)
@@ -36,7 +36,7 @@ from pathlib import Path
 
 from .. import config, schedules
 from ..errors import ConfigError, InvalidArgumentError
-from ..problem import Problem
+from ..plan.problem import Problem
 from . import measured
 from .measured import Live, ficco_version
 

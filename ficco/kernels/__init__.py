@@ -1,8 +1,10 @@
 """Triton kernels of ficco (optional: ``pip install ficco[triton]``).
 
-Today one kernel: the signal-gated GEMM (:mod:`ficco.kernels.gated_gemm`) the ``gated-1d`` /
-``gated-2d`` schedules launch once per call. Importing this package never imports Triton;
-:func:`unavailable_reason` says whether the kernel can run for a backend target::
+Two kernels: the signal-gated GEMM (:mod:`ficco.kernels.gated_gemm`) the ``gated-1d`` /
+``gated-2d`` schedules launch once per call, and the one-kernel all-reduce
+(:mod:`ficco.kernels.all_reduce`) of ``one-shot-kernel`` / ``two-shot-kernel``. Importing this
+package never imports Triton; :func:`unavailable_reason` says whether the kernels can run for
+a backend target::
 
     >>> from ficco import kernels
     >>> kernels.unavailable_reason("cuda:sm_70") is not None      # too old, or no Triton
@@ -32,6 +34,9 @@ MIN_TRITON_INTERPRETER = (3, 8)
 #: forced ``schedule="gated-1d"`` (or FICCO_SCHEDULE, FICCO_TUNE_CANDIDATES) runs it anywhere
 #: :func:`unavailable_reason` allows. Empty until a lent GPU has run those commands.
 VERIFIED_TARGETS: tuple[str, ...] = ()
+#: The same for the one-kernel all-reduce (``one-shot-kernel``, ``two-shot-kernel``): targets
+#: where the GPU suite ran it and the decode benchmark timed it. Empty until a lent GPU has.
+ALL_REDUCE_VERIFIED_TARGETS: tuple[str, ...] = ()
 
 
 def _major_minor(version: str) -> tuple[int, ...]:
@@ -85,6 +90,27 @@ def unavailable_reason(target: str) -> str | None:
     if kind == "cpu":
         return interpreter_reason()
     return f"no Triton backend for target {target!r}"
+
+
+def all_reduce_unavailable_reason(target: str) -> str | None:
+    """None when the one-kernel all-reduce can run on backend ``target``: where the gated GEMM
+    can (:func:`unavailable_reason`: the same Triton, clock and word builtins)."""
+    reason = unavailable_reason(target)
+    return None if reason is None else reason.replace("the gated GEMM", "the one-kernel all-reduce")
+
+
+def all_reduce_selectable_reason(target: str) -> str | None:
+    """Why selectors do not offer ``one-shot-kernel`` / ``two-shot-kernel`` on ``target``
+    (None: they may): the interpreter on CPU, or no GPU verified it there yet."""
+    reason = all_reduce_unavailable_reason(target)
+    if reason is None and target.partition(":")[0] == "cpu":
+        return "the CPU backend runs Triton kernels in the interpreter (correctness only), " \
+               "so selectors do not offer the one-kernel all-reduce on CPU; force it to run it"
+    if reason is None and not target.startswith(ALL_REDUCE_VERIFIED_TARGETS):
+        return (f"the one-kernel all-reduce has not been verified on {target} yet (GPU suite "
+                f"and decode benchmark, docs/kernels.md), so selectors do not offer it there; "
+                f"force schedule='one-shot-kernel'/'two-shot-kernel' to run it")
+    return reason
 
 
 def interpreter_reason() -> str | None:
@@ -147,5 +173,6 @@ def interpreted(body):
     return _OneAtATime(InterpretedFunction(body))
 
 
-__all__ = ["MAX_TRITON", "MIN_TRITON", "MIN_TRITON_INTERPRETER", "interpreted",
+__all__ = ["ALL_REDUCE_VERIFIED_TARGETS", "MAX_TRITON", "MIN_TRITON", "MIN_TRITON_INTERPRETER", "all_reduce_selectable_reason",
+           "all_reduce_unavailable_reason", "interpreted",
            "interpreter_reason", "selectable_reason", "triton_reason", "unavailable_reason"]

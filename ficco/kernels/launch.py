@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 
 import torch
 
 from ..plan import describe_flag
+from ..symm_mem.barrier import WRITE, SignalOp
 
 
 def raise_flag(backend, queue, flags: torch.Tensor, index: int) -> None:
@@ -30,6 +32,14 @@ def raise_flag(backend, queue, flags: torch.Tensor, index: int) -> None:
     backend's ``signal_write`` (the barrier protocol's primitive) at the backend's slot for
     that word."""
     backend.signal_write(queue, backend.tensor_slot(flags, index), 1)
+
+
+def raise_flags(backend, queue, flags: torch.Tensor, indices: tuple) -> None:
+    """:func:`raise_flag` of every index in ``indices``, in order, as one barrier program
+    (``signal_batch``: one ``cuStreamBatchMemOp`` on CUDA)."""
+    slot = backend.tensor_slot
+    backend.signal_batch(queue, tuple(SignalOp(WRITE, slot(flags, i), 1, -1) for i in indices),
+                         None)
 
 
 class TileTrace:
@@ -210,3 +220,74 @@ class _Watch:
     def __exit__(self, *exc):
         self.done.set()
         self.thread.join()
+
+
+# -- the one-kernel all-reduce ----------------------------------------------------------------
+_shot_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def shot_task(buffers, op):
+    """The host function that launches ``op`` (a one-kernel all-reduce,
+    :class:`~ficco.schedules.all_reduce.kernel.ShotAllReduce`) when the compute queue runs it:
+    on the CPU worker in the interpreter (synchronous: a wait that gives up raises here), on
+    GPUs at once on the stream, its error word checked behind it as the gated GEMM's is (the
+    group's word is its halt, so a failed group stops it at once)."""
+    from .. import config
+    from . import configs
+    from .all_reduce import check_error, shot_all_reduce
+
+    symm = buffers.symm
+    rank, world, j = symm.rank, symm.world, op.b
+    out = buffers.outs[j]
+    timeout_s = config.timeout_s()
+    fault = symm.fault
+    flag = getattr(symm, "call_flag", 1)
+
+    def run() -> None:
+        if out.numel() == 0:
+            return
+        partials = [buffers.partials[j] if q == rank else buffers.peer(q, "partial", j)
+                    for q in range(world)]
+        reduceds = [buffers.reduced[j] if q == rank else buffers.peer(q, "reduced", j)
+                    for q in range(world)] if op.two_shot else []
+        key = (j, op.two_shot, buffers.partial_offsets, buffers.reduced_offsets,
+               tuple(out.shape), out.dtype, partials[rank].dtype, out.device)
+        cached = _shot_tables.setdefault(symm, {})
+        tables = cached.get(key)
+        if tables is None:
+            from .all_reduce import tables_for
+
+            tables = cached[key] = tables_for(
+                partials, reduceds, [symm.pad_address(q) for q in range(world)], out)
+        if fault is None:      # the CPU backend: synchronous, in the interpreter
+            err = shot_all_reduce(partials, reduceds, None, out, rank=rank, flag=flag,
+                                  two_shot=op.two_shot, first_channel=op.first_channel,
+                                  scale=op.scale, timeout_s=timeout_s, tables=tables)
+            check_error(err, rank, timeout_s)
+            return
+        family = configs.family(symm.backend.target())
+        err = shot_all_reduce(partials, reduceds, None, out, rank=rank, flag=flag,
+                              two_shot=op.two_shot, first_channel=op.first_channel,
+                              scale=op.scale, halt=fault.word_device, timeout_s=timeout_s,
+                              family=family,
+                              max_programs=_resident(out.device, symm.device_sharers),
+                              tables=tables)
+        if torch.cuda.is_current_stream_capturing():
+            return     # a replay that gives up raises the group's word and writes NaN itself
+        word = torch.empty(4, dtype=torch.int32, pin_memory=out.device.type != "cpu")
+        word.copy_(err, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        fault.gated.append((done, lambda: _shot_error(word, rank, timeout_s)))
+    return run
+
+
+def _shot_error(word, rank, timeout_s):
+    from ..errors import FiccoError
+    from .all_reduce import check_error
+
+    try:
+        check_error(word, rank, timeout_s)
+    except FiccoError as exc:
+        return exc
+    return None

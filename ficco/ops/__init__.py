@@ -1,6 +1,6 @@
-"""Op specs: one module per op, each defining ``SPEC`` (an :class:`~ficco.ops.base.OpSpec`).
-
-Modules in this package are found by name, so adding an op adds a file and nothing else::
+"""The ops: one package per op family, each with a ``spec`` module defining ``SPEC`` (an
+:class:`~ficco.ops.base.OpSpec`); a family of several ops names its spec modules in its
+``SPEC_MODULES``. Packages here are found by name::
 
     >>> from ficco import ops
     >>> ops.get("all_gather_matmul").name
@@ -20,11 +20,14 @@ _specs: dict[str, OpSpec] = {}
 def _discover() -> dict[str, OpSpec]:
     if not _specs:
         for info in pkgutil.iter_modules(__path__):
-            if info.name == "base" or info.name.startswith("_"):
+            if not info.ispkg or info.name.startswith("_"):
                 continue
-            spec = getattr(importlib.import_module(f"{__name__}.{info.name}"), "SPEC", None)
-            if isinstance(spec, OpSpec):
-                _specs[spec.name] = spec
+            package = importlib.import_module(f"{__name__}.{info.name}")
+            for module in getattr(package, "SPEC_MODULES", ("spec",)):
+                spec = getattr(importlib.import_module(f"{package.__name__}.{module}"), "SPEC",
+                               None)
+                if isinstance(spec, OpSpec):
+                    _specs[spec.name] = spec
     return _specs
 
 

@@ -2,7 +2,7 @@
 
 An op (``all_gather_matmul``, ``matmul_reduce_scatter``) is one small object that knows its
 own arguments and layouts; everything else (agreement across ranks, choosing a schedule,
-plans, workspaces, executing, measuring) is shared and lives in :mod:`ficco.runtime`::
+plans, workspaces, executing, measuring) is shared and lives in :mod:`ficco.runtime.path`::
 
     call = spec.prepare(*args, **kwargs)        # validate -> canonical Call, no communication
     spec.signature(call)                        # fields every rank must share
@@ -20,8 +20,8 @@ from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Generic, TypeVar
 
 from .. import schedules
-from ..call import Call
-from ..scaled import rebound
+from ..plan.epilogue import rebound
+from ..runtime.call import Call
 
 #: the op's own Call subclass, which its methods take (each op reads its own fields)
 C = TypeVar("C", bound=Call)
@@ -85,6 +85,12 @@ class OpSpec(ABC, Generic[C]):
         ``plan``: the Plan that will run (a buffer whose layout is the schedule's is sized
         from it: the all-reduce's landing rows, :meth:`~ficco.plan.Plan.rows_of`)."""
 
+    def annotate(self, decision, problem):
+        """``decision`` (what ``explain`` shows for ``problem``) with what this op adds to it:
+        the all-reduce names the kernel its pick runs and the published time that kernel is
+        priced against. By default unchanged."""
+        return decision
+
     def poison(self, buffers) -> None:
         """FICCO_POISON: fill what the plan must write with NaN so unwritten values show."""
         for t in (*buffers.outs, buffers.gathered):
@@ -99,7 +105,7 @@ class OpSpec(ABC, Generic[C]):
 
 
 def warm_call(seen: Any, group, a, b, epilogue: tuple, dim: int, rows_of) -> Any:
-    """A call of a known key (:func:`ficco.call.known`) of an op on ``a`` and weights ``b``
+    """A call of a known key (:func:`ficco.runtime.call.known`) of an op on ``a`` and weights ``b``
     (``all_gather_matmul``, ``matmul_reduce_scatter``): ``seen``'s checked and derived fields
     with this call's group, weights, canonical A (``dim`` first, leading dims flattened) and
     epilogue tensors (``epilogue``: ``(a_scale, b_scale, out_dtype, bias, activation)`` or

@@ -1,7 +1,7 @@
 """Schedules: small frozen descriptions whose ``plan(problem, transport, copy_engines)``
 returns a :class:`~ficco.plan.Plan`. Each op has its own registry: ``names()`` lists the
 all-gather's, ``names(op="matmul_reduce_scatter")`` the reduce-scatter's (the same names),
-``names(op="matmul_all_reduce")`` the all-reduce's (schedules/all_reduce/).
+``names(op="matmul_all_reduce")`` the all-reduce's (ops/matmul_all_reduce/schedules/).
 
 >>> names(op="matmul_reduce_scatter")[:3]
 ['serial', 'ring', 'ring-bidir']
@@ -9,13 +9,17 @@ all-gather's, ``names(op="matmul_reduce_scatter")`` the reduce-scatter's (the sa
 from __future__ import annotations
 
 from ..errors import InvalidArgumentError
-from ..problem import ALL_GATHER_MATMUL, MATMUL_ALL_REDUCE, MATMUL_REDUCE_SCATTER
-from . import all_reduce, all_to_all, reduce_scatter
+from ..ops.all_gather_matmul.schedules.ficco import FICCO_SCHEDULES, Ficco
+from ..ops.all_gather_matmul.schedules.gated import GATED_SCHEDULES, Gated
+from ..ops.all_gather_matmul.schedules.ring import Ring
+from ..ops.all_gather_matmul.schedules.serial import Serial
+from ..ops.expert.schedules import all_to_all
+from ..ops.matmul_all_reduce import schedules as all_reduce
+from ..ops.matmul_all_reduce.schedules.kernel import KERNEL_SCHEDULES, ShotKernel
+from ..ops.matmul_all_reduce.schedules.torch_kernels import TORCH_SCHEDULES, TorchShot
+from ..ops.matmul_reduce_scatter import schedules as reduce_scatter
+from ..plan.problem import ALL_GATHER_MATMUL, MATMUL_ALL_REDUCE, MATMUL_REDUCE_SCATTER
 from .common import Schedule
-from .ficco import FICCO_SCHEDULES, Ficco
-from .gated import GATED_SCHEDULES, Gated
-from .ring import Ring
-from .serial import Serial
 
 _ALL_GATHER: tuple[Schedule, ...] = (Serial(), Ring(), Ring(bidirectional=True),
                                      *FICCO_SCHEDULES)
@@ -23,15 +27,17 @@ _REGISTRY: dict[str, dict[str, Schedule]] = {
     ALL_GATHER_MATMUL: {s.name: s for s in _ALL_GATHER},
     MATMUL_REDUCE_SCATTER: {s.name: s for s in reduce_scatter.SCHEDULES},
     MATMUL_ALL_REDUCE: {s.name: s for s in all_reduce.SCHEDULES},
-    # expert parallelism (all_to_all_grouped_mm, grouped_mm_all_to_all): schedules/all_to_all.py
+    # expert parallelism (all_to_all_grouped_mm, grouped_mm_all_to_all):
+    # ops/expert/schedules/all_to_all.py
     **{op: {s.name: s for s in family} for op, family in all_to_all.SCHEDULES.items()},
 }
 #: Schedules that need an optional extra (Triton), per op: get() knows them and they plan and
 #: simulate anywhere, but names() leaves them out and selectors see them only where they run
 #: (offered()).
-_OPTIONAL: dict[str, dict[str, Gated]] = {
+_OPTIONAL: dict[str, dict[str, Gated | ShotKernel | TorchShot]] = {
     ALL_GATHER_MATMUL: {s.name: s for s in GATED_SCHEDULES}, MATMUL_REDUCE_SCATTER: {},
-    MATMUL_ALL_REDUCE: {},
+    MATMUL_ALL_REDUCE: {**{s.name: s for s in KERNEL_SCHEDULES},
+                        **{s.name: s for s in TORCH_SCHEDULES}},
     **{op: {} for op in all_to_all.SCHEDULES}}
 
 
@@ -115,9 +121,10 @@ def why_not_here(name: str, target: str, transport: str = "dma",
 
 def epilogue_reason(name: str, problem) -> str | None:
     """Why schedule ``name`` cannot run ``problem``'s epilogue (fp8 scales, out_dtype, bias,
-    activation), or None: the optional gated kernel multiplies plain operands only."""
+    activation), or None: the optional gated kernel multiplies plain operands only (the
+    one-kernel all-reduce sums what a library GEMM made, epilogue included)."""
     extra = problem.scaling or problem.out_dtype or problem.bias or problem.activation
-    if extra and name in _OPTIONAL.get(problem.op, {}):
+    if extra and isinstance(_OPTIONAL.get(problem.op, {}).get(name), Gated):
         return (f"{name}'s gated GEMM kernel multiplies plain operands: no fp8 scales, "
                 f"out_dtype, bias or activation")
     return None

@@ -19,7 +19,7 @@ from ..plan import (
     PlanBuilder,
     copy_queue,
 )
-from ..problem import Problem
+from ..plan.problem import Problem
 
 
 class Schedule(Protocol):

@@ -107,7 +107,7 @@ def _all_gather_matmul(rank, world, shape, rounding, seed) -> Case:
 def _reduced(scatter: bool, rank, world, shape, rounding, seed) -> Case:
     """matmul_reduce_scatter (``scatter``: rank r gets rows block r) or matmul_all_reduce:
     every rank holds a (W*m, k) slice and b (k, n); the result is the sum of a_r @ b_r."""
-    from ..problem import even_split
+    from ..plan.problem import even_split
 
     m, k, n = shape
     gen = _gen(seed)
@@ -135,7 +135,7 @@ def _routing(world, m, seed):
 
 
 def _dispatch(rank, world, shape, rounding, seed) -> Case:
-    from ..problem_expert import Layout
+    from ..ops.expert.problem import Layout
 
     m, k, n = shape
     counts = _routing(world, m, seed)
@@ -160,7 +160,7 @@ def _dispatch(rank, world, shape, rounding, seed) -> Case:
 
 
 def _combine(rank, world, shape, rounding, seed) -> Case:
-    from ..problem_expert import Layout
+    from ..ops.expert.problem import Layout
 
     m, k, n = shape
     counts = _routing(world, m, seed)

@@ -265,7 +265,7 @@ class Runner:
             out = out[0] if isinstance(out, tuple) else out
             err = cases.row_error(out, case.ref, case.scale)
             if name is None:     # the default path: say what it picked
-                from ficco import runtime
+                from ficco.runtime import path as runtime
 
                 fields["picked"] = list(runtime.last_run() or ())
                 label += f" (picked {' over '.join(fields['picked']) or 'the plain path'})"
@@ -371,8 +371,8 @@ class Runner:
     # -- timing --------------------------------------------------------------------------------
     def run_timing(self) -> None:
         """Serial and the selector's pick at the user's (M, N, K), per op that takes it."""
-        from ficco import runtime
-        from ficco.agreement import max_over_ranks
+        from ficco.runtime import path as runtime
+        from ficco.runtime.agreement import max_over_ranks
 
         assert self.opt.timing_shape is not None
         big_m, n, k = self.opt.timing_shape

@@ -131,7 +131,7 @@ def pads_facts(group) -> dict:
     a view (after a dma call made the workspace; GPUs only)."""
     from ..backends import get_backend
     from ..group import resolve
-    from ..session import peek
+    from ..runtime.session import peek
 
     session = peek(resolve(group), get_backend())
     handle = None if session is None else session.workspace

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..agreement import exchange
 from ..errors import FiccoError, MismatchError
+from ..runtime.agreement import exchange
 
 
 class SymmAllocationError(FiccoError):

@@ -15,7 +15,7 @@ Slot ``[channel, writer]`` of rank ``owner``'s signal pad is where ``writer`` si
   slot of every peer's pad, waits until each of its own slots holds exactly that flag, then
   clears its own slots to 0. The call flag is a nonzero 31-bit value of the call's digest
   (shapes, dtypes, op, settings) and its number in the group's sequence of calls
-  (:func:`call_flag` of ``ficco.agreement.mixed``): ranks making different calls, or one
+  (:func:`call_flag` of ``ficco.runtime.agreement.mixed``): ranks making different calls, or one
   call at different places in their sequences, never pass
   each other's barrier, and a slot holding a nonzero flag other than this rank's names a peer
   in another call, a :class:`~ficco.errors.MismatchError` raised alike on every rank (each
@@ -41,7 +41,7 @@ The first plan barrier of a call also *answers* (``Deadline.answer``, set by the
 call through ``handle.first_wait``): a host thread that has waited there a moment asks whether
 a peer is in a first-call agreement exchange instead (its call is new to it, this rank's was
 agreed before) and joins it, so the two raise a MismatchError naming both calls at once rather
-than both waiting for FICCO_TIMEOUT (:func:`ficco.agreement.answer`). Only the first barrier:
+than both waiting for FICCO_TIMEOUT (:func:`ficco.runtime.agreement.answer`). Only the first barrier:
 until it passed, no peer can have finished this call, so a peer's exchange is this call's.
 """
 from __future__ import annotations

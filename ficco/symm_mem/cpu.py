@@ -138,6 +138,9 @@ class CpuSymmHandle(SymmHandle):
     def slot(self, owner, channel, writer):
         return (self._pads[owner], channel * self.world + writer)
 
+    def pad_address(self, owner):
+        return int(self._pads[owner].ctypes.data)
+
     def close(self):
         # Drop references only (see the module docstring): views keep their mapping alive.
         self._data = []

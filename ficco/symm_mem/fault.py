@@ -108,8 +108,9 @@ class GroupFault:
                 f"computed since is NaN. Call ficco.shutdown() on every rank, then call again")
         elif error is None and value == KERNEL:
             error = CommTimeoutError(
-                f"rank {self.rank}: a gated GEMM of this group waited FICCO_TIMEOUT for a "
-                f"peer's rows that never arrived and gave up; its call's outputs are NaN. Call "
+                f"rank {self.rank}: a kernel of this group (a gated GEMM or the one-kernel "
+                f"all-reduce) waited FICCO_TIMEOUT for a peer that never arrived and gave up; "
+                f"its call's outputs are NaN. Call "
                 f"ficco.shutdown() on every rank, then call again (raise FICCO_TIMEOUT if the "
                 f"peer is only slow)")
         return error

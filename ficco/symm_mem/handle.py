@@ -54,6 +54,11 @@ class SymmHandle(ABC):
         """Where ``writer`` signals ``owner`` on ``channel``, in the form the backend's
         ``signal_write``/``signal_wait`` take (a device address on GPUs)."""
 
+    def pad_address(self, owner: int) -> int:
+        """The address of ``owner``'s signal pad as a kernel of this rank reads it (the slot of
+        ``[0, 0]``; kernels that run the barrier protocol themselves take it)."""
+        return int(self.slot(owner, 0, 0))
+
     def barrier(self, channel: int = 2, timeout_s: float | None = None, step: int | None = None,
                 *, timeout: float | None = None) -> None:
         """Host-side barrier over the signal pads: blocks until every rank called it for this

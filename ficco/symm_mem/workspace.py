@@ -1,5 +1,5 @@
 """Symmetric memory the runtime owns: each session's workspace (one per group and backend,
-grown on demand, held by its :class:`ficco.session.Session`), and the allocations behind
+grown on demand, held by its :class:`ficco.runtime.session.Session`), and the allocations behind
 ``ficco.symm_mem.empty``.
 
 Lifetime rule: a mapping is closed only after the queues that may touch it drained

@@ -27,8 +27,8 @@ from torchtitan.models.common.linear import Linear
 from torchtitan.protocols.sharding import ShardingConfig
 from torchtitan.tools.logging import logger
 
-from .. import library
 from ..errors import ConfigError, FiccoWarning
+from ..ops import library
 
 _SEQ_DIM = 1     # torchtitan's activations are (batch, seq, dim)
 

@@ -10,7 +10,7 @@ import ficco
 from ficco import api, config
 from ficco.backends import get_backend
 from ficco.errors import CommTimeoutError
-from ficco.problem import Problem
+from ficco.plan.problem import Problem
 from ficco.symm_mem.barrier import plan_barrier
 
 from ..reference import ROW_TOL, make_inputs, max_row_rel_err

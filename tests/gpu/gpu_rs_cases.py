@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 import ficco
-from ficco import config, runtime
+from ficco import config
 from ficco.backends import get_backend
+from ficco.runtime import path as runtime
 
 from ..reference import ROW_TOL, max_row_rel_err
 from ..rs_cases import expected, make_inputs

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ficco.errors import CommTimeoutError
-from ficco.problem import Problem
+from ficco.plan.problem import Problem
 from ficco.symm_mem.barrier import plan_barrier
 
 pytestmark = pytest.mark.gpu

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from ...errors import CommTimeoutError, FiccoError, error_context, name_step
-from ...host_tasks import LOCAL
-from ...scaled import gemm_into_view
+from ...plan.epilogue import gemm_into_view
+from ...plan.tasks import LOCAL
 from ...symm_mem.barrier import WRITE, run_on_host, wait_on_host
 from ...symm_mem.cpu import CpuSymmProvider
 from ..base import Backend

@@ -3,6 +3,10 @@ calls torch does not expose, made through cuda-python (``cuda.bindings``):
 
 - 1-D copies: ``cudaMemcpyAsync`` device-to-device on a copy stream (runs on a copy engine);
 - 2-D copies: ``cudaMemcpy2DAsync`` (column chunks of the gathered buffer);
+- a queue's copies of one step together: the 1-D ones in one ``cudaMemcpyBatchAsync``, the 2-D
+  ones in one ``cudaMemcpy3DBatchAsync`` (pointer operands, element size 1: row length = the
+  pitch in bytes, extent = width bytes x rows x 1), where driver and bindings are CUDA >= 12.8
+  (the copies of one batch run in any order, concurrently); else one call each;
 - signals: a whole barrier program in one ``cuStreamBatchMemOp`` call (eager), or
   ``cuStreamWriteValue32`` / ``cuStreamWaitValue32`` (EQ for plan flags, GEQ for host
   barriers' counts) one by one under graph capture
@@ -21,7 +25,7 @@ import torch
 
 from ...symm_mem.barrier import WRITE
 from ..gpu import GpuBackend
-from ..vendor import Copy2D, Vendor, handle_bytes
+from ..gpu.vendor import Copy2D, Vendor, handle_bytes
 
 IPC_HANDLE_BYTES = 64
 #: cuStreamBatchMemOp takes fewer than 256 operations per call
@@ -46,6 +50,27 @@ class CudaVendor(Vendor):
         self._wait_geq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
         self._wait_eq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ
         self._batches: dict[int, tuple] = {}   # id(program) -> (program, [params chunks])
+        self.batches_copies = self._copy_batch_support()
+        if self.batches_copies:
+            # One attribute set for every copy of a batch: sources read in stream order (they
+            # are written by earlier work of the call), copies preferably beside compute.
+            attrs = runtime.cudaMemcpyAttributes()
+            attrs.srcAccessOrder = runtime.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+            attrs.flags = runtime.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute
+            self._batch_attrs = [attrs]
+        self._ops_2d: dict[int, tuple] = {}   # id(copies) -> (copies, [cudaMemcpy3DBatchOp])
+
+    def _copy_batch_support(self) -> bool:
+        """Whether ``cudaMemcpyBatchAsync`` can be called: the bindings have it (12.8 or
+        later) and so does the driver (``cudaDriverGetVersion`` >= 12080)."""
+        if not hasattr(self.rt, "cudaMemcpyBatchAsync") or \
+                not hasattr(self.rt, "cudaDriverGetVersion"):
+            return False
+        try:
+            return int(self.check("cudaDriverGetVersion", self.rt.cudaDriverGetVersion())) \
+                >= 12080
+        except Exception:  # noqa: BLE001 - no answer: take the one-call-per-copy path
+            return False
 
     def _describe(self, status) -> str:
         try:
@@ -75,6 +100,50 @@ class CudaVendor(Vendor):
         self.check("cudaMemcpy2DAsync",
                    self.rt.cudaMemcpy2DAsync(args.dst, args.dpitch, args.src, args.spitch,
                                              args.width, args.height, self._d2d, stream))
+
+    def copy_batch(self, dsts, srcs, sizes, stream):
+        if not self.batches_copies:
+            super().copy_batch(dsts, srcs, sizes, stream)
+            return
+        # 12.8-12.9 bindings return (status, failIdx), 13.x the status alone: check() takes
+        # either.
+        self.check("cudaMemcpyBatchAsync",
+                   self.rt.cudaMemcpyBatchAsync(dsts, srcs, sizes, len(sizes),
+                                                self._batch_attrs, [0], 1, stream))
+
+    def copy_batch_2d(self, copies, stream):
+        if not self.batches_copies:
+            super().copy_batch_2d(copies, stream)
+            return
+        ops = self.batch_ops_2d(copies)
+        self.check("cudaMemcpy3DBatchAsync",
+                   self.rt.cudaMemcpy3DBatchAsync(len(ops), ops, 0, stream))
+
+    def batch_ops_2d(self, copies) -> list:
+        """``cudaMemcpy3DBatchOp`` s of 2-D copies, built once per list (a bound plan passes
+        the same list every call)."""
+        cached = self._ops_2d.get(id(copies))
+        if cached is not None and cached[0] is copies:
+            return cached[1]
+        rt = self.rt
+        pointer = rt.cudaMemcpy3DOperandType.cudaMemcpyOperandTypePointer
+        ops = []
+        for args in copies:
+            op = rt.cudaMemcpy3DBatchOp()
+            for operand, address, pitch in ((op.src, args.src, args.spitch),
+                                            (op.dst, args.dst, args.dpitch)):
+                operand.type = pointer
+                operand.op.ptr.ptr = address
+                operand.op.ptr.rowLength = pitch      # elements of one byte
+                operand.op.ptr.layerHeight = 0        # one layer
+            op.extent.width, op.extent.height, op.extent.depth = args.width, args.height, 1
+            op.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+            op.flags = rt.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute
+            ops.append(op)
+        if len(self._ops_2d) > 4096:
+            self._ops_2d.clear()
+        self._ops_2d[id(copies)] = (copies, ops)
+        return ops
 
     def write_value32(self, stream, address, value):
         self.check("cuStreamWriteValue32",

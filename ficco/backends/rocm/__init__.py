@@ -19,7 +19,12 @@ expose, made through hip-python (``from hip import hip``, imported only when use
   ``FICCO_SIGNAL_PADS=device``, in uncached device memory (``hipExtMallocWithFlags(...,
   hipDeviceMallocUncached)``, the kind HIP documents for memory polled while peers write it);
   data spans in ``hipMalloc``;
-- symmetric memory: ``hipIpcGetMemHandle`` / ``hipIpcOpenMemHandle``.
+- symmetric memory: ``hipIpcGetMemHandle`` / ``hipIpcOpenMemHandle``;
+- no batched copy submission (``batches_copies`` stays False: one ``hipMemcpyAsync`` per copy,
+  the plan's copy queues kept apart): HIP has ``hipMemcpyBatchAsync``, but hip-python 10.0's
+  binding takes only ``srcs``, ``count``, ``attrs``, ``numAttrs`` and the stream and hands
+  ``dsts``, ``sizes``, ``attrsIdxs`` and ``failIdx`` back as outputs, so the destinations and
+  sizes cannot be passed through it.
 
 Graph capture: HIP does not capture stream memory operations (CLR has no capture path for
 them), so a captured multi-rank dma plan would replay without barriers and race; the backend
@@ -48,7 +53,7 @@ import torch
 from ...errors import BackendUnavailableError
 from ...symm_mem.barrier import WRITE
 from ..gpu import GpuBackend
-from ..vendor import Copy2D, Vendor, handle_bytes
+from ..gpu.vendor import Copy2D, Vendor, handle_bytes
 
 IPC_HANDLE_BYTES = 64
 #: hipStreamBatchMemOp takes fewer than 256 operations per call

@@ -1,0 +1,1 @@
+"""``all_gather(a_shard, gather_dim) @ b``: its spec and schedules."""

@@ -1,0 +1,61 @@
+"""Dispatch: ``y, recv_counts = all_to_all_grouped_mm(x, counts, w)``, the op spec.
+
+Rank r's ``x`` (T, K) holds its rows sorted by global expert, ``counts[e]`` of them for global
+expert e (E = W*L entries, sum T). Rank r receives the rows of its L experts from every rank,
+grouped by local expert, then source rank (torch's ``all_to_all_vdev_2d`` layout), and returns
+each block times ``w[l]``: ``y`` (R, n) and ``recv_counts`` (L, W). The ``dma`` workspace holds
+x (every rank's copy addressable by its peers, who pull their rows from it).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import routing
+from .problem import DISPATCH
+from .spec import ExpertCall, ExpertSpec
+from .tasks import ExpertContext
+
+
+class AllToAllGroupedMm(ExpertSpec):
+    name = DISPATCH
+
+    def check_part(self, counts, rows: int, world: int, big_l: int, rank: int) -> list:
+        row = routing.as_int_list(counts, "counts", (None,))
+        return routing.check_counts(row, rows=rows, experts_total=world * big_l,
+                                    name=f"counts (world {world} x {big_l} local experts)")
+
+    def assemble(self, parts: list, call: ExpertCall) -> list:
+        return parts
+
+    def shared_shape(self, call: ExpertCall) -> tuple[int, int]:
+        return call.agreed_layout().max_send_rows, call.problem.k
+
+    def context(self, call: ExpertCall, symm, wide: bool = False) -> ExpertContext:
+        lay, r, x = call.agreed_layout(), call.rank, call.inp
+        rows = lay.recv_rows(r)
+        shared = None
+        if symm is not None:
+            shared = symm.get_buffer(r, self.shared_shape(call), x.dtype)
+        landing = x.new_empty(rows, x.shape[1]) if call.world > 1 else None
+        out = x.new_empty(rows, call.n, dtype=torch.float32 if wide else x.dtype)
+        return ExpertContext(DISPATCH, lay, r, x, call.weights, out, shared, landing, call.stacked)
+
+    def finish(self, call: ExpertCall, ctx: ExpertContext):
+        """``(y, recv_counts, received or None, routing)``: ``received`` (with
+        ``return_received``) is the rows y was made from, in y's order (for the weight
+        gradient); ``routing`` the agreed W x E matrix (the handle combine may take)."""
+        lay, r = ctx.layout, ctx.rank
+        received = None
+        if call.return_received:
+            received = ctx.landing if ctx.landing is not None else ctx.inp
+            if ctx.landing is not None:   # the own blocks never travelled: put them in place
+                for l in range(lay.experts):
+                    rows, at = lay.block_rows(r, l, r), lay.block_offset(r, l, r)
+                    home = lay.send_offset(r, r * lay.experts + l)
+                    received[at: at + rows].copy_(ctx.inp[home: home + rows])
+        recv_counts = torch.tensor(lay.recv_counts(r), dtype=torch.int64)
+        y = ctx.out if ctx.out.dtype == ctx.inp.dtype else ctx.out.to(ctx.inp.dtype)
+        return y, recv_counts, received, torch.tensor(lay.counts, dtype=torch.int64)
+
+
+SPEC = AllToAllGroupedMm()

@@ -1,0 +1,2 @@
+"""The expert-parallel schedules: serial, ring, the FiCCO family applied to all-to-all,
+by-expert."""

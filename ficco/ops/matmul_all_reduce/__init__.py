@@ -1,0 +1,1 @@
+"""``all_reduce(a @ b)``: its spec, torch op, pricing and schedules."""

@@ -1,0 +1,137 @@
+"""``all_reduce(a @ b)``: the op spec.
+
+Canonical form: ``a`` with its leading dims flattened, ``M x K`` (every rank holds all M rows
+and its own K columns: the row-parallel half of tensor parallelism without sequence
+parallelism); each ``b_j`` is this rank's ``(K, n_j)`` shard of the weight. Every rank receives
+all M rows of ``sum over ranks of a_q @ b_j``, the same values on every rank.
+
+Most of it is the reduce-scatter's spec (:mod:`.matmul_reduce_scatter`: the checks, the
+widest-K agreement, the fp8 epilogue, K = 0 on a rank): only the output (every row), the
+buffers (``reduced``, the sums a rank made for its peers, symmetric with ``dma``) and the
+plain path (one all-reduce) differ. ``bias`` is added once, to the sum, on every rank alike.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ...plan.buffers import Buffers
+from ...plan.epilogue import Operands, wide_dtype
+from ...plan.problem import MATMUL_ALL_REDUCE
+from ...symm_mem import aligned
+from ..matmul_reduce_scatter.spec import MatmulReduceScatter, MatmulReduceScatterCall
+from ..matmul_reduce_scatter.spec import check_arguments as check_reduce_scatter
+from ..matmul_reduce_scatter.spec import check_epilogue as check_reduce_scatter_epilogue
+
+
+@dataclass(kw_only=True)
+class MatmulAllReduceCall(MatmulReduceScatterCall):
+    """A reduce-scatter call's fields, with ``scatter_dim`` 0 (the rows are all of ``a``'s
+    leading dims: ``moved_shape`` is ``a.shape``)."""
+
+
+def check_arguments(a, b, reduce_op) -> tuple[list, bool]:
+    """The one check of the op's tensors and ``reduce_op``, for the eager path and the fake
+    kernel alike: ``(the weights as a list, whether b was a list)``.
+
+    >>> import torch
+    >>> len(check_arguments(torch.randn(2, 3, 8), [torch.randn(8, 5)], "avg")[0])
+    1
+    """
+    _, bs, b_is_list = check_reduce_scatter(a, b, 0, reduce_op)
+    return bs, b_is_list
+
+
+def check_epilogue(a, bs, b_is_list, **epilogue) -> Operands:
+    """The one check of the fp8 scales, out_dtype and bias (a row-wise ``a_scale`` is shaped
+    like ``a``'s rows with a last dim of 1)."""
+    return check_reduce_scatter_epilogue(a, bs, b_is_list, 0, **epilogue)
+
+
+class MatmulAllReduce(MatmulReduceScatter):
+    name = MATMUL_ALL_REDUCE
+    call_class = MatmulAllReduceCall
+
+    def prepare(self, a, b, group=None, reduce_op="sum", *, a_scale=None, b_scale=None,  # type: ignore[override]
+                out_dtype=None, bias=None, activation=None) -> MatmulAllReduceCall:
+        # (an activation is refused by the epilogue's check: the output is a sum over ranks)
+        call = self._prepare(a, b, group, 0, reduce_op, a_scale=a_scale, b_scale=b_scale,
+                             out_dtype=out_dtype, bias=bias, activation=activation)
+        assert isinstance(call, MatmulAllReduceCall)
+        return call
+
+    def unit(self, moved_shape) -> int:
+        return 1     # every row goes to every rank: no block needs whole units
+
+    def signature(self, call: MatmulReduceScatterCall) -> dict:
+        sig = super().signature(call)
+        del sig["scatter_dim"]
+        return sig
+
+    # -- running ------------------------------------------------------------------------------
+    def plain_collective(self, call: MatmulReduceScatterCall, full):
+        """One all-reduce of the whole product, in the partials' dtype (FICCO_DISABLE, a call
+        with nothing to overlap): the plain path is the reduce-scatter's with this collective."""
+        dist.all_reduce(full, op=dist.ReduceOp.SUM, group=call.group)
+        return full
+
+    def offsets(self, call: MatmulReduceScatterCall) -> tuple[int, ...]:
+        """Byte offsets of each ``partial`` buffer, then of each ``reduced`` buffer (sized for
+        float32: a plan with wide outputs keeps its sums there in float32), then the total:
+        once per call key."""
+        offsets = call.reuse.offsets
+        if offsets is None:
+            p, out, at = call.problem, [], 0
+            reduced_itemsize = max(p.out_itemsize, 4)
+            for itemsize in (p.partial_itemsize, reduced_itemsize):
+                for n in p.ns:
+                    out.append(at)
+                    at += aligned(p.m * n * itemsize)
+            offsets = call.reuse.offsets = (*out, at)
+        return offsets
+
+    def buffers(self, call: MatmulReduceScatterCall, transport: str, symm, *,
+                wide: bool = False, plan=None) -> Buffers:
+        p, ops = call.problem, call.ops
+        dev, count = call.a.device, len(p.ns)
+        out_dtype = wide_dtype(ops.out_dtype) if wide else ops.out_dtype
+        outs = [torch.empty(p.m, n, dtype=out_dtype, device=dev) for n in p.ns]
+        # The landing rows are the plan's (a one-shot lands every peer's partial)
+        recvs = [torch.empty(plan.rows_of("recv", j) if plan is not None else p.world * p.m, n,
+                             dtype=call.partial_dtype, device=dev) for j, n in enumerate(p.ns)]
+        offsets = self.offsets(call)[:-1]
+        if symm is not None:
+            partials = [symm.get_buffer(p.rank, (p.m, n), call.partial_dtype, off)
+                        for n, off in zip(p.ns, offsets[:count])]
+            reduced = [symm.get_buffer(p.rank, (p.m, n), out_dtype, off)
+                       for n, off in zip(p.ns, offsets[count:])]
+        else:
+            partials = [torch.empty(p.m, n, dtype=call.partial_dtype, device=dev) for n in p.ns]
+            reduced = [torch.empty(p.m, n, dtype=out_dtype, device=dev) for n in p.ns]
+        return Buffers(call.a, call.bs, outs, None, symm, call.group, partials=partials,
+                       recvs=recvs, partial_offsets=tuple(offsets[:count]), reduced=reduced,
+                       reduced_offsets=tuple(offsets[count:]), a_scale=ops.a_scale,
+                       b_scales=ops.b_scales, biases=ops.biases, wide=wide)
+
+    def annotate(self, decision, problem):
+        """The decision with the kernel its pick runs and the published time it is priced
+        against (:func:`~ficco.ops.matmul_all_reduce.pricing.priced_against`)."""
+        import dataclasses
+
+        from .pricing import priced_against
+
+        return dataclasses.replace(decision, priced=priced_against(problem, decision))
+
+    def poison(self, buffers: Buffers) -> None:
+        for t in (*buffers.outs, *buffers.recvs, *buffers.partials, *buffers.reduced):
+            t.fill_(float("nan"))
+
+    def _finish(self, call: MatmulReduceScatterCall, outs):
+        results = [canon[:, :n].reshape(*call.moved_shape[:-1], n)
+                   for canon, n in zip(outs, call.ns)]
+        return results if call.b_is_list else results[0]
+
+
+SPEC = MatmulAllReduce()

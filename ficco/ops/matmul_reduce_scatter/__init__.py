@@ -1,0 +1,1 @@
+"""``reduce_scatter(a @ b, scatter_dim)``: its spec and schedules."""

@@ -1,0 +1,89 @@
+"""Rank-side functions for the one-kernel all-reduce's fault tests (importable by spawned
+ranks): a late peer, then the group made right again by ficco.shutdown()."""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+import ficco
+from ficco import config
+from ficco.errors import FiccoError
+
+
+def _inputs(seed, world, rank, rows=5, k=6, n=4):
+    gen = torch.Generator().manual_seed(seed)
+    a = [torch.randn(rows, k, generator=gen, dtype=torch.float64) for _ in range(world)]
+    b = [torch.randn(k, n, generator=gen, dtype=torch.float64) for _ in range(world)]
+    return a[rank].float(), b[rank].float(), sum(x @ y for x, y in zip(a, b))
+
+
+def late_peer(rank, world, seed, schedule, late_s):
+    """The last rank calls ``late_s`` (past FICCO_TIMEOUT) after the others: every rank must
+    raise (never return data) and do so within FICCO_TIMEOUT of reaching the kernel's wait;
+    after ficco.shutdown() on every rank the next call is exact. Returns (outcome, seconds
+    the call took, error of the call after the shutdown)."""
+    a, b, _ = _inputs(seed, world, rank)
+    with config.scope(transport="dma"):
+        ficco.matmul_all_reduce(a, b, schedule=schedule)     # agreed, warm: no exchange
+        dist.barrier()
+        if rank == world - 1:
+            time.sleep(late_s)
+        started = time.monotonic()
+        try:
+            out = ficco.matmul_all_reduce(a, b, schedule=schedule)
+            outcome = "NaN" if bool(out.isnan().all()) else "data"
+        except FiccoError as exc:
+            outcome = type(exc).__name__
+        took = time.monotonic() - started
+        dist.barrier()
+        ficco.shutdown()
+        a, b, ref = _inputs(seed + 1, world, rank)
+        out = ficco.matmul_all_reduce(a, b, schedule=schedule)
+    ficco.shutdown()
+    return outcome, took, float((out.double() - ref).abs().max() / ref.abs().max())
+
+
+def torch_plumbing(rank, world, seed, cases):
+    """torch's kernels cannot run on CPU: ``torch-*`` run here with stand-ins for
+    ``torch.ops.symm_mem`` (the process group's all-reduce, with torch's signatures: input,
+    reduce_op, group_name[, out]), for torch's rendezvoused buffer (a copy) and for the
+    availability check (CUDA only), so the plan, its
+    barriers, the avg scale, wide outputs (a bias) and several b are checked, not torch's
+    kernels. Returns run_grid's failures and the stand-in's calls."""
+    from ficco.ops.matmul_all_reduce.schedules import torch_kernels
+
+    from .ar_cases import run_grid
+
+    seen = []
+
+    def stand_in(name):
+        def kernel(source, reduce_op, group_name, out=None):
+            seen.append((name, reduce_op, group_name == dist.group.WORLD.group_name,
+                         out is not None))
+            total = source.clone()
+            dist.all_reduce(total)
+            if out is None:
+                source.copy_(total)
+                return source
+            out.copy_(total)
+            return out
+        return kernel
+
+    saved = torch_kernels.torch_op, torch_kernels.symmetric_input, torch_kernels.torch_reason
+    torch_kernels.torch_op = stand_in
+    torch_kernels.symmetric_input = lambda partial, group: partial.clone()
+    torch_kernels.torch_reason = lambda variant, target: None     # "runs here"
+    try:
+        return run_grid(rank, world, seed, cases), sorted(set(seen))
+    finally:
+        (torch_kernels.torch_op, torch_kernels.symmetric_input,
+         torch_kernels.torch_reason) = saved
+
+
+def explain_decode(rank, world, profile):
+    """``ficco.explain`` of a decode-sized all-reduce on ``profile``: its printed text."""
+    with config.scope(profile=profile):
+        return str(ficco.explain(torch.randn(4, 64), torch.randn(64, 4096),
+                                 op="matmul_all_reduce"))

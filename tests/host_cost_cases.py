@@ -1,0 +1,93 @@
+"""Rank functions of tests/test_host_cost.py (importable without the names it tests)."""
+from __future__ import annotations
+
+from ficco import schedules
+
+
+def fake_gpu_calls(rank, world, seed, batch):
+    """Every dma schedule of both dense ops through the API on the fake GPU (copies batched or
+    one call each), three calls of fresh data each: the worst relative error against float64
+    and the device commands of the last (warm) call, per (op, schedule)."""
+    import torch
+
+    import ficco
+
+    from . import fake_gpu
+    from .reference import max_row_rel_err
+
+    ficco.shutdown()
+    fake_gpu.install("cuda", 8, batch_copies=batch)
+    found = {}
+    try:
+        gen = torch.Generator().manual_seed(seed)
+        for op in ("all_gather_matmul", "matmul_reduce_scatter"):
+            for name in schedules.names(op=op):
+                worst, calls = 0.0, 0
+                for _ in range(3):
+                    b = torch.randn(world, 16, 6, dtype=torch.float64, generator=gen)
+                    x = torch.randn(world, 8, 16, dtype=torch.float64, generator=gen)
+                    # inputs held until the device ran the call (CPU tensors: no caching
+                    # allocator keeps them for the queued work)
+                    if op == "all_gather_matmul":
+                        a, w = x[rank].float(), b[0].float()
+                        ref = x.reshape(-1, 16) @ b[0]
+                    else:   # rank r: the full rows of a and its K-row shard of the weight
+                        a, w = x.reshape(-1, 16).float(), b[rank].float()
+                        ref = sum(x.reshape(-1, 16) @ b[r] for r in range(world)) \
+                            .reshape(world, 8, 6)[rank]
+                    call = ficco.all_gather_matmul if op == "all_gather_matmul" else \
+                        ficco.matmul_reduce_scatter
+                    with ficco.config.scope(transport="dma"):
+                        before = fake_gpu.submitted()
+                        out = call(a, w, schedule=name)
+                        calls = fake_gpu.submitted() - before
+                        torch.cuda.synchronize()
+                    worst = max(worst, max_row_rel_err(out, ref))
+                found[(op, name)] = (worst, calls)
+    finally:
+        ficco.shutdown()
+        fake_gpu.uninstall()
+    return found
+
+
+def warmup_then_calls(rank, world, seed, cache_dir):
+    """``ficco.warmup`` of three all-gather shapes (a fresh auto cache), then one real call of
+    each with fresh data: (what warmup ran, shortlist timings during warmup, during the real
+    calls, the real calls' errors against float64)."""
+    import os
+
+    import torch
+
+    import ficco
+    from ficco.heuristics import measured
+
+    from .reference import max_row_rel_err
+
+    ficco.shutdown()
+    os.environ["FICCO_CACHE_DIR"] = cache_dir
+    k = 40 + 8 * (seed % 50)          # a K no other test's key has
+    shapes = [(4, k, 6), (12, k, 6), (40, k, 6)]
+    timed: list[str] = []
+    real = measured.time_candidates
+
+    def counting(*args, **kwargs):
+        timed.append("warmup" if phase == "warmup" else "call")
+        return real(*args, **kwargs)
+
+    measured.time_candidates = counting
+    try:
+        with ficco.config.scope(selector="auto"):    # the pool's ranks run the model's
+            phase = "warmup"
+            ran = ficco.warmup("all_gather_matmul", shapes, dtype=torch.float32)
+            phase = "calls"
+            gen = torch.Generator().manual_seed(seed)
+            errors = []
+            for rows, kk, n in shapes:
+                x = torch.randn(world, rows, kk, dtype=torch.float64, generator=gen)
+                b = torch.randn(kk, n, dtype=torch.float64, generator=gen)
+                out = ficco.all_gather_matmul(x[rank].float(), b.float())
+                errors.append(max_row_rel_err(out, x.reshape(-1, kk) @ b))
+    finally:
+        measured.time_candidates = real
+        os.environ.pop("FICCO_CACHE_DIR", None)
+    return ran, timed.count("warmup"), timed.count("call"), errors
