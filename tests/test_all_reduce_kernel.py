@@ -170,3 +170,13 @@ def test_explain_of_a_decode_shape_names_its_kernel_and_the_published_time():
     text = harness.pool(2).run(explain_decode, "h100")[0]
     assert "priced    " in text and "2 ranks" in text, text
     assert "one-shot-kernel would run ficco's one-kernel all-reduce" in text, text
+
+
+def test_the_decode_example_runs_on_the_one_kernel_all_reduce():
+    """examples/tp_decode.py with its row-parallel projections forced to one-shot-kernel
+    (2 ranks, through the interpreter), against the unsharded block."""
+    from .ar_cases import decode_example
+
+    seed = random.randrange(1 << 30)
+    for errors in harness.pool(2).run(decode_example, seed, "one-shot-kernel"):
+        assert max(errors) <= 1e-5, (seed, errors)

@@ -170,10 +170,11 @@ def _divergence_probe(mode: str, launches: int, device: str) -> str:
     comes, ended by the clock (``mode`` "clock": every wait runs out at about the same moment)
     or by the host raising the halt word in pinned host memory while they wait ("halt").
     Every launch must finish, own rows must match float64, waiting rows must be NaN and the
-    error word must name the flag. Returns "" or what went wrong. The compiled kernel reads
-    the halt word and the clock per thread (ld.volatile / %globaltimer, s_memrealtime per
-    wave) and its wait loop holds CTA barriers (the flag poll's broadcast): warps that read
-    different values leave the loop at different iterations."""
+    error word must name the flag. Returns "" or what went wrong. The compiled kernel's
+    wait loop holds CTA barriers (the poll's reduction); its exit is decided by one thread's
+    reads of the halt word and the clock, handed to every thread by that reduction
+    (tests/test_kernel_uniform.py reads that in the sm_90 PTX): warps deciding apart would
+    leave the loop at different iterations and hang here."""
     import time
 
     from ficco.kernels import configs
