@@ -45,6 +45,29 @@ def test_every_profile_states_its_host_cost_per_op_measured_or_labelled_estimate
     assert ("characterize --parts enqueue" in source), source
 
 
+#: Built-in profiles of one die and interconnect: (profile, the profile it shares them with,
+#: the fields that differ because the hardware does). H200 SXM is the H100 SXM5's GH100 die
+#: (132 SMs, the same cuBLAS kernels) with NVLink 4 and NVSwitch; only its HBM3e differs.
+SAME_HARDWARE = [("h200", "h100", {"name", "hbm_bytes_per_s", "hbm_capacity_bytes"})]
+
+
+@pytest.mark.parametrize("name,like,differs", SAME_HARDWARE, ids=[r[0] for r in SAME_HARDWARE])
+def test_profiles_of_the_same_hardware_keep_its_fields_equal(name, like, differs):
+    """A number fitted or measured on one part holds for every profile of the same silicon
+    and links: h200 had drifted from h100 (partial_wave_speedup 1.3 against 1.05, the ccl
+    latency 20 us against 8 us, no all-gather / reduce-scatter / all-to-all bus-bandwidth
+    curves), so the model picked differently on H200 for no H200 reason. Every field but
+    those the hardware changes (and the sources' wording) must stay equal, nested ones
+    (dil, cil, ccl and its curves) in full."""
+    import dataclasses
+
+    mine = dataclasses.asdict(profiles.load(name))
+    theirs = dataclasses.asdict(profiles.load(like))
+    apart = {k for k in mine if k not in differs | {"sources"} and mine[k] != theirs[k]}
+    assert not apart, {k: (mine[k], theirs[k]) for k in sorted(apart)}
+    assert all(mine[k] != theirs[k] for k in differs - {"name"}), differs
+
+
 def test_mi300x_matches_the_paper_platform():
     prof = profiles.load("mi300x")
     assert (prof.topology, prof.gpus_per_node, prof.link_bytes_per_s) == ("mesh", 8, 64e9)

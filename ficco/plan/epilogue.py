@@ -164,7 +164,7 @@ def operands(a: torch.Tensor, bs: list, *, rows_of, a_name: str, a_scale=None, b
         raise InvalidArgumentError(f"activation={activation!r} is not supported{where}; use "
                                    f"one of {', '.join(ACTIVATIONS[1:])} or None")
     ops = Operands(out, scaling, sa, sbs, biases, act)
-    if a.device.type != "cpu" and fp8:
+    if fp8 and device_side(a):
         check_gpu(a, bs, ops, a_name)
     return ops
 
@@ -303,6 +303,13 @@ def _shape(t) -> str:
                                      else type(t).__name__)
 
 
+def device_side(t: torch.Tensor) -> bool:
+    """Whether ``t`` meets a GPU's own argument checks and code paths (a device tensor). The
+    fake GPU of the tests (tests/fake_gpu.py), whose tensors live on the host, answers True
+    for every tensor, so a CPU rehearsal reaches what only a device would refuse."""
+    return t.device.type != "cpu"
+
+
 def check_gpu(a: torch.Tensor, bs: list, ops: Operands, a_name: str) -> None:
     """What ``torch._scaled_mm`` refuses on GPUs, refused here before any communication (so
     it cannot fail mid-plan): the dtypes the device's matrix units take, K and n multiples of
@@ -426,7 +433,7 @@ def _scaled(a, b, sa, sb, bias, out, accumulate):
     row = sa.numel() > 1 or sb.numel() > 1
     if row:
         sa, sb = sa.reshape(-1, 1), sb.reshape(1, -1)
-    cpu = out.device.type == "cpu"
+    cpu = not device_side(out)
     if not accumulate and (cpu or not row or out.dtype == torch.bfloat16) and \
             not (cpu and row and not cpu_rowwise_scaled_mm()):
         sa, bias = _aligned(sa), _bias_for(bias, out)
@@ -450,7 +457,7 @@ def scaled_product(a, b, sa, sb, *, portable: bool = False) -> torch.Tensor:
     """``(a * sa) @ (b * sb)`` in float32. ``portable``: row-wise scales multiply a unit-scaled
     float32 product (GPUs whose row-wise ``torch._scaled_mm`` writes bfloat16 only)."""
     row = sa.numel() > 1 or sb.numel() > 1
-    portable = portable or (row and a.device.type == "cpu" and not cpu_rowwise_scaled_mm())
+    portable = portable or (row and not device_side(a) and not cpu_rowwise_scaled_mm())
     if not (row and portable):
         return torch._scaled_mm(a, b, _aligned(sa), sb, out_dtype=torch.float32)
     one = torch.ones((), dtype=torch.float32, device=a.device)
@@ -474,14 +481,14 @@ def cpu_rowwise_scaled_mm() -> bool:
 def _aligned(scale):
     # cuBLAS's row-wise kernels want 16-byte aligned scales; a slice of the gathered ones
     # may start anywhere.
-    if scale.device.type != "cpu" and scale.numel() > 1 and scale.data_ptr() % 16:
+    if scale.numel() > 1 and scale.data_ptr() % 16 and device_side(scale):
         return scale.clone()
     return scale
 
 
 def _bias_for(bias, out):
     # GPU kernels add a bias of the output's own 16-bit type; the CPU any float type.
-    if bias is None or out.device.type == "cpu" or out.dtype not in (torch.bfloat16,
+    if bias is None or not device_side(out) or out.dtype not in (torch.bfloat16,
                                                                      torch.float16):
         return bias
     return bias.to(out.dtype)
