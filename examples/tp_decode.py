@@ -11,9 +11,20 @@ out and MLP down projections end in an all-reduce of their partial sums,
 which picks its schedule per GEMM (one-shot or two-shot over symmetric memory, the process
 group's all-reduce, chunked, a reduce-scatter and all-gather).
 
+From a vLLM-style model the switch is one line per projection: where vLLM builds
+``RowParallelLinear(input_size, output_size, bias=False, input_is_parallel=True,
+reduce_results=True)`` (a local GEMM, then its custom all-reduce or NCCL), build
+``ficco.nn.RowParallelLinear.from_linear(linear, sequence_parallel=False)`` from the unsharded
+``nn.Linear`` (as ``TPDecodeBlock`` below) or ``ficco.nn.RowParallelLinear(in, out,
+sequence_parallel=False)``; the output is the same all-reduced activation on every rank. To run
+the one-kernel all-reduce vLLM's custom all-reduce corresponds to, force it:
+``FICCO_SCHEDULE=one-shot-kernel`` (or ``two-shot-kernel``; Triton needed, the interpreter on
+CPU; selectors do not offer it until a GPU verified it).
+
 For each batch size the script runs one decode step against a KV cache of ``cache`` tokens,
 checks it against the same block unsharded on each rank, and prints what ficco picked for the
-down projection and why (``ficco.explain``). On CPU the times mean nothing; the picks follow the
+down projection and why (``ficco.explain``), with the kernel that pick runs and the published
+time it is priced against on that hardware. On CPU the times mean nothing; the picks follow the
 CPU profile.
 """
 from __future__ import annotations
@@ -124,6 +135,8 @@ def main(batches=(1, 8, 64), dim=64, heads=8, ffn=128, cache=16):
             print(f"batch {batch:4d}: max error {error:.1e} vs the unsharded block; down "
                   f"projection ({batch} x {ffn} x {dim}) over {world} ranks: "
                   f"{decision.schedule} over {decision.transport} ({decision.reason})")
+            for line in decision.priced:
+                print(f"    {line}")
         assert error < 1e-4, error
     ficco.shutdown()
     dist.destroy_process_group()

@@ -28,6 +28,7 @@ from .api import (
                   matmul_reduce_scatter,
                   session_of,
                   shutdown,
+                  warmup,
 )
 
 __version__ = "0.1.0"
@@ -49,6 +50,7 @@ __all__ = [
                   "session_of",
                   "shutdown",
                   "symm_mem",
+                  "warmup",
 ]
 
 

@@ -1,6 +1,6 @@
 """The public entry points: ``all_gather_matmul``, ``matmul_reduce_scatter``,
-``matmul_all_reduce``, the expert-parallel pair, the Ulysses pair, ``explain`` and
-``shutdown``.
+``matmul_all_reduce``, the expert-parallel pair, the Ulysses pair, ``explain``, ``warmup``
+and ``shutdown``.
 
 Data flows one way: arguments -> op spec (``ficco/ops/``: validated, canonical Call) ->
 runtime (``ficco/runtime/path.py``: agreement, Decision, Plan, executor) -> the caller's layout.
@@ -8,6 +8,9 @@ runtime (``ficco/runtime/path.py``: agreement, Decision, Plan, executor) -> the 
 from __future__ import annotations
 
 import atexit
+from collections.abc import Callable
+
+import torch
 
 from .errors import InvalidArgumentError
 from .ops import library
@@ -117,6 +120,43 @@ def matmul_all_reduce(a, b, group=None, *, reduce_op="sum", schedule=None, a_sca
     return library_all_reduce.matmul_all_reduce(a, b, group, reduce_op=reduce_op,
                                                 schedule=schedule, a_scale=a_scale,
                                                 b_scale=b_scale, out_dtype=out_dtype, bias=bias)
+
+
+def warmup(op, shapes, group=None, *, dtype=torch.bfloat16, **kwargs) -> list:
+    """Make the first sight of each problem now: one call of ``op`` (``"all_gather_matmul"``,
+    ``"matmul_reduce_scatter"`` or ``"matmul_all_reduce"``) per ``(rows, K, n)`` in
+    ``shapes``, on random operands of ``dtype`` on this process's device, so the ``auto``
+    selector measures its shortlist for each of them here (a serving process that knows its
+    buckets calls it at start) and later calls of those keys find the decision cached. Rows
+    and K are the op's own: the all-gather's rows per rank and K; the reduce-scatter's and
+    all-reduce's rows and this rank's K. ``kwargs`` go to every call (``schedule``,
+    ``reduce_op``, ``out_dtype``, ...). Every rank of ``group`` must call it with the same
+    list, as any ficco call. Returns ``(schedule, transport)`` per shape as the calls ran.
+
+    >>> import ficco
+    >>> ficco.warmup("matmul_all_reduce", [(4, 8, 5)], dtype=torch.float32)  # one rank
+    [None]
+    """
+    from .backends import get_backend
+
+    calls: dict[str, Callable[..., object]] = {
+        "all_gather_matmul": all_gather_matmul, "matmul_reduce_scatter": matmul_reduce_scatter,
+        "matmul_all_reduce": matmul_all_reduce}
+    if op not in calls:
+        raise InvalidArgumentError(f"warmup takes {', '.join(calls)}; got op={op!r}")
+    shapes = [tuple(shape) for shape in shapes]
+    if any(len(shape) != 3 or not all(isinstance(x, int) and x > 0 for x in shape)
+           for shape in shapes):
+        raise InvalidArgumentError(f"warmup shapes are (rows, K, n) of positive ints; got "
+                                   f"{shapes}")
+    device = get_backend().device()
+    ran = []
+    for rows, k, n in shapes:
+        a = torch.randn(rows, k, device=device).to(dtype)
+        b = torch.randn(k, n, device=device).to(dtype)
+        calls[op](a, b, group, **kwargs)
+        ran.append(last_run(group))
+    return ran
 
 
 def _prepare(op, a, b, group, dim, reduce_op, counts=None, epilogue=None):

@@ -48,3 +48,46 @@ def fake_gpu_calls(rank, world, seed, batch):
         ficco.shutdown()
         fake_gpu.uninstall()
     return found
+
+
+def warmup_then_calls(rank, world, seed, cache_dir):
+    """``ficco.warmup`` of three all-gather shapes (a fresh auto cache), then one real call of
+    each with fresh data: (what warmup ran, shortlist timings during warmup, during the real
+    calls, the real calls' errors against float64)."""
+    import os
+
+    import torch
+
+    import ficco
+    from ficco.heuristics import measured
+
+    from .reference import max_row_rel_err
+
+    ficco.shutdown()
+    os.environ["FICCO_CACHE_DIR"] = cache_dir
+    k = 40 + 8 * (seed % 50)          # a K no other test's key has
+    shapes = [(4, k, 6), (12, k, 6), (40, k, 6)]
+    timed: list[str] = []
+    real = measured.time_candidates
+
+    def counting(*args, **kwargs):
+        timed.append("warmup" if phase == "warmup" else "call")
+        return real(*args, **kwargs)
+
+    measured.time_candidates = counting
+    try:
+        with ficco.config.scope(selector="auto"):    # the pool's ranks run the model's
+            phase = "warmup"
+            ran = ficco.warmup("all_gather_matmul", shapes, dtype=torch.float32)
+            phase = "calls"
+            gen = torch.Generator().manual_seed(seed)
+            errors = []
+            for rows, kk, n in shapes:
+                x = torch.randn(world, rows, kk, dtype=torch.float64, generator=gen)
+                b = torch.randn(kk, n, dtype=torch.float64, generator=gen)
+                out = ficco.all_gather_matmul(x[rank].float(), b.float())
+                errors.append(max_row_rel_err(out, x.reshape(-1, kk) @ b))
+    finally:
+        measured.time_candidates = real
+        os.environ.pop("FICCO_CACHE_DIR", None)
+    return ran, timed.count("warmup"), timed.count("call"), errors

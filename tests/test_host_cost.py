@@ -223,3 +223,34 @@ def test_every_schedule_is_right_on_the_fake_gpu_and_batching_takes_fewer_comman
             assert batched <= plain, (rank, key, batched, plain)
             if key[1] == "serial" or key[1].startswith(("uniform", "hetero")):
                 assert batched < plain, (rank, key, batched, plain)
+
+
+def test_warmup_makes_the_first_sight_so_the_real_calls_do_not_measure(tmp_path):
+    """Two CPU ranks: ``ficco.warmup`` of three shapes measures auto's shortlist for each
+    (fresh cache), and the real calls of those shapes that follow, with fresh data, time
+    nothing and match float64."""
+    import random
+
+    import torch
+
+    from . import harness, host_cost_cases
+    from .reference import ROW_TOL
+
+    seed = random.randrange(1 << 30)
+    results = harness.pool(2).run(host_cost_cases.warmup_then_calls, seed, str(tmp_path),
+                                  timeout_s=300)
+    for ran, in_warmup, in_calls, errors in results:
+        assert len(ran) == 3 and all(r is not None and r[0] in schedules.names() for r in ran)
+        assert in_warmup >= 1 and in_calls == 0, (seed, in_warmup, in_calls)
+        assert all(e <= ROW_TOL[torch.float32] for e in errors), (seed, errors)
+    assert results[0][0] == results[1][0]    # the ranks ran the same schedules
+
+
+def test_warmup_refuses_what_it_cannot_warm():
+    import ficco
+    from ficco.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="warmup takes"):
+        ficco.warmup("all_to_all_grouped_mm", [(4, 8, 8)])
+    with pytest.raises(InvalidArgumentError, match=r"\(rows, K, n\)"):
+        ficco.warmup("all_gather_matmul", [(4, 8)])

@@ -62,6 +62,9 @@ class Decision:
     #: GPU features off by default until a GPU lease verified them: feature -> why, how to
     #: turn it on (:func:`ficco.heuristics.off_by_default`)
     off: dict = field(default_factory=dict)
+    #: lines naming the kernel the pick runs and the published time it is priced against
+    #: (``matmul_all_reduce``: :func:`ficco.ops.matmul_all_reduce.pricing.priced_against`)
+    priced: tuple = ()
 
     def ranked(self) -> list[tuple[str, float]]:
         """Scores best first (lowest seconds; for ``paper`` the single score as given)."""
@@ -82,6 +85,8 @@ class Decision:
                          f"only above it")
         for feature, why in self.off.items():
             lines.append(f"off       {feature}: {why}")
+        for line in self.priced:
+            lines.append(f"priced    {line}")
         if self.measured:
             return "\n".join(lines + self._measured_table())
         if self.scores:

@@ -53,6 +53,8 @@ Example::
 """
 from __future__ import annotations
 
+import math
+
 from ...heuristics import collectives
 from ...plan import item_bytes
 
@@ -228,6 +230,124 @@ def price_torch_kernel(sim, op, task):
     fixed = kernel_fixed_seconds(sim.profile, 2 if op.variant == "one-shot" else 3) + \
         sim.profile.dil["launch_s"]
     return task("ccl", fixed, seconds - fixed)
+
+
+#: what each schedule's all-reduce runs, and the validate predictor its published times use
+#: (``shapes`` beyond size and world)
+_KERNELS: dict[str, tuple[str, str, dict]] = {
+    "one-shot-kernel": ("ficco's one-kernel all-reduce, one-shot (ficco/kernels/all_reduce.py)",
+                        "kernel_all_reduce_us", {"shots": "one"}),
+    "two-shot-kernel": ("ficco's one-kernel all-reduce, two-shot (ficco/kernels/all_reduce.py)",
+                        "kernel_all_reduce_us", {"shots": "two"}),
+    "torch-one-shot": ("torch.ops.symm_mem.one_shot_all_reduce_out", "torch_all_reduce_us",
+                       {"variant": "one-shot"}),
+    "torch-two-shot": ("torch.ops.symm_mem.two_shot_all_reduce_out", "torch_all_reduce_us",
+                       {"variant": "two-shot"}),
+    "torch-multimem": ("torch.ops.symm_mem.multimem_all_reduce_", "torch_all_reduce_us",
+                       {"variant": "multimem"}),
+}
+_CCL: tuple[str, str, dict] = ("the process group's all-reduce (NCCL/RCCL)", "all_reduce_us", {})
+
+
+def kernel_of(schedule: str, transport: str) -> tuple[str, str, dict] | None:
+    """(what the all-reduce of ``schedule`` over ``transport`` runs, the validate quantity of
+    its published times, its shapes) or None for a copy-engine or loads plan, priced by the
+    simulator's copy and barrier model (no publication times that mechanism).
+
+    >>> kernel_of("serial", "ccl")[0], kernel_of("one-shot-kernel", "dma")[1]
+    ("the process group's all-reduce (NCCL/RCCL)", 'kernel_all_reduce_us')
+    """
+    if schedule in _KERNELS:
+        return _KERNELS[schedule]
+    if transport == "ccl" and (schedule == "serial" or schedule.startswith("chunked")):
+        return _CCL
+    return None
+
+
+def _published_rows() -> list[dict]:
+    """The ``decode`` rows of ``python -m ficco.bench validate``'s table (package data)."""
+    import csv
+    from importlib import resources
+
+    table = resources.files("ficco") / "bench" / "validation" / "published.csv"
+    text = table.read_text(encoding="utf-8")
+    return [r for r in csv.DictReader(text.splitlines()) if r["family"] == "decode"]
+
+
+def priced_against(problem, decision) -> tuple[str, ...]:
+    """What ``explain`` adds for an all-reduce: the kernel the pick runs, its price alone at
+    this message size, and the published time nearest in size on the same hardware and rank
+    count that the price is held against (``validate``'s row); the one-kernel all-reduce's
+    price beside it when the pick is something else.
+
+    >>> from ficco.heuristics.decision import Decision
+    >>> from ficco.plan.problem import Problem
+    >>> p = Problem(4, 512, (4096,), "bfloat16", 8, op="matmul_all_reduce")
+    >>> d = Decision("serial", "ccl", "model", {"profile": "h100"})
+    >>> lines = priced_against(p, d)
+    >>> lines[0]
+    "serial runs the process group's all-reduce (NCCL/RCCL): 32 KB per rank on 8 ranks, 22.3 us alone (h100)"
+    >>> lines[1].startswith("published 22.65 us at 32 KB"), lines[1].endswith("(validate row W2, fit)")
+    (True, True)
+    """
+    from ...heuristics import profiles
+
+    name = str(decision.inputs.get("profile") or "")
+    if problem.world <= 1 or not name:
+        return ()
+    try:
+        prof = profiles.load(name)
+    except Exception:  # noqa: BLE001 - a profile explain cannot load prices nothing here
+        return ()
+    nbytes = problem.m * problem.ns[0] * item_bytes(problem, "partial")
+    world = problem.world
+    lines = []
+    chosen = kernel_of(decision.schedule, decision.transport)
+    if chosen is None:
+        lines.append(f"{decision.schedule} over {decision.transport} runs copy-engine pulls or "
+                     f"loads between plan barriers, priced by the simulator's copy and barrier "
+                     f"model (no publication times that mechanism)")
+    else:
+        lines += _priced(decision.schedule, "runs", chosen, prof, name, nbytes, world)
+    if decision.schedule not in _KERNELS:
+        lines += _priced("one-shot-kernel", "would run", _KERNELS["one-shot-kernel"], prof,
+                         name, nbytes, world)
+    return tuple(lines)
+
+
+def _seconds(quantity: str, shapes: dict, prof, nbytes: int, world: int) -> float:
+    if quantity == "all_reduce_us":
+        return collective_seconds(prof, nbytes, world)
+    if quantity == "torch_all_reduce_us":
+        return torch_kernel_seconds(prof, nbytes, world, shapes["variant"])
+    return shot_kernel_seconds(prof, nbytes, world, shapes["shots"] == "two")
+
+
+def _kb(nbytes: float) -> str:
+    return f"{nbytes / 1024:.0f} KB" if nbytes < 1 << 20 else f"{nbytes / (1 << 20):.2g} MB"
+
+
+def _priced(schedule, verb, kernel, prof, name, nbytes, world) -> list[str]:
+    what, quantity, shapes = kernel
+    seconds = _seconds(quantity, shapes, prof, nbytes, world)
+    lines = [(f"{schedule} {verb} {what}: {_kb(nbytes)} per rank on {world} ranks, "
+              f"{seconds * 1e6:.1f} us alone ({name})")]
+    rows = []
+    for r in _published_rows():
+        got = dict(item.split("=", 1) for item in r["shapes"].split())
+        same = all(got.get(k, "best" if k == "shots" else None) in (v, "best")
+                   for k, v in shapes.items())
+        if r["profile"] == name and r["quantity"] == quantity and same \
+                and int(got.get("world", 8)) == world:
+            rows.append((abs(math.log(int(got["size"]) / max(nbytes, 1))), r, int(got["size"])))
+    if not rows:
+        lines.append(f"no published time of it on {name} at {world} ranks "
+                     f"(python -m ficco.bench validate lists what is held)")
+        return lines
+    _, row, size = min(rows, key=lambda item: item[0])
+    lines.append(f"published {row['published']} us at {_kb(size)}: {row['source'].split(' (')[0]} "
+                 f"(validate row {row['id']}, {row['role']})")
+    return lines
 
 
 def check_published(load) -> list[tuple[str, str, int, float, float, float]]:
