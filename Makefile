@@ -38,6 +38,13 @@ OLDEST_TESTS ?= tests/test_custom_ops.py tests/test_fp8.py tests/test_compat_sca
 	tests/test_async_tp.py tests/test_parallel.py \
 	--deselect 'tests/test_parallel.py::test_torch_plan_on_ficco_styles_compiled_fullgraph[4]'
 
+# The GPU machines' image, for the lease's rehearsal on CPU (`make rehearse-lease-image`):
+# Python 3.12, PyPI's torch 2.11.0 (a CUDA build of several GB, with its Triton 3.6),
+# cuda-bindings 13, pytest and pytest-timeout; no hip-python. Not in CI (the download).
+IMAGE_PY ?= python3.12
+IMAGE_VENV ?= .venv-image
+IMAGE_PACKAGES ?= torch==2.11.0 'cuda-bindings==13.*' numpy pytest pytest-timeout
+
 $(BIN)/.demo-installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
@@ -65,7 +72,13 @@ $(OLDEST_VENV)/bin/.installed: pyproject.toml Makefile
 	$(OLDEST_VENV)/bin/pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: install demo test test-oldest-torch lint test-gpu clean
+$(IMAGE_VENV)/bin/.installed: Makefile
+	$(IMAGE_PY) -m venv $(IMAGE_VENV)
+	$(IMAGE_VENV)/bin/pip install -q --upgrade pip
+	$(IMAGE_VENV)/bin/pip install -q $(IMAGE_PACKAGES)
+	touch $@
+
+.PHONY: install demo test test-oldest-torch lint test-gpu rehearse-lease-image clean
 install: $(BIN)/.test-installed
 
 demo: $(BIN)/.demo-installed
@@ -86,5 +99,14 @@ lint: $(BIN)/.lint-installed
 test-gpu: $(BIN)/.test-installed
 	$(BIN)/python -m pytest -q -m gpu tests/gpu tests/test_kernels.py tests/test_gated.py
 
+# bench/gpu_lease.sh end to end on the fake GPU (tests/test_gpu_lease.py's rehearsal) with the
+# GPU image's versions; then the kernel tests' GPU cases must be collected under its Triton
+rehearse-lease-image: $(IMAGE_VENV)/bin/.installed
+	$(IMAGE_VENV)/bin/python -c 'import sys, torch, triton; print("image:", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__)'
+	$(IMAGE_VENV)/bin/python -m pytest -v -p no:cacheprovider -rfE -o timeout=1800 \
+	  --basetemp=$${TMPDIR:-/tmp}/ficco-rehearse-lease-image tests/test_gpu_lease.py \
+	  -k test_the_lease_runs_every_part
+	$(IMAGE_VENV)/bin/python -m pytest -q -p no:cacheprovider --collect-only -m gpu tests/test_kernels.py
+
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) .pytest_cache
+	rm -rf $(VENV) $(OLDEST_VENV) $(IMAGE_VENV) .pytest_cache

@@ -1,11 +1,12 @@
-"""Reliability campaigns on CPU ranks (issue 37): many randomized programs, killed ranks, a
-soak of mixed warm calls, disagreements. Each prints its figures (cases run, wrong, hung,
+"""Reliability campaigns on CPU ranks: many randomized programs, killed ranks, a soak of mixed
+warm calls, disagreements, the per-rank knobs with the cache in every state. Each prints its figures (cases run, wrong, hung,
 crashed, leaked); nothing is written to the tree.
 
     python bench/campaigns.py programs 40 --world 2   # tests/random_programs.py, 40 seeds
     python bench/campaigns.py kill 20                 # a rank killed mid-call, 20 runs
     python bench/campaigns.py soak 3000               # mixed warm calls, fds/threads/maps
     python bench/campaigns.py disagree 20             # ranks that call differently at random
+    python bench/campaigns.py per-rank 20 --calls 12  # per-rank scales, biases, widths, caches
 
 Run from the repository root (it uses the tests' rank pools, tests/harness.py).
 """
@@ -267,10 +268,51 @@ def disagree(count: int, world: int) -> dict:
     return totals
 
 
+# -- what a rank supplies on its own, and the cache's states -------------------------------------
+def per_rank(count: int, world: int, calls: int) -> dict:
+    """``count`` random programs of ``calls`` calls over the per-rank knobs (each rank's fp8
+    scales, widths, a bias that may drift, dtype recipes, schedules, transports) with the
+    cache in a random state (tests/per_rank_cases.py): outcomes counted; a program whose
+    ranks crash or hang past the pool's bound counts as lost."""
+    from tests import harness
+    from tests.per_rank_cases import random_per_rank_program
+
+    totals: dict = {"programs": 0, "calls (every rank's)": 0, "right": 0,
+                    "refused as wanted": 0, "wrong": 0, "raw errors": 0, "ficco errors": 0,
+                    "lost programs": 0, "cache states": {}, "failures": []}
+    pool = harness.RankPool(world, {"FICCO_TIMEOUT": "20"})
+    for _ in range(count):
+        seed = random.randrange(1 << 30)
+        root = tempfile.mkdtemp(prefix="ficco-campaign-cache-")
+        try:
+            results = pool.run(random_per_rank_program, seed, calls, root,
+                               timeout_s=calls * 60)
+        except harness.RankError as exc:
+            totals["lost programs"] += 1
+            totals["failures"].append((seed, str(exc)[-300:]))
+            pool.close()
+            pool = harness.RankPool(world, {"FICCO_TIMEOUT": "20"})
+            continue
+        totals["programs"] += 1
+        state = results[0][0]
+        totals["cache states"][state] = totals["cache states"].get(state, 0) + 1
+        for _, outcomes in results:
+            for outcome in outcomes:
+                totals["calls (every rank's)"] += 1
+                kind = {"right": "right", "refused": "refused as wanted", "wrong": "wrong",
+                        "raw error": "raw errors", "ficco error": "ficco errors"
+                        }[outcome.split(":")[0]]
+                totals[kind] += 1
+                if kind not in ("right", "refused as wanted"):
+                    totals["failures"].append((seed, outcome))
+    pool.close()
+    return totals
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("campaign", choices=["programs", "kill", "soak", "disagree"])
+    parser.add_argument("campaign", choices=["programs", "kill", "soak", "disagree", "per-rank"])
     parser.add_argument("count", type=int)
     parser.add_argument("--world", type=int, default=None)
     parser.add_argument("--calls", type=int, default=24, help="calls per random program")
@@ -284,6 +326,8 @@ def main() -> int:
         result = kill(args.count, args.world or 3)
     elif args.campaign == "soak":
         result = soak(args.count, args.world or 2)
+    elif args.campaign == "per-rank":
+        result = per_rank(args.count, args.world or 2, args.calls)
     else:
         result = disagree(args.count, args.world or 2)
     result["wall seconds"] = round(time.monotonic() - start, 1)

@@ -9,6 +9,12 @@ Each knob reads its environment variable on every access unless set from Python:
 
 A bad value raises :class:`~ficco.errors.ConfigError` listing what is accepted.
 Precedence for a decision: call argument > env/scope > selector.
+
+One case rule for every setting: a value that names something ficco knows (a backend, a
+schedule, a selector, a transport, a built-in profile, a log level) is read in any case;
+a path (FICCO_PROFILE's file, FICCO_CACHE_DIR) is taken as written. A ``FICCO_*`` variable
+that names no setting (a misspelt ``FICCO_SCHEDUEL``) is warned about once per process
+(:func:`warn_unknown`), where a call first reads the settings.
 """
 from __future__ import annotations
 
@@ -83,6 +89,10 @@ def _seconds(raw) -> float:
                          "instead, e.g. 86400 (a day)")
     if not value > 0:
         raise ValueError("must be a positive, finite number of seconds")
+    if value > threading.TIMEOUT_MAX:
+        # every wait goes through a lock or an event, which refuse longer timeouts
+        raise ValueError(f"must be at most {threading.TIMEOUT_MAX:.4g} s (the longest wait "
+                         f"Python's threading takes, threading.TIMEOUT_MAX)")
     return value
 
 
@@ -103,7 +113,7 @@ def _flag(raw: str) -> bool:
 
 
 def _names(raw: str) -> tuple[str, ...]:
-    names = tuple(n.strip() for n in raw.split(",") if n.strip())
+    names = tuple(n.strip().lower() for n in raw.split(",") if n.strip())
     if not names or len(set(names)) != len(names):
         raise ValueError("must be distinct comma-separated schedule names")
     return names
@@ -113,7 +123,7 @@ KNOBS: dict[str, Knob] = {k.env: k for k in [
     Knob("FICCO_BACKEND", None, str.lower, "cpu, cuda or rocm", choices=(None, "cpu", "cuda", "rocm")),
     # Checked against the op's schedules when a call reads it (names depend on the op): it
     # forces the ops that have a schedule of that name; the others choose as if unset.
-    Knob("FICCO_SCHEDULE", None, str,
+    Knob("FICCO_SCHEDULE", None, str.lower,
          "a schedule name of any op (ficco.schedules.names(op=...)); it forces the ops that "
          "have it"),
     Knob("FICCO_SELECTOR", "auto", str.lower,
@@ -161,6 +171,41 @@ KNOBS: dict[str, Knob] = {k.env: k for k in [
 ]}
 
 _NAMES = {env.removeprefix("FICCO_").lower(): env for env in KNOBS}
+
+
+#: FICCO_* variables that are no setting of the library: the test harness's and the GPU lease
+#: scripts' own (tests/, bench/), read there
+TOOL_ENV = ("FICCO_FAKE_GPU", "FICCO_LEASE_SCALE", "FICCO_LEASE_QUICK")
+TOOL_PREFIXES = ("FICCO_TEST_",)
+_warned_unknown: set[str] = set()
+
+
+def unknown_env() -> list[str]:
+    """The ``FICCO_*`` environment variables that name no setting, sorted.
+
+    >>> os.environ["FICCO_SCHEDUEL"] = "ring"; unknown_env(); del os.environ["FICCO_SCHEDUEL"]
+    ['FICCO_SCHEDUEL']
+    """
+    return sorted(k for k in os.environ if k.startswith("FICCO_") and k not in KNOBS
+                  and k not in TOOL_ENV and not k.startswith(TOOL_PREFIXES))
+
+
+def warn_unknown() -> None:
+    """Warn once per process and name for each ``FICCO_*`` variable that names no setting,
+    with the closest known names: a misspelt setting is otherwise silently ignored."""
+    import difflib
+    import warnings
+
+    from .errors import FiccoWarning
+
+    for name in unknown_env():
+        if name in _warned_unknown:
+            continue
+        _warned_unknown.add(name)
+        close = difflib.get_close_matches(name, list(KNOBS), n=2)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        warnings.warn(f"{name} is set but is no ficco setting, so it changes nothing; {hint}"
+                      f"known: {', '.join(sorted(KNOBS))}", FiccoWarning, stacklevel=3)
 
 
 def get(name: str) -> Any:

@@ -14,10 +14,11 @@ The contract (what torchao's float8 training does, with a higher-precision backw
   vice versa), ``grad_w`` from the saved fp8 operand (dequantized: torchao also saves the
   fp8 input). torchao runs its backward GEMMs in fp8 (e5m2 gradients) by default; here they
   run in the output dtype: more accurate, and the part fp8 speeds up is the forward.
-- **Tensor-wise A of the all-gather** needs one scale for all W shards, so the ranks agree on
-  the largest amax first (one small bounded exchange per call, a host synchronisation on
-  GPUs); row-wise needs none (each row's scale travels with it), which is why it is the
-  default. A reduce-scatter's A is each rank's own K-slice: its scales are local either way.
+- **Tensor-wise A of the all-gather** is quantized on one grid for all W shards, as the
+  unsharded tensor would be: the ranks agree on the largest amax first (one small bounded
+  exchange per call, a host synchronisation on GPUs; the op itself would also take each
+  rank's own scale, which travels with its shard); row-wise needs none (each row's scale
+  travels with it), which is why it is the default. A reduce-scatter's A is each rank's own K-slice: its scales are local either way.
 
 ``ficco.all_gather_matmul`` / ``matmul_reduce_scatter`` with fp8 tensors and scales are for
 callers who quantize themselves (inference, or their own training recipe): autograd cannot

@@ -43,6 +43,7 @@ from .group import NO_GROUP, name_of, rank_world, resolve
 from .ops import library
 from .ops.matmul_all_reduce import torch_op as library_all_reduce
 from .plan.problem import even_split
+from .runtime.call import check_flag
 
 
 def _check_features(in_features, out_features: list) -> None:
@@ -170,7 +171,7 @@ class RowParallelLinear(nn.Module):
                  dtype=None):
         super().__init__()
         self.group, self.seq_dim = group, seq_dim
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel = check_flag(sequence_parallel, "sequence_parallel")
         rank, world = rank_world(resolve(group))
         _check_features(in_features, [out_features])
         self.in_features, self.out_features = in_features, out_features

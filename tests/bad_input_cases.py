@@ -11,6 +11,8 @@ take is Python's TypeError, raised before any of ficco runs: not a case here.)
 from __future__ import annotations
 
 import contextlib
+import os
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -241,11 +243,63 @@ def cases(world: int) -> dict:
         # -- per-rank widths: this rank's share of the features, checked locally
         "widths b n differs from bias": lambda: agm(a, torch.randn(6, 3), bias=torch.randn(4)),
         "widths mrs b rows vs a": lambda: mrs(a, torch.randn(7, 4)),
+        # -- tensors and flags torch accepts but the op cannot run
+        "agm sparse a": lambda: agm(a.to_sparse(), b),
+        "mrs sparse b": lambda: mrs(a, b.to_sparse()),
+        "agm activation empty": lambda: agm(a, b, activation=""),
+        "dispatch counts on meta": lambda: disp(x, torch.tensor(good, device="meta"), w),
+        "dispatch no local experts": lambda: disp(x, good, torch.randn(0, 4, 3)),
+        "nn row sequence_parallel str": lambda: fnn.RowParallelLinear(8, 6,
+                                                                      sequence_parallel="no"),
+        # -- settings read by the call
+        "env FICCO_TIMEOUT above TIMEOUT_MAX": _with_env("FICCO_TIMEOUT", "1e10",
+                                                         lambda: agm(a, b)),
+        "env FICCO_TUNE_CANDIDATES bogus": _with_env(
+            "FICCO_TUNE_CANDIDATES", "bogus", lambda: agm(a, b), FICCO_SELECTOR="tune"),
+        "env FICCO_CACHE_DIR a file": _with_env("FICCO_CACHE_DIR", __file__,
+                                                lambda: agm(a, b), FICCO_SELECTOR="auto"),
+        "env FICCO_PROFILE a directory": _with_env("FICCO_PROFILE", os.path.dirname(__file__),
+                                                   lambda: agm(a, b)),
+        "env FICCO_PROFILE binary": _with_env("FICCO_PROFILE", _binary_file(),
+                                              lambda: agm(a, b)),
+        "env FICCO_PROFILE not an object": _with_env("FICCO_PROFILE", _json_file("[1, 2]"),
+                                                     lambda: agm(a, b)),
         # -- explain and names
         "explain bad op": lambda: ficco.explain(a, b, op="nope"),
         "names bad op": lambda: ficco.schedules.names(op="nope"),
     }
     return out
+
+
+def _with_env(name: str, value: str, fn, **more):
+    """``fn`` run with environment variable ``name`` (and ``more``) set, then restored."""
+    def run():
+        settings = {name: value, **more}
+        saved = {k: os.environ.get(k) for k in settings}
+        os.environ.update(settings)
+        try:
+            return fn()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    return run
+
+
+def _binary_file() -> str:
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.write(fd, bytes(range(128, 256)))
+    os.close(fd)
+    return path
+
+
+def _json_file(text: str) -> str:
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.write(fd, text.encode())
+    os.close(fd)
+    return path
 
 
 def _style_on_2d_mesh(world):

@@ -4,6 +4,7 @@ import tempfile
 import pytest
 
 from . import harness
+from .timeout_fallback import pytest_addoption, pytest_runtest_call  # noqa: F401 - hooks
 
 os.environ.setdefault("FICCO_TIMEOUT", "20")
 # a calibrated profile in the user's cache (characterize --quick) must not change what the

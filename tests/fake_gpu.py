@@ -17,6 +17,13 @@ What is modelled, because ficco's GPU code relies on it:
   it later is a device fault raised by the next ``synchronize``.
 - **graph capture**: work issued while capturing is recorded; ``replay`` issues it again;
   a synchronize during capture invalidates the capture, as on CUDA.
+- **device-side argument checks**: what a real device refuses of its tensors, though these
+  are host tensors: ficco's own GPU-only checks and code paths run
+  (``ficco.plan.epilogue.device_side`` answers True), and ``torch._scaled_mm`` refuses what cuBLASLt does (:func:`checked_scaled_mm`:
+  fp8 operands, mat1's K and mat2's dimensions multiples of 16, mat1 row-major and mat2
+  column-major, row-wise scales 16-byte aligned); a stream memory operation refuses an address
+  that is not 4-byte aligned or a value outside 32 bits; work issued while capturing may not
+  query an event or allocate device memory (CUDA refuses both in a capture).
 - **blocking host calls** (``Stream.synchronize``, ``Event.synchronize``, device
   synchronize) are logged per thread, so a test can assert the watchdog thread never blocks.
 
@@ -292,6 +299,9 @@ class FakeEvent:
         stream.enqueue(lambda: dev.spin(lambda: self._reached(gen), "event wait"))
 
     def query(self) -> bool:
+        if getattr(_tls, "capture", None) is not None:
+            raise RuntimeError("cudaEventQuery while the stream is capturing: operation not "
+                               "permitted when stream is capturing")
         return self._reached(self.recorded)
 
     def synchronize(self) -> None:
@@ -422,12 +432,16 @@ def vendor_class(vendor_name: str):
             self._on(stream, "copy_batch_2d", run)
 
         def write_value32(self, stream, address, value):
+            _check_word(address, value, "cuStreamWriteValue32")
+
             def run():
                 self.dev.memory.check(address, 4, "stream write")
                 _write32(address, value)
             self._on(stream, "write_value32", run)
 
         def wait_value32(self, stream, address, value, exact):
+            _check_word(address, value, "cuStreamWaitValue32")
+
             def met():
                 self.dev.memory.check(address, 4, "stream wait")
                 seen = _read32(address)
@@ -443,6 +457,9 @@ def vendor_class(vendor_name: str):
                     self.wait_value32(stream, op.slot, op.value, op.exact)
 
         def malloc(self, nbytes):
+            if getattr(_tls, "capture", None) is not None:
+                raise DeviceFault("cudaMalloc while the stream is capturing: operation not "
+                                  "permitted when stream is capturing")
             return self.dev.memory.alloc(nbytes)
 
         def free(self, address):
@@ -467,6 +484,57 @@ def vendor_class(vendor_name: str):
             pass
 
     return FakeVendor
+
+
+# -- the device's own argument checks -------------------------------------------------------------
+def _check_word(address: int, value: int, call: str) -> None:
+    """What the driver refuses of a 32-bit stream memory operation: an address that is not
+    4-byte aligned, a value that does not fit 32 bits (the binding's cuuint32_t)."""
+    if address % 4:
+        raise DeviceFault(f"{call}: address {address:#x} is not 4-byte aligned "
+                          f"(CUDA_ERROR_INVALID_VALUE)")
+    if not -2 ** 31 <= int(value) < 2 ** 32:
+        raise OverflowError(f"{call}: value {value} does not fit 32 bits")
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+
+
+def check_scaled_mm(mat1, mat2, scale_a, scale_b) -> None:
+    """Raise RuntimeError where CUDA's ``torch._scaled_mm`` (cuBLASLt) refuses its arguments,
+    though the CPU one would run them: fp8 operands, mat1's trailing dimension and both of
+    mat2's multiples of 16, mat1 row-major and mat2 column-major (cuBLASLt multiplies only
+    that pairing), row-wise scales float32 and 16-byte aligned."""
+    for name, t in (("mat1", mat1), ("mat2", mat2)):
+        if t.dtype not in _FP8:
+            raise RuntimeError(f"Expected {name} to be a float8 matrix, got {t.dtype}")
+    if mat1.shape[1] % 16:
+        raise RuntimeError(f"the trailing dimension of mat1 must be a multiple of 16; mat1 is "
+                           f"{tuple(mat1.shape)}")
+    if mat2.shape[0] % 16 or mat2.shape[1] % 16:
+        raise RuntimeError(f"both dimensions of mat2 must be multiples of 16; mat2 is "
+                           f"{tuple(mat2.shape)}")
+    row_major = mat1.stride(1) == 1 and mat1.stride(0) >= max(1, mat1.shape[1])
+    col_major = mat2.stride(0) == 1 and mat2.stride(1) >= max(1, mat2.shape[0])
+    if not (row_major and col_major):
+        raise RuntimeError(f"cuBLASLt multiplies a row-major mat1 by a column-major mat2 only; "
+                           f"got strides {mat1.stride()} and {mat2.stride()}")
+    for name, sc in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if sc.dtype != torch.float32:
+            raise RuntimeError(f"{name} must be float32, got {sc.dtype}")
+        if sc.numel() > 1 and sc.data_ptr() % 16:
+            raise RuntimeError(f"{name}: row-wise scales must be 16-byte aligned "
+                               f"(address {sc.data_ptr():#x})")
+
+
+def checked_scaled_mm(real):
+    """``torch._scaled_mm`` as a device runs it: its checks first (:func:`check_scaled_mm`),
+    then the CPU kernel."""
+    def scaled_mm(mat1, mat2, scale_a, scale_b, *args, **kwargs):
+        check_scaled_mm(mat1, mat2, scale_a, scale_b)
+        return real(mat1, mat2, scale_a, scale_b, *args, **kwargs)
+    scaled_mm.real = real  # type: ignore[attr-defined]
+    return scaled_mm
 
 
 # -- the backend -----------------------------------------------------------------------------------
@@ -550,6 +618,12 @@ def install(vendor: str = "cuda", hw_queues: int = 8, sms: int = 16,
                "get_device_capability": lambda d=None: (9, 0), "device_count": lambda: 1}
     for name, value in patched.items():
         setattr(torch.cuda, name, value)
+    # the device's own argument checks, on host tensors
+    from ficco.plan import epilogue as scaled
+
+    _state["saved_checks"] = (scaled.device_side, torch._scaled_mm)
+    scaled.device_side = lambda t: True
+    torch._scaled_mm = checked_scaled_mm(torch._scaled_mm)
     os.environ["FICCO_BACKEND"] = vendor
     backends.install(vendor, backend_class(vendor)())
     return device
@@ -566,6 +640,10 @@ def uninstall() -> None:
     _state["device"].stop()
     for name, value in _state["saved"].items():
         setattr(torch.cuda, name, value)
+    if "saved_checks" in _state:
+        from ficco.plan import epilogue as scaled
+
+        scaled.device_side, torch._scaled_mm = _state["saved_checks"]
     os.environ.pop("FICCO_BACKEND", None)
     _state.clear()
 

@@ -78,3 +78,24 @@ def hangs(rank, world):
             bound_s=3.0))
     finally:
         ficco.all_gather_matmul = real
+
+
+def slow_pick(rank, world):
+    """selftest's timing row where the default path (the selector's pick) is planted slower
+    than serial: every default call sleeps 20 ms more."""
+    import time
+
+    real = ficco.all_gather_matmul
+
+    def slower(*args, schedule=None, **kwargs):
+        if schedule is None:
+            time.sleep(0.02)
+        return real(*args, schedule=schedule, **kwargs)
+
+    ficco.all_gather_matmul = slower
+    try:
+        return quick(rank, world, options=Options(
+            shapes=(), dtypes=("float32",), ops=("all_gather_matmul",), fault=False,
+            graph=False, timing_shape=(32, 32, 32)))
+    finally:
+        ficco.all_gather_matmul = real

@@ -4,7 +4,6 @@ timed for real), then on live CPU ranks with a test hook that makes the model's 
 on the fake GPU inside a graph capture."""
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 import ficco
 from ficco import config
 from ficco.heuristics import auto, choose, measured
+from ficco.heuristics.cache import entries_in
 from ficco.heuristics.measured import Scripted
 from ficco.heuristics.scenarios import table_i_problem
 from ficco.plan.problem import Problem
@@ -118,7 +118,7 @@ def test_serials_measured_alike_are_settled_back_to_back(cache, monkeypatch):
     measured far apart are not paired."""
     for ccl_ms, pairs_ratio, runs in ((0.98, 2.0, "dma"), (0.98, 0.9, "ccl"), (3.0, None, "dma")):
         auto.CACHE.forget()
-        (cache / "auto.json").unlink(missing_ok=True)
+        auto.CACHE.files.clear()
         live = Scripted(lambda name, via: 0)
         pairing: list[bool] = []      # set once the rounds are over (the first pair's first run)
 
@@ -191,7 +191,7 @@ def test_the_first_call_cost_is_bounded_and_slow_calls_get_fewer_rounds(cache):
     model = _model_pick(G6)
     for serial_ms, others, rounds in ((1, 1.2, 7), (6, 1.2, 2), (20, 1.2, 1), (100, 3.0, 1)):
         auto.CACHE.forget()
-        (cache / "auto.json").unlink(missing_ok=True)    # a new machine
+        auto.CACHE.files.clear()    # a new machine
         live = Scripted(_times({"serial": serial_ms * MS, model.schedule: 0.8 * serial_ms * MS},
                                default=others * serial_ms * MS))
         d = choose(G6, transport=("dma", "ccl"), target=GPU, selector="auto", live=live)
@@ -307,7 +307,7 @@ def test_a_rank_that_cannot_time_gets_the_cache_or_the_model_and_says_so(cache):
 def test_a_file_entry_counts_only_when_every_rank_holds_the_same(cache):
     live = Scripted(_times({"serial": 1 * MS}))
     choose(G6, transport=("dma", "ccl"), target=GPU, selector="auto", live=live)
-    (key, entry), = json.loads((cache / "auto.json").read_text()).items()
+    (key, entry), = entries_in(cache / "auto").items()
     assert key.startswith("auto|all_gather_matmul/dma,ccl|") and "sku=" in key
     assert "ficco=" in key and entry["schedule"] == "serial"
     word = measured.digest(entry)
@@ -327,7 +327,7 @@ def test_an_entry_another_group_agreed_is_offered_never_assumed(cache):
     lets it skip the exchange."""
     live = Scripted(_times({"serial": 1 * MS}))     # group a (its session's agreed set)
     choose(G6, transport=("dma", "ccl"), target=GPU, selector="auto", live=live)
-    (cache / "auto.json").unlink()                # a peer on another host: no shared file
+    auto.CACHE.files.clear()                     # a peer on another host: no shared file
     key = auto.cache_key(G6, ("dma", "ccl"), GPU, _model_pick(G6).inputs["topology"])
     for peer_has_it in (False, True):
         word = measured.digest(auto.CACHE.remembered(key))   # what this process knows

@@ -247,6 +247,32 @@ def test_flag_barrier_is_one_batch_mem_op_with_the_protocols_fields():
     assert vendor.batch_params(flag_program(handle, 1, flag ^ 1))[0][0] is not params[0]
 
 
+def test_single_signal_ops_are_plain_calls_and_leave_the_barrier_cache_alone():
+    """A single flag write or wait (the gated schedules' arrival flags: GpuBackend's
+    signal_write makes a fresh one-op tuple per call) went through the batch-parameter cache,
+    keyed by the tuple's id: every call built new parameters and added an entry, and past
+    4096 entries the cache was cleared, the barrier programs' parameters with it (rebuilt at
+    their next barrier). A single op is one cuStreamWriteValue32 / cuStreamWaitValue32 call
+    and the cache keeps what it had."""
+    from cuda.bindings import driver, runtime
+
+    from ficco.symm_mem.barrier import WAIT, WRITE, SignalOp, flag_program
+
+    drv = Recorder(driver)
+    vendor = CudaVendor(runtime=Recorder(runtime), driver=drv)
+    handle = _PadHandle(rank=1, world=4)
+    program = flag_program(handle, 0, 7)
+    params = vendor.batch_params(program)[0][0]
+    drv.calls.clear()
+    for i in range(4200):
+        vendor.mem_ops(3, (SignalOp(WRITE, 0x20000 + 4 * (i % 8), i, -1),), capturing=False)
+    vendor.mem_ops(3, (SignalOp(WAIT, 0x20000, 5, -1, True),), capturing=False)
+    names = [name for name, _ in drv.calls]
+    assert names == ["cuStreamWriteValue32"] * 4200 + ["cuStreamWaitValue32"], set(names)
+    assert vendor.batch_params(program)[0][0] is params
+    assert len(vendor._batches) == 1
+
+
 def test_large_groups_split_the_batch_and_capture_uses_single_calls():
     from cuda.bindings import driver, runtime
 

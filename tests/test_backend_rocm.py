@@ -224,6 +224,23 @@ def test_barrier_program_is_one_batched_call_in_hips_c_layout():
     assert rec.calls["hipStreamBatchMemOp"]["paramArray"] == call["paramArray"]
 
 
+def test_single_signal_ops_are_plain_calls_and_leave_the_barrier_cache_alone():
+    """As on CUDA: a single flag write (a fresh one-op tuple per call) built batch parameters
+    keyed by the tuple's id every time, and past 4096 entries the cache was cleared, the
+    barrier programs' parameters with it."""
+    from ficco.symm_mem.barrier import WRITE, SignalOp, flag_program
+
+    rec = HipRecorder()
+    vendor = RocmVendor(hip=rec)
+    program = flag_program(_Handle(), 0, 0x77)
+    vendor.mem_ops(0x33, program, capturing=False)
+    kept = vendor.batch_params(program)
+    for i in range(4200):
+        vendor.mem_ops(0x33, (SignalOp(WRITE, 0x9000 + 4 * (i % 8), i, -1),), capturing=False)
+    assert rec.order == ["hipStreamBatchMemOp"] + ["hipStreamWriteValue32"] * 4200
+    assert vendor.batch_params(program) is kept and len(vendor._batches) == 1
+
+
 def test_barrier_program_falls_back_to_one_call_per_op_where_the_batch_is_refused():
     from ficco.symm_mem.barrier import flag_program
 

@@ -12,6 +12,7 @@ import ficco
 from ficco import config, schedules
 from ficco.errors import ConfigError, InvalidArgumentError
 from ficco.heuristics import Decision, choose, model, profiles, tune
+from ficco.heuristics.cache import entries_in
 from ficco.heuristics.measured import Scripted
 from ficco.heuristics.paper import combined_score, paper_choice
 from ficco.heuristics.scenarios import PAPER_TABLE_I, table_i_problem
@@ -42,6 +43,29 @@ def test_every_profile_states_its_host_cost_per_op_measured_or_labelled_estimate
     source = raw["sources"]["host_op_s"]
     assert source.startswith(("measured: `python -m ficco.bench characterize --parts enqueue", "ESTIMATE")), source
     assert ("characterize --parts enqueue" in source), source
+
+
+#: Built-in profiles of one die and interconnect: (profile, the profile it shares them with,
+#: the fields that differ because the hardware does). H200 SXM is the H100 SXM5's GH100 die
+#: (132 SMs, the same cuBLAS kernels) with NVLink 4 and NVSwitch; only its HBM3e differs.
+SAME_HARDWARE = [("h200", "h100", {"name", "hbm_bytes_per_s", "hbm_capacity_bytes"})]
+
+
+@pytest.mark.parametrize("name,like,differs", SAME_HARDWARE, ids=[r[0] for r in SAME_HARDWARE])
+def test_profiles_of_the_same_hardware_keep_its_fields_equal(name, like, differs):
+    """A number fitted or measured on one part holds for every profile of the same silicon
+    and links: h200 had drifted from h100 (partial_wave_speedup 1.3 against 1.05, the ccl
+    latency 20 us against 8 us, no all-gather / reduce-scatter / all-to-all bus-bandwidth
+    curves), so the model picked differently on H200 for no H200 reason. Every field but
+    those the hardware changes (and the sources' wording) must stay equal, nested ones
+    (dil, cil, ccl and its curves) in full."""
+    import dataclasses
+
+    mine = dataclasses.asdict(profiles.load(name))
+    theirs = dataclasses.asdict(profiles.load(like))
+    apart = {k for k in mine if k not in differs | {"sources"} and mine[k] != theirs[k]}
+    assert not apart, {k: (mine[k], theirs[k]) for k in sorted(apart)}
+    assert all(mine[k] != theirs[k] for k in differs - {"name"}), differs
 
 
 def test_mi300x_matches_the_paper_platform():
@@ -180,10 +204,10 @@ def test_tune_measures_once_breaks_ties_by_name_and_caches_to_disk(tmp_path):
 
         assert choose(problem, target="cpu", selector="tune",
                       live=Scripted(fail)).schedule == "ring"
-    data = json.loads((tmp_path / tune.CACHE_FILE).read_text())
+    data = entries_in(tmp_path / tune.CACHE_FILE)
     (key, entry), = data.items()
     assert entry["schedule"] == "ring" and "W=4" in key and "cpu" in key
-    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
 
 
 def test_tune_without_a_live_group_says_the_model_decided(tmp_path):
@@ -246,7 +270,7 @@ def test_explain_is_local_and_reports_what_the_call_tuned(tmp_path):
         assert schedule == ran and "tuned earlier" in reason, results
         assert scored == tuple(sorted(schedules.names())), results
         assert err <= ROW_TOL[torch.float32] and picked == ("paper", "model"), results
-    entries = json.loads((tmp_path / tune.CACHE_FILE).read_text())
+    entries = entries_in(tmp_path / tune.CACHE_FILE)
     assert [e["schedule"] for e in entries.values()] == [results[0][2]]
 
 

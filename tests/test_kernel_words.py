@@ -74,8 +74,17 @@ _STORES = r"\bst\.global(\.\w+)*\.b32\b|\bglobal_store_dword\b"
 
 
 def _ir_accesses(asm: dict, name: str, op: str) -> list[str]:
-    """IR lines that load (``op`` "tt.load") or store ("tt.store") through argument ``name``."""
-    return [ln.strip() for ln in asm["ttir"].splitlines() if f"{op} %{name}" in ln]
+    """IR lines that load (``op`` "tt.load") or store ("tt.store") through argument ``name``
+    or a vector of it (``tt.splat`` / ``tt.addptr`` / ``tt.broadcast`` of it)."""
+    lines = asm["ttir"].splitlines()
+    names = {name}
+    derived = re.compile(r"%([\w.]+) = tt\.(splat|addptr|broadcast|expand_dims) %([\w.]+)")
+    for ln in lines:
+        m = derived.search(ln)
+        if m and m.group(3) in names:
+            names.add(m.group(1))
+    return [ln.strip() for ln in lines
+            if any(re.search(rf"{re.escape(op)} %{re.escape(n)}\b", ln) for n in names)]
 
 
 def _memory_every_time(line: str, amd: bool) -> bool:
@@ -109,7 +118,8 @@ def test_the_gated_gemm_polls_and_raises_the_word_through_memory(target):
     asm = _gated(target)
     amd = target.startswith("rocm")
     loads = _ir_accesses(asm, "halt", "tt.load")
-    assert len(loads) >= 3 and all(_memory_every_time(ln, amd) for ln in loads), loads
+    # the program's first look and the wait loop's polls
+    assert len(loads) >= 2 and all(_memory_every_time(ln, amd) for ln in loads), loads
     stores = _ir_accesses(asm, "halt", "tt.store")
     assert len(stores) == 1 and re.search(r"cache(_modifier|Modifier)? = wt", stores[0]), stores
 

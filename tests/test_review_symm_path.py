@@ -165,15 +165,19 @@ def test_two_caller_streams_keep_the_barrier_flags_and_workspace_apart(poison):
 
 
 # -- on a GPU (skipped without one): a suspicion the interpreter cannot show ------------------
-def _divergence_probe(mode: str, launches: int, device: str) -> str:
+def _divergence_probe(mode: str, launches: int, device: str, programs: int | None = None) -> str:
     """Launch the gated GEMM ``launches`` times with many programs waiting for a flag that never
     comes, ended by the clock (``mode`` "clock": every wait runs out at about the same moment)
     or by the host raising the halt word in pinned host memory while they wait ("halt").
     Every launch must finish, own rows must match float64, waiting rows must be NaN and the
-    error word must name the flag. Returns "" or what went wrong. The compiled kernel reads
-    the halt word and the clock per thread (ld.volatile / %globaltimer, s_memrealtime per
-    wave) and its wait loop holds CTA barriers (the flag poll's broadcast): warps that read
-    different values leave the loop at different iterations."""
+    error word must name the flag. ``programs`` caps the grid (None: the device's resident
+    programs, one tile each here; a small cap makes each program walk several tiles, so a
+    wait ends also in a program that already finished tiles, and in one that has more).
+    Returns "" or what went wrong. The compiled kernel's wait loop holds CTA barriers (the
+    poll's reduction); its exit is decided by one thread's reads of the halt word and the
+    clock, handed to every thread by that reduction (tests/test_kernel_uniform.py reads that
+    in the sm_90 PTX): warps deciding apart would leave the loop at different iterations and
+    hang here."""
     import time
 
     from ficco.kernels import configs
@@ -199,7 +203,7 @@ def _divergence_probe(mode: str, launches: int, device: str) -> str:
         done = torch.cuda.Event() if on_gpu else None
         err = gated_gemm(a_dev[:m], a_dev, b_dev, c, segs, flags, local_row0=0, halt=halt,
                          timeout_s=0.05 if mode == "clock" else 30.0, family=family,
-                         device_kind=None if on_gpu else "cpu")
+                         device_kind=None if on_gpu else "cpu", max_programs=programs)
         if on_gpu:
             done.record()
             if mode == "halt":
@@ -227,20 +231,26 @@ def _divergence_probe(mode: str, launches: int, device: str) -> str:
 def test_gated_waits_end_alike_in_every_warp_on_gpu(mode):
     """A suspicion of the symmetric-path review, for a GPU: many programs
     ending their waits at once, by the clock or by the halt word, must all finish with NaN
-    tiles and the flag named, launch after launch. Run in a subprocess: a CTA whose warps
-    left the wait loop at different iterations can hang at a barrier, and a hung kernel
-    would hang this process."""
+    tiles and the flag named, launch after launch, with one tile per program and with
+    several (a grid of 4 programs). Run in a subprocess: a CTA whose warps left the wait loop
+    at different iterations can hang at a barrier, and a hung kernel would hang this process.
+    The subprocess is bounded by FICCO_PROBE_TIMEOUT_S (default 20 s: a lease part runs both
+    modes inside its own bound)."""
+    import os
     import subprocess
     import sys
 
+    bound = float(os.environ.get("FICCO_PROBE_TIMEOUT_S", "20"))
     code = ("import sys, tests.test_review_symm_path as t; "
-            "r = t._divergence_probe(sys.argv[1], 30, 'cuda'); print(r or 'ok'); "
+            "r = t._divergence_probe(sys.argv[1], 10, 'cuda') or "
+            "t._divergence_probe(sys.argv[1], 10, 'cuda', programs=4); print(r or 'ok'); "
             "sys.exit(1 if r else 0)")
     try:
         proc = subprocess.run([sys.executable, "-c", code, mode], check=False,
-                              capture_output=True, text=True, timeout=300)
+                              capture_output=True, text=True, timeout=bound)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"{mode}: the probe hung (a gated GEMM never finished)")
+        pytest.fail(f"{mode}: the probe did not finish within {bound:g} s (a gated GEMM hung, "
+                    f"or its first compile outlasted the bound)")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 

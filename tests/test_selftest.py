@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from ficco import ops, schedules
-from ficco.selftest import FAILED, OK, exit_code
+from ficco.selftest import FAILED, HUNG, OK, WRONG, exit_code
 
 from . import harness
 from . import selftest_cases as cases
@@ -64,7 +64,8 @@ def test_selftest_fails_on_a_planted_broken_schedule():
         assert all(r["transport"] in ("dma", "ccl") for r in bad)
         good = [r for r in report["rows"] if r["status"] == "ok"]
         assert {r["schedule"] for r in good} >= {"serial", "uniform-fused-1d"}
-    assert exit_code(reports) == FAILED
+        assert all(r["wrong"] for r in bad)        # the calls returned wrong numbers
+    assert exit_code(reports) == WRONG
 
 
 def test_a_hung_check_ends_the_run_within_its_bound():
@@ -80,11 +81,11 @@ def test_a_hung_check_ends_the_run_within_its_bound():
 
 
 def test_the_command_writes_its_bundle_and_exit_code(tmp_path):
-    bundle = tmp_path / "selftest.json"
+    bundle, stream = tmp_path / "selftest.json", tmp_path / "selftest.jsonl"
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "ficco", "selftest", "--world", "2", "--smoke",
-                           "--json", str(bundle)], capture_output=True, text=True, timeout=300,
-                          env=env, check=False)
+                           "--json", str(bundle), "--jsonl", str(stream)], capture_output=True,
+                          text=True, timeout=300, env=env, check=False)
     assert done.returncode == OK, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith("ficco ") and lines[-1].startswith("selftest: ")
@@ -92,3 +93,88 @@ def test_the_command_writes_its_bundle_and_exit_code(tmp_path):
     assert data["failed"] == [] and len(data["environment"]["ranks"]) == 2
     assert {c["op"] for c in data["checks"]} == set(ops.names())
     assert all(c["status"] == "ok" and c["error"] <= c["tolerance"] for c in data["checks"])
+    streamed = [json.loads(line) for line in stream.read_text().splitlines()]
+    assert streamed[0]["environment"]["torch"] == data["environment"]["torch"]
+    assert [s["row"] for s in streamed[1:]] == data["checks"]      # one line per check
+
+
+def test_selftest_ends_at_the_first_rank_that_exits_without_a_result(tmp_path):
+    """Rank 1 dies inside its first call: the run ends then (exit 3, naming the rank), not
+    when rank 0's watch over its call fires (3 x timeout + 60 s: 240 s here); the lines
+    streamed before stay. (The bound on the time leaves a loaded machine's start-up of two
+    rank processes room.)"""
+    import time
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os\n"
+        "import ficco\n"
+        "real = ficco.all_gather_matmul\n"
+        "def crash(*args, **kwargs):\n"
+        "    import torch.distributed as dist\n"
+        "    if dist.get_rank() == 1:\n"
+        "        os._exit(9)\n"
+        "    return real(*args, **kwargs)\n"
+        "ficco.all_gather_matmul = crash\n")
+    stream = tmp_path / "selftest.jsonl"
+    env = {**os.environ, "PYTHONPATH": f"{site}:{os.getcwd()}", "OMP_NUM_THREADS": "1"}
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "ficco", "selftest", "--world", "2", "--smoke",
+                           "--ops", "all_gather_matmul", "--dtypes", "float32",
+                           "--timeout", "60", "--jsonl", str(stream)], capture_output=True, text=True,
+                          timeout=300, env=env, check=False)
+    took = time.monotonic() - start
+    assert done.returncode == HUNG, done.stdout + done.stderr
+    assert "rank(s) [1] exited without a result" in done.stdout, done.stdout
+    assert took < 180, took
+    assert "environment" in json.loads(stream.read_text().splitlines()[0])
+
+
+def test_the_timing_row_fails_when_the_pick_is_slower_than_serial():
+    """A default path planted slower than serial (20 ms more per call at 32 x 32 x 32) fails
+    the timing row, which names serial's transport and the ratio."""
+    reports = harness.pool(2).run(cases.slow_pick, timeout_s=300)
+    for report in reports:
+        (row,) = [r for r in report["rows"] if r["check"] == "timing"]
+        assert row["status"] == "FAIL", row
+        assert row["pick_over_serial"] > row["band"] and row["serial_transport"] in (
+            "dma", "ccl"), row
+        assert f"serial over {row['serial_transport']}" in row["detail"], row
+    assert exit_code(reports) == FAILED
+
+
+@pytest.mark.parametrize("device", ["gpu", "cpu"])
+def test_every_case_selftest_builds_passes_the_devices_own_checks(device):
+    """Each fp8 case selftest builds (every scaled op and shape, W = 2..4) as a GPU would meet
+    it: ficco's device-only argument checks (``ficco.plan.epilogue.check_gpu``: K and n
+    multiples of 16, B column-major) and ``torch._scaled_mm``'s own (tests/fake_gpu.py); the tiny ones'
+    local products then against float64. A case a GPU refuses fails the smoke of a lease at
+    its first fp8 call."""
+    import torch
+
+    from ficco.plan import epilogue as scaled
+    from ficco.selftest import cases as built
+    from ficco.selftest.checks import SHAPES
+
+    from .fake_gpu import check_scaled_mm
+
+    checked = 0
+    for shape_name, shape in SHAPES[device].items():
+        for world in ((2,) if shape_name == "medium" else (2, 3, 4)):
+            for op in built.SCALED:
+                case = built.build(op, world - 1, world, shape, "float8", 5, "cpu",
+                                   torch.float8_e4m3fn)
+                (a, b), kw = case.args, case.kwargs
+                sa, sb = kw["a_scale"], kw["b_scale"]
+                ops = scaled.operands(a, [b], rows_of=lambda t: t.reshape(-1, t.shape[-1]),
+                                      a_name="a", a_scale=sa, b_scale=sb,
+                                      out_dtype=kw["out_dtype"])
+                scaled.check_gpu(a, [b], ops, "a")
+                check_scaled_mm(a, b, sa, sb)
+                if shape_name == "tiny":
+                    out = torch._scaled_mm(a, b, sa, sb, out_dtype=torch.float32)
+                    local = (a.double() * sa.double()) @ (b.double() * sb.double())
+                    assert torch.allclose(out.double(), local, rtol=1e-5, atol=1e-4), op
+                checked += 1
+    assert checked == 4 * len(built.SCALED), checked

@@ -3,7 +3,6 @@ default, FICCO_TUNE_CANDIDATES when set), that a gated winner is cached and read
 to end on CPU with a forced list (the gated GEMM measured for real in Triton's interpreter)."""
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
@@ -13,6 +12,7 @@ import ficco
 from ficco import config, kernels, schedules
 from ficco.errors import ConfigError
 from ficco.heuristics import choose, tune
+from ficco.heuristics.cache import entries_in
 from ficco.heuristics.measured import Scripted
 from ficco.plan.problem import Problem
 
@@ -71,7 +71,7 @@ def test_forced_candidates_include_gated_on_cpu_and_the_winner_survives_the_file
 
         again = choose(PROBLEM, target="cpu", selector="tune", live=Scripted(fail))
         assert again.schedule == "gated-1d" and "tuned earlier" in again.reason
-    (key, entry), = json.loads((tmp_path / tune.CACHE_FILE).read_text()).items()
+    (key, entry), = entries_in(tmp_path / tune.CACHE_FILE).items()
     assert key.endswith("candidates=serial,gated-1d,gated-2d") and entry["schedule"] == "gated-1d"
     with config.scope(cache_dir=str(tmp_path)):   # the default list has its own key
         tune.clear_memory()

@@ -117,6 +117,40 @@ def test_every_env_value_is_checked_before_any_communication(monkeypatch):
         monkeypatch.delenv(name)
 
 
+def test_an_unknown_ficco_variable_is_warned_about_once(monkeypatch):
+    from ficco import config
+    from ficco.errors import FiccoWarning
+
+    monkeypatch.setattr(config, "_warned_unknown", set())
+    monkeypatch.setenv("FICCO_SCHEDUEL", "ring")
+    with pytest.warns(FiccoWarning, match=r"FICCO_SCHEDUEL .*did you mean FICCO_SCHEDULE"):
+        ficco.all_gather_matmul(_a(4, 8), _a(8, 3))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ficco.all_gather_matmul(_a(4, 8), _a(8, 3))   # once
+        monkeypatch.setenv("FICCO_TEST_ANYTHING", "1")   # the harness's own: no warning
+        ficco.all_gather_matmul(_a(4, 8), _a(8, 4))
+
+
+@pytest.mark.parametrize("name, raw, read", [
+    ("FICCO_SCHEDULE", "Ring", "ring"), ("FICCO_SELECTOR", "MODEL", "model"),
+    ("FICCO_BACKEND", "CPU", "cpu"), ("FICCO_TRANSPORT", "CCL", "ccl"),
+    ("FICCO_TUNE_CANDIDATES", "Serial,RING", ("serial", "ring")),
+    ("FICCO_LOG", "INFO", "info")])
+def test_every_named_setting_is_read_in_any_case(monkeypatch, name, raw, read):
+    from ficco import config
+
+    monkeypatch.setenv(name, raw)
+    assert config.get(name) == read
+
+
+def test_a_timeout_beyond_what_threading_waits_is_a_config_error(monkeypatch):
+    monkeypatch.setenv("FICCO_TIMEOUT", "1e10")
+    with pytest.raises(ConfigError, match=r"FICCO_TIMEOUT.*TIMEOUT_MAX"):
+        ficco.all_gather_matmul(_a(4, 8), _a(8, 3))
+
+
 def test_log_level_accepts_upper_case(monkeypatch):
     monkeypatch.setenv("FICCO_LOG", "INFO")
     assert ficco.config.log_level() == "info"

@@ -12,7 +12,10 @@ survive one failing schedule.)
 - ``sanitize``: a few small calls, one per kind of copy and barrier (no gated schedule: those
   wait for their own lease), to run under ``compute-sanitizer --tool memcheck``;
 - ``timeline``: one traced call per queue (run it under CUDA_DEVICE_MAX_CONNECTIONS=1 and
-  8 to compare), rows as JSON and a Gantt PNG.
+  8 to compare), rows as JSON and a Gantt PNG;
+- ``speed``: the default call, serial over dma, the default on torch's symmetric memory and
+  torch's own fused ops at the lease's shapes, each checked against float64 on sampled rows
+  and timed (:mod:`.lease_speed`), one line each into ``speed.jsonl`` as it is measured.
 
 Example (from the repository root, on a GPU machine)::
 
@@ -79,20 +82,25 @@ def spawn(part: str, world: int, args) -> list:
 
 def _inputs(op: str, rank: int, world: int, m: int, k: int, n: int, dtype, seed: int):
     """This rank's (a, b) on the GPU and its float64 reference block (on the GPU: a CPU
-    float64 GEMM of this size per rank would take minutes), with the rounding scale."""
+    float64 GEMM of this size per rank would take minutes), with the rounding scale. They are
+    drawn on the device (a host generator drew them on one CPU thread)."""
     from ..backends import get_backend
     from ..plan.problem import even_split
 
-    gen = torch.Generator().manual_seed(seed)
     dev = get_backend().device()
+    gen = torch.Generator(device=dev).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=dev)
+
     if op == "all_gather_matmul":
-        shards = [torch.randn(m, k, generator=gen) for _ in range(world)]
-        b = torch.randn(k, n, generator=gen)
-        full = torch.cat(shards).to(dev, dtype).double()
-        bd = b.to(dev, dtype).double()
-        return shards[rank].to(dev, dtype), b.to(dev, dtype), full @ bd, full.abs() @ bd.abs()
-    a_s = [torch.randn(world * m, k, generator=gen) for _ in range(world)]
-    b_s = [torch.randn(k, n, generator=gen) for _ in range(world)]
+        shards = [randn(m, k) for _ in range(world)]
+        b = randn(k, n)
+        full = torch.cat(shards).to(dtype).double()
+        bd = b.to(dtype).double()
+        return shards[rank].to(dtype), b.to(dtype), full @ bd, full.abs() @ bd.abs()
+    a_s = [randn(world * m, k) for _ in range(world)]
+    b_s = [randn(k, n) for _ in range(world)]
     ref = torch.zeros(world * m, n, dtype=torch.float64, device=dev)
     scale = torch.zeros_like(ref)
     for a, b in zip(a_s, b_s):
@@ -155,7 +163,8 @@ def sanitize(rank, world, args):
 
 def host(rank, world, args):
     """Host seconds of one warm call end to end, fence on and off, every schedule of both
-    ops (the device is synchronised between calls, outside the timed region)."""
+    ops (the device is synchronised between calls, outside the timed region); the inputs
+    are made once per op, and rank 0 appends each row to ``args["stream"]`` as measured."""
     from ..backends import get_backend
 
     m, k, n = args["shape"]
@@ -164,8 +173,8 @@ def host(rank, world, args):
     real_fence = backend.fence
     rows = []
     for op in ("all_gather_matmul", "matmul_reduce_scatter"):
+        a, b, _, _ = _inputs(op, rank, world, m, k, n, dtype, 11)
         for schedule in _schedules(op, args):
-            a, b, _, _ = _inputs(op, rank, world, m, k, n, dtype, 11)
             ops = _ops_of(op, schedule, world, m, k, n, args["dtype"])
             for fence in (True, False):
                 backend.fence = real_fence if fence else (lambda outputs, symm=None: None)
@@ -185,6 +194,9 @@ def host(rank, world, args):
                              "fence": fence, "host_us_median": 1e6 * statistics.median(times),
                              "host_us_p10": 1e6 * sorted(times)[len(times) // 10],
                              "calls": len(times)})
+                if rank == 0 and args.get("stream"):
+                    with open(args["stream"], "a") as fh:
+                        fh.write(json.dumps(rows[-1]) + "\n")
     return rows
 
 
@@ -205,7 +217,14 @@ def timeline(rank, world, args):
     return rows
 
 
-PARTS = {"sanitize": sanitize, "host": host, "timeline": timeline}
+def speed(rank, world, args):
+    """The lease's speed part (:mod:`.lease_speed`)."""
+    from .lease_speed import measure
+
+    return measure(rank, world, args)
+
+
+PARTS = {"sanitize": sanitize, "host": host, "timeline": timeline, "speed": speed}
 
 
 # -- what the parent writes ---------------------------------------------------------------------------
@@ -241,6 +260,9 @@ def main(argv=None) -> int:
     parser.add_argument("--label", default="", help="timeline: file name suffix")
     parser.add_argument("--schedules", default="",
                         help="host: comma-separated schedules (default: every one)")
+    parser.add_argument("--speed-shape", action="append", metavar="M,N,K",
+                        help="speed: a shape, M rows in all (repeat; default the lease's "
+                             "4096^3, 8192^3 and 16384x4096x4096)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default="bench/runs/gpu-session")
     args = parser.parse_args(argv)
@@ -251,6 +273,18 @@ def main(argv=None) -> int:
     spec = {"shape": shape, "dtype": args.dtype, "calls": args.calls,
             "schedule": args.schedule, "seed": args.seed,
             "schedules": tuple(filter(None, args.schedules.split(",")))}
+    if args.part == "host":
+        spec["stream"] = str(out / "host.jsonl")
+        Path(spec["stream"]).write_text("")
+    if args.part == "speed":
+        from . import lease_speed
+
+        lease_speed.prepare_environment()
+        spec["shapes"] = [tuple(int(v) for v in s.split(",")) for s in args.speed_shape] \
+            if args.speed_shape else list(lease_speed.SHAPES)
+        spec["out"] = str(lease_speed.out_file(out))
+        Path(spec["out"]).write_text("")
+        return lease_speed.exit_code(spawn(args.part, world, spec)[0])
     results = spawn(args.part, world, spec)
     if args.part == "sanitize":
         print(json.dumps(results))

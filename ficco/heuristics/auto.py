@@ -14,7 +14,7 @@ runs on. So the first time a problem key is seen on a live group, ``auto``:
 3. **keeps the fastest**, never one measured slower than the best serial: an overlapped
    schedule runs only when it measured more than :data:`MARGIN` faster than it, in the rounds
    and again back to back with it (:func:`ficco.heuristics.measured.head_to_head`);
-4. **caches** the winner in memory and in ``<FICCO_CACHE_DIR>/auto.json`` (:func:`cache_key`:
+4. **caches** the winner in memory and in ``<FICCO_CACHE_DIR>/auto/`` (:func:`cache_key`:
    like ``tune``'s, plus the device SKU, with the rows bucketed so nearby lengths share one
    measurement). A file entry counts only once every rank holds the identical entry.
 
@@ -54,7 +54,7 @@ from .decision import Decision
 from .measured import Candidate, Live, ficco_version
 from .model import BandedChoice
 
-CACHE = measured.Cache("auto.json")
+CACHE = measured.Cache("auto")
 #: one warm-up round, then up to 7 timed rounds within 5 serial-call times or 50 ms; a
 #: candidate slower than twice serial in the warm-up is dropped when the budget binds; a fast
 #: call's finalists get at least 3 timed runs; an overlapped winner meets the best serial again

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import statistics
 import sys
@@ -39,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from ..errors import ConfigError
+from .cache import MAX_ENTRIES, EntryFiles
 from .profiles import cache_root
 
 Candidate = tuple[str, str]          # (schedule name, transport)
@@ -231,19 +230,23 @@ def digest(entry: dict) -> str:
 
 
 class Cache:
-    """Measured winners by key: in memory, and in ``<FICCO_CACHE_DIR>/<file_name>``. Every
-    rank may write the file: entries are identical on every rank (agreed numbers only) and
-    each write is atomic (temporary file + ``os.replace``). An entry in memory is used
-    without asking the other ranks only by a group that agreed on it (its ``agreed`` set, on
-    the group's session): another group's ranks may not all have it."""
+    """Measured winners by key: in memory, and one small file per key under
+    ``<FICCO_CACHE_DIR>/<name>/`` (:class:`~ficco.heuristics.cache.EntryFiles`: bounded, per
+    user, atomic writes, stale entries expired; a cache that cannot be read or written is
+    warned about, never a failed call). Every rank may write: entries are identical on every
+    rank (agreed numbers only). An entry in memory is used without asking the other ranks
+    only by a group that agreed on it (its ``agreed`` set, on the group's session): another
+    group's ranks may not all have it."""
 
-    def __init__(self, file_name: str):
-        self.file_name = file_name
+    def __init__(self, name: str):
+        self.file_name = name
+        self.files = EntryFiles(name, cache_root)
         self._memory: dict[str, dict] = {}
         self._lock = threading.Lock()
 
     def path(self) -> Path:
-        return cache_root() / self.file_name
+        """The directory of this cache's entry files."""
+        return self.files.directory()
 
     def remembered(self, key: str, agreed: set | None = None) -> dict | None:
         """The entry for ``key`` in memory: any (``agreed`` None, what ``explain`` may show),
@@ -256,46 +259,29 @@ class Cache:
     def remember(self, key: str, entry: dict, agreed: set | None = None) -> None:
         """Keep ``entry`` in memory; ``agreed``: the set of the group that agreed on it."""
         with self._lock:
+            if len(self._memory) >= MAX_ENTRIES:     # bounded in memory too
+                self._memory.pop(next(iter(self._memory)))
             self._memory[key] = entry
         if agreed is not None:
             agreed.add((self.file_name, key))
 
     def on_disk(self, key: str) -> dict | None:
-        entry = _read_file(self.path()).get(key)
-        return entry if isinstance(entry, dict) else None
+        return self.files.get(key)
 
     def keep(self, key: str, entry: dict, agreed: set | None, persist: bool = True) -> None:
         """Remember ``entry`` (agreed by the group whose set ``agreed`` is) and, with
-        ``persist``, write it to the file."""
+        ``persist``, write it to its file (a write that fails is warned about)."""
         self.remember(key, entry, agreed)
         if persist:
             self.write(key, entry)
 
-    def write(self, key: str, entry: dict) -> None:
-        path = self.path()
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            data = _read_file(path)
-            data[key] = entry
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-            tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-            os.replace(tmp, path)
-        except OSError as exc:
-            raise ConfigError(f"measured-selector cache {str(path)!r} cannot be written ({exc}); "
-                              f"set FICCO_CACHE_DIR to a writable directory") from None
+    def write(self, key: str, entry: dict) -> bool:
+        return self.files.put(key, entry)
 
     def forget(self) -> None:
-        """Forget what is in memory (tests; the file stays)."""
+        """Forget what is in memory (tests; the files stay)."""
         with self._lock:
             self._memory.clear()
-
-
-def _read_file(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}   # no cache yet, or a torn file from a crashed writer: measure again
-    return data if isinstance(data, dict) else {}
 
 
 def first_sight(cache: Cache, key: str, live: Live | None, valid: Callable[[dict], bool],

@@ -387,12 +387,18 @@ def load(name_or_path: str | os.PathLike) -> Profile:
     if key in _loaded:
         return _loaded[key]
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"profile file {str(path)!r} does not exist; give a built-in name "
                           f"({', '.join(builtin_names())}) or an existing JSON path") from None
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"profile file {str(path)!r} is not valid JSON: {exc}") from None
+    except OSError as exc:   # a directory, no permission
+        raise ConfigError(f"profile file {str(path)!r} cannot be read ({exc.strerror}); give "
+                          f"a readable JSON file or a built-in name") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"profile file {str(path)!r} holds a JSON {type(data).__name__}, "
+                          f"not an object of profile keys")
     profile = Profile.from_dict(data, origin=str(path))
     if key is not None:
         _loaded[key] = profile
@@ -415,7 +421,8 @@ def detect(target: str, device_name: str | None = None) -> str:
 
 def cache_root() -> Path:
     """Where ficco keeps what it learns on this machine: ``FICCO_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/ficco`` (``~/.cache/ficco``): ``tune.json`` and ``profiles/<sku>.json``."""
+    ``$XDG_CACHE_HOME/ficco`` (``~/.cache/ficco``, the user's own): ``auto/``, ``tune/`` and
+    ``profiles/<sku>.json`` (:mod:`ficco.heuristics.cache`)."""
     from .. import config
 
     return Path(config.cache_dir() or os.path.join(
@@ -435,10 +442,20 @@ def in_force(target: str = "cpu") -> tuple[Profile, str]:
     >>> in_force("rocm:gfx942")[0].name   # doctest: +SKIP
     'mi300x'
     """
+    from .cache import trusted, warn_once
+
     part = sku.sku_of(sku.local_props(target))
     path = calibrated_path(part.id)
-    if path.is_file():
-        return load(path), f"calibrated for {part.id} ({path})"
+    if path.exists():
+        why = trusted(path) or trusted(path.parent)
+        if why:          # another user's numbers would price this user's calls
+            warn_once(path, why, "the built-in profile prices instead")
+        else:
+            try:
+                return load(path), f"calibrated for {part.id} ({path})"
+            except ConfigError as exc:   # the cache is optional: the built-in profile prices
+                warn_once(path, f"is not a usable profile ({exc})",
+                          "the built-in profile prices instead")
     return load(part.profile), f"built-in for {part.id} ({part.reason})"
 
 

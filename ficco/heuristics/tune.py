@@ -13,7 +13,7 @@ only), so timing it would only cost a first call minutes. A forced list may name
 (tests do); a forced name that cannot run here (no Triton, transport ccl) raises ConfigError
 before anything is measured. A candidate list other than ``names()`` is part of the cache key.
 
-Winners are cached in memory and in ``<FICCO_CACHE_DIR>/tune.json`` (default
+Winners are cached in memory and in ``<FICCO_CACHE_DIR>/tune/`` (default
 ``~/.cache/ficco``), keyed by op, M, n, K, dtype, W, backend target, topology, transport and
 ficco version; later calls cost a dictionary lookup. A file entry counts only once every rank
 holds the identical entry. Where the group cannot measure (no live group: ``explain``; a rank
@@ -40,7 +40,7 @@ from ..plan.problem import Problem
 from . import measured
 from .measured import Live, ficco_version
 
-CACHE_FILE = "tune.json"
+CACHE_FILE = "tune"
 CACHE = measured.Cache(CACHE_FILE)
 #: two warm-up rounds, five timed ones, every candidate, no budget
 ROUNDS = measured.Rounds(warmup=2, most=5)

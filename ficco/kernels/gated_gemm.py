@@ -70,6 +70,16 @@ from .words import load_word, store_word
 
 #: the word value a gated GEMM that gave up writes into the group's error word
 GAVE_UP = tl.constexpr(KERNEL)
+#: elements of the vectors a compiled program's polls are made of (the kernel's ``POLL``): at
+#: least the threads of any config (8 warps of 64 on AMD), so no element is held by two
+#: threads and the reduction that decides a poll spans every warp. The interpreter runs a
+#: program as one thread: there ``POLL`` is 1 (a 1024-element poll made its launches 2.3x
+#: slower)
+POLL = 1024
+#: the combine function of those reductions: tl.max is a jit helper, which a kernel built
+#: with InterpretedFunction cannot call; tl.reduce with Triton's own max combine runs in
+#: both (the interpreter reduces it with numpy)
+BIGGER = tl.standard._elementwise_max
 
 
 @dataclass(frozen=True)
@@ -102,7 +112,7 @@ def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, h
                  stride_al, stride_ag, stride_bk, stride_bn, stride_cm,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  IEEE: tl.constexpr, UPCAST: tl.constexpr, CLOCK: tl.constexpr,
-                 AMD: tl.constexpr, TRACE: tl.constexpr = 0):
+                 AMD: tl.constexpr, TRACE: tl.constexpr = 0, POLL: tl.constexpr = 1024):
     # Persistent: the grid is at most the device's SMs/CUs minus a reserve (launch.py), and
     # each program walks tiles pid, pid + grid, ... of the arrival-ordered tile list, so
     # tiles waiting for data never hold every compute unit.
@@ -145,28 +155,42 @@ def _kernel_body(a_local, a_gathered, b, c, seg_table, part_table, flags, err, h
         else:
             a_rows = a_gathered + (row0 + offs_m).to(tl.int64) * stride_ag
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)   # tl.zeros is a jit helper too
+        # Every decision below that a branch around the CTA's barriers takes (the K loop's
+        # dots synchronise the CTA, and so do the broadcasts inside the wait loop) is made
+        # once per program, uniform over its threads: one thread (the holder of element 0
+        # of the poll vectors) reads the halt word, the flag and the clock, and a block-wide
+        # reduction hands its outcome to every thread. Per-thread reads (each thread's own
+        # load of the word, its own %globaltimer) let warps leave the loop at different
+        # iterations and meet different barrier instances (a hang, or tiles read
+        # half-written); one reader is also one host-memory read per poll, not one per warp.
+        lane0 = tl.arange(0, POLL) == 0
+        at0 = tl.arange(0, POLL) * 0
         # Once the group failed (halt raised) no tile is computed: it is written as NaN.
-        ok = tl.where(load_word(halt, AMD) == 0, 1, 0)
+        # The halt word is the group's error word (host memory a host thread raises when
+        # the group failed): read from memory at every poll (words.py).
+        raised = load_word(halt + at0, AMD, lane0) != 0
+        ok = 1 - tl.reduce(tl.where(lane0 & raised, 1, 0), 0, BIGGER)
         for p in range(part0, part0 + parts):
             k0 = tl.load(part_table + p * 3)
             kc = tl.load(part_table + p * 3 + 1)
             flag = tl.load(part_table + p * 3 + 2)
             if (flag >= 0) & (ok != 0):
-                # Acquire: the rows the copy engine wrote before raising the flag are visible.
-                seen_flag = tl.atomic_add(flags + flag, 0, sem="acquire")
-                # The halt word is the group's error word (host memory a host thread raises
-                # when the group failed): read from memory at every poll (words.py).
-                stop = load_word(halt, AMD)
                 began = read_clock(CLOCK, trace)
-                waited = began - began
-                while (seen_flag == 0) & (stop == 0) & (waited < wait_ticks):
-                    seen_flag = tl.atomic_add(flags + flag, 0, sem="acquire")
-                    stop = load_word(halt, AMD)   # the group failed: stop waiting
-                    waited = read_clock(CLOCK, trace) - began
-                if seen_flag == 0:
+                # state: 1 the flag arrived, 2 the group failed (halt), 4 the wait ran out
+                state = 0
+                while state == 0:
+                    # Acquire: the rows the copy engine wrote before raising the flag are
+                    # visible (to the other threads through the reduction's CTA barrier).
+                    got = tl.atomic_add(flags + flag + at0, 0, mask=lane0, sem="acquire")
+                    stop = load_word(halt + at0, AMD, lane0)
+                    late = read_clock(CLOCK, trace) - began >= wait_ticks
+                    outcome = tl.where(got != 0, 1, 0) | tl.where(stop != 0, 2, 0) | \
+                        tl.where(late, 4, 0)
+                    state = tl.reduce(tl.where(lane0, outcome, 0), 0, BIGGER)
+                if (state & 1) == 0:
                     tl.atomic_cas(err, 0, flag + 1)
                     ok = 0
-                    if stop == 0:
+                    if (state & 2) == 0:
                         # This wait ran out: raise the group's word, so the other tiles stop,
                         # the fence poisons the call and its next call raises.
                         store_word(halt, GAVE_UP)
@@ -288,7 +312,7 @@ def gated_gemm(a_local: torch.Tensor, a_gathered: torch.Tensor, b: torch.Tensor,
     ieee = c.dtype == torch.float32 or a_gathered.dtype == torch.float32
     if fixed is not None:
         kernel[grid(fixed)](*args, **fixed, IEEE=ieee, UPCAST=True, CLOCK=clock, AMD=amd,
-                            TRACE=trace_mode)
+                            TRACE=trace_mode, POLL=1)
         return err
     key = (family, n, k_total, a_gathered.shape[0], len(segments), c.dtype, c.device)
     if key not in _tuned:
@@ -365,7 +389,7 @@ def compile_offline(target: str, dtype: str = "bf16", block=(128, 128, 64), num_
                 "err": "*i32", "halt": "*i32", "trace": "*i64"}
     constexprs = {"BLOCK_M": block[0], "BLOCK_N": block[1], "BLOCK_K": block[2],
                   "IEEE": dtype == "fp32", "UPCAST": False, "CLOCK": clock_mode(target),
-                  "AMD": kind != "cuda", "TRACE": trace_mode}
+                  "AMD": kind != "cuda", "TRACE": trace_mode, "POLL": POLL}
     pointers["wait_ticks"] = "i64"
     signature = {name: pointers.get(name, "constexpr" if name in constexprs else "i32")
                  for name in jitted.arg_names}

@@ -22,12 +22,15 @@ from __future__ import annotations
 import triton.language as tl  # optional extra: imported only with the kernels
 
 
-def load_word(pointer, amd, _semantic=None):
+def load_word(pointer, amd, mask=None, _semantic=None):
     """The int32 at ``pointer``, read from memory now (``amd``: a constexpr, the target is
-    AMD)."""
+    AMD). ``pointer`` may be a vector of one address with a ``mask`` naming the elements
+    that read it (the others are 0): the gated GEMM's one reader per program."""
+    other = None if mask is None else 0
     if tl.core._unwrap_if_constexpr(amd):
-        return tl.load(pointer, cache_modifier=".cv", _semantic=_semantic)
-    return tl.load(pointer, volatile=True, _semantic=_semantic)
+        return tl.load(pointer, mask=mask, other=other, cache_modifier=".cv",
+                       _semantic=_semantic)
+    return tl.load(pointer, mask=mask, other=other, volatile=True, _semantic=_semantic)
 
 
 def store_word(pointer, value, _semantic=None):

@@ -133,8 +133,18 @@ def _reduce_scatter(t: Tensor, group: str, world: int, dim: int) -> Tensor:
         t.contiguous(), "sum", world, group))
 
 
-def refuse_fp8_gradients(a, bs, a_scale, activation=None) -> None:
-    """The epilogues without a gradient (module docstring), refused with the fix."""
+def refuse_fp8_gradients(a, bs, a_scale, activation=None, b_scale=None) -> None:
+    """The epilogues without a gradient (module docstring), refused with the fix: fp8
+    operands or fp8 scales (``a_scale``, ``b_scale``: a tensor or a list) that require grad,
+    an activation inside the op."""
+    scales = [a_scale, *(b_scale if isinstance(b_scale, (list, tuple)) else [b_scale])]
+    wanting = [name for name, t in zip(["a_scale"] + ["b_scale"] * (len(scales) - 1), scales)
+               if isinstance(t, torch.Tensor) and t.requires_grad]
+    if wanting:
+        raise InvalidArgumentError(
+            f"{' and '.join(sorted(set(wanting)))} require grad, but ficco gives fp8 scales no "
+            f"gradient (it would be None, silently); detach them (ficco.float8 computes its "
+            f"dynamic scales without one), or keep the operands unquantized")
     if a_scale is not None and (a.requires_grad or any(b.requires_grad for b in bs)):
         raise InvalidArgumentError(
             "fp8 operands that require grad: autograd would give them an unscaled fp8 "
@@ -167,7 +177,7 @@ def _ag_setup_context(ctx, inputs, output):
     a, bs, group, gather_dim, _schedule, return_gathered, *epilogue = inputs
     a_scale, b_scales, biases, _out_dtype, activation, _role, world = (epilogue + [None] * 7)[:7]
     if a_scale is not None or activation:   # (the common call skips the check's frame)
-        refuse_fp8_gradients(a, bs, a_scale, activation)
+        refuse_fp8_gradients(a, bs, a_scale, activation, b_scales)
     gathered, _outs = output
     ctx.set_materialize_grads(False)   # an unused output (the gathered a) gets no zero gradient
     ctx.group, ctx.dim = group, gather_dim % a.dim()
@@ -220,7 +230,7 @@ def _rs_setup_context(ctx, inputs, output):
     a, bs, group, scatter_dim, reduce_op, _schedule, *epilogue = inputs
     a_scale, b_scales, biases, _out_dtype, _role, world = (epilogue + [None] * 6)[:6]
     if a_scale is not None:   # (the common call skips the check's frame)
-        refuse_fp8_gradients(a, bs, a_scale)
+        refuse_fp8_gradients(a, bs, a_scale, b_scale=b_scales)
     ctx.set_materialize_grads(False)
     ctx.group, ctx.dim, ctx.reduce_op = group, scatter_dim % a.dim(), reduce_op
     ctx.a_needs = a.requires_grad
@@ -266,7 +276,7 @@ def _ar_setup_context(ctx, inputs, output):
     a, bs, group, reduce_op, _schedule, *epilogue = inputs
     a_scale, b_scales, biases, _out_dtype, _role, world = (epilogue + [None] * 6)[:6]
     if a_scale is not None:
-        refuse_fp8_gradients(a, bs, a_scale)
+        refuse_fp8_gradients(a, bs, a_scale, b_scale=b_scales)
     ctx.set_materialize_grads(False)
     ctx.reduce_op = reduce_op
     ctx.world = world if world is not None else _world(group)

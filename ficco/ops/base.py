@@ -62,6 +62,16 @@ class OpSpec(ABC, Generic[C]):
                 "dtype": p.dtype, "world": p.world, "unit": p.unit, "reduce_op": p.reduce_op,
                 "backend": call.target, **({"epilogue": epilogue} if any(epilogue) else {})}
 
+    #: what :meth:`values_word` digests, for messages ("" when the op digests nothing)
+    values_what: ClassVar[str] = ""
+
+    def values_word(self, call: C) -> int:
+        """A 63-bit digest of values every rank must pass alike that no signature holds (the
+        all-reduce's bias: every rank adds its own, so different values would leave the ranks
+        with different outputs), mixed into the call's per-call check and barrier flag, so
+        ranks whose values differ raise MismatchError before any output; 0: none."""
+        return 0
+
     def agreed_problem(self, call: C, per_rank: tuple):
         """The Problem every rank decides on (selector, simulator, tune cache): this call's,
         with each per-rank width replaced by the widest rank's (``per_rank``: every rank's
@@ -117,5 +127,5 @@ def warm_call(seen: Any, group, a, b, epilogue: tuple, dim: int, rows_of) -> Any
     if epilogue:
         a_scale, b_scale, _, bias, _ = epilogue
         ops = rebound(ops, bs, rows_of=rows_of(dim), a_scale=a_scale, b_scale=b_scale, bias=bias,
-                      b_is_list=seen.b_is_list)
+                      b_is_list=seen.b_is_list, rows=p.m)
     return seen.clone(group=group, bs=bs, ops=ops, a=a.movedim(dim, 0).reshape(p.m, p.k))

@@ -381,20 +381,21 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
     # len(tensors) == len(bs): no epilogue tensor to look at (not `tensors is bs`: torch
     # 2.11's dynamo cannot trace `is` between two lists under fullgraph)
     if (dim is None or not (schedule is None or isinstance(schedule, str)) or extra is None
-            or not (activation is None or isinstance(activation, str))
+            or not (activation is None or isinstance(activation, str)) or activation == ""
             or eager_suffices(a_shard, tensors, plain and len(tensors) == len(bs))):
         # No autograd, autocast, tracing or tensor subclass involved: the dispatcher would
         # add ~100 us of Python per call and change nothing.
         return _run_all_gather_matmul(a_shard, b, group, gather_dim, schedule, return_gathered,
                                       a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype,
                                       bias=bias,
-                                      **({"activation": activation} if activation else {}))
+                                      **({} if activation is None else
+                                         {"activation": activation}))
     name, _, world = name_rank_world(group)
     wants_grad = any([x.requires_grad for x in bs])  # noqa: C419 - see ficco.ops.front._PLAIN
     grads = torch.is_grad_enabled() and (wants_grad or a_shard.requires_grad or (
         len(tensors) > len(bs) and any([x.requires_grad for x in tensors])))  # noqa: C419
     if grads and a_scale is not None:   # before any communication
-        autograd.refuse_fp8_gradients(a_shard, bs, a_scale)
+        autograd.refuse_fp8_gradients(a_shard, bs, a_scale, b_scale=b_scale)
     keep = return_gathered or (grads and wants_grad and _backward_gather() == "save")
     # The activation runs inside the op only without a gradient to carry: its backward needs
     # the pre-activation values, which the op does not keep (torch's keeps them, as unfused).
@@ -423,7 +424,7 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
                                           a_scale=a_scale, b_scale=b_scale,
                                           out_dtype=out_dtype, bias=bias)
     if a_scale is not None and torch.is_grad_enabled():   # before any communication
-        autograd.refuse_fp8_gradients(a, bs, a_scale)
+        autograd.refuse_fp8_gradients(a, bs, a_scale, b_scale=b_scale)
     name, rank, world = name_rank_world(group)
     # (a dim out of range: no out_rows, and the op's validation names the problem)
     out_rows = scattered_rows(a.shape[dim], rank, world) if -a.dim() <= dim < a.dim() else None

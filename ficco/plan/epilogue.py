@@ -64,6 +64,8 @@ class Operands:
     b_scales: tuple = ()
     biases: tuple = ()
     activation: str = ""
+    #: the caller's scales were tensor-wise, held row-wise (:meth:`tensor_as_rows`)
+    tensor_wise: bool = False
 
     @property
     def bias(self) -> bool:
@@ -74,6 +76,26 @@ class Operands:
         call's in)."""
         return dataclasses.replace(self, a_scale=None, b_scales=(),
                                    biases=(None,) * len(self.biases))
+
+    def tensor_as_rows(self, rows: int, ns) -> Operands:
+        """This tensor-wise epilogue held row-wise: A's one scale repeated for each of its
+        ``rows`` canonical rows, each b's for each of its ``ns[j]`` columns. The all-gather's
+        shards
+        then carry their own rank's scale as they travel (each rank may quantize its shard
+        with its own dynamic scale); the products are the same numbers, the scale applied
+        per row instead of once.
+
+        >>> ops = Operands(torch.bfloat16, "tensor", torch.tensor(2.0), (torch.tensor(3.0),))
+        >>> held = ops.tensor_as_rows(4, (5,))
+        >>> held.scaling, tuple(held.a_scale.shape), tuple(held.b_scales[0].shape)
+        ('row', (4, 1), (1, 5))
+        """
+        if self.scaling != "tensor" or self.a_scale is None:
+            return self
+        return dataclasses.replace(self, scaling="row", tensor_wise=True,
+                                   a_scale=_repeated(self.a_scale, rows, 1),
+                                   b_scales=tuple([_repeated(sb, 1, n)
+                                                   for sb, n in zip(self.b_scales, ns)]))
 
     def one_column(self, ns) -> Operands:
         """This epilogue for a call whose b_j with no columns (``ns[j] == 0``) runs as one zero
@@ -112,7 +134,7 @@ def operands(a: torch.Tensor, bs: list, *, rows_of, a_name: str, a_scale=None, b
     canonical form. ``rows_of(t)`` turns a tensor shaped like A's rows (``a.shape[:-1]``
     leading) into the canonical ``(rows, x)`` matrix, as the op spec does with A."""
     if (a_scale is None and b_scale is None and out_dtype is None and bias is None
-            and not activation and a.dtype not in FP8_DTYPES
+            and activation is None and a.dtype not in FP8_DTYPES
             and not any([b.dtype in FP8_DTYPES for b in bs])):  # noqa: C419 - one call
         return Operands(a.dtype, biases=(None,) * len(bs))   # the common call: no epilogue
     fp8 = is_fp8(a.dtype)
@@ -135,13 +157,14 @@ def operands(a: torch.Tensor, bs: list, *, rows_of, a_name: str, a_scale=None, b
         scaling, sa, sbs = _scales(a, bs, a_scale, b_scale, rows_of, a_name, b_is_list)
     biases = _biases(a, bs, bias, b_is_list, BIAS_DTYPES + (() if fp8 else (torch.float64,)))
     act = activation or ""
-    if act not in ACTIVATIONS or (act and not allow_activation):
+    if activation is not None and (activation == "" or activation not in ACTIVATIONS
+                                   or not allow_activation):
         where = "" if allow_activation else " (all_gather_matmul only: the reduce-scatter's " \
                                             "output is a sum, nothing to fuse it into)"
         raise InvalidArgumentError(f"activation={activation!r} is not supported{where}; use "
                                    f"one of {', '.join(ACTIVATIONS[1:])} or None")
     ops = Operands(out, scaling, sa, sbs, biases, act)
-    if a.device.type != "cpu" and fp8:
+    if fp8 and device_side(a):
         check_gpu(a, bs, ops, a_name)
     return ops
 
@@ -230,15 +253,25 @@ def _canonical_b_scales(scaling: str, bs, scales) -> tuple:
     return tuple([sb.reshape(()) for sb in scales])
 
 
+def _repeated(scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """One scale as a ``(rows, cols)`` float32 tensor of it (its own memory: it travels)."""
+    return scale.reshape(1, 1).expand(rows, cols).contiguous()
+
+
 def rebound(ops: Operands, bs: list, *, rows_of, a_scale=None, b_scale=None, bias=None,
-            b_is_list: bool = False, **_) -> Operands:
+            b_is_list: bool = False, rows: int = 0, **_) -> Operands:
     """``ops``, made by :func:`operands` for a call whose epilogue arguments had the types,
-    shapes, dtypes and devices of these (a warm call: ``ficco.runtime.call.key_of``), now holding
-    this call's tensors in the same canonical form; nothing is checked again."""
+    shapes, dtypes and devices of these (a warm call: ``ficco.runtime.call.key_of``), now
+    holding this call's tensors in the same canonical form (``rows``: the canonical A's, for
+    scales held as rows: :meth:`Operands.tensor_as_rows`); nothing is checked again."""
     count = len(bs)
     scales = _as_list(b_scale, count, b_is_list, "b_scale") if ops.scaling else ()
     biases = tuple([None if v is None else v.view(1, bj.shape[1])
                     for bj, v in zip(bs, _as_list(bias, count, b_is_list, "bias"))])
+    if ops.tensor_wise:
+        return Operands(ops.out_dtype, "tensor", a_scale.reshape(()),
+                        tuple([sb.reshape(()) for sb in scales]), biases, ops.activation
+                        ).tensor_as_rows(rows, [bj.shape[1] for bj in bs])
     return Operands(ops.out_dtype, ops.scaling, _canonical_a_scale(ops.scaling, a_scale, rows_of),
                     _canonical_b_scales(ops.scaling, bs, scales), biases, ops.activation)
 
@@ -268,6 +301,13 @@ def _biases(a, bs, bias, b_is_list, dtypes) -> tuple:
 def _shape(t) -> str:
     return "None" if t is None else (str(tuple(t.shape)) if isinstance(t, torch.Tensor)
                                      else type(t).__name__)
+
+
+def device_side(t: torch.Tensor) -> bool:
+    """Whether ``t`` meets a GPU's own argument checks and code paths (a device tensor). The
+    fake GPU of the tests (tests/fake_gpu.py), whose tensors live on the host, answers True
+    for every tensor, so a CPU rehearsal reaches what only a device would refuse."""
+    return t.device.type != "cpu"
 
 
 def check_gpu(a: torch.Tensor, bs: list, ops: Operands, a_name: str) -> None:
@@ -393,7 +433,7 @@ def _scaled(a, b, sa, sb, bias, out, accumulate):
     row = sa.numel() > 1 or sb.numel() > 1
     if row:
         sa, sb = sa.reshape(-1, 1), sb.reshape(1, -1)
-    cpu = out.device.type == "cpu"
+    cpu = not device_side(out)
     if not accumulate and (cpu or not row or out.dtype == torch.bfloat16) and \
             not (cpu and row and not cpu_rowwise_scaled_mm()):
         sa, bias = _aligned(sa), _bias_for(bias, out)
@@ -417,7 +457,7 @@ def scaled_product(a, b, sa, sb, *, portable: bool = False) -> torch.Tensor:
     """``(a * sa) @ (b * sb)`` in float32. ``portable``: row-wise scales multiply a unit-scaled
     float32 product (GPUs whose row-wise ``torch._scaled_mm`` writes bfloat16 only)."""
     row = sa.numel() > 1 or sb.numel() > 1
-    portable = portable or (row and a.device.type == "cpu" and not cpu_rowwise_scaled_mm())
+    portable = portable or (row and not device_side(a) and not cpu_rowwise_scaled_mm())
     if not (row and portable):
         return torch._scaled_mm(a, b, _aligned(sa), sb, out_dtype=torch.float32)
     one = torch.ones((), dtype=torch.float32, device=a.device)
@@ -441,14 +481,14 @@ def cpu_rowwise_scaled_mm() -> bool:
 def _aligned(scale):
     # cuBLAS's row-wise kernels want 16-byte aligned scales; a slice of the gathered ones
     # may start anywhere.
-    if scale.device.type != "cpu" and scale.numel() > 1 and scale.data_ptr() % 16:
+    if scale.numel() > 1 and scale.data_ptr() % 16 and device_side(scale):
         return scale.clone()
     return scale
 
 
 def _bias_for(bias, out):
     # GPU kernels add a bias of the output's own 16-bit type; the CPU any float type.
-    if bias is None or out.device.type == "cpu" or out.dtype not in (torch.bfloat16,
+    if bias is None or not device_side(out) or out.dtype not in (torch.bfloat16,
                                                                      torch.float16):
         return bias
     return bias.to(out.dtype)

@@ -190,6 +190,15 @@ class Problem(DtypeFields):
         """True for ``matmul_all_reduce``: every rank receives all ``M`` rows of the sum."""
         return self.op == MATMUL_ALL_REDUCE
 
+    @property
+    def partial_itemsize(self) -> int:
+        """Bytes of one partial product as it travels: the output's dtype, float32 for an fp8
+        output, and float32 for the all-reduce's fp8 operands (docs/all_reduce.md: their
+        partials are summed in float32 and rounded once, on every path)."""
+        if self.all_reduces and self.scaling:
+            return max(self.out_itemsize, 4)
+        return self.out_itemsize if self.out_itemsize >= 2 else 4
+
     @cached_property
     def big_m(self) -> int:
         """Rows M of the local GEMM: the gathered matrix (W * m) or all of ``a`` (m)."""

@@ -20,7 +20,7 @@ import torch
 
 from .. import config
 from ..backends import get_backend
-from ..errors import InvalidArgumentError
+from ..errors import ConfigError, InvalidArgumentError
 from ..group import key as group_key
 from ..plan.problem import dtype_name
 from . import session as sessions
@@ -117,12 +117,12 @@ def key_of(op: str, a, b, group, backend, args: tuple, epilogue: tuple = ()) -> 
     operand is not a tensor (the full checks say what is wrong)."""
     try:
         if isinstance(b, (list, tuple)):
-            weights = (True, *[(type(x), x.shape, x.dtype, x.device) for x in b])
+            weights = (True, *[(type(x), x.shape, x.dtype, x.device, x.layout) for x in b])
         else:
-            weights = (type(b), b.shape, b.dtype, b.device)
+            weights = (type(b), b.shape, b.dtype, b.device, b.layout)
         extra = _epilogue_key(b, *epilogue) if epilogue else ()
-        return (op, type(a), a.shape, a.dtype, a.device, weights, id(group), id(backend), *args,
-                *extra)
+        return (op, type(a), a.shape, a.dtype, a.device, a.layout, weights, id(group),
+                id(backend), *args, *extra)
     except (AttributeError, TypeError):   # not tensors, or shapes that do not hash (symbolic)
         return None
 
@@ -202,6 +202,7 @@ def check_tensor(t, name: str, *, min_dim: int = 2, fp8: bool = False) -> None:
     ``fp8``: the ops that take scales)."""
     if not isinstance(t, torch.Tensor):
         raise InvalidArgumentError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    check_strided(t, name)
     if t.dim() < min_dim:
         raise InvalidArgumentError(
             f"{name} must have at least {min_dim} dims; got shape {tuple(t.shape)}")
@@ -211,6 +212,14 @@ def check_tensor(t, name: str, *, min_dim: int = 2, fp8: bool = False) -> None:
             " here (fp8 operands go to the scaled ops, with a_scale and b_scale)"
         raise InvalidArgumentError(f"{name} dtype {t.dtype} is not supported{extra}; use one "
                                    f"of {[dtype_name(d) for d in allowed]}")
+
+
+def check_strided(t: torch.Tensor, name: str) -> None:
+    """``t`` is a dense (strided) tensor: rows of a sparse one have no place in memory to copy
+    from or to."""
+    if t.layout != torch.strided:
+        raise InvalidArgumentError(f"{name} is a {t.layout} tensor; ficco's ops take dense "
+                                   f"tensors: pass {name}.to_dense()")
 
 
 def check_like(t, ref: torch.Tensor, name: str, ref_name: str, *, dtype: bool = True) -> None:
@@ -243,6 +252,7 @@ def check_weights(b, a: torch.Tensor, a_name: str, *, k: int | None = None,
             raise InvalidArgumentError(
                 f"{name} must be a 2-D (K, n) tensor{role}; got "
                 f"{tuple(bj.shape) if isinstance(bj, torch.Tensor) else type(bj).__name__}")
+        check_strided(bj, name)
         if bj.shape[0] != k:
             raise InvalidArgumentError(
                 f"{name} has {bj.shape[0]} rows but {k_from} ({a_name} {tuple(a.shape)}, "
@@ -292,6 +302,23 @@ def backend_for(t: torch.Tensor, name: str, backend=None):
     return backend
 
 
+def check_environment(knobs: dict) -> None:
+    """What a setting's value must be beyond its own parse, checked with the call's settings
+    (before any communication): FICCO_TUNE_CANDIDATES names schedules, FICCO_CACHE_DIR is no
+    file. (The cache's own faults, unwritable or corrupt, only warn: ficco.heuristics.cache.)"""
+    from .. import schedules
+
+    unknown = [n for n in knobs["FICCO_TUNE_CANDIDATES"] or () if not schedules.ops_with(n)]
+    if unknown:
+        known = sorted({n for op in schedules.ops() for n in schedules.names(op=op)})
+        raise ConfigError(f"FICCO_TUNE_CANDIDATES names no schedule: {', '.join(unknown)}; "
+                          f"known: {', '.join(known)}")
+    cache = knobs["FICCO_CACHE_DIR"]
+    if cache and os.path.exists(cache) and not os.path.isdir(cache):
+        raise ConfigError(f"FICCO_CACHE_DIR={cache!r} is a file, not a directory; name a "
+                          f"directory (made if missing) or unset it")
+
+
 def settings(schedule: str | None = None, transport: str | None = None,
              selector: str | None = None) -> dict:
     """Every setting that changes what a rank does, read and validated now (before any
@@ -300,6 +327,8 @@ def settings(schedule: str | None = None, transport: str | None = None,
     cache directory) are validated here but not agreed; the backend is agreed through the
     op's signature (its target)."""
     knobs = {env: knob.read() for env, knob in config.KNOBS.items()}   # every value checked
+    config.warn_unknown()
+    check_environment(knobs)
     low, high = config.paper_thresholds()
     return {
         "disable": knobs["FICCO_DISABLE"],

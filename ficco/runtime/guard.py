@@ -66,14 +66,17 @@ def failed(call: Call, exc: BaseException, stage: Stage) -> BaseException:
         # run, a schedule that cannot run this call): nothing of it is in flight, and it
         # took its number, so peers that went on cannot pair with this rank's next call.
         return exc
-    summary = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    summary = f"{type(exc).__name__}: {cut(first, SUMMARY_CHARS, 'in the error that call raised')}"
     session.poison(summary, stage.pending)
+    summary = f"{type(exc).__name__}: {cut(first, SUMMARY_CHARS, 'in its __cause__ below')}"
     transport, schedule, step = stage.transport, stage.schedule, stage.step
     asked = known_context(exc)
-    if isinstance(exc, CommTimeoutError) and (asked.asked or (
+    if isinstance(exc, CommTimeoutError) and (asked.asked or transport == "dma" or (
             transport == "ccl" and "rank(s)" not in str(exc))):
         # An exchange through the store names the ranks that did not come (None: the store
-        # itself is gone); a collective that timed out knows no peer: find out which are gone.
+        # itself is gone); a collective that timed out knows no peer, and a dma barrier only
+        # which peers' flags did not come: find out which are gone.
         heard = asked.missing if asked.asked else ...
         peers, who = _gone(call, heard)
         doing = _doing(call, transport or ("ccl" if heard is ... else None), schedule, exc, step)
@@ -98,6 +101,22 @@ def failed(call: Call, exc: BaseException, stage: Stage) -> BaseException:
         f"rank {call.rank}: {_doing(call, transport, schedule, exc, step)} failed "
         f"({summary}); {who}. The group is out of step: see the error-handling section of "
         f"the README")
+
+
+#: characters of a nested error's first line kept in a message that names it
+SUMMARY_CHARS = 200
+
+
+def cut(text: str, limit: int, rest: str) -> str:
+    """``text``, or its first words within ``limit`` characters and where the rest is.
+
+    >>> cut("a barrier waited 5.0s for rank(s) [1]", 24, "in its cause")
+    'a barrier waited 5.0s … (cut; the whole text is in its cause)'
+    """
+    if len(text) <= limit:
+        return text
+    head = text[:limit + 1].rsplit(" ", 1)[0] if " " in text[:limit + 1] else text[:limit]
+    return f"{head.rstrip(' ,;:')} … (cut; the whole text is {rest})"
 
 
 def _doing(call: Call, transport, schedule, exc: BaseException, step) -> str:

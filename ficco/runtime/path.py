@@ -186,6 +186,8 @@ def _run(call: Call, schedule, transport, selector, profiled: bool):
     try:
         try:
             exchanged = prepared is None or prepared.digest not in channel.agreed
+            # values every rank must pass alike beyond the signature (the all-reduce's bias)
+            values = call.op.values_word(call)
             if exchanged or prepared is None:
                 prepared, call, word, exchanged = _prepare(call, s, number, stage)
                 # (a decision made without measuring where the selector measures, a rank that
@@ -197,22 +199,25 @@ def _run(call: Call, schedule, transport, selector, profiled: bool):
                     known.prepared[run_key] = prepared
             else:       # (agreement.mixed, written out: the warm path)
                 word = (prepared.digest ^ (number * agreement.MIX)) & agreement.MASK
+            word ^= values
             decision = prepared.decision
             if decision is None:      # FICCO_DISABLE, or nothing to overlap
                 stage.transport, stage.schedule = "ccl", "plain"
                 stage.step = "the call check before the plain path"
-                if not exchanged:     # the plain path is a collective too: check the call
+                if not exchanged or values:   # the plain path is a collective too: check it
                     agreement.check(channel, call.group, call.rank, call.world,
-                                    prepared.digest, number, call.op.name)
+                                    prepared.digest ^ values, number, call.op.name)
                 stage.step, stage.pending = "the plain path's collective", True
                 return call.op.plain(call)
             buffers = _execute(session, call, prepared, word, number, exchanged, stage,
-                               profiled)
+                               profiled, values)
             session.last = decision
             return call.op.result(call, buffers, decision.transport)
         except BaseException as exc:
             digest = None if prepared is None else prepared.digest
             named = guard.failed(call, _described(call, exc, number, digest), stage)
+            if values and isinstance(named, MismatchError):
+                named = _values_differ(call, named, values)
             if named is exc:
                 raise
             raise named from exc
@@ -258,8 +263,22 @@ def _prepare(call: Call, s: dict, number: int, stage: guard.Stage):
     return prepared, call, word, exchanged
 
 
+def _values_differ(call: Call, exc: MismatchError, values: int) -> MismatchError:
+    """``exc`` of a call whose values every rank must pass alike (:meth:`OpSpec.values_word`),
+    saying so: where the shapes and settings agree, those values are what differs."""
+    what = call.op.values_what
+    named = MismatchError(
+        f"{exc}. The ranks' {call.op.name} calls must also pass the same {what} values (each "
+        f"rank applies its own {what}, so different ones would leave the ranks with different "
+        f"outputs): where shapes and settings agree, the {what} differs across ranks (its "
+        f"digest on rank {call.rank}: {values:016x}); make it identical on every rank, e.g. "
+        f"broadcast it from rank 0")
+    named.__dict__.update(exc.__dict__)    # (its error context)
+    return named
+
+
 def _execute(session: Session, call: Call, prepared: Prepared, word: int, number: int,
-             exchanged: bool, stage: guard.Stage, profiled: bool):
+             exchanged: bool, stage: guard.Stage, profiled: bool, values: int = 0):
     """Run ``call``'s prepared plan: the dma workspace (grown if needed, its barriers' call
     flag made from the call's ``word``: digest and number), the op's buffers, then (ccl, a
     call not just agreed by an exchange) the call check, then the plan. The buffers come
@@ -289,12 +308,12 @@ def _execute(session: Session, call: Call, prepared: Prepared, word: int, number
     if prepared.settings["poison"]:
         _poison(call.op, backend, buffers)
     stage.local = False
-    if transport == "ccl" and not exchanged:
+    if transport == "ccl" and (not exchanged or values):
         stage.step = "the call check before the plan"
         channel = session.channel
         assert channel is not None
-        agreement.check(channel, call.group, call.rank, call.world, prepared.digest, number,
-                        call.op.name)
+        agreement.check(channel, call.group, call.rank, call.world, prepared.digest ^ values,
+                        number, call.op.name)
     stage.step, stage.pending = None, transport == "ccl"
     execute_plan(prepared.compiled, backend, buffers, timeout_s=prepared.settings["timeout_s"],
                  lane=session.lane or session.queues_lane(), profiled=profiled)

@@ -60,6 +60,15 @@ def names(op: str = ALL_GATHER_MATMUL) -> list[str]:
     return list(_registry(op))
 
 
+def ops() -> list[str]:
+    """Every op that has schedules.
+
+    >>> ops()[0]
+    'all_gather_matmul'
+    """
+    return list(_REGISTRY)
+
+
 def ops_with(name: str) -> list[str]:
     """The ops that have a schedule called ``name`` (Triton's optional ones included).
 

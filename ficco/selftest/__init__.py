@@ -14,9 +14,12 @@ It checks, each part bounded and each check one line (:mod:`.checks`):
 - the environment: versions, driver, bindings, devices, topology, peer access, copy engines,
   signal pads, settings.
 
-It prints one line per check and writes everything to ``--json PATH`` (a bundle to attach to
-a bug report), and exits 0 when every check passed, 1 on any wrong number or failed check, 3
-when a check hung past its bound (the process ends rather than wait)::
+It prints one line per check, streams each check as one JSON line to ``--jsonl PATH`` as it is
+recorded (the environment's facts first: a run cut short keeps every line before the cut),
+writes everything to ``--json PATH`` at the end (a bundle to attach to a bug report), and exits
+0 when every check passed, 1 on a failed check, 4 when a call returned wrong numbers (data
+where an error or the product was due), 3 when a check hung past its bound or a rank ended
+without a result (the run ends at the first such rank rather than wait)::
 
     python -m ficco selftest --world 2 --quick --json selftest.json
 """
@@ -34,19 +37,28 @@ from pathlib import Path
 from .checks import Options, Row, Runner
 
 #: exit codes
-OK, FAILED, USAGE, HUNG = 0, 1, 2, 3
+OK, FAILED, USAGE, HUNG, WRONG = 0, 1, 2, 3, 4
 
 
-def run_rank(rank: int, world: int, options: Options, group=None, emit=print) -> dict:
+def run_rank(rank: int, world: int, options: Options, group=None, emit=print,
+             stream: str | None = None) -> dict:
     """Every check on this rank of a live group (``group``: None for the default group);
-    returns ``{"environment": ..., "rows": [...]}`` (rank 0's lines go to ``emit``)."""
+    returns ``{"environment": ..., "rows": [...]}`` (rank 0's lines go to ``emit``; rank 0
+    appends the environment, then each check as it is recorded, as JSON lines to ``stream``)."""
     from . import environment
 
-    runner = Runner(rank, world, group, options, emit)
+    def line(obj: dict) -> None:
+        with open(stream, "a") as fh:     # type: ignore[arg-type]
+            fh.write(json.dumps(obj, default=str) + "\n")
+
+    on_row = (lambda row: line({"row": row})) if stream and rank == 0 else None
+    runner = Runner(rank, world, group, options, emit, on_row=on_row)
     started = time.monotonic()
     env = {"rank": environment.local_facts(rank)}
     if rank == 0:
         env.update(environment.global_facts())
+        if stream:
+            line({"environment": env, "world": world})
         runner.emit(f"ficco {env['ficco']} selftest: {world} rank(s), backend {env['backend']} "
                     f"({env['target']}), torch {env['torch']}, triton {env['triton']}")
     runner.run_schedules()
@@ -79,7 +91,12 @@ def bundle(results: list[dict], argv: list[str]) -> dict:
 
 
 def exit_code(results: list[dict]) -> int:
-    return FAILED if any(row["status"] == "FAIL" for r in results for row in r["rows"]) else OK
+    """WRONG when a call returned wrong numbers on any rank, FAILED on any other failed check,
+    else OK."""
+    failed = [row for r in results for row in r["rows"] if row["status"] == "FAIL"]
+    if any(row.get("wrong") for row in failed):
+        return WRONG
+    return FAILED if failed else OK
 
 
 # -- processes --------------------------------------------------------------------------------------
@@ -87,7 +104,7 @@ def _launched() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
 
-def _rank_process(rank, world, init_file, options, share_gpu, out_dir):
+def _rank_process(rank, world, init_file, options, share_gpu, out_dir, stream=None):
     """One spawned rank: join the group, run, leave its result in ``out_dir``."""
     import torch
     import torch.distributed as dist
@@ -97,7 +114,8 @@ def _rank_process(rank, world, init_file, options, share_gpu, out_dir):
         torch.cuda.set_device(0 if share_gpu else rank % torch.cuda.device_count())
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=600))
-    result = run_rank(rank, world, options, emit=lambda line: print(line, flush=True))
+    result = run_rank(rank, world, options, emit=lambda line: print(line, flush=True),
+                      stream=stream)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result, default=str))
     _leave()
     sys.stdout.flush()
@@ -119,38 +137,47 @@ def _leave() -> None:
         print(f"selftest teardown: {type(exc).__name__}: {exc}", file=sys.stderr)
 
 
-def spawn(world: int, options: Options, share_gpu: bool, bound_s: float) -> tuple[list, int]:
-    """Run ``world`` rank processes; (their results, exit code). A rank that exits before
-    writing its result (a hang it cut short, a crash) makes the code HUNG or FAILED; the whole
-    run is bounded by ``bound_s``."""
+def spawn(world: int, options: Options, share_gpu: bool, bound_s: float,
+          stream: str | None = None) -> tuple[list, int]:
+    """Run ``world`` rank processes; (their results, exit code). The run ends at the first
+    rank that exits without its result (a hang its watch cut short, a crash): the others are
+    ended then, and the code is HUNG; so it is when the whole run outlasts ``bound_s``."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="ficco-selftest-") as tmp:
         init_file = os.path.join(tmp, "pg")
         procs = [ctx.Process(target=_rank_process, daemon=True,
-                             args=(r, world, init_file, options, share_gpu, tmp))
+                             args=(r, world, init_file, options, share_gpu, tmp, stream))
                  for r in range(world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + bound_s
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+        ended: list[int] = []      # ranks that exited without a result
+        while time.monotonic() < deadline and any(p.is_alive() for p in procs):
+            ended = [r for r, p in enumerate(procs) if not p.is_alive()
+                     and not Path(tmp, f"rank{r}.json").exists()]
+            if ended:
+                break
+            time.sleep(0.1)
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+        ended = ended or [r for r in range(world) if not Path(tmp, f"rank{r}.json").exists()
+                          and r not in hung]
         results = [json.loads(Path(tmp, f"rank{r}.json").read_text())
                    for r in range(world) if Path(tmp, f"rank{r}.json").exists()]
         codes = [p.exitcode for p in procs]
-    if hung or any(code == HUNG for code in codes):
-        print(f"HANG selftest: rank(s) {hung or [r for r, c in enumerate(codes) if c == HUNG]} "
-              f"did not finish (bound {bound_s:.0f}s)", flush=True)
+    if ended:
+        print(f"HANG selftest: rank(s) {ended} exited without a result (exit codes {codes}); "
+              f"the others were ended", flush=True)
         return results, HUNG
-    if len(results) < world:
-        print(f"FAIL selftest: rank(s) exited without a result (exit codes {codes})", flush=True)
-        return results, FAILED
+    if hung:
+        print(f"HANG selftest: rank(s) {hung} did not finish (bound {bound_s:.0f}s)",
+              flush=True)
+        return results, HUNG
     return results, exit_code(results)
 
 
@@ -173,6 +200,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", type=_shape, help="M,N,K of the serial-vs-pick timing "
                    "(default 4096,4096,4096 on GPUs, 256,256,256 on CPU)")
     p.add_argument("--json", metavar="PATH", help="write the bundle (every check, environment)")
+    p.add_argument("--jsonl", metavar="PATH",
+                   help="append the environment, then each check as it is recorded, one JSON "
+                        "object a line")
     p.add_argument("--quick", action="store_true",
                    help="tiny shape only, no timing (what CI runs)")
     p.add_argument("--smoke", action="store_true",
@@ -188,7 +218,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=20.0,
                    help="FICCO_TIMEOUT of the correctness calls (default %(default)s s)")
     p.add_argument("--bound", type=float, default=600.0,
-                   help="seconds the whole run may take before its ranks are ended")
+                   help="seconds the whole run may take before its ranks are ended; one check "
+                        "may take 3 x --timeout + 60 s, and never more than --bound - 5 s")
     return p
 
 
@@ -200,7 +231,8 @@ def options_of(args, gpu: bool) -> Options:
                    dtypes=tuple(args.dtypes.split(",")),
                    optional=args.optional, timing_shape=timing, timeout_s=args.timeout,
                    fault_timeout_s=1.0 if args.quick else 2.0, smoke=args.smoke,
-                   fault=not args.smoke, graph=not args.smoke)
+                   fault=not args.smoke, graph=not args.smoke,
+                   bound_s=max(1.0, min(3 * args.timeout + 60, args.bound - 5)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             own_gpu = gpu and int(os.environ.get("LOCAL_WORLD_SIZE", world)) <= \
                 torch.cuda.device_count()
             dist.init_process_group("nccl" if own_gpu else "gloo")
-        results = [run_rank(rank, world, options)]
+        results = [run_rank(rank, world, options, stream=args.jsonl)]
         code = exit_code(results)
         if rank == 0 and args.json:
             Path(args.json).write_text(json.dumps(bundle(results, argv), indent=1, default=str))
@@ -232,10 +264,11 @@ def main(argv: list[str] | None = None) -> int:
         print("selftest: the world size must be at least 1", file=sys.stderr)
         return USAGE
     results, code = spawn(world, options, share_gpu=bool(args.share_gpu) or
-                          (gpu and torch.cuda.device_count() < world), bound_s=args.bound)
+                          (gpu and torch.cuda.device_count() < world), bound_s=args.bound,
+                          stream=args.jsonl)
     if args.json and results:
         Path(args.json).write_text(json.dumps(bundle(results, argv), indent=1, default=str))
     return code
 
 
-__all__ = ["Options", "main", "run_rank"]
+__all__ = ["FAILED", "HUNG", "OK", "WRONG", "Options", "main", "run_rank"]

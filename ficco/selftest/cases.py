@@ -79,6 +79,12 @@ class _Rounding:
         return low.to(self.device), low.to(torch.float64) * scale.double(), \
             scale.to(self.device)
 
+    def weight(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """:meth:`cast` of a (K, n) weight; fp8 ones column-major (``w.t()`` of a row-major
+        (n, K) weight: the layout a GPU's ``torch._scaled_mm`` multiplies)."""
+        low, value, scale = self.cast(t)
+        return (low.t().contiguous().t() if self.fp8 else low), value, scale
+
     def epilogue(self, a_scale, b_scale) -> dict:
         return {} if not self.fp8 else {"a_scale": a_scale, "b_scale": b_scale,
                                         "out_dtype": torch.bfloat16}
@@ -98,7 +104,7 @@ def _all_gather_matmul(rank, world, shape, rounding, seed) -> Case:
         cast = [rounding.cast(s, shared) for s in shards]
     else:
         cast = [rounding.cast(s) for s in shards]
-    b_low, b64, b_scale = rounding.cast(b)
+    b_low, b64, b_scale = rounding.weight(b)
     full = torch.cat([c[1] for c in cast])
     return Case((cast[rank][0], b_low), rounding.epilogue(cast[rank][2], b_scale), full @ b64,
                 full.abs() @ b64.abs())
@@ -113,7 +119,7 @@ def _reduced(scatter: bool, rank, world, shape, rounding, seed) -> Case:
     gen = _gen(seed)
     parts = [(torch.randn(world * m, k, generator=gen, dtype=torch.float64),
               torch.randn(k, n, generator=gen, dtype=torch.float64)) for _ in range(world)]
-    cast = [(rounding.cast(a), rounding.cast(b)) for a, b in parts]
+    cast = [(rounding.cast(a), rounding.weight(b)) for a, b in parts]
     ref = sum(a[1] @ b[1] for a, b in cast)
     scale = sum(a[1].abs() @ b[1].abs() for a, b in cast)
     if scatter:

@@ -6,7 +6,8 @@
   past it (a ficco error on every rank, or NaN outputs whose group's next call raises:
   never data);
 - ``graph``: one call captured into a CUDA graph and replayed on fresh inputs (GPUs);
-- ``timing``: serial against the selector's pick at the user's shape (slowest rank, median).
+- ``timing``: serial against the selector's pick at the user's shape (slowest rank, median);
+  it fails when the pick takes more than :data:`TIMING_BAND` times serial's time.
 
 After every check the ranks exchange its outcome through the group's store with their own
 keys (never ficco's agreement sequence, which a failed call may have left mid-exchange on one
@@ -27,10 +28,17 @@ import torch
 
 from . import cases
 
-#: Shapes (rows per rank, K, n): tiny has uneven chunks at every W tested; medium is a few
-#: thousand rows on a GPU, small enough for the CPU backend in CI otherwise.
-SHAPES = {"gpu": {"tiny": (5, 24, 7), "medium": (512, 1024, 768)},
-          "cpu": {"tiny": (5, 24, 7), "medium": (48, 96, 64)}}
+#: Shapes (rows per rank, K, n): tiny has uneven row chunks at every W tested; medium is a few
+#: thousand rows on a GPU, small enough for the CPU backend in CI otherwise. K and n are
+#: multiples of 16 everywhere: a GPU's fp8 GEMM takes no other.
+SHAPES = {"gpu": {"tiny": (5, 32, 16), "medium": (512, 1024, 768)},
+          "cpu": {"tiny": (5, 32, 16), "medium": (48, 96, 64)}}
+
+
+#: The timing row fails when the selector's pick takes more than this times serial's time (the
+#: slowest rank's medians): the default path must not cost more than the plain one beyond
+#: noise.
+TIMING_BAND = 1.25
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,7 @@ class Options:
     seed: int = 1234
     smoke: bool = False                    # only the default path (selector, transport) per op
     bound_s: float | None = None           # one check's bound (None: 3 x timeout + 60 s)
+    timing_band: float = TIMING_BAND       # the pick may take this x serial's time, no more
 
 
 @dataclass
@@ -116,7 +125,7 @@ class Watch:
 class Runner:
     """The checks of one rank; ``emit(line)`` prints (rank 0's lines are the report)."""
 
-    def __init__(self, rank: int, world: int, group, options: Options, emit):
+    def __init__(self, rank: int, world: int, group, options: Options, emit, on_row=None):
         import ficco
         from ficco.backends import get_backend
 
@@ -126,6 +135,7 @@ class Runner:
         self.gpu = self.backend.name in ("cuda", "rocm")
         self.shapes = SHAPES["gpu" if self.gpu else "cpu"]
         self.rows: list[Row] = []
+        self.on_row = on_row if rank == 0 else None   # each recorded row, as it is recorded
         self.watch = Watch(rank, emit)
         self._round = 0
         self._ficco = ficco
@@ -188,6 +198,8 @@ class Runner:
             row.status = "FAIL"
         self.rows.append(row)
         self.emit(row.line())
+        if self.on_row is not None:
+            self.on_row(row.as_json())
         self.settle(oks)
 
     # -- schedules -------------------------------------------------------------------------
@@ -269,6 +281,8 @@ class Runner:
 
                 fields["picked"] = list(runtime.last_run() or ())
                 label += f" (picked {' over '.join(fields['picked']) or 'the plain path'})"
+            if err > tol:       # the call returned, and its numbers are wrong
+                fields["wrong"] = True
             row = Row("schedule", label, "ok" if err <= tol else "FAIL", err, tol, seconds,
                       fields=fields)
         except Exception as exc:  # noqa: BLE001 - one schedule's failure is a row
@@ -299,9 +313,12 @@ class Runner:
             self.watch.disarm()
             inside = late < t
             ok = outcome == "exact" if inside else outcome in ("raised", "NaN, next raised")
+            fields = {"late_s": late, "timeout_s": t, "outcome": outcome}
+            if outcome == "data":       # numbers that are not the product, no error
+                fields["wrong"] = True
             self.record(Row("fault", f"{label} ({late:.1f}s late, FICCO_TIMEOUT {t:.1f}s)",
                             "ok" if ok else "FAIL", detail=f"this rank: {outcome}",
-                            fields={"late_s": late, "timeout_s": t, "outcome": outcome}))
+                            fields=fields))
             self._ficco.shutdown()      # the past-deadline case leaves the group failed
             dist.barrier(self.group)
 
@@ -388,15 +405,14 @@ class Runner:
             label = f"{op} M={big_m} N={n} K={k}"
             self.watch.arm(label, 2 * self.bound_s())
             times: dict[str, float] = {}
-            pick: tuple = ()
+            ran: dict[str, tuple] = {}
             try:
                 for schedule in ("serial", None):
                     with self._ficco.config.scope(timeout=self.opt.timeout_s):
                         for _ in range(2):
                             fn(*case.args, self.group, schedule=schedule)
                         self.backend.synchronize()
-                        if schedule is None:
-                            pick = runtime.last_run() or ("plain", "-")
+                        ran[schedule or "pick"] = tuple(runtime.last_run() or ("plain", "-"))
                         samples = []
                         for _ in range(5):
                             start = time.perf_counter()
@@ -406,11 +422,17 @@ class Runner:
                     times[schedule or "pick"] = max_over_ranks(
                         self.group, self.rank, self.world, statistics.median(samples),
                         what="selftest timing")
-                detail = (f"serial {times['serial'] * 1e3:.3f} ms, pick {pick[0]} over {pick[1]} "
-                          f"{times['pick'] * 1e3:.3f} ms ({times['serial'] / times['pick']:.2f}x)")
-                row = Row("timing", label, "ok", seconds=times["pick"], detail=detail,
-                          fields={"serial_s": times["serial"], "pick": list(pick),
-                                  "pick_s": times["pick"]})
+                pick, serial = ran["pick"], ran["serial"]
+                ratio = times["pick"] / times["serial"]
+                band = self.opt.timing_band
+                detail = (f"serial over {serial[1]} {times['serial'] * 1e3:.3f} ms, pick "
+                          f"{pick[0]} over {pick[1]} {times['pick'] * 1e3:.3f} ms "
+                          f"({ratio:.2f}x serial's time; the band is {band:.2f}x)")
+                row = Row("timing", label, "ok" if ratio <= band else "FAIL",
+                          seconds=times["pick"], detail=detail,
+                          fields={"serial_s": times["serial"], "serial_transport": serial[1],
+                                  "pick": list(pick), "pick_s": times["pick"],
+                                  "pick_over_serial": ratio, "band": band})
             except Exception as exc:  # noqa: BLE001 - reported as the check's failure
                 row = Row("timing", label, "FAIL", detail=f"{type(exc).__name__}: {exc}"[:300])
             self.watch.disarm()

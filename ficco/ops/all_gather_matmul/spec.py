@@ -92,7 +92,7 @@ class AllGatherMatmul(OpSpec[AllGatherMatmulCall]):
         if type(gather_dim) is int and (return_gathered is True or return_gathered is False):
             group, backend = resolve(group), get_backend()
             epilogue = () if (a_scale is None and b_scale is None and out_dtype is None
-                              and bias is None and not activation) else \
+                              and bias is None and activation is None) else \
                 (a_scale, b_scale, out_dtype, bias, activation)
             key = key_of(self.name, a_shard, b, group, backend, (gather_dim, return_gathered),
                          epilogue)
@@ -119,6 +119,10 @@ class AllGatherMatmul(OpSpec[AllGatherMatmulCall]):
         # rank's share of fewer features than ranks) still takes part in the gather: its GEMM
         # runs on one zero column, cut off again by result().
         bs = [bj if bj.shape[1] else bj.new_zeros(k, 1) for bj in bs]
+        if world > 1:
+            # A tensor-wise scale is this rank's: each rank may quantize its shard with its own
+            # (amax(shard) / fp8 max), so it travels with the shard's rows like row-wise ones.
+            ops = ops.tensor_as_rows(m, ns)
         if min(ns) == 0:
             ops = ops.one_column(ns)
         problem = Problem(m=m, k=k, ns=ns if min(ns) > 0 else tuple([max(n, 1) for n in ns]),

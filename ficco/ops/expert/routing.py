@@ -34,6 +34,9 @@ def as_int_list(counts, name: str, shape: tuple[int | None, ...]) -> list:
     """``counts`` (an integer tensor, or nested sequences of ints) as nested Python lists of
     ``shape`` (None: any length); anything else raises naming ``name``."""
     if isinstance(counts, torch.Tensor):
+        if counts.device.type == "meta":
+            raise InvalidArgumentError(f"{name} is on the meta device: it has shapes but no "
+                                       f"values to route by; pass the counts themselves")
         if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
             raise InvalidArgumentError(f"{name} must hold integers (int64); got dtype "
                                        f"{counts.dtype}")

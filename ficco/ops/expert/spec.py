@@ -200,6 +200,9 @@ def _weights(w, inp: torch.Tensor, what: str, name: str) -> list:
         if w.dim() != 3:
             raise InvalidArgumentError(f"{name} must be (L, K, n) or a list of L (K, n) tensors; "
                                        f"got shape {tuple(w.shape)}")
+        if w.shape[0] == 0:
+            raise InvalidArgumentError(f"{name} has shape {tuple(w.shape)}: no local experts; "
+                                       f"every rank holds at least one (L >= 1)")
         weights = list(w.unbind(0))
     elif isinstance(w, (list, tuple)) and w:
         weights = list(w)

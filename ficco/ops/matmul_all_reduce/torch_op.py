@@ -83,7 +83,7 @@ def matmul_all_reduce(a, b, group=None, *, reduce_op="sum", schedule=None, a_sca
         return _run_matmul_all_reduce(a, b, group, reduce_op, schedule, a_scale=a_scale,
                                       b_scale=b_scale, out_dtype=out_dtype, bias=bias)
     if a_scale is not None and torch.is_grad_enabled():   # before any communication
-        autograd.refuse_fp8_gradients(a, bs, a_scale)
+        autograd.refuse_fp8_gradients(a, bs, a_scale, b_scale=b_scale)
     name, _, world = name_rank_world(group)
     outs = torch.ops.ficco.matmul_all_reduce(a, bs, name, reduce_op, schedule, *extra,
                                              world=world)

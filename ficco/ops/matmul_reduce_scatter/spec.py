@@ -149,7 +149,8 @@ class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
                                a=canon, bs=bs, b_is_list=b_is_list,
                                moved_shape=tuple(moved.shape), scatter_dim=scatter_dim,
                                ns=ns, ops=ops, partial_dtype=ops.out_dtype
-                               if ops.out_dtype.itemsize >= 2 else torch.float32)
+                               if problem.partial_itemsize == ops.out_dtype.itemsize
+                               else torch.float32)
         if key is not None and k > 0:   # (a warm call takes the caller's a and bs as they are)
             remember(key, call, a=None, bs=None, ops=ops.without_tensors())
         return call
