@@ -123,7 +123,7 @@ def test_destroying_a_group_releases_its_workspace():
         assert held and not still_held
 
 
-# -- issue 13: never a wrong result after a failure, a later disagreement or a second thread ----
+# -- Never a wrong result after a failure, a later disagreement or a second thread ----
 def _outcome(fn):
     """("ok", value) or ("raised", "ErrorType: message")."""
     try:
@@ -279,7 +279,7 @@ def test_2d_schedules_round_bf16_once_like_ring(world):
             assert wrong <= ring + 0.01, (name, wrong, ring)
 
 
-# -- issue 29 items 4 and 7: failures that start on this rank name it; a slow GEMM is no failure ---
+# -- Failures that start on this rank name it; a slow GEMM is no failure ---
 def _local_gemm_fails(rank, world, seed, schedule, transport, where):
     """Rank 1's next GEMM raises: in its queue's thread (the CPU backend runs GEMMs there) or
     while the executor enqueues it (as a GPU launch error would)."""
@@ -366,7 +366,7 @@ def test_a_local_gemm_longer_than_ficco_timeout_is_no_failure(transport):
         assert after[0] == "ok" and after[1] <= 1e-4, results
 
 
-# -- issue 29 item 5: the ranks named as gone after a failure are the dead ones, only -------------
+# -- The ranks named as gone after a failure are the dead ones, only -------------
 def _one_dies(rank, world, seed, dead, late, transport):
     """One normal call, then rank ``dead`` exits and the others call again (rank ``late``
     8 s later: alive, but busy while the first to fail looks for the dead)."""

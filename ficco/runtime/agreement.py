@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from .. import config
 from ..errors import CommTimeoutError, MismatchError
 from ..group import key as group_key
+from ..symm_mem import agree as symm_agree
 from .session import AGREED_KEPT, Channel, channel_of
 from .store import delete_key, has_key, join, late_error, store_of, wait_keys
 
@@ -422,3 +423,7 @@ def wait_bounded(work, *, rank: int, what: str) -> None:
     if ok is False:
         raise CommTimeoutError(f"rank {rank}: {what} did not finish within FICCO_TIMEOUT "
                                f"({timeout_s:.1f}s)")
+
+
+# Symmetric memory's allocation steps end in this exchange (it sits below the runtime).
+symm_agree.use_exchange(exchange)

@@ -155,7 +155,10 @@ class CudaVendor(Vendor):
                    self.drv.cuStreamWaitValue32(stream, address, value, flags))
 
     def mem_ops(self, stream, ops, capturing):
-        if capturing:
+        if capturing or len(ops) == 1:
+            # One op (a gated schedule's flag write, a single wait) is one plain call: its
+            # tuple is made per call, so batch parameters cached by its id would be built
+            # every time and fill the cache until it is cleared, barrier programs with it.
             super().mem_ops(stream, ops, capturing)
             return
         for chunk in self.batch_params(ops):

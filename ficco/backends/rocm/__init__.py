@@ -146,7 +146,9 @@ class RocmVendor(Vendor):
                    self.hip.hipStreamWaitValue32(stream, address, value, how, ALL_BITS))
 
     def mem_ops(self, stream, ops, capturing):
-        if self.batches_mem_ops is False:
+        if self.batches_mem_ops is False or len(ops) == 1:
+            # one op is one plain call (as on CUDA: its per-call tuple would fill the
+            # parameter cache and clear the barrier programs' with it)
             super().mem_ops(stream, ops, capturing)
             return
         for chunk in self.batch_params(ops):
