@@ -87,3 +87,25 @@ def explain_decode(rank, world, profile):
     with config.scope(profile=profile):
         return str(ficco.explain(torch.randn(4, 64), torch.randn(64, 4096),
                                  op="matmul_all_reduce"))
+
+
+def on_fake_gpu(rank, world, seed, names):
+    """The one-kernel schedules on the fake GPU (tests/fake_gpu.py: the GPU backend's
+    symmetric handles, device-address slots and the group's error word as the kernel's halt,
+    tensors in host memory, the kernel in the interpreter): each name's error against float64
+    and whether the group's word stayed down."""
+    from ficco.backends import get_backend
+
+    from .fault_cases import _setup
+
+    _setup("cuda", 8)
+    device = get_backend().device()
+    out = {}
+    with config.scope(transport="dma"):
+        for i, name in enumerate(names):
+            a, b, ref = _inputs(seed + i, world, rank)
+            got = ficco.matmul_all_reduce(a.to(device), b.to(device), schedule=name)
+            torch.cuda.synchronize()
+            out[name] = float((got.double().cpu() - ref).abs().max() / ref.abs().max())
+    ficco.shutdown()
+    return out

@@ -9,8 +9,10 @@ What the cache promises (docs/design.md):
 - **Bounded, flat reads, safe writers.** One small file per key (``<dir>/<sha1 of key>.json``),
   written to a temporary file and renamed into place, so any number of processes of any jobs
   on one host may write at once and a reader sees a whole entry or none; a lookup reads one
-  file whatever the cache holds. At most :data:`MAX_ENTRIES` per directory: a write beyond it
-  drops the least recently used (by modification time; a read hit refreshes it).
+  file whatever the cache holds. At most :data:`MAX_ENTRIES` per directory (plus the few a
+  process wrote since it last trimmed it: at its first write there, then every
+  ``MAX_ENTRIES // 64`` writes): a trim drops the least recently used (by modification time;
+  a read hit refreshes it).
 - **Per user.** The default root is the user's (``$XDG_CACHE_HOME/ficco``, ``~/.cache/ficco``);
   directories are made ``0700`` and files ``0600``. A file or directory that another user
   owns, or that others may write, is refused (warned, never read): a shared
@@ -141,6 +143,7 @@ class EntryFiles:
 
     def __init__(self, name: str, root):
         self.name, self._root = name, root
+        self._writes: dict[str, int] = {}     # writes since the last trim, per directory
 
     def directory(self) -> Path:
         return Path(self._root()) / self.name
@@ -184,7 +187,16 @@ class EntryFiles:
             warn_once(directory, f"cannot be written ({exc.strerror or exc}); the decision is "
                                  f"kept in memory only")
             return False
-        self.trim()
+        # A trim lists the directory: once per MAX_ENTRIES // 64 writes of this process, so a
+        # write stays cheap while the directory overshoots by a few entries at most.
+        # (the first write of this process into a directory trims it)
+        writes = self._writes.get(str(directory), MAX_ENTRIES) + 1
+        if writes >= max(1, MAX_ENTRIES // 64):
+            writes = 0
+            self.trim()
+        if len(self._writes) > 64:
+            self._writes.clear()
+        self._writes[str(directory)] = writes
         return True
 
     def trim(self, most: int | None = None) -> None:
