@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from .errors import InvalidArgumentError
+from .ops import get as op_spec
 from .ops import library
 from .ops.all_gather_matmul.spec import SPEC as _ALL_GATHER_MATMUL
 from .ops.matmul_all_reduce import torch_op as library_all_reduce
@@ -22,7 +23,6 @@ from .ops.ulysses import torch_op as ulysses
 from .runtime import path as runtime
 
 last_run = runtime.last_run    # (schedule, transport) of a group's last call: session_of().last
-_EXPERT_OPS = ("all_to_all_grouped_mm", "grouped_mm_all_to_all")
 
 
 def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
@@ -159,26 +159,6 @@ def warmup(op, shapes, group=None, *, dtype=torch.bfloat16, **kwargs) -> list:
     return ran
 
 
-def _prepare(op, a, b, group, dim, reduce_op, counts=None, epilogue=None):
-    if op in _EXPERT_OPS:
-        if counts is None:
-            raise InvalidArgumentError(f"explain(op={op!r}) needs counts= (the counts, or the "
-                                       f"recv_counts for grouped_mm_all_to_all)")
-        from .ops import get
-
-        spec = get(op)
-        return spec.local_view(spec.prepare(a, counts, b, group))
-    if op == _ALL_GATHER_MATMUL.name:
-        return _ALL_GATHER_MATMUL.prepare(a, b, group, dim, **(epilogue or {}))
-    if op == _MATMUL_REDUCE_SCATTER.name:
-        return _MATMUL_REDUCE_SCATTER.prepare(a, b, group, dim, reduce_op, **(epilogue or {}))
-    if op == _MATMUL_ALL_REDUCE.name:
-        return _MATMUL_ALL_REDUCE.prepare(a, b, group, reduce_op, **(epilogue or {}))
-    raise InvalidArgumentError(f"op={op!r} is not a ficco op; use all_gather_matmul, "
-                               f"matmul_reduce_scatter, matmul_all_reduce, "
-                               f"{' or '.join(_EXPERT_OPS)}")
-
-
 def explain(a_shard, b, group=None, *, gather_dim=0, schedule=None, op="all_gather_matmul",
             scatter_dim=0, reduce_op="sum", counts=None, **epilogue):
     """The Decision ``op`` (``all_gather_matmul``; ``matmul_reduce_scatter`` with
@@ -205,9 +185,10 @@ def explain(a_shard, b, group=None, *, gather_dim=0, schedule=None, op="all_gath
     >>> ficco.explain(torch.randn(4, 8), torch.randn(8, 3), op="matmul_all_reduce").schedule
     'serial'
     """
-    dim = scatter_dim if op == _MATMUL_REDUCE_SCATTER.name else gather_dim
-    return runtime.explain(_prepare(op, a_shard, b, group, dim, reduce_op, counts, epilogue),
-                           schedule)
+    call = op_spec(op).explained(a_shard, b, group, gather_dim=gather_dim,
+                                 scatter_dim=scatter_dim, reduce_op=reduce_op, counts=counts,
+                                 epilogue=epilogue)
+    return runtime.explain(call, schedule)
 
 
 def traced_all_gather_matmul(a_shard, b, group=None, *, schedule, transport=None,

@@ -1,4 +1,4 @@
-"""A campaign of bad calls to every public surface (issue 37 item 9), run on rank 0 of a pool
+"""A campaign of bad calls to every public surface, run on rank 0 of a pool
 while rank 1 makes none: each must end in a clean ``ficco.errors`` error before any
 communication. Every way ficco reaches other ranks (the group's store, torch.distributed's
 collectives, functional collectives) is replaced meanwhile by a tripwire that records the

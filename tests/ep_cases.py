@@ -398,7 +398,7 @@ def compiled_graphs(rank, world, seed):
     return graphs, diff
 
 
-# -- issue 29 follow-up: a rank that skips a backward of an MoE layer ---------------------------
+# -- A rank that skips a backward of an MoE layer ---------------------------
 def _moe_step(layer, reference, x, rank, world, backward=True):
     """One step of the sharded MoE layer on this rank's tokens of ``x``: "wrong output",
     "wrong gradient" or "ok" against the unsharded twin (raises what ficco raises). The

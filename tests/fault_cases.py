@@ -1,4 +1,4 @@
-"""Rank-side functions of the GPU fault tests (issue 25): on the fake GPU of tests/fake_gpu.py
+"""Rank-side functions of the GPU fault tests: on the fake GPU of tests/fake_gpu.py
 in CI (tests/test_gpu_faults.py: host threads for hardware queues, stream memory operations
 over host memory), and unchanged on a real GPU (tests/gpu/test_gpu_faults.py, where the pool
 sets FICCO_TEST_REAL_GPU=1 and CUDA_DEVICE_MAX_CONNECTIONS before CUDA starts)."""
@@ -159,13 +159,13 @@ def stalled_peer(rank, world, tag, vendor, hw_queues, env, schedule, calls, time
     poisoned = drained[0] != "hung" and all(bool(o.isnan().all()) for o in outs)
     nxt = _bounded(lambda: _call(shards[rank], bs[0], schedule, timeout_s), 3 * timeout_s + 5)
     watchdog_blocked = [what for thread, what in device.blocking if thread == "ficco-watchdog"]
-    outcomes = dict(getattr(get_backend()._watchdog, "outcomes", {}))  # (absent before issue 25)
+    outcomes = dict(getattr(get_backend()._watchdog, "outcomes", {}))
     _signal_done(tag)
     return seconds, poisoned, _outcome(nxt), watchdog_blocked, outcomes
 
 
 def two_groups(rank, world, tag, timeout_s):
-    """Issue 25 item 5: group A times out (the last rank never calls it) while every rank
+    """Group A times out (the last rank never calls it) while every rank
     makes two calls on group B. B's results must be right and B's next call must not raise
     A's error; A's next call raises its own."""
     import torch.distributed as dist
@@ -206,7 +206,7 @@ def two_groups(rank, world, tag, timeout_s):
 
 
 def replay_after_shutdown(rank, world, seed):
-    """Issue 25 item 6: a call captured into a graph, replayed, then ficco.shutdown() on every
+    """A call captured into a graph, replayed, then ficco.shutdown() on every
     rank: a replay must still read live memory and be right."""
     _setup("cuda", 8)
     shards, bs = _warm_up(rank, world, "uniform-fused-1d", shape=(8, 16), n=4)
@@ -227,10 +227,10 @@ def replay_after_shutdown(rank, world, seed):
 
 
 def late_peer(rank, world, tag, timeout_s, env=None):
-    """Issue 25 item 6: the last rank is late for call 1; the others give up on it and run
+    """The last rank is late for call 1; the others give up on it and run
     call 2 (other data, same shapes) right behind. When the late rank finally makes call 1, it
     must raise or return NaN, never a result built from the others' call-2 rows. ``env``:
-    e.g. device signal pads (issue 33 W2)."""
+    e.g. device signal pads."""
     _setup("cuda", 8, env)
     _shards, _bs = _warm_up(rank, world, "ring")
     x1, b1, _, refs1 = _inputs(300, world)
@@ -251,7 +251,7 @@ def late_peer(rank, world, tag, timeout_s, env=None):
 
 
 def hip_capture_is_refused_before_it_begins(rank, world):
-    """Issue 25 item 7: a multi-rank dma call inside a HIP graph capture is refused with
+    """A multi-rank dma call inside a HIP graph capture is refused with
     nothing enqueued into the capture and nothing that invalidates it; eager calls go on."""
     from ficco.errors import InvalidArgumentError
 
@@ -272,7 +272,7 @@ def hip_capture_is_refused_before_it_begins(rank, world):
 
 
 def gated_with_one_hardware_queue(rank, world, names, timeout_s):
-    """Issue 25 item 1: with one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) a gated GEMM
+    """With one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) a gated GEMM
     launched before its copies holds the queue while it waits for them."""
     _setup("cuda", 1, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
     errors = {}
@@ -289,7 +289,7 @@ def gated_with_one_hardware_queue(rank, world, names, timeout_s):
 
 
 def late_within_timeout(rank, world, names, late_s, timeout_s):
-    """Issue 33 W1: the last rank makes each call ``late_s`` seconds after the others, well
+    """The last rank makes each call ``late_s`` seconds after the others, well
     inside FICCO_TIMEOUT = ``timeout_s``: every rank's result must be exact (the gated GEMM's
     tiles wait for the late rows however fast they poll)."""
     import torch.distributed as dist
@@ -317,7 +317,7 @@ def late_within_timeout(rank, world, names, late_s, timeout_s):
 
 
 def gated_kernel_gives_up(rank, world, name, timeout_s):
-    """Issue 33 W1: rank 0's copy queue never raises one arrival flag (a stuck copy), every
+    """Rank 0's copy queue never raises one arrival flag (a stuck copy), every
     barrier passes: its gated GEMM waits ``timeout_s`` and gives up. That call's outputs must
     be NaN, every one of them (they kept the other tiles' values, and the skipped tile's
     earlier contents, with nothing raised), and the group's next call raises."""
@@ -340,7 +340,7 @@ def gated_kernel_gives_up(rank, world, name, timeout_s):
 
 
 def capture_that_must_allocate(rank, world):
-    """Issue 33 M4: a dma call captured before any eager call of its size must allocate (or
+    """A dma call captured before any eager call of its size must allocate (or
     grow) the group's workspace, which synchronizes and allocates: refused with a clear error
     before anything is captured, the capture intact; eager calls and a capture after them
     go on."""
@@ -364,7 +364,7 @@ def capture_that_must_allocate(rank, world):
 
 
 def gated_grid_of_shared_gpu(rank, world, name):
-    """Issue 33 H1: the grid (programs) each rank's gated GEMM launches with, and its error,
+    """The grid (programs) each rank's gated GEMM launches with, and its error,
     with ``world`` ranks sharing one (fake) GPU."""
     from ficco.kernels import gated_gemm as module
 

@@ -245,7 +245,7 @@ def check_skipped_backward(results) -> None:
     ("after", outcome) of one more step after ``ficco.shutdown()`` on every rank): step 0 right
     on both; rank 0's backward of step 1 and rank 1's forward of step 2 each raise
     MismatchError naming both roles; every later step before the shutdown is refused
-    (PoisonedGroupError), never a wrong number (issue 37 item 6: the ranks are a step apart in
+    (PoisonedGroupError), never a wrong number (the ranks are a step apart in
     their programs, so a forward that ficco could still pair would train on another step's
     batch); after the shutdown right on both."""
     rank0, rank1 = results

@@ -1,4 +1,4 @@
-"""Randomized programs on CPU ranks (issue 37): every rank runs the same random program of
+"""Randomized programs on CPU ranks: every rank runs the same random program of
 ficco calls, except that each rank, at random, skips a call, repeats one, swaps two, has one
 refused on its own rank (bad input) or failing inside its plan (an injected GEMM failure);
 every few calls every rank calls ``ficco.shutdown()`` (the recovery every program makes).

@@ -1,4 +1,4 @@
-"""Issue 14: every wait ficco starts is bounded by FICCO_TIMEOUT and names who did not come;
+"""Every wait ficco starts is bounded by FICCO_TIMEOUT and names who did not come;
 every setting that changes what a rank does is agreed; bad settings fail before any
 communication; failures name the rank and peers; nothing crashes the exit after an error."""
 from __future__ import annotations
@@ -201,10 +201,10 @@ def test_exit_right_after_a_caught_error_never_crashes():
         (proc.stdout[-1000:], proc.stderr[-3000:])
 
 
-# -- issue 29 item 1: a rank that skips a backward never pairs its peers' backward with its
+# -- A rank that skips a backward never pairs its peers' backward with its
 # own next forward -------------------------------------------------------------------------------
 def _sp_mlp(seed, world, rank):
-    """The SP MLP of issue 29: a ColumnParallelLinear then a RowParallelLinear (16 -> 32 -> 16),
+    """The SP MLP: a ColumnParallelLinear then a RowParallelLinear (16 -> 32 -> 16),
     their unsharded twins, and one batch (sequence 8)."""
     from torch import nn
 
@@ -267,7 +267,7 @@ def test_a_rank_that_skips_a_backward_makes_every_rank_raise_mismatch(transport,
     layer's forward signature, so rank 0's backward paired with rank 1's next forward: wrong
     gradients and outputs, nothing raised. Now the call's role is part of what ranks agree on:
     rank 0 raises in its backward of step 1, rank 1 in its forward of step 2, both
-    MismatchError naming the roles. Issue 37 item 6: both ranks catch it and go on, a step
+    MismatchError naming the roles. Both ranks catch it and go on, a step
     apart; before, the weight gradients of the next steps were wrong (rank 0's step 2 ran with
     rank 1's step 3). Now the MismatchError poisons the group: every later step raises
     PoisonedGroupError until ficco.shutdown() on every rank, then the next step is right."""
@@ -276,7 +276,7 @@ def test_a_rank_that_skips_a_backward_makes_every_rank_raise_mismatch(transport,
     harness.check_skipped_backward(results)
 
 
-# -- issue 29 item 8: a call new to one rank while its peers repeat an agreed one -----------------
+# -- A call new to one rank while its peers repeat an agreed one -----------------
 def _uneven_sequence_after_a_normal_step(rank, world, seed, transport):
     """seq 8 (4 rows each), then seq 9: rank 0's 5 rows are new to it, rank 1's 4 rows were
     agreed at the first call."""
@@ -302,7 +302,7 @@ def test_a_call_new_to_one_rank_while_its_peer_repeats_an_agreed_one_is_a_fast_m
     shape) waited in its call check: both timed out at FICCO_TIMEOUT (20 s here), without
     shapes. Now rank 1's waiting check answers rank 0's exchange: MismatchError on both,
     naming both shard shapes, well before the deadline; the next call is refused until every
-    rank called ficco.shutdown() (issue 37 item 6), then runs."""
+    rank called ficco.shutdown(), then runs."""
     results = harness.pool(2).run(_uneven_sequence_after_a_normal_step,
                                   random.randrange(1 << 30), transport)
     for first, uneven, refused, after in results:
@@ -311,11 +311,11 @@ def test_a_call_new_to_one_rank_while_its_peer_repeats_an_agreed_one_is_a_fast_m
         assert kind == "MismatchError" and "(5, 16)" in message and "(4, 16)" in message, \
             results
         assert seconds < 10, results      # a bound far below FICCO_TIMEOUT, not a speed
-        assert refused[0] == "PoisonedGroupError", results     # issue 37 item 6
+        assert refused[0] == "PoisonedGroupError", results   
         assert after[0] == "ok", results
 
 
-# -- issue 29 item 9: queue threads end with the default group too ---------------------------------
+# -- Queue threads end with the default group too ---------------------------------
 def _destroyed_default_group_threads(rank, world, seed):
     import gc
     import threading

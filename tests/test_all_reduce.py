@@ -1,4 +1,4 @@
-"""matmul_all_reduce (issue 35): its schedules' plans through the symbolic checker, then end to
+"""Matmul_all_reduce: its schedules' plans through the symbolic checker, then end to
 end on the rank pool (every schedule x transport at W = 1-4 against float64, bit-identical on
 every rank, fp32/bf16, 2-D/3-D, uneven M and K, fp8 scales, bias, avg), gradients, bad inputs,
 ranks that disagree, a dead peer, leaks, the selector, the pricing, and the layers."""
@@ -14,7 +14,7 @@ import ficco
 from ficco import schedules
 from ficco.errors import InvalidArgumentError
 from ficco.heuristics import model, profiles, simulator
-from ficco.ops.matmul_all_reduce.pricing import check_published, collective_seconds
+from ficco.heuristics.reductions import check_published, collective_seconds
 from ficco.ops.matmul_all_reduce.schedules import RsAg
 from ficco.ops.matmul_reduce_scatter import schedules as reduce_scatter
 from ficco.plan import AllReduce, Barrier, Reduce

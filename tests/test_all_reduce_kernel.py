@@ -160,7 +160,7 @@ def test_torch_kernels_plumbing_with_stand_ins_on_cpu_ranks():
 # -- explain ------------------------------------------------------------------------------------
 def test_explain_of_a_decode_shape_names_its_kernel_and_the_published_time():
     from ficco.heuristics.decision import Decision
-    from ficco.ops.matmul_all_reduce.pricing import priced_against
+    from ficco.heuristics.reductions import priced_against
 
     from .ar_kernel_cases import explain_decode
 

@@ -127,7 +127,7 @@ def test_auto_transport_runs_the_transport_the_model_predicts_faster():
             assert err <= ROW_TOL[torch.float32]
 
 
-# -- issue 29 items 6 and 9: bad input gets ficco's errors ------------------------------------------
+# -- Bad input gets ficco's errors ------------------------------------------
 @pytest.mark.parametrize("value", ["inf", "Infinity", "nan", "-1", "0"])
 def test_ficco_timeout_must_be_a_finite_number_of_seconds(monkeypatch, value):
     """Before: FICCO_TIMEOUT=inf passed validation and the first wait raised OverflowError

@@ -1,4 +1,4 @@
-"""ficco behind torch's own async tensor parallelism (issue 26 item 4):
+"""Ficco behind torch's own async tensor parallelism:
 ``ficco.compat.install_symm_mem_override()`` makes ``torch.ops.symm_mem.fused_all_gather_matmul``
 and ``fused_matmul_reduce_scatter`` (and their fp8 forms) run ficco, so the graphs torch's
 compiler pass

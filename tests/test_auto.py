@@ -1,4 +1,4 @@
-"""The ``auto`` selector, ficco's default (issue 34 item 1): the model shortlists, the live
+"""The ``auto`` selector, ficco's default: the model shortlists, the live
 group decides. Offline with scripted timings (``measured.Scripted``: deterministic, nothing
 timed for real), then on live CPU ranks with a test hook that makes the model's pick slow, and
 on the fake GPU inside a graph capture."""

@@ -69,7 +69,7 @@ def test_copy_2d_args_rejects_what_no_2d_copy_can_do():
         copy_2d_args(t[:, :2], t[:, :3])
     with pytest.raises(InvalidArgumentError, match="unit-stride, non-overlapping rows"):
         copy_2d_args(t.t()[:, :2], t.t()[:, 2:4])
-    # stride-0 rows (an expanded tensor): read past their one row as if pitched until issue 37
+    # stride-0 rows (an expanded tensor) would be read past their one row as if pitched
     with pytest.raises(InvalidArgumentError, match="non-overlapping rows.*strides \\(0, 1\\)"):
         copy_2d_args(t[:, :3], t[:1, :3].expand(4, 3))
 
@@ -198,7 +198,7 @@ def test_cuda_and_rocm_backends_expose_the_same_contract():
     assert (CudaBackend.name, RocmBackend.name) == ("cuda", "rocm")
 
 
-# -- the barrier program as driver calls (issue 18: one cuStreamBatchMemOp per barrier) --------
+# -- The barrier program as driver calls (one cuStreamBatchMemOp per barrier) --------
 class _PadHandle:
     """Slots of a pretend group: rank ``rank`` of ``world``, pads 4 KiB apart from 0x10000."""
 
@@ -290,7 +290,7 @@ def test_large_groups_split_the_batch_and_capture_uses_single_calls():
         ["cuStreamWriteValue32"] * 100
 
 
-# -- issue 15 (1): peer views must be views, never copies ---------------------------------------
+# -- Peer views must be views, never copies ---------------------------------------
 def test_tensor_at_refuses_a_copy_and_falls_back_to_a_real_view(monkeypatch):
     from ficco.symm_mem import device as dev
 
@@ -308,7 +308,7 @@ def test_tensor_at_refuses_a_copy_and_falls_back_to_a_real_view(monkeypatch):
     assert not dev.is_view_of(memory[1:], address, torch.device("cpu"))
 
 
-# -- issue 15 (4, 5): the watchdog's deadline counts from arrival; its death is surfaced --------
+# -- The watchdog's deadline counts from arrival; its death is surfaced --------
 class _Event:
     def __init__(self, done=False):
         self.done = done
@@ -390,7 +390,7 @@ def test_a_dead_watchdog_thread_is_reported_not_swallowed():
 
 
 def test_an_input_on_another_gpu_than_the_backends_is_a_clear_error():
-    """Issue 15 (8): without torch.cuda.set_device(local_rank) every rank binds GPU 0."""
+    """Without torch.cuda.set_device(local_rank) every rank binds GPU 0."""
     from ficco.backends.gpu import GpuBackend
 
     class Bound:
@@ -411,7 +411,7 @@ def test_an_input_on_another_gpu_than_the_backends_is_a_clear_error():
 
 
 def test_a_captured_workspace_is_never_closed():
-    """Issue 15 (2): growth after capture keeps the captured workspace mapped."""
+    """Growth after capture keeps the captured workspace mapped."""
     from ficco.symm_mem import workspace
 
     class Captured:
@@ -512,7 +512,7 @@ def test_eager_barrier_records_arrival_then_program_then_done(monkeypatch):
 
 
 def test_gpu_backend_refuses_a_torch_without_mm_out_dtype(monkeypatch):
-    """Issue 33 M2: the GPU GEMMs with float32 partial sums are torch.mm(..., out_dtype=)
+    """The GPU GEMMs with float32 partial sums are torch.mm(..., out_dtype=)
     (torch >= 2.8 on CUDA); an older torch is refused when the backend starts, naming it, not
     at the first bf16 reduce-scatter."""
     from . import fake_gpu

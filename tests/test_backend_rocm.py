@@ -54,7 +54,7 @@ def test_memcpy_1d_uses_device_to_device_no_cu():
 
 def test_memcpy_2d_arguments_ask_for_what_runs():
     """hipMemcpy2DAsync runs on compute units whatever kind it is given: it is asked for
-    DeviceToDevice (the NoCU request and its fallback were dead code, issue 25 item 8)."""
+    DeviceToDevice (the NoCU request and its fallback were dead code)."""
     args = Copy2D(dst=0x1000, dpitch=48, src=0x9000, spitch=48, width=10, height=13)
     rec = HipRecorder()
     RocmVendor(hip=rec).copy_2d(args, 0x55)
@@ -145,7 +145,7 @@ def test_mismatched_hip_python_says_what_to_install(monkeypatch):
     assert hip_python_mismatch("6.4.1", "6.4.0.552") is None
 
 
-# -- issue 15 (7): signal pads in the memory HIP documents for polled flags -------------------
+# -- Signal pads in the memory HIP documents for polled flags -------------------
 def test_signal_pads_come_from_uncached_device_memory():
     from rocm.bindings.util.types import Pointer
 
@@ -165,7 +165,7 @@ def test_signal_pads_come_from_uncached_device_memory():
     assert rec.calls["hipFree"] == {"ptr": 0x9000}
 
 
-# -- issue 15 (9): ROCm before 6.1 has no hipMemcpyDeviceToDeviceNoCU ---------------------------
+# -- ROCm before 6.1 has no hipMemcpyDeviceToDeviceNoCU ---------------------------
 class _Rocm60Recorder(HipRecorder):
     """hip-python for ROCm 6.0: hipMemcpyKind without the NoCU kind."""
 
@@ -183,7 +183,7 @@ def test_rocm_without_no_cu_copies_device_to_device_and_says_so():
     assert RocmBackend.copy_2d_on_dma is False     # hipMemcpy2DAsync ignores NoCU
 
 
-# -- barriers: one batched call per program (issue 25 item 7); never captured ----------------
+# -- Barriers: one batched call per program; never captured ----------------
 class _Handle:
     rank, world, _programs = 1, 3, {}
 
@@ -268,7 +268,7 @@ def test_rocm_refuses_to_capture_a_cross_rank_barrier(monkeypatch):
             pass
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    # refused before the call allocates or enqueues anything (issue 25 item 7) ...
+    # refused before the call allocates or enqueues anything ...
     with pytest.raises(InvalidArgumentError, match="cannot capture cross-rank barriers"):
         RocmBackend.before_dma(Fake(), None)
     # ... and, should a barrier still come under capture, refused there too
@@ -293,7 +293,7 @@ def test_host_pad_registration_calls():
 
 
 def test_a_second_hip_runtime_beside_torchs_is_named():
-    """Issue 15 (9): hip-python may load its own libamdhip64 beside torch's bundled one."""
+    """Hip-python may load its own libamdhip64 beside torch's bundled one."""
     from ficco.backends.rocm import duplicate_hip_runtimes
 
     one = "7f0-7f1 r-xp 00000000 08:01 42 /venv/torch/lib/libamdhip64.so\n"
@@ -310,7 +310,7 @@ def test_a_second_hip_runtime_beside_torchs_is_named():
     RuntimeError("dlsym: undefined symbol: hipStreamBatchMemOp")],
     ids=["binding-without-it", "library-without-it"])
 def test_a_rocm_without_the_batch_call_falls_back_to_one_call_per_op(missing):
-    """Issue 33 M1: ROCm < 6.4 has no hipStreamBatchMemOp. hip-python then raises (no such
+    """ROCm < 6.4 has no hipStreamBatchMemOp. hip-python then raises (no such
     attribute in an older binding; a dlsym RuntimeError in a newer binding over an older
     library) instead of returning a status: the per-op path runs, from then on."""
     from ficco.symm_mem.barrier import flag_program

@@ -1,4 +1,4 @@
-"""Issue 37 item 9: a campaign of bad calls to every public surface, each a clean
+"""A campaign of bad calls to every public surface, each a clean
 ``ficco.errors`` error before any communication; a multi-process launch without a process
 group refused; FICCO_SCHEDULE applied to the op families that have the schedule it names."""
 from __future__ import annotations

@@ -23,7 +23,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def _run(args: list[str], tmp_path: Path, ranks: int | None = None) -> str:
     """Run ``python -m ficco.bench ...`` (under torch.distributed.run when ``ranks``) on the
     CPU backend and return its output; a failure shows that output."""
-    # a cache of its own: a characterize run installs its profile there (issue 34), which must
+    # a cache of its own: a characterize run installs its profile there, which must
     # not change what the rest of the suite decides
     env = dict(os.environ, FICCO_BACKEND="cpu", OMP_NUM_THREADS="1", FICCO_TIMEOUT="60",
                FICCO_CACHE_DIR=str(tmp_path / "cache"),
@@ -151,7 +151,7 @@ def test_fits_recover_the_simulator_parameters():
 
 @pytest.mark.parametrize("backend", ["cpu", "cuda:sm_90"])
 def test_a_characterized_profile_keeps_the_copy_bandwidth_it_measured(backend):
-    """Issue 26: characterize measured ~55 GB/s copies on a CPU and wrote a profile that kept
+    """Characterize measured ~55 GB/s copies on a CPU and wrote a profile that kept
     the built-in 5 GB/s (only the curve's fractions were written). On CPU the profile now
     prices the largest measured copy at its measured time; on a GPU, where the copy measured is
     local and says nothing about the links, the built-in link numbers stay."""
@@ -213,7 +213,7 @@ def test_sweep_two_ranks_writes_schema_and_plots(tmp_path):
 
 
 def test_characterize_quick_writes_a_loadable_profile(tmp_path):
-    """Issue 34 item 2: `characterize --quick` on CPU measures GEMM rates per dtype, copies,
+    """`characterize --quick` on CPU measures GEMM rates per dtype, copies,
     contention and the four collectives' curves over two gloo ranks, and installs the profile
     for this SKU: a new process with no settings prices with it."""
     from ficco.heuristics import profiles
@@ -252,7 +252,7 @@ def test_characterize_quick_writes_a_loadable_profile(tmp_path):
 
 
 def test_characterize_enqueue_on_cpu_measures_host_op_s_into_the_profile(tmp_path):
-    """Issue 24 item 4: host_op_s comes from a measuring command, not a constant. On CPU
+    """Host_op_s comes from a measuring command, not a constant. On CPU
     ``--parts enqueue`` times eager W = 8 calls of every schedule of both ops on the real CPU
     backend and the profile it writes holds their fitted cost per op."""
     from ficco.heuristics import profiles

@@ -42,7 +42,7 @@ def test_simulate_shape_draws_a_png_per_scenario(tmp_path, monkeypatch):
     assert bench_main(["simulate", "--profile", "h100", "--scenarios", "none", "--shape",
                        "4096,2048,1024", "--world", "4", "--out", str(out)]) == 0
     pngs = list(out.glob("*.png"))
-    assert titles and all(t.startswith("simulated: ") for t in titles), titles   # issue 36
+    assert titles and all(t.startswith("simulated: ") for t in titles), titles 
     assert [p.name for p in pngs] == ["4096x2048x1024.png"]
     assert pngs[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -67,7 +67,7 @@ def test_draw_gantt_lanes_and_file(tmp_path):
 
 
 def test_timeline_labels_fit_their_bars_and_never_overlap():
-    """Issue 26: GEMM labels overlapped on simulate charts (a label was drawn whenever its bar
+    """GEMM labels overlapped on simulate charts (a label was drawn whenever its bar
     was 6% of the axis, however long the text). A kept label lies inside its own bar."""
     from ficco.bench.gantt import figure
 
@@ -87,7 +87,7 @@ def test_timeline_labels_fit_their_bars_and_never_overlap():
 
 
 def test_simulate_with_an_unknown_profile_says_which_exist_in_one_line(tmp_path, capsys):
-    """Issue 26: ``simulate --profile nope`` printed a traceback."""
+    """``simulate --profile nope`` printed a traceback."""
     assert bench_main(["simulate", "--profile", "nope", "--no-png", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
@@ -95,7 +95,7 @@ def test_simulate_with_an_unknown_profile_says_which_exist_in_one_line(tmp_path,
 
 
 def test_ratio_plot_says_why_points_sit_above_the_ideal_curve(tmp_path):
-    """Issue 26: the ratio plot showed points above the "ideal" curve with no word why. The
+    """The ratio plot showed points above the "ideal" curve with no word why. The
     curve assumes serial takes g + c; each scenario also gets a tick at the ideal over the
     serial call the speedups are measured against, and a point that did not move data faster
     than the ccl all-gather it was compared with stays under its tick."""
@@ -118,7 +118,7 @@ def test_ratio_plot_says_why_points_sit_above_the_ideal_curve(tmp_path):
 
 
 def test_images_say_simulated_or_measured_where():
-    """Issue 36: a simulated timeline says "simulated" on the image, a sweep's plots "measured,
+    """A simulated timeline says "simulated" on the image, a sweep's plots "measured,
     <backend>, W=..." (the words are drawn into the figures: checked on their text artists)."""
     import matplotlib
 

@@ -31,7 +31,7 @@ def _bench(args: list[str], tmp_path: Path, block: tuple[str, ...] = (), env_ext
             f"for name in {list(block)!r}: sys.modules[name] = None\n"
             "from ficco.bench.__main__ import main\n"
             f"sys.exit(main({args!r}))\n")
-    # a cache of its own: characterize installs its profile there (issue 34)
+    # a cache of its own: characterize installs its profile there
     env = dict(os.environ, FICCO_BACKEND="cpu", OMP_NUM_THREADS="1",
                FICCO_CACHE_DIR=str(tmp_path / "cache"),
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))

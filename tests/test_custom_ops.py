@@ -1,7 +1,7 @@
 """ficco's ops as torch custom ops: autograd (gradcheck), grad/inference mode, autocast, fake
 kernels, torch.compile / torch.export, DTensor and DeviceMesh.
 
-Each defect issue 12 cites has a test here that failed on the code before the ops existed:
+Each defect of the first custom ops has a test here that failed on the code before the ops existed:
 a weight with requires_grad, inference_mode, autocast ignored, torch.compile, DeviceMesh.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _rs_reference(a_full_per_rank, bs, world, scatter_dim):
     return outs
 
 
-# -- the defects of issue 12 ---------------------------------------------------------------------
+# -- The custom ops' defects ---------------------------------------------------------------------
 def _modes(rank, world, seed):
     """One W=2 forward in each mode a training/inference loop uses; returns errors by mode."""
     shards, bs, _full, refs = make_inputs(seed, world, (6, 8), (5,), torch.float32)
@@ -223,7 +223,7 @@ def _layouts(rank, world, seed):
     found = []
     for op, shape, dim, ns, ret in FAKE_CASES:
         if world > 1 and 0 in shape:
-            continue   # zero-row shards: checked at W=1; the W>1 runtime path is issue 10's
+            continue   # zero-row shards: checked at W=1; the W>1 runtime path is tested elsewhere
         shape = list(shape)
         if op == "rs":
             shape[dim] *= world
@@ -305,7 +305,7 @@ def _dtensor(rank, world, seed):
 
 def test_device_mesh_group_and_dtensor_input():
     """Before: a DeviceMesh was rejected as group and a DTensor failed inside a worker
-    thread; then DTensor weights were refused (issue 26). Now a 1-D mesh is a group, DTensor
+    thread; then DTensor weights were refused. Now a 1-D mesh is a group, DTensor
     operands placed as the op needs them are used by their local tensors, and any other
     DTensor is refused naming the placement to use and what to pass instead."""
     for errs, refused in harness.pool(2).run(_dtensor, random.randrange(1 << 30)):
@@ -347,7 +347,7 @@ def test_export_keeps_both_ops_as_nodes():
 
 
 def test_a_bad_argument_reads_the_same_compiled_and_eager():
-    """One validator feeds the eager path and the fake kernels (issue 30): before, a bad
+    """One validator feeds the eager path and the fake kernels: before, a bad
     gather_dim said "does not name a row dimension" under torch.compile and "is the last (K)
     dimension" eagerly. Now the fake kernel raises the eager words, and a compiled call
     carries them."""
@@ -393,7 +393,7 @@ def test_bad_arguments_on_the_autograd_path_get_ficco_errors():
         ficco.matmul_reduce_scatter(torch.randn(4, 6), w)
 
 
-# -- issue 29 item 6: bad input gets ficco's errors, compiled too; meta tensors are shapes -------
+# -- Bad input gets ficco's errors, compiled too; meta tensors are shapes -------
 @pytest.mark.parametrize("fullgraph", [True, False])
 def test_validation_errors_under_torch_compile_are_ficco_errors(fullgraph):
     """Before: torch.compile wrapped the fake kernel's InvalidArgumentError in dynamo's

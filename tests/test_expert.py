@@ -330,7 +330,7 @@ def test_table_i_expert_gemms_are_priced_as_all_to_all():
 
 @pytest.mark.parametrize("schedule, transport", [("hetero-fused-1d", "dma"), ("ring", "ccl")])
 def test_a_grouped_gemm_longer_than_ficco_timeout_is_no_failure(schedule, transport):
-    """Issue 29 item 7 for the expert ops. Before: their grouped GEMMs, copies and pulls were
+    """The expert ops after a failure on one queue. Before: their grouped GEMMs, copies and pulls were
     unmarked host tasks, which the CPU backend bounds by FICCO_TIMEOUT like a collective:
     `CommTimeoutError: queue compute did not drain within FICCO_TIMEOUT` and a poisoned
     group. Now they are marked local work: a healthy GEMM takes as long as it takes."""
@@ -345,7 +345,7 @@ def test_a_grouped_gemm_longer_than_ficco_timeout_is_no_failure(schedule, transp
 
 @pytest.mark.parametrize("op", ["all_to_all_grouped_mm", "all_gather_matmul"])
 def test_every_schedule_rounds_bf16_alike(op):
-    """Issue 37 item 7: the four 2d dispatch schedules rounded each K chunk's product to
+    """The four 2d dispatch schedules rounded each K chunk's product to
     bfloat16 before adding (257 -> 256, then - 256 = 0) where every other schedule sums in
     float32 and rounds once (1). Every schedule of an op must give the same, exact 1."""
     names = ficco.schedules.names(op=op)

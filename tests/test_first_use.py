@@ -1,4 +1,4 @@
-"""The rough edges a first-time user hit (issue 26 item 5; the bench and heuristics ones are in
+"""The rough edges a first-time user hit (the bench and heuristics ones are in
 tests/test_cli.py and the simulator's tests): each reproduced as it was met, then fixed."""
 from __future__ import annotations
 

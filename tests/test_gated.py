@@ -30,8 +30,8 @@ def _queue_order(plan, queue):
 def test_plan_covers_every_row_once_behind_the_flag_of_its_copy(name, world, m, k):
     """Every row of C is computed once, in arrival order (own shard first); each part a tile
     waits for is raised by a Signal right after the copy of exactly those rows/columns, on
-    the copy's own queue; the gated GEMM is enqueued after every pull and flag (issue 25
-    item 1: launched first, its waiting tiles could starve the copies that raise its flags)."""
+    the copy's own queue; the gated GEMM is enqueued after every pull and flag (launched first,
+    its waiting tiles could starve the copies that raise its flags)."""
     for rank in range(world):
         p = Problem(m=m, k=k, ns=(6, 3), dtype="float32", world=world, rank=rank)
         plan = schedules.get(name).plan(p, "dma")
@@ -72,7 +72,7 @@ def test_gated_needs_dma_and_the_all_gather_op():
 def test_simulated_tiles_start_only_after_their_chunk_lands(name):
     """The simulator prices ONE gated GEMM: its pieces run in arrival order and none starts
     before the copies it reads have ended; the first piece (own rows) waits for nothing but
-    the GEMM's launch, which the host issues after the copies (issue 25 item 1)."""
+    the GEMM's launch, which the host issues after the copies."""
     p = Problem(m=4096, k=8192, ns=(8192,), dtype="bfloat16", world=8, rank=3)
     plan = schedules.get(name).plan(p, "dma")
     result = simulator.simulate(plan, profiles.load("mi300x"))
@@ -296,7 +296,7 @@ def test_without_triton_ficco_imports_and_gated_schedules_say_why():
 
 
 def test_explain_says_which_gpu_features_are_off_until_a_lease_verified_them():
-    """Issue 33: gated GEMMs and device signal pads stay off by default on GPUs until a lease
+    """Gated GEMMs and device signal pads stay off by default on GPUs until a lease
     verified them there, and every Decision printed on a GPU target says so and how to turn
     them on; CPU decisions carry nothing of it."""
     from ficco.heuristics import choose
@@ -310,7 +310,7 @@ def test_explain_says_which_gpu_features_are_off_until_a_lease_verified_them():
 
 
 def test_an_interpreter_too_old_for_the_gated_gemm_is_refused_naming_the_version(monkeypatch):
-    """Issue 33 M9: Triton 3.6's interpreter (torch 2.11's Triton) rejects the gated GEMM's
+    """Triton 3.6's interpreter (torch 2.11's Triton) rejects the gated GEMM's
     persistent loop and the fence: the CPU backend refuses it with why, not mid-kernel."""
     triton = pytest.importorskip("triton")
     monkeypatch.setattr(triton, "__version__", "3.6.0")

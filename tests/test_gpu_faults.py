@@ -1,4 +1,4 @@
-"""Issue 25: the GPU backend's failure handling, multi-rank on the CPU. ``GpuBackend`` itself
+"""The GPU backend's failure handling, multi-rank on the CPU. ``GpuBackend`` itself
 (queues, events, barriers, watchdog, error words, fence) runs over the fake GPU of
 ``tests/fake_gpu.py``: streams on host-thread hardware queues with head-of-line blocking,
 stream memory operations over host memory, IPC memory in /dev/shm."""
@@ -76,7 +76,7 @@ def test_a_captured_graph_replays_right_after_shutdown():
 @pytest.mark.parametrize("env", [{}, {"FICCO_SIGNAL_PADS": "device"}],
                          ids=["host-pads", "device-pads"])
 def test_a_late_peer_never_pulls_rows_of_the_next_call(env):
-    """Device pads too (issue 33 W2): their error words live in host memory as well, so the
+    """Device pads too: their error words live in host memory as well, so the
     rank that gives up raises the late peer's word."""
     results = _pool().run(cases.late_peer, _tag(), T, env, timeout_s=120)
     for drained in results[:-1]:
@@ -102,7 +102,7 @@ def test_gated_gemm_never_waits_in_front_of_its_own_copies():
         assert all(isinstance(errors[n], float) and errors[n] <= 1e-4 for n in names), errors
 
 
-# -- issue 33 W1: the gated GEMM's wait is timed, not counted -----------------------------------
+# -- The gated GEMM's wait is timed, not counted -----------------------------------
 def test_gated_gemm_waits_for_a_peer_late_inside_the_timeout():
     """A peer 1.5 s late under FICCO_TIMEOUT = 6 s: both gated schedules give exact results on
     every rank, and the next call is clean (the tiles used to give up after a guessed number
@@ -126,7 +126,7 @@ def test_a_gated_gemm_that_gives_up_poisons_its_own_call(name):
 
 
 def test_a_capture_that_must_allocate_is_refused_before_it_begins():
-    """Issue 33 M4: the capture used to die with an opaque error (a synchronize and an
+    """The capture used to die with an opaque error (a synchronize and an
     allocation inside it); now a clear refusal, nothing captured, the capture intact."""
     outcomes, error = zip(*_pool().run(cases.capture_that_must_allocate, timeout_s=120))
     for rank_outcomes in outcomes:
@@ -137,7 +137,7 @@ def test_a_capture_that_must_allocate_is_refused_before_it_begins():
 
 
 def test_ranks_sharing_a_gpu_share_the_gated_grids_reserve():
-    """Issue 33 H1: W ranks on one GPU each launched a persistent grid of all but 1/32 of its
+    """W ranks on one GPU each launched a persistent grid of all but 1/32 of its
     compute units: together they filled every unit, so the kernels that raise flags could not
     run. The units left to the gated GEMMs are now split between the ranks on the device."""
     from ficco.kernels import configs
@@ -152,7 +152,7 @@ def test_ranks_sharing_a_gpu_share_the_gated_grids_reserve():
 @pytest.mark.parametrize("env", [{}, {"FICCO_SIGNAL_PADS": "device"}],
                          ids=["host-pads", "device-pads"])
 def test_the_gpu_suites_peer_view_check_holds_for_either_pads(env):
-    """Issue 33 M5: the GPU suite's check took every pad for GPU memory at its slot address,
+    """The GPU suite's check took every pad for GPU memory at its slot address,
     so host pads (the default) failed it on every GPU; it runs here first."""
     for bad, seen in _pool(2).run(cases.peer_views, env, timeout_s=120):
         assert bad == [] and seen, bad

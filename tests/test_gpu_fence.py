@@ -1,4 +1,4 @@
-"""The fence ending every eager GPU dma call (issue 15 item 4): the call's outputs become NaN
+"""The fence ending every eager GPU dma call: the call's outputs become NaN
 when the watchdog released one of its barriers, and stay untouched otherwise. The kernel runs
 here in Triton's interpreter on CPU tensors; tests/gpu runs it compiled."""
 from __future__ import annotations
@@ -38,7 +38,7 @@ def test_lowered_word_leaves_outputs_exactly_as_they_were(dtype, monkeypatch):
 def test_raised_word_turns_every_output_element_into_nan(dtype, triton_kernel, monkeypatch):
     from ficco.kernels import interpreter_reason
 
-    if triton_kernel and interpreter_reason() is not None:     # issue 33 M9: Triton 3.6
+    if triton_kernel and interpreter_reason() is not None:     # Triton 3.6
         pytest.skip(interpreter_reason())
     monkeypatch.setattr(gpu_fence, "MAX_PROGRAMS", 2)
     monkeypatch.setattr(gpu_fence, "BLOCK", 64)

@@ -36,7 +36,7 @@ def test_builtin_profile_loads_and_cites_every_number(name):
 
 @pytest.mark.parametrize("name", REQUIRED_PROFILES)
 def test_every_profile_states_its_host_cost_per_op_measured_or_labelled_estimate(name):
-    """Issue 24 item 4: host_op_s is recorded with each profile, with where it was measured
+    """Host_op_s is recorded with each profile, with where it was measured
     or, until a GPU measures it, a source that says ESTIMATE."""
     raw = json.loads((profiles.PROFILE_DIR / f"{name}.json").read_text())
     assert raw["host_op_s"] > 0
@@ -274,7 +274,7 @@ def test_explain_is_local_and_reports_what_the_call_tuned(tmp_path):
     assert [e["schedule"] for e in entries.values()] == [results[0][2]]
 
 
-# -- the model knows its error (issue 24 item 3) ------------------------------------------------
+# -- The model knows its error ------------------------------------------------
 def _with_band(monkeypatch, width):
     """Every shape class gets the band ``width``."""
     from ficco.heuristics import bands
@@ -394,7 +394,7 @@ def test_bands_come_from_validated_residuals_by_shape_class():
 
 
 def test_explain_lines_up_its_columns_and_says_what_otb_and_mt_are():
-    """Issue 26: the explain header was misaligned and OTB/MT were never defined."""
+    """The explain header was misaligned and OTB/MT were never defined."""
     d = choose(table_i_problem("g6"), target="rocm:gfx942", selector="model")
     lines = str(d).splitlines()
     key = next(line for line in lines if line.startswith("key "))
@@ -441,7 +441,7 @@ def test_logs_come_from_rank_zero_unless_every_rank_is_asked_for():
 
 
 def test_a_forced_schedule_shows_its_predicted_time():
-    """explain() of a forced schedule said only "forced by argument" (issue 36): it now shows
+    """explain() of a forced schedule said only "forced by argument": it now shows
     the model's predicted time for it beside the candidates, labelled simulated."""
     problem = Problem(4096, 512, (1024,), "bfloat16", 4)
     decision = choose(problem, forced="hetero-fused-1d", forced_by="argument",

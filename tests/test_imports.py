@@ -180,3 +180,110 @@ def test_the_private_import_scan_sees_them(tmp_path):
     (pkg / "b.py").write_text("from .a import _helper, public\nfrom . import a\n"
                               "def f(obj):\n    a._helper()\n    obj._own()\n")
     assert sorted(private_imports(pkg)) == ["pkg/b.py:1 _helper", "pkg/b.py:4 a._helper"]
+
+
+#: The floors of ficco/, top first: a module imports from its own floor or the ones below it,
+#: never from one above. The public faces sit on the ops (one package per op family under
+#: ficco/ops/, and the torch-op glue they share), the ops on the engine, the engine in floors
+#: down to the plain data of plans and the modules everything reads.
+FLOORS: tuple[tuple[str, ...], ...] = (
+    ("", "__main__", "api", "nn", "parallel", "moe", "float8", "rng", "compat", "demo",
+     "selftest", "bench", "torchtitan", "integrations"),
+    ("ops",),
+    ("runtime",),
+    ("heuristics",),
+    ("schedules",),
+    ("executor",),
+    ("backends",),
+    ("kernels",),
+    ("symm_mem",),
+    ("plan",),
+    ("config", "errors", "group", "logs", "profiling"),
+)
+#: op package -> the op packages it may import: the all-reduce's spec and its rs-ag schedules
+#: are built on the reduce-scatter's.
+DECLARED: dict[str, set[str]] = {"matmul_all_reduce": {"matmul_reduce_scatter"}}
+#: shared modules of ficco/ops/ that name ops: the first two ops' torch custom ops
+SHARED_NAMING_OPS: dict[str, set[str]] = {"library": {"all_gather_matmul",
+                                                      "matmul_reduce_scatter"}}
+
+
+def _floor(module: str) -> int:
+    top = module.split(".")[1] if "." in module else ""
+    for i, names in enumerate(FLOORS):
+        if top in names:
+            return i
+    raise AssertionError(f"{module}: not on any floor of FLOORS (add its folder there)")
+
+
+def layering_violations(root: Path = ROOT) -> list[str]:
+    """``a -> b: why`` for every import that climbs a floor (:data:`FLOORS`), every engine
+    module (below the ops) that imports an op, and every op package that imports another one
+    it does not declare (:data:`DECLARED`)."""
+    graph = import_graph(root)
+    packages = {m for m, p in {_module_name(p, root): p for p in root.rglob("*.py")}.items()
+                if p.name == "__init__.py"}
+    ops_floor = FLOORS.index(("ops",))
+
+    def op_of(module: str) -> str | None:
+        parts = module.split(".")
+        if len(parts) >= 3 and parts[1] == "ops" and f"{parts[0]}.ops.{parts[2]}" in packages:
+            return parts[2]
+        return None
+
+    found = []
+    for a, targets in sorted(graph.items()):
+        for b in sorted(targets):
+            if _floor(b) < _floor(a):
+                why = "an engine module imports an op" if _floor(b) == ops_floor else \
+                    "imports from a floor above"
+                found.append(f"{a} -> {b}: {why}")
+                continue
+            op_a, op_b = op_of(a), op_of(b)
+            if op_b is None or op_a == op_b:
+                continue
+            if op_a is None:
+                shared = a.split(".")[2] if len(a.split(".")) > 2 else ""
+                if _floor(a) == ops_floor and op_b not in SHARED_NAMING_OPS.get(shared, set()):
+                    found.append(f"{a} -> {b}: a shared module of ficco.ops names an op")
+            elif op_b not in DECLARED.get(op_a, set()):
+                found.append(f"{a} -> {b}: op {op_a} imports op {op_b}, undeclared")
+    return found
+
+
+def test_imports_keep_to_the_floors_and_ops_to_their_declared_neighbours():
+    assert layering_violations() == []
+
+
+def test_the_layering_check_finds_planted_violations(tmp_path):
+    """An engine module importing an op, a floor importing one above it, an op importing an
+    undeclared op and a shared ops module naming an op are each reported; a declared neighbour,
+    an op importing the engine and a face importing an op are not."""
+    pkg = tmp_path / "ficco"
+    files = {
+        "__init__.py": "", "api.py": "from .ops.expert import dispatch\n",
+        "ops/__init__.py": "", "ops/base.py": "from ..runtime import session\n",
+        "ops/front.py": "from .expert import dispatch\n",
+        "ops/expert/__init__.py": "", "ops/expert/dispatch.py": "from ...plan import tasks\n",
+        "ops/all_gather_matmul/__init__.py": "",
+        "ops/all_gather_matmul/spec.py": "from ..expert import dispatch\n",
+        "ops/matmul_reduce_scatter/__init__.py": "", "ops/matmul_reduce_scatter/spec.py": "",
+        "ops/matmul_all_reduce/__init__.py": "",
+        "ops/matmul_all_reduce/spec.py": "from ..matmul_reduce_scatter import spec\n",
+        "runtime/__init__.py": "", "runtime/session.py": "from ..symm_mem import handle\n",
+        "heuristics/__init__.py": "",
+        "heuristics/model.py": "def f():\n    from ..ops.expert import dispatch\n",
+        "symm_mem/__init__.py": "", "symm_mem/handle.py": "from ..backends import cpu\n",
+        "backends/__init__.py": "", "backends/cpu.py": "",
+        "plan/__init__.py": "", "plan/tasks.py": "",
+    }
+    for name, text in files.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+    assert layering_violations(pkg) == [
+        "ficco.heuristics.model -> ficco.ops.expert.dispatch: an engine module imports an op",
+        ("ficco.ops.all_gather_matmul.spec -> ficco.ops.expert.dispatch: op all_gather_matmul "
+         "imports op expert, undeclared"),
+        "ficco.ops.front -> ficco.ops.expert.dispatch: a shared module of ficco.ops names an op",
+        "ficco.symm_mem.handle -> ficco.backends.cpu: imports from a floor above",
+    ]

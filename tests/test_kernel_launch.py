@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 
 
 def test_a_captured_gated_launch_leaves_nothing_for_the_next_eager_call():
-    """Issue 33 M3: a gated GEMM captured into a graph used to queue its error check on the
+    """A gated GEMM captured into a graph used to queue its error check on the
     group's fault (``fault.gated``), bound to an event recorded in the capture and a host word
     that only a replay writes: the next eager call read it (a spurious CommTimeoutError, or a
     replay's give-up never reported). Captured launches leave no such entry: a replayed

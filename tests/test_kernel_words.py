@@ -1,4 +1,4 @@
-"""Issue 33 W3: every load of a word another agent changes while a kernel runs (the group's
+"""Every load of a word another agent changes while a kernel runs (the group's
 error word: the fence's check, the gated GEMM's halt poll) goes to memory, and the gated GEMM's
 store of it is write-through, on every Triton ficco accepts (ficco/kernels/words.py). Checked
 on the kernels compiled offline (Triton ships its compilers): the AMD build's IR carries the

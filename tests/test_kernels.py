@@ -89,7 +89,7 @@ def test_gated_gemm_matches_float64(dtype, two_d, world):
 @pytest.mark.parametrize("programs", [1, 2, 5])
 @pytest.mark.parametrize("two_d", [False, True])
 def test_persistent_grid_smaller_than_the_tiles_computes_every_tile(programs, two_d):
-    """Issue 25 item 1: GPU launches cap the grid below the device's SMs/CUs, so each
+    """GPU launches cap the grid below the device's SMs/CUs, so each
     program walks several tiles (pid, pid + grid, ... in arrival order); every tile is still
     computed once, right, whatever the cap."""
     from ficco.kernels import configs
@@ -113,7 +113,7 @@ def test_persistent_grid_smaller_than_the_tiles_computes_every_tile(programs, tw
 @interpreted
 def test_wait_past_its_deadline_raises_naming_the_chunk_and_leaves_no_stale_value():
     """A flag that never comes: the wait ends at its deadline by the clock (it never hangs),
-    raises the halt word (issue 33 W1: on GPUs the group's error word, so the call's fence
+    raises the halt word (on GPUs the group's error word, so the call's fence
     poisons it and the next call raises), and every tile it did not compute is NaN, never the
     values C held before; the host error names the chunk."""
     seed = random.randrange(1 << 30)
@@ -148,7 +148,7 @@ def test_wait_past_its_deadline_raises_naming_the_chunk_and_leaves_no_stale_valu
 @interpreted
 def test_a_wait_lasts_until_its_deadline_in_time():
     """Flags raised by a host thread 0.6 s into a 1.5 s deadline: the kernel waits for them
-    and computes every tile (issue 33 W1: the budget counted polls at a guessed rate)."""
+    and computes every tile (the budget counted polls at a guessed rate)."""
     seed = random.randrange(1 << 30)
     gen = torch.Generator().manual_seed(seed)
     world, m, k, n = 2, 4, 8, 8
@@ -306,7 +306,7 @@ def test_trace_host_clock_is_the_interpreter_programs_time():
 def test_compiled_trace_reads_the_device_clock_and_costs_nothing_when_off(target, mode, clock):
     """Offline builds: with tracing on, the kernel reads the GPU clock three more times (start,
     flag seen, end); with it off (the default) the only clock reads are the two that time a
-    wait (issue 33 W1: its start, and each poll)."""
+    wait (its start, and each poll)."""
     from ficco.kernels import gated_gemm as gg
     from ficco.kernels import trace
 

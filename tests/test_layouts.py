@@ -1,5 +1,5 @@
 """Every operand of every op in every memory layout, over every schedule and transport, against
-float64 (issue 37 item 1: a column-major ``a`` gave wrong results under the fused 1d schedules
+float64 (a column-major ``a`` gave wrong results under the fused 1d schedules
 of the reduce-scatter, and a wrong ``x.grad`` through the all-gather's backward)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 34 item 3: the terms the shipped model gained from published runs, each checked against
+"""The terms the shipped model gained from published runs, each checked against
 its own arithmetic (so removing or mis-wiring a term fails here): chunking a GEMM that feeds a
 collective, per-chunk copy latencies, GEMMs sharing the machine across streams, PyTorch's
 Async-TP replayed as torch runs it, DeepGEMM's block menu, the all-reduce priced from
@@ -12,8 +12,7 @@ import math
 import pytest
 
 from ficco.bench import async_tp, predictors
-from ficco.heuristics import collectives, gemm, profiles, simulator
-from ficco.ops.matmul_all_reduce import pricing as all_reduce_pricing
+from ficco.heuristics import collectives, gemm, profiles, reductions, simulator
 from ficco.plan import COMPUTE, AllToAll, Barrier, Block, Copy, Gemm, Plan, Record, Reduce
 from ficco.plan.problem import Problem
 
@@ -220,25 +219,25 @@ def test_feed_fraction_is_l2_bandwidth_times_intensity_over_the_unit_rate():
 def test_all_reduce_is_priced_from_profile_numbers_not_its_name():
     nbytes, world = 4 << 20, 4
     renamed = dataclasses.replace(H100, name="my-calibrated-h100")
-    assert all_reduce_pricing.collective_seconds(renamed, nbytes, world) == \
-        pytest.approx(all_reduce_pricing.collective_seconds(H100, nbytes, world))
+    assert reductions.collective_seconds(renamed, nbytes, world) == \
+        pytest.approx(reductions.collective_seconds(H100, nbytes, world))
     # the latency term is the profile's, added once
     later = dataclasses.replace(H100, ccl={**H100.ccl, "all_reduce_latency_s": 30e-6})
-    assert all_reduce_pricing.collective_seconds(later, nbytes, world) - \
-        all_reduce_pricing.collective_seconds(H100, nbytes, world) == pytest.approx(18e-6)
+    assert reductions.collective_seconds(later, nbytes, world) - \
+        reductions.collective_seconds(H100, nbytes, world) == pytest.approx(18e-6)
     # the bandwidth part: bus volume at the curve's plateau, ramped by the copy curve
     ramp = H100.copy_fraction(nbytes / world)
-    assert all_reduce_pricing.collective_parts(H100, nbytes, world)[1] == pytest.approx(
+    assert reductions.collective_parts(H100, nbytes, world)[1] == pytest.approx(
         2 * (world - 1) / world * nbytes / (480e9 * ramp))
     # without a curve, a law or a latency of its own: two collective latencies, the links it
     # crosses at ccl.efficiency, ramped by the copy curve
     mi = dataclasses.replace(MI300X, ccl={k: v for k, v in MI300X.ccl.items()
                                           if k != "latency_bandwidth"})
-    latency, work = all_reduce_pricing.collective_parts(mi, nbytes, 8)
+    latency, work = reductions.collective_parts(mi, nbytes, 8)
     assert latency == pytest.approx(2 * mi.ccl["latency_s"])
     links = 7 * mi.link_for("mesh", 8) * mi.ccl["efficiency"]
     assert work == pytest.approx(2 * 7 / 8 * nbytes / (links * mi.copy_fraction(nbytes / 8)))
-    assert math.isclose(all_reduce_pricing.latency_seconds(profiles.load("h200")), 12e-6)
+    assert math.isclose(reductions.latency_seconds(profiles.load("h200")), 12e-6)
 
 
 def test_nvls_all_reduce_on_eight_h100s_is_priced_by_its_measured_curve():
@@ -256,19 +255,19 @@ def test_nvls_all_reduce_on_eight_h100s_is_priced_by_its_measured_curve():
     assert ar == ag == 90.8e9
     # the simulator's all-reduce on 8 ranks: the curve's time, bus volume over 172.13 GB/s,
     # split into the 12 us latency and the rest
-    latency, work = all_reduce_pricing.collective_parts(H100, mib8, 8)
+    latency, work = reductions.collective_parts(H100, mib8, 8)
     assert latency == pytest.approx(12e-6)
     assert latency + work == pytest.approx(2 * 7 / 8 * mib8 / 172.13e9)
     # on 4 ranks: 12 us + the plateau ramped by the copy curve
     nbytes, world = mib8, 4
     ramp = H100.copy_fraction(nbytes / world)
-    assert all_reduce_pricing.collective_seconds(H100, nbytes, world) == pytest.approx(
+    assert reductions.collective_seconds(H100, nbytes, world) == pytest.approx(
         12e-6 + 2 * (world - 1) / world * nbytes / (480e9 * ramp))
     # below the curve's first size on 8 ranks: straight from the small-message latency (22 us,
     # ccl.small_latency_s) at no bytes up to the 2 MiB point's time
     first = 2 * 7 / 8 * (2 << 20) / 90.8e9
     for nbytes in (16 << 10, 1 << 20):
-        assert all_reduce_pricing.collective_seconds(H100, nbytes, 8) == pytest.approx(
+        assert reductions.collective_seconds(H100, nbytes, 8) == pytest.approx(
             22e-6 + (first - 22e-6) * nbytes / (2 << 20))
 
 
@@ -293,7 +292,7 @@ def test_compute_unit_collectives_on_mi300x_follow_their_latency_bandwidth_law()
     assert (task.fixed_s, task.work_s) == pytest.approx((20e-6, (4 << 20) / (link * 0.67)))
     # RCCL's all-reduce: 54 us + the bus volume over the 7 links at 0.695
     mib8 = 8 << 20
-    latency, work = all_reduce_pricing.collective_parts(MI300X, mib8, 8)
+    latency, work = reductions.collective_parts(MI300X, mib8, 8)
     assert (latency, work) == pytest.approx((54e-6, 2 * 7 / 8 * mib8 / (7 * link * 0.695)))
     busbw = predictors.nccl_busbw_gbps(MI300X, "all_reduce", mib8)
     assert busbw == pytest.approx(2 * 7 / 8 * mib8 / (latency + work) / 1e9)

@@ -99,7 +99,7 @@ def test_layer_shape_of_a_batch():
 @pytest.mark.parametrize("transport", ["dma", "ccl"])
 def test_a_rank_that_skips_a_backward_of_an_moe_layer_makes_every_rank_raise_mismatch(
         transport):
-    """Issue 29 item 1 for the expert-parallel ops. Before: rank 0's backward (a dispatch and
+    """The skipped-backward case for the expert-parallel ops. Before: rank 0's backward (a dispatch and
     a combine handed the forward's routing: no counts exchange, straight to the call check)
     waited in its check while rank 1's next forward waited in its counts exchange: both timed
     out at FICCO_TIMEOUT and the group was poisoned. Now the backward's calls carry their

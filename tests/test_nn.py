@@ -1,4 +1,4 @@
-"""ficco.nn's traps (issue 26 item 3): no silent wrong model from an unset sequence dimension,
+"""ficco.nn's traps: no silent wrong model from an unset sequence dimension,
 a warning where from_linear unties tied weights, and ficco.rng.ShardRNG for dropout masks that
 differ per sequence shard (eager and compiled)."""
 from __future__ import annotations
@@ -107,7 +107,7 @@ def test_shard_rng_gives_each_sequence_shard_its_own_dropout_mask():
 
 
 def _draws_after_layers(rank, world, seed):
-    """Issue 37 item 10: layers of uneven widths (7 features over the ranks) must leave the
+    """Layers of uneven widths (7 features over the ranks) must leave the
     global RNG where every rank finds the same next numbers: ``from_linear`` draws nothing,
     the constructors the same amount on every rank."""
     import torch.distributed as dist

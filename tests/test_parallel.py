@@ -157,7 +157,7 @@ def test_torch_plan_on_ficco_styles_trains_like_the_unsharded_model(world, varia
 
 @pytest.mark.parametrize("world", [2])
 def test_torch_plan_without_sequence_parallelism_all_reduces_on_ficco(world):
-    """Issue 35: torch's plan without sequence parallelism, on ficco's styles. Its row-parallel
+    """Torch's plan without sequence parallelism, on ficco's styles. Its row-parallel
     linears (wo, w2) keep RowwiseParallel's replicated output, an all-reduce, which now runs in
     ficco.matmul_all_reduce (forward only: its backward is local); its column-parallel
     linears get a replicated input (nothing to gather: torch's path). Trains like the
@@ -359,7 +359,7 @@ def _dtensor_operands_compiled(rank, world, seed):
         y = ficco.matmul_reduce_scatter(h, down_dt, scatter_dim=1)             # DTensor b
         z = ficco.all_gather_matmul(x_local, up_local, mesh, gather_dim=1)    # a mesh group
         w_rep = ficco.all_gather_matmul(x_dt, up_replicated, gather_dim=1)
-        v = ficco.matmul_all_reduce(h, down_dt)            # issue 35: a DTensor b, all-reduced
+        v = ficco.matmul_all_reduce(h, down_dt)            # a DTensor b, all-reduced
         return (y * y).sum() + (z * z).sum() + w_rep.sum() + (v * v).sum()
 
     def leaves():

@@ -69,7 +69,7 @@ KNOWN_MISSES: dict[str, str] = {}
 
 
 def test_validate_per_family_against_the_targets():
-    """Issue 34: median |error| at most 8% over the point rows nobody fitted, at most 10% per
+    """Median |error| at most 8% over the point rows nobody fitted, at most 10% per
     family; the families that miss it are the documented ones, and still miss it."""
     errors = validate.family_errors(validate.evaluate(validate.read_table(validate.TABLE)))
     assert errors["all"] <= validate.TARGET_ALL, errors
@@ -79,7 +79,7 @@ def test_validate_per_family_against_the_targets():
 
 
 def test_the_model_never_picks_overlap_where_a_publication_measured_it_losing():
-    """Issue 34: FLUX's fused GEMM+RS lost 2-25% to torch+NCCL on 8x H100 (L1-L6) and torch's
+    """FLUX's fused GEMM+RS lost 2-25% to torch+NCCL on 8x H100 (L1-L6) and torch's
     Async-TP lost 79-359% (R10-R12); on those shapes the model selector keeps serial."""
     picks = list(validate.picks_where_overlap_lost(
         validate.evaluate(validate.read_table(validate.TABLE))))
@@ -90,7 +90,7 @@ def test_the_model_never_picks_overlap_where_a_publication_measured_it_losing():
 
 
 def test_an_installed_wheel_validates_from_anywhere(tmp_path):
-    """Issue 26: ``python -m ficco.bench validate`` from an installed wheel failed with
+    """``python -m ficco.bench validate`` from an installed wheel failed with
     FileNotFoundError: the published rows lived in the checkout's bench/, not in the package."""
     from setuptools import build_meta
 

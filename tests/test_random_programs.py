@@ -1,4 +1,4 @@
-"""Issue 37: randomized programs on CPU ranks (tests/random_programs.py): ranks skip, repeat,
+"""Randomized programs on CPU ranks (tests/random_programs.py): ranks skip, repeat,
 swap, refuse and fail calls at random, and reset every few calls; every result is checked
 against float64 by the pairing rule of docs/design.md §7. Error, never data; in bounded time.
 (The campaign of many programs: ``python bench/campaigns.py programs``.)"""

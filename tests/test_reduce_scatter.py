@@ -240,7 +240,7 @@ def test_explain_and_selectors_cover_the_new_op():
     check_selector_picks(harness.pool(3).run(selector_picks, random.randrange(1 << 30)), NAMES)
 
 
-# -- issue 29 item 9: where bf16 partial sums are rounded ------------------------------------------
+# -- Where bf16 partial sums are rounded ------------------------------------------
 def _bf16_sums(rank, world, seed):
     """Each rank's bf16 partial a_r @ b_r is the GEMM's own rounding; what differs is how the
     W partials are summed: in fp32 and rounded once (dma; ring and FiCCO over ccl), or by the

@@ -1,4 +1,4 @@
-"""Decide once (issue 24 item 5): the Decision cached like the Plan and invalidated when a
+"""Decide once: the Decision cached like the Plan and invalidated when a
 setting that decides changes; the device profile frozen and fingerprinted once; the backend
 chosen once per process; a warm call serialises nothing."""
 from __future__ import annotations
@@ -142,7 +142,7 @@ def _warm_serialises(rank, world, seed):
     one, bias = torch.tensor(1.0), torch.randn(8, generator=gen)
     ops = [lambda: ficco.all_gather_matmul(a, b),
            lambda: ficco.matmul_reduce_scatter(torch.cat([a] * world), b),
-           # an fp8 call with a bias (issue 27): its epilogue's signature is hashable too
+           # an fp8 call with a bias: its epilogue's signature is hashable too
            lambda: ficco.all_gather_matmul(a8, b8, a_scale=one, b_scale=one, bias=bias,
                                            out_dtype=torch.bfloat16)]
     for op in ops:
@@ -199,7 +199,7 @@ def _fp8(t):
 
 
 def test_a_warm_call_checks_nothing_again_and_computes_with_its_own_tensors(monkeypatch):
-    """Issue 24 item 5: the canonical Call of a key (op, shapes, dtypes, devices, group,
+    """The canonical Call of a key (op, shapes, dtypes, devices, group,
     backend, the other arguments) is made once; a warm call of that key runs no check again
     but computes with its own operands, scales and bias (fresh values every call)."""
     from ficco.ops.all_gather_matmul import spec as ag

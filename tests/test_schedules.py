@@ -10,9 +10,10 @@ import pytest
 
 from ficco import schedules
 from ficco.errors import InvalidArgumentError
-from ficco.ops.all_gather_matmul.schedules.ficco import FICCO_SCHEDULES, Ficco, chunks, coalesce
+from ficco.ops.all_gather_matmul.schedules.ficco import FICCO_SCHEDULES, Ficco, chunks
 from ficco.plan import AllGather, Barrier, Copy, Gemm, Record, Wait
 from ficco.plan.problem import Problem
+from ficco.schedules.common import coalesce
 
 from .plan_checks import PlanCheckError, check_plan, check_plans
 

@@ -1,4 +1,4 @@
-"""Issue 37: a group's state is its Session's (ficco/runtime/session.py), found from the group object.
+"""A group's state is its Session's (ficco/runtime/session.py), found from the group object.
 Two groups never share a queue, an abort switch or a lock; a new group of an old name starts
 clean; a rank's shutdown is local and the group is back in step once every rank called it;
 agreed calls pair by number, so a call that failed on one rank never pairs its next call with

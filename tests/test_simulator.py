@@ -1,4 +1,4 @@
-"""The simulator's invariants (issues 4, 17): physical bounds, monotonicity, topology effects,
+"""The simulator's invariants: physical bounds, monotonicity, topology effects,
 queue semantics. Never a fitted number: those are held against published results by
 ``python -m ficco.bench validate``."""
 from __future__ import annotations
@@ -323,7 +323,7 @@ TWO_D = [n for n in schedules.names() if n.endswith("-2d")]
 
 @pytest.mark.parametrize("base", [MI300X, H100], ids=["mi300x", "h100"])
 def test_2d_copies_on_compute_units_never_price_a_2d_schedule_cheaper(base):
-    """Issue 15 item 9: where 2-D copies run as kernels (ROCm's hipMemcpy2DAsync ignores the
+    """Where 2-D copies run as kernels (ROCm's hipMemcpy2DAsync ignores the
     NoCU kind), a 2D schedule is never predicted faster than with the same copies on DMA
     engines, and the flag is not ignored: some schedule gets slower."""
     import random
@@ -459,7 +459,7 @@ def test_a_gather_kernel_takes_more_compute_units_than_a_collective():
     assert times == sorted(times) and times[0] < times[-1], times
 
 
-# -- issue 25 item 4: one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) ---------------------------
+# -- One hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) ---------------------------
 @pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
 def test_one_hardware_queue_dispatches_in_issue_order_and_serialises_barriers_and_copies(op):
     """With every stream on one hardware queue ops start in the host's issue order, nothing

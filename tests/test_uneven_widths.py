@@ -1,4 +1,4 @@
-"""Issue 29 item 2: shard widths that do not divide by W. Only rows travel, so the width of
+"""Shard widths that do not divide by W. Only rows travel, so the width of
 this rank's weight shard (``n`` of all_gather_matmul, ``K`` of matmul_reduce_scatter) may differ
 across ranks: every schedule, both transports, W 2-4 against float64; gradients (gradcheck in
 float64, and ficco.nn layers of 64 features at W=3, 22/21/21, trained against the unsharded

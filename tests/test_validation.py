@@ -71,7 +71,7 @@ def test_cpu_tensors_with_a_forced_gpu_backend_fail_clearly(monkeypatch):
         ficco.all_gather_matmul(_a(4, 8), _a(8, 3))
 
 
-# -- issue 14: small validation gaps ------------------------------------------------------------
+# -- Small validation gaps ------------------------------------------------------------
 def test_gather_dim_must_be_an_integer_not_a_bool():
     with pytest.raises(InvalidArgumentError, match="bool"):
         ficco.all_gather_matmul(_a(4, 8), _a(8, 3), gather_dim=True)

@@ -324,8 +324,8 @@ def nccl_busbw_gbps(prof, kind: str, size: int | str, world: int | str = "8") ->
 
 def all_reduce_us(prof, size: int | str, world: int | str = "8") -> float:
     """Microseconds of the process group's all-reduce (NCCL/RCCL) of ``size`` bytes per rank
-    over ``world`` ranks, alone (:mod:`ficco.ops.matmul_all_reduce.pricing`)."""
-    from ..ops.matmul_all_reduce import pricing
+    over ``world`` ranks, alone (:mod:`ficco.heuristics.reductions`)."""
+    from ..heuristics import reductions as pricing
 
     return pricing.collective_seconds(prof, int(size), int(world)) * 1e6
 
@@ -335,7 +335,7 @@ def kernel_all_reduce_us(prof, size: int | str, world: int | str = "8",
     """Microseconds of the one-kernel all-reduce of ``size`` bytes per rank: ``shots`` "one"
     (``one-shot-kernel``), "two" (``two-shot-kernel``) or "best" (the faster: what a custom
     all-reduce that picks its algorithm by size runs)."""
-    from ..ops.matmul_all_reduce import pricing
+    from ..heuristics import reductions as pricing
 
     one, two = (pricing.shot_kernel_seconds(prof, int(size), int(world), two_shot=t) * 1e6
                 for t in (False, True))
@@ -346,7 +346,7 @@ def torch_all_reduce_us(prof, size: int | str, world: int | str = "8",
                         variant: str = "one-shot") -> float:
     """Microseconds of torch's ``symm_mem`` all-reduce ``variant`` of ``size`` bytes per rank
     as ``torch-<variant>`` prices it, its input already in torch's symmetric memory."""
-    from ..ops.matmul_all_reduce import pricing
+    from ..heuristics import reductions as pricing
 
     return pricing.torch_kernel_seconds(prof, int(size), int(world), variant) * 1e6
 

@@ -47,8 +47,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from .. import config, logs, schedules
-from ..ops.expert.problem import bucket
-from ..plan.problem import Problem
+from ..plan.problem import Problem, bucket
 from . import measured, sku
 from .decision import Decision
 from .measured import Candidate, Live, ficco_version

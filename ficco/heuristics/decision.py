@@ -63,7 +63,7 @@ class Decision:
     #: turn it on (:func:`ficco.heuristics.off_by_default`)
     off: dict = field(default_factory=dict)
     #: lines naming the kernel the pick runs and the published time it is priced against
-    #: (``matmul_all_reduce``: :func:`ficco.ops.matmul_all_reduce.pricing.priced_against`)
+    #: (``matmul_all_reduce``: :func:`ficco.heuristics.reductions.priced_against`)
     priced: tuple = ()
 
     def ranked(self) -> list[tuple[str, float]]:

@@ -16,10 +16,10 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from .. import schedules
-from ..ops.expert.problem import ExpertProblem
-from ..plan.problem import Problem
+from ..plan.problem import DtypeFields, Problem
 from .profiles import Profile
 from .simulator import SimResult, simulate
 
@@ -37,16 +37,18 @@ def representative_ranks(world: int) -> list[int]:
     return sorted({0, world // 2})
 
 
-def simulate_schedule(name: str, problem: Problem | ExpertProblem, profile: Profile,
+def simulate_schedule(name: str, problem: DtypeFields, profile: Profile,
                       topology: str | None = None, transport: str = "dma",
                       copy_engines: int | None = None, rank: int = 0) -> SimResult:
-    """Simulate schedule ``name`` for ``problem`` as seen by ``rank``."""
-    plan = schedules.get(name, op=problem.op).plan(replace(problem, rank=rank), transport,
+    """Simulate schedule ``name`` for ``problem`` (any op's: a frozen dataclass) as seen by
+    ``rank``."""
+    frozen: Any = problem
+    plan = schedules.get(name, op=problem.op).plan(replace(frozen, rank=rank), transport,
                                                   copy_engines)
     return simulate(plan, profile, topology)
 
 
-def predict(name: str, problem: Problem | ExpertProblem, profile: Profile,
+def predict(name: str, problem: DtypeFields, profile: Profile,
             topology: str | None = None, transport: str = "dma",
             copy_engines: int | None = None) -> float:
     """Predicted seconds of schedule ``name``: the slowest representative rank's makespan."""

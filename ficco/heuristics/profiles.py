@@ -70,7 +70,7 @@ JSON schema (every key at top level; units in the names)::
       "ccl": {"efficiency": 0.8,               # fraction of link bandwidth a collective reaches
               "latency_s": 2e-05,
               "all_reduce_latency_s": null,    # the all-reduce's (null: 2 x latency_s;
-                                               # ops/matmul_all_reduce/pricing.py)
+                                               # heuristics/reductions.py)
               "compute_unit_fraction": 0.1},   # share of CUs a collective kernel occupies
       "sources": {"peak_flops": "...", ...}    # where every number comes from
     }

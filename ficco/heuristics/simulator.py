@@ -48,8 +48,7 @@ Cost model (every number from :class:`~ficco.heuristics.profiles.Profile`):
   estimate.
 
 Ops are priced by ``op.kind``: kind ``"x"`` is priced by ``Simulation._price_x`` (a new op
-kind adds one such method), or by the op's own ``price(sim, op, task, mt_factor)`` when its
-class carries one (a :class:`~ficco.plan.HostOp` of an op package that prices its own work).
+kind adds one such method).
 
 Example::
 
@@ -65,21 +64,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ..errors import InvalidArgumentError
-from ..ops.expert import pricing as all_to_all_pricing
-from ..ops.matmul_all_reduce import pricing as all_reduce_pricing
-from ..plan import COMPUTE, GatedGemm, Op, Plan, Record, Wait, item_bytes, op_label
-from . import collectives
+from ..plan import COMPUTE, GatedGemm, HostOp, Op, Plan, Record, Wait, item_bytes, op_label
+from . import collectives, reductions
 from . import gemm as gemm_cost
 
 # Contention rates live in .contention; re-exported here for callers of simulator.*.
 from .contention import dma_contention, mt_factor, shard_mt_factor
+from .pieces import GatedPiece, lower_for_simulation
 from .profiles import Profile
-
-if TYPE_CHECKING:   # as _lower_gated: the schedules package is loaded only for gated plans
-    from ..ops.all_gather_matmul.schedules.gated import GatedPiece
 
 _EPS = 1e-12
 #: Plan ops that only order queues: they take no time and are not drawn.
@@ -355,9 +349,8 @@ class Simulation:
 
     # -- solo costs, one method per op kind -------------------------------------------------
     def _task(self, op) -> _Task:
-        own = getattr(op, "price", None)
-        if own is not None:     # a plan op that carries its price (HostOp.price)
-            return own(self, op, _Task, mt_factor)
+        if isinstance(op, HostOp):    # an op family's own work: it prices itself
+            return op.price(self, op, _Task, mt_factor)
         price = getattr(self, f"_price_{op.kind}", None)
         if price is None:
             raise InvalidArgumentError(
@@ -431,10 +424,10 @@ class Simulation:
         reading every source (and the destination when accumulating) and writing it once;
         slowed like any memory-bound op while copies stream beside it. One that reads peers'
         memory (the all-reduce's ``-sm`` loads) is priced over the links
-        (:mod:`ficco.ops.matmul_all_reduce.pricing`)."""
+        (:mod:`ficco.heuristics.reductions`)."""
         rank = self.problem.rank
         if any(s.peer is not None and s.peer != rank for s in op.srcs):
-            return all_reduce_pricing.price_remote_reduce(self, op, _Task)
+            return reductions.price_remote_reduce(self, op, _Task)
         dil = self.profile.dil
         nbytes = sum(map(self._bytes, op.srcs)) + self._bytes(op.dst) * (
             2 if op.accumulate else 1)
@@ -452,28 +445,12 @@ class Simulation:
         return self.collective("reduce_scatter", block, self.problem.world - 1)
 
     def _price_all_reduce(self, op) -> _Task:
-        """The process group's all-reduce (NCCL/RCCL): :mod:`ficco.ops.matmul_all_reduce.pricing`."""
-        return all_reduce_pricing.price_all_reduce(self, op, _Task)
-
-    def _price_shot_all_reduce(self, op) -> _Task:
-        """The one-kernel all-reduce: :mod:`ficco.heuristics.all_reduce_pricing`."""
-        return all_reduce_pricing.price_shot_kernel(self, op, _Task)
-
-    def _price_torch_all_reduce(self, op) -> _Task:
-        """torch's symmetric-memory all-reduce: :mod:`ficco.heuristics.all_reduce_pricing`."""
-        return all_reduce_pricing.price_torch_kernel(self, op, _Task)
+        """The process group's all-reduce (NCCL/RCCL): :mod:`ficco.heuristics.reductions`."""
+        return reductions.price_all_reduce(self, op, _Task)
 
     def _price_send_recv(self, op) -> _Task:
         block = op.recv if op.recv is not None else op.send
         return self.collective("all_to_all", self._bytes(block) if block else 0, 1)
-
-    def _price_expert(self, op) -> _Task:
-        """Expert-parallel ops (sizes from the problem's routing counts): priced in
-        :mod:`ficco.ops.expert.pricing` with this simulator's primitives."""
-        return all_to_all_pricing.price(self, op, _Task, mt_factor)
-
-    _price_expert_publish = _price_expert_copy = _price_expert_gemm = _price_expert
-    _price_expert_all_to_all = _price_expert
 
     def _price_barrier(self, op) -> _Task:
         world = self.problem.world
@@ -525,11 +502,9 @@ class Simulation:
 def _lower_gated(plan: Plan) -> tuple[tuple[Op | GatedPiece, ...], Sequence[int]]:
     """(ops, origin): the plan's ops with gated GEMMs split into pieces gated on their flags'
     Signals, and per op the index of the op the host enqueued for it (see
-    ficco.ops.all_gather_matmul.schedules.gated)."""
+    :mod:`ficco.heuristics.pieces`)."""
     if not any(isinstance(op, GatedGemm) for op in plan.ops):
         return plan.ops, range(len(plan.ops))
-    from ..ops.all_gather_matmul.schedules.gated import lower_for_simulation
-
     return lower_for_simulation(plan)
 
 

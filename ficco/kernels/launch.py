@@ -228,7 +228,7 @@ _shot_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def shot_task(buffers, op):
     """The host function that launches ``op`` (a one-kernel all-reduce,
-    :class:`~ficco.schedules.all_reduce.kernel.ShotAllReduce`) when the compute queue runs it:
+    :class:`~ficco.ops.matmul_all_reduce.schedules.kernel.ShotAllReduce`) when the compute queue runs it:
     on the CPU worker in the interpreter (synchronous: a wait that gives up raises here), on
     GPUs at once on the stream, its error word checked behind it as the gated GEMM's is (the
     group's word is its halt, so a failed group stops it at once)."""

@@ -12,26 +12,53 @@ plans, workspaces, executing, measuring) is shared and lives in :mod:`ficco.runt
     buffers = spec.buffers(call, transport, symm, wide=..., plan=...)   # the plan's tensors
     spec.result(call, buffers, transport)       # canonical outputs -> the caller's layout
 
-Adding an op adds one module to ``ficco/ops/`` defining ``SPEC`` (see ``ops/__init__.py``).
+Adding an op adds one package to ``ficco/ops/`` whose ``spec`` module defines ``SPEC`` (see
+``ops/__init__.py``).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
 from .. import schedules
+from ..errors import InvalidArgumentError
 from ..plan.epilogue import rebound
 from ..runtime.call import Call
+from ..schedules.common import OptionalSchedule, Schedule
 
 #: the op's own Call subclass, which its methods take (each op reads its own fields)
 C = TypeVar("C", bound=Call)
 
 
+@dataclass(frozen=True)
+class Placements:
+    """The DTensor placements an op takes on a 1-D mesh (its spec's ``placements``), for ``a``
+    and for each weight of ``b``: the ``Shard`` dims (``None``: the op's gather dimension;
+    negative: from the last), whether ``Replicate()`` does for ``b``, and the words an error
+    says them in (``{dim}``: the gather dimension)."""
+
+    a: tuple[int | None, ...]
+    a_words: str
+    b: tuple[int | None, ...]
+    b_words: str
+    b_replicate: bool = False
+
+
 class OpSpec(ABC, Generic[C]):
     #: the op's public name, also the ``op`` of its Problems and cache keys
     name: ClassVar[str]
+    #: the public function's first argument, as errors name it
+    first_arg: ClassVar[str] = "a"
+    #: the DTensor placements its operands may come in (None: plain tensors only)
+    placements: ClassVar[Placements | None] = None
     #: whether :meth:`exchange` has data to exchange (the runtime calls it only then)
     exchanges: ClassVar[bool] = False
+    #: the op's schedules, baselines first (``ficco.schedules.names(op=name)``)
+    schedules: ClassVar[tuple[Schedule, ...]]
+    #: schedules that need an optional extra (Triton): known by name, offered only where they
+    #: run (``ficco.schedules.offered``)
+    optional_schedules: ClassVar[tuple[OptionalSchedule, ...]] = ()
 
     # -- schedules ----------------------------------------------------------------------------
     def schedule(self, name: str):
@@ -39,6 +66,12 @@ class OpSpec(ABC, Generic[C]):
         return schedules.get(name, op=self.name)
 
     # -- the call -----------------------------------------------------------------------------
+    def explained(self, a, b, group, *, gather_dim: int, scatter_dim: int, reduce_op: str,
+                  counts, epilogue: dict) -> C:
+        """The Call ``ficco.explain(op=name, ...)`` decides on, from explain's arguments (the op
+        reads those it takes). Never communicates."""
+        raise InvalidArgumentError(f"ficco.explain cannot explain op {self.name!r}")
+
     @abstractmethod
     def prepare(self, *args, **kwargs) -> C:
         """Validate the caller's arguments and return the canonical Call. Never communicates."""

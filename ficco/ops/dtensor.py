@@ -11,7 +11,8 @@ op                                ``a``                                ``b`` (ea
 ``matmul_all_reduce``             ``Shard(-1)``: this rank's K slice   ``Shard(0)``: its K rows
 ================================  ===================================  ==========================
 
-The output is this rank's plain local result (what ``to_local()`` of torch's DTensor result
+Each op's spec declares its row (:class:`~ficco.ops.base.Placements`, ``OpSpec.placements``). The output is
+this rank's plain local result (what ``to_local()`` of torch's DTensor result
 would hold). Anything else is refused, naming the placement to use. Plain Python on
 placements: ``torch.compile`` runs it at trace time.
 
@@ -21,15 +22,7 @@ placements: ``torch.compile`` runs it at trace time.
 from __future__ import annotations
 
 from ..errors import InvalidArgumentError
-
-_WANTED = {  # (op, operand) -> the placements it takes, as the error says them
-    ("all_gather_matmul", "a"): "Shard({dim}), the gathered dimension",
-    ("all_gather_matmul", "b"): "Replicate() or Shard(1) (this rank's columns)",
-    ("matmul_reduce_scatter", "a"): "Shard(-1) (this rank's slice of K)",
-    ("matmul_reduce_scatter", "b"): "Shard(0) (this rank's rows of K)",
-    ("matmul_all_reduce", "a"): "Shard(-1) (this rank's slice of K)",
-    ("matmul_all_reduce", "b"): "Shard(0) (this rank's rows of K)",
-}
+from .base import Placements
 
 
 def is_dtensor(t) -> bool:
@@ -47,8 +40,14 @@ def operands(op: str, name: str, t, dim, mesh):
     must share one)."""
     if not is_dtensor(t):
         return None, mesh
+    from . import get
+
+    placements = get(op).placements
+    if placements is None:
+        raise InvalidArgumentError(f"{op} takes no DTensor operands: pass {name}.to_local() "
+                                   f"and group=<the 1-D mesh>")
     role = "a" if name.startswith("a") else "b"
-    ok, fix = _placed_as_needed(op, role, t, dim)
+    ok, fix = _placed_as_needed(placements, role, t, dim)
     if not ok:
         raise InvalidArgumentError(
             f"{name} is a DTensor with placements {tuple(t.placements)} on a "
@@ -61,10 +60,11 @@ def operands(op: str, name: str, t, dim, mesh):
     return t.to_local(), t.device_mesh
 
 
-def _placed_as_needed(op: str, role: str, t, dim) -> tuple[bool, str]:
+def _placed_as_needed(placements: Placements, role: str, t, dim) -> tuple[bool, str]:
     from torch.distributed.tensor import Replicate, Shard
 
-    fix = _WANTED[(op, role)]
+    dims, fix = ((placements.a, placements.a_words) if role == "a" else
+                 (placements.b, placements.b_words))
     nd = t.dim()
     gather = dim % nd if isinstance(dim, int) and -nd <= dim < nd else dim
     fix = fix.format(dim=gather)
@@ -72,8 +72,7 @@ def _placed_as_needed(op: str, role: str, t, dim) -> tuple[bool, str]:
         return False, fix
     (p,) = t.placements
     shard = p.dim % nd if isinstance(p, Shard) else None
-    if op == "all_gather_matmul":
-        good = shard == gather if role == "a" else isinstance(p, Replicate) or shard == 1
-    else:
-        good = shard == (nd - 1 if role == "a" else 0)
+    wanted = {gather if d is None else d % nd for d in dims}
+    good = shard in wanted or (role == "b" and placements.b_replicate and
+                               isinstance(p, Replicate))
     return good, fix

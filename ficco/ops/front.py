@@ -125,8 +125,9 @@ def eager_suffices(a, bs, plain: bool = False) -> bool:
 def _local_operands(op: str, a, bs, group, dim):
     """(a, bs, group) with DTensor operands replaced by their local tensors (ficco/ops/dtensor.py)
     and their mesh as the group."""
-    a_local, mesh = dtensor.operands(op, "a_shard" if op == "all_gather_matmul" else "a", a,
-                                     dim, None)
+    from . import get
+
+    a_local, mesh = dtensor.operands(op, get(op).first_arg, a, dim, None)
     bs_local = []
     for j, b in enumerate(bs):
         local, mesh = dtensor.operands(op, "b" if len(bs) == 1 else f"b[{j}]", b, dim, mesh)

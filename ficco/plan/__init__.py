@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ..errors import InvalidArgumentError
 from .problem import Problem
@@ -336,15 +336,17 @@ class HostOp:
     """Base of plan ops whose work is one host task sized at launch from the call's buffers
     (``Buffers.task_state``), for op families whose sizes are data: expert parallelism's routing
     counts change every call, so its plans name (expert, source, chunk) and one plan serves
-    every routing (:mod:`ficco.ops.expert.plan_ops`). Subclasses are frozen dataclasses with ``queue`` and
-    ``step``, a ``kind`` (the simulator prices kind ``x`` with ``_price_x``, or with the
-    class's own static ``price(sim, op, task, mt_factor)`` when it has one) and a static
-    ``host_task(views, buffers, op) -> fn`` that the executor launches on the op's queue."""
+    every routing (:mod:`ficco.ops.expert.plan_ops`). Subclasses are frozen dataclasses with
+    ``queue`` and ``step``, a ``kind``, a static ``host_task(views, buffers, op) -> fn`` that
+    the executor launches on the op's queue and a static ``price(sim, op, task, mt_factor)``:
+    its solo cost on a simulation (:mod:`ficco.heuristics.simulator`), built from the
+    simulation's primitives."""
 
     queue: str
     step: int
     kind: ClassVar[str]
     host_task: ClassVar[Callable[..., Callable[[], object]]]
+    price: ClassVar[Callable[..., Any]]
 
 
 Op = (Copy | Gemm | Reduce | AllGather | AllToAll | ReduceScatter | AllReduce | SendRecv

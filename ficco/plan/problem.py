@@ -67,6 +67,20 @@ def even_split(total: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
+def bucket(rows: float) -> int:
+    """Round a row count up to three significant bits (at most 25 % more): 0-8 stay, then
+    10, 12, 14, 16, 20, 24, 28, 32, 40, …
+
+    >>> [bucket(x) for x in (0, 3, 9, 17, 100)]
+    [0, 3, 10, 20, 112]
+    """
+    rows = math.ceil(rows)
+    if rows <= 8:
+        return max(rows, 0)
+    step = 1 << (rows.bit_length() - 3)
+    return -(-rows // step) * step
+
+
 class DtypeFields:
     """``itemsize`` and ``torch_dtype`` of a problem whose ``dtype`` is a torch dtype name, and
     its epilogue (:mod:`ficco.plan.epilogue`): none unless the problem's own fields say otherwise
@@ -74,6 +88,14 @@ class DtypeFields:
 
     dtype: str
     out_dtype, scaling, bias, activation = "", "", False, ""
+    #: what the engine reads off any op's problem (a frozen dataclass): its op, world, rank
+    op: str
+    world: int
+    rank: int
+
+    def key(self) -> tuple:
+        """The fields a decision depends on (each problem class says which)."""
+        raise NotImplementedError
 
     @cached_property      # read per op by the simulator: once per problem
     def itemsize(self) -> int:

@@ -42,24 +42,14 @@ import os
 import pickle
 import socket
 import struct
-import time
 from dataclasses import dataclass
 
 from .. import config
 from ..errors import CommTimeoutError, MismatchError
 from ..group import key as group_key
+from ..symm_mem import agree as symm_agree
 from .session import AGREED_KEPT, Channel, channel_of
-from .store import (
-    Bounded,
-    Stalled,
-    delete_key,
-    has_key,
-    join,
-    late_error,
-    store_of,
-    unanswered,
-    wait_keys,
-)
+from .store import delete_key, has_key, join, late_error, store_of, wait_keys
 
 #: the signature key whose value may differ across ranks (see the module docstring)
 PER_RANK = "per_rank"
@@ -144,47 +134,24 @@ def confirm_same_call(group, rank: int, world: int, signature: dict, op: str,
     return _settle(channel, word, signature, everyone, op, number)
 
 
-def bounded(channel: Channel, group) -> Bounded:
-    """The channel's :class:`~ficco.runtime.store.Bounded` store (made at its first use
-    from the group's store)."""
-    store = channel.store
-    if store is None:
-        raw = store_of(group)
-        with channel.lock:
-            store = channel.store
-            if store is None:
-                store = channel.store = Bounded(raw, channel.key)
-    return store
-
-
-def answer(group, rank: int, world: int, signature: dict, number: int,
-           until: float) -> None:
+def answer(group, rank: int, world: int, signature: dict, number: int) -> None:
     """From a dma plan barrier that waits: when a peer opened an agreement exchange at this
     rank's next position, join it with this call's signature and number. A difference raises
     the MismatchError every participant raises; no difference returns, and the barrier goes
     on waiting (that peer had only forgotten the signature). Cheap when nobody waits: one
-    store lookup per peer, given up on at ``until`` (the barrier's deadline, a monotonic
-    time)."""
+    store lookup per peer."""
     channel = channel_of(group)
     if channel is None or world == 1 or channel.epoch is None:
         return
-    store = bounded(channel, group)
+    store = store_of(group)
     with channel.lock:
         prefix = f"ficco/{channel.epoch}/{channel.sequence + 1}/"
-
-    def opened(raw):
-        for peer in range(world):
-            if peer != rank and has_key(raw, f"{prefix}{peer}"):
-                return raw.get(f"{prefix}{peer}")
-        return None
-
-    try:      # never past the barrier's own deadline: a frozen store answers nothing
-        raw = store.run(opened, until - time.monotonic())
-    except Stalled:
-        return       # the barrier times out at its deadline and names who is silent
-    if raw is None:
+    for peer in range(world):
+        if peer != rank and has_key(store, f"{prefix}{peer}"):
+            what, theirs = _load(store.get(f"{prefix}{peer}"))
+            break
+    else:
         return
-    what, theirs = _load(raw)
     if isinstance(theirs, CallData):
         # A call's data exchange (expert routing counts): the peer makes a call this barrier's
         # call cannot be (that one carries no exchange), so the digests differ and the
@@ -227,26 +194,19 @@ def check(channel: Channel, group, rank: int, world: int, word: int, number: int
     prefix = f"ficco/{epoch}/{seq}/"
     keys = [f"{prefix}{r}" for r in range(world)]
     mine = _CHECK.pack(word, number)
-    timeout_s = config.timeout_s()
-
-    def talk(raw) -> list:
-        try:
-            raw.set(keys[rank], mine)
-            if not raw.check(keys):
-                wait_keys(raw, keys, timeout_s)
-            parts = [raw.get(k) for k in keys]
-        except Exception as exc:  # torch raises DistStoreError or RuntimeError
-            raise late_error(raw, keys, rank, what, f"exchange {seq} on group {channel.key}",
-                             timeout_s, exc) from exc
-        if seq > 2:      # every rank read exchange seq-2 before it could write seq-1
-            delete_key(raw, f"ficco/{epoch}/{seq - 2}/{rank}")
-        return parts
-
     try:
-        parts = store.run(talk, timeout_s)
-    except Stalled as exc:
-        raise unanswered(store, rank, what, f"exchange {seq} on group {channel.key}",
-                         timeout_s, exc) from exc
+        store.set(keys[rank], mine)
+        if not store.check(keys):
+            wait_keys(store, keys, config.timeout_s())
+        parts = [store.get(k) for k in keys]
+    except Exception as exc:  # torch raises DistStoreError or RuntimeError
+        raise late_error(store, keys, rank, what, f"exchange {seq} on group {channel.key}",
+                    config.timeout_s(), exc) from exc
+    if seq > 2:
+        try:      # every rank read exchange seq-2 before it could write seq-1
+            store.delete_key(f"ficco/{epoch}/{seq - 2}/{rank}")
+        except Exception:  # noqa: BLE001, S110 - stores without delete keep a few bytes each
+            pass
     if parts.count(mine) != world:
         raise _out_of_step(group, rank, word, number, [_load(raw, what) for raw in parts])
 
@@ -383,7 +343,8 @@ def exchange(group, rank: int, world: int, payload, *, what: str) -> list:
         return [payload]
     channel = channel_of(group)
     assert channel is not None
-    store = bounded(channel, group)
+    store = channel.store or store_of(group)
+    channel.store = store
     timeout_s = config.timeout_s()
     if channel.epoch is None:
         join(channel, store, rank, world, timeout_s)
@@ -394,27 +355,17 @@ def exchange(group, rank: int, world: int, payload, *, what: str) -> list:
     keys = [f"{prefix}{r}" for r in range(world)]
     gid = channel.key
     check_part = what.endswith(CHECK)
-    mine = _CHECK.pack(*payload) if check_part else pickle.dumps((what, payload))
-
-    def talk(raw) -> list:
-        try:
-            raw.set(keys[rank], mine)
-            wait_keys(raw, keys, timeout_s)
-        except Exception as exc:  # torch raises DistStoreError or RuntimeError
-            raise late_error(raw, keys, rank, what, f"exchange {seq} on group {gid}",
-                             timeout_s, exc) from exc
-        parts = [raw.get(k) for k in keys]
-        if seq > 2:
-            # Every rank finished reading exchange seq-2 before it could write exchange seq-1.
-            delete_key(raw, f"ficco/{epoch}/{seq - 2}/{rank}")
-        return parts
-
     try:
-        parts = store.run(talk, timeout_s)
-    except Stalled as exc:
-        raise unanswered(store, rank, what, f"exchange {seq} on group {gid}", timeout_s,
-                         exc) from exc
-    tagged = [_load(raw, what if check_part else None) for raw in parts]
+        store.set(keys[rank], _CHECK.pack(*payload) if check_part else
+                  pickle.dumps((what, payload)))
+        wait_keys(store, keys, timeout_s)
+    except Exception as exc:  # torch raises DistStoreError or RuntimeError
+        raise late_error(store, keys, rank, what, f"exchange {seq} on group {gid}", timeout_s,
+                    exc) from exc
+    tagged = [_load(store.get(k), what if check_part else None) for k in keys]
+    if seq > 2:
+        # Every rank finished reading exchange seq-2 before it could write exchange seq-1.
+        delete_key(store, f"ficco/{epoch}/{seq - 2}/{rank}")
     if any(tag != what for tag, _ in tagged):
         raise _out_of_step(group, rank, None, None, tagged)
     return [part for _, part in tagged]
@@ -472,3 +423,7 @@ def wait_bounded(work, *, rank: int, what: str) -> None:
     if ok is False:
         raise CommTimeoutError(f"rank {rank}: {what} did not finish within FICCO_TIMEOUT "
                                f"({timeout_s:.1f}s)")
+
+
+# Symmetric memory's allocation steps end in this exchange (it sits below the runtime).
+symm_agree.use_exchange(exchange)

@@ -93,11 +93,6 @@ def failed(call: Call, exc: BaseException, stage: Stage) -> BaseException:
             f"rank {call.rank}: {_doing(call, transport, schedule, exc, step)} failed on this "
             f"rank ({summary}); peers waiting for it raise at their deadline. The group is out "
             f"of step: see the error-handling section of the README")
-    if isinstance(exc, CommTimeoutError) and exc.args:
-        # A barrier's timeout names the ranks it waited for: say which of them do not run.
-        stopped = _stopped(call, _local_peers(call)[1])
-        if stopped:
-            exc.args = (f"{exc.args[0]}; {_said_stopped(stopped)}", *exc.args[1:])
     if isinstance(exc, (CommTimeoutError, MismatchError, KeyboardInterrupt, SystemExit)) or \
             not _from_transport(exc):
         return exc
@@ -149,22 +144,24 @@ def _gone(call: Call, heard=...) -> tuple[list[int], str]:
     itself did not answer), and one that does not is named as alive but silent (busy in its
     own wait, or slow) when its process runs, as silent when it runs elsewhere. Never this
     rank; never an empty list."""
-    known, local = _local_peers(call)
-    ranks = agreement.ranks_of(call.group) or ()
+    found = agreement.ranks_of(call.group)
+    known = found is not None and len(found) == call.world
+    # not known (no agreement yet, or of another size): no peer is local
+    ranks = found if found is not None and known else ()
+    here = agreement.Process.this()
+    local = [r for r, p in enumerate(ranks) if r != call.rank and
+             (p.host, p.pid_namespace) == (here.host, here.pid_namespace)]
     quiet = _unanswering(call) if heard is ... else heard
     # After the exchange: a peer whose process was still exiting when this rank failed had
     # up to 3 s to be gone.
     dead = [r for r in local if not _alive(ranks[r].pid)]
-    stopped = _stopped(call, [r for r in local if r not in dead])
     store_gone = quiet is None
-    quiet = [r for r in quiet or () if r not in dead and r not in stopped]
+    quiet = [r for r in quiet or () if r not in dead]
     live = [r for r in quiet if r in local]
     elsewhere = [r for r in quiet if r not in local]
     said = []
     if dead:
         said.append(f"rank(s) {dead} are gone (their processes exited)")
-    if stopped:
-        said.append(_said_stopped(stopped))
     if live:
         said.append(f"rank(s) {live} are alive but did not answer a liveness check (busy in "
                     f"another wait, or slow)")
@@ -173,42 +170,10 @@ def _gone(call: Call, heard=...) -> tuple[list[int], str]:
                     + (" (on other hosts: gone, busy or slow)" if known else ""))
     if store_gone:
         said.append("the group's store does not answer (the process hosting it, rank 0 with a "
-                    "tcp:// or env:// rendezvous, is gone, stopped or unreachable)")
+                    "tcp:// or env:// rendezvous, is gone)")
     if said:
-        return sorted(dead + stopped + quiet), "; ".join(said)
+        return sorted(dead + quiet), "; ".join(said)
     return [], "every peer answers a liveness check"
-
-
-def _local_peers(call: Call) -> tuple[bool, list[int]]:
-    """Whether the last agreement knows every rank's process, and the peers in this rank's
-    host and pid namespace (none when it does not know them)."""
-    found = agreement.ranks_of(call.group)
-    known = found is not None and len(found) == call.world
-    here = agreement.Process.this()
-    return known, [r for r, p in enumerate(found if found is not None and known else ())
-                   if r != call.rank and
-                   (p.host, p.pid_namespace) == (here.host, here.pid_namespace)]
-
-
-def _stopped(call: Call, local: list[int]) -> list[int]:
-    """The peers among ``local`` whose process is stopped (SIGSTOP, a debugger's stop)."""
-    ranks = agreement.ranks_of(call.group) or ()
-    return [r for r in local if _state(ranks[r].pid) in ("T", "t")]
-
-
-def _said_stopped(stopped: list[int]) -> str:
-    return (f"rank(s) {stopped} are stopped (their processes do not run: SIGSTOP, a debugger; "
-            f"a stopped rank 0 under a tcp:// or env:// rendezvous also stops the group's "
-            f"store)")
-
-
-def _state(pid: int) -> str | None:
-    """Process ``pid``'s state letter from /proc (``R``, ``S``, ``T`` stopped...), or None."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
 
 
 def _alive(pid: int) -> bool:

@@ -122,10 +122,10 @@ class _Answer:
     def __init__(self, call: Call, sig: dict):
         self.session, self.signature, self.number = call.session, sig, 0
 
-    def __call__(self, until: float) -> None:
+    def __call__(self) -> None:
         session = self.session
         agreement.answer(session.group, session.rank, session.world, self.signature,
-                         self.number, until)
+                         self.number)
 
 
 # -- running ----------------------------------------------------------------------------------------

@@ -60,9 +60,6 @@ class Channel:
         #: how many times this process reset the channel (ranks join an epoch only at equal
         #: generations: ficco.runtime.store.join)
         self.generation = 0
-        #: the group's store as ficco asks it (ficco.runtime.store.Bounded), once an exchange
-        #: found it
-        self.store: Any = None
         self._start()
 
     def reset(self) -> None:
@@ -70,15 +67,7 @@ class Channel:
         at the next generation, the next call is number 1 again."""
         with self.lock:
             self.generation += 1
-        self.close_store()
         self._start()
-
-    def close_store(self) -> None:
-        """End the helper thread of the channel's store (:class:`ficco.runtime.store.Bounded`);
-        the next exchange makes a new one."""
-        store, self.store = self.store, None
-        if store is not None:
-            store.close()
 
     def _start(self) -> None:
         self.epoch: str | None = None
@@ -92,7 +81,7 @@ class Channel:
         #: the last one taken (the runtime takes them itself on its warm path)
         self.numbers = itertools.count(1)
         self.number = 0
-        self.store = None
+        self.store: Any = None              # the group's store, once an exchange found it
 
     def take(self) -> int:
         """The number of the call this rank starts now."""
@@ -342,5 +331,3 @@ def _gone(entry: _Entry) -> None:
     for session in list(entry.sessions.values()):
         session.release()
     entry.sessions.clear()
-    if entry.channel is not None:
-        entry.channel.close_store()

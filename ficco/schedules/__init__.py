@@ -8,52 +8,34 @@ all-gather's, ``names(op="matmul_reduce_scatter")`` the reduce-scatter's (the sa
 """
 from __future__ import annotations
 
+import functools
+import importlib
+
 from ..errors import InvalidArgumentError
-from ..ops.all_gather_matmul.schedules.ficco import FICCO_SCHEDULES, Ficco
-from ..ops.all_gather_matmul.schedules.gated import GATED_SCHEDULES, Gated
-from ..ops.all_gather_matmul.schedules.ring import Ring
-from ..ops.all_gather_matmul.schedules.serial import Serial
-from ..ops.expert.schedules import all_to_all
-from ..ops.matmul_all_reduce import schedules as all_reduce
-from ..ops.matmul_all_reduce.schedules.kernel import KERNEL_SCHEDULES, ShotKernel
-from ..ops.matmul_all_reduce.schedules.torch_kernels import TORCH_SCHEDULES, TorchShot
-from ..ops.matmul_reduce_scatter import schedules as reduce_scatter
-from ..plan.problem import ALL_GATHER_MATMUL, MATMUL_ALL_REDUCE, MATMUL_REDUCE_SCATTER
-from .common import Schedule
-
-_ALL_GATHER: tuple[Schedule, ...] = (Serial(), Ring(), Ring(bidirectional=True),
-                                     *FICCO_SCHEDULES)
-_REGISTRY: dict[str, dict[str, Schedule]] = {
-    ALL_GATHER_MATMUL: {s.name: s for s in _ALL_GATHER},
-    MATMUL_REDUCE_SCATTER: {s.name: s for s in reduce_scatter.SCHEDULES},
-    MATMUL_ALL_REDUCE: {s.name: s for s in all_reduce.SCHEDULES},
-    # expert parallelism (all_to_all_grouped_mm, grouped_mm_all_to_all):
-    # ops/expert/schedules/all_to_all.py
-    **{op: {s.name: s for s in family} for op, family in all_to_all.SCHEDULES.items()},
-}
-#: Schedules that need an optional extra (Triton), per op: get() knows them and they plan and
-#: simulate anywhere, but names() leaves them out and selectors see them only where they run
-#: (offered()).
-_OPTIONAL: dict[str, dict[str, Gated | ShotKernel | TorchShot]] = {
-    ALL_GATHER_MATMUL: {s.name: s for s in GATED_SCHEDULES}, MATMUL_REDUCE_SCATTER: {},
-    MATMUL_ALL_REDUCE: {**{s.name: s for s in KERNEL_SCHEDULES},
-                        **{s.name: s for s in TORCH_SCHEDULES}},
-    **{op: {} for op in all_to_all.SCHEDULES}}
+from ..plan.problem import ALL_GATHER_MATMUL
+from .common import OptionalSchedule, Schedule
 
 
-def register(op: str, table, optional=()) -> None:
-    """Register ``op``'s schedules (baseline first) and its optional ones: an op package
-    that carries its schedules calls this when it is imported (:mod:`ficco.ops.ulysses`)."""
-    _REGISTRY[op] = {s.name: s for s in table}
-    _OPTIONAL[op] = {s.name: s for s in optional}
+#: op -> name -> schedule, and the optional ones (Triton's): each op's spec carries its own
+#: (``OpSpec.schedules``, ``OpSpec.optional_schedules``); filled on first use from the ops
+#: found by name (:mod:`ficco.ops`, which sits above the schedules). get() knows the optional
+#: ones and they plan and simulate anywhere, but names() leaves them out and selectors see them
+#: only where they run (offered()).
+@functools.cache
+def _tables() -> tuple[dict[str, dict[str, Schedule]], dict[str, dict[str, OptionalSchedule]]]:
+    """(op -> name -> schedule, op -> name -> optional schedule), made once."""
+    ops = importlib.import_module("ficco.ops")
+    specs = [ops.get(name) for name in ops.names()]
+    return ({s.name: {x.name: x for x in s.schedules} for s in specs},
+            {s.name: {x.name: x for x in s.optional_schedules} for s in specs})
 
 
 def _registry(op: str) -> dict:
     try:
-        return _REGISTRY[op]
+        return _tables()[0][op]
     except KeyError:
         raise InvalidArgumentError(
-            f"unknown op {op!r}; ops with schedules: {', '.join(_REGISTRY)}") from None
+            f"unknown op {op!r}; ops with schedules: {', '.join(_tables()[0])}") from None
 
 
 def names(op: str = ALL_GATHER_MATMUL) -> list[str]:
@@ -73,7 +55,7 @@ def ops() -> list[str]:
     >>> ops()[0]
     'all_gather_matmul'
     """
-    return list(_REGISTRY)
+    return list(_tables()[0])
 
 
 def ops_with(name: str) -> list[str]:
@@ -82,13 +64,14 @@ def ops_with(name: str) -> list[str]:
     >>> ops_with("ring-bidir")
     ['all_gather_matmul', 'matmul_reduce_scatter']
     """
-    return [op for op in _REGISTRY if name in _REGISTRY[op] or name in _OPTIONAL[op]]
+    registry, optional = _tables()
+    return [op for op in registry if name in registry[op] or name in optional[op]]
 
 
 def get(name: str, op: str = ALL_GATHER_MATMUL):
     """The schedule of ``op`` called ``name``; an unknown name raises with the valid ones."""
     registry = _registry(op)
-    optional = _OPTIONAL[op]
+    optional = _tables()[1][op]
     try:
         return registry[name] if name in registry else optional[name]
     except KeyError:
@@ -101,7 +84,7 @@ def get(name: str, op: str = ALL_GATHER_MATMUL):
 def optional_names(op: str = ALL_GATHER_MATMUL) -> list[str]:
     """Schedules of ``op`` that need an optional extra: ``gated-1d``, ``gated-2d`` (Triton)."""
     _registry(op)
-    return list(_OPTIONAL[op])
+    return list(_tables()[1][op])
 
 
 def unavailable(target: str, transport: str = "dma", op: str = ALL_GATHER_MATMUL,
@@ -114,7 +97,7 @@ def unavailable(target: str, transport: str = "dma", op: str = ALL_GATHER_MATMUL
     """
     _registry(op)
     out = {}
-    for name, schedule in _OPTIONAL[op].items():
+    for name, schedule in _tables()[1][op].items():
         reason = schedule.selectable_reason(target, transport)
         if reason is None and problem is not None:
             reason = epilogue_reason(name, problem)
@@ -131,7 +114,7 @@ def why_not_here(name: str, target: str, transport: str = "dma",
     >>> why_not_here("ring", "cpu") is None
     True
     """
-    optional = _OPTIONAL[op].get(name) if op in _OPTIONAL else None
+    optional = _tables()[1].get(op, {}).get(name)
     return None if optional is None else optional.unavailable_reason(target, transport)
 
 
@@ -140,7 +123,10 @@ def epilogue_reason(name: str, problem) -> str | None:
     activation), or None: the optional gated kernel multiplies plain operands only (the
     one-kernel all-reduce sums what a library GEMM made, epilogue included)."""
     extra = problem.scaling or problem.out_dtype or problem.bias or problem.activation
-    if extra and isinstance(_OPTIONAL.get(problem.op, {}).get(name), Gated):
+    if not extra:
+        return None
+    optional = _tables()[1].get(problem.op, {}).get(name)
+    if optional is not None and optional.plain_operands_only:
         return (f"{name}'s gated GEMM kernel multiplies plain operands: no fp8 scales, "
                 f"out_dtype, bias or activation")
     return None
@@ -152,19 +138,16 @@ def offered(target: str, transport: str = "dma", op: str = ALL_GATHER_MATMUL,
     ``target`` over ``transport``: :func:`names` plus the optional ones that run there (e.g.
     ``gated-1d`` on "cuda:sm_90" with Triton installed)."""
     missing = unavailable(target, transport, op, problem)
-    return names(op) + [name for name in _OPTIONAL[op] if name not in missing]
+    return names(op) + [name for name in _tables()[1][op] if name not in missing]
 
 
 __all__ = [
-    "Ficco",
-    "Gated",
-    "Ring",
-    "Serial",
+    "Schedule",
     "get",
     "names",
     "offered",
+    "ops_with",
     "optional_names",
-    "register",
     "unavailable",
     "why_not_here",
 ]

@@ -32,6 +32,20 @@ class Schedule(Protocol):
     def plan(self, problem, transport: str = "dma", copy_engines: int | None = None) -> Plan: ...
 
 
+class OptionalSchedule(Schedule, Protocol):
+    """A schedule that needs an optional extra (Triton's gated GEMM, the one-kernel all-reduce,
+    torch's symmetric-memory kernels): it says where it runs."""
+
+    #: its kernel multiplies plain operands only (no fp8 scales, out_dtype, bias, activation)
+    plain_operands_only: bool
+
+    def unavailable_reason(self, target: str, transport: str = "dma") -> str | None:
+        """None when it can run on backend ``target`` over ``transport``."""
+
+    def selectable_reason(self, target: str, transport: str = "dma") -> str | None:
+        """Why selectors must not pick it there (None: they may)."""
+
+
 def check_transport(transport: str) -> None:
     if transport not in TRANSPORTS:
         raise InvalidArgumentError(
@@ -163,3 +177,18 @@ def publish_on_copy_engine(builder: PlanBuilder) -> tuple[int, int]:
                            shard_rows(p, p.rank)))
     ready = builder.add(Barrier(copy_queue(0), channel=0), after=[published])
     return published, ready
+
+
+def coalesce(blocks: list[Block]) -> list[Block]:
+    """Merge blocks that follow each other row-wise with the same columns into one."""
+    merged: list[Block] = []
+    for blk in blocks:
+        last = merged[-1] if merged else None
+        if (last is not None and (last.buf, last.peer, last.index, last.col0, last.cols)
+                == (blk.buf, blk.peer, blk.index, blk.col0, blk.cols)
+                and last.row0 + last.rows == blk.row0):
+            merged[-1] = Block(last.buf, last.row0, last.rows + blk.rows, last.col0,
+                               last.cols, last.peer, last.index)
+        else:
+            merged.append(blk)
+    return merged

@@ -22,6 +22,8 @@ and the ``FICCO_SYMM`` choice between the two).
 """
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from ..errors import InvalidArgumentError
@@ -35,10 +37,12 @@ __all__ = ["SIGNAL_CHANNELS", "Provider", "SymmHandle", "aligned", "empty", "reg
 def empty(shape, dtype: torch.dtype = torch.float32, device=None, group=None) -> torch.Tensor:
     """Allocate a tensor in symmetric memory (collective over ``group``) and return this
     rank's part; ``rendezvous(t, group)`` returns its handle."""
-    from ..backends import get_backend
     from .workspace import allocate_symmetric
 
-    _handle, tensor = allocate_symmetric(get_backend(), shape, dtype, device, group)
+    # The process's backend, selected by name as ficco.backends selects it: the backends sit
+    # above symmetric memory (each hands in its provider, Backend.symm_provider).
+    backends = importlib.import_module("ficco.backends")
+    _handle, tensor = allocate_symmetric(backends.get_backend(), shape, dtype, device, group)
     return tensor
 
 

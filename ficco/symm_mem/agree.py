@@ -8,7 +8,17 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import FiccoError, MismatchError
-from ..runtime.agreement import exchange
+
+#: The bounded exchange through the group's store that every step ends in, handed in by the
+#: runtime when it loads (:func:`ficco.runtime.agreement.exchange`: symmetric memory sits
+#: below it): ``exchange(group, rank, world, payload, *, what) -> every rank's payload``.
+_exchange: Callable[..., list] | None = None
+
+
+def use_exchange(exchange: Callable[..., list]) -> None:
+    """Hand in the group exchange the allocation steps end in."""
+    global _exchange
+    _exchange = exchange
 
 
 class SymmAllocationError(FiccoError):
@@ -30,8 +40,10 @@ def exchange_or_fail(group, rank: int, world: int, payload: Any, failure: str | 
     """
     # Through the group's store, bounded by FICCO_TIMEOUT (a raw collective would wait for
     # the group's own timeout and stay pending after a peer is gone).
-    everyone = exchange(group, rank, world, (payload, failure, nbytes),
-                        what=f"symmetric memory: {what}")
+    if _exchange is None:
+        raise FiccoError("symmetric memory has no group exchange: import ficco first")
+    everyone = _exchange(group, rank, world, (payload, failure, nbytes),
+                         what=f"symmetric memory: {what}")
     failed = [(r, f) for r, (_, f, _) in enumerate(everyone) if f is not None]
     sizes = [n for _, _, n in everyone]
     if (failed or len(set(sizes)) > 1) and on_failure is not None:

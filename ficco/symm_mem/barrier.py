@@ -117,7 +117,7 @@ class Deadline:
     )
 
     def __init__(self, rank: int, channel: int, step: int, timeout_s: float, target: int,
-                 waits: tuple = (), handle: Any = None, answer: Callable[[float], None] | None = None):
+                 waits: tuple = (), handle: Any = None, answer: Callable[[], None] | None = None):
         self.rank, self.channel, self.step = rank, channel, step
         self.timeout_s, self.target, self.waits = timeout_s, target, waits
         self.started: float | None = None
@@ -321,7 +321,7 @@ def wait_on_host(op: SignalOp, deadline: Deadline, read: Callable[[Any], int],
             raise deadline.error(deadline.late(read))
         if deadline.answer is not None and now >= answer_at:
             answer_at = now + _ANSWER_EVERY_S
-            deadline.answer(expiry)    # raises the MismatchError of a peer's differing call
+            deadline.answer()      # raises the MismatchError of a peer's differing call
         time.sleep(nap)
         nap = min(nap * 2, 1e-3)
 

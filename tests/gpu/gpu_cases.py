@@ -83,7 +83,7 @@ def stalled_peer(rank, world, timeout_s):
             plan_barrier(backend, symm, 0, backend.queue("compute"), timeout_s, 5)
             try:
                 backend.synchronize()   # returns once the watchdog released the stream
-                backend.raise_pending(symm)    # the group's error (issue 25 item 5)
+                backend.raise_pending(symm)    # the group's error
             except CommTimeoutError as exc:
                 message = f"{exc} after {time.monotonic() - start:.1f}s"
     finally:

@@ -20,7 +20,7 @@ from .gpu_cases import capture, replays_match_float64
 def peer_views_are_views(rank, world):
     """Every span and pad of an IPC handle is a view of the memory barriers and pulls use (a
     copy would swallow flags and serve stale pulls): device pads at their slot address on this
-    rank's GPU, host pads (the default) over their host mapping (issue 33 M5:
+    rank's GPU, host pads (the default) over their host mapping (
     ``GpuSymmHandle.view_problems``)."""
     backend = get_backend()
     h = backend.symm_provider().allocate(4096, dist.group.WORLD, backend.device())
@@ -58,9 +58,9 @@ def capture_then_grow_then_replay(rank, world, seed):
 
 
 def disagreement_on_a_cached_shape(rank, world, seed):
-    """Issue 13 on GPU dma: both shapes agreed and cached, then rank 0 calls with the small
+    """A wrong result after a failure, on GPU dma: both shapes agreed and cached, then rank 0 calls with the small
     one and the others with the large one: every rank raises MismatchError (from the call or
-    the group's next call, issue 25 item 5) well before FICCO_TIMEOUT, outputs poisoned;
+    the group's next call) well before FICCO_TIMEOUT, outputs poisoned;
     after ficco.shutdown() the next calls in step are right."""
     from ficco.errors import MismatchError
 

@@ -50,7 +50,7 @@ def test_graph_captured_call_replays_correctly(world, schedule):
     assert failures == [[]] * world
 
 
-# -- issue 15 --------------------------------------------------------------------------------------
+# -- The GPU backends' multi-rank cases --------------------------------------------------------------------------------------
 from . import gpu_fault_cases
 
 
@@ -66,7 +66,7 @@ def test_a_captured_graph_survives_workspace_growth():
 
 
 def test_disagreement_on_a_cached_shape_raises_on_every_rank_on_gpu_dma():
-    """Issue 13: the barrier's call flag catches ranks making different calls on GPU dma."""
+    """The barrier's call flag catches ranks making different calls on GPU dma."""
     results = harness.pool(2, GPU_ENV).run(gpu_fault_cases.disagreement_on_a_cached_shape, 5,
                                            timeout_s=180)
     for small, large, (outcome, poisoned), *after in results:

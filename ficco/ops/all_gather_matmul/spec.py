@@ -38,7 +38,8 @@ from ...runtime.call import (
     row_dim,
 )
 from ...symm_mem import aligned
-from ..base import OpSpec, warm_call
+from ..base import OpSpec, Placements, warm_call
+from .schedules import OPTIONAL, SCHEDULES
 
 
 @dataclass(kw_only=True)     # (its tensors follow Call's defaulted fields and have none)
@@ -84,6 +85,15 @@ def check_epilogue(a_shard, bs, b_is_list, gather_dim, **epilogue) -> Operands:
 
 class AllGatherMatmul(OpSpec[AllGatherMatmulCall]):
     name = "all_gather_matmul"
+    first_arg = "a_shard"
+    placements = Placements(a=(None,), a_words="Shard({dim}), the gathered dimension", b=(1,),
+                            b_words="Replicate() or Shard(1) (this rank's columns)",
+                            b_replicate=True)
+    schedules = SCHEDULES
+    optional_schedules = OPTIONAL
+
+    def explained(self, a, b, group, *, gather_dim, scatter_dim, reduce_op, counts, epilogue):
+        return self.prepare(a, b, group, gather_dim, **epilogue)
 
     def prepare(self, a_shard, b, group=None, gather_dim=0, return_gathered=False, *,
                 a_scale=None, b_scale=None, out_dtype=None, bias=None, activation=None

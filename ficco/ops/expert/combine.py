@@ -15,12 +15,14 @@ import torch
 from ...errors import InvalidArgumentError
 from . import routing
 from .problem import COMBINE
+from .schedules.all_to_all import schedules_of
 from .spec import ExpertCall, ExpertSpec
 from .tasks import ExpertContext
 
 
 class GroupedMmAllToAll(ExpertSpec):
     name = COMBINE
+    schedules = schedules_of(COMBINE)
 
     def check_part(self, counts, rows: int, world: int, big_l: int, rank: int) -> list:
         part = routing.as_int_list(counts, "recv_counts", (big_l, world))

@@ -12,12 +12,14 @@ import torch
 
 from . import routing
 from .problem import DISPATCH
+from .schedules.all_to_all import schedules_of
 from .spec import ExpertCall, ExpertSpec
 from .tasks import ExpertContext
 
 
 class AllToAllGroupedMm(ExpertSpec):
     name = DISPATCH
+    schedules = schedules_of(DISPATCH)
 
     def check_part(self, counts, rows: int, world: int, big_l: int, rank: int) -> list:
         row = routing.as_int_list(counts, "counts", (None,))

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...plan import HostOp
-from . import tasks
+from . import pricing, tasks
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class Publish(HostOp):
     step: int = 0
     kind = "expert_publish"
     host_task = staticmethod(tasks.publish_task)
+    price = staticmethod(pricing.price)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class Pull(HostOp):
     experts: tuple[int, ...] | None = None
     kind = "expert_copy"
     host_task = staticmethod(tasks.move_task)
+    price = staticmethod(pricing.price)
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class GroupedGemm(HostOp):
     experts: tuple[int, ...] | None = None
     kind = "expert_gemm"
     host_task = staticmethod(tasks.gemm_task)
+    price = staticmethod(pricing.price)
 
 
 @dataclass(frozen=True)
@@ -74,3 +77,4 @@ class Exchange(HostOp):
     experts: tuple[int, ...] | None = None
     kind = "expert_all_to_all"
     host_task = staticmethod(tasks.exchange_task)
+    price = staticmethod(pricing.price)

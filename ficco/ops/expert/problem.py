@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from ...errors import InvalidArgumentError
-from ...plan.problem import ITEMSIZE, DtypeFields, even_split
+from ...plan.problem import ITEMSIZE, DtypeFields, bucket, even_split
 
 DISPATCH = "all_to_all_grouped_mm"
 COMBINE = "grouped_mm_all_to_all"
@@ -143,20 +143,6 @@ class Layout:
 
 
 # -- the problem selectors see -------------------------------------------------------------
-def bucket(rows: float) -> int:
-    """Round a row count up to three significant bits (at most 25 % more): 0-8 stay, then
-    10, 12, 14, 16, 20, 24, 28, 32, 40, …
-
-    >>> [bucket(x) for x in (0, 3, 9, 17, 100)]
-    [0, 3, 10, 20, 112]
-    """
-    rows = math.ceil(rows)
-    if rows <= 8:
-        return max(rows, 0)
-    step = 1 << (rows.bit_length() - 3)
-    return -(-rows // step) * step
-
-
 def ratio_bucket(ratio: float) -> float:
     """Round an imbalance ratio (max over mean, >= 1) up to a half octave: 1, 1.5, 2, 3, 4, 6 …"""
     if ratio <= 1:

@@ -52,6 +52,12 @@ class ExpertSpec(OpSpec[ExpertCall]):
     exchanges = True    # the routing counts (exchange)
 
     # -- the call ---------------------------------------------------------------------------
+    def explained(self, a, b, group, *, gather_dim, scatter_dim, reduce_op, counts, epilogue):
+        if counts is None:
+            raise InvalidArgumentError(f"explain(op={self.name!r}) needs counts= (the counts, or "
+                                       f"the recv_counts for grouped_mm_all_to_all)")
+        return self.local_view(self.prepare(a, counts, b, group))
+
     def prepare(self, inp, counts, w, group=None, *, routing=None, send_counts=None,
                 return_received=False) -> ExpertCall:
         what = "x" if self.name == DISPATCH else "h"

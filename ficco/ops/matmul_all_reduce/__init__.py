@@ -1,1 +1,1 @@
-"""``all_reduce(a @ b)``: its spec, torch op, pricing and schedules."""
+"""``all_reduce(a @ b)``: its spec, torch op and schedules."""

@@ -26,6 +26,7 @@ from ...symm_mem import aligned
 from ..matmul_reduce_scatter.spec import MatmulReduceScatter, MatmulReduceScatterCall
 from ..matmul_reduce_scatter.spec import check_arguments as check_reduce_scatter
 from ..matmul_reduce_scatter.spec import check_epilogue as check_reduce_scatter_epilogue
+from .schedules import OPTIONAL, SCHEDULES
 
 
 @dataclass(kw_only=True)
@@ -54,7 +55,12 @@ def check_epilogue(a, bs, b_is_list, **epilogue) -> Operands:
 
 class MatmulAllReduce(MatmulReduceScatter):
     name = MATMUL_ALL_REDUCE
+    schedules = SCHEDULES
+    optional_schedules = OPTIONAL
     call_class = MatmulAllReduceCall
+
+    def explained(self, a, b, group, *, gather_dim, scatter_dim, reduce_op, counts, epilogue):
+        return self.prepare(a, b, group, reduce_op, **epilogue)
 
     def prepare(self, a, b, group=None, reduce_op="sum", *, a_scale=None, b_scale=None,  # type: ignore[override]
                 out_dtype=None, bias=None, activation=None) -> MatmulAllReduceCall:
@@ -133,10 +139,10 @@ class MatmulAllReduce(MatmulReduceScatter):
 
     def annotate(self, decision, problem):
         """The decision with the kernel its pick runs and the published time it is priced
-        against (:func:`~ficco.ops.matmul_all_reduce.pricing.priced_against`)."""
+        against (:func:`~ficco.heuristics.reductions.priced_against`)."""
         import dataclasses
 
-        from .pricing import priced_against
+        from ...heuristics.reductions import priced_against
 
         return dataclasses.replace(decision, priced=priced_against(problem, decision))
 

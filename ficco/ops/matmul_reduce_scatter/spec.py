@@ -40,7 +40,8 @@ from ...runtime.call import (
     row_dim,
 )
 from ...symm_mem import aligned
-from ..base import OpSpec, warm_call
+from ..base import OpSpec, Placements, warm_call
+from .schedules import SCHEDULES
 
 
 @dataclass(kw_only=True)     # (its tensors follow Call's defaulted fields and have none)
@@ -90,6 +91,12 @@ def check_epilogue(a, bs, b_is_list, scatter_dim, **epilogue) -> Operands:
 
 class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
     name = MATMUL_REDUCE_SCATTER
+    placements = Placements(a=(-1,), a_words="Shard(-1) (this rank's slice of K)", b=(0,),
+                            b_words="Shard(0) (this rank's rows of K)")
+    schedules = SCHEDULES
+
+    def explained(self, a, b, group, *, gather_dim, scatter_dim, reduce_op, counts, epilogue):
+        return self.prepare(a, b, group, scatter_dim, reduce_op, **epilogue)
 
     def prepare(self, a, b, group=None, scatter_dim=0, reduce_op="sum", *, a_scale=None,
                 b_scale=None, out_dtype=None, bias=None,

@@ -3,11 +3,13 @@ shards). ``scatter_dim`` and ``gather_dim`` are dims of the product."""
 from __future__ import annotations
 
 from .layout import MATMUL_ALL_TO_ALL
+from .schedules import SCHEDULES
 from .spec import UlyssesSpec
 
 
 class MatmulAllToAll(UlyssesSpec):
     name = MATMUL_ALL_TO_ALL
+    schedules = SCHEDULES[MATMUL_ALL_TO_ALL]
 
 
 SPEC = MatmulAllToAll()

@@ -32,7 +32,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...plan import COMM, COMPUTE, Plan, PlanBuilder, copy_queue
-from ...schedules import register
 from ...schedules.common import barrier, check_plan_args, pad_barriers
 from .layout import ALL_TO_ALL_MATMUL, MATMUL_ALL_TO_ALL, UlyssesProblem, check_op
 from .plan_ops import Consume, Exchange, Produce, Publish, Pull
@@ -137,5 +136,3 @@ class UlyssesSchedule:
 
 SCHEDULES = {op: (UlyssesSchedule(op, overlapped=False), UlyssesSchedule(op))
              for op in (MATMUL_ALL_TO_ALL, ALL_TO_ALL_MATMUL)}
-for _op, _table in SCHEDULES.items():
-    register(_op, _table)

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from ....plan import COMPUTE, Block, Gemm, Plan, PlanBuilder
 from ....plan.problem import ALL_GATHER_MATMUL, Problem
 from ....schedules import common
+from ....schedules.common import coalesce
 
 
 @dataclass(frozen=True)
@@ -82,21 +83,6 @@ def chunks(problem: Problem, two_d: bool) -> list[Chunk]:
     else:
         out = [Chunk(i, r0, rows, 0, p.k) for i, (r0, rows) in enumerate(p.row_chunks())]
     return [c for c in out if c.rows and c.cols]
-
-
-def coalesce(blocks: list[Block]) -> list[Block]:
-    """Merge blocks that follow each other row-wise with the same columns into one."""
-    merged: list[Block] = []
-    for blk in blocks:
-        last = merged[-1] if merged else None
-        if (last is not None and (last.buf, last.peer, last.index, last.col0, last.cols)
-                == (blk.buf, blk.peer, blk.index, blk.col0, blk.cols)
-                and last.row0 + last.rows == blk.row0):
-            merged[-1] = Block(last.buf, last.row0, last.rows + blk.rows, last.col0,
-                               last.cols, last.peer, last.index)
-        else:
-            merged.append(blk)
-    return merged
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,17 @@ the next chunk's GEMM) and ``one-shot``/``two-shot`` with copy-engine pulls or `
 """
 from __future__ import annotations
 
-from ....schedules.common import Schedule
+from ....schedules.common import OptionalSchedule, Schedule
 from .chunked import CHUNK_COUNTS, Chunked
+from .kernel import KERNEL_SCHEDULES
 from .rs_ag import REGISTERED, RsAg
 from .shots import OneShot, Serial, TwoShot
+from .torch_kernels import TORCH_SCHEDULES
 
 SCHEDULES: tuple[Schedule, ...] = (
     Serial(), *(RsAg(name) for name in REGISTERED), *(Chunked(c) for c in CHUNK_COUNTS),
     OneShot(), OneShot(loads=True), TwoShot(), TwoShot(loads=True))
+#: need Triton (one kernel) or torch's symmetric-memory kernels (see ficco.schedules)
+OPTIONAL: tuple[OptionalSchedule, ...] = (*KERNEL_SCHEDULES, *TORCH_SCHEDULES)
 
-__all__ = ["SCHEDULES", "Chunked", "OneShot", "RsAg", "Serial", "TwoShot"]
+__all__ = ["OPTIONAL", "SCHEDULES", "Chunked", "OneShot", "RsAg", "Serial", "TwoShot"]

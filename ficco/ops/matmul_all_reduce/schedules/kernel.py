@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ....errors import InvalidArgumentError
+from ....heuristics import reductions
 from ....plan import COMPUTE, HostOp, Plan
 from ....plan.problem import Problem
 from ....schedules.common import avg_scale, barrier
@@ -51,6 +52,11 @@ class ShotAllReduce(HostOp):
     kind: ClassVar[str] = "shot_all_reduce"
 
     @staticmethod
+    def price(sim, op, task, mt_factor):   # type: ignore[override]
+        """The one-kernel all-reduce: :mod:`ficco.heuristics.reductions`."""
+        return reductions.price_shot_kernel(sim, op, task)
+
+    @staticmethod
     def host_task(views, buffers, op):   # type: ignore[override]
         from ....kernels.launch import shot_task
 
@@ -65,6 +71,7 @@ class ShotAllReduce(HostOp):
 class ShotKernel:
     two_shot: bool = False
     op = "matmul_all_reduce"
+    plain_operands_only = False   # it sums what a library GEMM made, epilogue included
 
     @property
     def name(self) -> str:

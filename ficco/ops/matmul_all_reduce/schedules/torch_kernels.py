@@ -31,6 +31,7 @@ from typing import ClassVar
 import torch
 
 from ....errors import FiccoError, InvalidArgumentError
+from ....heuristics import reductions
 from ....plan import COMPUTE, HostOp, Plan
 from ....plan.problem import Problem
 from ....schedules.common import avg_scale, barrier
@@ -71,6 +72,11 @@ class TorchAllReduce(HostOp):
     scale: float | None = None
     step: int = 1
     kind: ClassVar[str] = "torch_all_reduce"
+
+    @staticmethod
+    def price(sim, op, task, mt_factor):   # type: ignore[override]
+        """torch's symmetric-memory all-reduce: :mod:`ficco.heuristics.reductions`."""
+        return reductions.price_torch_kernel(sim, op, task)
 
     @staticmethod
     def host_task(views, buffers, op):   # type: ignore[override]
@@ -136,6 +142,7 @@ def torch_task(buffers, op):
 class TorchShot:
     variant: str = "one-shot"
     op = "matmul_all_reduce"
+    plain_operands_only = False   # it sums what a library GEMM made, epilogue included
 
     def __post_init__(self):
         if self.variant not in OPS:

@@ -61,8 +61,7 @@ from dataclasses import dataclass, field
 
 from ....plan import COMPUTE, Block, Gemm, Plan, PlanBuilder
 from ....plan.problem import Problem
-from ....schedules.common import barrier, pad_barriers, pull_order
-from ...all_gather_matmul.schedules.ficco import coalesce
+from ....schedules.common import barrier, coalesce, pad_barriers, pull_order
 from . import common
 
 

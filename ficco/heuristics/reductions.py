@@ -1,4 +1,4 @@
-"""Prices of the all-reduce's own pieces for the simulator (``matmul_all_reduce``):
+"""Prices of a plan's reductions for the simulator (``matmul_all_reduce`` plans them):
 
 - **the process group's all-reduce** (:class:`~ficco.plan.AllReduce`, NCCL/RCCL), from the
   profile's numbers, whichever it carries (no name check: a calibrated or new profile prices it
@@ -55,8 +55,8 @@ from __future__ import annotations
 
 import math
 
-from ...heuristics import collectives
-from ...plan import item_bytes
+from ..plan import item_bytes
+from . import collectives
 
 #: published all-reduce times: (source, kind, profile, world, message bytes, seconds); kind
 #: "nccl": the process group's all-reduce; "loads": vLLM's one-stage custom all-reduce, one
@@ -290,7 +290,7 @@ def priced_against(problem, decision) -> tuple[str, ...]:
     >>> lines[1].startswith("published 22.65 us at 32 KB"), lines[1].endswith("(validate row W2, fit)")
     (True, True)
     """
-    from ...heuristics import profiles
+    from . import profiles
 
     name = str(decision.inputs.get("profile") or "")
     if problem.world <= 1 or not name:
