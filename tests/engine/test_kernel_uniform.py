@@ -127,3 +127,27 @@ def test_the_poll_vectors_span_every_thread_of_every_config():
 
     for family, warp in (("nvidia", 32), ("amd", 64)):
         assert all(c.num_warps * warp <= POLL for c in configs.for_family(family)), family
+
+
+def test_no_amd_config_spills_registers_on_gfx942():
+    """Every AMD config of the gated GEMM compiles for gfx942 without spilling vector
+    registers to scratch (the 256 x 256 tile spilled 28 VGPRs, 116 bytes of scratch per
+    thread: a slow kernel the autotuner would still time and could pick)."""
+    import re
+
+    from ficco.kernels import configs
+    from ficco.kernels.gated_gemm import compile_offline
+
+    spilled = []
+    for c in configs.for_family("amd"):
+        kw = c.kwargs
+        text = compile_offline("rocm:gfx942", "bf16", block=(kw["BLOCK_M"], kw["BLOCK_N"],
+                                                            kw["BLOCK_K"]),
+                               num_warps=c.num_warps, num_stages=c.num_stages,
+                               matrix_instr_nonkdim=kw["matrix_instr_nonkdim"],
+                               waves_per_eu=kw["waves_per_eu"])["amdgcn"]
+        scratch = [int(x) for x in re.findall(r"ScratchSize:\s*(\d+)", text)]
+        spills = [int(x) for x in re.findall(r"\.vgpr_spill_count:\s*(\d+)", text)]
+        if not scratch or any(scratch) or any(spills):
+            spilled.append((kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], scratch, spills))
+    assert not spilled, spilled
