@@ -4,8 +4,8 @@
 # - demo: nothing else (the CPU demo runs on torch alone).
 # - test: pytest; the bench extra; the GPU bindings whose calls the CPU-side backend tests check
 #   against their real signatures; Triton, whose interpreter runs the gated GEMM on CPU
-#   (tests/test_kernels.py, test_gated.py) and whose import torchtitan's model code needs; and
-#   torchtitan (tests/test_torchtitan.py) without its trainer's dependencies (datasets, wandb,
+#   (tests/engine/test_kernels.py, test_gated.py) and whose import torchtitan's model code needs; and
+#   torchtitan (tests/faces/test_torchtitan.py) without its trainer's dependencies (datasets, wandb,
 #   tensorboard, ...: ~60 packages the test never imports), plus the few its model and config
 #   code imports; transformers and megatron-core (tests/test_integrations_*.py): transformers
 #   with its own dependencies (tokenizers, safetensors, huggingface-hub, ...: what its model
@@ -34,9 +34,9 @@ MEGATRON ?= megatron-core==0.16.1
 # styles' W = 4 compiled case, 90 s, left out)
 TORCH_OLDEST ?= torch==2.11.0
 OLDEST_VENV ?= .venv-oldest
-OLDEST_TESTS ?= tests/test_custom_ops.py tests/test_fp8.py tests/test_compat_scaled.py \
-	tests/test_async_tp.py tests/test_parallel.py \
-	--deselect 'tests/test_parallel.py::test_torch_plan_on_ficco_styles_compiled_fullgraph[4]'
+OLDEST_TESTS ?= tests/ops/test_custom_ops.py tests/ops/test_fp8.py tests/faces/test_compat_scaled.py \
+	tests/faces/test_async_tp.py tests/faces/test_parallel.py \
+	--deselect 'tests/faces/test_parallel.py::test_torch_plan_on_ficco_styles_compiled_fullgraph[4]'
 
 # The GPU machines' image, for the lease's rehearsal on CPU (`make rehearse-lease-image`):
 # Python 3.12, PyPI's torch 2.11.0 (a CUDA build of several GB, with its Triton 3.6),
@@ -57,8 +57,8 @@ $(BIN)/.test-installed: $(BIN)/.demo-installed Makefile
 	if $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
 	  $(BIN)/pip install -q --no-deps $(TORCHTITAN) && \
 	  $(BIN)/pip install -q $(TORCHTITAN_IMPORTS) $(TRANSFORMERS); \
-	else echo "torchtitan and transformers need Python >= 3.11: tests/test_torchtitan.py and" \
-	  "tests/test_integrations_transformers.py will skip"; fi
+	else echo "torchtitan and transformers need Python >= 3.11: tests/faces/test_torchtitan.py and" \
+	  "tests/faces/test_integrations_transformers.py will skip"; fi
 	$(BIN)/pip install -q $(MEGATRON)
 	touch $@
 
@@ -97,16 +97,16 @@ lint: $(BIN)/.lint-installed
 	$(BIN)/mypy
 
 test-gpu: $(BIN)/.test-installed
-	$(BIN)/python -m pytest -q -m gpu tests/gpu tests/test_kernels.py tests/test_gated.py
+	$(BIN)/python -m pytest -q -m gpu tests/gpu tests/engine/test_kernels.py tests/ops/all_gather_matmul/test_gated.py
 
-# bench/gpu_lease.sh end to end on the fake GPU (tests/test_gpu_lease.py's rehearsal) with the
+# bench/gpu_lease.sh end to end on the fake GPU (tests/claims/test_gpu_lease.py's rehearsal) with the
 # GPU image's versions; then the kernel tests' GPU cases must be collected under its Triton
 rehearse-lease-image: $(IMAGE_VENV)/bin/.installed
 	$(IMAGE_VENV)/bin/python -c 'import sys, torch, triton; print("image:", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__)'
 	$(IMAGE_VENV)/bin/python -m pytest -v -p no:cacheprovider -rfE -o timeout=1800 \
-	  --basetemp=$${TMPDIR:-/tmp}/ficco-rehearse-lease-image tests/test_gpu_lease.py \
+	  --basetemp=$${TMPDIR:-/tmp}/ficco-rehearse-lease-image tests/claims/test_gpu_lease.py \
 	  -k test_the_lease_runs_every_part
-	$(IMAGE_VENV)/bin/python -m pytest -q -p no:cacheprovider --collect-only -m gpu tests/test_kernels.py
+	$(IMAGE_VENV)/bin/python -m pytest -q -p no:cacheprovider --collect-only -m gpu tests/engine/test_kernels.py
 
 clean:
 	rm -rf $(VENV) $(OLDEST_VENV) $(IMAGE_VENV) .pytest_cache

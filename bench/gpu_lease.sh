@@ -15,7 +15,7 @@
 #     the backend unit tests (tests/gpu/test_gpu_backend.py) for the diagnosis -> pytest.txt
 #   3 selftest W=2: every schedule, faults, graph, timing             -> selftest-w2.jsonl
 #   4 correctness pytest: tests/gpu without the fault tests                  -> pytest.txt
-#   5 the gated kernel tests (tests/test_gated.py, tests/test_kernels.py)    -> pytest.txt
+#   5 the gated kernel tests (tests/ops/all_gather_matmul/test_gated.py, tests/engine/test_kernels.py)    -> pytest.txt
 #   6 the gated GEMM's warp-exit probe (waits ended by the clock and the halt word)
 #                                                                            -> pytest.txt
 #   7 speed: W=2 sharing the GPU, default / serial over dma / FICCO_SYMM=torch / torch's
@@ -29,7 +29,7 @@
 # one folder for every part (a kernel compiled once is not compiled again). What waits for
 # the next lease: bench/gpu_lease_next.sh. docs/gpu.md says what each file shows.
 #
-# Knobs (CI runs the script on the fake GPU, tests/test_gpu_lease.py): FICCO_LEASE_SCALE
+# Knobs (CI runs the script on the fake GPU, tests/claims/test_gpu_lease.py): FICCO_LEASE_SCALE
 # multiplies every bound; FICCO_LEASE_QUICK=1 shrinks every part to a minimum.
 set -u
 OUT=${OUT:-bench/runs/gpu-lease}
@@ -65,10 +65,10 @@ part selftest-w2 105 lease.log "$PY" -m ficco selftest --share-gpu 2 --timeout 2
     --bound "$(bound 100)" --jsonl "$OUT/selftest-w2.jsonl" "${SELFTEST[@]}"
 part correctness 120 pytest.txt "$PY" "${PYTEST[@]}" --timeout 60 tests/gpu \
     --ignore=tests/gpu/test_gpu_faults.py
-part kernel-tests 60 pytest.txt "$PY" "${PYTEST[@]}" --timeout 45 tests/test_gated.py \
-    tests/test_kernels.py
+part kernel-tests 60 pytest.txt "$PY" "${PYTEST[@]}" --timeout 45 tests/ops/all_gather_matmul/test_gated.py \
+    tests/engine/test_kernels.py
 part warp-exit 55 pytest.txt env FICCO_PROBE_TIMEOUT_S="$(bound 22)" "$PY" "${PYTEST[@]}" \
-    --timeout "$(bound 25)" tests/test_review_symm_path.py -k waits_end_alike
+    --timeout "$(bound 25)" tests/engine/test_review_symm_path.py -k waits_end_alike
 part speed 90 lease.log "$PY" -m ficco.bench.gpu_session speed --world 2 "${SPEED[@]}" \
     --out "$OUT"
 part faults 45 pytest.txt "$PY" "${PYTEST[@]}" --timeout 40 tests/gpu/test_gpu_faults.py

@@ -8,7 +8,7 @@
   (ficco.matmul_reduce_scatter reduces back to sequence shards). Attention heads are split
   over the ranks.
 
-Used by examples/tp_mlp.py and by tests/test_training.py (parity with :class:`Block`).
+Used by examples/tp_mlp.py and by tests/faces/test_training.py (parity with :class:`Block`).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The code blocks of README.md and docs/*.md, and what runs them (tests/test_docs.py).
+"""The code blocks of README.md and docs/*.md, and what runs them (tests/claims/test_docs.py).
 
 A ```` ```python ```` block runs as written on 2 CPU ranks, in a namespace that holds the names
 the docs use without defining them (``x_shard``, ``w_up``, ``group_name``, ``tp_mesh``, ...,

@@ -1,5 +1,5 @@
 """Rank-side functions of the GPU fault tests: on the fake GPU of tests/fake_gpu.py
-in CI (tests/test_gpu_faults.py: host threads for hardware queues, stream memory operations
+in CI (tests/engine/test_gpu_faults.py: host threads for hardware queues, stream memory operations
 over host memory), and unchanged on a real GPU (tests/gpu/test_gpu_faults.py, where the pool
 sets FICCO_TEST_REAL_GPU=1 and CUDA_DEVICE_MAX_CONNECTIONS before CUDA starts)."""
 from __future__ import annotations

@@ -12,9 +12,9 @@ from ficco.plan.problem import even_split
 def bias_gradcheck(rank, world, seed):
     """torch.autograd.gradcheck in float64 of both ops with a bias (a, b and the bias
     differentiated; the all-gather with an activation too), as one global function every rank
-    evaluates in lockstep (tests/test_custom_ops.py's _OwnSlice / _EveryRank), on two
+    evaluates in lockstep (tests/ops/test_custom_ops.py's _OwnSlice / _EveryRank), on two
     schedules and both transports. Returns failures."""
-    from .test_custom_ops import _EveryRank, _OwnSlice
+    from .ops.test_custom_ops import _EveryRank, _OwnSlice
 
     torch.manual_seed(seed)          # the same inputs and gradcheck vectors on every rank
     failures = []

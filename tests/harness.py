@@ -19,7 +19,7 @@ import traceback
 
 #: FICCO_SELECTOR=model: the ranks' decisions are the model's, deterministic (tests assert
 #: what ran) and free (the default, auto, times a shortlist at each key's first sight: timing
-#: noise would pick, and every multi-rank test would pay it). tests/test_auto.py runs auto;
+#: noise would pick, and every multi-rank test would pay it). tests/engine/test_auto.py runs auto;
 #: the demo, ``bench default`` and the docs run the real default.
 DEFAULT_ENV = {"FICCO_TIMEOUT": "20", "FICCO_POISON": "1", "OMP_NUM_THREADS": "1",
                "FICCO_SELECTOR": "model"}

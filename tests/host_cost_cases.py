@@ -1,4 +1,4 @@
-"""Rank functions of tests/test_host_cost.py (importable without the names it tests)."""
+"""Rank functions of tests/engine/test_host_cost.py (importable without the names it tests)."""
 from __future__ import annotations
 
 from ficco import schedules

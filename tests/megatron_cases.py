@@ -1,4 +1,4 @@
-"""Rank-side cases of tests/test_integrations_megatron.py: one GPT ``TransformerLayer`` of
+"""Rank-side cases of tests/faces/test_integrations_megatron.py: one GPT ``TransformerLayer`` of
 megatron-core built from ``get_gpt_layer_local_spec()`` (no Transformer Engine), unsharded
 (tensor-parallel size 1) and with the spec ``ficco.integrations.megatron.use_ficco`` returns
 (tensor-parallel size W, sequence parallelism on or off), in float64 on CPU."""

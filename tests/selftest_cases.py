@@ -1,4 +1,4 @@
-"""Rank-side functions of tests/test_selftest.py (ficco/selftest on the pool's ranks)."""
+"""Rank-side functions of tests/faces/test_selftest.py (ficco/selftest on the pool's ranks)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""Rank-side cases of tests/test_torchtitan.py: torchtitan 0.3's llama3 debug model, its config
+"""Rank-side cases of tests/faces/test_torchtitan.py: torchtitan 0.3's llama3 debug model, its config
 rewritten by ``--override.imports ficco.torchtitan.tensor_parallel`` exactly as torchtitan's
 trainer does (``apply_overrides`` after the sharding configs are set, before the build), against
 the same model unsharded.
@@ -201,7 +201,7 @@ def nothing_reaches(rank, world):
 
 
 def run_doctests(rank, world):
-    """ficco.torchtitan's docstring examples (tests/test_docstrings.py leaves the package to
+    """ficco.torchtitan's docstring examples (tests/claims/test_docstrings.py leaves the package to
     this pool: importing it imports torchtitan's model stack, which patches torch)."""
     import doctest
 

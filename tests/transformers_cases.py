@@ -1,4 +1,4 @@
-"""Rank-side cases of tests/test_integrations_transformers.py: tiny models built from a config
+"""Rank-side cases of tests/faces/test_integrations_transformers.py: tiny models built from a config
 with random weights (saved to a local directory by rank 0, nothing downloaded), loaded by
 transformers' own ``from_pretrained(..., distributed_config=DistributedConfig(...))`` on the W
 ranks and whole on each rank, in float64."""
@@ -165,7 +165,7 @@ def _step(model, ids):
 
 
 def run_doctests(rank, world):
-    """ficco.integrations' docstring examples (tests/test_docstrings.py leaves the package to
+    """ficco.integrations' docstring examples (tests/claims/test_docstrings.py leaves the package to
     this pool: importing it imports the clients)."""
     import doctest
 

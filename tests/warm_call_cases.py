@@ -1,4 +1,4 @@
-"""Rank-side functions for tests/test_state.py's warm-call counts (importable by spawned ranks).
+"""Rank-side functions for tests/engine/test_state.py's warm-call counts (importable by spawned ranks).
 
 A warm call is profiled with cProfile (the caller's thread only, as ``python -m ficco.bench
 calls`` does) and counted: the Python calls whose code is ficco's, and the locks ficco's own

@@ -7,7 +7,7 @@ CPU ranks (gloo, the cpu backend), makes each case's call ``--warmup`` times, th
 Per warm call it reports
 
 - ``ficco calls``: function calls whose code lives in the ``ficco`` package
-  (tests/test_state.py holds both dense ops to 70 per warm call);
+  (tests/engine/test_state.py holds both dense ops to 70 per warm call);
 - ``all calls``: every profiled call (torch's Python included, C functions too);
 - ``json.dumps`` / ``pickle``: serialisations (a warm call should make none).
 

@@ -53,7 +53,7 @@ import dataclasses
 from . import CLIENTS
 from ._common import check_version, column_linear, installed_version
 
-#: The megatron-core release tests/test_integrations_megatron.py runs (pyproject's
+#: The megatron-core release tests/faces/test_integrations_megatron.py runs (pyproject's
 #: ``megatron`` extra pins it).
 TESTED_MEGATRON_CORE: str = CLIENTS["megatron"][1]
 #: ``[low, high)``: the releases whose layer signatures this module is written against.

@@ -57,7 +57,7 @@ from ..errors import BackendUnavailableError, FiccoWarning, InvalidArgumentError
 from . import CLIENTS
 from ._common import check_version, column_linear, installed_version
 
-#: The transformers release tests/test_integrations_transformers.py runs (pyproject's
+#: The transformers release tests/faces/test_integrations_transformers.py runs (pyproject's
 #: ``transformers`` extra pins it).
 TESTED_TRANSFORMERS: str = CLIENTS["transformers"][1]
 #: ``[low, high)``: the releases whose style API (``transformers.distributed``'s

@@ -20,7 +20,7 @@ import threading
 #: (:mod:`.trace`, :mod:`.words`) need its ``_semantic`` builtin convention (3.4).
 MIN_TRITON = (3, 4)
 #: The newest Triton whose code generation for the words another agent changes was checked
-#: (``tests/test_kernel_words.py``: volatile or ``.cv`` loads, write-through stores on sm_90,
+#: (``tests/engine/test_kernel_words.py``: volatile or ``.cv`` loads, write-through stores on sm_90,
 #: gfx90a, gfx942; checked on 3.6 and 3.9). A newer one is refused until the
 #: test passed on it: a plain load there would let a kernel miss its group's failure.
 MAX_TRITON = (3, 9)
@@ -66,7 +66,7 @@ def triton_reason() -> str | None:
         return (f"Triton {triton.__version__} is newer than the newest ficco's kernels were "
                 f"checked against ({_dotted(MAX_TRITON)}): whether its loads of "
                 f"the group's error word still go to memory is unverified "
-                f"(tests/test_kernel_words.py decides; then raise ficco.kernels.MAX_TRITON)")
+                f"(tests/engine/test_kernel_words.py decides; then raise ficco.kernels.MAX_TRITON)")
     return None
 
 

@@ -11,7 +11,7 @@ Such a load must go to memory at every poll, on every Triton ficco accepts:
   sc1`` on gfx942/gfx950 and ``... glc`` on gfx90a with 3.6 and 3.9 alike.
 
 A store that peers or the host must see is write-through (``cache_modifier=".wt"``:
-``st.global.wt``; ``global_store_dword ... sc0 sc1``). ``tests/test_kernel_words.py`` checks
+``st.global.wt``; ``global_store_dword ... sc0 sc1``). ``tests/engine/test_kernel_words.py`` checks
 the compiled loads and stores of both kernels for sm_90, gfx90a and gfx942.
 
 Both are Triton *builtins* (as :func:`ficco.kernels.trace.read_clock`): the compiler calls them

@@ -40,7 +40,7 @@ import importlib.util
 
 from ..errors import BackendUnavailableError
 
-#: The torchtitan release the tests run (tests/test_torchtitan.py; pyproject's ``torchtitan``
+#: The torchtitan release the tests run (tests/faces/test_torchtitan.py; pyproject's ``torchtitan``
 #: extra pins it).
 TESTED_TORCHTITAN = "0.3.0"
 

@@ -1,6 +1,6 @@
 """Put on PYTHONPATH with ``FICCO_FAKE_GPU=cuda:8`` (vendor:hardware queues): every Python
 process started then (a script's parts, their spawned ranks) runs ficco on the fake GPU of
-tests/fake_gpu.py. tests/test_gpu_lease.py runs the lease scripts so."""
+tests/fake_gpu.py. tests/claims/test_gpu_lease.py runs the lease scripts so."""
 import os
 import sys
 

@@ -1,4 +1,4 @@
-"""The fault tests on a real GPU: the rank functions of tests/test_gpu_faults.py
+"""The fault tests on a real GPU: the rank functions of tests/engine/test_gpu_faults.py
 (tests/fault_cases.py), unchanged, on several processes sharing one GPU, with
 CUDA_DEVICE_MAX_CONNECTIONS 1 and 8 set before CUDA starts, host-mapped (default) and device
 signal pads. ``bash bench/gpu_lease.sh`` runs them (its GPU suite part)."""

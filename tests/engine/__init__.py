@@ -1,0 +1,2 @@
+"""The engine: runtime, agreement, heuristics, schedules, executor, backends, kernels,
+symmetric memory."""

@@ -1,0 +1,2 @@
+"""The public faces: nn, parallel, compat, integrations, torchtitan, training,
+demo, selftest, bench."""

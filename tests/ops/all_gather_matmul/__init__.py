@@ -1,0 +1,1 @@
+"""all_gather_matmul: end to end, its gated schedules."""

@@ -1,0 +1,1 @@
+"""The expert-parallel pair and ficco.moe."""

@@ -1,0 +1,1 @@
+"""matmul_all_reduce."""

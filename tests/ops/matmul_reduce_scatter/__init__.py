@@ -1,0 +1,1 @@
+"""matmul_reduce_scatter."""
