@@ -20,8 +20,8 @@ from ficco.heuristics import profiles, simulator
 from ficco.ops.ulysses.layout import UlyssesProblem
 from ficco.plan import Barrier
 
-from . import harness
-from .ulysses_cases import OPS, after_bad_inputs, reference_all_to_all, ulysses_matrix
+from ... import harness
+from ...ulysses_cases import OPS, after_bad_inputs, reference_all_to_all, ulysses_matrix
 
 
 def problem(op, world, rank=0, shape=(8, 6, 16), scatter=1, gather=0):
