@@ -33,8 +33,10 @@ def reference_all_to_all(ts: list, scatter: int, gather: int, rank: int) -> torc
 #: gather, k, n): the product's for matmul_all_to_all, a's for all_to_all_matmul. Lengths along
 #: the gathered dim differ per rank (uneven sequence shards), chunks along the scattered dim
 #: do not always divide (uneven heads).
-def shapes(world: int) -> list[tuple]:
-    seq = [2 + (q * 3) % 4 for q in range(world)]       # uneven sequence shards
+def shapes(world: int, chunk_rule: bool = False) -> list[tuple]:
+    # uneven sequence shards: any lengths, or the chunk rule's (longer first: the gradients')
+    seq = [length for _, length in even_split(3 * world + 1, world)] if chunk_rule else \
+        [2 + (q * 3) % 4 for q in range(world)]
     return [
         # QKV: (S_q, 3*H*D) product, columns (heads) scattered, sequence gathered
         ("matmul_all_to_all", lambda q: (seq[q], 7), -1, 0, 6, 7),
@@ -125,3 +127,50 @@ def after_bad_inputs(rank, world, seed):
     failures += ulysses_matrix(rank, world, "ccl", seed, dtypes=(torch.float64,),
                                schedules=["pieces"])
     return failures
+
+
+def gradient_parity(rank, world, seed):
+    """Every shape of :func:`shapes`, every schedule, in float64: the gradients of
+    ``sum over ranks of (out_r * w_r)`` by ficco's backward (each op's the other's) against
+    autograd through the float64 reference, ``b`` a per-rank copy (each rank's gradient is
+    its copy's); once with only ``a`` needing one (the other op's path alone)."""
+    failures = []
+    for i, (op, shape_of, scatter, gather, k, n) in enumerate(shapes(world, chunk_rule=True)):
+        a_s, b, _ = make_case(seed + i, world, op, shape_of, scatter, gather, k, n)
+        fn = getattr(ficco, op)
+        a_ref = [x.clone().requires_grad_() for x in a_s]
+        b_ref = [b.clone().requires_grad_() for _ in range(world)]
+        nd = len(shape_of(0))
+        s, g = scatter % nd, gather % nd
+        if op == "matmul_all_to_all":
+            outs = [reference_all_to_all([x @ y for x, y in zip(a_ref, b_ref)], s, g, r)
+                    for r in range(world)]
+        else:
+            outs = [reference_all_to_all(a_ref, s, g, r) @ b_ref[r] for r in range(world)]
+        gen = torch.Generator().manual_seed(seed + 100 + i)
+        ws = [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in outs]
+        sum((o * w).sum() for o, w in zip(outs, ws)).backward()
+        for schedule in ficco.schedules.names(op=op):
+            for with_b in (True, False):
+                a = a_s[rank].clone().requires_grad_()
+                bb = b.clone().requires_grad_(with_b)
+                out = fn(a, bb, scatter_dim=scatter, gather_dim=gather, schedule=schedule)
+                (out * ws[rank]).sum().backward()
+                label = f"{op} {schedule} b grad {with_b} shape {shape_of(rank)}"
+                err = max_row_rel_err(a.grad, a_ref[rank].grad)
+                if not err <= 1e-9:
+                    failures.append(f"{label}: da err {err:.3g}")
+                if with_b:
+                    err = max_row_rel_err(bb.grad, b_ref[rank].grad)
+                    if not err <= 1e-9:
+                        failures.append(f"{label}: db err {err:.3g}")
+    return failures
+
+
+def gradient_off_the_chunk_rule(rank, world):
+    """Lengths that are not the chunk rule's: the backward raises InvalidArgumentError on
+    every rank (the lengths are agreed), after a forward that is right."""
+    a = torch.randn(2 + rank, 4, dtype=torch.float64, requires_grad=True)   # 2, 3: not 3, 2
+    out = ficco.matmul_all_to_all(a, torch.randn(4, 4, dtype=torch.float64), scatter_dim=-1,
+                                  gather_dim=0)
+    return invalid_argument_report({"backward": lambda: out.sum().backward()})

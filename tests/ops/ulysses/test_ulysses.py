@@ -21,7 +21,14 @@ from ficco.ops.ulysses.layout import UlyssesProblem
 from ficco.plan import Barrier
 
 from ... import harness
-from ...ulysses_cases import OPS, after_bad_inputs, reference_all_to_all, ulysses_matrix
+from ...ulysses_cases import (
+    OPS,
+    after_bad_inputs,
+    gradient_off_the_chunk_rule,
+    gradient_parity,
+    reference_all_to_all,
+    ulysses_matrix,
+)
 
 
 def problem(op, world, rank=0, shape=(8, 6, 16), scatter=1, gather=0):
@@ -97,3 +104,13 @@ def test_world_of_one_is_the_plain_expression():
     a, w = torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
     assert torch.equal(ficco.matmul_all_to_all(a, w, scatter_dim=0, gather_dim=1), a @ w)
     assert torch.allclose(ficco.all_to_all_matmul(a, w, scatter_dim=1, gather_dim=-1), a @ w)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gradients_match_autograd_through_the_reference(world):
+    failures = harness.pool(world).run(gradient_parity, random.randrange(1 << 30))
+    assert failures == [[]] * world, failures
+
+
+def test_gradient_off_the_chunk_rule_raises_on_every_rank():
+    assert harness.pool(2).run(gradient_off_the_chunk_rule) == [{"backward": "ok"}] * 2
