@@ -174,3 +174,40 @@ def gradient_off_the_chunk_rule(rank, world):
     out = ficco.matmul_all_to_all(a, torch.randn(4, 4, dtype=torch.float64), scatter_dim=-1,
                                   gather_dim=0)
     return invalid_argument_report({"backward": lambda: out.sum().backward()})
+
+
+def attention_parity(rank, world, seed, heads, causal):
+    """ficco.nn.UlyssesAttention on sequence shards (the chunk rule's, uneven) against the
+    unsharded attention in float64: this rank's rows of the output, x's gradient, and the
+    weights' gradients summed over the ranks."""
+    import torch.distributed as dist
+
+    from ficco.ops.ulysses.attention import reference_attention
+
+    torch.manual_seed(seed)
+    seq, hidden = 2 * world + 1, 8
+    layer = ficco.nn.UlyssesAttention(hidden, heads, 4, causal=causal, dtype=torch.float64)
+    x = torch.randn(2, seq, hidden, dtype=torch.float64)
+    weights = (layer.w_qkv.detach().clone().requires_grad_(),
+               layer.w_out.detach().clone().requires_grad_())
+    x_ref = x.clone().requires_grad_()
+    ref = reference_attention(x_ref, *weights, heads, causal)
+    grad = torch.randn(ref.shape, dtype=torch.float64)
+    (ref * grad).sum().backward()
+    start, rows = even_split(seq, world)[rank]
+    mine = x[:, start: start + rows].clone().requires_grad_()
+    out = layer(mine)
+    (out * grad[:, start: start + rows]).sum().backward()
+    failures = []
+    checks = {"out": (out, ref[:, start: start + rows]),
+              "dx": (mine.grad, x_ref.grad[:, start: start + rows])}
+    for name, param, want in (("dw_qkv", layer.w_qkv, weights[0]),
+                              ("dw_out", layer.w_out, weights[1])):
+        summed = param.grad.clone()
+        dist.all_reduce(summed)
+        checks[name] = (summed, want.grad)
+    for name, (got, want) in checks.items():
+        err = max_row_rel_err(got, want)
+        if not err <= 1e-9:
+            failures.append(f"{name} heads={heads} causal={causal}: err {err:.3g}")
+    return failures

@@ -24,6 +24,7 @@ from ... import harness
 from ...ulysses_cases import (
     OPS,
     after_bad_inputs,
+    attention_parity,
     gradient_off_the_chunk_rule,
     gradient_parity,
     reference_all_to_all,
@@ -114,3 +115,10 @@ def test_gradients_match_autograd_through_the_reference(world):
 
 def test_gradient_off_the_chunk_rule_raises_on_every_rank():
     assert harness.pool(2).run(gradient_off_the_chunk_rule) == [{"backward": "ok"}] * 2
+
+
+@pytest.mark.parametrize("world,heads,causal", [(2, 4, False), (3, 3, True)])
+def test_ulysses_attention_matches_the_unsharded_attention(world, heads, causal):
+    failures = harness.pool(world).run(attention_parity, random.randrange(1 << 30), heads,
+                                       causal)
+    assert failures == [[]] * world, failures
