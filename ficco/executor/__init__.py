@@ -66,7 +66,8 @@ def execute(plan: Plan | CompiledPlan, backend, buffers: Buffers, *, timeout_s: 
     if profiled is None:
         profiled = profiling.recording()
     variant = compiled.variant(backend, trace or profiled)
-    steps, views = compiled.bind(backend, buffers, events, every_view=trace or profiled)
+    steps, views = compiled.bind(backend, buffers, events, every_view=trace or profiled,
+                                 variant=variant)
     if compiled.num_flags:   # zeroed on the compute queue, before the side queues start
         buffers.flags = torch.zeros(compiled.num_flags, dtype=torch.int32,
                                     device=buffers.a.device)

@@ -188,7 +188,7 @@ class CompiledPlan:
         return self.variants["batched" if backend.batches_copies else "lean"]
 
     def bind(self, backend, buffers: Buffers, events: list | None = None,
-             every_view: bool = False) -> tuple[tuple, list]:
+             every_view: bool = False, variant: Steps | None = None) -> tuple[tuple, list]:
         """``(steps, views)`` of one call on ``backend``: the steps to run (of
         :meth:`variant`; ``every_view``: one per plan op, as ``self.steps``), with the copies
         prepared by the backend (when it can) and kept from the last call while the addresses
@@ -198,7 +198,8 @@ class CompiledPlan:
         plan) gets them bound into the steps."""
         symm = buffers.symm
         old = self._binding
-        variant = self.variant(backend, every_view)
+        if variant is None:     # (the executor passes the one it chose)
+            variant = self.variant(backend, every_view)
         # Events key the binding only where they are bound into it (the CPU backend makes
         # fresh events every call).
         if not backend.reuses_plan_events:

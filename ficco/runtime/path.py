@@ -187,7 +187,7 @@ def _run(call: Call, schedule, transport, selector, profiled: bool):
         try:
             exchanged = prepared is None or prepared.digest not in channel.agreed
             # values every rank must pass alike beyond the signature (the all-reduce's bias)
-            values = call.op.values_word(call)
+            values = call.op.values_word(call) if call.op.values_what else 0
             if exchanged or prepared is None:
                 prepared, call, word, exchanged = _prepare(call, s, number, stage)
                 # (a decision made without measuring where the selector measures, a rank that
