@@ -1,5 +1,6 @@
 """The public entry points: ``all_gather_matmul``, ``matmul_reduce_scatter``,
-``matmul_all_reduce``, the expert-parallel pair, ``explain``, ``warmup`` and ``shutdown``.
+``matmul_all_reduce``, the expert-parallel pair, the Ulysses pair, ``explain``, ``warmup``
+and ``shutdown``.
 
 Data flows one way: arguments -> op spec (``ficco/ops/``: validated, canonical Call) ->
 runtime (``ficco/runtime/path.py``: agreement, Decision, Plan, executor) -> the caller's layout.
@@ -18,6 +19,7 @@ from .ops.all_gather_matmul.spec import SPEC as _ALL_GATHER_MATMUL
 from .ops.matmul_all_reduce import torch_op as library_all_reduce
 from .ops.matmul_all_reduce.spec import SPEC as _MATMUL_ALL_REDUCE
 from .ops.matmul_reduce_scatter.spec import SPEC as _MATMUL_REDUCE_SCATTER
+from .ops.ulysses import torch_op as ulysses
 from .runtime import path as runtime
 
 last_run = runtime.last_run    # (schedule, transport) of a group's last call: session_of().last
@@ -252,6 +254,43 @@ def grouped_mm_all_to_all(h, recv_counts, w2, group=None, *, schedule=None, send
 
     return expert_library.grouped_mm_all_to_all(h, recv_counts, w2, group, schedule=schedule,
                                                 send_counts=send_counts)
+
+
+def matmul_all_to_all(a, b, group=None, *, scatter_dim, gather_dim, schedule=None):
+    """``all_to_all(a @ b)``: Ulysses sequence parallelism's QKV projection, its output moved
+    from sequence shards to head shards, the all-to-all hidden behind the GEMM's pieces.
+
+    ``all_to_all(t)`` splits ``t`` into W chunks along ``scatter_dim`` (longer chunks first
+    when W does not divide it), sends chunk j to rank j and concatenates what arrives along
+    ``gather_dim`` in rank order; both are dims of the product (negative dims count from its
+    end). The ranks' products may differ in their length along ``gather_dim`` only.
+    ``schedule``: one of ``ficco.schedules.names(op="matmul_all_to_all")``. docs/ulysses.md.
+
+    >>> import torch, ficco
+    >>> a, w = torch.randn(2, 6, 8), torch.randn(8, 4)
+    >>> torch.allclose(ficco.matmul_all_to_all(a, w, scatter_dim=-1, gather_dim=1), a @ w)
+    True
+    """
+    return ulysses.run_eager("matmul_all_to_all", a, b, group, scatter_dim, gather_dim,
+                             schedule)
+
+
+def all_to_all_matmul(a, b, group=None, *, scatter_dim, gather_dim, schedule=None):
+    """``all_to_all(a) @ b``: before Ulysses' output projection, head shards back to sequence
+    shards, the GEMM started on each rank's chunk as it lands (``C += a_j @ b[K_j]`` when
+    ``gather_dim`` is ``a``'s last dim).
+
+    The all-to-all as in :func:`matmul_all_to_all`, on dims of ``a``; the ranks' ``a`` may
+    differ in their length along ``gather_dim`` only. ``schedule``: one of
+    ``ficco.schedules.names(op="all_to_all_matmul")``. docs/ulysses.md.
+
+    >>> import torch, ficco
+    >>> a, w = torch.randn(2, 6, 8), torch.randn(8, 4)
+    >>> torch.allclose(ficco.all_to_all_matmul(a, w, scatter_dim=0, gather_dim=1), a @ w)
+    True
+    """
+    return ulysses.run_eager("all_to_all_matmul", a, b, group, scatter_dim, gather_dim,
+                             schedule)
 
 
 def session_of(group=None):

@@ -177,7 +177,6 @@ _NAMES = {env.removeprefix("FICCO_").lower(): env for env in KNOBS}
 #: scripts' own (tests/, bench/), read there
 TOOL_ENV = ("FICCO_FAKE_GPU", "FICCO_LEASE_SCALE", "FICCO_LEASE_QUICK")
 TOOL_PREFIXES = ("FICCO_TEST_",)
-_warned_unknown: set[str] = set()
 
 
 def unknown_env() -> list[str]:
@@ -196,12 +195,11 @@ def warn_unknown() -> None:
     import difflib
     import warnings
 
-    from .errors import FiccoWarning
+    from .errors import FiccoWarning, first_time
 
     for name in unknown_env():
-        if name in _warned_unknown:
+        if not first_time(("unknown setting", name)):
             continue
-        _warned_unknown.add(name)
         close = difflib.get_close_matches(name, list(KNOBS), n=2)
         hint = f"did you mean {' or '.join(close)}? " if close else ""
         warnings.warn(f"{name} is set but is no ficco setting, so it changes nothing; {hint}"

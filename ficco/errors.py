@@ -2,6 +2,7 @@
 seen and the fix."""
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -57,6 +58,21 @@ class TransportError(FiccoError):
 class FiccoWarning(UserWarning):
     """Something runs, but not on ficco: e.g. a TP plan none of whose GEMMs reach ficco's ops
     (``ficco.torchtitan``, ``ficco.compat.install_symm_mem_override``)."""
+
+
+_warned: set = set()
+_warned_lock = threading.Lock()
+
+
+def first_time(key) -> bool:
+    """True the first time this process asks about ``key`` (a hashable naming one warning),
+    False after: the one memo behind every warn-once of ficco (an unknown setting, a cache
+    file's fault, a torchtitan module ficco cannot reach)."""
+    with _warned_lock:
+        if key in _warned:
+            return False
+        _warned.add(key)
+        return True
 
 
 @dataclass

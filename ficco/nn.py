@@ -42,6 +42,7 @@ from .errors import InvalidArgumentError
 from .group import NO_GROUP, name_of, rank_world, resolve
 from .ops import library
 from .ops.matmul_all_reduce import torch_op as library_all_reduce
+from .ops.ulysses.attention import UlyssesAttention
 from .plan.problem import even_split
 from .runtime.call import check_flag
 
@@ -308,4 +309,4 @@ def replicated(param: Tensor, group=None) -> Tensor:
     return _SumGradOverGroup.apply(param, name_of(group))
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "replicated"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "UlyssesAttention", "replicated"]

@@ -38,8 +38,6 @@ MAX_ENTRIES = 2048
 TRIM_TO = 0.75
 FORMAT = 1
 
-_warned: set[tuple[str, str]] = set()
-_lock = threading.Lock()
 
 
 def stamp() -> dict:
@@ -54,13 +52,10 @@ def stamp() -> dict:
 def warn_once(path: Path | str, what: str, instead: str = "ficco measures again instead"
               ) -> None:
     """One FiccoWarning per file and kind of fault, naming the file and what was done."""
-    from ..errors import FiccoWarning
+    from ..errors import FiccoWarning, first_time
 
-    key = (str(path), what.split(":")[0])
-    with _lock:
-        if key in _warned:
-            return
-        _warned.add(key)
+    if not first_time(("cache", str(path), what.split(":")[0])):
+        return
     warnings.warn(f"ficco cache {str(path)!r}: {what}; {instead} (the cache is optional; "
                   f"FICCO_CACHE_DIR moves it)", stacklevel=4, category=FiccoWarning)
 

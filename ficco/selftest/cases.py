@@ -189,6 +189,39 @@ def _combine(rank, world, shape, rounding, seed) -> Case:
     return Case((hs[rank][0], recv, w_low), {}, ref, torch.cat(scales))
 
 
+def _matmul_all_to_all(rank, world, shape, rounding, seed) -> Case:
+    """Ulysses' QKV projection: every rank's (m, k) sequence shard times the shared (k, n)
+    weight; rank r gets column chunk r of every rank's product, stacked in rank order."""
+    from ..plan.problem import even_split
+
+    m, k, n = shape
+    gen = _gen(seed)
+    cast = [rounding.cast(torch.randn(m, k, generator=gen, dtype=torch.float64))
+            for _ in range(world)]
+    b_low, b64, _ = rounding.weight(torch.randn(k, n, generator=gen, dtype=torch.float64))
+    start, cols = even_split(n, world)[rank]
+    ref = torch.cat([c[1] @ b64[:, start:start + cols] for c in cast])
+    scale = torch.cat([c[1].abs() @ b64[:, start:start + cols].abs() for c in cast])
+    return Case((cast[rank][0], b_low), {"scatter_dim": 1, "gather_dim": 0}, ref, scale)
+
+
+def _all_to_all_matmul(rank, world, shape, rounding, seed) -> Case:
+    """Ulysses' output projection: every rank's (W*m, k) head shard; rank r gets row chunk r
+    of every rank's, side by side in rank order (K = W*k), times the shared (W*k, n) weight."""
+    from ..plan.problem import even_split
+
+    m, k, n = shape
+    gen = _gen(seed)
+    cast = [rounding.cast(torch.randn(world * m, k, generator=gen, dtype=torch.float64))
+            for _ in range(world)]
+    b_low, b64, _ = rounding.weight(torch.randn(world * k, n, generator=gen,
+                                                dtype=torch.float64))
+    start, rows = even_split(world * m, world)[rank]
+    gathered = torch.cat([c[1][start:start + rows] for c in cast], dim=1)
+    return Case((cast[rank][0], b_low), {"scatter_dim": 0, "gather_dim": 1}, gathered @ b64,
+                gathered.abs() @ b64.abs())
+
+
 #: op name -> builder(rank, world, shape, rounding, seed) -> Case
 BUILDERS: dict[str, Callable[..., Case]] = {
     "all_gather_matmul": _all_gather_matmul,
@@ -196,6 +229,8 @@ BUILDERS: dict[str, Callable[..., Case]] = {
     "matmul_all_reduce": functools.partial(_reduced, False),
     "all_to_all_grouped_mm": _dispatch,
     "grouped_mm_all_to_all": _combine,
+    "matmul_all_to_all": _matmul_all_to_all,
+    "all_to_all_matmul": _all_to_all_matmul,
 }
 #: ops whose cases take fp8 operands with tensor-wise scales
 SCALED = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")

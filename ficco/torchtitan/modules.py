@@ -27,7 +27,7 @@ from torchtitan.models.common.linear import Linear
 from torchtitan.protocols.sharding import ShardingConfig
 from torchtitan.tools.logging import logger
 
-from ..errors import ConfigError, FiccoWarning
+from ..errors import ConfigError, FiccoWarning, first_time
 from ..ops import library
 
 _SEQ_DIM = 1     # torchtitan's activations are (batch, seq, dim)
@@ -253,7 +253,6 @@ class _Plan:
 
 _PLAN = _Plan()
 _report_plan = _PLAN.report
-_warned: set[str] = set()
 
 
 def _warn_unreached(module: str, why: str) -> None:
@@ -262,9 +261,7 @@ def _warn_unreached(module: str, why: str) -> None:
 
 
 def _warn(message: str, once: str | None = None) -> None:
-    if once is not None:
-        if once in _warned:
-            return
-        _warned.add(once)
+    if once is not None and not first_time(("torchtitan", once)):
+        return
     logger.warning(message)
     warnings.warn(message, FiccoWarning, stacklevel=3)

@@ -2,6 +2,8 @@
 any communication."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -117,13 +119,16 @@ def test_every_env_value_is_checked_before_any_communication(monkeypatch):
         monkeypatch.delenv(name)
 
 
+_fresh = itertools.count()
+
+
 def test_an_unknown_ficco_variable_is_warned_about_once(monkeypatch):
-    from ficco import config
     from ficco.errors import FiccoWarning
 
-    monkeypatch.setattr(config, "_warned_unknown", set())
-    monkeypatch.setenv("FICCO_SCHEDUEL", "ring")
-    with pytest.warns(FiccoWarning, match=r"FICCO_SCHEDUEL .*did you mean FICCO_SCHEDULE"):
+    # a name this process has not warned about yet (the warning is once per process)
+    misspelt = f"FICCO_SCHEDUEL{next(_fresh)}"
+    monkeypatch.setenv(misspelt, "ring")
+    with pytest.warns(FiccoWarning, match=rf"{misspelt} .*did you mean FICCO_SCHEDULE"):
         ficco.all_gather_matmul(_a(4, 8), _a(8, 3))
     import warnings
     with warnings.catch_warnings():

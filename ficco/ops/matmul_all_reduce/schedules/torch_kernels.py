@@ -25,6 +25,7 @@ offered them only on targets in :data:`VERIFIED_TARGETS` (empty), forcing one ru
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -83,7 +84,9 @@ class TorchAllReduce(HostOp):
         return torch_task(buffers, op)
 
 
-_own: dict = {}
+#: each group's own torch symmetric buffers by (shape, dtype, device): keyed by the group
+#: object (weakly), so a new group of the same name never meets an old group's buffers
+_own: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _own_lock = threading.Lock()
 
 
@@ -95,14 +98,15 @@ def symmetric_input(partial: torch.Tensor, group) -> torch.Tensor:
 
     if torch_symm.is_symm_mem_tensor(partial):
         return partial
-    key = (group.group_name, tuple(partial.shape), partial.dtype, partial.device)
+    key = (tuple(partial.shape), partial.dtype, partial.device)
     with _own_lock:
-        buf = _own.get(key)
+        bufs = _own.setdefault(group, {})
+        buf = bufs.get(key)
         if buf is None:
             buf = torch_symm.empty(tuple(partial.shape), dtype=partial.dtype,
                                    device=partial.device)
             torch_symm.rendezvous(buf, group.group_name)
-            _own[key] = buf
+            bufs[key] = buf
     buf.copy_(partial)
     return buf
 
