@@ -537,6 +537,20 @@ def checked_scaled_mm(real):
     return scaled_mm
 
 
+def stream_ordered(real):
+    """``real`` (torch work the caller issues on its stream after a plan, such as
+    :func:`ficco.plan.epilogue.finish`'s rounding of the float32 outputs) run once the caller's
+    stream got there: on a GPU those ops are kernels queued after the plan's work, whereas on
+    the fake GPU's host tensors they would run at once, before the queued GEMMs wrote what they
+    read. The caller waits for its stream instead (a logged blocking host call)."""
+    def ordered(*args, **kwargs):
+        if not torch.cuda.is_current_stream_capturing():
+            current_stream().synchronize()
+        return real(*args, **kwargs)
+    ordered.real = real  # type: ignore[attr-defined]
+    return ordered
+
+
 # -- the backend -----------------------------------------------------------------------------------
 def backend_class(vendor_name: str):
     """A CudaBackend / RocmBackend whose torch work runs in stream order on the fake device."""
@@ -572,6 +586,16 @@ def backend_class(vendor_name: str):
 
         def launch_current(self, fn):
             current_stream().enqueue(fn)
+
+        def keep_alive(self, buffers):
+            # Host tensors come from the CPU allocator, which reuses a freed block at once,
+            # while a queued copy may still read or write it by address: the call's tensors
+            # are retired with its commands (dropped once every queue was idle), as a device's
+            # caching allocator reuses them only for work ordered after the call.
+            if not torch.cuda.is_current_stream_capturing():
+                device = _device()
+                with device.cond:
+                    device._retired.append(buffers)
 
         def fence(self, outputs, *args):
             if torch.cuda.is_current_stream_capturing():
@@ -624,6 +648,13 @@ def install(vendor: str = "cuda", hw_queues: int = 8, sms: int = 16,
     _state["saved_checks"] = (scaled.device_side, torch._scaled_mm)
     scaled.device_side = lambda t: True
     torch._scaled_mm = checked_scaled_mm(torch._scaled_mm)
+    # the caller's own torch work after a plan, in the caller's stream order
+    from ficco.ops.all_gather_matmul import spec as ag_spec
+    from ficco.ops.matmul_reduce_scatter import spec as rs_spec
+
+    _state["saved_finish"] = [(m, m.finish) for m in (ag_spec, rs_spec)]
+    for m, real in _state["saved_finish"]:
+        m.finish = stream_ordered(real)
     os.environ["FICCO_BACKEND"] = vendor
     backends.install(vendor, backend_class(vendor)())
     return device
@@ -644,6 +675,8 @@ def uninstall() -> None:
         from ficco.plan import epilogue as scaled
 
         scaled.device_side, torch._scaled_mm = _state["saved_checks"]
+    for m, real in _state.get("saved_finish", ()):
+        m.finish = real
     os.environ.pop("FICCO_BACKEND", None)
     _state.clear()
 

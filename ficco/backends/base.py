@@ -189,6 +189,14 @@ class Backend(ABC):
         """End of one call: make the caller's compute queue wait for every other queue (GPU),
         or block until all queues drained and re-raise any worker error (CPU)."""
 
+    def keep_alive(self, buffers: Any) -> None:
+        """End of one call, after :meth:`finish` (or :meth:`finish_failed`): the call's
+        tensors (``buffers``) must outlive the work queued on them. Nothing here: a GPU's
+        caching allocator hands a freed block only to work ordered after the caller's stream,
+        which :meth:`finish` made wait for every queue; the CPU backend's finish drains its
+        queues. A backend over host memory with queued work (the tests' fake GPU) holds them
+        until that work ran."""
+
     def finish_failed(self, queues: list[Any]) -> None:
         """End of a call that raised while its plan was being enqueued (never raises): what
         its queues still hold must be ordered before the caller's next work (GPUs: the

@@ -95,6 +95,8 @@ def execute(plan: Plan | CompiledPlan, backend, buffers: Buffers, *, timeout_s: 
         _name_work_step(exc, compiled, variant.work, steps, views)
         backend.finish_failed(queues_used)   # what was queued still runs: order it (GPUs)
         raise
+    finally:
+        backend.keep_alive(buffers)
     return None
 
 

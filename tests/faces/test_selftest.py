@@ -48,10 +48,11 @@ def test_selftest_passes_on_the_fake_gpu():
     no graph capture here (the fake has no torch.cuda.graph)."""
     from ficco.selftest import Options
 
-    options = Options(shapes=("tiny",), dtypes=("float32",), graph=False, fault_timeout_s=1.0)
+    options = Options(shapes=("tiny",), dtypes=("float32", "float8"), graph=False,
+                      fault_timeout_s=1.0)
     reports = harness.pool(2).run(cases.quick, "cuda", options, timeout_s=300)
     for report in reports:
-        _check(report, 2, target="cuda:sm_90", dtypes=("float32",))
+        _check(report, 2, target="cuda:sm_90", dtypes=("float32", "float8"))
         assert report["environment"]["pads"]["pads"] == "host"
         assert report["environment"]["pads"]["view_problems"] == []
 
