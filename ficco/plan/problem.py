@@ -20,6 +20,7 @@ Schedules, selectors and the simulator see only this :class:`Problem`.
 """
 from __future__ import annotations
 
+import abc
 import bisect
 import math
 from dataclasses import dataclass, replace
@@ -81,7 +82,7 @@ def bucket(rows: float) -> int:
     return -(-rows // step) * step
 
 
-class DtypeFields:
+class DtypeFields(abc.ABC):
     """``itemsize`` and ``torch_dtype`` of a problem whose ``dtype`` is a torch dtype name, and
     its epilogue (:mod:`ficco.plan.epilogue`): none unless the problem's own fields say otherwise
     (:class:`Problem` has them; the expert ops have no epilogue)."""
@@ -93,9 +94,9 @@ class DtypeFields:
     world: int
     rank: int
 
+    @abc.abstractmethod
     def key(self) -> tuple:
         """The fields a decision depends on (each problem class says which)."""
-        raise NotImplementedError
 
     @cached_property      # read per op by the simulator: once per problem
     def itemsize(self) -> int:
