@@ -218,3 +218,53 @@ def no_exploring_while_tracing(rank, world, seed, root):
         out.append(("eager", runtime.last_run(), session.last.final, explored(), err))
     auto.CACHE.forget()
     return out
+
+
+def on_the_fake_gpu(rank, world, seed, root):
+    """On the fake GPU (dma): a key explored with events and no device synchronize in its
+    calls, a graph captured in the middle of it running the model's pick without moving the
+    count; every call exact. Per call (what ran, settled, blocking host calls it made, count,
+    error); the capture's (count before, count after, invalidated, error after replay)."""
+    from ficco.runtime import path as runtime
+
+    from . import fake_gpu
+    from .fault_cases import _capture, _inputs, _setup, _warm_up
+
+    device = _setup("cuda", 8)
+    _warm_up(rank, world, "ring")
+    shards, bs, _, refs = _inputs(seed % 1000 + 3, world, (8, 16), 4)
+    a, b = shards[rank].clone(), bs[0].clone()
+    rows, captured = [], None
+    try:
+        with ficco.config.scope(selector="auto", auto="explore", cache_dir=root,
+                                transport="dma"):
+            auto.CACHE.forget()
+            session = ficco.session_of()
+
+            def count() -> int:
+                found = list(session.exploring.values())
+                return found[0].calls if found else -1
+
+            for i in range(80):
+                if i == 5:
+                    before = count()
+                    with _capture() as graph:
+                        out = ficco.all_gather_matmul(a, b)
+                    after = count()
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    captured = (before, after, graph.invalidated, max_row_rel_err(out, refs[0]),
+                                session.last.decided_by)
+                seen = len(device.blocking)
+                out = ficco.all_gather_matmul(a, b)
+                waits = [what for _, what in device.blocking[seen:]]
+                torch.cuda.synchronize()
+                rows.append((runtime.last_run(), session.last.final, waits, count(),
+                             max_row_rel_err(out, refs[0])))
+                if session.last.final and i > 5:
+                    break
+    finally:
+        auto.CACHE.forget()
+        ficco.shutdown()
+        fake_gpu.uninstall()
+    return rows, captured

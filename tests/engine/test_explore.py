@@ -193,3 +193,22 @@ def test_nothing_explores_while_torch_compile_traces(tmp_path):
         assert "cannot time now: torch.compile is tracing" in traced[5], rows
         assert last[3] == traced[3] + 1, rows
         assert max(row[4] for row in rows) <= ROW_TOL[torch.float32], rows
+
+
+def test_on_the_fake_gpu_exploring_calls_never_synchronize_and_a_capture_explores_nothing(
+        tmp_path):
+    """Exploring calls are timed with events read two calls later: none of them blocks the
+    host on the device (the settling call waits for old events only); a graph captured in the
+    middle runs the model's pick, leaves the key's count where it was and replays exactly."""
+    results = harness.pool(3, {"FICCO_TIMEOUT": "20"}).run(
+        explore_cases.on_the_fake_gpu, random.randrange(1 << 30), str(tmp_path), timeout_s=240)
+    ran = [[row[0] for row in rows] for rows, _ in results]
+    assert ran[0] and ran.count(ran[0]) == len(ran), ran      # every rank, every call alike
+    for rows, captured in results:
+        before, after, invalidated, replayed, why = captured
+        assert before == after and invalidated is None and replayed <= 1e-4, captured
+        assert "cannot time now" in why and "captured" in why, why
+        assert rows[-1][1] is True and len({ran for ran, *_ in rows}) >= 2, rows
+        exploring = [waits for ran, final, waits, _, _ in rows[:-1] if not final]
+        assert exploring and all("device synchronize" not in w for w in exploring), rows
+        assert max(err for *_, err in rows) <= 1e-4, rows
