@@ -131,13 +131,18 @@ def _call(op, a, b, schedule):
 
 
 def _ops_of(op, schedule, world, m, k, n, dtype_name) -> int:
-    """Ops of the plan this rank runs (events included), the simulator's host_op_s unit."""
+    """Runtime calls a warm call of the plan this rank runs makes on this backend
+    (:meth:`~ficco.executor.compiler.CompiledPlan.issue_calls`), the simulator's host_op_s
+    unit."""
     from .. import schedules
+    from ..backends import get_backend
+    from ..executor.compiler import compile_plan
     from ..plan.problem import Problem
 
     p = Problem(m=m if op == "all_gather_matmul" else world * m, k=k, ns=(n,), dtype=dtype_name,
                 world=world, op=op)
-    return len(schedules.get(schedule, op=op).plan(p, "dma").ops)
+    plan = schedules.get(schedule, op=op).plan(p, "dma")
+    return compile_plan(plan).issue_calls(get_backend().batches_copies)[1]
 
 
 def _schedules(op: str, args: dict) -> list[str]:
@@ -231,8 +236,8 @@ PARTS = {"sanitize": sanitize, "host": host, "timeline": timeline, "speed": spee
 
 # -- what the parent writes ---------------------------------------------------------------------------
 def fit_host_op(rows: list[dict]) -> float:
-    """Seconds per plan op: least-squares slope through the origin of host time against op
-    count (fence on), the simulator's ``host_op_s`` form.
+    """Seconds per runtime call: least-squares slope through the origin of host time against
+    the calls a warm call makes (``ops``; fence on), the simulator's ``host_op_s`` form.
 
     >>> round(fit_host_op([{"ops": 10, "host_us_median": 20.0, "fence": True},
     ...                    {"ops": 20, "host_us_median": 40.0, "fence": True}]) * 1e6, 3)
