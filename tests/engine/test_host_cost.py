@@ -17,6 +17,7 @@ from ficco.plan.problem import Problem
 
 DENSE = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 EXPERT = ("all_to_all_grouped_mm", "grouped_mm_all_to_all")
+ULYSSES = ("matmul_all_to_all", "all_to_all_matmul")
 
 
 def _plans(world: int, ops=DENSE):
@@ -102,7 +103,7 @@ def test_a_copy_that_reads_what_the_batch_writes_waits_for_it():
         assert lean[1][2][0][:2] == steps[1][2:4]
 
 
-@pytest.mark.parametrize("op", DENSE + EXPERT)
+@pytest.mark.parametrize("op", DENSE + EXPERT + ULYSSES)
 def test_runtime_calls_per_w8_call_fit_the_budget(op):
     """The ops column of bench overhead at W = 8 (runtime calls of one warm call with batched
     copy submission): serial <= 24; the fused FiCCO schedules and the gated ones <= 80;
