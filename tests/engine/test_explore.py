@@ -165,8 +165,10 @@ def test_every_explored_call_is_exact_whichever_schedule_it_ran(tmp_path, op):
 def test_live_ranks_with_opposite_clocks_agree_on_one_decision(tmp_path):
     results = harness.pool(2).run(explore_cases.opposite_clocks, random.randrange(1 << 30),
                                   str(tmp_path), timeout_s=240)
-    (ran0, err0, d0, _), (ran1, err1, d1, text) = results
+    (ran0, err0, d0, _, _), (ran1, err1, d1, text, mid) = results
     assert ran0 == ran1 and d0 == d1 == ("serial", "dma"), (ran0, d0, d1)
+    # explain() in the middle: not settled, the calls so far and what each ran
+    assert "not settled yet" in mid and "3 so far" in mid and "0: serial (dma)" in mid, mid
     assert ("ring", "dma") in ran0 and max(err0 + err1) <= ROW_TOL[torch.float32]
     assert ran0[0] == ("serial", "dma") and ran0[-1] == d0     # first call, then as decided
     assert "3.000 ms" in text, text                            # ring: the slowest rank's
