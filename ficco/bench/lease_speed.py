@@ -27,11 +27,15 @@ from pathlib import Path
 
 import torch
 
+from ..ops import of_collective as collective_ops
+from ..plan.problem import ALL_GATHER, REDUCE_SCATTER
+
 #: the lease's shapes (M, N, K): M rows in all (the all-gather's output, the reduce-scatter's
 #: input), N output columns, K the contraction
 SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (16384, 4096, 4096))
 VARIANTS = ("default", "serial-dma", "default-symm-torch", "torch-fused")
-OPS = ("all_gather_matmul", "matmul_reduce_scatter")
+#: the ops the lease times: the all-gather's and the reduce-scatter's
+OPS = collective_ops(ALL_GATHER, REDUCE_SCATTER)
 #: sampled output rows per check, and the worst row error over its rounding scale accepted
 SAMPLED_ROWS = 16
 TOLERANCE = {"bfloat16": 3e-2, "float16": 6e-3, "float32": 1e-4}
