@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import config
 from .errors import InvalidArgumentError
 from .ops import get as op_spec
 from .ops.all_gather_matmul import torch_op as all_gather_op
@@ -127,7 +128,8 @@ def warmup(op, shapes, group=None, *, dtype=torch.bfloat16, **kwargs) -> list:
     """Make the first sight of each problem now: one call of ``op`` (``"all_gather_matmul"``,
     ``"matmul_reduce_scatter"`` or ``"matmul_all_reduce"``: the ops of (rows, K, n) GEMMs) per ``(rows, K, n)`` in
     ``shapes``, on random operands of ``dtype`` on this process's device, so the ``auto``
-    selector measures its shortlist for each of them here (a serving process that knows its
+    selector measures its shortlist for each of them here, up front whatever ``FICCO_AUTO``
+    says (a serving process that knows its
     buckets calls it at start) and later calls of those keys find the decision cached. Rows
     and K are the op's own: the all-gather's rows per rank and K; the reduce-scatter's and
     all-reduce's rows and this rank's K. ``kwargs`` go to every call (``schedule``,
@@ -154,11 +156,13 @@ def warmup(op, shapes, group=None, *, dtype=torch.bfloat16, **kwargs) -> list:
                                    f"{shapes}")
     device = get_backend().device()
     ran = []
-    for rows, k, n in shapes:
-        a = torch.randn(rows, k, device=device).to(dtype)
-        b = torch.randn(k, n, device=device).to(dtype)
-        calls[op](a, b, group, **kwargs)
-        ran.append(last_run(group))
+    # (measured up front: a warm-up's point is a decision made before the real calls)
+    with config.scope(auto="upfront"):
+        for rows, k, n in shapes:
+            a = torch.randn(rows, k, device=device).to(dtype)
+            b = torch.randn(k, n, device=device).to(dtype)
+            calls[op](a, b, group, **kwargs)
+            ran.append(last_run(group))
     return ran
 
 

@@ -14,8 +14,10 @@ survive one failing schedule.)
 - ``timeline``: one traced call per queue (run it under CUDA_DEVICE_MAX_CONNECTIONS=1 and
   8 to compare), rows as JSON and a Gantt PNG;
 - ``speed``: the default call, serial over dma, the default on torch's symmetric memory and
-  torch's own fused ops at the lease's shapes, each checked against float64 on sampled rows
-  and timed (:mod:`.lease_speed`), one line each into ``speed.jsonl`` as it is measured.
+  torch's own fused ops at the lease's shapes, then decode's ``matmul_all_reduce`` (the
+  default, the one-kernel all-reduce forced, ``torch.mm`` + torch's ``one_shot_all_reduce``),
+  each checked against float64 and timed (:mod:`.lease_speed`), one line each into
+  ``speed.jsonl`` as it is measured.
 
 Example (from the repository root, on a GPU machine)::
 
@@ -268,6 +270,11 @@ def main(argv=None) -> int:
     parser.add_argument("--speed-shape", action="append", metavar="M,N,K",
                         help="speed: a shape, M rows in all (repeat; default the lease's "
                              "4096^3, 8192^3 and 16384x4096x4096)")
+    parser.add_argument("--decode-shape", action="append", metavar="B,N,K",
+                        help="speed: a decode shape of matmul_all_reduce, batch B, the "
+                             "layer's N and K (each rank's GEMM TP 8's K/8; repeat; default "
+                             "Llama-3 8B o and 70B down at batch 1 and 32; 'none': no decode "
+                             "shapes)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default="bench/runs/gpu-session")
     args = parser.parse_args(argv)
@@ -287,6 +294,10 @@ def main(argv=None) -> int:
         lease_speed.prepare_environment()
         spec["shapes"] = [tuple(int(v) for v in s.split(",")) for s in args.speed_shape] \
             if args.speed_shape else list(lease_speed.SHAPES)
+        given = args.decode_shape or []
+        spec["decode_shapes"] = [] if given == ["none"] else \
+            [tuple(int(v) for v in s.split(",")) for s in given] if given \
+            else list(lease_speed.DECODE_SHAPES)
         spec["out"] = str(lease_speed.out_file(out))
         Path(spec["out"]).write_text("")
         return lease_speed.exit_code(spawn(args.part, world, spec)[0])

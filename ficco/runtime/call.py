@@ -337,6 +337,8 @@ def settings(schedule: str | None = None, transport: str | None = None,
             "FICCO_SCHEDULE" if knobs["FICCO_SCHEDULE"] else None),
         "transport": transport or knobs["FICCO_TRANSPORT"],
         "selector": selector or knobs["FICCO_SELECTOR"],
+        # auto's measuring mode: every rank must explore (or measure up front) alike
+        "auto_mode": knobs["FICCO_AUTO"],
         # tune measures each candidate collectively: every rank must measure the same list
         "tune_candidates": knobs["FICCO_TUNE_CANDIDATES"],
         "profile": knobs["FICCO_PROFILE"],

@@ -120,6 +120,10 @@ class Prepared:
     workspace_bytes: int | None  # per rank, dma only
     wide: bool                  # the plan's outputs are float32, rounded once (Plan.wide_outputs)
     answer: Any                 # what the call's first dma barrier runs while it waits
+    #: ``auto``'s exploration of the key (ficco.heuristics.explore.Exploration) while its calls
+    #: run the shortlist, and this key's Prepared form per candidate it ran
+    explorer: Any = None
+    variants: Any = None
 
 
 class Known:
@@ -156,6 +160,9 @@ class Session:
         #: of this group holds: found in this process's memory without asking the ranks again
         #: (ficco.heuristics.measured.Cache); an entry another group agreed on is asked about
         self.measured: set[tuple[str, str]] = set()
+        #: ``auto``'s explorations in flight on this group, by cache key
+        #: (ficco.heuristics.explore): every rank of it holds the same
+        self.exploring: dict[str, Any] = {}
         #: the Decision of the last multi-rank call run on this group in this process
         self.last: Any = None
 
@@ -233,6 +240,7 @@ class Session:
         self.settings.clear()
         self.routings.clear()
         self.measured.clear()
+        self.exploring.clear()
         lane, handle = self.lane, self.workspace
         self.lane = self.workspace = None
         backend = self.backend
