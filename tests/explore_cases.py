@@ -271,3 +271,23 @@ def on_the_fake_gpu(rank, world, seed, root):
         ficco.shutdown()
         fake_gpu.uninstall()
     return rows, captured
+
+
+def modes_differ(rank, world, seed, root):
+    """Rank 0 explores, rank 1 measures up front (FICCO_AUTO differs): the call's agreement
+    refuses it on both (a MismatchError naming the setting) instead of the two modes' runs
+    waiting for each other. What each rank raised."""
+    from ficco.errors import MismatchError
+
+    ficco.shutdown()
+    mode = "explore" if rank == 0 else "upfront"
+    try:
+        with ficco.config.scope(selector="auto", auto=mode, cache_dir=root, timeout=10):
+            auto.CACHE.forget()
+            _Calls("all_gather_matmul", rank, world, seed).call()
+    except MismatchError as exc:
+        return "MismatchError", str(exc)
+    finally:
+        ficco.shutdown()
+        auto.CACHE.forget()
+    return None, ""

@@ -217,3 +217,10 @@ def test_on_the_fake_gpu_exploring_calls_never_synchronize_and_a_capture_explore
         exploring = [waits for ran, final, waits, _, _ in rows[:-1] if not final]
         assert exploring and all("device synchronize" not in w for w in exploring), rows
         assert max(err for *_, err in rows) <= 1e-4, rows
+
+
+def test_ranks_whose_auto_modes_differ_are_refused_not_left_waiting(tmp_path):
+    results = harness.pool(2).run(explore_cases.modes_differ, random.randrange(1 << 30),
+                                  str(tmp_path), timeout_s=120)
+    for raised, text in results:
+        assert raised == "MismatchError" and "auto_mode" in text, results
