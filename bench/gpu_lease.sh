@@ -19,7 +19,9 @@
 #   6 the gated GEMM's warp-exit probe (waits ended by the clock and the halt word)
 #                                                                            -> pytest.txt
 #   7 speed: W=2 sharing the GPU, default / serial over dma / FICCO_SYMM=torch / torch's
-#     fused ops at 4096^3, 8192^3, 16384x4096x4096 bf16                     -> speed.jsonl
+#     fused ops at 4096^3, 8192^3, 16384x4096x4096 bf16; then decode: matmul_all_reduce with
+#     TP 8's GEMMs of Llama-3 8B o and 70B down at batch 1 and 32, default / one-shot-kernel
+#     / two-shot-kernel / torch.mm + torch.ops.symm_mem.one_shot_all_reduce  -> speed.jsonl
 #   8 the fault tests (tests/gpu/test_gpu_faults.py)                         -> pytest.txt
 #
 # $OUT ends with at most 8 files, one folder deep: lease.log (every part's command, bound,
@@ -40,7 +42,7 @@ LOG="$OUT/lease.log"
 if [ "$QUICK" = 1 ]; then   # the fake GPU multiplies no bf16 into fp32 (torch.mm out_dtype)
     SMOKE=(--ops all_gather_matmul --dtypes float32)
     SELFTEST=(--quick --ops all_gather_matmul --dtypes float32)
-    SPEED=(--dtype float32 --speed-shape 64,48,32 --calls 3)
+    SPEED=(--dtype float32 --speed-shape 64,48,32 --decode-shape 2,48,64 --calls 3)
 else
     # (no --optional: the gated kernels' cold autotune would not fit the bound; parts 5-6
     # run them)

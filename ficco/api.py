@@ -12,12 +12,14 @@ from collections.abc import Callable
 
 import torch
 
+from . import config
 from .errors import InvalidArgumentError
 from .ops import get as op_spec
-from .ops import library
+from .ops.all_gather_matmul import torch_op as all_gather_op
 from .ops.all_gather_matmul.spec import SPEC as _ALL_GATHER_MATMUL
-from .ops.matmul_all_reduce import torch_op as library_all_reduce
+from .ops.matmul_all_reduce import torch_op as all_reduce_op
 from .ops.matmul_all_reduce.spec import SPEC as _MATMUL_ALL_REDUCE
+from .ops.matmul_reduce_scatter import torch_op as reduce_scatter_op
 from .ops.matmul_reduce_scatter.spec import SPEC as _MATMUL_REDUCE_SCATTER
 from .ops.ulysses import torch_op as ulysses
 from .runtime import path as runtime
@@ -56,8 +58,8 @@ def all_gather_matmul(a_shard, b, group=None, *, gather_dim=0, schedule=None,
     >>> c.dtype, tuple(c.shape)
     (torch.bfloat16, (4, 16))
     """
-    # Through the torch custom op (autograd, autocast, torch.compile); ficco/ops/library.py.
-    return library.all_gather_matmul(a_shard, b, group, gather_dim=gather_dim,
+    # Through the torch custom op (autograd, autocast, torch.compile); ficco/ops/<op>/torch_op.py.
+    return all_gather_op.all_gather_matmul(a_shard, b, group, gather_dim=gather_dim,
                                      schedule=schedule, return_gathered=return_gathered,
                                      a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype,
                                      bias=bias, activation=activation)
@@ -88,8 +90,8 @@ def matmul_reduce_scatter(a, b, group=None, *, scatter_dim=0, reduce_op="sum", s
     >>> torch.allclose(ficco.matmul_reduce_scatter(a, w), a @ w)   # one rank: a plain matmul
     True
     """
-    # Through the torch custom op (autograd, autocast, torch.compile); ficco/ops/library.py.
-    return library.matmul_reduce_scatter(a, b, group, scatter_dim=scatter_dim,
+    # Through the torch custom op (autograd, autocast, torch.compile); ficco/ops/<op>/torch_op.py.
+    return reduce_scatter_op.matmul_reduce_scatter(a, b, group, scatter_dim=scatter_dim,
                                          reduce_op=reduce_op, schedule=schedule,
                                          a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype,
                                          bias=bias, activation=activation)
@@ -117,7 +119,7 @@ def matmul_all_reduce(a, b, group=None, *, reduce_op="sum", schedule=None, a_sca
     >>> torch.allclose(ficco.matmul_all_reduce(a, w), a @ w)   # one rank: a plain matmul
     True
     """
-    return library_all_reduce.matmul_all_reduce(a, b, group, reduce_op=reduce_op,
+    return all_reduce_op.matmul_all_reduce(a, b, group, reduce_op=reduce_op,
                                                 schedule=schedule, a_scale=a_scale,
                                                 b_scale=b_scale, out_dtype=out_dtype, bias=bias)
 
@@ -126,7 +128,8 @@ def warmup(op, shapes, group=None, *, dtype=torch.bfloat16, **kwargs) -> list:
     """Make the first sight of each problem now: one call of ``op`` (``"all_gather_matmul"``,
     ``"matmul_reduce_scatter"`` or ``"matmul_all_reduce"``) per ``(rows, K, n)`` in
     ``shapes``, on random operands of ``dtype`` on this process's device, so the ``auto``
-    selector measures its shortlist for each of them here (a serving process that knows its
+    selector measures its shortlist for each of them here, up front whatever ``FICCO_AUTO``
+    says (a serving process that knows its
     buckets calls it at start) and later calls of those keys find the decision cached. Rows
     and K are the op's own: the all-gather's rows per rank and K; the reduce-scatter's and
     all-reduce's rows and this rank's K. ``kwargs`` go to every call (``schedule``,
@@ -151,11 +154,13 @@ def warmup(op, shapes, group=None, *, dtype=torch.bfloat16, **kwargs) -> list:
                                    f"{shapes}")
     device = get_backend().device()
     ran = []
-    for rows, k, n in shapes:
-        a = torch.randn(rows, k, device=device).to(dtype)
-        b = torch.randn(k, n, device=device).to(dtype)
-        calls[op](a, b, group, **kwargs)
-        ran.append(last_run(group))
+    # (measured up front: a warm-up's point is a decision made before the real calls)
+    with config.scope(auto="upfront"):
+        for rows, k, n in shapes:
+            a = torch.randn(rows, k, device=device).to(dtype)
+            b = torch.randn(k, n, device=device).to(dtype)
+            calls[op](a, b, group, **kwargs)
+            ran.append(last_run(group))
     return ran
 
 
@@ -231,9 +236,9 @@ def all_to_all_grouped_mm(x, counts, w, group=None, *, schedule=None):
     >>> torch.allclose(y, torch.cat([x[:2] @ w[0], x[2:] @ w[1]])), rc.tolist()
     (True, [[2], [3]])
     """
-    from .ops.expert import torch_op as expert_library
+    from .ops.expert import torch_op as expert_op
 
-    return expert_library.all_to_all_grouped_mm(x, counts, w, group, schedule=schedule)
+    return expert_op.all_to_all_grouped_mm(x, counts, w, group, schedule=schedule)
 
 
 def grouped_mm_all_to_all(h, recv_counts, w2, group=None, *, schedule=None, send_counts=None):
@@ -250,9 +255,9 @@ def grouped_mm_all_to_all(h, recv_counts, w2, group=None, *, schedule=None, send
     >>> torch.allclose(z, torch.cat([x[:2] @ w[0] @ w2[0], x[2:] @ w[1] @ w2[1]]), atol=1e-5)
     True
     """
-    from .ops.expert import torch_op as expert_library
+    from .ops.expert import torch_op as expert_op
 
-    return expert_library.grouped_mm_all_to_all(h, recv_counts, w2, group, schedule=schedule,
+    return expert_op.grouped_mm_all_to_all(h, recv_counts, w2, group, schedule=schedule,
                                                 send_counts=send_counts)
 
 
@@ -271,8 +276,7 @@ def matmul_all_to_all(a, b, group=None, *, scatter_dim, gather_dim, schedule=Non
     >>> torch.allclose(ficco.matmul_all_to_all(a, w, scatter_dim=-1, gather_dim=1), a @ w)
     True
     """
-    return ulysses.run_eager("matmul_all_to_all", a, b, group, scatter_dim, gather_dim,
-                             schedule)
+    return ulysses.front("matmul_all_to_all", a, b, group, scatter_dim, gather_dim, schedule)
 
 
 def all_to_all_matmul(a, b, group=None, *, scatter_dim, gather_dim, schedule=None):
@@ -289,8 +293,7 @@ def all_to_all_matmul(a, b, group=None, *, scatter_dim, gather_dim, schedule=Non
     >>> torch.allclose(ficco.all_to_all_matmul(a, w, scatter_dim=0, gather_dim=1), a @ w)
     True
     """
-    return ulysses.run_eager("all_to_all_matmul", a, b, group, scatter_dim, gather_dim,
-                             schedule)
+    return ulysses.front("all_to_all_matmul", a, b, group, scatter_dim, gather_dim, schedule)
 
 
 def session_of(group=None):

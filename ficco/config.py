@@ -144,6 +144,12 @@ KNOBS: dict[str, Knob] = {k.env: k for k in [
          "which selector picks a schedule: auto (the model's shortlist, measured on the live "
          "group at a key's first sight), model, paper or tune (every schedule, measured)",
          choices=("auto", "paper", "model", "tune")),
+    Knob("FICCO_AUTO", "explore", str.lower,
+         "how the auto selector measures a new key: explore (its first call runs serial, its "
+         "next calls run the shortlisted schedules as the real calls, timed, until one "
+         "exchange settles the decision) or upfront (the shortlist is timed in front of the "
+         "first call, which then runs the winner)",
+         choices=("explore", "upfront")),
     Knob("FICCO_TRANSPORT", "auto", str.lower, "how bytes cross ranks",
          choices=TRANSPORT_SETTINGS),
     Knob("FICCO_DISABLE", False, _flag, "1 runs plain all_gather + matmul"),
@@ -278,6 +284,7 @@ def snapshot() -> tuple:
 backend: Callable[[], str | None] = KNOBS["FICCO_BACKEND"].read
 schedule: Callable[[], str | None] = KNOBS["FICCO_SCHEDULE"].read
 selector: Callable[[], str] = KNOBS["FICCO_SELECTOR"].read
+auto_mode: Callable[[], str] = KNOBS["FICCO_AUTO"].read
 transport: Callable[[], str] = KNOBS["FICCO_TRANSPORT"].read
 disabled: Callable[[], bool] = KNOBS["FICCO_DISABLE"].read
 profile: Callable[[], str | None] = KNOBS["FICCO_PROFILE"].read

@@ -37,7 +37,8 @@ import torch
 
 from .errors import InvalidArgumentError
 from .group import name_of, rank_world, resolve
-from .ops import library
+from .ops.all_gather_matmul import torch_op as all_gather_op
+from .ops.matmul_reduce_scatter import torch_op as reduce_scatter_op
 from .runtime import agreement
 
 RECIPES = ("rowwise", "tensorwise")
@@ -123,7 +124,7 @@ class _AllGatherMatmul(torch.autograd.Function):
                                 if world > 1 else local, device=a_shard.device)
         a8, sa = quantize(a_shard, dtype=dtype, rowwise=rowwise, amax=amax)
         w8, sw = quantize(w, dtype=dtype, rowwise=rowwise, dim=0)
-        gathered8, out = library.all_gather_matmul(
+        gathered8, out = all_gather_op.all_gather_matmul(
             a8, w8, group, gather_dim=gather_dim, schedule=schedule, return_gathered=True,
             a_scale=sa, b_scale=sw, out_dtype=a_shard.dtype,
             bias=None if bias is None else bias.detach())
@@ -136,7 +137,7 @@ class _AllGatherMatmul(torch.autograd.Function):
         gathered8, sa, w8, sw = ctx.saved_tensors
         grad_a = grad_w = grad_bias = None
         if ctx.needs_input_grad[0]:   # the input's gradient, reduce-scattered overlapped
-            grad_a = library.matmul_reduce_scatter(grad, _deq(w8, sw, ctx.dtype).t(),
+            grad_a = reduce_scatter_op.matmul_reduce_scatter(grad, _deq(w8, sw, ctx.dtype).t(),
                                                    ctx.group, scatter_dim=ctx.dim)
         if ctx.needs_input_grad[1]:
             if sa.dim():   # row-wise: every gathered row's scale, gathered like the rows
@@ -152,7 +153,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
     def forward(ctx, a, w, bias, group, scatter_dim, reduce_op, rowwise, dtype, schedule):
         a8, sa = quantize(a, dtype=dtype, rowwise=rowwise)   # this rank's K-slice: local
         w8, sw = quantize(w, dtype=dtype, rowwise=rowwise, dim=0)
-        out = library.matmul_reduce_scatter(
+        out = reduce_scatter_op.matmul_reduce_scatter(
             a8, w8, group, scatter_dim=scatter_dim, reduce_op=reduce_op, schedule=schedule,
             a_scale=sa, b_scale=sw, out_dtype=a.dtype,
             bias=None if bias is None else bias.detach())
@@ -167,7 +168,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
         g = grad / world if ctx.reduce_op == "avg" else grad
         grad_a = grad_w = grad_bias = None
         if ctx.needs_input_grad[0]:   # the all-gather of the output gradient, overlapped
-            gathered, grad_a = library.all_gather_matmul(
+            gathered, grad_a = all_gather_op.all_gather_matmul(
                 g, _deq(w8, sw, ctx.dtype).t(), ctx.group, gather_dim=ctx.dim,
                 return_gathered=True)
         elif ctx.needs_input_grad[1]:

@@ -40,8 +40,9 @@ from torch import Tensor, nn
 
 from .errors import InvalidArgumentError
 from .group import NO_GROUP, name_of, rank_world, resolve
-from .ops import library
-from .ops.matmul_all_reduce import torch_op as library_all_reduce
+from .ops.all_gather_matmul import torch_op as all_gather_op
+from .ops.matmul_all_reduce import torch_op as all_reduce_op
+from .ops.matmul_reduce_scatter import torch_op as reduce_scatter_op
 from .ops.ulysses.attention import UlyssesAttention
 from .plan.problem import even_split
 from .runtime.call import check_flag
@@ -144,7 +145,7 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x_shard: Tensor):
-        outs = library.all_gather_matmul(x_shard, [w.t() for w in self.weights], self.group,
+        outs = all_gather_op.all_gather_matmul(x_shard, [w.t() for w in self.weights], self.group,
                                          gather_dim=_seq_dim(self.seq_dim, x_shard, "x_shard"))
         if self.biases is not None:
             outs = [o + b for o, b in zip(outs, self.biases)]
@@ -212,14 +213,14 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.sequence_parallel:
-            return library_all_reduce.matmul_all_reduce(x, self.weight.t(), self.group,
+            return all_reduce_op.matmul_all_reduce(x, self.weight.t(), self.group,
                                                         bias=self.bias)
         # The bias enters the graph first, so the backward runs the (checked) all_gather_matmul
         # before the bias gradient's all-reduce: a rank that skipped this backward makes the
         # peers raise before that unchecked collective is in flight (autograd runs the later
         # node first).
         bias = None if self.bias is None else replicated(self.bias, self.group)
-        y = library.matmul_reduce_scatter(x, self.weight.t(), self.group,
+        y = reduce_scatter_op.matmul_reduce_scatter(x, self.weight.t(), self.group,
                                           scatter_dim=_seq_dim(self.seq_dim, x, "x"))
         return y if bias is None else y + bias
 

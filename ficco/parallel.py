@@ -17,6 +17,11 @@ they see with torch's styles. Only the ``nn.Linear`` GEMM changes:
   runs ``ficco.matmul_reduce_scatter``: the reduce-scatter is hidden behind the GEMM.
 - ``RowwiseParallel`` with a replicated output (its default: tensor parallelism without
   sequence parallelism, as in TP inference) runs ``ficco.matmul_all_reduce``.
+- ``UlyssesHeadsParallel`` and ``UlyssesSequenceParallel``, a pair for an attention block
+  under Ulysses sequence parallelism (each rank a sequence shard, replicated weights): the Q/K/V
+  linears run ``ficco.matmul_all_to_all`` (sequence shards in, every position of this rank's
+  heads out), the output linear ``ficco.all_to_all_matmul`` (back to sequence shards); the
+  attention between them runs on whole sequences of local heads (docs/ulysses.md).
 - Everything else runs torch's own path unchanged: a replicated input (nothing to gather), a
   sequence that does not split evenly over the mesh, ``nn.Embedding``, an ``nn.Linear``
   subclass with its own forward.
@@ -48,10 +53,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import style as _torch
 
+from . import group as groups
 from .errors import InvalidArgumentError
 from .nn import replicated
-from .ops import library
-from .ops.matmul_all_reduce import torch_op as library_all_reduce
+from .ops.all_gather_matmul import torch_op as all_gather_op
+from .ops.matmul_all_reduce import torch_op as all_reduce_op
+from .ops.matmul_reduce_scatter import torch_op as reduce_scatter_op
+from .ops.ulysses import torch_op as ulysses_op
+from .plan.problem import even_split
 
 __all__ = [
     "ColwiseParallel",
@@ -60,6 +69,8 @@ __all__ = [
     "PrepareModuleOutput",
     "RowwiseParallel",
     "SequenceParallel",
+    "UlyssesHeadsParallel",
+    "UlyssesSequenceParallel",
 ]
 
 #: torch's, unchanged: norms and dropout compute on their shard; nothing to overlap there.
@@ -139,6 +150,47 @@ class PrepareModuleInputOutput(_torch.PrepareModuleInputOutput):
         return super()._apply(module, device_mesh)
 
 
+class UlyssesHeadsParallel(_torch.ParallelStyle):
+    """Ulysses' Q/K/V projection: an ``nn.Linear`` whose input is this rank's sequence shard
+    (along ``sequence_dim``; the shards' lengths are the chunk rule's, ``even_split``, for a
+    gradient) returns every position of this rank's chunk of its output features, through
+    ``ficco.matmul_all_to_all`` (output features head-major: whole heads per rank when the
+    heads divide by the mesh). The weight and bias stay replicated (``Replicate()``
+    DTensors), their gradients summed over the mesh, as a replicated parameter's are. The
+    output is a local tensor (``(..., S, out_features / W)``).
+
+    >>> style = UlyssesHeadsParallel(sequence_dim=1)
+    """
+
+    def __init__(self, *, sequence_dim: int = 1):
+        super().__init__()
+        self.sequence_dim = sequence_dim
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        return _ulysses(module, device_mesh, "UlyssesHeadsParallel", self.sequence_dim,
+                        _heads_forward)
+
+
+class UlyssesSequenceParallel(_torch.ParallelStyle):
+    """Ulysses' output projection, :class:`UlyssesHeadsParallel`'s inverse: an ``nn.Linear``
+    whose input holds every position of this rank's heads (``(..., S, in_features / W)``,
+    the chunk of the input features :class:`UlyssesHeadsParallel` gave the rank) returns this
+    rank's sequence shard of the output, through ``ficco.all_to_all_matmul`` (the heads
+    gathered as the GEMM's K). Weight and bias replicated as there; the bias is added once,
+    to this rank's rows.
+
+    >>> style = UlyssesSequenceParallel(sequence_dim=1)
+    """
+
+    def __init__(self, *, sequence_dim: int = 1):
+        super().__init__()
+        self.sequence_dim = sequence_dim
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        return _ulysses(module, device_mesh, "UlyssesSequenceParallel", self.sequence_dim,
+                        _sequence_forward)
+
+
 # -- what runs ------------------------------------------------------------------------------------
 def _runs_on_ficco(module: nn.Module, style: str, mesh) -> bool:
     """Whether ``module`` gets ficco's forward: an ``nn.Linear`` with nn.Linear's own forward."""
@@ -206,7 +258,7 @@ def _colwise_forward(self: nn.Linear, x: DTensor):
             x = DTensor.from_local(x.to_local().contiguous(), mesh, x.placements,
                                    run_check=False)
         return F.linear(x, self.weight, self.bias)
-    out = library.all_gather_matmul(x.to_local(), weight.to_local().t(), mesh, gather_dim=dim)
+    out = all_gather_op.all_gather_matmul(x.to_local(), weight.to_local().t(), mesh, gather_dim=dim)
     if bias is not None:
         # cast as F.linear does under autocast (the bias joins the GEMM's dtype)
         out = out + bias.to_local().to(out.dtype)
@@ -225,16 +277,73 @@ def _rowwise_forward(self: nn.Linear, x: DTensor):
         # No sequence parallelism: every rank gets the whole sum. The bias is added once,
         # inside the op; its gradient is the replicated output's, whole on every rank (as
         # with torch's style), so it is not summed over the ranks.
-        out = library_all_reduce.matmul_all_reduce(
+        out = all_reduce_op.matmul_all_reduce(
             x.to_local(), weight.to_local().t(), mesh,
             bias=None if bias is None else bias.to_local())
         return DTensor.from_local(out, mesh, (Replicate(),), run_check=False)
     if dim is None or not k_sharded:
         return F.linear(x, self.weight, self.bias)      # torch's path
-    out = library.matmul_reduce_scatter(x.to_local(), weight.to_local().t(), mesh,
+    out = reduce_scatter_op.matmul_reduce_scatter(x.to_local(), weight.to_local().t(), mesh,
                                         scatter_dim=dim)
     if bias is not None:
         # Each rank adds the replicated bias to its own rows once; the gradient of the bias is
         # summed over the ranks' rows, so it stays a full Replicate() gradient as with torch.
         out = out + replicated(bias.to_local(), mesh).to(out.dtype)
     return DTensor.from_local(out, mesh, (Shard(dim),), run_check=False)
+
+
+# -- the Ulysses pair ---------------------------------------------------------------------------
+def _ulysses(module: nn.Module, mesh, style: str, sequence_dim: int, forward) -> nn.Module:
+    """``module`` with replicated parameters and ``forward`` bound (``sequence_dim`` kept
+    on the module); torch's path has no such style, so a module ficco cannot run is refused."""
+    if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
+        raise InvalidArgumentError(f"ficco.parallel.{style} takes an nn.Linear with "
+                                   f"nn.Linear's forward; got {type(module).__name__}")
+    if mesh.ndim != 1:
+        raise InvalidArgumentError(f"ficco.parallel.{style} takes a 1-D DeviceMesh; got a "
+                                   f"{mesh.ndim}-D mesh {tuple(mesh.shape)}")
+    if not isinstance(sequence_dim, int) or isinstance(sequence_dim, bool):
+        raise InvalidArgumentError(f"ficco.parallel.{style}: sequence_dim must be an int; got "
+                                   f"{sequence_dim!r}")
+    linear: nn.Module = module
+    distribute_module(linear, mesh)          # every parameter Replicate()
+    object.__setattr__(linear, "_ficco_sequence_dim", sequence_dim)
+    linear.forward = types.MethodType(forward, linear)
+    return linear
+
+
+def _local(x):
+    """This rank's tensor of ``x`` (a DTensor's local shard)."""
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def _heads_forward(self: nn.Linear, x):
+    weight, bias = _distributed(self)
+    mesh = weight.device_mesh
+    x = _local(x)
+    if x.dim() < 2:
+        raise InvalidArgumentError(f"UlyssesHeadsParallel needs an input with a sequence dim; "
+                                   f"got shape {tuple(x.shape)}")
+    w = replicated(weight.to_local(), mesh)
+    out = ulysses_op.front("matmul_all_to_all", x, w.t(), mesh, -1,
+                           cast(int, self._ficco_sequence_dim))
+    if bias is not None:
+        _, rank, world = groups.name_rank_world(mesh)
+        start, cols = even_split(self.out_features, world)[rank]
+        out = out + replicated(bias.to_local(), mesh)[start:start + cols].to(out.dtype)
+    return out
+
+
+def _sequence_forward(self: nn.Linear, x):
+    weight, bias = _distributed(self)
+    mesh = weight.device_mesh
+    x = _local(x)
+    if x.dim() < 2:
+        raise InvalidArgumentError(f"UlyssesSequenceParallel needs an input with a sequence "
+                                   f"dim; got shape {tuple(x.shape)}")
+    w = replicated(weight.to_local(), mesh)
+    out = ulysses_op.front("all_to_all_matmul", x, w.t(), mesh,
+                           cast(int, self._ficco_sequence_dim), -1)
+    if bias is not None:
+        out = out + replicated(bias.to_local(), mesh).to(out.dtype)
+    return out

@@ -109,3 +109,32 @@ def on_fake_gpu(rank, world, seed, names):
             out[name] = float((got.double().cpu() - ref).abs().max() / ref.abs().max())
     ficco.shutdown()
     return out
+
+
+def new_to_one_rank(rank, world, seed, schedule, timeout_s):
+    """An agreed call (5 rows on every rank), then rank 0 calls with 6 rows (new to it: it
+    opens the first-call exchange) while its peers repeat the agreed 5 rows (they go straight
+    to the one-kernel all-reduce's wait), then the group refused, then made right by
+    ficco.shutdown(). Returns (kind, message, seconds) of the uneven call, the refused call's
+    kind, and the error of the call after the shutdown."""
+    def call(rows, s):
+        a, b, ref = _inputs(s, world, rank, rows=rows)
+        out = ficco.matmul_all_reduce(a, b, schedule=schedule)
+        return float((out.double() - ref).abs().max() / ref.abs().max())
+
+    def outcome(fn):
+        started = time.monotonic()
+        try:
+            return ("ok", str(fn()), time.monotonic() - started)
+        except FiccoError as exc:
+            return (type(exc).__name__, str(exc), time.monotonic() - started)
+
+    with config.scope(transport="dma", timeout=timeout_s):
+        first = call(5, seed)
+        uneven = outcome(lambda: call(6 if rank == 0 else 5, seed + 1))
+        refused = outcome(lambda: call(5, seed + 2))[0]
+        dist.barrier()
+        ficco.shutdown()
+        after = call(5, seed + 3)
+    ficco.shutdown()
+    return first, uneven, refused, after

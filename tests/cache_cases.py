@@ -65,7 +65,7 @@ def calls_with_cache(rank, world, seed, root, state) -> dict:
         shards = [torch.randn(m, k, generator=gen, dtype=torch.float64) for _ in range(world)]
         b = torch.randn(k, n, generator=gen, dtype=torch.float64)
         with warnings.catch_warnings(record=True) as seen, \
-                config.scope(cache_dir=cache_dir, selector="auto"):
+                config.scope(cache_dir=cache_dir, selector="auto", auto="upfront"):
             warnings.simplefilter("always")
             try:
                 out = ficco.all_gather_matmul(shards[rank].float(), b.float())

@@ -4,11 +4,11 @@ from __future__ import annotations
 from ficco import schedules
 
 
-def fake_gpu_calls(rank, world, seed, batch, schedules_of=None):
+def fake_gpu_calls(rank, world, seed, batch, schedules_of=None, experts=None):
     """Every dma schedule of both dense ops (or ``schedules_of``: op -> names) through the API
     on the fake GPU (copies batched or one call each), two calls of fresh data each (a first, then a warm one): the worst
     relative error against float64 and the device commands of the warm call, per (op,
-    schedule)."""
+    schedule). With ``experts`` (schedule names), returns ``(that, fake_gpu_expert's)``."""
     import torch
 
     import ficco
@@ -48,6 +48,8 @@ def fake_gpu_calls(rank, world, seed, batch, schedules_of=None):
                         torch.cuda.synchronize()
                     worst = max(worst, max_row_rel_err(out, ref))
                 found[(op, name)] = (worst, calls)
+        if experts is not None:
+            return found, _expert_calls(rank, world, seed, experts)
     finally:
         ficco.shutdown()
         fake_gpu.uninstall()
@@ -95,3 +97,59 @@ def warmup_then_calls(rank, world, seed, cache_dir):
         measured.time_candidates = real
         os.environ.pop("FICCO_CACHE_DIR", None)
     return ran, timed.count("warmup"), timed.count("call"), errors
+
+
+
+def fake_gpu_expert(rank, world, seed, batch, names):
+    """The expert ops' ``names`` schedules over dma on the fake GPU (copies batched or one call
+    each): :func:`_expert_calls`."""
+    import ficco
+
+    from . import fake_gpu
+
+    ficco.shutdown()
+    fake_gpu.install("cuda", 8, batch_copies=batch)
+    try:
+        return _expert_calls(rank, world, seed, names)
+    finally:
+        ficco.shutdown()
+        fake_gpu.uninstall()
+
+
+def _expert_calls(rank, world, seed, names):
+    """On the installed fake GPU, dispatch, then combine of its result, two calls each on fresh
+    uneven routings (float32, 2 experts per rank), against float64. Returns {schedule: (worst
+    dispatch error, worst combine error, recv counts right, device commands of the second
+    dispatch, of the second combine)}."""
+    import torch
+
+    import ficco
+    from ficco import config
+
+    from . import fake_gpu
+    from .ep_cases import dispatch_reference, make_case, round_trip_reference
+    from .reference import max_row_rel_err
+
+    found = {}
+    local = slice(rank * 2, rank * 2 + 2)
+    for n, name in enumerate(names):
+        worst_y = worst_z = 0.0
+        recv_right = True
+        for case in range(2):
+            counts, xs, w, w2 = make_case(seed + 2 * n + case, world, 2)
+            y_ref, recv_ref = dispatch_reference(counts, xs, w, rank, 2)
+            z_ref = round_trip_reference(counts, xs, w, w2, rank)
+            x, c = xs[rank].float(), torch.tensor(counts[rank])
+            wl, w2l = w[local].float(), list(w2[local].float())
+            with config.scope(transport="dma"):
+                before = fake_gpu.submitted()
+                y, recv = ficco.all_to_all_grouped_mm(x, c, wl, schedule=name)
+                mid = fake_gpu.submitted()
+                z = ficco.grouped_mm_all_to_all(y, recv, w2l, schedule=name)
+                end = fake_gpu.submitted()
+                torch.cuda.synchronize()
+            recv_right = recv_right and recv.tolist() == recv_ref
+            worst_y = max(worst_y, max_row_rel_err(y, y_ref))
+            worst_z = max(worst_z, max_row_rel_err(z, z_ref))
+        found[name] = (worst_y, worst_z, recv_right, mid - before, end - mid)
+    return found

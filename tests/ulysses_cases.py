@@ -211,3 +211,164 @@ def attention_parity(rank, world, seed, heads, causal):
         if not err <= 1e-9:
             failures.append(f"{name} heads={heads} causal={causal}: err {err:.3g}")
     return failures
+
+
+def compiled_parity(rank, world, seed):
+    """Both ops under ``torch.compile(fullgraph=True)`` (AOT autograd: forward and backward
+    traced through the fake kernels, one graph each, no break) on every rank's equal length
+    along gather_dim: the output and the gradients of ``a`` and ``b`` against autograd
+    through the float64 reference; then lengths that differ raise InvalidArgumentError on
+    every rank."""
+    from torch._dynamo import reset
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.utils import counters
+
+    graphs = []
+
+    def record(gm, _inputs):
+        graphs.append(gm)
+        return gm
+
+    failures = []
+    seq = 2 * world - 1
+    equal = [("matmul_all_to_all", lambda q: (seq, 7), -1, 0, 6, 7),
+             ("matmul_all_to_all", lambda q: (world + 1, seq, 5), 0, 1, 4, 5),
+             ("all_to_all_matmul", lambda q: (2 * world + 1, seq), 0, -1, None, 3),
+             ("all_to_all_matmul", lambda q: (2, world + 2, seq, 4), 1, 2, 4, 6)]
+    for i, (op, shape_of, scatter, gather, k, n) in enumerate(equal):
+        a_s, b, _ = make_case(seed + i, world, op, shape_of, scatter, gather, k, n)
+        nd = len(shape_of(0))
+        s, g = scatter % nd, gather % nd
+        a_ref = [x.clone().requires_grad_() for x in a_s]
+        b_ref = [b.clone().requires_grad_() for _ in range(world)]
+        if op == "matmul_all_to_all":
+            outs = [reference_all_to_all([x @ y for x, y in zip(a_ref, b_ref)], s, g, r)
+                    for r in range(world)]
+        else:
+            outs = [reference_all_to_all(a_ref, s, g, r) @ b_ref[r] for r in range(world)]
+        gen = torch.Generator().manual_seed(seed + 100 + i)
+        ws = [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in outs]
+        sum((o * w).sum() for o, w in zip(outs, ws)).backward()
+        fn = getattr(ficco, op)
+
+        def step(a, bb, fn=fn, scatter=scatter, gather=gather):
+            return fn(a, bb, scatter_dim=scatter, gather_dim=gather)
+
+        reset()
+        counters.clear()
+        graphs.clear()
+        compiled = torch.compile(step, fullgraph=True,
+                                 backend=aot_autograd(fw_compiler=record, bw_compiler=record))
+        a = a_s[rank].clone().requires_grad_()
+        bb = b.clone().requires_grad_()
+        out = compiled(a, bb)
+        (out * ws[rank]).sum().backward()
+        label = f"{op} shape {shape_of(rank)} scatter {scatter} gather {gather}"
+        for name, got, want in (("out", out, outs[rank]), ("da", a.grad, a_ref[rank].grad),
+                                ("db", bb.grad, b_ref[rank].grad)):
+            err = max_row_rel_err(got, want)
+            if not err <= 1e-9:
+                failures.append(f"{label}: {name} err {err:.3g}")
+        calls = [n.target for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+        if getattr(torch.ops.ficco, op).default not in calls:
+            failures.append(f"{label}: the forward graph holds no ficco op: {calls}")
+        if len(graphs) != 2 or sum(counters["graph_break"].values()):
+            failures.append(f"{label}: {len(graphs)} graphs, breaks {dict(counters['graph_break'])}")
+    # lengths that differ by rank: refused on every rank, after the agreement
+    reset()
+    a = torch.randn(2 + rank, 4, dtype=torch.float64)
+    compiled = torch.compile(lambda x, w: ficco.matmul_all_to_all(x, w, scatter_dim=-1,
+                                                                  gather_dim=0),
+                             fullgraph=True, backend="eager")
+    report = invalid_argument_report({"uneven": lambda: compiled(a, torch.randn(4, 4,
+                                                                          dtype=torch.float64))})
+    if report != {"uneven": "ok"}:
+        failures.append(f"uneven lengths under compile: {report}")
+    return failures
+
+
+class _Attention(torch.nn.Module):
+    """Self-attention as model code writes it: Q, K, V and output linears with biases, the
+    heads inferred from the projection's width (``view(..., -1, head_dim)``), so the same
+    module runs unsharded or with ficco.parallel's Ulysses styles on its linears."""
+
+    def __init__(self, hidden: int, heads: int, head_dim: int):
+        super().__init__()
+        self.head_dim = head_dim
+        self.wq, self.wk, self.wv = (torch.nn.Linear(hidden, heads * head_dim,
+                                                     dtype=torch.float64) for _ in range(3))
+        self.wo = torch.nn.Linear(heads * head_dim, hidden, dtype=torch.float64)
+
+    def forward(self, x):
+        def heads(t):
+            return t.view(t.shape[0], t.shape[1], -1, self.head_dim).transpose(1, 2)
+
+        q, k, v = heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1))
+
+
+def style_parity(rank, world, seed, heads):
+    """ficco.parallel's Ulysses pair on an attention block's linears against the unsharded
+    block in float64: this rank's rows of the output and of x's gradient, and every
+    parameter's gradient (whole on every rank, as a replicated parameter's)."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from ficco.parallel import UlyssesHeadsParallel, UlyssesSequenceParallel
+
+    torch.manual_seed(seed)
+    seq, hidden = 2 * world + 1, 8
+    block = _Attention(hidden, heads, 4)
+    sharded = parallelize_module(copy.deepcopy(block), init_device_mesh("cpu", (world,)),
+                                 {"wq": UlyssesHeadsParallel(), "wk": UlyssesHeadsParallel(),
+                                  "wv": UlyssesHeadsParallel(),
+                                  "wo": UlyssesSequenceParallel()})
+    x = torch.randn(2, seq, hidden, dtype=torch.float64)
+    x_ref = x.clone().requires_grad_()
+    ref = block(x_ref)
+    grad = torch.randn(ref.shape, dtype=torch.float64)
+    (ref * grad).sum().backward()
+    start, rows = even_split(seq, world)[rank]
+    mine = x[:, start: start + rows].clone().requires_grad_()
+    out = sharded(mine)
+    (out * grad[:, start: start + rows]).sum().backward()
+    checks = {"out": (out, ref[:, start: start + rows]),
+              "dx": (mine.grad, x_ref.grad[:, start: start + rows])}
+    for (name, p), (_, p_ref) in zip(sharded.named_parameters(), block.named_parameters()):
+        if not isinstance(p, DTensor):
+            return [f"{name} is not a DTensor: {type(p).__name__}"]
+        checks[name] = (p.grad.to_local(), p_ref.grad)
+    failures = []
+    for name, (got, want) in checks.items():
+        # (absolute too: the key bias's gradient is zero, softmax does not see a shift of
+        # every key by the same vector, so the reference holds rounding only)
+        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-9, atol=1e-12):
+            failures.append(f"{name} heads={heads}: {got} vs {want}")
+    return failures
+
+
+def lengths_change(rank, world, seed):
+    """Calls whose shared fields are the same but whose ranks' lengths along gather_dim
+    change from call to call (this rank's own length kept on some ranks): each call is
+    exact against float64 (every rank's lengths are this call's, never a former call's)."""
+    failures = []
+    rounds = [[2 + (q + i) % 3 for q in range(world)] for i in range(4)]
+    rounds.insert(2, rounds[0])        # a repeat of the first lengths: the warm call
+    for i, seq in enumerate(rounds):
+        for op, scatter, gather in (("matmul_all_to_all", -1, 0), ("all_to_all_matmul", 1, 0)):
+            def shape_of(q, seq=seq):
+                return (seq[q], 2 * world)     # the tensor that travels
+            a_s, b, refs = make_case(seed + i, world, op, shape_of, scatter, gather, 3,
+                                     2 * world if op == "matmul_all_to_all" else 5)
+            for transport in ("dma", "ccl"):
+                with config.scope(transport=transport):
+                    out = getattr(ficco, op)(a_s[rank], b, scatter_dim=scatter,
+                                             gather_dim=gather, schedule="pieces")
+                err = max_row_rel_err(out, refs[rank])
+                if not err <= 1e-9:
+                    failures.append(f"round {i} {op} {transport} lengths {seq}: err {err:.3g}")
+    return failures

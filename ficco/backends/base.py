@@ -295,6 +295,27 @@ class Backend(ABC):
         a synchronize would break the capture), or None."""
         return None
 
+    #: calls of a key after which a call's :meth:`stopped` watch may be read without waiting
+    #: for its work (``auto``'s exploration reads its timings this many calls late): none
+    #: here, where a call returns once its work ran
+    timing_lag: int = 0
+
+    def started(self) -> Any:
+        """A watch started now around a call's own work, without a synchronize (``auto``'s
+        exploration; read it with :meth:`seconds_of` once :meth:`stopped`): here the host
+        clock, the call returning once its queues drained; GPUs record an event on the
+        compute queue."""
+        return time.perf_counter()
+
+    def stopped(self, watch: Any) -> Any:
+        """``watch`` (:meth:`started`) stopped after the call enqueued its work."""
+        return time.perf_counter() - watch
+
+    def seconds_of(self, watch: Any) -> float:
+        """Seconds of a :meth:`stopped` watch (GPUs: waits for its end event, which a later
+        call finds long done)."""
+        return float(watch)
+
     def elapsed_s(self, start: Any, end: Any) -> float:
         """Seconds between two recorded events of one call (tracing). Backends whose events
         carry no time raise BackendUnavailableError."""

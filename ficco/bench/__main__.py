@@ -30,6 +30,8 @@ VERBS = {
     "kernels": "the gated GEMM alone: vs torch.matmul, one-device timelines, offline compile",
     "default": "the default choice (no settings) against the better serial on CPU ranks, "
                "every op, tiny/GEMM-bound/copy-bound shapes",
+    "decode": "simulated tensor-parallel decode: matmul_all_reduce's picks and the one-kernel "
+              "all-reduce against published custom all-reduces (docs/all_reduce.md's table)",
 }
 
 

@@ -15,6 +15,14 @@ With ``--new-shapes N`` it measures instead what a *first* call costs: N new seq
 (rows per rank from the shape's m up), each called twice, over dma and over ccl; it prints the
 median seconds of the first call of a length and of the second (warm) one, slowest rank.
 
+With ``--first-sight N`` it measures what the first sight of a *new key* costs under the
+default selector, in each ``FICCO_AUTO`` mode (a fresh ``FICCO_CACHE_DIR`` per mode):
+``all_gather_matmul`` in float32, K = 384, n = 256, N keys of distinct row buckets (rows per
+rank 1-8, 10, 12, 14, 16, 20, ...), after one call on another shape (what a process pays once).
+Per key: its first call; in ``explore`` its next calls until the decision settled (what they
+ran, the exploring calls); then 5 repeats. It prints the medians over the keys (first call,
+exploring call, repeat, first / repeat) and the slowest first call, rank 0's host clock.
+
 Cases: ``all_gather_matmul`` and ``matmul_reduce_scatter`` (no autograd: the direct path),
 ``ColumnParallelLinear`` forward with trainable weights and ``RowParallelLinear`` forward with
 trainable weights and its bias (through ``torch.ops.ficco``, the dispatcher and autograd), and
@@ -35,7 +43,11 @@ EXAMPLES = """examples:
   python -m ficco.bench calls --top 25            # and the 25 ficco functions called most
   python -m ficco.bench calls --schedule hetero-fused-1d --transport dma
   python -m ficco.bench calls --new-shapes 40 --shape 500,64,64   # first calls of new lengths
+  python -m ficco.bench calls --first-sight 20    # first sight of 20 new keys, both auto modes
 """
+#: rows per rank of the first-sight keys: one per bucket (ficco.heuristics.auto.bucketed)
+FIRST_SIGHT_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80,
+                    96, 112, 128, 160, 192, 224, 256)
 
 CASES = ("all_gather_matmul", "matmul_reduce_scatter", "ColumnParallelLinear",
          "RowParallelLinear", "all_gather_matmul fp8+bias")
@@ -55,6 +67,9 @@ def add_arguments(parser) -> None:
                         help="also list the N ficco functions called most per warm call")
     parser.add_argument("--new-shapes", type=int, default=0,
                         help="time the first call of N new sequence lengths instead")
+    parser.add_argument("--first-sight", type=int, default=0,
+                        help=f"time the first sight of N new keys (at most "
+                             f"{len(FIRST_SIGHT_ROWS)}) in both FICCO_AUTO modes instead")
 
 
 def _serialisation(func: tuple) -> str | None:
@@ -172,6 +187,75 @@ def _first_calls(rank, world, m, n, k, count) -> dict:
     return out
 
 
+def _first_sights(rank, world, count, root) -> dict:
+    """{mode: per key (first call s, [exploring call s], [repeat s], ran)} on this rank."""
+    import os
+    import time
+
+    import torch
+
+    import ficco
+    from ficco.heuristics import auto
+
+    gen = torch.Generator().manual_seed(rank)
+    k, n = 384, 256
+    b, b_other = torch.randn(k, n, generator=gen), torch.randn(320, n, generator=gen)
+    out = {}
+    for mode in ("explore", "upfront"):
+        auto.CACHE.forget()       # (in memory, another mode's decisions would be offered)
+        with ficco.config.scope(auto=mode, selector="auto",
+                                cache_dir=os.path.join(root, mode)):
+            ficco.all_gather_matmul(torch.randn(3, 320, generator=gen), b_other)
+            session = ficco.session_of()
+            keys = []
+            for rows in FIRST_SIGHT_ROWS[:count]:
+                a = torch.randn(rows, k, generator=gen)
+                start = time.perf_counter()
+                ficco.all_gather_matmul(a, b)
+                first = time.perf_counter() - start
+                exploring: list[float] = []
+                while not session.last.final and len(exploring) < 1000:
+                    start = time.perf_counter()
+                    ficco.all_gather_matmul(a, b)
+                    exploring.append(time.perf_counter() - start)
+                repeats = []
+                for _ in range(5):
+                    start = time.perf_counter()
+                    ficco.all_gather_matmul(a, b)
+                    repeats.append(time.perf_counter() - start)
+                keys.append((first, exploring, repeats, ficco.api.last_run()))
+        out[mode] = keys
+        ficco.shutdown()
+    return out
+
+
+def first_sight(world: int = 2, count: int = 20) -> dict:
+    """{mode: summary} of :func:`_first_sights` on rank 0 (medians over the keys)."""
+    import statistics
+    import tempfile
+
+    from .cli import cpu_ranks
+
+    with tempfile.TemporaryDirectory(prefix="ficco-first-sight-") as root:
+        per_rank = cpu_ranks(_first_sights, world, count, root)
+    out = {}
+    for mode, keys in per_rank[0].items():
+        firsts = [first for first, _, _, _ in keys]
+        repeats = [statistics.median(r) for _, _, r, _ in keys]
+        exploring = [t for _, e, _, _ in keys for t in e]
+        out[mode] = {
+            "first_s": statistics.median(firsts), "repeat_s": statistics.median(repeats),
+            "ratio": statistics.median(f / r for f, r in zip(firsts, repeats)),
+            "slowest_first_s": max(firsts),
+            "exploring_s": statistics.median(exploring) if exploring else None,
+            "exploring_calls": statistics.median(len(e) for _, e, _, _ in keys),
+            "exploring_ratio": statistics.median(
+                statistics.median(e) / statistics.median(r) for _, e, r, _ in keys if e)
+            if exploring else None,
+            "ran": sorted({"/".join(ran) for _, _, _, ran in keys})}
+    return out
+
+
 def measure(world: int = 2, shape: str = "64,64,64", warmup: int = 5, calls: int = 20,
             schedule: str | None = None, transport: str | None = None,
             new_shapes: int = 0) -> dict:
@@ -189,6 +273,21 @@ def measure(world: int = 2, shape: str = "64,64,64", warmup: int = 5, calls: int
 
 
 def main(args) -> int:
+    if args.first_sight:
+        count = min(args.first_sight, len(FIRST_SIGHT_ROWS))
+        rows = first_sight(args.world, count)
+        print(f"first sight of {count} new keys (all_gather_matmul float32, K=384, n=256, rows "
+              f"per rank {', '.join(map(str, FIRST_SIGHT_ROWS[:count]))}), W={args.world}, cpu "
+              f"backend; medians over the keys, rank 0's host clock:")
+        print(f"{'FICCO_AUTO':<10} {'first call':>11} {'repeat':>9} {'first/repeat':>12} "
+              f"{'slowest first':>13} {'exploring calls':>15} {'each':>9} {'vs repeat':>9}  ran")
+        for mode, r in rows.items():
+            each = "-" if r["exploring_s"] is None else f"{r['exploring_s'] * 1e3:.2f} ms"
+            vs = "-" if r["exploring_ratio"] is None else f"{r['exploring_ratio']:.2f}x"
+            print(f"{mode:<10} {r['first_s'] * 1e3:>8.2f} ms {r['repeat_s'] * 1e3:>6.2f} ms "
+                  f"{r['ratio']:>11.2f}x {r['slowest_first_s'] * 1e3:>10.1f} ms "
+                  f"{r['exploring_calls']:>15.0f} {each:>9} {vs:>9}  {', '.join(r['ran'])}")
+        return 0
     if args.new_shapes:
         firsts = measure(args.world, args.shape, new_shapes=args.new_shapes)
         print(f"first calls of {args.new_shapes} new sequence lengths from m={args.shape}, "

@@ -7,9 +7,10 @@ measured in the same run. This verb spawns ``--world`` CPU ranks (gloo, the cpu 
 per op and shape:
 
 1. makes the first call with no schedule and no settings (in a fresh ``FICCO_CACHE_DIR``, so
-   every key is new: the first call measures its shortlist) and times it (after one forced
-   serial call per op and transport on another shape: what a process pays once is not the
-   key's);
+   every key is new) and times it (after one forced serial call per op and transport on
+   another shape: what a process pays once is not the key's); under ``FICCO_AUTO=explore``
+   (the default) the key's next calls explore its shortlist, and the verb makes them until
+   the decision settled (``explored``), under ``upfront`` the first call measured it;
 2. times ``--calls`` interleaved rounds of four samples (``--per-sample`` back-to-back calls
    each, the ranks lined up before each sample): the default, ``serial`` over dma and
    ``serial`` over ccl (forced), and the default's own pick forced (``vs itself``: how far two
@@ -157,6 +158,11 @@ def _case_rows(rank: int, world: int, calls: int, per_sample: int,
         for seed, (label, sizes) in enumerate(cases):
             call, explain = _inputs(op, rank, world, sizes, seed)
             first = _timed(call)
+            # (FICCO_AUTO=explore: the key's next calls explore its shortlist until it settles)
+            explored = 0
+            while not ficco.session_of().last.final and explored < 1000:
+                _timed(call)
+                explored += 1
             ran = runtime.last_run()
             if ran is None:
                 raise RuntimeError(f"{op}: a call of {world} ranks ran no schedule")
@@ -178,7 +184,7 @@ def _case_rows(rank: int, world: int, calls: int, per_sample: int,
             first = flat[0]
             times = [flat[1 + j * calls:1 + (j + 1) * calls] for j in range(len(variants))]
             out.append({"op": op, "case": label, "sizes": sizes, "ran": list(ran),
-                        "first_s": first, **summary(times),
+                        "first_s": first, "explored_calls": explored, **summary(times),
                         "decided_by": decision.decided_by,
                         "measured": [list(r) for r in decision.measured]})
     ficco.shutdown()
@@ -230,7 +236,7 @@ def main(args) -> int:
           f"median of each round's paired ratio")
     print(f"{'op':<22} {'case':<11} {'default ran':<26} {'default':>9} {'serial':>9} "
           f"{'vs serial':>9} {'vs itself':>9} {'fastest':>9} {'first call':>10} "
-          f"{'measuring':>9}")
+          f"{'measuring':>9} {'explored':>8}")
     worst = noise = 0.0
     for row in rows:
         serial = min(row["serial_dma_s"], row["serial_ccl_s"])
@@ -242,7 +248,8 @@ def main(args) -> int:
         row.update(first_call_extra_serial_calls=extra)
         print(f"{row['op']:<22} {row['case']:<11} {'/'.join(row['ran']):<26} "
               f"{row['default_s'] * 1e3:7.3f}ms {serial * 1e3:7.3f}ms {ratio:8.2f}x "
-              f"{itself:8.2f}x {fastest:8.2f}x {extra:9.1f}x {spent:>9}")
+              f"{itself:8.2f}x {fastest:8.2f}x {extra:9.1f}x {spent:>9} "
+              f"{row['explored_calls']:>8}")
     missing = [op for op in ops.names() if op not in CASES]
     if narrowed:
         print(f"narrowed to --op {args.op or 'all'} --case {args.case or 'all'}: not the "
@@ -251,7 +258,9 @@ def main(args) -> int:
         print(f"not covered (no cases in ficco/bench/default.py): {', '.join(missing)}")
     print(f"worst: the default at {worst:.2f}x the better serial (limit {args.limit:.2f}x); "
           f"this run's noise: the default and its own pick forced differ by up to "
-          f"{noise:.0%}; first call and measuring in serial-call times")
+          f"{noise:.0%}; first call and measuring in serial-call times (measuring: up "
+          f"front, the shortlist's runs; exploring, the losing candidates' calls over the "
+          f"winner's; explored: the key's calls after the first before it settled)")
     if noise > args.limit - 1:
         print("the noise exceeds the limit's margin: a busy machine; rerun with more --calls "
               "or on a quiet one")

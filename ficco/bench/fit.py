@@ -127,9 +127,9 @@ def fit_ccl_curves(recs: list[dict]) -> dict:
 
 
 def fit_host_op(recs: list[dict]) -> float:
-    """``host_op_s`` from enqueue records (``ops``, ``enqueue_s``): the least-squares slope
-    through the origin, the form the simulator charges (op ``i`` enqueued at ``(i + 1) x
-    host_op_s``), so a plan's predicted host time matches the measured one on average.
+    """``host_op_s`` from enqueue records (``ops``: runtime calls per warm call, ``enqueue_s``):
+    the least-squares slope through the origin, the form the simulator charges (``host_op_s``
+    per runtime call), so a call's predicted host time matches the measured one on average.
 
     >>> fit_host_op([dict(ops=10, enqueue_s=2e-5), dict(ops=100, enqueue_s=2e-4)])
     2e-06

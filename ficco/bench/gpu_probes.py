@@ -93,11 +93,13 @@ def fake_group_handle(backend, world: int, nbytes: int):
 
 
 def measure_enqueue(backend, quick: bool, progress=None) -> list[dict]:
-    """One record per schedule: ``kind="enqueue"``, ``ops``, ``plan_build_s``,
-    ``enqueue_s`` (host time of one eager call), ``call_wall_s`` (to the GPU's end),
-    ``graph_replay_enqueue_s`` and ``graph_result_rel_err`` (or ``graph_error``)."""
+    """One record per schedule: ``kind="enqueue"``, ``ops`` (runtime calls per warm call on
+    this backend; ``plan_ops``: the plan's ops), ``plan_build_s``, ``enqueue_s`` (host time of
+    one eager call), ``call_wall_s`` (to the GPU's end), ``graph_replay_enqueue_s`` and
+    ``graph_result_rel_err`` (or ``graph_error``)."""
     from .. import schedules
     from ..executor import execute
+    from ..executor.compiler import compile_plan
     from ..plan.buffers import Buffers
     from ..plan.problem import Problem
 
@@ -139,7 +141,9 @@ def measure_enqueue(backend, quick: bool, progress=None) -> list[dict]:
                 enqueue.append(t1 - t0)
                 wall.append(time.perf_counter() - t0)
             rec = {"schema": results.CHARACTERIZE_SCHEMA, "kind": "enqueue", "schedule": name,
-                       "world": world, "shape": [world * m, n, k], "ops": len(plan.ops),
+                       "world": world, "shape": [world * m, n, k],
+                       "ops": compile_plan(plan).issue_calls(backend.batches_copies)[1],
+                       "plan_ops": len(plan.ops),
                        "plan_build_s": build_s, "enqueue_s": statistics.median(enqueue),
                        "call_wall_s": statistics.median(wall)}
             rec.update(_graph_replay(call, handle, world, m, k, b, out))

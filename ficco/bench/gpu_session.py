@@ -14,8 +14,10 @@ survive one failing schedule.)
 - ``timeline``: one traced call per queue (run it under CUDA_DEVICE_MAX_CONNECTIONS=1 and
   8 to compare), rows as JSON and a Gantt PNG;
 - ``speed``: the default call, serial over dma, the default on torch's symmetric memory and
-  torch's own fused ops at the lease's shapes, each checked against float64 on sampled rows
-  and timed (:mod:`.lease_speed`), one line each into ``speed.jsonl`` as it is measured.
+  torch's own fused ops at the lease's shapes, then decode's ``matmul_all_reduce`` (the
+  default, the one-kernel all-reduce forced, ``torch.mm`` + torch's ``one_shot_all_reduce``),
+  each checked against float64 and timed (:mod:`.lease_speed`), one line each into
+  ``speed.jsonl`` as it is measured.
 
 Example (from the repository root, on a GPU machine)::
 
@@ -129,13 +131,18 @@ def _call(op, a, b, schedule):
 
 
 def _ops_of(op, schedule, world, m, k, n, dtype_name) -> int:
-    """Ops of the plan this rank runs (events included), the simulator's host_op_s unit."""
+    """Runtime calls a warm call of the plan this rank runs makes on this backend
+    (:meth:`~ficco.executor.compiler.CompiledPlan.issue_calls`), the simulator's host_op_s
+    unit."""
     from .. import schedules
+    from ..backends import get_backend
+    from ..executor.compiler import compile_plan
     from ..plan.problem import Problem
 
     p = Problem(m=m if op == "all_gather_matmul" else world * m, k=k, ns=(n,), dtype=dtype_name,
                 world=world, op=op)
-    return len(schedules.get(schedule, op=op).plan(p, "dma").ops)
+    plan = schedules.get(schedule, op=op).plan(p, "dma")
+    return compile_plan(plan).issue_calls(get_backend().batches_copies)[1]
 
 
 def _schedules(op: str, args: dict) -> list[str]:
@@ -229,8 +236,8 @@ PARTS = {"sanitize": sanitize, "host": host, "timeline": timeline, "speed": spee
 
 # -- what the parent writes ---------------------------------------------------------------------------
 def fit_host_op(rows: list[dict]) -> float:
-    """Seconds per plan op: least-squares slope through the origin of host time against op
-    count (fence on), the simulator's ``host_op_s`` form.
+    """Seconds per runtime call: least-squares slope through the origin of host time against
+    the calls a warm call makes (``ops``; fence on), the simulator's ``host_op_s`` form.
 
     >>> round(fit_host_op([{"ops": 10, "host_us_median": 20.0, "fence": True},
     ...                    {"ops": 20, "host_us_median": 40.0, "fence": True}]) * 1e6, 3)
@@ -263,6 +270,11 @@ def main(argv=None) -> int:
     parser.add_argument("--speed-shape", action="append", metavar="M,N,K",
                         help="speed: a shape, M rows in all (repeat; default the lease's "
                              "4096^3, 8192^3 and 16384x4096x4096)")
+    parser.add_argument("--decode-shape", action="append", metavar="B,N,K",
+                        help="speed: a decode shape of matmul_all_reduce, batch B, the "
+                             "layer's N and K (each rank's GEMM TP 8's K/8; repeat; default "
+                             "Llama-3 8B o and 70B down at batch 1 and 32; 'none': no decode "
+                             "shapes)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default="bench/runs/gpu-session")
     args = parser.parse_args(argv)
@@ -282,6 +294,10 @@ def main(argv=None) -> int:
         lease_speed.prepare_environment()
         spec["shapes"] = [tuple(int(v) for v in s.split(",")) for s in args.speed_shape] \
             if args.speed_shape else list(lease_speed.SHAPES)
+        given = args.decode_shape or []
+        spec["decode_shapes"] = [] if given == ["none"] else \
+            [tuple(int(v) for v in s.split(",")) for s in given] if given \
+            else list(lease_speed.DECODE_SHAPES)
         spec["out"] = str(lease_speed.out_file(out))
         Path(spec["out"]).write_text("")
         return lease_speed.exit_code(spawn(args.part, world, spec)[0])

@@ -9,13 +9,26 @@ sharing one GPU, at each shape (M, N, K) and for both ops, these variants:
   ``fused_matmul_reduce_scatter`` (ranks sharing a GPU need
   ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``, which :func:`main` sets).
 
-Each variant's output is checked against float64 on sampled rows after a synchronize, then
-timed as the slowest rank's median of ``calls`` calls, each between a barrier and a
-synchronize. Rank 0 writes one JSON line per variant as it is measured (a part cut at its
+Then the decode shapes (:data:`DECODE_SHAPES`: Llama-3 8B attention out and 70B MLP down,
+batch 1 and 32), ``matmul_all_reduce`` with each rank's GEMM as TP 8 has it (K/8 of the
+layer's K, the whole N) and the all-reduce of ``batch x N`` over the W ranks sharing the GPU:
+
+- ``default``: the call a user makes;
+- ``one-shot-kernel``, ``two-shot-kernel``: ficco's one-kernel all-reduce, forced (selectors
+  offer it nowhere until a lease verified it: this is that first run, checked against
+  float64 like every variant);
+- ``mm+torch-one-shot``: what a serving engine would otherwise call: ``torch.mm`` into a
+  buffer of torch's symmetric memory (rendezvoused once), then
+  ``torch.ops.symm_mem.one_shot_all_reduce`` (CUDA only).
+
+Each variant's output is checked against float64 on sampled rows (decode: every row) after a
+synchronize, then timed as the slowest rank's median of ``calls`` calls, each between a
+barrier and a synchronize. Rank 0 writes one JSON line per variant as it is measured (a part cut at its
 bound keeps every line before the cut). A variant that cannot run here (torch's fused ops
 on CPU tensors, the fake GPU) is a ``"status": "skipped"`` line with the reason, never a
 number. On ranks time-slicing one GPU this measures a call's overhead, not its overlap: the
-ranks' GEMMs share the same SMs.
+ranks' GEMMs share the same SMs; a one-kernel all-reduce there waits for its peer's kernel
+to get the GPU, so its time includes the contexts' time slices and is not what 8 GPUs take.
 """
 from __future__ import annotations
 
@@ -32,6 +45,11 @@ import torch
 SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (16384, 4096, 4096))
 VARIANTS = ("default", "serial-dma", "default-symm-torch", "torch-fused")
 OPS = ("all_gather_matmul", "matmul_reduce_scatter")
+#: the decode shapes (batch, N, K of the layer): Llama-3 8B o (4096, 4096) and 70B down
+#: (8192, 28672) at batch 1 and 32; each rank's GEMM is TP 8's, K / DECODE_TP wide
+DECODE_SHAPES = ((1, 4096, 4096), (32, 4096, 4096), (1, 8192, 28672), (32, 8192, 28672))
+DECODE_TP = 8
+DECODE_VARIANTS = ("default", "one-shot-kernel", "two-shot-kernel", "mm+torch-one-shot")
 #: sampled output rows per check, and the worst row error over its rounding scale accepted
 SAMPLED_ROWS = 16
 TOLERANCE = {"bfloat16": 3e-2, "float16": 6e-3, "float32": 1e-4}
@@ -93,6 +111,49 @@ class Problem:
                       self.scale.norm(dim=1).clamp_min(1e-30)).max().cpu())
 
 
+class DecodeProblem:
+    """``matmul_all_reduce`` at one decode shape on this rank: its GEMM operands (TP
+    :data:`DECODE_TP`'s K-slice) and the float64 sum over the W ranks of every output row."""
+
+    op = "matmul_all_reduce"
+
+    def __init__(self, rank, world, shape, dtype, seed, device):
+        batch, n, k = shape
+        if k % DECODE_TP:
+            from ..errors import InvalidArgumentError
+
+            raise InvalidArgumentError(f"decode shape {shape}: K {k} does not split over TP "
+                                       f"{DECODE_TP}")
+        kw = k // DECODE_TP
+        self.rank, self.world, self.m = rank, world, batch
+        self.a = _randn((batch, kw), seed + 1 + rank, dtype, device)
+        self.b = _randn((kw, n), seed + 101 + rank, dtype, device)
+        self.ref = torch.zeros(batch, n, dtype=torch.float64, device=device)
+        self.scale = torch.zeros_like(self.ref)
+        for q in range(world):
+            a_q = self.a if q == rank else _randn((batch, kw), seed + 1 + q, dtype, device)
+            b_q = self.b if q == rank else _randn((kw, n), seed + 101 + q, dtype, device)
+            self.ref += a_q.double() @ b_q.double()
+            self.scale += a_q.double().abs() @ b_q.double().abs()
+        self.rows = list(range(batch))
+
+    error = Problem.error
+
+
+def _mm_torch_one_shot(a, b, group, cache: dict):
+    """``torch.mm`` into torch's symmetric memory, then its one-shot all-reduce (the buffer
+    allocated and rendezvoused at the first call of a shape: collective)."""
+    from torch.distributed import _symmetric_memory as symm
+
+    shape = (a.shape[0], b.shape[1])
+    buf = cache.get(shape)
+    if buf is None:
+        buf = cache[shape] = symm.empty(shape, dtype=a.dtype, device=a.device)
+        symm.rendezvous(buf, group.group_name)
+    torch.mm(a, b, out=buf)
+    return torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group.group_name)
+
+
 def _torch_fused(op, a, b, group):
     """torch's fused op on ``group`` (its symmetric memory enabled for the group once)."""
     from torch.distributed import _symmetric_memory as symm
@@ -116,6 +177,19 @@ def _why_not(variant: str, device) -> str | None:
     if variant == "torch-fused" and not fused:
         return (f"torch.ops.symm_mem's fused ops run on CUDA tensors only; these are on "
                 f"{device.type} (torch {torch.__version__})")
+    if variant == "mm+torch-one-shot" and not (
+            device.type == "cuda" and hasattr(torch.ops, "symm_mem")
+            and hasattr(torch.ops.symm_mem, "one_shot_all_reduce")):
+        return (f"torch.ops.symm_mem.one_shot_all_reduce runs on CUDA tensors only; these "
+                f"are on {device.type} (torch {torch.__version__})")
+    if variant in ("one-shot-kernel", "two-shot-kernel"):
+        from .. import kernels
+
+        reason = kernels.triton_reason()
+        if reason is None and device.type == "cpu":
+            reason = kernels.interpreter_reason()
+        if reason is not None:
+            return f"{variant} needs Triton: {reason}"
     if variant == "default-symm-torch" and device.type != "cuda":
         return f"torch's symmetric memory (FICCO_SYMM=torch) needs CUDA tensors; these are " \
                f"on {device.type}"
@@ -145,6 +219,33 @@ def measure(rank: int, world: int, args: dict) -> list[dict]:
                 fh.write(json.dumps(line) + "\n")
             print(_row_text(line), flush=True)
 
+    def timed(line, problem, call, runs_ficco, flops):
+        """Check ``call`` against float64, then time it: one line."""
+        try:
+            out = call()
+            backend.synchronize()
+            err = problem.error(out)
+            out = call()                       # warm twice: plans, workspaces
+            backend.synchronize()
+            pick = list(runtime.last_run() or ()) if runs_ficco else []
+            samples = []
+            for _ in range(args["calls"]):
+                dist.barrier(group)
+                backend.synchronize()
+                start = time.perf_counter()
+                call()
+                backend.synchronize()
+                samples.append(time.perf_counter() - start)
+            slowest = max_over_ranks(group, rank, world, statistics.median(samples),
+                                     what="speed part")
+            tol = TOLERANCE[args["dtype"]]
+            emit({**line, "status": "ok" if err <= tol else "FAIL",
+                  "max_row_err_sampled": err, "tolerance": tol, "pick": pick,
+                  "ms_median_slowest_rank": slowest * 1e3,
+                  "tflops": flops / slowest / 1e12})
+        except Exception as exc:  # noqa: BLE001 - one variant's failure is a line
+            emit({**line, "status": "error", "reason": f"{type(exc).__name__}: {exc}"[:300]})
+
     for shape in args["shapes"]:
         for op in OPS:
             problem = Problem(op, rank, world, shape, dtype, args["seed"], device)
@@ -168,39 +269,40 @@ def measure(rank: int, world: int, args: dict) -> list[dict]:
                     with ficco.config.scope(**settings):
                         return fn(problem.a, problem.b, schedule=schedule)
                 try:
-                    out = call()
-                    backend.synchronize()
-                    err = problem.error(out)
-                    out = call()                       # warm twice: plans, workspaces
-                    backend.synchronize()
-                    pick = list(runtime.last_run() or ()) if variant != "torch-fused" else []
-                    samples = []
-                    for _ in range(args["calls"]):
-                        dist.barrier(group)
-                        backend.synchronize()
-                        start = time.perf_counter()
-                        call()
-                        backend.synchronize()
-                        samples.append(time.perf_counter() - start)
-                    slowest = max_over_ranks(group, rank, world, statistics.median(samples),
-                                             what="speed part")
                     big_m, n, k = shape
-                    tol = TOLERANCE[args["dtype"]]
-                    emit({**line, "status": "ok" if err <= tol else "FAIL",
-                          "max_row_err_sampled": err, "tolerance": tol, "pick": pick,
-                          "ms_median_slowest_rank": slowest * 1e3,
-                          "tflops": 2 * big_m * n * k / slowest / 1e12})
-                except Exception as exc:  # noqa: BLE001 - one variant's failure is a line
-                    emit({**line, "status": "error",
-                          "reason": f"{type(exc).__name__}: {exc}"[:300]})
+                    timed(line, problem, call, variant != "torch-fused", 2 * big_m * n * k)
                 finally:
                     if variant == "default-symm-torch":
                         ficco.shutdown()
+    symmetric: dict = {}
+    for shape in args.get("decode_shapes", ()):
+        decode = DecodeProblem(rank, world, shape, dtype, args["seed"], device)
+        for variant in DECODE_VARIANTS:
+            line = {"op": DecodeProblem.op, "shape": list(shape), "variant": variant,
+                    "world": world, "tp_simulated": DECODE_TP, "dtype": args["dtype"],
+                    "calls": args["calls"]}
+            why = _why_not(variant, device)
+            if why is not None:
+                emit({**line, "status": "skipped", "reason": why})
+                continue
+
+            def decode_call(variant=variant):
+                if variant == "mm+torch-one-shot":
+                    return _mm_torch_one_shot(decode.a, decode.b, group, symmetric)
+                schedule = None if variant == "default" else variant
+                return ficco.matmul_all_reduce(decode.a, decode.b, schedule=schedule)
+            batch, n, k = shape
+            timed(line, decode, decode_call, variant != "mm+torch-one-shot",
+                  2 * batch * n * (k // DECODE_TP) * world)
     return lines
 
 
 def _row_text(line: dict) -> str:
     what = f"{line['op']:22s} {'x'.join(map(str, line['shape'])):17s} {line['variant']:19s}"
+    if line["status"] == "ok" and "tp_simulated" in line:    # decode: microseconds
+        return (f"{what} ok   {line['ms_median_slowest_rank'] * 1e3:9.1f} us "
+                f"(TP {line['tp_simulated']}'s GEMM) err {line['max_row_err_sampled']:.1e}"
+                f"{' pick ' + ' over '.join(line['pick']) if line['pick'] else ''}")
     if line["status"] in ("skipped", "error"):
         return f"{what} {line['status']}: {line['reason']}"
     return (f"{what} {line['status']:4s} {line['ms_median_slowest_rank']:9.3f} ms "

@@ -27,6 +27,7 @@ from .lowering import (
     GEMM_HERE,
     LAUNCH,
     LAUNCH_HERE,
+    MOVES,
     RECORD,
     SIGNAL,
     SIGNALS,
@@ -135,6 +136,7 @@ def _run(steps, backend, buffers, queues, events, v, timeout_s, lane=None) -> No
     # only bound steps use GEMM_HERE / LAUNCH_HERE (backends with compute_on_current)
     gemm_here, launch_here = backend.gemm_current, backend.launch_current
     record, wait = backend.record, backend.wait
+    prepares = backend.prepares_copies
     step = None
     try:
         for step in steps:
@@ -162,6 +164,16 @@ def _run(steps, backend, buffers, queues, events, v, timeout_s, lane=None) -> No
                 raise_flag(backend, queues[q], buffers.flags, x)
             elif code == SIGNALS:
                 raise_flags(backend, queues[q], buffers.flags, x)
+            elif code == MOVES:       # copies sized at launch (HostOps with copy_pairs)
+                if prepares:          # one submission (a batch where the backend batches)
+                    backend.prepare_copies([(dst, src, False) for op in x
+                                            for dst, src in op.copy_pairs(v, buffers, op)])(
+                        queues[q])
+                else:
+                    for op in x:
+                        task = op.host_task(v, buffers, op)
+                        task.ficco_step = z
+                        backend.launch(queues[q], task)
             elif code == GATED:
                 backend.launch(queues[q], gated_task(backend, y[0], y[1], v[x[0]], v[x[1]],
                                                      v[x[2]], v[x[3]], buffers.flags,
@@ -174,7 +186,7 @@ def _run(steps, backend, buffers, queues, events, v, timeout_s, lane=None) -> No
                 else:
                     backend.launch(queues[q], task)
     except BaseException as exc:     # a backend that raised at once (a GPU launch)
-        if step is not None and step[0] in (LAUNCH, LAUNCH_HERE):
+        if step is not None and step[0] in (LAUNCH, LAUNCH_HERE, MOVES):
             name_step(exc, step[4])
         else:
             error_context(exc).at = step     # execute() names it (_name_work_step)

@@ -41,6 +41,7 @@ from .lowering import (
     GEMM_HERE,
     LAUNCH,
     LAUNCH_HERE,
+    MOVES,
     RECORD,
     WAIT,
     coalesce,
@@ -177,6 +178,35 @@ class CompiledPlan:
             splits.append((source, shapes[source], sizes, pieces))
             covered.update(i for i, _ in pieces)
         return tuple(splits), covered
+
+    # -- runtime calls ---------------------------------------------------------------------------
+    def issue_calls(self, batched: bool) -> tuple[list[int], int]:
+        """What a warm call asks of a GPU runtime, as the coalesced steps issue it
+        (``batched``: on a backend that submits a queue's copies in one call): per plan op,
+        the runtime calls the host has made once it issued that op (a record or wait left
+        out is issued with the op before it), and the call's total. Counted as
+        ``python -m ficco.bench overhead`` counts: the entry record and each side queue's
+        wait for it, one call per step (a batched submission once, each of its copies
+        without batching; ``MOVES``: once batched, else once per op), and the join of each
+        side queue at the end (a record and a wait)."""
+        v = self.variants["batched" if batched else "lean"]
+        calls = 1 + len(v.side_queues)
+        at: dict[int, int] = {}
+        for step, ops in zip(v.steps, v.stands):
+            code = step[0]
+            if code == COPIES:
+                calls += len({two_d for _, _, two_d in step[2]}) if batched else len(step[2])
+            elif code == MOVES:
+                calls += 1 if batched else len(step[2])
+            else:
+                calls += 1
+            for i in ops:
+                at[i] = calls
+        issued, last = [], 1 + len(v.side_queues)
+        for i in range(len(self.plan.ops)):
+            last = at.get(i, last)
+            issued.append(last)
+        return issued, calls + 2 * len(v.side_queues)
 
     # -- binding -------------------------------------------------------------------------------
     def variant(self, backend, every_op: bool = False) -> Steps:

@@ -43,9 +43,11 @@ from ..plan import tasks as host_tasks
 # task on the compute queue, which is the current stream while the executor enqueues) appear
 # only in bound steps. COPIES (x: ``((dst, src, two_d), ...)``, copies of one queue submitted
 # together) and SIGNALS (x: arrival flags raised by one barrier-program call) appear only in
-# coalesced steps (:func:`coalesce`).
+# coalesced steps (:func:`coalesce`). MOVES (x: HostOps with ``copy_pairs``, z: the first's
+# label) are copies sized at launch: one submission of all their copies where the backend
+# prepares copies, else each op's host task.
 (COPY, COPY_2D, GEMM, RECORD, WAIT, BARRIER, LAUNCH, SIGNAL, GATED, CALL, GEMM_HERE,
- LAUNCH_HERE, COPIES, SIGNALS) = range(14)
+ LAUNCH_HERE, COPIES, SIGNALS, MOVES) = range(15)
 
 
 def slot_source(blk: Block) -> tuple:
@@ -187,6 +189,8 @@ def _send_recv(s: Slots, plan: Plan, op: SendRecv, q: int) -> tuple:
 
 
 def _host_op(s: Slots, plan: Plan, op: HostOp, q: int) -> tuple:
+    if op.copy_pairs is not None:    # copies only: submitted as copies where a backend can
+        return (MOVES, q, (op,), 0, 0, 0)
     return (LAUNCH, q, op.host_task, op, 0, 0)   # sized at launch from the call's task_state
 
 
@@ -230,7 +234,7 @@ def lower_slots(plan: Plan) -> tuple[Slots, tuple, tuple]:
         step = lower_op(s, plan, op, queue_index[op.queue])
         if step[0] not in (RECORD, WAIT):
             work.append((len(steps), index))
-        if step[0] == LAUNCH:
+        if step[0] in (LAUNCH, MOVES):
             # A host task (a collective, a reduction): if it fails or hangs, the error names
             # this step (z is free in launch steps).
             step = step[:4] + (
@@ -273,6 +277,7 @@ def coalesce(plan: Plan, s: Slots, steps: tuple, merge_copy_queues: bool
         items = _records_after_runs(items, plan)
     items = _prune_waits(items, len(plan.queues))
     items = _batch_copies(items, s)
+    items = _batch_moves(items, plan)
     items = _batch_signals(items)
     used = sorted({step[1] for step, _ in items})
     return (tuple(step for step, _ in items),
@@ -281,8 +286,9 @@ def coalesce(plan: Plan, s: Slots, steps: tuple, merge_copy_queues: bool
 
 
 def _records_after_runs(items: list, plan: Plan) -> list:
-    """Copies of one queue and plan step that only records and arrival flags of that queue
-    separate: their records move to the end of the run as ONE record (the others' waiters
+    """Copies (sized at launch too: ``MOVES``) of one queue and plan step that only records
+    and arrival flags of that queue separate: their records move to the end of the run as ONE
+    record (the others' waiters
     wait for it, renamed), their flags after it, in order."""
     out: list = []
     alias: dict[int, int] = {}
@@ -293,7 +299,7 @@ def _records_after_runs(items: list, plan: Plan) -> list:
 
     while i < len(items):
         step = items[i][0]
-        if step[0] not in (COPY, COPY_2D):
+        if step[0] not in (COPY, COPY_2D, MOVES):
             if step[0] == WAIT and step[2] in alias:
                 step = (WAIT, step[1], alias[step[2]], 0, 0, 0)
             out.append((step, items[i][1]))
@@ -309,7 +315,7 @@ def _records_after_runs(items: list, plan: Plan) -> list:
                 records.append(items[j])
             elif code == SIGNAL:
                 flags.append(items[j])
-            elif code in (COPY, COPY_2D) and plan_step(items[j]) == first:
+            elif code in (COPY, COPY_2D, MOVES) and plan_step(items[j]) == first:
                 run.append(items[j])
             else:
                 break
@@ -322,6 +328,20 @@ def _records_after_runs(items: list, plan: Plan) -> list:
             out.append(records[-1])
         out.extend(flags)
         i = j
+    return out
+
+
+def _batch_moves(items: list, plan: Plan) -> list:
+    """Copies sized at launch (``MOVES``) of one plan step that follow each other on a queue:
+    one step, so one submission (their copies write apart: :class:`ficco.plan.HostOp`)."""
+    out: list = []
+    for step, op in items:
+        prev = out[-1] if out else None
+        if step[0] == MOVES and prev is not None and prev[0][0] == MOVES and \
+                prev[0][1] == step[1] and prev[0][2][0].step == step[2][0].step:
+            out[-1] = (prev[0][:2] + (prev[0][2] + step[2],) + prev[0][3:], prev[1] + op)
+            continue
+        out.append((step, op))
     return out
 
 

@@ -18,6 +18,7 @@ Selectors never look at the rank, so every rank reaches the same decision (what 
 """
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -30,7 +31,7 @@ from . import bands, profiles
 from .auto import auto_choice
 from .decision import SELECTORS, Decision, decision_inputs
 from .measured import Live, Scripted
-from .model import BandedChoice, banded_choice, predict_all
+from .model import BandedChoice, banded_choice, predict, predict_all
 from .paper import paper_choice
 from .tune import NotMeasured, tune_choice
 
@@ -51,6 +52,8 @@ class Context:
     copy_engines: int | None = None
     paper_thresholds: tuple[float, float] = (1.0, 5.0)
     live: Live | None = None     # the live group, for the selectors that measure
+    auto_mode: str = "explore"   # FICCO_AUTO: how auto measures a new key
+    exploring: dict | None = None  # the group's explorations, for explain (no live group)
 
 
 def _paper(problem: Problem, ctx: Context) -> Decision:
@@ -83,10 +86,25 @@ def _model(problem: Problem, ctx: Context) -> Decision:
                     choice.reason, band=choice.band, band_class=choice.band_class)
 
 
+def _pieces(problem: Problem, ctx: Context) -> list:
+    """The model's predictions for :func:`_banded`, one callable each (memoised by
+    :func:`ficco.heuristics.model.predict`, so ``_banded`` afterwards only reads them): what
+    ``auto``'s exploration makes a few at a time, after its early calls."""
+    out = []
+    for via in ctx.transports:
+        names = schedules.offered(ctx.target, via, problem.op, problem)
+        for name in (schedules.names(op=problem.op) if names is None else names):
+            out.append(functools.partial(predict, name, problem, ctx.profile, ctx.topology, via,
+                                         ctx.copy_engines))
+    return out
+
+
 def _auto(problem: Problem, ctx: Context) -> Decision:
     return auto_choice(problem, transports=ctx.transports, target=ctx.target,
                        topology=ctx.topology, copy_engines=ctx.copy_engines, live=ctx.live,
-                       inputs=ctx.inputs, model=lambda: _banded(problem, ctx))
+                       inputs=ctx.inputs, model=lambda: _banded(problem, ctx),
+                       mode=ctx.auto_mode, pieces=lambda: _pieces(problem, ctx),
+                       exploring=ctx.exploring)
 
 
 def _tune(problem: Problem, ctx: Context) -> Decision:
@@ -127,7 +145,8 @@ def _forced_prediction(problem: Problem, profile: profiles.Profile, topology: st
 
 def choose(problem: Problem, *, transport: str | tuple[str, ...] = "dma", target: str = "cpu",
            selector: str | None = None, forced: str | None = None,
-           forced_by: str | None = None, live: Live | None = None) -> Decision:
+           forced_by: str | None = None, live: Live | None = None,
+           auto_mode: str | None = None, exploring: dict | None = None) -> Decision:
     """The Decision for ``problem``: which schedule runs, over which transport, chosen by whom,
     and why.
 
@@ -139,6 +158,9 @@ def choose(problem: Problem, *, transport: str | tuple[str, ...] = "dma", target
     session on a live group; :class:`~ficco.heuristics.measured.Scripted` off a group) lets
     ``auto`` and ``tune`` measure; without it they decide from what they measured before
     in this process, else by the model, and say so (``Decision.final`` False).
+    ``auto_mode`` (default ``FICCO_AUTO``): how ``auto`` measures a new key, ``explore`` or
+    ``upfront`` (:mod:`ficco.heuristics.auto`); ``exploring``: the group's explorations in
+    flight, which ``explain`` reports on without a live group.
 
     >>> from ficco.plan.problem import Problem
     >>> choose(Problem(8, 8, (8,), "float32", 2), forced="ring", forced_by="argument").reason
@@ -171,7 +193,7 @@ def choose(problem: Problem, *, transport: str | tuple[str, ...] = "dma", target
     if not low < high:
         raise ConfigError(f"FICCO_PAPER_LOW={low} must be below FICCO_PAPER_HIGH={high}")
     ctx = Context(profile, topology, transports, target, inputs, config.copy_engines(),
-                  (low, high), live)
+                  (low, high), live, auto_mode or config.auto_mode(), exploring)
     return _logged_once(problem, SELECTOR_FUNCTIONS[selector](problem, ctx), target)
 
 

@@ -50,6 +50,7 @@ from .. import config, logs, schedules
 from ..plan.problem import Problem, bucket
 from . import measured, sku
 from .decision import Decision
+from .explore import EXPLORING_KEPT, Exploration, paired
 from .measured import Candidate, Live, ficco_version
 from .model import BandedChoice
 
@@ -266,12 +267,39 @@ def _valid(entry: dict, problem, target: str, transports: tuple[str, ...]) -> bo
 
 def auto_choice(problem, *, transports: tuple[str, ...], target: str, topology: str,
                 copy_engines: int | None, live: Live | None, inputs: dict,
-                model: Callable[[], BandedChoice], persist: bool = True) -> Decision:
+                model: Callable[[], BandedChoice], persist: bool = True,
+                mode: str = "explore", pieces: Callable[[], list] | None = None,
+                exploring: dict | None = None) -> Decision:
     """The ``auto`` Decision for ``problem`` (module doc); ``model()`` gives the model's
-    banded choice (called only when nothing is cached)."""
+    banded choice (called only when nothing is cached). ``mode``: ``explore`` (a new key's
+    first call runs serial and its next calls explore the shortlist,
+    :mod:`ficco.heuristics.explore`; ``pieces()``: the model's predictions, one callable
+    each) or ``upfront`` (the shortlist is timed before the first call runs). ``exploring``:
+    the explorations of the group to report on where no live group is given (``explain``)."""
     key = cache_key(problem, transports, target, topology, copy_engines)
-    entry, why_not = measured.first_sight(
-        CACHE, key, live, lambda e: _valid(e, problem, target, transports), persist)
+    book = live.exploring if live is not None else exploring
+    found = book.get(key) if book is not None else None
+    if found is not None:
+        return found.settled or (found.current if live is not None else _progress(found))
+
+    def valid(e):
+        return _valid(e, problem, target, transports)
+
+    entry: dict | None = None
+    if live is not None and mode == "explore":
+        # No exchange at the first call: what this group agreed on, else explore (which asks
+        # every rank about the cache at its second call); a rank that cannot time takes the
+        # model's pick (ranks capture a graph, or trace, alike)
+        entry = CACHE.remembered(key, live.agreed)
+        if entry is not None:
+            return _from_entry(entry, key, False, problem, inputs)
+        blocked = live.cannot_time()
+        if blocked is None:
+            return _explore(problem, live, transports, key, persist, inputs, model, pieces,
+                            valid)
+        why_not: str | None = f"this rank cannot time now: {blocked}"
+    else:
+        entry, why_not = measured.first_sight(CACHE, key, live, valid, persist)
     fresh = False
     if entry is None:
         choice = model()
@@ -282,15 +310,135 @@ def auto_choice(problem, *, transports: tuple[str, ...], target: str, topology: 
                             decided_by=f"the model's prediction (not measured: {why_not})",
                             final=False)
         entry, fresh = _measure(problem, live, choice, transports, key, persist), True
+    return _from_entry(entry, key, fresh, problem, inputs)
+
+
+def _from_entry(entry: dict, key: str, fresh: bool, problem, inputs: dict) -> Decision:
+    """The Decision a cache entry (either mode's) stands for."""
     rows = tuple((n, v, p, s, note) for n, v, p, s, note in entry["rows"])
     scores = {n if v == entry["transport"] else f"{n} ({v})": s for n, v, _, s, _ in rows}
     when = "at first sight" if fresh else f"at the key's first sight (cache {key})"
+    if entry.get("mode") == "explore":
+        when = "as the key's calls" if fresh else f"as the key's calls (cache {key})"
     if not fresh and entry["measured_key"] != repr(problem.key()):
         when += f", on the nearby problem {entry['measured_key']} of the same bucket"
     cost = entry["cost_s"] / entry["serial_s"] if entry["serial_s"] > 0 else 0.0
+    if entry.get("mode") == "explore":
+        spent = (f"no extra runs: the losing candidates' calls took {entry['cost_s'] * 1e3:.3f} "
+                 f"ms = {cost:.1f} serial-call times over the winner's, once per key; the "
+                 f"model's predictions {entry['model_s'] * 1e3:.3f} ms of host time, in pieces "
+                 f"after the early calls")
+        explored = tuple(tuple(row) for row in entry["explored"])
+    else:
+        spent = (f"measuring cost {entry['cost_s'] * 1e3:.3f} ms = {cost:.1f} serial-call "
+                 f"times, once per key")
+        explored = ()
     return Decision(entry["schedule"], entry["transport"], "auto", inputs, scores,
                     f"measured {when}: {entry['verdict']}", measured=rows,
                     decided_by=(f"measured on the live group ({entry['how']}; slowest rank); "
-                                f"shortlist: {entry['shortlist']}; measuring cost "
-                                f"{entry['cost_s'] * 1e3:.3f} ms = {cost:.1f} serial-call "
-                                f"times, once per key"))
+                                f"shortlist: {entry['shortlist']}; {spent}"),
+                    explored=explored)
+
+
+# -- the default mode: the shortlist explored as the key's real calls ---------------------------
+def _explore(problem, live: Live, transports: tuple[str, ...], key: str, persist: bool,
+             inputs: dict, model: Callable[[], BandedChoice],
+             pieces: Callable[[], list] | None, valid: Callable[[dict], bool]) -> Decision:
+    """A new key's exploration (:mod:`ficco.heuristics.explore`), kept on the group's
+    session: its exploring Decision (the first call runs serial)."""
+    def ask(group: Live) -> Decision | None:
+        """At the second call: an entry every rank holds (another group's, the file's)."""
+        entry, _ = measured.first_sight(CACHE, key, group, valid, persist)
+        if entry is None:
+            return None
+        group.exploring.pop(key, None)
+        return _from_entry(entry, key, False, problem, inputs)
+
+    def finish(exploration: Exploration, agreed: list) -> Decision:
+        entry = _explored_entry(problem, exploration, agreed)
+        CACHE.keep(key, entry, live.agreed, persist)
+        live.exploring.pop(key, None)
+        if config.log_level() in ("info", "debug"):
+            logs.ready().info(
+                "ficco auto: %s %s explored %d candidates in %d of its calls (%s): %s",
+                problem.op, key, len(entry["rows"]), len(entry["explored"]), entry["how"],
+                entry["verdict"])
+        return _from_entry(entry, key, True, problem, inputs)
+
+    def current(exploration: Exploration) -> Decision:
+        name, via = exploration.safe
+        return Decision(name, via, "auto", inputs, {}, (
+            f"exploring: the key's first call runs serial ({via}) and its next calls run the "
+            f"shortlisted schedules as the real calls until one exchange settles the "
+            f"decision"), decided_by="not settled yet (FICCO_AUTO=explore)", final=False,
+                        exploring=exploration)
+
+    book = live.exploring
+    while len(book) >= EXPLORING_KEPT:
+        book.pop(next(iter(book)))
+    exploration = Exploration(key, transports, pieces or list, model,
+                              lambda choice: shortlist(choice, transports), finish, live.lag,
+                              current, ask)
+    book[key] = exploration
+    return exploration.current
+
+
+def _progress(exploration: Exploration) -> Decision:
+    """What ``explain()`` shows of an exploration in flight: which candidate each call ran
+    (times are agreed only when it settles)."""
+    done = ", ".join(f"{i}: {name} ({via})" for i, (name, via), _ in exploration.slots)
+    d = exploration.current
+    return replace(d, exploring=None, decided_by=(
+        f"not settled yet: exploring as the key's real calls, {exploration.calls} so far "
+        f"({done or 'none'})"))
+
+
+def _explored_entry(problem, exploration: Exploration, agreed: list) -> dict:
+    """The cache entry an exploration settles on: ``auto``'s rules (:func:`_verdict`, the
+    margin, the serials settled where close) on the slowest rank's seconds, the paired
+    ratios taken within each round."""
+    candidates = exploration.candidates
+    assert candidates is not None
+    seconds, rounds = exploration.seconds(agreed)
+    serials = sorted((c for c in candidates if c[0] == "serial"),
+                     key=lambda c: (seconds[c], candidates.index(c)))
+    base, settled = serials[0], ""
+    if len(serials) > 1 and seconds[serials[1]] <= seconds[base] * (1 + SERIALS_CLOSE):
+        ratio = paired(rounds, serials[1], base)
+        if ratio is not None:
+            winner = serials[1] if ratio < 1 else base
+            settled = (f"; serial ({serials[1][1]}) measured within {SERIALS_CLOSE:.0%} of "
+                       f"serial ({base[1]}), then took {ratio:.2f}x its time round by round: "
+                       f"serial ({winner[1]}) is the baseline")
+            base = winner
+    (name, via), verdict = _verdict(seconds, candidates, base)
+    duel = settled
+    if name != "serial":
+        ratio = paired(rounds, (name, via), base)
+        duel += (f"; {name} ({via}) against serial ({base[1]}) round by round: "
+                 f"{'-' if ratio is None else f'{ratio:.2f}'}x serial's time")
+        if ratio is None or not ratio < 1 - MARGIN:
+            verdict = (f"{name} ({via}) measured fastest in the rounds ({verdict}), but "
+                       f"round by round it took {'-' if ratio is None else f'{ratio:.2f}'}x "
+                       f"serial ({base[1]})'s time, not beyond the {MARGIN:.0%} margin: "
+                       f"serial runs")
+            name, via = base
+    choice = exploration.choice
+    assert choice is not None       # (made when the shortlist was)
+    predicted = {(n, v): t for v, times in choice.per_transport.items() for n, t in times.items()}
+    winner_s = seconds[(name, via)]
+    explored = [[i, n, v, role, t] for (i, (n, v), role), t in zip(exploration.slots, agreed)]
+    cost_s = sum(max(t - winner_s, 0.0) for i, _, _, _, t in explored
+                 if t is not None and i > 0 and winner_s < float("inf"))
+    timed = len(rounds)
+    how = (f"explored as the key's calls 2-{len(explored)}: the serials while the model "
+           f"predicted, a warm-up call of each other candidate, then "
+           f"{timed} round{'s' if timed != 1 else ''} of the {len(candidates)} candidates, "
+           f"median each{duel}")
+    return {"schedule": name, "transport": via, "model": [choice.schedule, choice.transport],
+            "rows": [[n, v, predicted.get((n, v)), seconds[(n, v)], ""] for n, v in candidates],
+            "verdict": verdict, "how": how, "rounds": timed, "cost_s": cost_s,
+            "serial_s": seconds[base], "measured_key": repr(problem.key()),
+            "shortlist": f"the model's pick, the other families within its "
+                         f"\u00b1{choice.band:.0%} ({choice.band_class}), serial",
+            "mode": "explore", "explored": explored, "model_s": exploration.model_s}

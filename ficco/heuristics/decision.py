@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..plan.problem import Problem
 
@@ -39,7 +40,7 @@ class Decision:
     ``decided_by`` whether the measurement or the model decided (and why the model);
     ``final`` is False for a decision made without measuring where the selector measures (no
     live group, a rank that cannot time): the runtime does not keep it, so the next call that
-    can time measures.
+    can time measures; an exploring one (``exploring``) is kept until its exploration settles.
 
     >>> d = Decision("serial", "dma", "forced", {"M": 8}, {}, "forced by argument")
     >>> print(d)  # doctest: +NORMALIZE_WHITESPACE
@@ -65,6 +66,13 @@ class Decision:
     #: lines naming the kernel the pick runs and the published time it is priced against
     #: (``matmul_all_reduce``: :func:`ficco.heuristics.reductions.priced_against`)
     priced: tuple = ()
+    #: ``auto``'s exploration of this key (:class:`ficco.heuristics.explore.Exploration`)
+    #: while it runs the shortlist as the key's real calls: the runtime keeps such a
+    #: decision and asks it, call by call, what runs
+    exploring: Any = field(default=None, compare=False, repr=False)
+    #: ``auto``'s explored calls of the key, ``(call, schedule, transport, role, seconds or
+    #: None)`` (the slowest rank's seconds; None: the call failed)
+    explored: tuple = ()
 
     def ranked(self) -> list[tuple[str, float]]:
         """Scores best first (lowest seconds; for ``paper`` the single score as given)."""
@@ -88,7 +96,7 @@ class Decision:
         for line in self.priced:
             lines.append(f"priced    {line}")
         if self.measured:
-            return "\n".join(lines + self._measured_table())
+            return "\n".join(lines + self._measured_table() + self._explored_table())
         if self.scores:
             seconds = self.selector in ("auto", "model", "tune", "forced")
             best = min(self.scores.values())
@@ -117,6 +125,24 @@ class Decision:
             lines.append(f"          {mark} {name:<20} {via:<9} {guess:>11} "
                          f"{seconds * 1e3:8.3f} ms  {seconds / best if best > 0 else 1.0:6.2f}x"
                          + (f"   {note}" if note else ""))
+        return lines
+
+
+    def _explored_table(self) -> list[str]:
+        """Which candidate each explored call ran, its time and what it cost over the pick's
+        median (its measured row), in runs of one candidate and role."""
+        if not self.explored:
+            return []
+        pick = next((row[3] for row in self.measured
+                     if (row[0], row[1]) == (self.schedule, self.transport)), None)
+        lines = [(f"explored  {'call':>6}  {'schedule':<20} {'transport':<9} {'seconds':>11} "
+                  f"{'cost':>10}  role")]
+        for call, name, via, role, seconds in self.explored:
+            took = "failed" if seconds is None else f"{seconds * 1e3:8.3f} ms"
+            cost = "" if seconds is None or pick is None or call == 0 else (
+                f"{max(seconds - pick, 0.0) * 1e3:7.3f} ms")
+            lines.append(f"          {call + 1:>6}  {name:<20} {via:<9} {took:>11} {cost:>10}  "
+                         f"{role}")
         return lines
 
 

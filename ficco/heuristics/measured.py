@@ -50,10 +50,17 @@ class Live(Protocol):
     ``(cache file, key)`` every rank of it holds (the session's: dropped with it)."""
 
     agreed: set
+    #: the group's explorations in flight, by cache key (``auto``'s default mode:
+    #: :mod:`ficco.heuristics.explore`), and how many calls late their timings are read
+    exploring: dict
+    lag: int
 
     def run(self, name: str, transport: str) -> float:
         """Run the call once with schedule ``name`` over ``transport``: this rank's seconds
         from its start to its end on the device (collective: every rank runs it)."""
+
+    def read(self, watch) -> float:
+        """Seconds of an exploring call's stopped watch (the backend's)."""
 
     def everyone(self, value: Hashable) -> list:
         """Every rank's ``value``, in rank order (collective, bounded by FICCO_TIMEOUT)."""
@@ -71,10 +78,15 @@ class Scripted:
     blocked: str | None = None
     runs: list = field(default_factory=list)
     agreed: set = field(default_factory=set)
+    exploring: dict = field(default_factory=dict)
+    lag: int = 0
 
     def run(self, name: str, transport: str) -> float:
         self.runs.append((name, transport))
         return float(self.seconds(name, transport))
+
+    def read(self, watch) -> float:
+        return float(watch)
 
     def everyone(self, value):
         return [value]
@@ -144,53 +156,90 @@ def _round(live: Live, candidates: list[Candidate], index: int | None, into: dic
 def time_candidates(live: Live, candidates: list[Candidate], rounds: Rounds,
                     baselines: Sequence[Candidate] = ()) -> Timing:
     """Time every candidate on the live group (module doc); ``baselines`` are never dropped
-    and the fastest of them is the budget's unit (none: the fastest candidate)."""
+    and the fastest of them is the budget's unit (none: the fastest candidate). The phases:
+    warm-up (:func:`_warm_up`), a slow call's plan from it (:func:`_plan_slow`), the first
+    timed round and a fast call's plan from it (:func:`_plan_fast`), the other rounds, the
+    finalists' confirming runs (:func:`_confirm`), and the agreed medians."""
     started = time.perf_counter()
     order = [*baselines, *[c for c in candidates if c not in baselines]]
-    warm: dict = {c: [] for c in order}
-    for _ in range(rounds.warmup):
-        _round(live, order, None, warm)
-    first = dict(zip(order, _slowest(live, [warm[c][-1] for c in order])))
+    first = _warm_up(live, order, rounds)
     base = min(first[c] for c in (baselines or order))
     kept, timed = order, rounds.most
     if rounds.budget is not None and base >= rounds.floor_s:
-        # A slow call: its warm-up runs are mostly its own work (a first run's extra costs,
-        # building the plan, a workspace, are small beside it), so they plan the rounds.
-        # A fast call's warm-up says little: its first timed round plans them (below).
-        budget_s = max(rounds.budget * base, rounds.floor_s)
-        if rounds.prune is not None and timed * sum(first.values()) > budget_s:
-            kept = [c for c in order if c in baselines or first[c] <= rounds.prune * base]
-        timed = _rounds_left(budget_s, sum(first[c] for c in kept), timed)
-        if timed < 1:    # a slow call: the baselines and the fastest other candidate, once
-            others = [c for c in kept if c not in baselines]
-            kept = [*baselines, *([min(others, key=lambda c: first[c])] if others else [])]
-            timed = 1
+        kept, timed = _plan_slow(rounds, order, baselines, first, base)
     samples: dict = {c: [] for c in kept}
     timed_from = time.perf_counter()
     _round(live, kept, 0, samples)
     if rounds.budget is not None and timed > 1:
-        # plan the rest again from steady-state times (a warm-up run pays first-use costs)
-        *once, elapsed = _slowest(live, [*[samples[c][0] for c in kept],
-                                         time.perf_counter() - timed_from])
-        elapsed = max(elapsed, sum(once))    # (the runs alone, where no clock ran: Scripted)
-        steady = dict(zip(kept, once))
-        budget_s = max(rounds.budget * min(steady[c] for c in (baselines or kept)),
-                       rounds.floor_s)
-        timed = 1 + _rounds_left(budget_s - elapsed, sum(once), timed - 1)
+        timed = _plan_fast(live, rounds, kept, baselines, samples, timed,
+                           time.perf_counter() - timed_from)
     for index in range(1, timed):
         _round(live, kept, index, samples)
-    others = [c for c in kept if c not in baselines]
-    if timed < rounds.confirm and base < rounds.floor_s and baselines and others:
-        interim = dict(zip(kept, _slowest(live, [statistics.median(samples[c]) for c in kept])))
-        finalists = [*baselines, min(others, key=lambda c: (interim[c], kept.index(c)))]
-        for index in range(timed, rounds.confirm):
-            _round(live, finalists, index, samples)
+    if timed < rounds.confirm and base < rounds.floor_s:
+        _confirm(live, rounds, kept, baselines, samples, timed)
     agreed = _slowest(live, [*[statistics.median(samples[c]) for c in kept],
                              time.perf_counter() - started])
     seconds = dict(first)
     seconds.update(zip(kept, agreed[:-1]))
     return Timing({c: seconds[c] for c in candidates}, timed,
                   tuple(c for c in candidates if c not in kept), agreed[-1], base)
+
+
+def _warm_up(live: Live, order: list[Candidate], rounds: Rounds) -> dict:
+    """The warm-up rounds (in ``order``: baselines first); each candidate's last warm-up
+    run, the slowest rank's (one exchange)."""
+    warm: dict = {c: [] for c in order}
+    for _ in range(rounds.warmup):
+        _round(live, order, None, warm)
+    return dict(zip(order, _slowest(live, [warm[c][-1] for c in order])))
+
+
+def _plan_slow(rounds: Rounds, order: list[Candidate], baselines: Sequence[Candidate],
+               first: dict, base: float) -> tuple[list[Candidate], int]:
+    """``(kept, timed rounds)`` of a slow call, from its warm-up times: its warm-up runs are
+    mostly its own work (a first run's extra costs, building the plan, a workspace, are small
+    beside it). A candidate slower than ``prune`` times the baseline is dropped when the
+    budget binds; where not even one round fits, the baselines and the fastest other
+    candidate run once. (A fast call's warm-up says little: :func:`_plan_fast`.)"""
+    assert rounds.budget is not None
+    budget_s = max(rounds.budget * base, rounds.floor_s)
+    kept, timed = order, rounds.most
+    if rounds.prune is not None and timed * sum(first.values()) > budget_s:
+        kept = [c for c in order if c in baselines or first[c] <= rounds.prune * base]
+    timed = _rounds_left(budget_s, sum(first[c] for c in kept), timed)
+    if timed < 1:
+        others = [c for c in kept if c not in baselines]
+        kept = [*baselines, *([min(others, key=lambda c: first[c])] if others else [])]
+        timed = 1
+    return kept, timed
+
+
+def _plan_fast(live: Live, rounds: Rounds, kept: list[Candidate],
+               baselines: Sequence[Candidate], samples: dict, timed: int,
+               elapsed: float) -> int:
+    """The timed rounds planned again from the first timed round's steady-state times (a
+    warm-up run pays first-use costs), the slowest rank's (one exchange)."""
+    assert rounds.budget is not None
+    *once, elapsed = _slowest(live, [*[samples[c][0] for c in kept], elapsed])
+    elapsed = max(elapsed, sum(once))    # (the runs alone, where no clock ran: Scripted)
+    steady = dict(zip(kept, once))
+    budget_s = max(rounds.budget * min(steady[c] for c in (baselines or kept)),
+                   rounds.floor_s)
+    return 1 + _rounds_left(budget_s - elapsed, sum(once), timed - 1)
+
+
+def _confirm(live: Live, rounds: Rounds, kept: list[Candidate],
+             baselines: Sequence[Candidate], samples: dict, timed: int) -> None:
+    """A fast call with fewer than ``confirm`` rounds: its finalists (the baselines and the
+    fastest other candidate so far, agreed in one exchange) run until each has ``confirm``
+    timed runs, so one late run on a busy machine cannot decide alone."""
+    others = [c for c in kept if c not in baselines]
+    if not (baselines and others):
+        return
+    interim = dict(zip(kept, _slowest(live, [statistics.median(samples[c]) for c in kept])))
+    finalists = [*baselines, min(others, key=lambda c: (interim[c], kept.index(c)))]
+    for index in range(timed, rounds.confirm):
+        _round(live, finalists, index, samples)
 
 
 def head_to_head(live: Live, pick: Candidate, base: Candidate, pairs: int

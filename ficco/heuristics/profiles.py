@@ -36,8 +36,10 @@ JSON schema (every key at top level; units in the names)::
       "copy_2d_on_dma": true,                  # false: the runtime runs 2-D peer copies as
                                                # kernels on compute units (ROCm)
       "barrier_latency_s": 1e-05,              # cross-rank barrier over symmetric memory
-      "host_op_s": 6e-06,                      # host time to enqueue one plan op (eager);
+      "host_op_s": 6e-06,                      # host time of one runtime call (eager);
                                                # `bench characterize --parts enqueue`
+      "batched_copies": false,                 # true: the runtime submits a queue's copies
+                                               # in one call (CUDA >= 12.8); prices host time
       "hardware_queues": null,                 # 1: one queue for all streams (set from
                                                # CUDA_DEVICE_MAX_CONNECTIONS=1 by resolve())
       "pcie_aggregate_bytes_per_s": 7.9e10,    # all GPUs' peer traffic through the host, total
@@ -211,6 +213,10 @@ class Profile:
     #: simulator dispatch in issue order, a barrier block every queue, copies run one at a
     #: time; None: one per stream (the simulator's queues are independent)
     hardware_queues: int | None = None
+    #: whether the runtime submits a queue's copies in one call (``cudaMemcpyBatchAsync``,
+    #: CUDA >= 12.8): the simulator counts the host's runtime calls as that backend issues
+    #: them (False: one call per copy, as ROCm and older CUDA)
+    batched_copies: bool = False
     dil: dict = field(default_factory=lambda: dict(DEFAULTS["dil"]))
     cil: dict = field(default_factory=lambda: dict(DEFAULTS["cil"]))
     ccl: dict = field(default_factory=lambda: dict(DEFAULTS["ccl"]))

@@ -41,11 +41,16 @@ Cost model (every number from :class:`~ficco.heuristics.profiles.Profile`):
   in the host's issue order, an op whose stream is still busy holds back every op issued
   after it, a barrier blocks every queue until it passes, and copies run one at a time (the
   per-peer pulls serialise).
-- Host launch: op i of the plan (events included) is enqueued at ``(i + 1) x host_op_s``
-  and cannot start earlier; eager calls of plans with hundreds of ops are launch bound when
-  the GEMM is small (set ``host_op_s`` to 0 in a profile for CUDA-graph replays). Each profile
-  states its ``host_op_s``, measured by ``bench characterize --parts enqueue`` or a labelled
-  estimate.
+- Host launch: the host issues a warm call as the executor lowers the plan
+  (:meth:`ficco.executor.compiler.CompiledPlan.issue_calls`): the entry record and waits, then
+  one runtime call per coalesced step (waits that order nothing and records nobody waits for
+  cost nothing, back-to-back copies of a queue are one batched submission where the profile's
+  ``batched_copies`` says the runtime has one, else one call per copy), ``host_op_s`` each; an
+  op cannot start before the call that issues it. Eager calls that make hundreds of runtime
+  calls are launch bound when the GEMM is small (set ``host_op_s`` to 0 in a profile for
+  CUDA-graph replays). Each profile states its ``host_op_s``, measured by ``bench
+  characterize --parts enqueue`` or a labelled estimate. A plan the executor does not run
+  (no compute queue, an op it does not know) is issued one call per plan op.
 
 Ops are priced by ``op.kind``: kind ``"x"`` is priced by ``Simulation._price_x`` (a new op
 kind adds one such method).
@@ -132,9 +137,10 @@ class Simulation:
         # instead of the profile's own) the same efficiency comes at proportionally fewer bytes.
         native = profile.link_for(profile.topology, self.problem.world)
         self.size_scale = max(1.0, native / self.link_bytes_per_s)
-        # The host enqueues ops one after another (``host_op_s`` each): op i cannot start on
-        # its queue before the host has issued it. A plan of many small ops pays this.
-        self.issue_s = [(origin[i] + 1) * profile.host_op_s for i in range(len(self.ops))]
+        # The host makes runtime calls one after another (``host_op_s`` each): an op cannot
+        # start on its queue before the call that issues it. A call of many small steps pays.
+        calls = _issue_calls(plan, profile.batched_copies)
+        self.issue_s = [calls[origin[i]] * profile.host_op_s for i in range(len(self.ops))]
         #: one hardware queue: ops dispatch in plan (issue) order; ``head`` is the next one
         self.one_queue = profile.hardware_queues == 1
         self.head = 0
@@ -497,6 +503,20 @@ class Simulation:
         # the launch latency is never slowed by contention; the rest is bandwidth
         fixed = min(collectives.latency_seconds(self.profile, kind, self.topology), seconds / 2)
         return _Task("ccl", fixed, seconds - fixed)
+
+
+def _issue_calls(plan: Plan, batched: bool) -> Sequence[int]:
+    """Per plan op, the runtime calls the host has made once it issued it (see the module
+    doc); one per plan op for a plan the executor does not run (no compute queue: a
+    benchmark's replay of copies alone) or cannot lower (an op it does not know)."""
+    from ..executor.compiler import compile_plan
+
+    if COMPUTE in plan.queues:
+        try:
+            return compile_plan(plan).issue_calls(batched)[0]
+        except InvalidArgumentError:
+            pass
+    return range(1, len(plan.ops) + 1)
 
 
 def _lower_gated(plan: Plan) -> tuple[tuple[Op | GatedPiece, ...], Sequence[int]]:

@@ -187,25 +187,46 @@ _resident_cache: dict = {}
 class _Watch:
     """CPU only: while the interpreted kernel runs, a thread raises its ``halt`` word at the
     call's deadline or when another queue of this rank failed (``backend.cancelled()``), so
-    a wait ends on time and never outlives a failed call; the poll budget stays as backstop."""
+    a wait ends on time and never outlives a failed call; the poll budget stays as backstop.
+    ``answer``: the call's first wait is in this kernel (``handle.first_wait``, as a plan
+    barrier's): once the kernel ran a moment the thread answers a peer's first-call agreement
+    exchange now and then (:func:`ficco.runtime.agreement.answer`); the MismatchError that
+    raises halts the kernel and is the launch's error (:attr:`error`)."""
 
-    def __init__(self, halt: torch.Tensor, cancelled, expires: float):
+    def __init__(self, halt: torch.Tensor, cancelled, expires: float, answer=None):
         self.halt, self.cancelled, self.expires = halt, cancelled, expires
+        self.answer = answer
         self.done = threading.Event()
         self.why: str | None = None     # set with the halt: what raised it
+        self.error: BaseException | None = None    # what the answer raised
 
     def _loop(self, deadline: float) -> None:
+        from ..symm_mem.barrier import _ANSWER_AFTER_S, _ANSWER_EVERY_S
+
+        answer_at = time.monotonic() + _ANSWER_AFTER_S
         while not self.done.wait(0.01):
-            late = time.monotonic() > deadline
+            now = time.monotonic()
+            late = now > deadline
             if late or self.cancelled():
                 self.why = "its call's deadline passed" if late else \
                     "another queue of its call failed"
                 self.halt.fill_(1)
                 return
+            if self.answer is not None and now >= answer_at:
+                answer_at = now + _ANSWER_EVERY_S
+                try:
+                    self.answer()
+                except BaseException as exc:  # noqa: BLE001 - the launch raises it
+                    self.error, self.why = exc, "a peer makes another call"
+                    self.halt.fill_(1)
+                    return
 
     def check(self, timeout_s: float) -> None:
-        """Raise when the halt was raised during the launch: tiles that started after it were
-        written as NaN (none of their waits ran out, so the kernel's error word is 0)."""
+        """Raise when the halt was raised during the launch: the answer's MismatchError, or
+        (tiles that started after it were written as NaN, none of their waits ran out, so
+        the kernel's error word is 0) a CommTimeoutError."""
+        if self.error is not None:
+            raise self.error
         if self.why is not None:
             from ..errors import CommTimeoutError
 
@@ -245,6 +266,12 @@ def shot_task(buffers, op):
     timeout_s = config.timeout_s()
     fault = symm.fault
     flag = getattr(symm, "call_flag", 1)
+    # The call's first wait, when no plan barrier came before this launch (one-shot-kernel
+    # has none): it answers a peer's first-call exchange (CPU; on GPUs nothing waits on the
+    # host, as for the plans' barriers there).
+    answer = getattr(symm, "first_wait", None)
+    if answer is not None:
+        symm.first_wait = None
 
     def run() -> None:
         if out.numel() == 0:
@@ -263,9 +290,14 @@ def shot_task(buffers, op):
             tables = cached[key] = tables_for(
                 partials, reduceds, [symm.pad_address(q) for q in range(world)], out)
         if fault is None:      # the CPU backend: synchronous, in the interpreter
-            err = shot_all_reduce(partials, reduceds, None, out, rank=rank, flag=flag,
-                                  two_shot=op.two_shot, first_channel=op.first_channel,
-                                  scale=op.scale, timeout_s=timeout_s, tables=tables)
+            halt = torch.zeros(1, dtype=torch.int32)
+            with _Watch(halt, lambda: False, float("inf"), answer) as watch:
+                err = shot_all_reduce(partials, reduceds, None, out, rank=rank, flag=flag,
+                                      two_shot=op.two_shot, first_channel=op.first_channel,
+                                      scale=op.scale, halt=halt, timeout_s=timeout_s,
+                                      tables=tables)
+            if watch.error is not None:
+                raise watch.error
             check_error(err, rank, timeout_s)
             return
         family = configs.family(symm.backend.target())

@@ -1,7 +1,7 @@
-"""Autograd and autocast of ficco's custom ops (registered on import by :mod:`ficco.ops.library`
-and :mod:`ficco.ops.matmul_all_reduce.torch_op`).
+"""What the autograd and autocast of ficco's custom ops share; each op's ``torch_op`` module
+registers its own backward with them.
 
-The backward of each op is the other op, overlapped too (the all-reduce's is local):
+The backward of each GEMM op is another op, overlapped too (the all-reduce's is local):
 
 - ``c_j = all_gather(a) @ b_j``: ``grad_a = matmul_reduce_scatter([grad_c_1 | ...], [b_1^T; ...])``
   and ``grad_b_j = gathered^T @ grad_c_j``, the gathered ``a`` saved from the forward or
@@ -37,14 +37,8 @@ from torch import Tensor
 from ..errors import FiccoError, InvalidArgumentError
 from ..group import rank_world_of
 
-# The roles of the calls a backward makes (ficco.runtime.call.FORWARD is the caller's): part of what
-# the ranks agree on, so a rank that skipped a backward never pairs its next forward with the
-# peers' backward (in an SP MLP they have the same shapes).
-GRAD_OF_ALL_GATHER_MATMUL = "backward of all_gather_matmul (grad of a_shard)"
-GRAD_OF_MATMUL_REDUCE_SCATTER = "backward of matmul_reduce_scatter (grad of a)"
 
-
-# -- autograd: the backward of each op is the other op ------------------------------------------
+# -- autograd: first order only -------------------------------------------------------------------
 class _FirstOrderOnly(torch.autograd.Function):
     """Identity on a gradient computed by a ficco backward; differentiating it again raises.
     ``anchor`` (a tensor that requires grad) makes the result part of the graph."""
@@ -94,12 +88,12 @@ def _as_passed(ctx, grads: tuple) -> tuple:
     return grads[:len(ctx.needs_input_grad)]
 
 
-def _rows(t: Tensor, dim: int) -> Tensor:
+def as_rows(t: Tensor, dim: int) -> Tensor:
     """``t`` as a matrix of rows, ``dim`` first (the row order both ops use)."""
     return t.movedim(dim, 0).flatten(0, -2)   # (reshape(-1, 0) is ambiguous)
 
 
-def _world(group: str) -> int:
+def world_of(group: str) -> int:
     """The size of ``group`` for an op called without ``world``: an eager call written before
     the argument existed (the fake kernels refuse a traced one), so this reads the group at run
     time, as its real kernel just did."""
@@ -109,7 +103,7 @@ def _world(group: str) -> int:
 # The two collectives of the backwards call torch's functional collective ops with the group's
 # size as an argument (torch's functional collectives read it from the group: the backward,
 # traced from the forward's graph and cached under that graph's key, reads nothing else).
-def _gather(t: Tensor, group: str, world: int, dim: int) -> Tensor:
+def gather(t: Tensor, group: str, world: int, dim: int) -> Tensor:
     """all_gather(t, dim) over the ``world`` ranks of ``group``: traceable, and in eager mode it
     waits only where the result is first used, so work issued in between overlaps it."""
     if world == 1:
@@ -121,7 +115,7 @@ def _gather(t: Tensor, group: str, world: int, dim: int) -> Tensor:
     return out if dim == 0 else torch.cat(out.chunk(world), dim)
 
 
-def _reduce_scatter(t: Tensor, group: str, world: int, dim: int) -> Tensor:
+def reduce_scatter(t: Tensor, group: str, world: int, dim: int) -> Tensor:
     """reduce_scatter(t, dim) (sum) over the ``world`` ranks of ``group``; equal blocks."""
     if world == 1:
         return t
@@ -157,7 +151,7 @@ def refuse_fp8_gradients(a, bs, a_scale, activation=None, b_scale=None) -> None:
             f"ficco.all_gather_matmul, which applies it outside the op when one is needed")
 
 
-def _bias_grads(ctx, grads):
+def bias_grads(ctx, grads):
     """(b_scales' gradients: none, each bias's gradient: its output's gradient summed over
     this rank's rows), shaped like the inputs (a list where a list was given)."""
     biases = None if ctx.bias_needs is None else [
@@ -166,150 +160,22 @@ def _bias_grads(ctx, grads):
     return ctx.no_scale_grads, biases
 
 
-def _save_epilogue(ctx, a, b_scales, biases) -> None:
+def save_epilogue(ctx, a, b_scales, biases) -> None:
     ctx.bias_needs = None if biases is None else [
         b is not None and b.requires_grad for b in biases]
     ctx.no_scale_grads = None if b_scales is None else [None] * len(b_scales)
     ctx.dtype = a.dtype
 
 
-def _ag_setup_context(ctx, inputs, output):
-    a, bs, group, gather_dim, _schedule, return_gathered, *epilogue = inputs
-    a_scale, b_scales, biases, _out_dtype, activation, _role, world = (epilogue + [None] * 7)[:7]
-    if a_scale is not None or activation:   # (the common call skips the check's frame)
-        refuse_fp8_gradients(a, bs, a_scale, activation, b_scales)
-    gathered, _outs = output
-    ctx.set_materialize_grads(False)   # an unused output (the gathered a) gets no zero gradient
-    ctx.group, ctx.dim = group, gather_dim % a.dim()
-    ctx.world = world if world is not None else _world(group)
-    ctx.a_needs = a.requires_grad
-    ctx.b_needs = [b.requires_grad for b in bs]
-    _save_epilogue(ctx, a, b_scales, biases)
-    # grad_b needs the gathered a: kept from the forward when it returned it, else the
-    # backward gathers the saved shard again (FICCO_BACKWARD_GATHER=regather).
-    keep_gathered = return_gathered and any(ctx.b_needs)
-    keep_shard = any(ctx.b_needs) and not keep_gathered
-    ctx.save_for_backward(gathered if keep_gathered else None, a if keep_shard else None,
-                          *(bs if ctx.a_needs else ()))
-
-
-def _ag_backward(ctx, grad_gathered, grad_outs):
-    gathered, shard, *bs = ctx.saved_tensors
-    grad_b_scales, grad_biases = _bias_grads(ctx, grad_outs)
-    # an out_dtype wider than the operands (float32 of bf16): the backward GEMMs run in theirs
-    grad_outs = [g if g is None or g.dtype == ctx.dtype else g.to(ctx.dtype) for g in grad_outs]
-    grad_a = None
-    if ctx.a_needs:
-        pairs = [(g, b) for g, b in zip(grad_outs, bs) if g is not None]
-        if pairs:
-            # sum_j grad_c_j @ b_j^T as one GEMM: [grad_c_1 | grad_c_2 ...] @ [b_1^T; b_2^T ...]
-            grad_c = pairs[0][0] if len(pairs) == 1 else torch.cat([g for g, _ in pairs], -1)
-            b_t = pairs[0][1].t() if len(pairs) == 1 else torch.cat([b.t() for _, b in pairs])
-            grad_a = torch.ops.ficco.matmul_reduce_scatter(
-                grad_c, [b_t], ctx.group, ctx.dim, "sum", None,
-                role=GRAD_OF_ALL_GATHER_MATMUL, world=ctx.world,
-                out_rows=grad_c.shape[ctx.dim] // ctx.world)[0]   # the shard's rows
-    if shard is not None:
-        # Issued after the checked reduce-scatter (a rank that skipped this backward makes
-        # that raise first, so no unchecked collective is left in flight); on GPUs both are
-        # queued on streams and still overlap.
-        gathered = _gather(shard, ctx.group, ctx.world, ctx.dim)
-    if ctx.a_needs and grad_gathered is not None and grad_gathered.numel():
-        # The caller used the gathered a itself: its gradient is reduce-scattered too.
-        extra = _reduce_scatter(grad_gathered, ctx.group, ctx.world, ctx.dim)
-        grad_a = extra if grad_a is None else grad_a + extra
-    grad_bs = []
-    for g, needs in zip(grad_outs, ctx.b_needs):
-        grad_bs.append(_rows(gathered, ctx.dim).t() @ _rows(g, ctx.dim)
-                       if needs and g is not None else None)
-    return (grad_a, grad_bs, None, None, None, None, None, grad_b_scales, grad_biases, None,
-            None, None, None)
-
-
-def _rs_setup_context(ctx, inputs, output):
-    a, bs, group, scatter_dim, reduce_op, _schedule, *epilogue = inputs
-    a_scale, b_scales, biases, _out_dtype, _role, world = (epilogue + [None] * 6)[:6]
-    if a_scale is not None:   # (the common call skips the check's frame)
-        refuse_fp8_gradients(a, bs, a_scale, b_scale=b_scales)
-    ctx.set_materialize_grads(False)
-    ctx.group, ctx.dim, ctx.reduce_op = group, scatter_dim % a.dim(), reduce_op
-    ctx.a_needs = a.requires_grad
-    ctx.b_needs = [b.requires_grad for b in bs]
-    _save_epilogue(ctx, a, b_scales, biases)
-    if world is None:
-        world = _world(group)
-    rows = a.shape[ctx.dim]
-    if rows % world and (ctx.a_needs or any(ctx.b_needs)):
-        raise InvalidArgumentError(
-            f"the backward of matmul_reduce_scatter gathers the output gradient, which needs "
-            f"equal shards: {rows} rows along scatter_dim={scatter_dim} do not split evenly "
-            f"over {world} ranks; pad the rows to a multiple of {world} to train through it")
-    ctx.world = world
-    ctx.save_for_backward(a if any(ctx.b_needs) else None, *(bs if ctx.a_needs else ()))
-
-
-def _rs_backward(ctx, grad_outs):
-    a, *bs = ctx.saved_tensors
-    grad_b_scales, grad_biases = _bias_grads(ctx, grad_outs)
-    grad_outs = [g if g is None or g.dtype == ctx.dtype else g.to(ctx.dtype) for g in grad_outs]
-    grad_a, grad_bs = None, []
-    for j, (g, b_needs) in enumerate(zip(grad_outs, ctx.b_needs)):
-        if g is None:
-            grad_bs.append(None)
-            continue
-        if ctx.reduce_op == "avg":
-            g = g / ctx.world
-        if ctx.a_needs:
-            # grad_a = all_gather(grad_d) @ b^T, the gathered grad_d reused for grad_b.
-            gathered, (part,) = torch.ops.ficco.all_gather_matmul(
-                g, [bs[j].t()], ctx.group, ctx.dim, None, b_needs,
-                role=GRAD_OF_MATMUL_REDUCE_SCATTER, world=ctx.world)
-            grad_a = part if grad_a is None else grad_a + part
-        elif b_needs:
-            gathered = _gather(g, ctx.group, ctx.world, ctx.dim)
-        grad_bs.append(_rows(a, ctx.dim).t() @ _rows(gathered, ctx.dim) if b_needs else None)
-    return (grad_a, grad_bs, None, None, None, None, None, grad_b_scales, grad_biases, None, None,
-            None, None)
-
-
-def _ar_setup_context(ctx, inputs, output):
-    a, bs, group, reduce_op, _schedule, *epilogue = inputs
-    a_scale, b_scales, biases, _out_dtype, _role, world = (epilogue + [None] * 6)[:6]
-    if a_scale is not None:
-        refuse_fp8_gradients(a, bs, a_scale, b_scale=b_scales)
-    ctx.set_materialize_grads(False)
-    ctx.reduce_op = reduce_op
-    ctx.world = world if world is not None else _world(group)
-    ctx.a_needs = a.requires_grad
-    ctx.b_needs = [b.requires_grad for b in bs]
-    ctx.a_shape = tuple(a.shape)
-    _save_epilogue(ctx, a, b_scales, biases)
-    ctx.save_for_backward(a if any(ctx.b_needs) else None, *(bs if ctx.a_needs else ()))
-
-
-def _ar_backward(ctx, grad_outs):
-    """``y_j = all_reduce(a @ b_j)`` is replicated, so its gradient is too and the
-    all-reduce's gradient is the identity: local GEMMs only (``avg`` scales by 1/W)."""
-    a, *bs = ctx.saved_tensors
-    grad_b_scales, grad_biases = _bias_grads(ctx, grad_outs)
-    grad_a, grad_bs = None, []
-    for j, (g, b_needs) in enumerate(zip(grad_outs, ctx.b_needs)):
-        if g is None:
-            grad_bs.append(None)
-            continue
-        g = _rows(g if g.dtype == ctx.dtype else g.to(ctx.dtype), 0)
-        if ctx.reduce_op == "avg":
-            g = g / ctx.world
-        if ctx.a_needs:
-            part = (g @ bs[j].t()).reshape(ctx.a_shape)
-            grad_a = part if grad_a is None else grad_a + part
-        grad_bs.append(_rows(a, 0).t() @ g if b_needs else None)
-    return (grad_a, grad_bs, None, None, None, None, grad_b_scales, grad_biases, None, None,
-            None)
-
-
 # -- autocast: the GEMMs run in the autocast dtype, as torch.matmul would -------------------------
 _impls = torch.library.Library("ficco", "IMPL")
+
+
+def register_autocast(*ops) -> None:
+    """Autocast on ``ops`` for the devices ficco runs on: the GEMMs in the region's dtype."""
+    for op in ops:
+        for device in ("cpu", "cuda"):
+            register_autocast_with_dtype(op, device)
 
 
 def register_autocast_with_dtype(op, device_type: str) -> None:
@@ -334,23 +200,3 @@ def register_autocast_with_dtype(op, device_type: str) -> None:
             return overload(*(cast(x, dtype) for x in args))
 
     _impls.impl(overload._name.split("::")[1], kernel, key, with_keyset=True)
-
-
-def register(all_gather_matmul_op, matmul_reduce_scatter_op) -> None:
-    """Register autograd and autocast on the two ops (called once by :mod:`ficco.ops.library`)."""
-    all_gather_matmul_op.register_autograd(first_order_only(_ag_backward),
-                                           setup_context=_ag_setup_context)
-    matmul_reduce_scatter_op.register_autograd(first_order_only(_rs_backward),
-                                               setup_context=_rs_setup_context)
-    for op in (all_gather_matmul_op, matmul_reduce_scatter_op):
-        for device in ("cpu", "cuda"):
-            register_autocast_with_dtype(op, device)
-
-
-def register_all_reduce(matmul_all_reduce_op) -> None:
-    """Register autograd and autocast on the all-reduce op (once, by
-    :mod:`ficco.ops.matmul_all_reduce.torch_op`)."""
-    matmul_all_reduce_op.register_autograd(first_order_only(_ar_backward),
-                                           setup_context=_ar_setup_context)
-    for device in ("cpu", "cuda"):
-        register_autocast_with_dtype(matmul_all_reduce_op, device)

@@ -1,10 +1,13 @@
-"""The public functions' argument handling, before either op's dispatcher is reached: ``b``
-as a list, DTensor operands to their local tensors and mesh (:mod:`ficco.ops.dtensor`), the
-epilogue as the ops' schema takes it, and whether the dispatcher is needed at all
-(:func:`eager_suffices`). Shared by :mod:`ficco.ops.library`, :mod:`ficco.ops.matmul_all_reduce.torch_op` and
-:mod:`ficco.ops.expert.torch_op`; what cannot go through an op returns None here and goes to the
-eager path, whose validation names the problem."""
+"""The public functions' argument handling, before an op's dispatcher is reached: ``b`` as a
+list, DTensor operands to their local tensors and mesh (:mod:`ficco.ops.dtensor`), the
+epilogue as the ops' schema takes it (:func:`front_end`, a :class:`Front`), and whether the
+call goes to the op's eager path instead of its torch custom op (:func:`eager_path`, the one
+predicate every op's front function asks). Shared by every op's ``torch_op`` module; what
+cannot go through an op goes to the eager path, whose validation names the problem."""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -16,12 +19,36 @@ from . import dtensor
 _NO_EPILOGUE = (None, None, None, None)
 
 
-def front_end(op: str, a, b, group, dim, a_scale, b_scale, bias, out_dtype):
-    """What both public front ends do first: ``b`` as a list, DTensor operands to their local
-    tensors and mesh (plain tensors skip that: the hot path), the op's epilogue arguments
-    (``extra``; ``tensors``: every tensor the dispatcher must look at) and ``dim`` as a plain
-    int (None where it is not one). Returns ``(a, b, bs, b_is_list, group, plain, extra,
-    tensors, dim)``."""
+@dataclass(frozen=True, slots=True)
+class Front:
+    """A public function's arguments as its op's dispatcher takes them (:func:`front_end`)."""
+
+    #: the first operand, a DTensor's local tensor
+    a: Any
+    #: the weights as passed (one tensor or a list), local tensors
+    b: Any
+    #: the weights as a list
+    bs: list
+    b_is_list: bool
+    #: the group, a DTensor operand's mesh where it had one
+    group: Any
+    #: ``a`` and every weight are plain tensors (no subclass, no DTensor)
+    plain: bool
+    #: the epilogue as the ops' schema takes it ``(a_scale, b_scales, biases, out_dtype)``,
+    #: None where it does not fit the schema
+    extra: tuple | None
+    #: every tensor the dispatcher must look at: the weights, then the epilogue's tensors
+    tensors: list
+    #: the op's dim as a plain int, None where it is not one
+    dim: int | None
+    #: every argument fits the op's schema (``dim`` and ``extra`` are not None)
+    fits: bool
+
+
+def front_end(op: str, a, b, group, dim, a_scale, b_scale, bias, out_dtype) -> Front:
+    """What every GEMM op's public front function does first: ``b`` as a list, DTensor
+    operands to their local tensors and mesh (plain tensors skip that: the hot path), the op's
+    epilogue arguments and ``dim`` as a plain int."""
     b_is_list = isinstance(b, (list, tuple))
     bs = list(b) if b_is_list else [b]
     plain = type(a) in _PLAIN and not any([type(x) not in _PLAIN for x in bs])  # noqa: C419
@@ -32,8 +59,9 @@ def front_end(op: str, a, b, group, dim, a_scale, b_scale, bias, out_dtype):
         extra, tensors = _NO_EPILOGUE, bs   # the common call: nothing more to look at
     else:
         extra, tensors = _epilogue_of(bs, b_is_list, a_scale, b_scale, bias, out_dtype)
-    return (a, b, bs, b_is_list, group, plain, extra, tensors,
-            dim if type(dim) is int else _plain_int(dim))
+    dim = dim if type(dim) is int else _plain_int(dim)
+    return Front(a, b, bs, b_is_list, group, plain, extra, tensors, dim,
+                 dim is not None and extra is not None)
 
 
 def _epilogue_of(bs, b_is_list, a_scale, b_scale, bias, out_dtype) -> tuple:
@@ -102,24 +130,50 @@ def _plain_int(value):
     return int(value)
 
 
-def eager_suffices(a, bs, plain: bool = False) -> bool:
-    """Whether the op's dispatcher would add nothing: no autograd, autocast, tracing or tensor
-    subclass. ``plain``: ``a`` and every one of ``bs`` are known to be plain tensors."""
+def eager_path(front: Front, schedule, reduce_op: str = "sum", activation=None) -> bool:
+    """Whether an op's public function runs the call on the op's eager path instead of
+    through its torch custom op: where the op's schema cannot take an argument, or where the
+    dispatcher would add nothing (no autograd, autocast, tracing or tensor subclass: it would
+    cost ~100 us of Python per call and change nothing). ``reduce_op`` and ``activation``:
+    the op's own, for the ops that take them."""
+    # A dim that is no int or an epilogue off the schema (front_end found it): the eager
+    # path's validation names it.
+    if not front.fits:
+        return True
+    # A schedule, reduce_op or activation the schema cannot hold (``str?``, ``str``, a
+    # non-empty ``str?``): the same.
+    if not (schedule is None or type(schedule) is str) or type(reduce_op) is not str or (
+            activation is not None and (type(activation) is not str or not activation)):
+        return True
+    # Under torch.compile the op is what the graph holds.
     if torch.compiler.is_compiling():
         return False
-    if not plain and (type(a) not in _PLAIN
-                      or any([type(x) not in _PLAIN for x in bs])):  # noqa: C419 - see _PLAIN
-        # subclasses (FakeTensor, FunctionalTensor, ...) need the op; non-tensors get the
-        # eager path's argument errors
+    a, bs = front.a, front.tensors
+    # Tensor subclasses (FakeTensor, FunctionalTensor, ...) need the op; non-tensors get the
+    # eager path's argument errors (front_end found plain operands; epilogue tensors: here).
+    if not (front.plain and len(bs) == len(front.bs)) and (
+            type(a) not in _PLAIN or any([type(x) not in _PLAIN for x in bs])):  # noqa: C419
         return not isinstance(a, Tensor) or not all(isinstance(x, Tensor) for x in bs)
+    # A gradient to make: autograd records the op.
     if torch.is_grad_enabled() and (
             a.requires_grad or any([x.requires_grad for x in bs])):  # noqa: C419 - see _PLAIN
         return False
+    # Shapes only: the op's fake kernel answers, as torch's own ops do on meta tensors.
     if a.device.type == "meta":
-        return False    # shapes only: the op's fake kernel, as torch's own ops on meta tensors
+        return False
+    # Autocast, a dispatch mode or a torch function mode: the op's registrations run them.
     return not (torch.is_autocast_enabled(a.device.type)
                 or torch._C._len_torch_dispatch_stack()
                 or torch._C._is_torch_function_mode_enabled())
+
+
+def plain_front(a, ws, group) -> Front:
+    """The :class:`Front` of an op with no epilogue and no dim among its schema's checked
+    arguments (the expert ops): ``ws`` its weights; it fits the schema where ``a`` is a
+    tensor and ``ws`` a list or tuple."""
+    fits = isinstance(a, Tensor) and isinstance(ws, (list, tuple))
+    bs = list(ws) if fits else []
+    return Front(a, ws, bs, True, group, False, _NO_EPILOGUE, bs, 0, fits)
 
 
 def _local_operands(op: str, a, bs, group, dim):

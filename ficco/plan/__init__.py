@@ -340,13 +340,20 @@ class HostOp:
     ``queue`` and ``step``, a ``kind``, a static ``host_task(views, buffers, op) -> fn`` that
     the executor launches on the op's queue and a static ``price(sim, op, task, mt_factor)``:
     its solo cost on a simulation (:mod:`ficco.heuristics.simulator`), built from the
-    simulation's primitives."""
+    simulation's primitives.
+
+    An op whose work is only copies also sets ``copy_pairs(views, buffers, op) -> [(dst, src),
+    ...]`` (the same copies as its host task, sized at launch): a backend that prepares copies
+    (GPUs) then submits them as copies, and the ops of one plan step that follow each other
+    on a queue as one submission (:func:`ficco.executor.lowering.coalesce`). Their copies
+    must write memory no other such op of that step reads or writes."""
 
     queue: str
     step: int
     kind: ClassVar[str]
     host_task: ClassVar[Callable[..., Callable[[], object]]]
     price: ClassVar[Callable[..., Any]]
+    copy_pairs: ClassVar[Callable[..., list] | None] = None
 
 
 Op = (Copy | Gemm | Reduce | AllGather | AllToAll | ReduceScatter | AllReduce | SendRecv

@@ -30,6 +30,7 @@ from . import session as sessions
 if TYPE_CHECKING:
     from ..executor.compiler import CompiledPlan
     from ..heuristics.decision import Decision
+    from ..heuristics.explore import Exploration
     from ..plan import Plan
     from ..plan.problem import DtypeFields
 
@@ -145,6 +146,10 @@ class Prepared:
     workspace_bytes: int | None  # per rank, dma only
     wide: bool                  # the plan's outputs are float32, rounded once (Plan.wide_outputs)
     answer: Answer              # what the call's first dma barrier runs while it waits
+    #: ``auto``'s exploration of the key while its calls run the shortlist, and this key's
+    #: Prepared form per candidate (schedule, transport) it ran
+    explorer: Exploration | None = None
+    variants: dict[tuple[str, str], Prepared] | None = None
 
 
 # -- warm calls: the canonical Call of a known key, validated once -----------------------------
@@ -375,6 +380,8 @@ class Settings:
     schedule_by: str | None              # "argument", "FICCO_SCHEDULE", or None
     transport: str                       # "dma", "ccl" or "auto"
     selector: str                        # FICCO_SELECTOR (argument first)
+    #: auto's measuring mode (FICCO_AUTO): every rank must explore (or measure up front) alike
+    auto_mode: str
     #: tune measures each candidate collectively: every rank must measure the same list
     tune_candidates: tuple[str, ...] | None
     profile: str | None                  # FICCO_PROFILE, then the identity of the one in force
@@ -396,7 +403,7 @@ class Settings:
     #: transports; timeout, log level and poisoning change how a call runs, not what it picks)
     DECIDING: ClassVar[tuple[str, ...]] = ("selector", "schedule", "schedule_by", "profile",
                                            "topology", "copy_engines", "paper",
-                                           "tune_candidates")
+                                           "tune_candidates", "auto_mode")
 
     def agreed(self) -> dict[str, Any]:
         """The settings every rank must share, by name (part of the call's signature)."""
@@ -429,6 +436,7 @@ def settings(schedule: str | None = None, transport: str | None = None,
             "FICCO_SCHEDULE" if knobs["FICCO_SCHEDULE"] else None),
         transport=transport or knobs["FICCO_TRANSPORT"],
         selector=selector or knobs["FICCO_SELECTOR"],
+        auto_mode=knobs["FICCO_AUTO"],
         tune_candidates=knobs["FICCO_TUNE_CANDIDATES"],
         profile=knobs["FICCO_PROFILE"],
         topology=knobs["FICCO_TOPOLOGY"],

@@ -156,6 +156,9 @@ def _run(call: Call, schedule, transport, selector, profiled: bool):
             prepared, call, word, exchanged = _agreed(call, prepared, s, run_key, number, stage)
             if prepared.decision is None:      # FICCO_DISABLE, or nothing to overlap
                 return _plain(call, prepared, number, exchanged, values, stage)
+            if prepared.explorer is not None:      # auto exploring the key's shortlist
+                return _explored(call, prepared, known, run_key, word ^ values, number,
+                                 exchanged, stage, profiled, values)
             buffers = _execute(session, call, prepared, word ^ values, number, exchanged, stage,
                                profiled, values)
             session.last = prepared.decision
@@ -210,7 +213,8 @@ def _agreed(call: Call, prepared: Prepared | None, s: Settings, run_key: tuple, 
     # (a decision made without measuring where the selector measures, a rank that could not
     # time, is not kept: the next call measures)
     if known is not None and not call.op.exchanges and (
-            prepared.decision is None or prepared.decision.final):
+            prepared.decision is None or prepared.decision.final
+            or prepared.explorer is not None):
         if len(known.prepared) >= _PREPARED_PER_KEY:
             known.prepared.clear()
         known.prepared[run_key] = prepared
@@ -276,9 +280,83 @@ def _prepare(call: Call, s: Settings, number: int, stage: guard.Stage):
         if decision.transport == "dma":
             nbytes = call.op.workspace_bytes(call)
     template = call.known.template if call.known is not None else None
+    exploring = None if decision is None else decision.exploring
     prepared = Prepared(template, s, sig, digest, agreed, problem, decision, plan, compiled,
-                        nbytes, plan is not None and plan.wide_outputs(), Answer(call, sig))
+                        nbytes, plan is not None and plan.wide_outputs(), Answer(call, sig),
+                        exploring, None if exploring is None else {})
     return prepared, call, word, exchanged
+
+
+def _explored(call: Call, prepared: Prepared, known, run_key, word: int, number: int,
+              exchanged: bool, stage: guard.Stage, profiled: bool, values: int):
+    """A call of a key ``auto`` explores (:mod:`ficco.heuristics.explore`): the candidate
+    its exploration says every rank runs now, a full call, timed by the backend without a
+    synchronize; or, once due, the exchange that settles the decision and then the call as
+    decided (kept as the key's Prepared form from then on). A rank that cannot time runs the
+    model's pick and leaves the exploration where it is."""
+    from ..heuristics import Decision
+
+    backend = call.backend
+    exploration, decided, variants = prepared.explorer, prepared.decision, prepared.variants
+    assert exploration is not None and decided is not None and variants is not None
+    if exploration.settled is None:
+        live = Live(call, prepared.settings, prepared.digest, number)
+        # (the first call's selector just checked)
+        blocked = live.cannot_time() if exploration.calls else None
+        if blocked is not None:
+            choice = exploration.model_choice()
+            decision = Decision(choice.schedule, choice.transport, "auto", decided.inputs,
+                                choice.scores, f"not explored: the model's pick: {choice.reason}",
+                                decided_by=f"the model's prediction (not explored: this rank "
+                                           f"cannot time now: {blocked})", final=False)
+            return _run_as(call, _variant(call, prepared, decision), word, number, exchanged,
+                           stage, profiled, values)
+        stage.step = "the exploring selector's exchange"
+        exploration.begin(live)
+        stage.step = None
+    if exploration.settled is not None:
+        final = _variant(call, prepared, exploration.settled)
+        if known is not None and known.prepared.get(run_key) is prepared:
+            known.prepared[run_key] = final
+        return _run_as(call, final, word, number, exchanged, stage, profiled, values)
+    index, candidate, _ = exploration.next_call()
+    variant = variants.get(candidate)
+    if variant is None:
+        if candidate == (decided.schedule, decided.transport):
+            variant = prepared
+        else:
+            variant = _variant(call, prepared, dataclasses.replace(
+                decided, schedule=candidate[0], transport=candidate[1],
+                reason=f"exploring: this call of the key runs {candidate[0]} ({candidate[1]}), "
+                       f"one of the shortlisted candidates", exploring=None))
+        variants[candidate] = variant
+    watch = backend.started()
+    out = _run_as(call, variant, word, number, exchanged, stage, profiled, values)
+    exploration.record(index, backend.stopped(watch))
+    exploration.after_call()
+    return out
+
+
+def _variant(call: Call, prepared: Prepared, decision) -> Prepared:
+    """``prepared`` running ``decision``'s schedule and transport instead (not exploring)."""
+    plan, compiled = _plan(call.session, call.op, decision.schedule, decision.transport,
+                           call.problem, prepared.settings.copy_engines)
+    nbytes = call.op.workspace_bytes(call) if decision.transport == "dma" else None
+    return dataclasses.replace(prepared, decision=decision, plan=plan, compiled=compiled,
+                               workspace_bytes=nbytes, wide=plan.wide_outputs(), explorer=None,
+                               variants=None)
+
+
+def _run_as(call: Call, prepared: Prepared, word: int, number: int, exchanged: bool,
+            stage: guard.Stage, profiled: bool, values: int):
+    """Phase 3 of ``call`` run as ``prepared`` says (an exploring call's candidate, or its
+    settled decision): the plan executed, the result in the caller's layout."""
+    buffers = _execute(call.session, call, prepared, word, number, exchanged, stage, profiled,
+                       values)
+    decision = prepared.decision
+    assert decision is not None           # (a call with a plan)
+    call.session.last = decision
+    return call.op.result(call, buffers, decision.transport)
 
 
 def _values_differ(call: Call, exc: MismatchError, values: int) -> MismatchError:
@@ -402,17 +480,19 @@ def _decide(call: Call, s: Settings, agreed, problem, live: Live):
     decisions = call.session.decisions
     decision = decisions.get(key)
     if decision is not None:
+        if decision.exploring is not None and decision.exploring.settled is not None:
+            decision = decisions[key] = decision.exploring.settled
         decisions.move_to_end(key)
         return decision
     from ..heuristics import choose
 
     decision = choose(problem, transport=transports, target=call.target,
                       selector=s.selector, forced=s.schedule, forced_by=s.schedule_by,
-                      live=live)
+                      live=live, auto_mode=s.auto_mode)
     if isinstance(problem, Problem) and problem.m > EXACT_ROWS and decision.selector != "forced":
         decision = dataclasses.replace(decision, reason=f"{decision.reason} (decided at "
                                        f"m={problem.m}: every m of its bucket takes it)")
-    if decision.final:
+    if decision.final or decision.exploring is not None:
         decisions[key] = decision
         while len(decisions) > sessions.DECISIONS_KEPT:
             decisions.popitem(last=False)
@@ -516,6 +596,8 @@ class Live:
         self.call, self.settings, self.digest, self.number = call, s, digest, number
         self.word = None if digest is None else agreement.mixed(digest, number)
         self.agreed = call.session.measured
+        self.exploring = call.session.exploring
+        self.lag = call.backend.timing_lag
 
     def run(self, name: str, transport: str) -> float:
         session = self.call.session
@@ -530,6 +612,9 @@ class Live:
                             self.number, call.op.name)
         buffers, _, _ = execute(call, name, transport, settings=self.settings, word=self.word)
         call.op.result(call, buffers, transport)
+
+    def read(self, watch) -> float:
+        return self.call.backend.seconds_of(watch)
 
     def everyone(self, value) -> list:
         call = self.call
@@ -601,12 +686,23 @@ def explain(call: Call, schedule: str | None = None):
     problem = _decided_as(call.problem if known is None else
                           call.op.agreed_problem(call, known.per_rank))
     decision = choose(problem, transport=transports, target=call.target,
-                      selector=s.selector, forced=s.schedule, forced_by=s.schedule_by)
+                      selector=s.selector, forced=s.schedule, forced_by=s.schedule_by,
+                      auto_mode=s.auto_mode, exploring=_explorations(call))
     if known is None and s.transport == "auto" and call.world > 1:
         decision = dataclasses.replace(
             decision, reason=f"{decision.reason} (transport assumes one host: not yet agreed "
                              f"with the other ranks)")
     return call.op.annotate(decision, problem)
+
+
+def _explorations(call: Call) -> dict | None:
+    """The explorations in flight on ``call``'s group in this process (None: no session)."""
+    from ..backends import get_backend
+
+    if call.world == 1:
+        return None
+    found = peek(resolve(call.group), get_backend())
+    return None if found is None else found.exploring
 
 
 def last_run(group=None) -> tuple[str, str] | None:

@@ -138,6 +138,9 @@ class Session:
         #: of this group holds: found in this process's memory without asking the ranks again
         #: (ficco.heuristics.measured.Cache); an entry another group agreed on is asked about
         self.measured: set[tuple[str, str]] = set()
+        #: ``auto``'s explorations in flight on this group, by cache key
+        #: (ficco.heuristics.explore): every rank of it holds the same
+        self.exploring: dict[str, Any] = {}
         #: the Decision of the last multi-rank call run on this group in this process
         self.last: Any = None
 
@@ -215,6 +218,7 @@ class Session:
         self.settings.clear()
         self.routings.clear()
         self.measured.clear()
+        self.exploring.clear()
         lane, handle = self.lane, self.workspace
         self.lane = self.workspace = None
         backend = self.backend

@@ -28,7 +28,8 @@ from torchtitan.protocols.sharding import ShardingConfig
 from torchtitan.tools.logging import logger
 
 from ..errors import ConfigError, FiccoWarning, first_time
-from ..ops import library
+from ..ops.all_gather_matmul import torch_op as all_gather_op
+from ..ops.matmul_reduce_scatter import torch_op as reduce_scatter_op
 
 _SEQ_DIM = 1     # torchtitan's activations are (batch, seq, dim)
 
@@ -126,13 +127,13 @@ class FiccoFeedForward(_OnTensorParallelGroup, FeedForward):
 
 def _gather_matmul(x: Tensor, linears, mesh) -> list[Tensor]:
     biases = [lin.bias for lin in linears]
-    return library.all_gather_matmul(
+    return all_gather_op.all_gather_matmul(
         x, [lin.weight.t() for lin in linears], mesh, gather_dim=_SEQ_DIM,
         bias=biases if any(b is not None for b in biases) else None)
 
 
 def _matmul_reduce_scatter(x: Tensor, linear, mesh) -> Tensor:
-    return library.matmul_reduce_scatter(x, linear.weight.t(), mesh, scatter_dim=_SEQ_DIM,
+    return reduce_scatter_op.matmul_reduce_scatter(x, linear.weight.t(), mesh, scatter_dim=_SEQ_DIM,
                                          bias=linear.bias)
 
 

@@ -94,16 +94,25 @@ def test_the_lease_runs_every_part_on_the_fake_gpu(tmp_path):
     assert pytest_txt.index("test_schedule_on_gpu") < pytest_txt.index(
         "test_a_stalled_rank_is_released_and_named_on_gpu")     # correctness before faults
     speed = _jsonl(out / "speed.jsonl")
-    assert len(speed) == 8, speed
+    assert len(speed) == 12, speed
     measured = [r for r in speed if r["status"] == "ok"]
     assert {(r["op"], r["variant"]) for r in measured} == {
         (op, v) for op in ("all_gather_matmul", "matmul_reduce_scatter")
-        for v in ("default", "serial-dma")}
+        for v in ("default", "serial-dma")} | {
+        ("matmul_all_reduce", v) for v in ("default", "one-shot-kernel", "two-shot-kernel")}
     assert all(r["max_row_err_sampled"] <= r["tolerance"] and r["ms_median_slowest_rank"] > 0
                for r in measured)
+    # the decode lines: TP 8's GEMM, the one-kernel all-reduce forced and run (the
+    # interpreter here), every row checked against float64
+    decode = [r for r in measured if r["op"] == "matmul_all_reduce"]
+    assert all(r["tp_simulated"] == 8 and r["shape"] == [2, 48, 64] for r in decode), decode
+    assert [r["pick"] for r in decode if r["variant"] != "default"] == [
+        ["one-shot-kernel", "dma"], ["two-shot-kernel", "dma"]], decode
     skipped = [r for r in speed if r["status"] == "skipped"]
-    assert len(skipped) == 4 and all("CUDA tensors" in r["reason"] and "tflops" not in r
+    assert len(skipped) == 5 and all("CUDA tensors" in r["reason"] and "tflops" not in r
                                      for r in skipped)
+    assert [r["variant"] for r in skipped if r["op"] == "matmul_all_reduce"] == \
+        ["mm+torch-one-shot"]
     assert done.stdout.splitlines()[-1].startswith("parts: versions=0 smoke=0"), done.stdout
 
 
@@ -265,3 +274,23 @@ def test_the_kernel_tests_gpu_cases_are_collected_where_the_interpreter_cannot_r
                            "test_wait_past_its_deadline"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, check=False, env=env)
     assert "1 skipped" in done.stdout and "interpreter cannot run" in done.stdout, done.stdout
+
+
+def test_the_speed_parts_decode_check_refuses_a_wrong_sum():
+    """The decode lines' float64 check: the sum over the ranks passes; one rank's partial
+    (an all-reduce that did not reduce), a NaN, a wrong shape or a K that TP 8 does not split
+    do not."""
+    import torch
+
+    from ficco.bench.lease_speed import TOLERANCE, DecodeProblem
+    from ficco.errors import InvalidArgumentError
+
+    p = DecodeProblem(0, 3, (2, 48, 64), torch.float32, 11, torch.device("cpu"))
+    assert p.a.shape == (2, 8) and p.b.shape == (8, 48)
+    assert p.error(p.ref.float()) <= 1e-6
+    assert p.error(p.a @ p.b) > TOLERANCE["float32"]
+    nan = p.ref.float().clone()
+    nan[1, 3] = float("nan")
+    assert p.error(nan) == float("inf") and p.error(p.ref.float()[:1]) == float("inf")
+    with pytest.raises(InvalidArgumentError, match="TP 8"):
+        DecodeProblem(0, 2, (1, 48, 60), torch.float32, 11, torch.device("cpu"))

@@ -1,5 +1,5 @@
 """The ``auto`` selector, ficco's default: the model shortlists, the live
-group decides. Offline with scripted timings (``measured.Scripted``: deterministic, nothing
+group decides; here in its up-front mode (``FICCO_AUTO=upfront``). Offline with scripted timings (``measured.Scripted``: deterministic, nothing
 timed for real), then on live CPU ranks with a test hook that makes the model's pick slow, and
 on the fake GPU inside a graph capture."""
 from __future__ import annotations
@@ -27,9 +27,10 @@ MS = 1e-3
 
 @pytest.fixture
 def cache(tmp_path):
-    """A cache directory of its own, auto's memory empty before and after."""
+    """A cache directory of its own, auto's memory empty before and after; the up-front
+    mode (the default mode, exploring the key's calls: tests/engine/test_explore.py)."""
     auto.CACHE.forget()
-    with config.scope(cache_dir=str(tmp_path)):
+    with config.scope(cache_dir=str(tmp_path), auto="upfront"):
         yield tmp_path
     auto.CACHE.forget()
 
@@ -377,7 +378,7 @@ def _slowed_model_pick(rank, world, seed, root):
         return real_execute(call, name, transport, *args, **kwargs)
 
     out = {}
-    with ficco.config.scope(selector="auto", cache_dir=root, profile="cpu"):
+    with ficco.config.scope(selector="auto", auto="upfront", cache_dir=root, profile="cpu"):
         auto.CACHE.forget()
         shards, bs, _, refs = make_inputs(seed, world, (64, 64), (64,), torch.float32)
         model = choose_now(ficco.ops.get("all_gather_matmul").prepare(shards[rank], bs[0])
@@ -422,7 +423,7 @@ def _every_op_with_auto(rank, world, seed, root):
     from ..ep_cases import make_case, round_trip_reference
 
     out = []
-    with ficco.config.scope(selector="auto", cache_dir=root):
+    with ficco.config.scope(selector="auto", auto="upfront", cache_dir=root):
         auto.CACHE.forget()
         gen = torch.Generator().manual_seed(seed)
         full, b = torch.randn(world * 8, 32, generator=gen), torch.randn(32, 24, generator=gen)
@@ -465,7 +466,7 @@ def _two_groups_share_a_rank(rank, world, root):
     own = os.path.join(root, f"rank{rank}")
     shards, bs, _, refs = make_inputs(11, 2, (24, 32), (16,), torch.float32)
     out = {}
-    with ficco.config.scope(selector="auto", cache_dir=own):
+    with ficco.config.scope(selector="auto", auto="upfront", cache_dir=own):
         auto.CACHE.forget()
         if rank in (0, 1):
             result = ficco.all_gather_matmul(shards[rank], bs[0], group_a)
@@ -511,7 +512,7 @@ def _capture_then_measure(rank, world, root):
 
     heuristics.choose, runtime.execute = choose_seen, execute_seen
     try:
-        with ficco.config.scope(selector="auto", cache_dir=root, transport="dma"):
+        with ficco.config.scope(selector="auto", auto="upfront", cache_dir=root, transport="dma"):
             auto.CACHE.forget()
             with _capture() as graph:
                 out = ficco.all_gather_matmul(a, b)

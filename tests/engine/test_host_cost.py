@@ -16,6 +16,7 @@ from ficco.plan import Block, Copy, PlanBuilder, Record, Wait
 from ficco.plan.problem import Problem
 
 DENSE = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+EXPERT = ("all_to_all_grouped_mm", "grouped_mm_all_to_all")
 
 
 def _plans(world: int, ops=DENSE):
@@ -101,12 +102,14 @@ def test_a_copy_that_reads_what_the_batch_writes_waits_for_it():
         assert lean[1][2][0][:2] == steps[1][2:4]
 
 
-@pytest.mark.parametrize("op", DENSE)
+@pytest.mark.parametrize("op", DENSE + EXPERT)
 def test_runtime_calls_per_w8_call_fit_the_budget(op):
     """The ops column of bench overhead at W = 8 (runtime calls of one warm call with batched
     copy submission): serial <= 24; the fused FiCCO schedules and the gated ones <= 80;
     every other <= 160; batching never adds a call. Before coalescing, W = 8 serial made 61,
-    the fused FiCCO all-gathers 214-223 (their plans: 192-201 ops)."""
+    the fused FiCCO all-gathers 214-223 (their plans: 192-201 ops); the expert ops' fused
+    schedules made 87-95 and their unfused dispatch 232-239 while each pull was a host task
+    of its own."""
     for _, name, plan in _plans(8, (op,)):
         calls = overhead.calls_per_call(plan)
         one_by_one = overhead.calls_per_call(plan, batches=False)
@@ -203,7 +206,10 @@ def test_schedules_are_right_on_the_fake_gpu_and_batching_takes_fewer_commands()
     each batch's copies run in reverse order): a schedule of each kind of both dense ops
     matches float64 on every rank either way, and a warm call with batching submits no more device
     commands than without (fewer for serial and the FiCCO schedules: their copies of a step
-    go to several peers at once)."""
+    go to several peers at once). The expert ops too: their pulls are sized from the routing
+    at launch and submitted as copies (one submission per step when batched); dispatch and
+    the combine of its result match float64 on fresh uneven routings either way, and
+    batching takes fewer commands."""
     import random
 
     import torch
@@ -216,8 +222,10 @@ def test_schedules_are_right_on_the_fake_gpu_and_batching_takes_fewer_commands()
     chosen = {"all_gather_matmul": ["serial", "ring", "uniform-fused-1d", "hetero-unfused-2d"],
               "matmul_reduce_scatter": ["serial", "ring-bidir", "uniform-fused-2d",
                                         "hetero-unfused-1d"]}
-    runs = [harness.pool(3).run(host_cost_cases.fake_gpu_calls, seed, batch, chosen,
+    experts = ["uniform-fused-2d", "hetero-unfused-1d"]
+    both = [harness.pool(3).run(host_cost_cases.fake_gpu_calls, seed, batch, chosen, experts,
                                 timeout_s=300) for batch in (False, True)]
+    runs = [[dense for dense, _ in run] for run in both]
     for found in (f for run in runs for f in run):
         for key, (err, _) in found.items():
             assert err <= ROW_TOL[torch.float32], (seed, key, err)
@@ -227,6 +235,15 @@ def test_schedules_are_right_on_the_fake_gpu_and_batching_takes_fewer_commands()
             assert batched <= plain, (rank, key, batched, plain)
             if key[1] == "serial" or key[1].startswith(("uniform", "hetero")):
                 assert batched < plain, (rank, key, batched, plain)
+    for run in both:
+        for _, found in run:
+            for name, (err_y, err_z, recv_right, _, _) in found.items():
+                assert recv_right and err_y <= ROW_TOL[torch.float32] and \
+                    err_z <= 2 * ROW_TOL[torch.float32], (seed, name, err_y, err_z)
+    for rank in range(3):
+        for name in experts:
+            plain, batched = both[0][rank][1][name][3:], both[1][rank][1][name][3:]
+            assert batched[0] < plain[0] and batched[1] < plain[1], (rank, name, plain, batched)
 
 
 def test_warmup_makes_the_first_sight_so_the_real_calls_do_not_measure(tmp_path):
@@ -258,3 +275,29 @@ def test_warmup_refuses_what_it_cannot_warm():
         ficco.warmup("all_to_all_grouped_mm", [(4, 8, 8)])
     with pytest.raises(InvalidArgumentError, match=r"\(rows, K, n\)"):
         ficco.warmup("all_gather_matmul", [(4, 8)])
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one-by-one", "batched"])
+def test_the_simulator_prices_host_time_per_runtime_call(batched):
+    """The simulator issues a plan as the executor's coalesced steps issue it: the runtime
+    calls it counts per warm call are the null backend's (bench overhead's ``ops`` and
+    ``1-by-1``) for a schedule of each kind of the dense ops at W = 8, and with a host time per call
+    far above the ops' own, the predicted makespan is the last call's issue time (it was
+    one host_op_s per plan op, events included: 192 for a W = 8 fused FiCCO all-gather that
+    makes 39 calls)."""
+    import dataclasses
+
+    from ficco.heuristics import profiles, simulator
+
+    host_s = 10.0
+    prof = dataclasses.replace(profiles.load("h100"), host_op_s=host_s, batched_copies=batched)
+    kinds = ("serial", "ring", "ring-bidir", "uniform-fused-1d", "hetero-unfused-2d", "gated-2d",
+             "rs-ag-ring", "chunked-4", "two-shot-sm", "one-shot-kernel")
+    for op, name, plan in _plans(8):
+        if name not in kinds:
+            continue
+        issued, total = compile_plan(plan).issue_calls(batched)
+        assert total == overhead.calls_per_call(plan, batched), (op, name, batched)
+        makespan = simulator.simulate(plan, prof).makespan_s
+        assert max(issued) * host_s <= makespan < max(issued) * host_s + 1.0, \
+            (op, name, makespan / host_s, max(issued), len(plan.ops))

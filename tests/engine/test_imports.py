@@ -203,9 +203,6 @@ FLOORS: tuple[tuple[str, ...], ...] = (
 #: op package -> the op packages it may import: the all-reduce's spec and its rs-ag schedules
 #: are built on the reduce-scatter's.
 DECLARED: dict[str, set[str]] = {"matmul_all_reduce": {"matmul_reduce_scatter"}}
-#: shared modules of ficco/ops/ that name ops: the first two ops' torch custom ops
-SHARED_NAMING_OPS: dict[str, set[str]] = {"library": {"all_gather_matmul",
-                                                      "matmul_reduce_scatter"}}
 
 
 def _floor(module: str) -> int:
@@ -243,8 +240,7 @@ def layering_violations(root: Path = ROOT) -> list[str]:
             if op_b is None or op_a == op_b:
                 continue
             if op_a is None:
-                shared = a.split(".")[2] if len(a.split(".")) > 2 else ""
-                if _floor(a) == ops_floor and op_b not in SHARED_NAMING_OPS.get(shared, set()):
+                if _floor(a) == ops_floor:
                     found.append(f"{a} -> {b}: a shared module of ficco.ops names an op")
             elif op_b not in DECLARED.get(op_a, set()):
                 found.append(f"{a} -> {b}: op {op_a} imports op {op_b}, undeclared")

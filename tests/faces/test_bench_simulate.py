@@ -143,3 +143,55 @@ def test_images_say_simulated_or_measured_where():
     with mock.patch.object(plt.Figure, "savefig", keep_text):
         plots.save_figure(plt.figure(), Path(tempfile.mkdtemp()) / "x.png", where=where)
     assert seen == [[where]]
+
+
+def test_the_docs_decode_tables_are_what_bench_decode_prints(capsys):
+    """Every row `python -m ficco.bench decode` prints for a corner of the grid (two
+    profiles, TP 8 and 2, batch 1 and 256) is in docs/all_reduce.md as printed: the docs'
+    tables are that command's output, regenerated whenever the model changes."""
+    from pathlib import Path
+
+    assert bench_main(["decode", "--profiles", "h100,mi355x", "--tp", "8,2",
+                       "--batches", "1,256"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines()
+            if line.startswith(("| h100 ", "| mi355x "))]
+    assert len(rows) == 2 * 2 * 2 * 3, rows
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "all_reduce.md").read_text()
+    stale = [line for line in rows if line not in docs]
+    assert not stale, "docs/all_reduce.md's decode tables differ from the command: " \
+        f"rerun python -m ficco.bench decode; first stale row {stale[0]}"
+
+
+def test_decode_holds_each_row_against_the_nearest_fastest_published_custom_all_reduce():
+    """The published time beside a message is a custom all-reduce of the same profile and
+    rank count within 2x of its size, no other one nearer, none at that size faster; the
+    best one-kernel time is the faster kernel's."""
+    import math
+
+    from ficco.bench import decode
+    from ficco.heuristics import reductions
+
+    rows = [r for r in reductions._published_rows() if r["quantity"] in decode.CUSTOM]
+    for profile, world in (("h100", 8), ("mi355x", 8), ("h100", 4)):
+        for nbytes in (8 << 10, 24 << 10, 256 << 10, 2 << 20, 4 << 20):
+            found = decode.published_near(profile, nbytes, world)
+            mine = [(abs(math.log(int(s["size"]) / nbytes)), float(r["published"]), r["id"])
+                    for r in rows for s in [dict(x.split("=") for x in r["shapes"].split())]
+                    if r["profile"] == profile and int(s.get("world", 8)) == world]
+            near = [m for m in mine if m[0] <= math.log(2) + 1e-9]
+            if not near:
+                assert found is None, (profile, nbytes, found)
+                continue
+            assert found is not None, (profile, nbytes)
+            distance = abs(math.log(found[1] / nbytes))
+            assert distance <= min(m[0] for m in near) + 1e-9, (profile, nbytes, found)
+            assert found[0] == min(m[1] for m in near if abs(m[0] - distance) < 1e-9)
+    row = decode.row("mi300x", "70B down", 256, 8192, 28672, 8)
+    assert row["kernel"][0] == "two-shot-kernel" and row["k"] == 28672
+    with pytest.raises(InvalidArgumentError, match="does not split"):
+        decode.row("h100", "odd", 1, 4096, 4097, 8)
+
+
+def test_bench_decode_refuses_a_bad_list(capsys):
+    assert bench_main(["decode", "--tp", "eight"]) == 2
+    assert "--tp 'eight'" in capsys.readouterr().err

@@ -134,7 +134,8 @@ def _rs_schedules():
 
 
 def _gradcheck_op(rank, world, seed, op):
-    import ficco.ops.library as lib
+    import ficco.ops.all_gather_matmul.torch_op as ag_op
+    import ficco.ops.matmul_reduce_scatter.torch_op as rs_op
 
     torch.manual_seed(seed)          # the same inputs and gradcheck vectors on every rank
     failures = []
@@ -147,7 +148,7 @@ def _gradcheck_op(rank, world, seed, op):
 
                 def f(a, bs):
                     mine = _OwnSlice.apply(bs, rank)
-                    gathered, (c1, c2) = lib.all_gather_matmul(
+                    gathered, (c1, c2) = ag_op.all_gather_matmul(
                         _OwnSlice.apply(a, rank), [mine[0], mine[1]], gather_dim=1,
                         schedule=schedule, return_gathered=True)
                     # the gathered a feeds the loss too: its gradient is reduce-scattered
@@ -158,7 +159,7 @@ def _gradcheck_op(rank, world, seed, op):
 
                 def f(a, bs):
                     mine = _OwnSlice.apply(bs, rank)
-                    d1, d2 = lib.matmul_reduce_scatter(_OwnSlice.apply(a, rank),
+                    d1, d2 = rs_op.matmul_reduce_scatter(_OwnSlice.apply(a, rank),
                                                        [mine[0], mine[1]], scatter_dim=1,
                                                        schedule=schedule)
                     return _EveryRank.apply(d1, rank), _EveryRank.apply(d2, rank)
@@ -218,6 +219,7 @@ def _layouts(rank, world, seed):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import ficco.ops.library as lib
+    import ficco.ops.matmul_reduce_scatter.torch_op as rs_op
 
     gen = torch.Generator().manual_seed(seed)
     found = []
@@ -249,7 +251,7 @@ def _layouts(rank, world, seed):
             res = ficco.all_gather_matmul(a, bs, gather_dim=dim, return_gathered=bool(ret))
             eager = layout(([res[0]] if ret else []) + list(res[1] if ret else res))
         else:
-            eager = layout(lib.matmul_reduce_scatter(a, bs, scatter_dim=dim))
+            eager = layout(rs_op.matmul_reduce_scatter(a, bs, scatter_dim=dim))
         with FakeTensorMode() as mode:
             fake = layout(call(mode.from_tensor(a), [mode.from_tensor(b) for b in bs]))
         found.append((op, tuple(shape), dim, ns, ret, real, eager, fake))
@@ -327,7 +329,7 @@ def test_double_backward_raises_clearly():
 
 
 def test_export_keeps_both_ops_as_nodes():
-    import ficco.ops.library as lib
+    import ficco.ops.matmul_reduce_scatter.torch_op as rs_op
 
     class TwoOps(torch.nn.Module):
         def __init__(self):
@@ -337,7 +339,7 @@ def test_export_keeps_both_ops_as_nodes():
 
         def forward(self, x):
             h = ficco.all_gather_matmul(x, self.up, gather_dim=1)
-            return lib.matmul_reduce_scatter(torch.relu(h), self.down, scatter_dim=1)
+            return rs_op.matmul_reduce_scatter(torch.relu(h), self.down, scatter_dim=1)
 
     model, x = TwoOps(), torch.randn(2, 3, 8)
     program = torch.export.export(model, (x,))

@@ -228,7 +228,8 @@ def _gather_pieces(piece, dim, sizes):
 
 
 def _gradcheck_widths(rank, world, seed):
-    import ficco.ops.library as lib
+    import ficco.ops.all_gather_matmul.torch_op as ag_op
+    import ficco.ops.matmul_reduce_scatter.torch_op as rs_op
 
     torch.manual_seed(seed)        # the same inputs and gradcheck vectors on every rank
     n_sizes = [n for _, n in even_split(2 * world + 1, world)]     # e.g. 3/2 at W=2
@@ -242,7 +243,7 @@ def _gradcheck_widths(rank, world, seed):
         b_rs = torch.randn(sum(k_sizes), 2, dtype=torch.float64, requires_grad=True)
 
         def ag(a, b):
-            gathered, c = lib.all_gather_matmul(_Mine.apply(a, 0, [2] * world, rank),
+            gathered, c = ag_op.all_gather_matmul(_Mine.apply(a, 0, [2] * world, rank),
                                                 _Mine.apply(b, 1, n_sizes, rank),
                                                 schedule=schedule, return_gathered=True)
             # every rank's gathered a, side by side (its gradient is reduce-scattered)
@@ -250,7 +251,7 @@ def _gradcheck_widths(rank, world, seed):
                     _Everyone.apply(gathered.sin(), 1, [3] * world, rank))
 
         def rs(a, b):
-            d = lib.matmul_reduce_scatter(_Mine.apply(a, 1, k_sizes, rank),
+            d = rs_op.matmul_reduce_scatter(_Mine.apply(a, 1, k_sizes, rank),
                                           _Mine.apply(b, 0, k_sizes, rank), schedule=schedule
                                           if schedule in ficco.schedules.names(
                                               op="matmul_reduce_scatter") else None)

@@ -237,6 +237,26 @@ class GpuBackend(Backend):
         self.synchronize()
         return seconds
 
+    #: an exploring call's events are read two calls of its key later (by then long done)
+    timing_lag = 2
+
+    def started(self):
+        """An event recorded on the compute queue (the caller's stream) before a call's work;
+        no synchronize."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self._device))
+        return event
+
+    def stopped(self, watch):
+        """``(start, end)``: the end event recorded after the call's work, which its side
+        streams joined (:meth:`finish`)."""
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(torch.cuda.current_stream(self._device))
+        return watch, end
+
+    def seconds_of(self, watch) -> float:
+        return self.elapsed_s(*watch)
+
     def timing_blocked(self) -> str | None:
         if self.dm.is_current_stream_capturing():
             return "a CUDA/HIP graph is being captured (a synchronize would break it)"

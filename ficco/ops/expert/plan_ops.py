@@ -43,6 +43,7 @@ class Pull(HostOp):
     kind = "expert_copy"
     host_task = staticmethod(tasks.move_task)
     price = staticmethod(pricing.price)
+    copy_pairs = staticmethod(tasks.move_pairs)
 
 
 @dataclass(frozen=True)

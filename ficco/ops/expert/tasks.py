@@ -243,12 +243,19 @@ def publish_task(views, buffers: Buffers, op):
     return local(lambda: shared[:rows].copy_(ctx.inp))
 
 
-def move_task(views, buffers: Buffers, op):
-    """Pull ``op.chunk`` of every block ``op.peer`` holds for this rank (one copy per expert;
-    2d: a strided column block each)."""
+def move_pairs(views, buffers: Buffers, op) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(destination, source) of every copy of a pull: ``op.chunk`` of every block ``op.peer``
+    holds for this rank (one per expert; 2d: a strided column block each). A backend that
+    prepares copies submits them itself (:attr:`ficco.plan.HostOp.copy_pairs`)."""
     ctx = context_of(buffers)
-    pairs = ctx.pulls(op.peer, op.chunk, op.two_d, buffers.peer(op.peer, ctx.shared_name),
-                      op.experts)
+    return ctx.pulls(op.peer, op.chunk, op.two_d, buffers.peer(op.peer, ctx.shared_name),
+                     op.experts)
+
+
+def move_task(views, buffers: Buffers, op):
+    """The copies of :func:`move_pairs` as one host task (backends that do not prepare
+    copies: the CPU's)."""
+    pairs = move_pairs(views, buffers, op)
 
     def run():
         for dst, src in pairs:

@@ -31,8 +31,8 @@ from ... import group as groups
 from ...runtime import path as runtime
 from ...runtime.call import FORWARD
 from .. import library
-from ..autograd import first_order_only, register_autocast_with_dtype
-from ..front import eager_suffices
+from ..autograd import first_order_only, register_autocast
+from ..front import eager_path, plain_front
 from .combine import SPEC as COMBINE_SPEC
 from .dispatch import SPEC as DISPATCH_SPEC
 
@@ -173,9 +173,7 @@ def _combine_backward(ctx, grad_z, _grad_routing, _grad_counts):
 
 dispatch_op.register_autograd(first_order_only(_dispatch_backward), setup_context=_dispatch_setup)
 combine_op.register_autograd(first_order_only(_combine_backward), setup_context=_combine_setup)
-for _op in (dispatch_op, combine_op):
-    for _device in ("cpu", "cuda"):
-        register_autocast_with_dtype(_op, _device)
+register_autocast(dispatch_op, combine_op)
 
 
 # -- the public functions' front end ---------------------------------------------------------------
@@ -183,8 +181,7 @@ def all_to_all_grouped_mm(x, counts, w, group=None, *, schedule=None):
     """``ficco.all_to_all_grouped_mm`` (see it for the arguments): the eager runtime when no
     autograd, autocast or tracing is involved, else the ``ficco::all_to_all_grouped_mm`` op."""
     ws = list(w.unbind(0)) if isinstance(w, Tensor) and w.dim() == 3 else w
-    if not isinstance(ws, (list, tuple)) or not isinstance(x, Tensor) or not isinstance(
-            schedule, (str, type(None))) or eager_suffices(x, list(ws)):
+    if eager_path(plain_front(x, ws, group), schedule):
         y, recv_counts, _, _ = runtime.run(
             library.prepared(DISPATCH_SPEC, group, x, counts, w, group), schedule)
         return y, recv_counts
@@ -199,8 +196,7 @@ def grouped_mm_all_to_all(h, recv_counts, w2, group=None, *, schedule=None, send
     """``ficco.grouped_mm_all_to_all`` through the ``ficco::grouped_mm_all_to_all`` op (or the
     eager runtime when nothing needs the dispatcher)."""
     ws = list(w2.unbind(0)) if isinstance(w2, Tensor) and w2.dim() == 3 else w2
-    if not isinstance(ws, (list, tuple)) or not isinstance(h, Tensor) or not isinstance(
-            schedule, (str, type(None))) or eager_suffices(h, list(ws)):
+    if eager_path(plain_front(h, ws, group), schedule):
         call = library.prepared(COMBINE_SPEC, group, h, recv_counts, w2, group,
                                 send_counts=send_counts)
         return runtime.run(call, schedule)[0]

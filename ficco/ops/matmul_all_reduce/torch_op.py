@@ -1,9 +1,9 @@
 """``torch.ops.ficco.matmul_all_reduce``: the all-reduce op as a torch custom op, with its fake
-kernel; its autograd and autocast are in :mod:`ficco.ops.autograd` (``register_all_reduce``).
+kernel, autograd and autocast, and the public function in front of it.
 
-Built as :mod:`ficco.ops.library` builds the other two (the same front end, epilogue schema and
-error path through torch.compile; see that module for why custom ops, and why sizes travel as
-arguments). The output's shape is ``a``'s with the last dim ``n``, on every rank, so the op
+Built on :mod:`ficco.ops.library` as the other GEMM ops are (the same front end, epilogue
+schema and error path through torch.compile; see that module for why custom ops, and why sizes
+travel as arguments). The output's shape is ``a``'s with the last dim ``n``, on every rank, so the op
 needs no per-rank size; it takes the group's size ``world`` as the others do, for its
 backward (``avg`` divides the gradient by it).
 
@@ -21,7 +21,7 @@ from ...group import by_name, name_rank_world, world_arg
 from ...runtime import path as runtime
 from ...runtime.call import FORWARD
 from .. import autograd
-from ..front import eager_suffices, front_end
+from ..front import eager_path, front_end
 from ..library import (
     EPILOGUE_SCHEMA,
     cached_layout,
@@ -75,19 +75,55 @@ def matmul_all_reduce(a, b, group=None, *, reduce_op="sum", schedule=None, a_sca
                       b_scale=None, out_dtype=None, bias=None):
     """``ficco.matmul_all_reduce`` through the ``ficco::matmul_all_reduce`` op. DTensor
     operands are taken as for the reduce-scatter (``a`` ``Shard(-1)``, ``b`` ``Shard(0)``)."""
-    a, b, bs, b_is_list, group, plain, extra, tensors, _ = front_end(
-        _OP, a, b, group, 0, a_scale, b_scale, bias, out_dtype)
-    if (not isinstance(reduce_op, str) or extra is None
-            or not (schedule is None or isinstance(schedule, str))
-            or eager_suffices(a, tensors, plain and len(tensors) == len(bs))):
-        return _run_matmul_all_reduce(a, b, group, reduce_op, schedule, a_scale=a_scale,
+    f = front_end(_OP, a, b, group, 0, a_scale, b_scale, bias, out_dtype)
+    if eager_path(f, schedule, reduce_op):
+        return _run_matmul_all_reduce(f.a, f.b, f.group, reduce_op, schedule, a_scale=a_scale,
                                       b_scale=b_scale, out_dtype=out_dtype, bias=bias)
     if a_scale is not None and torch.is_grad_enabled():   # before any communication
-        autograd.refuse_fp8_gradients(a, bs, a_scale, b_scale=b_scale)
-    name, _, world = name_rank_world(group)
-    outs = torch.ops.ficco.matmul_all_reduce(a, bs, name, reduce_op, schedule, *extra,
+        autograd.refuse_fp8_gradients(f.a, f.bs, a_scale, b_scale=b_scale)
+    name, _, world = name_rank_world(f.group)
+    outs = torch.ops.ficco.matmul_all_reduce(f.a, f.bs, name, reduce_op, schedule, *f.extra,
                                              world=world)
-    return outs if b_is_list else outs[0]
+    return outs if f.b_is_list else outs[0]
 
 
-autograd.register_all_reduce(matmul_all_reduce_op)
+# -- autograd: local GEMMs ------------------------------------------------------------------------
+def _ar_setup_context(ctx, inputs, output):
+    a, bs, group, reduce_op, _schedule, *epilogue = inputs
+    a_scale, b_scales, biases, _out_dtype, _role, world = (epilogue + [None] * 6)[:6]
+    if a_scale is not None:
+        autograd.refuse_fp8_gradients(a, bs, a_scale, b_scale=b_scales)
+    ctx.set_materialize_grads(False)
+    ctx.reduce_op = reduce_op
+    ctx.world = world if world is not None else autograd.world_of(group)
+    ctx.a_needs = a.requires_grad
+    ctx.b_needs = [b.requires_grad for b in bs]
+    ctx.a_shape = tuple(a.shape)
+    autograd.save_epilogue(ctx, a, b_scales, biases)
+    ctx.save_for_backward(a if any(ctx.b_needs) else None, *(bs if ctx.a_needs else ()))
+
+
+def _ar_backward(ctx, grad_outs):
+    """``y_j = all_reduce(a @ b_j)`` is replicated, so its gradient is too and the
+    all-reduce's gradient is the identity: local GEMMs only (``avg`` scales by 1/W)."""
+    a, *bs = ctx.saved_tensors
+    grad_b_scales, grad_biases = autograd.bias_grads(ctx, grad_outs)
+    grad_a, grad_bs = None, []
+    for j, (g, b_needs) in enumerate(zip(grad_outs, ctx.b_needs)):
+        if g is None:
+            grad_bs.append(None)
+            continue
+        g = autograd.as_rows(g if g.dtype == ctx.dtype else g.to(ctx.dtype), 0)
+        if ctx.reduce_op == "avg":
+            g = g / ctx.world
+        if ctx.a_needs:
+            part = (g @ bs[j].t()).reshape(ctx.a_shape)
+            grad_a = part if grad_a is None else grad_a + part
+        grad_bs.append(autograd.as_rows(a, 0).t() @ g if b_needs else None)
+    return (grad_a, grad_bs, None, None, None, None, grad_b_scales, grad_biases, None, None,
+            None)
+
+
+matmul_all_reduce_op.register_autograd(autograd.first_order_only(_ar_backward),
+                                       setup_context=_ar_setup_context)
+autograd.register_autocast(matmul_all_reduce_op)

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from ... import group as groups
 from ...errors import InvalidArgumentError
 from .layout import ALL_TO_ALL_MATMUL, MATMUL_ALL_TO_ALL
-from .torch_op import run_eager
+from .torch_op import front
 
 
 class UlyssesAttention(nn.Module):
@@ -54,12 +54,12 @@ class UlyssesAttention(nn.Module):
         if x.dim() != 3:
             raise InvalidArgumentError(f"x must be (batch, S_r, hidden); got {tuple(x.shape)}")
         local = self.heads // world
-        qkv = run_eager(MATMUL_ALL_TO_ALL, x, self.w_qkv, self.group, -1, 1)   # (B, S, h*3D)
+        qkv = front(MATMUL_ALL_TO_ALL, x, self.w_qkv, self.group, -1, 1)   # (B, S, h*3D)
         batch, seq = qkv.shape[0], qkv.shape[1]
         q, k, v = qkv.view(batch, seq, local, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         o = o.transpose(1, 2).reshape(batch, seq, local * self.head_dim)          # (B, S, h*D)
-        return run_eager(ALL_TO_ALL_MATMUL, o, self.w_out, self.group, 1, -1)     # (B, S_r, hidden)
+        return front(ALL_TO_ALL_MATMUL, o, self.w_out, self.group, 1, -1)     # (B, S_r, hidden)
 
 
 def reference_attention(x: Tensor, w_qkv: Tensor, w_out: Tensor, heads: int,

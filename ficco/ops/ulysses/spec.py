@@ -1,10 +1,12 @@
 """What both Ulysses op specs share (:mod:`.matmul_all_to_all`, :mod:`.all_to_all_matmul`).
 
 The ranks' tensors may differ in their length along ``gather_dim`` only (uneven sequence
-shards, or uneven heads): each rank's length travels as a :data:`PER_RANK` field of the
-agreement, and :meth:`UlyssesSpec.agreed_problem` completes the call's problem with every
-rank's (no exchange of its own, no communication after a key's first call). The chunks along
-``scatter_dim`` follow :func:`~ficco.plan.problem.even_split` (longer first).
+shards, or uneven heads). Every rank's length is this call's data: a peer's may change from
+one call to the next while this rank's call stays the same, so the lengths are exchanged at
+every call (:meth:`UlyssesSpec.exchange`, one bounded exchange right after the agreement, as
+the expert ops' routing counts are) and fold into the call's word, so ranks that hold
+different lengths fail the plan's call check. The chunks along ``scatter_dim`` follow
+:func:`~ficco.plan.problem.even_split` (longer first).
 """
 from __future__ import annotations
 
@@ -15,12 +17,13 @@ import torch
 import torch.distributed as dist
 
 from ... import group as groups
+from ...backends import get_backend
 from ...errors import InvalidArgumentError
 from ...plan import HostOp
 from ...plan.buffers import Buffers
 from ...plan.epilogue import wide_dtype
 from ...plan.problem import dtype_name
-from ...runtime.agreement import PER_RANK
+from ...runtime import agreement
 from ...runtime.call import (
     FORWARD,
     Call,
@@ -28,7 +31,10 @@ from ...runtime.call import (
     check_fits,
     check_like,
     check_tensor,
+    key_of,
+    known,
     normalize_dim,
+    remember,
 )
 from ...symm_mem import aligned
 from ..base import OpSpec
@@ -84,8 +90,18 @@ class UlyssesSpec(OpSpec[UlyssesCall]):
     # -- the call ---------------------------------------------------------------------------
     def prepare(self, a, b, group=None, *, scatter_dim, gather_dim,  # type: ignore[override]
                 role: str = FORWARD) -> UlyssesCall:
+        key = backend = None
+        if type(scatter_dim) is int and type(gather_dim) is int:
+            group, backend = groups.resolve(group), get_backend()
+            key = key_of(self.name, a, b, group, backend, (scatter_dim, gather_dim))
+            # A warm call: checked and derived when the key was new (the key names the op).
+            seen = known(key, group, backend)
+            if isinstance(seen, UlyssesCall):
+                warm = seen.clone(group=group, a=a, b=b, role=role)
+                assert isinstance(warm, UlyssesCall)
+                return warm
         scatter, gather, shape = check_arguments(self.name, a, b, scatter_dim, gather_dim)
-        backend = backend_for(a, "a")
+        backend = backend_for(a, "a", backend)
         group = groups.resolve(group)
         rank, world = groups.rank_world(group)
         nd = len(shape)
@@ -98,7 +114,10 @@ class UlyssesSpec(OpSpec[UlyssesCall]):
         check_fits((a.numel() + 2 * _numel(shape)) * a.element_size() * 2, a.device, self.name)
         problem = UlyssesProblem(shape, scatter, gather, b.shape[0], b.shape[1],
                                  dtype_name(a.dtype), world, rank, self.name)
-        return UlyssesCall(self, problem, group, backend, role=role, a=a, b=b)
+        call = UlyssesCall(self, problem, group, backend, role=role, a=a, b=b)
+        if key is not None:
+            remember(key, call, a=None, b=None)
+        return call
 
     def signature(self, call: UlyssesCall) -> dict:
         p = call.problem
@@ -109,17 +128,28 @@ class UlyssesSpec(OpSpec[UlyssesCall]):
                 "scatter_dim": p.scatter, "gather_dim": p.gather,
                 "k": p.k if shared_k else -1,
                 "n": p.n if p.op != MATMUL_ALL_TO_ALL else -1, "dtype": p.dtype,
-                "world": p.world, "backend": call.target,
-                PER_RANK: {"length": p.shape[p.gather]}}
+                "world": p.world, "backend": call.target}
+
+    exchanges = True
+
+    def exchange(self, call: UlyssesCall, word: int) -> tuple[UlyssesCall, int]:
+        """Every rank's length along ``gather_dim`` for this call (one bounded exchange), the
+        call completed with them (its plan, buffers and workspace are sized by them; the
+        caller reads them off its call) and its word with them folded in."""
+        p = call.problem
+        if p.world == 1:
+            return call, word
+        sizes = tuple(int(x) for x in agreement.exchange_call_data(
+            call.group, call.rank, call.world, word, p.shape[p.gather],
+            agreement.summary(self.signature(call)), what=f"{self.name} lengths exchange"))
+        problem = dataclasses.replace(p, sizes=sizes)
+        check_agreed(problem)
+        call.problem = problem       # (this call's own: a warm call is the template's clone)
+        return call, agreement.digest({"call": word, "lengths": sizes})
 
     def agreed_problem(self, call: UlyssesCall, per_rank: tuple) -> UlyssesProblem:
-        """The call's problem with every rank's length along ``gather_dim``; the call keeps it
-        (its plan, buffers and workspace are sized by it)."""
-        sizes = tuple(int(r["length"]) for r in per_rank)
-        problem = dataclasses.replace(call.problem, sizes=sizes)
-        check_agreed(problem)
-        call.problem = problem
-        return problem
+        """The call's problem, completed with every rank's length by :meth:`exchange`."""
+        return call.problem
 
     # -- running ----------------------------------------------------------------------------
     def workspace_bytes(self, call: UlyssesCall) -> int:

@@ -1,8 +1,8 @@
 """The one-kernel all-reduce (``one-shot-kernel``, ``two-shot-kernel``) of matmul_all_reduce:
 exact against float64 on CPU ranks through Triton's interpreter (W 2, 3, 4, 8; fp32, bf16; sum
 and avg; bias; several b; the same bits on every rank), a late or dead peer raising within
-FICCO_TIMEOUT (never data), a peer in another call, the plans' barrier channels, and the
-schedules' gating."""
+FICCO_TIMEOUT (never data), a peer in another call, a call new to one rank, the plans'
+barrier channels, and the schedules' gating."""
 from __future__ import annotations
 
 import random
@@ -197,3 +197,23 @@ def test_kernels_on_the_fake_gpu_match_float64():
     for errors in harness.pool(2, {"FICCO_TIMEOUT": "20"}).run(
             on_fake_gpu, seed, list(KERNELS), timeout_s=300):
         assert max(errors.values()) < 1e-5, (seed, errors)
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_a_call_new_to_one_rank_while_its_peers_wait_in_the_kernel_is_a_fast_mismatch(name):
+    """Rank 0's call is new to it (its first-call exchange) while its peers repeat an agreed
+    one and wait in the kernel's first barrier (one-shot-kernel has no plan barrier before
+    it): the waiting ranks answer rank 0's exchange, a MismatchError naming both shapes on
+    every rank well before FICCO_TIMEOUT (20 s), never data; the next call is refused until
+    every rank called ficco.shutdown(), then it is exact."""
+    from ...ar_kernel_cases import new_to_one_rank
+
+    seed = random.randrange(1 << 30)
+    results = harness.pool(2).run(new_to_one_rank, seed, name, 20.0, timeout_s=120)
+    for first, uneven, refused, after in results:
+        assert first < 1e-5 and after < 1e-5, (seed, results)
+        kind, message, seconds = uneven
+        assert kind == "MismatchError", results
+        assert "rows m=6" in message and "rows m=5" in message, results
+        assert seconds < 10, results       # a bound far below FICCO_TIMEOUT, not a speed
+        assert refused == "PoisonedGroupError", results

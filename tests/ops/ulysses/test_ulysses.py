@@ -25,9 +25,12 @@ from ...ulysses_cases import (
     OPS,
     after_bad_inputs,
     attention_parity,
+    compiled_parity,
     gradient_off_the_chunk_rule,
     gradient_parity,
+    lengths_change,
     reference_all_to_all,
+    style_parity,
     ulysses_matrix,
 )
 
@@ -96,6 +99,12 @@ def test_exact_every_schedule(world, transport):
     assert failures == [[]] * world, failures
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_call_uses_its_own_lengths_when_a_peers_change(world):
+    failures = harness.pool(world).run(lengths_change, random.randrange(1 << 30))
+    assert failures == [[]] * world, failures
+
+
 def test_bad_input_raises_before_communication_and_calls_still_pair():
     results = harness.pool(2).run(after_bad_inputs, random.randrange(1 << 30))
     assert results == [[], []], results
@@ -117,8 +126,19 @@ def test_gradient_off_the_chunk_rule_raises_on_every_rank():
     assert harness.pool(2).run(gradient_off_the_chunk_rule) == [{"backward": "ok"}] * 2
 
 
+def test_compiled_fullgraph_is_exact_with_gradients():
+    failures = harness.pool(2).run(compiled_parity, random.randrange(1 << 30))
+    assert failures == [[], []], failures
+
+
 @pytest.mark.parametrize("world,heads,causal", [(2, 4, False), (3, 3, True)])
 def test_ulysses_attention_matches_the_unsharded_attention(world, heads, causal):
     failures = harness.pool(world).run(attention_parity, random.randrange(1 << 30), heads,
                                        causal)
+    assert failures == [[]] * world, failures
+
+
+@pytest.mark.parametrize("world,heads", [(2, 4), (3, 3)])
+def test_parallel_style_pair_matches_the_unsharded_attention(world, heads):
+    failures = harness.pool(world).run(style_parity, random.randrange(1 << 30), heads)
     assert failures == [[]] * world, failures
