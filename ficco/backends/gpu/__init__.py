@@ -243,15 +243,15 @@ class GpuBackend(Backend):
     def started(self):
         """An event recorded on the compute queue (the caller's stream) before a call's work;
         no synchronize."""
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self._device))
+        event = self.dm.Event(enable_timing=True)
+        event.record(self.dm.current_stream(self._device))
         return event
 
     def stopped(self, watch):
         """``(start, end)``: the end event recorded after the call's work, which its side
         streams joined (:meth:`finish`)."""
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(torch.cuda.current_stream(self._device))
+        end = self.dm.Event(enable_timing=True)
+        end.record(self.dm.current_stream(self._device))
         return watch, end
 
     def seconds_of(self, watch) -> float:
