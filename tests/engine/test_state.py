@@ -17,13 +17,13 @@ _ALWAYS = {"WeakKeyDictionary", "WeakValueDictionary", "WeakSet", "local"}
 _MUTATORS = {"append", "extend", "insert", "pop", "popitem", "clear", "update", "setdefault",
              "add", "discard", "remove", "move_to_end", "appendleft", "popleft", "sort"}
 #: what is left: process-wide registries (backends, their symmetric-memory providers by
-#: device type, ops, sessions, settings' per-thread scopes, the integrations' saved styles),
-#: memos keyed by what they memoise (profiles, the
+#: device type, ops and their Problems' collectives, sessions, settings' per-thread scopes,
+#: the integrations' saved styles), memos keyed by what they memoise (profiles, the
 #: model's decisions, tuned kernel configs, compiled shot tables per workspace handle, bias
 #: digests per tensor, the calls a dynamo trace met, one warn-once memo) and the few kept
 #: per group object weakly (torch's symmetric buffers, the workspaces); none keyed by a
 #: group's name
-LIMIT = 19
+LIMIT = 20
 
 
 def _container(value: ast.expr) -> str | None:
