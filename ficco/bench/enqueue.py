@@ -66,9 +66,9 @@ def _timed_backend():
     class HostTimedCpuBackend(CpuBackend):
         handed_over_at = 0.0
 
-        def finish(self, queues):
+        def finish(self, queues, timeout_s=None):
             self.handed_over_at = time.perf_counter()
-            return super().finish(queues)
+            return super().finish(queues, timeout_s)
 
     return HostTimedCpuBackend()
 

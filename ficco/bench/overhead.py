@@ -45,9 +45,10 @@ from .. import executor as current_executor
 from .. import schedules
 from ..backends.base import Backend
 from ..backends.gpu.vendor import Copy2D, copy_call_args
-from ..ops.expert.problem import EXPERT_OPS, ExpertProblem
+from ..ops import of_collective as collective_ops
+from ..ops.expert.problem import COMBINE, DISPATCH, ExpertProblem
 from ..ops.ulysses.layout import ALL_TO_ALL_MATMUL, MATMUL_ALL_TO_ALL, UlyssesProblem
-from ..plan.problem import Problem
+from ..plan.problem import ALL_GATHER, ALL_REDUCE, COLLECTIVES, REDUCE_SCATTER, Problem
 from .cli import BenchUsageError
 
 EXAMPLES = """examples:
@@ -61,10 +62,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 WORLD, DTYPE = 8, torch.bfloat16
 WORLDS = (2, 4, 8)
-OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce",
-       "all_to_all_grouped_mm", "grouped_mm_all_to_all", MATMUL_ALL_TO_ALL, ALL_TO_ALL_MATMUL)
+#: the ops timed: those whose calls are engine Problems (by collective), then the expert and
+#: the Ulysses pairs
+OPS = collective_ops(ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE) + (DISPATCH, COMBINE,
+                                                               MATMUL_ALL_TO_ALL, ALL_TO_ALL_MATMUL)
 #: the GPU table's ops (the loopback group pretends peers for these two)
-GPU_OPS = OPS[:2]
+GPU_OPS = collective_ops(ALL_GATHER, REDUCE_SCATTER)
 
 
 def problem_of(op: str, rank: int, world: int = WORLD):
@@ -81,9 +84,10 @@ def problem_of(op: str, rank: int, world: int = WORLD):
     if op == ALL_TO_ALL_MATMUL:
         return UlyssesProblem((8192, 4096 // world), 0, 1, 4096, 4096, "bfloat16", world,
                               rank, op, sizes=(4096 // world,) * world)
-    if op == "all_gather_matmul":
-        return Problem(m=1024, k=8192, ns=(8192,), dtype="bfloat16", world=world, rank=rank)
-    if op in EXPERT_OPS:
+    if COLLECTIVES.get(op) == ALL_GATHER:
+        return Problem(m=1024, k=8192, ns=(8192,), dtype="bfloat16", world=world, rank=rank,
+                       op=op)
+    if op in (DISPATCH, COMBINE):
         counts = tuple(tuple(1024 // (2 * world) for _ in range(2 * world))
                        for _ in range(world))
         return ExpertProblem(4096, 4096, 2, "bfloat16", world, rank, op, counts)
@@ -212,7 +216,7 @@ class NullBackend(Backend):
     def tensor_slot(self, t, index):
         return 0
 
-    def finish(self, queues):
+    def finish(self, queues, timeout_s=None):
         self.calls += 2 * len({id(q) for q in queues if q != "compute"})
 
     def symm_provider(self):
@@ -286,7 +290,7 @@ def operands(p, device="cpu"):
                 [torch.empty(p.k, p.n, dtype=DTYPE, device=device)])
     if isinstance(p, ExpertProblem):
         lay = p.layout
-        rows = lay.send_rows(p.rank) if p.op == EXPERT_OPS[0] else lay.recv_rows(p.rank)
+        rows = lay.send_rows(p.rank) if p.op == DISPATCH else lay.recv_rows(p.rank)
         a = torch.empty(rows, p.k, dtype=DTYPE, device=device)
         return a, [torch.empty(p.k, p.n, dtype=DTYPE, device=device)
                    for _ in range(p.experts)]

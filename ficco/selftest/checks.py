@@ -205,8 +205,10 @@ class Runner:
     # -- schedules -------------------------------------------------------------------------
     def fp8_dtype(self):
         """The fp8 type this device multiplies (``torch._scaled_mm`` answers), else None."""
-        kinds = [torch.float8_e4m3fnuz] if "gfx94" in self.backend.target() else []
-        kinds.append(torch.float8_e4m3fn)
+        kinds = [k for k in self.backend.fp8_forms()      # its e4m3 form (fnuz on MI300)
+                 if k in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)]
+        if torch.float8_e4m3fn not in kinds:
+            kinds.append(torch.float8_e4m3fn)
         one = torch.ones((), dtype=torch.float32, device=self.device)
         for kind in kinds:
             try:
@@ -235,23 +237,19 @@ class Runner:
                     yield op, transport, name
 
     def run_schedules(self) -> None:
-        from ficco import ops, schedules
+        from ficco import schedules
 
         fp8 = self.fp8_dtype() if "float8" in self.opt.dtypes else None
         if "float8" in self.opt.dtypes and fp8 is None:
             self.record(Row("schedule", "float8", "skip",
                             detail=f"torch._scaled_mm does not run on {self.device}"))
-        missing = [op for op in (self.opt.ops or ops.names()) if op not in cases.BUILDERS]
-        for op in missing:
-            self.record(Row("schedule", op, "FAIL", detail="no selftest case for this op "
-                            "(ficco/selftest/cases.py BUILDERS)"))
         plan = list(self.schedules())
         for shape_name in self.opt.shapes:
             for dtype in self.opt.dtypes:
                 if dtype == "float8" and fp8 is None:
                     continue
                 for op in dict.fromkeys(op for op, _, _ in plan):
-                    if op in missing or (dtype == "float8" and op not in cases.SCALED):
+                    if dtype == "float8" and not cases.scaled(op):
                         continue
                     case = cases.build(op, self.rank, self.world, self.shapes[shape_name],
                                        dtype, self.opt.seed, self.device, fp8)
@@ -395,8 +393,7 @@ class Runner:
         big_m, n, k = self.opt.timing_shape
         m = max(1, big_m // self.world)
         for op in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"):
-            if op not in cases.BUILDERS or not hasattr(self._ficco, op) or \
-                    (self.opt.ops and op not in self.opt.ops):
+            if not hasattr(self._ficco, op) or (self.opt.ops and op not in self.opt.ops):
                 continue
             shape = (m, k, n) if op == "all_gather_matmul" else (m, max(1, k // self.world), n)
             case = cases.build(op, self.rank, self.world, shape, "bfloat16" if self.gpu
