@@ -126,7 +126,7 @@ def matmul_all_reduce(a, b, group=None, *, reduce_op="sum", schedule=None, a_sca
 
 def warmup(op, shapes, group=None, *, dtype=torch.bfloat16, **kwargs) -> list:
     """Make the first sight of each problem now: one call of ``op`` (``"all_gather_matmul"``,
-    ``"matmul_reduce_scatter"`` or ``"matmul_all_reduce"``) per ``(rows, K, n)`` in
+    ``"matmul_reduce_scatter"`` or ``"matmul_all_reduce"``: the ops of (rows, K, n) GEMMs) per ``(rows, K, n)`` in
     ``shapes``, on random operands of ``dtype`` on this process's device, so the ``auto``
     selector measures its shortlist for each of them here, up front whatever ``FICCO_AUTO``
     says (a serving process that knows its
@@ -141,10 +141,12 @@ def warmup(op, shapes, group=None, *, dtype=torch.bfloat16, **kwargs) -> list:
     [None]
     """
     from .backends import get_backend
+    from .ops import of_collective
+    from .plan.problem import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 
+    # the ops whose calls are (rows, K, n) GEMMs: those of the engine's Problems
     calls: dict[str, Callable[..., object]] = {
-        "all_gather_matmul": all_gather_matmul, "matmul_reduce_scatter": matmul_reduce_scatter,
-        "matmul_all_reduce": matmul_all_reduce}
+        name: globals()[name] for name in of_collective(ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)}
     if op not in calls:
         raise InvalidArgumentError(f"warmup takes {', '.join(calls)}; got op={op!r}")
     shapes = [tuple(shape) for shape in shapes]

@@ -138,3 +138,40 @@ def new_to_one_rank(rank, world, seed, schedule, timeout_s):
         after = call(5, seed + 3)
     ficco.shutdown()
     return first, uneven, refused, after
+
+
+def new_to_one_rank_on_fake_gpu(rank, world, seed, schedule, timeout_s):
+    """:func:`new_to_one_rank` on the fake GPU (the kernel's launch is asynchronous there, as
+    on a GPU): for the uneven call and the one after it, (kind, message, seconds, whether
+    the output was all NaN); then the error of a call after ficco.shutdown()."""
+    from ficco.backends import get_backend
+
+    from .fault_cases import _setup
+
+    _setup("cuda", 8)
+    device = get_backend().device()
+
+    def call(rows, s):
+        a, b, ref = _inputs(s, world, rank, rows=rows)
+        out = ficco.matmul_all_reduce(a.to(device), b.to(device), schedule=schedule)
+        torch.cuda.synchronize()
+        return out.cpu(), ref
+
+    def outcome(rows, s):
+        started = time.monotonic()
+        try:
+            out, _ = call(rows, s)
+            return ("ok", "", time.monotonic() - started, bool(out.isnan().all()))
+        except FiccoError as exc:
+            return (type(exc).__name__, str(exc), time.monotonic() - started, None)
+
+    with config.scope(transport="dma", timeout=timeout_s):
+        call(5, seed)
+        uneven = outcome(6 if rank == 0 else 5, seed + 1)
+        following = outcome(5, seed + 2)
+        dist.barrier()
+        ficco.shutdown()
+        _setup("cuda", 8)
+        out, ref = call(5, seed + 3)
+    ficco.shutdown()
+    return uneven, following, float((out.double() - ref).abs().max() / ref.abs().max())

@@ -124,6 +124,9 @@ def opposite_clocks(rank, world, seed, root):
             for _ in range(200):
                 errors.append(calls.call())
                 ran.append(runtime.last_run())
+                if len(ran) == 3:     # explain() in the middle: local, what ran so far
+                    mid = ficco.explain(torch.zeros(calls.rows, calls.k),
+                                        torch.zeros(calls.k, calls.n)).decided_by
                 if session.last.final and len(ran) > 1:
                     break
             decision = session.last
@@ -131,7 +134,7 @@ def opposite_clocks(rank, world, seed, root):
         del backend.stopped
         auto.shortlist = real_shortlist
         auto.CACHE.forget()
-    return ran, errors, (decision.schedule, decision.transport), str(decision)
+    return ran, errors, (decision.schedule, decision.transport), str(decision), mid
 
 
 def interrupted(rank, world, seed, root):
@@ -268,3 +271,23 @@ def on_the_fake_gpu(rank, world, seed, root):
         ficco.shutdown()
         fake_gpu.uninstall()
     return rows, captured
+
+
+def modes_differ(rank, world, seed, root):
+    """Rank 0 explores, rank 1 measures up front (FICCO_AUTO differs): the call's agreement
+    refuses it on both (a MismatchError naming the setting) instead of the two modes' runs
+    waiting for each other. What each rank raised."""
+    from ficco.errors import MismatchError
+
+    ficco.shutdown()
+    mode = "explore" if rank == 0 else "upfront"
+    try:
+        with ficco.config.scope(selector="auto", auto=mode, cache_dir=root, timeout=10):
+            auto.CACHE.forget()
+            _Calls("all_gather_matmul", rank, world, seed).call()
+    except MismatchError as exc:
+        return "MismatchError", str(exc)
+    finally:
+        ficco.shutdown()
+        auto.CACHE.forget()
+    return None, ""

@@ -32,15 +32,7 @@ def fake_gpu_calls(rank, world, seed, batch, schedules_of=None, experts=None):
                     x = torch.randn(world, 8, 16, dtype=torch.float64, generator=gen)
                     # inputs held until the device ran the call (CPU tensors: no caching
                     # allocator keeps them for the queued work)
-                    if op == "all_gather_matmul":
-                        a, w = x[rank].float(), b[0].float()
-                        ref = x.reshape(-1, 16) @ b[0]
-                    else:   # rank r: the full rows of a and its K-row shard of the weight
-                        a, w = x.reshape(-1, 16).float(), b[rank].float()
-                        ref = sum(x.reshape(-1, 16) @ b[r] for r in range(world)) \
-                            .reshape(world, 8, 6)[rank]
-                    call = ficco.all_gather_matmul if op == "all_gather_matmul" else \
-                        ficco.matmul_reduce_scatter
+                    call, a, w, ref = _dense_case(op, rank, world, x, b)
                     with ficco.config.scope(transport="dma"):
                         before = fake_gpu.submitted()
                         out = call(a, w, schedule=name)
@@ -100,6 +92,36 @@ def warmup_then_calls(rank, world, seed, cache_dir):
 
 
 
+def _dense_case(op, rank, world, x, b):
+    """(the op's API call, a, b, the float64 reference) of this rank, from every rank's ``x``
+    (world, 8, 16) and ``b`` (world, 16, 6)."""
+    import functools
+
+    import ficco
+
+    if op == "all_gather_matmul":
+        return ficco.all_gather_matmul, x[rank].float(), b[0].float(), x.reshape(-1, 16) @ b[0]
+    if op == "matmul_reduce_scatter":   # rank r: the full rows of a, its K-row shard of b
+        ref = sum(x.reshape(-1, 16) @ b[r] for r in range(world)).reshape(world, 8, 6)[rank]
+        return ficco.matmul_reduce_scatter, x.reshape(-1, 16).float(), b[rank].float(), ref
+    if op == "matmul_all_reduce":       # rank r: its K columns of a and K rows of b
+        ref = sum(x[r] @ b[r] for r in range(world))
+        return ficco.matmul_all_reduce, x[rank].float(), b[rank].float(), ref
+    # The Ulysses pair: 6 columns over 3 ranks, 2 each (world 3).
+    cols = slice(6 // world * rank, 6 // world * (rank + 1))
+    if op == "matmul_all_to_all":       # rank r: 8 tokens; rank j gets every token, cols j
+        call = functools.partial(ficco.matmul_all_to_all, scatter_dim=1, gather_dim=0)
+        return call, x[rank].float(), b[0].float(), (x.reshape(-1, 16) @ b[0])[:, cols]
+    # all_to_all_matmul: rank r holds every token's K columns r (16 = 6 + 5 + 5 at W = 3);
+    # rank j gets its 8 tokens with every column, times b (16 x 6)
+    ks = [16 // world + (1 if r < 16 % world else 0) for r in range(world)]
+    k0 = sum(ks[:rank])
+    full = x.reshape(-1, 16)
+    call = functools.partial(ficco.all_to_all_matmul, scatter_dim=0, gather_dim=1)
+    ref = full[8 * rank: 8 * (rank + 1)] @ b[0]
+    return call, full[:, k0: k0 + ks[rank]].float(), b[0].float(), ref
+
+
 def fake_gpu_expert(rank, world, seed, batch, names):
     """The expert ops' ``names`` schedules over dma on the fake GPU (copies batched or one call
     each): :func:`_expert_calls`."""
@@ -153,3 +175,37 @@ def _expert_calls(rank, world, seed, names):
             worst_z = max(worst_z, max_row_rel_err(z, z_ref))
         found[name] = (worst_y, worst_z, recv_right, mid - before, end - mid)
     return found
+
+
+def main() -> None:
+    """``PYTHONPATH=. python -m tests.host_cost_cases``: the device commands of one warm call of
+    every schedule of every op on the fake GPU (three ranks, rank 0's count; copies one call
+    each, then batched) and the worst error against float64 over both modes, as a table."""
+    import random
+
+    from ficco.ops.expert.problem import DISPATCH
+
+    from . import harness
+
+    seed = random.randrange(1 << 30)
+    dense = {op: schedules.names(op=op) for op in
+             ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce",
+              "matmul_all_to_all", "all_to_all_matmul")}
+    experts = schedules.names(op=DISPATCH)
+    runs = [harness.pool(3).run(fake_gpu_calls, seed, batch, dense, experts, timeout_s=1800)
+            for batch in (False, True)]
+    print("| op | schedule | commands, one call per copy | batched | worst error vs float64 |")
+    print("|---|---|---|---|---|")
+    for (op, name), (_, plain) in runs[0][0][0].items():
+        batched = runs[1][0][0][(op, name)][1]
+        err = max(run[rank][0][(op, name)][0] for run in runs for rank in range(3))
+        print(f"| {op} | {name} | {plain} | {batched} | {err:.1e} |")
+    for name, found in runs[0][0][1].items():
+        batched = runs[1][0][1][name]
+        err = max(max(run[rank][1][name][:2]) for run in runs for rank in range(3))
+        print(f"| all_to_all_grouped_mm + grouped_mm_all_to_all | {name} | {found[3]} + "
+              f"{found[4]} | {batched[3]} + {batched[4]} | {err:.1e} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -223,7 +223,7 @@ def check_selector_picks(results, names) -> None:
     its pick runs, agrees on every rank, and is right."""
     assert len({(r[2], r[3], r[5]) for r in results}) == 1, results   # one decision everywhere
     for paper_selector, reason, schedule, transport, scored, ran, err in results:
-        assert paper_selector == "model" and "paper's rule covers all_gather_matmul only" in reason
+        assert paper_selector == "model" and "paper's rule covers the all-gather only" in reason
         assert set(scored) >= set(names) and ran == (schedule, transport)
         assert err <= ROW_TOL[torch.float32]
 

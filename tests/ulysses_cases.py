@@ -1,9 +1,9 @@
 """Rank-side functions for the Ulysses tests (importable by spawned ranks).
 
 Every rank builds the same global case from one seed (every rank's tensors and the weight),
-runs its own part, and checks it against a float64 reference of that global case: the
-all-to-all written out (chunk j along scatter_dim to rank j, concatenated along gather_dim in
-rank order, longer chunks first) and a float64 GEMM.
+runs its own part, and checks it against a float64 reference of that global case: the ops'
+own oracle's all-to-all (chunk j along scatter_dim to rank j, concatenated along gather_dim in
+rank order, longer chunks first: ``ficco.ops.ulysses.spec.all_to_all``) and a float64 GEMM.
 """
 from __future__ import annotations
 
@@ -11,22 +11,13 @@ import torch
 
 import ficco
 from ficco import config
+from ficco.ops.ulysses.spec import all_to_all as reference_all_to_all
 from ficco.plan.problem import even_split
 from ficco.runtime import path as runtime
 
 from .reference import ROW_TOL, invalid_argument_report, max_row_rel_err
 
 OPS = ("matmul_all_to_all", "all_to_all_matmul")
-
-
-def reference_all_to_all(ts: list, scatter: int, gather: int, rank: int) -> torch.Tensor:
-    """What ``rank`` receives from the all-to-all of every rank's ``ts`` (float64)."""
-    world = len(ts)
-    pieces = []
-    for t in ts:
-        start, length = even_split(t.shape[scatter], world)[rank]
-        pieces.append(t.narrow(scatter, start, length))
-    return torch.cat(pieces, dim=gather)
 
 
 #: (op, per-rank shape of the tensor that travels as a function of (rank, world), scatter,

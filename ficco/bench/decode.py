@@ -103,7 +103,7 @@ def published_near(profile_name: str, nbytes: int, world: int) -> tuple | None:
     on ``profile_name`` at ``world`` ranks, within 2x, from ``validate``'s ``decode`` rows:
     the fastest at the nearest size; None when none is that near."""
     near = []
-    for r in reductions._published_rows():
+    for r in reductions.published_rows():
         if r["profile"] != profile_name or r["quantity"] not in CUSTOM:
             continue
         shapes = dict(item.split("=", 1) for item in r["shapes"].split())

@@ -40,11 +40,15 @@ from pathlib import Path
 
 import torch
 
+from ..ops import of_collective as collective_ops
+from ..plan.problem import ALL_GATHER, REDUCE_SCATTER
+
 #: the lease's shapes (M, N, K): M rows in all (the all-gather's output, the reduce-scatter's
 #: input), N output columns, K the contraction
 SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (16384, 4096, 4096))
 VARIANTS = ("default", "serial-dma", "default-symm-torch", "torch-fused")
-OPS = ("all_gather_matmul", "matmul_reduce_scatter")
+#: the ops the lease times: the all-gather's and the reduce-scatter's
+OPS = collective_ops(ALL_GATHER, REDUCE_SCATTER)
 #: the decode shapes (batch, N, K of the layer): Llama-3 8B o (4096, 4096) and 70B down
 #: (8192, 28672) at batch 1 and 32; each rank's GEMM is TP 8's, K / DECODE_TP wide
 DECODE_SHAPES = ((1, 4096, 4096), (32, 4096, 4096), (1, 8192, 28672), (32, 8192, 28672))

@@ -1,9 +1,10 @@
 """``python -m ficco.bench overhead``: what one warm call costs the host, per op and schedule.
 
-Null backend (the default): every op (the five: ``all_gather_matmul``,
-``matmul_reduce_scatter``, ``matmul_all_reduce``, ``all_to_all_grouped_mm``,
-``grouped_mm_all_to_all``), every schedule (the optional gated ones included), at W = 2, 4
-and 8, rank min(3, W-1); shapes in :func:`problem_of`. ``--gpu``: the first two ops at W = 8 as
+Null backend (the default): every op (``all_gather_matmul``, ``matmul_reduce_scatter``,
+``matmul_all_reduce``, the expert pair ``all_to_all_grouped_mm`` / ``grouped_mm_all_to_all``
+and the Ulysses pair ``matmul_all_to_all`` / ``all_to_all_matmul``), every schedule (the
+optional gated ones included), at W = 2, 4 and 8, rank min(3, W-1); shapes in
+:func:`problem_of`. ``--gpu``: the first two ops at W = 8 as
 rank 0 of a pretend 8-rank group on one GPU.
 
 - null backend (runs anywhere): every backend call returns at once, so what is timed is
@@ -28,6 +29,7 @@ sets the docs cite, see bench/results/README.md). Until this verb, the script wa
 from __future__ import annotations
 
 import cProfile
+import math
 import pstats
 import statistics
 import subprocess
@@ -43,8 +45,10 @@ from .. import executor as current_executor
 from .. import schedules
 from ..backends.base import Backend
 from ..backends.gpu.vendor import Copy2D, copy_call_args
-from ..ops.expert.problem import EXPERT_OPS, ExpertProblem
-from ..plan.problem import Problem
+from ..ops import of_collective as collective_ops
+from ..ops.expert.problem import COMBINE, DISPATCH, ExpertProblem
+from ..ops.ulysses.layout import ALL_TO_ALL_MATMUL, MATMUL_ALL_TO_ALL, UlyssesProblem
+from ..plan.problem import ALL_GATHER, ALL_REDUCE, COLLECTIVES, REDUCE_SCATTER, Problem
 from .cli import BenchUsageError
 
 EXAMPLES = """examples:
@@ -58,20 +62,32 @@ ROOT = Path(__file__).resolve().parents[2]
 
 WORLD, DTYPE = 8, torch.bfloat16
 WORLDS = (2, 4, 8)
-OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce",
-       "all_to_all_grouped_mm", "grouped_mm_all_to_all")
+#: the ops timed: those whose calls are engine Problems (by collective), then the expert and
+#: the Ulysses pairs
+OPS = collective_ops(ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE) + (DISPATCH, COMBINE,
+                                                               MATMUL_ALL_TO_ALL, ALL_TO_ALL_MATMUL)
 #: the GPU table's ops (the loopback group pretends peers for these two)
-GPU_OPS = OPS[:2]
+GPU_OPS = collective_ops(ALL_GATHER, REDUCE_SCATTER)
 
 
 def problem_of(op: str, rank: int, world: int = WORLD):
     """The problem each op is timed on: bfloat16, the all-gather's 1024 rows per rank x K = 8192
     x n = 8192 (the GEMM of the GPU enqueue table in docs/gpu.md), the reduce-scatter and
     all-reduce its mirror (M = 8192, K = 1024 per rank), the expert ops 1024 rows per rank
-    routed evenly to 2 experts per rank, K = n = 4096."""
-    if op == "all_gather_matmul":
-        return Problem(m=1024, k=8192, ns=(8192,), dtype="bfloat16", world=world, rank=rank)
-    if op in EXPERT_OPS:
+    routed evenly to 2 experts per rank, K = n = 4096, the Ulysses pair an attention block's
+    projections at hidden 4096: ``matmul_all_to_all`` 1024 tokens per rank times a 4096 x
+    4096 weight, the product's columns scattered and its tokens gathered; ``all_to_all_matmul``
+    8192 tokens x 4096/W columns per rank, tokens scattered, columns gathered (the GEMM's K)."""
+    if op == MATMUL_ALL_TO_ALL:
+        return UlyssesProblem((1024, 4096), 1, 0, 4096, 4096, "bfloat16", world, rank, op,
+                              sizes=(1024,) * world)
+    if op == ALL_TO_ALL_MATMUL:
+        return UlyssesProblem((8192, 4096 // world), 0, 1, 4096, 4096, "bfloat16", world,
+                              rank, op, sizes=(4096 // world,) * world)
+    if COLLECTIVES.get(op) == ALL_GATHER:
+        return Problem(m=1024, k=8192, ns=(8192,), dtype="bfloat16", world=world, rank=rank,
+                       op=op)
+    if op in (DISPATCH, COMBINE):
         counts = tuple(tuple(1024 // (2 * world) for _ in range(2 * world))
                        for _ in range(world))
         return ExpertProblem(4096, 4096, 2, "bfloat16", world, rank, op, counts)
@@ -80,6 +96,8 @@ def problem_of(op: str, rank: int, world: int = WORLD):
 
 
 def workspace_numel(p) -> int:
+    if isinstance(p, UlyssesProblem):
+        return max(p.max_send_numel(), 1)
     if isinstance(p, ExpertProblem):
         return 2 * sum(map(sum, p.counts)) * max(p.k, p.n)
     if p.all_reduces:
@@ -222,7 +240,7 @@ class StubHandle:
         return 0x1000 * owner + 4 * (channel * self.world + writer)   # an address, as on GPUs
 
     def get_buffer(self, rank, shape, dtype, offset=0):
-        nbytes = shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         return self._data[rank][offset: offset + nbytes].view(dtype).view(tuple(shape))
 
 
@@ -266,9 +284,13 @@ def load_executor(rev: str):
 
 def operands(p, device="cpu"):
     """(a, bs) of one call of problem ``p`` (the expert ops: x or h, and the stacked weights)."""
+    if isinstance(p, UlyssesProblem):
+        a_shape = (*p.shape[:-1], p.k) if p.op == MATMUL_ALL_TO_ALL else p.shape
+        return (torch.empty(a_shape, dtype=DTYPE, device=device),
+                [torch.empty(p.k, p.n, dtype=DTYPE, device=device)])
     if isinstance(p, ExpertProblem):
         lay = p.layout
-        rows = lay.send_rows(p.rank) if p.op == EXPERT_OPS[0] else lay.recv_rows(p.rank)
+        rows = lay.send_rows(p.rank) if p.op == DISPATCH else lay.recv_rows(p.rank)
         a = torch.empty(rows, p.k, dtype=DTYPE, device=device)
         return a, [torch.empty(p.k, p.n, dtype=DTYPE, device=device)
                    for _ in range(p.experts)]
@@ -280,6 +302,8 @@ def call_buffers(ex, plan, handle, a, bs, device):
     """This call's Buffers as ficco/runtime.py makes them: fresh outputs (and landing buffers),
     the workspace's from the handle."""
     p = plan.problem
+    if isinstance(p, UlyssesProblem):
+        return _ulysses_buffers(ex, plan, handle, a, bs, device)
     if isinstance(p, ExpertProblem):
         return _expert_buffers(ex, p, handle, a, bs, device)
     out_dtype = torch.float32 if plan.wide_outputs() else DTYPE   # as the runtime allocates
@@ -304,6 +328,20 @@ def call_buffers(ex, plan, handle, a, bs, device):
                           partial_offsets=(0,))
     return ex.Buffers(a, bs, outs, handle.get_buffer(p.rank, (p.big_m, p.k), DTYPE), handle,
                       None)
+
+
+def _ulysses_buffers(ex, plan, handle, a, bs, device):
+    from ..ops.ulysses.tasks import UlyssesContext
+
+    p = plan.problem
+    out_dtype = torch.float32 if plan.wide_outputs() else DTYPE   # as the spec allocates
+    staging = handle.get_buffer(p.rank, (max(p.max_send_numel(), 1),), DTYPE)
+    landing = None
+    if p.op != MATMUL_ALL_TO_ALL and p.world > 1:
+        landing = torch.empty(p.recv_offset(p.world), dtype=DTYPE, device=device)
+    ctx = UlyssesContext(p, a, bs[0], torch.empty(p.out_shape, dtype=out_dtype, device=device),
+                         staging, landing)
+    return ex.Buffers(a, bs, [ctx.out], staging, handle, None, task_state=ctx)
 
 
 def _expert_buffers(ex, p, handle, a, bs, device):

@@ -22,8 +22,9 @@ from .. import schedules
 from ..heuristics import gemm, profiles, simulator
 from ..heuristics.paper import paper_choice
 from ..heuristics.scenarios import PAPER_TABLE_I, table_i_problem
-from ..plan import COMPUTE, Block, Copy, Gemm, Op, Plan, Record, Wait
+from ..plan import COMPUTE, Block, Copy, Gemm, Op, Plan, PlanBuilder, Record, Wait
 from ..plan.problem import Problem
+from ..schedules import common
 
 #: The paper's four schedules (§V-B), among which its rule picks.
 PAPER_FOUR = ("uniform-fused-1d", "hetero-fused-1d", "hetero-unfused-1d", "uniform-fused-2d")
@@ -115,10 +116,29 @@ def as_paper_implemented(plan: Plan) -> Plan:
     return dataclasses.replace(plan, ops=(*ops, *waits), queues=queues, num_events=event)
 
 
+def paper_ring(problem: Problem) -> Plan:
+    """The paper's shard-level overlap (its baseline of §I and §VI-A, ``ring`` here): one
+    copy engine pulls the shards one after another (rank r+1's, r+2's, ...) while the compute
+    queue multiplies each as it lands, the local shard's GEMM first. ficco's own ``ring``
+    runs PyTorch Async-TP's form instead (each shard's pull and GEMM on one of two queues in
+    turn, :mod:`ficco.ops.all_gather_matmul.schedules.ring`), which the paper did not time."""
+    p = problem
+    builder = PlanBuilder("ring", "dma", p)
+    _, ready = common.publish_on_copy_engine(builder)
+    common.gemm_rows(builder, p.shard_row0(p.rank), p.m, step=0)
+    pulls = []
+    for s, q in enumerate(common.pull_order(p), start=1):
+        pulls.append(common.pull(builder, 0, q, 0, p.m, step=s, after=[ready]))
+        common.gemm_rows(builder, p.shard_row0(q), p.m, step=s, after=[pulls[-1]])
+    common.close(builder, "dma", pulls)
+    return builder.build()
+
+
 def paper_run(name: str, problem: Problem, prof) -> simulator.SimResult:
-    """Schedule ``name`` on ``problem`` as the paper ran it (:func:`as_paper_implemented`)."""
-    plan = as_paper_implemented(schedules.get(name).plan(problem, "dma"))
-    return simulator.simulate(plan, prof, wide_outputs=False)
+    """Schedule ``name`` on ``problem`` as the paper ran it (:func:`as_paper_implemented`;
+    ``ring``: :func:`paper_ring`)."""
+    plan = paper_ring(problem) if name == "ring" else schedules.get(name).plan(problem, "dma")
+    return simulator.simulate(as_paper_implemented(plan), prof, wide_outputs=False)
 
 
 def paper_picks(profile_name: str = "mi300x", as_paper_ran: bool = True) -> list[dict]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..plan.problem import MATMUL_REDUCE_SCATTER, Problem
+from ..plan.problem import Problem
 
 OP_CHOICES = ("all-gather-matmul", "matmul-reduce-scatter")
 
@@ -27,7 +27,7 @@ def wants(args) -> bool:
 
 def problem(sc, world: int, rank: int, dtype: str) -> Problem:
     k = max(1, sc.k // world) if sc.split_n else sc.k
-    return Problem(sc.big_m, k, (sc.n,), dtype, world, rank, op=MATMUL_REDUCE_SCATTER)
+    return Problem(sc.big_m, k, (sc.n,), dtype, world, rank, op="matmul_reduce_scatter")
 
 
 def operands(p: Problem, device, seed: int):

@@ -32,6 +32,8 @@ import statistics
 from pathlib import Path
 
 from ..heuristics import bands, gemm, profiles
+from ..ops import of_collective as collective_ops
+from ..plan.problem import ALL_GATHER, REDUCE_SCATTER
 from . import predictors, validate_g13_g16
 from .paper_runs import (  # noqa: F401
     GRAPHS,
@@ -58,7 +60,8 @@ COLUMNS = ("id", "source", "hardware", "profile", "op", "kind", "family", "shape
            "role", "versus", "published", "prediction", "rel_error", "mechanism", "note")
 #: Rows off by more than this must name the mechanism behind the error.
 EXPLAIN_ABOVE = 0.20
-OPS = ("all_gather_matmul", "matmul_reduce_scatter")
+#: the ops the published rows time: those whose GEMM gathers its rows or reduce-scatters
+OPS = collective_ops(ALL_GATHER, REDUCE_SCATTER)
 
 
 def add_arguments(parser) -> None:

@@ -28,20 +28,20 @@ TOL = demo_model.TOL
 
 
 def _case(ficco, op, name, rank, world, case, shape):
-    """(call, float64 reference) of one demo case. The reduce-scatter case is the all-gather's
-    transpose: every rank holds all W*m rows of ``a`` and a K/W slice, and gets its m rows."""
+    """(call, float64 reference) of one demo case: the op's own example and oracle
+    (``OpSpec.example``, ``OpSpec.reference``) in float32. The reduce-scatter case is the
+    all-gather's transpose: every rank holds all W*m rows of ``a`` and a K/W slice, and gets
+    its m rows."""
+    from ..ops.examples import Rounding
+
     _, m, n, k = shape
-    gen = torch.Generator().manual_seed(1000 + case)
-    full = torch.randn(world * m, k, generator=gen)
-    b = torch.randn(k, n, generator=gen)
-    if op == "all_gather_matmul":
-        shard = full[rank * m:(rank + 1) * m]
-        return (lambda: ficco.all_gather_matmul(shard, b, schedule=name),
-                full.double() @ b.double())
-    k0, k1 = rank * k // world, (rank + 1) * k // world
-    a_r, b_r = full[:, k0:k1], b[k0:k1]
-    ref = (full.double() @ b.double())[rank * m:(rank + 1) * m]
-    return lambda: ficco.matmul_reduce_scatter(a_r, b_r, schedule=name), ref
+    if op != "all_gather_matmul":
+        k = max(1, k // world)
+    spec = ficco.ops.get(op)
+    example = spec.example(rank, world, (m, k, n), Rounding("float32"), 1000 + case)
+    ref, _ = spec.reference(example)
+    fn = getattr(ficco, op)
+    return lambda: fn(*example.args, schedule=name, **example.kwargs), ref
 
 
 def sweep(rank: int, world: int) -> list[tuple]:

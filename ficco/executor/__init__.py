@@ -73,10 +73,12 @@ def execute(plan: Plan | CompiledPlan, backend, buffers: Buffers, *, timeout_s: 
         buffers.flags = torch.zeros(compiled.num_flags, dtype=torch.int32,
                                     device=buffers.a.device)
     # Side queues start after everything the caller queued before this call (the input may
-    # still be being written on the caller's stream).
-    backend.record(entry, queues[compiled.compute])
-    for i in variant.side_queues:
-        backend.wait(entry, queues[i])
+    # still be being written on the caller's stream): those whose first steps do not wait for
+    # a record of the compute queue wait for the entry record.
+    if variant.entry_waits:
+        backend.record(entry, queues[compiled.compute])
+        for i in variant.entry_waits:
+            backend.wait(entry, queues[i])
     if len(variant.used) < len(queues):   # coalesced onto fewer queues: join only those
         queues_used = [queues[i] for i in variant.used]
     else:

@@ -66,15 +66,17 @@ class Binding:
 class Steps:
     """One way to run a compiled plan: its steps, ``work`` (step number -> plan op index,
     for traces and error messages), the queue indices it uses (``side_queues``: those but the
-    compute queue), ``stands`` (per step, the plan ops it runs) and the copies a backend may
-    prepare (step number, sources touched)."""
+    compute queue; ``entry_waits``: those that wait for the call's entry record, see
+    :func:`_entry_waits`), ``stands`` (per step, the plan ops it runs) and the copies a backend
+    may prepare (step number, sources touched)."""
 
-    __slots__ = ("copies", "side_queues", "stands", "steps", "used", "work")
+    __slots__ = ("copies", "entry_waits", "side_queues", "stands", "steps", "used", "work")
 
     def __init__(self, steps: tuple, work: tuple, used: tuple, stands: tuple, compute: int,
                  slots: list):
         self.steps, self.work, self.used, self.stands = steps, work, used, stands
         self.side_queues = tuple(i for i in used if i != compute)
+        self.entry_waits = _entry_waits(steps, self.side_queues, compute)
 
         def sources(step) -> frozenset:
             pairs = step[2] if step[0] == COPIES else ((step[2], step[3], False),)
@@ -185,12 +187,12 @@ class CompiledPlan:
         (``batched``: on a backend that submits a queue's copies in one call): per plan op,
         the runtime calls the host has made once it issued that op (a record or wait left
         out is issued with the op before it), and the call's total. Counted as
-        ``python -m ficco.bench overhead`` counts: the entry record and each side queue's
-        wait for it, one call per step (a batched submission once, each of its copies
+        ``python -m ficco.bench overhead`` counts: the entry record and the side queues' waits
+        for it (``Steps.entry_waits``), one call per step (a batched submission once, each of its copies
         without batching; ``MOVES``: once batched, else once per op), and the join of each
         side queue at the end (a record and a wait)."""
         v = self.variants["batched" if batched else "lean"]
-        calls = 1 + len(v.side_queues)
+        calls = (1 if v.entry_waits else 0) + len(v.entry_waits)
         at: dict[int, int] = {}
         for step, ops in zip(v.steps, v.stands):
             code = step[0]
@@ -202,7 +204,7 @@ class CompiledPlan:
                 calls += 1
             for i in ops:
                 at[i] = calls
-        issued, last = [], 1 + len(v.side_queues)
+        issued, last = [], (1 if v.entry_waits else 0) + len(v.entry_waits)
         for i in range(len(self.plan.ops)):
             last = at.get(i, last)
             issued.append(last)
@@ -349,6 +351,26 @@ class CompiledPlan:
             args = _view_args(*base[1], spec)
             out[i] = base[0] if args is None else base[0].as_strided(*args)
         return out
+
+
+def _entry_waits(steps, side_queues: tuple, compute: int) -> tuple:
+    """The side queues that must wait for the call's entry record (made on the compute queue,
+    the caller's stream, before any step): all but those whose first steps include a wait for
+    a record the compute queue made earlier in the call, which orders them after the entry
+    record already (stream order). When none is left, the entry record goes too."""
+    recorded_on: dict[int, int] = {}
+    started: set[int] = set()
+    covered: set[int] = set()
+    for step in steps:
+        code, q = step[0], step[1]
+        if code == WAIT and q not in started:
+            if recorded_on.get(step[2]) == compute:
+                covered.add(q)
+            continue
+        started.add(q)
+        if code == RECORD:
+            recorded_on[step[2]] = q
+    return tuple(q for q in side_queues if q not in covered)
 
 
 def _slots_used_by(steps) -> set:

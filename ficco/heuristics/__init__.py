@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from .. import config, logs, schedules
 from ..config import TRANSPORTS
 from ..errors import ConfigError, InvalidArgumentError
-from ..plan.problem import Problem
+from ..plan.problem import ALL_GATHER, COLLECTIVES, DEFAULT_OP, Problem
 from . import bands, profiles
 from .auto import auto_choice
 from .decision import SELECTORS, Decision, decision_inputs
@@ -57,9 +57,9 @@ class Context:
 
 
 def _paper(problem: Problem, ctx: Context) -> Decision:
-    if problem.op != "all_gather_matmul":   # the paper's rule covers the all-gather only
+    if COLLECTIVES.get(problem.op) != ALL_GATHER:   # the paper's rule covers the all-gather only
         decision = _model(problem, ctx)
-        return replace(decision, reason=f"the paper's rule covers all_gather_matmul only, so "
+        return replace(decision, reason=f"the paper's rule covers the all-gather only, so "
                                         f"the model chose: {decision.reason}")
     low, high = ctx.paper_thresholds
     name, score, reason = paper_choice(problem, ctx.profile, low, high)
@@ -229,7 +229,7 @@ def _logged_once(problem: Problem, decision: Decision, target: str) -> Decision:
     level = config.log_level()
     if level not in ("info", "debug"):
         return decision
-    op = getattr(problem, "op", "all_gather_matmul")
+    op = getattr(problem, "op", DEFAULT_OP)
     key = (op, problem.key(), problem.rank, decision.selector, decision.schedule,
            decision.transport, decision.inputs.get("profile"))
     with _logged_lock:

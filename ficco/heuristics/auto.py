@@ -431,7 +431,7 @@ def _explored_entry(problem, exploration: Exploration, agreed: list) -> dict:
     cost_s = sum(max(t - winner_s, 0.0) for i, _, _, _, t in explored
                  if t is not None and i > 0 and winner_s < float("inf"))
     timed = len(rounds)
-    how = (f"explored as the key's calls 2-{len(explored)}: the serials while the model "
+    how = (f"explored as the key's calls 2-{len(explored)}: serial while the model "
            f"predicted, a warm-up call of each other candidate, then "
            f"{timed} round{'s' if timed != 1 else ''} of the {len(candidates)} candidates, "
            f"median each{duel}")

@@ -12,7 +12,7 @@ while the key explores. Call by call (``i``, the key's calls on this group's ses
    own) and no exchange beyond the call's agreement: the decision this group agreed on is
    looked up in memory; whether every rank holds an entry from another group or the cache
    file is asked at call 1, in one exchange (a found entry decides from then on);
-2. **calls 1 .. M** run the serials in turn (the other transport's first: its warm-up), and
+2. **calls 1 .. M** run serial (the other transport's serial once, its warm-up), and
    after each call, outside its timer, the model makes :attr:`Explore.pieces_per_call` of its
    predictions (:func:`ficco.heuristics.model.predict`, memoised), so ``M`` is a function of
    how many there are, the same on every rank;
@@ -100,7 +100,7 @@ class Exploration:
         self.serials = [c for c in serials if c != self.safe] + [self.safe]
         self._pieces: list | None = None
         self._make_pieces = pieces
-        #: the calls that run the serials while the model predicts (a function of how many
+        #: the calls that run serial while the model predicts (a function of how many
         #: predictions there are, so the same on every rank; known from call 1)
         self.model_calls = 1
         self._model, self._shortlist_of, self._finish = model, shortlist_of, finish
@@ -144,7 +144,9 @@ class Exploration:
                 self._pieces = list(self._make_pieces())
                 self.model_calls = max(-(-len(self._pieces) //
                                          max(self.plan.pieces_per_call, 1)), 1)
-            candidate = self.serials[(i - 1) % len(self.serials)]
+            # (the other transports' serials once each, their warm-up; then the safe one: a
+            # loser's call costs, and these calls' times decide nothing)
+            candidate = self.serials[i - 1] if i < len(self.serials) else self.safe
             role = "serial while the model predicts"
         else:
             order = self._order()

@@ -264,7 +264,7 @@ def kernel_of(schedule: str, transport: str) -> tuple[str, str, dict] | None:
     return None
 
 
-def _published_rows() -> list[dict]:
+def published_rows() -> list[dict]:
     """The ``decode`` rows of ``python -m ficco.bench validate``'s table (package data)."""
     import csv
     from importlib import resources
@@ -333,7 +333,7 @@ def _priced(schedule, verb, kernel, prof, name, nbytes, world) -> list[str]:
     lines = [(f"{schedule} {verb} {what}: {_kb(nbytes)} per rank on {world} ranks, "
               f"{seconds * 1e6:.1f} us alone ({name})")]
     rows = []
-    for r in _published_rows():
+    for r in published_rows():
         got = dict(item.split("=", 1) for item in r["shapes"].split())
         same = all(got.get(k, "best" if k == "shots" else None) in (v, "best")
                    for k, v in shapes.items())

@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from typing import ClassVar
 
 import torch
 
@@ -198,9 +199,9 @@ class _Watch:
         self.error: BaseException | None = None    # what the answer raised
 
     def _loop(self, deadline: float) -> None:
-        from ..symm_mem.barrier import _ANSWER_AFTER_S, _ANSWER_EVERY_S
+        from ..symm_mem.barrier import ANSWER_AFTER_S, ANSWER_EVERY_S
 
-        answer_at = time.monotonic() + _ANSWER_AFTER_S
+        answer_at = time.monotonic() + ANSWER_AFTER_S
         while not self.done.wait(0.01):
             now = time.monotonic()
             late = now > deadline
@@ -210,7 +211,7 @@ class _Watch:
                 self.halt.fill_(1)
                 return
             if self.answer is not None and now >= answer_at:
-                answer_at = now + _ANSWER_EVERY_S
+                answer_at = now + ANSWER_EVERY_S
                 try:
                     self.answer()
                 except BaseException as exc:  # noqa: BLE001 - the launch raises it
@@ -264,8 +265,8 @@ def shot_task(buffers, op):
     fault = symm.fault
     flag = getattr(symm, "call_flag", 1)
     # The call's first wait, when no plan barrier came before this launch (one-shot-kernel
-    # has none): it answers a peer's first-call exchange (CPU; on GPUs nothing waits on the
-    # host, as for the plans' barriers there).
+    # has none): it answers a peer's first-call exchange (CPU: a thread beside the
+    # interpreted launch; GPUs: _Answering, while the launch runs).
     answer = getattr(symm, "first_wait", None)
     if answer is not None:
         symm.first_wait = None
@@ -288,30 +289,121 @@ def shot_task(buffers, op):
                 partials, reduceds, [symm.pad_address(q) for q in range(world)], out)
         if fault is None:      # the CPU backend: synchronous, in the interpreter
             halt = torch.zeros(1, dtype=torch.int32)
-            with _Watch(halt, lambda: False, float("inf"), answer) as watch:
-                err = shot_all_reduce(partials, reduceds, None, out, rank=rank, flag=flag,
-                                      two_shot=op.two_shot, first_channel=op.first_channel,
-                                      scale=op.scale, halt=halt, timeout_s=timeout_s,
-                                      tables=tables)
-            if watch.error is not None:
-                raise watch.error
+
+            def launch() -> torch.Tensor:
+                return shot_all_reduce(partials, reduceds, None, out, rank=rank, flag=flag,
+                                       two_shot=op.two_shot, first_channel=op.first_channel,
+                                       scale=op.scale, halt=halt, timeout_s=timeout_s,
+                                       tables=tables)
+            if answer is None:
+                err = launch()
+            else:              # the call's first wait: a thread answers beside it
+                with _Watch(halt, lambda: False, float("inf"), answer) as watch:
+                    err = launch()
+                if watch.error is not None:
+                    raise watch.error
             check_error(err, rank, timeout_s)
             return
         family = configs.family(symm.backend.target())
-        err = shot_all_reduce(partials, reduceds, None, out, rank=rank, flag=flag,
-                              two_shot=op.two_shot, first_channel=op.first_channel,
-                              scale=op.scale, halt=fault.word_device, timeout_s=timeout_s,
-                              family=family,
-                              max_programs=_resident(out.device, symm.device_sharers),
-                              tables=tables)
-        if torch.cuda.is_current_stream_capturing():
+        capturing = torch.cuda.is_current_stream_capturing()
+        # watched from before the launch: a launch that blocks its host thread (Triton's
+        # interpreter on the fake GPU) is answered while it waits too
+        entry = _Answering.watch(answer, fault) if answer is not None and not capturing \
+            else None
+        try:
+            err = shot_all_reduce(partials, reduceds, None, out, rank=rank, flag=flag,
+                                  two_shot=op.two_shot, first_channel=op.first_channel,
+                                  scale=op.scale, halt=fault.word_device, timeout_s=timeout_s,
+                                  family=family,
+                                  max_programs=_resident(out.device, symm.device_sharers),
+                                  tables=tables)
+        except BaseException:
+            if entry is not None:
+                _Answering.forget(entry)
+            raise
+        if capturing:
             return     # a replay that gives up raises the group's word and writes NaN itself
         word = torch.empty(4, dtype=torch.int32, pin_memory=out.device.type != "cpu")
         word.copy_(err, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
         fault.gated.append((done, lambda: _shot_error(word, rank, timeout_s)))
+        if entry is not None:
+            entry[0] = done          # from now on the launch leaves the watch once done
     return run
+
+
+class _Answering:
+    """GPUs: the launches that hold their call's first wait, answered from one host thread
+    while they run (the launch returned at once; the kernel waits on the device). Once a
+    launch ran a moment the thread answers a peer's first-call agreement exchange now and
+    then (:func:`ficco.runtime.agreement.answer`, with the launch's own call number); the
+    MismatchError that raises is reported to the group (error slot and word), which halts the
+    kernel (its output NaN) and is raised by the group's next call. A launch leaves the watch
+    when its ``done`` event completed or its group failed."""
+
+    _lock = threading.Lock()
+    _entries: ClassVar[list] = []
+    _thread: threading.Thread | None = None
+    POLL_S = 0.01
+
+    @classmethod
+    def watch(cls, answer, fault) -> list:
+        """Watch a launch about to be made; returns its entry, whose first item (None: not
+        launched yet) the caller sets to the launch's ``done`` event."""
+        import copy
+
+        from ..symm_mem.barrier import ANSWER_AFTER_S
+
+        # a copy: the call's answer object takes the next call's number when that one starts
+        entry = [None, copy.copy(answer), fault, time.monotonic() + ANSWER_AFTER_S]
+        with cls._lock:
+            cls._entries.append(entry)
+            if cls._thread is None:
+                cls._thread = threading.Thread(target=cls._loop, name="ficco-kernel-answer",
+                                               daemon=True)
+                cls._thread.start()
+        return entry
+
+    @classmethod
+    def forget(cls, entry: list) -> None:
+        """Stop watching ``entry`` (its launch raised)."""
+        with cls._lock:
+            cls._entries = [e for e in cls._entries if e is not entry]
+
+    @classmethod
+    def _loop(cls) -> None:
+        from ..errors import FiccoError
+        from ..symm_mem.barrier import ANSWER_EVERY_S
+
+        while True:
+            time.sleep(cls.POLL_S)
+            with cls._lock:
+                entries = list(cls._entries)
+                if not entries:
+                    cls._thread = None
+                    return
+            now = time.monotonic()
+            finished = []
+            for entry in entries:
+                done, answer, fault, at = entry
+                if (done is not None and done.query()) or fault.failed():
+                    finished.append(entry)
+                    continue
+                if now < at:
+                    continue
+                entry[3] = now + ANSWER_EVERY_S
+                try:
+                    answer()
+                except FiccoError as exc:     # the peer's other call: the group's error
+                    fault.report(exc)
+                    finished.append(entry)
+                except Exception:  # noqa: BLE001 - no answer; the kernel's own bound holds
+                    finished.append(entry)
+            if finished:
+                with cls._lock:
+                    cls._entries = [e for e in cls._entries
+                                    if not any(e is f for f in finished)]
 
 
 def _shot_error(word, rank, timeout_s):

@@ -36,6 +36,19 @@ def names() -> list[str]:
     return sorted(_discover())
 
 
+def of_collective(*collectives: str) -> tuple[str, ...]:
+    """The ops whose GEMM meets one of ``collectives`` (``ficco.plan.problem.ALL_GATHER``,
+    ...; their calls are engine Problems), in the order of ``collectives``.
+
+    >>> from ficco.plan.problem import REDUCE_SCATTER
+    >>> of_collective(REDUCE_SCATTER)
+    ('matmul_reduce_scatter',)
+    """
+    specs = _discover()
+    return tuple(name for kind in collectives for name in sorted(specs)
+                 if specs[name].collective == kind)
+
+
 def get(name: str) -> OpSpec:
     """The op spec called ``name``; an unknown name raises with the valid list."""
     specs = _discover()
@@ -44,4 +57,4 @@ def get(name: str) -> OpSpec:
     return specs[name]
 
 
-__all__ = ["OpSpec", "get", "names"]
+__all__ = ["OpSpec", "get", "names", "of_collective"]

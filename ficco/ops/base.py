@@ -12,6 +12,11 @@ plans, workspaces, executing, measuring) is shared and lives in :mod:`ficco.runt
     buffers = spec.buffers(call, transport, symm, wide=..., plan=...)   # the plan's tensors
     spec.result(call, buffers, transport)       # canonical outputs -> the caller's layout
 
+and, for tests, selftest and the demo, the one float64 oracle of the op::
+
+    ex = spec.example(rank, world, (m, k, n), rounding, seed)   # fresh inputs of one rank
+    ref, scale = spec.reference(ex)             # this rank's output in float64, |a| @ |b|
+
 Adding an op adds one package to ``ficco/ops/`` whose ``spec`` module defines ``SPEC`` (see
 ``ops/__init__.py``).
 """
@@ -24,8 +29,10 @@ from typing import Any, ClassVar, Generic, TypeVar
 from .. import schedules
 from ..errors import InvalidArgumentError
 from ..plan.epilogue import rebound
+from ..plan.problem import register_collective
 from ..runtime.call import Call
 from ..schedules.common import OptionalSchedule, Schedule
+from .examples import Example, Rounding
 
 #: the op's own Call subclass, which its methods take (each op reads its own fields)
 C = TypeVar("C", bound=Call)
@@ -59,6 +66,14 @@ class OpSpec(ABC, Generic[C]):
     #: schedules that need an optional extra (Triton): known by name, offered only where they
     #: run (``ficco.schedules.offered``)
     optional_schedules: ClassVar[tuple[OptionalSchedule, ...]] = ()
+    #: the collective its GEMM meets, for an op whose calls are engine Problems
+    #: (:data:`ficco.plan.problem.COLLECTIVES`; "": its calls have a problem of their own)
+    collective: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("collective"):
+            register_collective(cls.name, cls.collective)
 
     # -- schedules ----------------------------------------------------------------------------
     def schedule(self, name: str):
@@ -142,6 +157,25 @@ class OpSpec(ABC, Generic[C]):
     @abstractmethod
     def result(self, call: C, buffers, transport: str) -> Any:
         """The caller's result from the canonical buffers of a finished run."""
+
+    # -- the oracle ---------------------------------------------------------------------------
+    #: whether :meth:`example` makes fp8 operands with tensor-wise scales (``float8``)
+    fp8_examples: ClassVar[bool] = False
+
+    @abstractmethod
+    def example(self, rank: int, world: int, shape: tuple, rounding: Rounding,
+                seed: int) -> Example:
+        """Fresh random inputs of the problem ``shape`` (``(m, k, n)``: rows per rank, the
+        contraction, the output columns, as the op reads them) for ``rank`` of ``world``:
+        every rank's made from ``seed`` (so each knows the whole problem), cast by
+        ``rounding``. Never communicates."""
+
+    @abstractmethod
+    def reference(self, example: Example) -> tuple[Any, Any]:
+        """``(this rank's output, its rounding scale |a| @ |b|)`` in float64 (the first
+        output where the op returns several), from every rank's inputs of ``example``: plain
+        torch on the gathered tensors, none of ficco's path (differentiable, so a test can
+        take gradients through it)."""
 
     def __repr__(self) -> str:
         return f"<op {self.name}>"

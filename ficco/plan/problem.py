@@ -39,10 +39,21 @@ ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2,
 SCALINGS = ("", "tensor", "row")
 #: activation epilogues ``all_gather_matmul`` applies per output piece (``Problem.activation``)
 ACTIVATIONS = ("", "gelu", "gelu_tanh", "silu", "relu")
-ALL_GATHER_MATMUL = "all_gather_matmul"
-MATMUL_REDUCE_SCATTER = "matmul_reduce_scatter"
-MATMUL_ALL_REDUCE = "matmul_all_reduce"
-OPS = (ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE)
+#: the collectives a Problem's GEMM meets: its rows gathered before it, its partial sums
+#: reduce-scattered or all-reduced after it
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all_gather", "reduce_scatter", "all_reduce"
+#: op name -> its collective, for every op whose calls are Problems: each op spec registers its
+#: own (``OpSpec.collective``), so the engine names no op
+COLLECTIVES: dict[str, str] = {}
+#: the op a Problem is of when none is named (the first one ficco ran)
+DEFAULT_OP = "all_gather_matmul"
+
+
+def register_collective(op: str, collective: str) -> None:
+    """Make ``op`` a Problem's op, whose GEMM meets ``collective``."""
+    if collective not in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE):
+        raise InvalidArgumentError(f"unknown collective {collective!r} of op {op!r}")
+    COLLECTIVES[op] = collective
 REDUCE_OPS = ("sum", "avg")
 #: fp8 column chunks are cut in whole multiples of this many columns (see Problem.col_chunks)
 FP8_ALIGN = 16
@@ -163,7 +174,7 @@ class Problem(DtypeFields):
     dtype: str
     world: int
     rank: int = 0
-    op: str = ALL_GATHER_MATMUL
+    op: str = DEFAULT_OP
     unit: int = 1
     reduce_op: str = "sum"
     out_dtype: str = ""
@@ -172,8 +183,9 @@ class Problem(DtypeFields):
     activation: str = ""
 
     def __post_init__(self):
-        if self.op not in OPS:
-            raise InvalidArgumentError(f"Problem.op must be one of {OPS}; got {self.op!r}")
+        if self.op not in COLLECTIVES:
+            raise InvalidArgumentError(
+                f"Problem.op must be one of {tuple(COLLECTIVES)}; got {self.op!r}")
         if self.reduce_op not in REDUCE_OPS:
             raise InvalidArgumentError(
                 f"reduce_op must be one of {REDUCE_OPS}; got {self.reduce_op!r}")
@@ -206,12 +218,12 @@ class Problem(DtypeFields):
     def reduces(self) -> bool:
         """True for the ops that sum partial products over ranks: ``matmul_reduce_scatter``
         and ``matmul_all_reduce``."""
-        return self.op != ALL_GATHER_MATMUL
+        return COLLECTIVES[self.op] != ALL_GATHER
 
     @cached_property
     def all_reduces(self) -> bool:
         """True for ``matmul_all_reduce``: every rank receives all ``M`` rows of the sum."""
-        return self.op == MATMUL_ALL_REDUCE
+        return COLLECTIVES[self.op] == ALL_REDUCE
 
     @property
     def partial_itemsize(self) -> int:

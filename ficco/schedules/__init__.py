@@ -12,7 +12,7 @@ import functools
 import importlib
 
 from ..errors import InvalidArgumentError
-from ..plan.problem import ALL_GATHER_MATMUL
+from ..plan.problem import DEFAULT_OP
 from .common import OptionalSchedule, Schedule
 
 
@@ -38,7 +38,7 @@ def _registry(op: str) -> dict:
             f"unknown op {op!r}; ops with schedules: {', '.join(_tables()[0])}") from None
 
 
-def names(op: str = ALL_GATHER_MATMUL) -> list[str]:
+def names(op: str = DEFAULT_OP) -> list[str]:
     """Every schedule name of ``op``, baselines first: ``serial``, ``ring``, ``ring-bidir``,
     then the eight FiCCO schedules ``{uniform|hetero}-{fused|unfused}-{1d|2d}`` (the
     all-reduce's: ``serial``, ``rs-ag-*``, ``chunked-*``, ``one-shot``, ``two-shot``, …).
@@ -68,7 +68,7 @@ def ops_with(name: str) -> list[str]:
     return [op for op in registry if name in registry[op] or name in optional[op]]
 
 
-def get(name: str, op: str = ALL_GATHER_MATMUL):
+def get(name: str, op: str = DEFAULT_OP):
     """The schedule of ``op`` called ``name``; an unknown name raises with the valid ones."""
     registry = _registry(op)
     optional = _tables()[1][op]
@@ -81,13 +81,13 @@ def get(name: str, op: str = ALL_GATHER_MATMUL):
             f"{extra}") from None
 
 
-def optional_names(op: str = ALL_GATHER_MATMUL) -> list[str]:
+def optional_names(op: str = DEFAULT_OP) -> list[str]:
     """Schedules of ``op`` that need an optional extra: ``gated-1d``, ``gated-2d`` (Triton)."""
     _registry(op)
     return list(_tables()[1][op])
 
 
-def unavailable(target: str, transport: str = "dma", op: str = ALL_GATHER_MATMUL,
+def unavailable(target: str, transport: str = "dma", op: str = DEFAULT_OP,
                 problem=None) -> dict[str, str]:
     """Optional schedule name -> why selectors do not offer it on backend ``target`` over
     ``transport`` (for ``problem``, when given); names that are offered are absent.
@@ -107,7 +107,7 @@ def unavailable(target: str, transport: str = "dma", op: str = ALL_GATHER_MATMUL
 
 
 def why_not_here(name: str, target: str, transport: str = "dma",
-                 op: str = ALL_GATHER_MATMUL) -> str | None:
+                 op: str = DEFAULT_OP) -> str | None:
     """Why schedule ``name`` of ``op`` cannot run on backend ``target`` over ``transport``, or
     None when it can: only optional schedules (Triton's ``gated-*``) may be unable to.
 
@@ -132,7 +132,7 @@ def epilogue_reason(name: str, problem) -> str | None:
     return None
 
 
-def offered(target: str, transport: str = "dma", op: str = ALL_GATHER_MATMUL,
+def offered(target: str, transport: str = "dma", op: str = DEFAULT_OP,
             problem=None) -> list[str]:
     """The schedules a selector may pick for ``op`` (and ``problem``, when given) on backend
     ``target`` over ``transport``: :func:`names` plus the optional ones that run there (e.g.

@@ -63,7 +63,7 @@ WRITE, WAIT = "write", "wait"
 _FLAG_PROGRAMS_KEPT = 64          # flag programs per handle (one per channel and call flag)
 # A first barrier that waits this long starts answering peers' agreement exchanges, then asks
 # again at this period: a store lookup per peer, never on a call whose peers are on time.
-_ANSWER_AFTER_S, _ANSWER_EVERY_S = 0.1, 0.25
+ANSWER_AFTER_S, ANSWER_EVERY_S = 0.1, 0.25
 
 
 def call_flag(word: int | None) -> int:
@@ -306,7 +306,7 @@ def wait_on_host(op: SignalOp, deadline: Deadline, read: Callable[[Any], int],
     once a MismatchError when the slot holds another call's flag."""
     expiry = deadline.start()
     assert deadline.started is not None     # start() set it
-    answer_at = deadline.started + _ANSWER_AFTER_S
+    answer_at = deadline.started + ANSWER_AFTER_S
     nap = 2e-5
     target = deadline.target
     while not op.met(seen := read(op.slot), target):
@@ -320,7 +320,7 @@ def wait_on_host(op: SignalOp, deadline: Deadline, read: Callable[[Any], int],
             deadline.fired = True
             raise deadline.error(deadline.late(read))
         if deadline.answer is not None and now >= answer_at:
-            answer_at = now + _ANSWER_EVERY_S
+            answer_at = now + ANSWER_EVERY_S
             deadline.answer()      # raises the MismatchError of a peer's differing call
         time.sleep(nap)
         nap = min(nap * 2, 1e-3)

@@ -380,7 +380,8 @@ def _slowed_model_pick(rank, world, seed, root):
     out = {}
     with ficco.config.scope(selector="auto", auto="upfront", cache_dir=root, profile="cpu"):
         auto.CACHE.forget()
-        shards, bs, _, refs = make_inputs(seed, world, (64, 64), (64,), torch.float32)
+        # (a shape whose model pick is not serial on the cpu profile)
+        shards, bs, _, refs = make_inputs(seed, world, (64, 128), (128,), torch.float32)
         model = choose_now(ficco.ops.get("all_gather_matmul").prepare(shards[rank], bs[0])
                            .problem, transport=("dma", "ccl"), target="cpu", selector="model")
         pick = (model.schedule, model.transport)
@@ -390,7 +391,7 @@ def _slowed_model_pick(rank, world, seed, root):
             out["first_runs"] = len(ran)
             out["ran"] = runtime.last_run()
             decision = ficco.explain(shards[rank], bs[0])
-            near, near_bs, _, near_refs = make_inputs(seed + 1, world, (60, 64), (64,),
+            near, near_bs, _, near_refs = make_inputs(seed + 1, world, (60, 128), (128,),
                                                       torch.float32)
             near_out = ficco.all_gather_matmul(near[rank], near_bs[0])
             out["near_runs"] = len(ran) - out["first_runs"]

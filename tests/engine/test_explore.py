@@ -86,8 +86,11 @@ def test_ranks_with_opposite_clocks_run_the_same_calls_and_agree_in_one_exchange
     keep ring and rank 1 serial. Every call ran the same candidate on both, and the slowest
     rank's times decided once: serial (dma), on both."""
     shortlist = [("ring", "dma"), ("serial", "dma"), ("serial", "ccl")]
-    clocks = [lambda n, v: {"ring": 1 * MS, "serial": 2 * MS}[n] * (2 if v == "ccl" else 1),
-              lambda n, v: {"ring": 3 * MS, "serial": 2 * MS}[n] * (2 if v == "ccl" else 1)]
+    def clock(ring):
+        return lambda n, v: {"ring": ring, "serial": 2 * MS}.get(n, 3 * MS) * (
+            2 if v == "ccl" else 1)
+
+    clocks = [clock(1 * MS), clock(3 * MS)]
     problem = Problem(64, 64, (64,), "float32", 2)
     out, board = _explore_on_threads(problem, clocks, str(fresh), shortlist=shortlist)
     (ran0, d0), (ran1, d1) = out
@@ -99,7 +102,7 @@ def test_ranks_with_opposite_clocks_run_the_same_calls_and_agree_in_one_exchange
     rows = {(n, v): s for n, v, _, s, _ in d0.measured}
     assert rows[("ring", "dma")] == 3 * MS and rows[("serial", "dma")] == 2 * MS   # slowest
     # where both ranks see ring faster beyond the margin, ring runs (another key)
-    fast = [lambda n, v: {"ring": 1 * MS, "serial": 2 * MS}[n]] * 2
+    fast = [lambda n, v: {"ring": 1 * MS, "serial": 2 * MS}.get(n, 3 * MS)] * 2
     out, _ = _explore_on_threads(Problem(128, 64, (64,), "float32", 2), fast, str(fresh),
                                  shortlist=shortlist)
     assert [(d.schedule, d.transport) for _, d in out] == [("ring", "dma")] * 2
@@ -110,7 +113,7 @@ def test_exploration_keeps_serial_unless_beyond_the_margin_round_by_round(fresh)
     needs no model; the call order is a pure function of the call count."""
     problem = Problem(64, 64, (64,), "float32", 2)
     shortlist = [("ring", "dma"), ("serial", "dma")]
-    near = [lambda n, v: {"ring": 0.98 * MS, "serial": 1 * MS}[n]]
+    near = [lambda n, v: {"ring": 0.98 * MS, "serial": 1 * MS}.get(n, 3 * MS)]
     (ran, d), = _explore_on_threads(problem, near, str(fresh), ("dma",), shortlist)[0]
     assert ran[0] == ("serial", "dma") and (d.schedule, d.transport) == ("serial", "dma")
     assert "inside the 3% margin" in d.reason, d.reason
@@ -133,7 +136,7 @@ def test_a_rank_that_cannot_time_at_first_sight_takes_the_model_and_explores_not
 
 def test_a_cache_entry_every_rank_holds_ends_the_exploration_at_the_second_call(fresh):
     problem = Problem(64, 64, (64,), "float32", 2)
-    clock = [lambda n, v: {"ring": 1 * MS, "serial": 2 * MS}[n]]
+    clock = [lambda n, v: {"ring": 1 * MS, "serial": 2 * MS}.get(n, 3 * MS)]
     (ran, d), = _explore_on_threads(problem, clock, str(fresh), ("dma",))[0]
     auto.CACHE.forget()                      # a new process: only the file remembers
     live = Scripted(clock[0])
@@ -162,8 +165,10 @@ def test_every_explored_call_is_exact_whichever_schedule_it_ran(tmp_path, op):
 def test_live_ranks_with_opposite_clocks_agree_on_one_decision(tmp_path):
     results = harness.pool(2).run(explore_cases.opposite_clocks, random.randrange(1 << 30),
                                   str(tmp_path), timeout_s=240)
-    (ran0, err0, d0, _), (ran1, err1, d1, text) = results
+    (ran0, err0, d0, _, _), (ran1, err1, d1, text, mid) = results
     assert ran0 == ran1 and d0 == d1 == ("serial", "dma"), (ran0, d0, d1)
+    # explain() in the middle: not settled, the calls so far and what each ran
+    assert "not settled yet" in mid and "3 so far" in mid and "0: serial (dma)" in mid, mid
     assert ("ring", "dma") in ran0 and max(err0 + err1) <= ROW_TOL[torch.float32]
     assert ran0[0] == ("serial", "dma") and ran0[-1] == d0     # first call, then as decided
     assert "3.000 ms" in text, text                            # ring: the slowest rank's
@@ -212,3 +217,10 @@ def test_on_the_fake_gpu_exploring_calls_never_synchronize_and_a_capture_explore
         exploring = [waits for ran, final, waits, _, _ in rows[:-1] if not final]
         assert exploring and all("device synchronize" not in w for w in exploring), rows
         assert max(err for *_, err in rows) <= 1e-4, rows
+
+
+def test_ranks_whose_auto_modes_differ_are_refused_not_left_waiting(tmp_path):
+    results = harness.pool(2).run(explore_cases.modes_differ, random.randrange(1 << 30),
+                                  str(tmp_path), timeout_s=120)
+    for raised, text in results:
+        assert raised == "MismatchError" and "auto_mode" in text, results

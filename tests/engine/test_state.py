@@ -16,13 +16,13 @@ _CONTAINERS = {"dict", "list", "set", "OrderedDict", "defaultdict", "deque", "Co
 _ALWAYS = {"WeakKeyDictionary", "WeakValueDictionary", "WeakSet", "local"}
 _MUTATORS = {"append", "extend", "insert", "pop", "popitem", "clear", "update", "setdefault",
              "add", "discard", "remove", "move_to_end", "appendleft", "popleft", "sort"}
-#: what is left: process-wide registries (backends, ops, sessions, settings' per-thread
-#: scopes, the integrations' saved styles), memos keyed by what they memoise (profiles, the
+#: what is left: process-wide registries (backends, ops and their Problems' collectives,
+#: sessions, settings' per-thread scopes, the integrations' saved styles), memos keyed by what they memoise (profiles, the
 #: model's decisions, tuned kernel configs, compiled shot tables per workspace handle, bias
 #: digests per tensor, the calls a dynamo trace met, one warn-once memo) and the few kept
 #: per group object weakly (torch's symmetric buffers, the workspaces); none keyed by a
 #: group's name
-LIMIT = 18
+LIMIT = 19
 
 
 def _container(value: ast.expr) -> str | None:

@@ -112,7 +112,8 @@ def test_every_env_value_is_checked_before_any_communication(monkeypatch):
     for name, bad in [("FICCO_TIMEOUT", "soon"), ("FICCO_COPY_ENGINES", "0"),
                       ("FICCO_PROFILE", "no-such-gpu"), ("FICCO_SELECTOR", "fastest"),
                       ("FICCO_TOPOLOGY", "ring"), ("FICCO_LOG", "loud"),
-                      ("FICCO_POISON", "maybe"), ("FICCO_PAPER_LOW", "-1")]:
+                      ("FICCO_POISON", "maybe"), ("FICCO_PAPER_LOW", "-1"),
+                      ("FICCO_AUTO", "sometimes")]:
         monkeypatch.setenv(name, bad)
         with pytest.raises(ConfigError, match=name if name != "FICCO_PROFILE" else "no-such-gpu"):
             ficco.all_gather_matmul(_a(4, 8), _a(8, 3))
@@ -142,7 +143,7 @@ def test_an_unknown_ficco_variable_is_warned_about_once(monkeypatch):
     ("FICCO_SCHEDULE", "Ring", "ring"), ("FICCO_SELECTOR", "MODEL", "model"),
     ("FICCO_BACKEND", "CPU", "cpu"), ("FICCO_TRANSPORT", "CCL", "ccl"),
     ("FICCO_TUNE_CANDIDATES", "Serial,RING", ("serial", "ring")),
-    ("FICCO_LOG", "INFO", "info")])
+    ("FICCO_LOG", "INFO", "info"), ("FICCO_AUTO", "UpFront", "upfront")])
 def test_every_named_setting_is_read_in_any_case(monkeypatch, name, raw, read):
     from ficco import config
 

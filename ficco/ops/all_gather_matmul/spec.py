@@ -23,7 +23,7 @@ from ...backends.gpu.vendor import pitched
 from ...group import rank_world, resolve
 from ...plan.buffers import Buffers
 from ...plan.epilogue import Operands, finish, gemm_into, operands, wide_dtype
-from ...plan.problem import Problem, dtype_name
+from ...plan.problem import ALL_GATHER, Problem, dtype_name
 from ...runtime.agreement import PER_RANK
 from ...runtime.call import (
     Call,
@@ -39,6 +39,7 @@ from ...runtime.call import (
 )
 from ...symm_mem import aligned
 from ..base import OpSpec, Placements, warm_call
+from ..examples import Example, generator, randn
 from .schedules import OPTIONAL, SCHEDULES
 
 
@@ -85,6 +86,7 @@ def check_epilogue(a_shard, bs, b_is_list, gather_dim, **epilogue) -> Operands:
 
 class AllGatherMatmul(OpSpec[AllGatherMatmulCall]):
     name = "all_gather_matmul"
+    collective = ALL_GATHER
     first_arg = "a_shard"
     placements = Placements(a=(None,), a_words="Shard({dim}), the gathered dimension", b=(1,),
                             b_words="Replicate() or Shard(1) (this rank's columns)",
@@ -231,6 +233,28 @@ class AllGatherMatmul(OpSpec[AllGatherMatmulCall]):
         else:
             outs = [o if o.dtype == ops.out_dtype else o.to(ops.out_dtype) for o in buffers.outs]
         return self._finish(call, outs, buffers.gathered, owned=buffers.symm is None)
+
+    # -- the oracle ---------------------------------------------------------------------------
+    fp8_examples = True
+
+    def example(self, rank, world, shape, rounding, seed) -> Example:
+        """Every rank's ``(m, k)`` shard and the shared ``(k, n)`` weight (fp8: one tensor-wise
+        ``a_scale`` over all shards, on every rank); ``inputs``: (every shard, b) in float64."""
+        m, k, n = shape
+        gen = generator(seed)
+        shards = [randn(gen, m, k) for _ in range(world)]
+        b = randn(gen, k, n)
+        shared = rounding.scale_of(torch.cat(shards)) if rounding.fp8 else None
+        cast = [rounding.cast(s, shared) for s in shards]
+        b_low, b64, b_scale = rounding.weight(b)
+        return Example(rank, world, (cast[rank][0], b_low),
+                       rounding.epilogue(cast[rank][2], b_scale), ([c[1] for c in cast], b64))
+
+    def reference(self, example: Example):
+        """``cat(every shard) @ b``."""
+        shards, b = example.inputs
+        full = torch.cat(shards)
+        return full @ b, full.abs() @ b.abs()
 
     def _finish(self, call: AllGatherMatmulCall, outs, gathered, owned: bool):
         # Canonical (M, x) back to the caller's layout: gathered dim at gather_dim (each output

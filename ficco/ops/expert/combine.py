@@ -13,10 +13,11 @@ from __future__ import annotations
 import torch
 
 from ...errors import InvalidArgumentError
+from ..examples import Example, generator, randn
 from . import routing
 from .problem import COMBINE
 from .schedules.all_to_all import schedules_of
-from .spec import ExpertCall, ExpertSpec
+from .spec import EXAMPLE_EXPERTS, ExpertCall, ExpertSpec, example_routing
 from .tasks import ExpertContext
 
 
@@ -72,6 +73,42 @@ class GroupedMmAllToAll(ExpertSpec):
     def finish(self, call: ExpertCall, ctx: ExpertContext):
         """``(z, routing)``: the rows back in this rank's order, and the agreed matrix."""
         return ctx.out, torch.tensor(ctx.layout.counts, dtype=torch.int64)
+
+    # -- the oracle ---------------------------------------------------------------------------
+    def example(self, rank, world, shape, rounding, seed) -> Example:
+        """Every rank's ``h`` (the rows a dispatch of :func:`example_routing` delivered it, in
+        its y order: by local expert, then source rank) and ``L`` experts' ``(k, n)`` weights
+        per rank; ``inputs``: (the routing, every rank's h, every rank's weights) in
+        float64."""
+        m, k, n = shape
+        counts = example_routing(world, m, seed)
+        gen = generator(seed + 2)
+        big_l = EXAMPLE_EXPERTS
+        hs = [rounding.cast(randn(gen, sum(counts[s][r * big_l + l] for s in range(world)
+                                           for l in range(big_l)), k)) for r in range(world)]
+        ws = [[rounding.cast(randn(gen, k, n) / k ** 0.5) for _ in range(big_l)]
+              for _ in range(world)]
+        recv = torch.tensor([[counts[s][rank * big_l + l] for s in range(world)]
+                             for l in range(big_l)])
+        return Example(rank, world, (hs[rank][0], recv, torch.stack([w[0] for w in ws[rank]])),
+                       {}, (counts, [h[1] for h in hs], [[w[1] for w in r] for r in ws]))
+
+    def reference(self, example: Example):
+        """This rank's rows back, in its own order (by global expert): each one's expert's
+        output, ``h`` of the owner's block for this rank times the expert's weight."""
+        counts, hs, ws = example.inputs
+        rank, world = example.rank, example.world
+        big_l = len(ws[0])
+        parts, scales = [], []
+        for e, rows in enumerate(counts[rank]):
+            owner, local = divmod(e, big_l)
+            # the owner's h: its local experts in turn, each one's source ranks in turn
+            at = sum(counts[s][owner * big_l + l] for l in range(local) for s in range(world))
+            at += sum(counts[s][e] for s in range(rank))
+            h = hs[owner][at: at + rows]
+            parts.append(h @ ws[owner][local])
+            scales.append(h.abs() @ ws[owner][local].abs())
+        return torch.cat(parts), torch.cat(scales)
 
 
 SPEC = GroupedMmAllToAll()

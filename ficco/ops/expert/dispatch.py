@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from ..examples import Example, generator, randn
 from . import routing
 from .problem import DISPATCH
 from .schedules.all_to_all import schedules_of
-from .spec import ExpertCall, ExpertSpec
+from .spec import EXAMPLE_EXPERTS, ExpertCall, ExpertSpec, example_routing
 from .tasks import ExpertContext
 
 
@@ -58,6 +59,40 @@ class AllToAllGroupedMm(ExpertSpec):
         recv_counts = torch.tensor(lay.recv_counts(r), dtype=torch.int64)
         y = ctx.out if ctx.out.dtype == ctx.inp.dtype else ctx.out.to(ctx.inp.dtype)
         return y, recv_counts, received, torch.tensor(lay.counts, dtype=torch.int64)
+
+    # -- the oracle ---------------------------------------------------------------------------
+    def example(self, rank, world, shape, rounding, seed) -> Example:
+        """Every rank's tokens ``x`` (about ``m`` rows, routed to the W*L experts by
+        :func:`example_routing`) and ``L`` experts' ``(k, n)`` weights per rank; ``inputs``:
+        (the routing, every rank's x, every rank's weights) in float64."""
+        m, k, n = shape
+        counts = example_routing(world, m, seed)
+        gen = generator(seed + 1)
+        xs = [rounding.cast(randn(gen, sum(c), k)) for c in counts]
+        ws = [[rounding.cast(randn(gen, k, n) / k ** 0.5) for _ in range(EXAMPLE_EXPERTS)]
+              for _ in range(world)]
+        return Example(rank, world, (xs[rank][0], torch.tensor(counts[rank]),
+                                     torch.stack([w[0] for w in ws[rank]])), {},
+                       (counts, [x[1] for x in xs], [[w[1] for w in r] for r in ws]))
+
+    def reference(self, example: Example):
+        """For each of this rank's experts, then each source rank: the rows that rank sent
+        it (its x in expert order) times the expert's weight."""
+        counts, xs, ws = example.inputs
+        rank, world = example.rank, example.world
+        n = ws[rank][0].shape[1]
+        blocks, scales = [], []
+        for local, w in enumerate(ws[rank]):
+            e = rank * len(ws[rank]) + local
+            for s in range(world):
+                at = sum(counts[s][:e])          # x's rows are in global-expert order
+                rows = xs[s][at: at + counts[s][e]]
+                blocks.append(rows @ w)
+                scales.append(rows.abs() @ w.abs())
+        if not blocks:
+            empty = torch.zeros(0, n, dtype=torch.float64)
+            return empty, empty
+        return torch.cat(blocks), torch.cat(scales)
 
 
 SPEC = AllToAllGroupedMm()

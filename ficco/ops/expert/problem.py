@@ -35,7 +35,6 @@ from ...plan.problem import ITEMSIZE, DtypeFields, bucket, even_split
 
 DISPATCH = "all_to_all_grouped_mm"
 COMBINE = "grouped_mm_all_to_all"
-EXPERT_OPS = (DISPATCH, COMBINE)
 
 
 def chunk_of(rows: int, world: int, chunk: int | None) -> tuple[int, int]:
@@ -172,8 +171,9 @@ def representative(world: int, experts: int, mean_rows: int, ratio: float):
 
 def check_op(op, owner: str) -> None:
     """``op`` must name an expert op (``owner``: what takes it, for the message)."""
-    if op not in EXPERT_OPS:
-        raise InvalidArgumentError(f"{owner}.op must be one of {EXPERT_OPS}; got {op!r}")
+    if op not in (DISPATCH, COMBINE):
+        raise InvalidArgumentError(f"{owner}.op must be one of {(DISPATCH, COMBINE)}; got "
+                                   f"{op!r}")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from ...plan.problem import dtype_name
 from ...runtime.call import Call, backend_for, check_fits, check_like, check_tensor
 from ...symm_mem import aligned
 from ..base import OpSpec
+from ..examples import generator
 from . import routing
 from .problem import COMBINE, DISPATCH, ExpertProblem, Layout
 from .tasks import ExpertContext, context_of, exchange_task, gemm_task, grouped_mm_runs
@@ -239,3 +240,19 @@ def _stack(w, weights: list) -> torch.Tensor:
     if isinstance(w, torch.Tensor) and w.is_contiguous():
         return w
     return torch.stack(weights).contiguous()
+
+
+#: local experts per rank in the expert ops' examples
+EXAMPLE_EXPERTS = 2
+
+
+def example_routing(world: int, m: int, seed: int) -> list:
+    """Every rank's rows per global expert (some zero), about ``m`` rows per rank: the
+    routing of the expert ops' examples."""
+    gen = generator(seed)
+    counts = []
+    for _ in range(world):
+        rows = int(torch.randint(max(0, m - 2), m + 3, (1,), generator=gen))
+        picks = torch.randint(0, world * EXAMPLE_EXPERTS, (rows,), generator=gen)
+        counts.append(torch.bincount(picks, minlength=world * EXAMPLE_EXPERTS).tolist())
+    return counts

@@ -21,12 +21,15 @@ import torch.distributed as dist
 
 from ...plan.buffers import Buffers
 from ...plan.epilogue import Operands, wide_dtype
-from ...plan.problem import MATMUL_ALL_REDUCE
+from ...plan.problem import ALL_REDUCE
 from ...symm_mem import aligned
+from ..examples import Example
 from ..matmul_reduce_scatter.spec import MatmulReduceScatter, MatmulReduceScatterCall
 from ..matmul_reduce_scatter.spec import check_arguments as check_reduce_scatter
 from ..matmul_reduce_scatter.spec import check_epilogue as check_reduce_scatter_epilogue
 from .schedules import OPTIONAL, SCHEDULES
+
+MATMUL_ALL_REDUCE = "matmul_all_reduce"
 
 
 @dataclass(kw_only=True)
@@ -55,6 +58,7 @@ def check_epilogue(a, bs, b_is_list, **epilogue) -> Operands:
 
 class MatmulAllReduce(MatmulReduceScatter):
     name = MATMUL_ALL_REDUCE
+    collective = ALL_REDUCE
     schedules = SCHEDULES
     optional_schedules = OPTIONAL
     call_class = MatmulAllReduceCall
@@ -149,6 +153,12 @@ class MatmulAllReduce(MatmulReduceScatter):
     def poison(self, buffers: Buffers) -> None:
         for t in (*buffers.outs, *buffers.recvs, *buffers.partials, *buffers.reduced):
             t.fill_(float("nan"))
+
+    def reference(self, example: Example):
+        """``sum over ranks of a_r @ b_r``, all of it (its inputs are the reduce-scatter's)."""
+        out = sum(a @ b for a, b in example.inputs)
+        scale = sum(a.abs() @ b.abs() for a, b in example.inputs)
+        return out, scale
 
     def _finish(self, call: MatmulReduceScatterCall, outs):
         results = [canon[:, :n].reshape(*call.moved_shape[:-1], n)

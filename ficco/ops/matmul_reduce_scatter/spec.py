@@ -26,7 +26,7 @@ from ...errors import InvalidArgumentError
 from ...group import rank_world, resolve
 from ...plan.buffers import Buffers
 from ...plan.epilogue import Operands, finish, gemm_into, operands, wide_dtype
-from ...plan.problem import MATMUL_REDUCE_SCATTER, REDUCE_OPS, Problem, dtype_name, even_split
+from ...plan.problem import REDUCE_OPS, REDUCE_SCATTER, Problem, dtype_name, even_split
 from ...runtime.agreement import PER_RANK
 from ...runtime.call import (
     Call,
@@ -41,7 +41,10 @@ from ...runtime.call import (
 )
 from ...symm_mem import aligned
 from ..base import OpSpec, Placements, warm_call
+from ..examples import Example, generator, randn
 from .schedules import SCHEDULES
+
+MATMUL_REDUCE_SCATTER = "matmul_reduce_scatter"
 
 
 @dataclass(kw_only=True)     # (its tensors follow Call's defaulted fields and have none)
@@ -91,6 +94,7 @@ def check_epilogue(a, bs, b_is_list, scatter_dim, **epilogue) -> Operands:
 
 class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
     name = MATMUL_REDUCE_SCATTER
+    collective = REDUCE_SCATTER
     placements = Placements(a=(-1,), a_words="Shard(-1) (this rank's slice of K)", b=(0,),
                             b_words="Shard(0) (this rank's rows of K)")
     schedules = SCHEDULES
@@ -252,6 +256,26 @@ class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
                 break
         return self._finish(call, outs)
 
+    # -- the oracle ---------------------------------------------------------------------------
+    fp8_examples = True
+
+    def example(self, rank, world, shape, rounding, seed) -> Example:
+        """Every rank's ``(W*m, k)`` slice of the activation and ``(k, n)`` shard of the
+        weight; ``inputs``: every rank's (a, b) in float64."""
+        m, k, n = shape
+        gen = generator(seed)
+        parts = [(randn(gen, world * m, k), randn(gen, k, n)) for _ in range(world)]
+        cast = [(rounding.cast(a), rounding.weight(b)) for a, b in parts]
+        (a_low, _, a_scale), (b_low, _, b_scale) = cast[rank]
+        return Example(rank, world, (a_low, b_low), rounding.epilogue(a_scale, b_scale),
+                       [(a[1], b[1]) for a, b in cast])
+
+    def reference(self, example: Example):
+        """Block ``rank`` (``even_split`` of the rows) of ``sum over ranks of a_r @ b_r``."""
+        out, scale = _summed(example.inputs)
+        start, rows = even_split(out.shape[0], example.world)[example.rank]
+        return out[start:start + rows], scale[start:start + rows]
+
     def _finish(self, call: MatmulReduceScatterCall, outs):
         p = call.problem
         units = p.block_rows // p.unit
@@ -265,6 +289,14 @@ class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
             shaped = canon.reshape(units, *call.moved_shape[1:-1], n)
             results.append(shaped.movedim(0, call.scatter_dim))
         return results if call.b_is_list else results[0]
+
+
+def _summed(parts) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum of a_r @ b_r, sum of |a_r| @ |b_r|)`` over every rank's ``(a_r, b_r)``."""
+    out = sum(a @ b for a, b in parts)
+    scale = sum(a.abs() @ b.abs() for a, b in parts)
+    assert isinstance(out, torch.Tensor) and isinstance(scale, torch.Tensor)
+    return out, scale
 
 
 SPEC = MatmulReduceScatter()

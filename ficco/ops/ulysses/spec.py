@@ -22,7 +22,7 @@ from ...errors import InvalidArgumentError
 from ...plan import HostOp
 from ...plan.buffers import Buffers
 from ...plan.epilogue import wide_dtype
-from ...plan.problem import dtype_name
+from ...plan.problem import dtype_name, even_split
 from ...runtime import agreement
 from ...runtime.call import (
     FORWARD,
@@ -207,6 +207,17 @@ class UlyssesSpec(OpSpec[UlyssesCall]):
     def result(self, call: UlyssesCall, buffers: Buffers, transport: str):
         out = context_of(buffers).out
         return out if out.dtype == call.a.dtype else out.to(call.a.dtype)
+
+
+def all_to_all(ts: list, scatter: int, gather: int, rank: int) -> torch.Tensor:
+    """What ``rank`` receives from the all-to-all of every rank's ``ts``, written out with
+    plain torch (the references' all-to-all): chunk ``rank`` (``even_split``, longer first)
+    of each along ``scatter``, concatenated along ``gather`` in rank order."""
+    pieces = []
+    for t in ts:
+        start, length = even_split(t.shape[scatter], len(ts))[rank]
+        pieces.append(t.narrow(scatter, start, length))
+    return torch.cat(pieces, dim=gather)
 
 
 def even_length(total: int, world: int, rank: int) -> int:

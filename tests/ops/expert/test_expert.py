@@ -148,10 +148,18 @@ def test_2d_plans_cut_the_moved_columns(op):
 
 @pytest.mark.parametrize("op", EP_OPS)
 def test_ring_moves_one_peer_per_step_on_one_queue(op):
+    """One peer a step; combine pulls on copy0; dispatch pulls each peer and multiplies its
+    rows on one queue, copy0 and compute taking turns (Async-TP's two streams)."""
     p = ExpertProblem(8, 4, 2, "float32", 4, 1, op=op)
     dma = schedules.get("ring", op=op).plan(p, "dma")
     pulls = [o for o in dma.ops if o.kind == "expert_copy"]
-    assert [o.peer for o in pulls] == [2, 3, 0] and {o.queue for o in pulls} == {"copy0"}
+    assert [o.peer for o in pulls] == [2, 3, 0]
+    if op == DISPATCH:
+        assert [o.queue for o in pulls] == ["copy0", "compute", "copy0"]
+        queue_of = {o.sources: o.queue for o in dma.ops if o.kind == "expert_gemm"}
+        assert [queue_of[(o.peer,)] for o in pulls] == [o.queue for o in pulls]
+    else:
+        assert {o.queue for o in pulls} == {"copy0"}
     gemms = [o.sources for o in dma.ops if o.kind == "expert_gemm"]
     # dispatch: own block first, then each peer's as it lands; combine: the blocks bound for
     # r - i at step i (pulled back by that rank), the own block last

@@ -217,3 +217,25 @@ def test_a_call_new_to_one_rank_while_its_peers_wait_in_the_kernel_is_a_fast_mis
         assert "rows m=6" in message and "rows m=5" in message, results
         assert seconds < 10, results       # a bound far below FICCO_TIMEOUT, not a speed
         assert refused == "PoisonedGroupError", results
+
+
+def test_on_the_fake_gpu_a_call_new_to_one_rank_while_its_peer_waits_in_the_kernel_is_a_mismatch():
+    """The GPU path of the same case (the launch returns at once; the kernel waits on the
+    device): a thread beside the launch answers rank 0's exchange, so rank 0 raises a
+    MismatchError naming both shapes well before FICCO_TIMEOUT (15 s), and rank 1, whose
+    kernel the answer halted, returns NaN (never data) and raises that MismatchError at its
+    next call; after ficco.shutdown() the call is exact."""
+    from ...ar_kernel_cases import new_to_one_rank_on_fake_gpu
+
+    seed = random.randrange(1 << 30)
+    (uneven0, following0, after0), (uneven1, following1, after1) = harness.pool(
+        2, {"FICCO_TIMEOUT": "20"}).run(new_to_one_rank_on_fake_gpu, seed, "one-shot-kernel",
+                                        15.0, timeout_s=300)
+    results = (uneven0, following0, uneven1, following1)
+    for kind, message, _, _ in (uneven0, following1):
+        assert kind == "MismatchError", results
+        assert "rows m=6" in message and "rows m=5" in message, results
+    assert uneven1[0] == "ok" and uneven1[3] is True, results      # NaN, never data
+    assert following0[0] == "PoisonedGroupError", results
+    assert max(r[2] for r in results) < 10, results   # far below FICCO_TIMEOUT, not a speed
+    assert after0 < 1e-5 and after1 < 1e-5, (seed, results)

@@ -55,7 +55,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ....plan import COMPUTE, Block, Gemm, Plan, PlanBuilder
-from ....plan.problem import ALL_GATHER_MATMUL, Problem
+from ....plan.problem import Problem
 from ....schedules import common
 from ....schedules.common import coalesce
 
@@ -108,7 +108,7 @@ class Ficco:
                          "fused" if self.fused else "unfused", "2d" if self.two_d else "1d"])
 
     def plan(self, problem: Problem, transport: str = "dma", copy_engines: int | None = None) -> Plan:
-        common.check_plan_args(ALL_GATHER_MATMUL, problem, transport, copy_engines)
+        common.check_plan_args("all_gather_matmul", problem, transport, copy_engines)
         builder = PlanBuilder(self.name, transport, problem)
         if problem.m == 0:
             return builder.build()

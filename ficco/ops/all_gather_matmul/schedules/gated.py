@@ -47,7 +47,7 @@ from ....plan import (
     copy_queue,
     flag_index,
 )
-from ....plan.problem import ALL_GATHER_MATMUL, Problem
+from ....plan.problem import Problem
 from ....schedules import common
 from .ficco import chunks
 
@@ -84,7 +84,7 @@ class Gated:
 
     def plan(self, problem: Problem, transport: str = "dma",
              copy_engines: int | None = None) -> Plan:
-        common.check_plan_args(ALL_GATHER_MATMUL, problem, transport, copy_engines)
+        common.check_plan_args("all_gather_matmul", problem, transport, copy_engines)
         if transport != "dma" and problem.world > 1:
             raise InvalidArgumentError(self.unavailable_reason("any", transport))
         b = PlanBuilder(self.name, transport, problem)

@@ -19,17 +19,21 @@ three peers; ``G``: a grouped GEMM over every local expert)::
                   compute  |G(own c0)|G(c0)|G(c1)|G(c2)|G(c3)|
     hetero-*      copy0..2 |pub|b|c0|c1|c2|c3|b|
                   compute  |== G(own) ==|G(c0)|G(c1)|G(c2)|G(c3)|
-    ring          copy0    |pub|b| peer 1 | peer 2 | peer 3 |b|
-                  compute  |== G(own) ==| G(peer 1) | G(peer 2) | G(peer 3) |
+    ring          compute  |pub|b|== G(own) ==|peer 2 G(peer 2)|
+                  copy0    |     |peer 1 G(peer 1)|peer 3 G(peer 3)|b|
 
 ``hetero`` starts with the own block (rows that never travel, read straight from x: no wait);
 ``uniform`` puts the own chunk c into step c. ``fused``: one grouped GEMM per step over every
 peer's chunk; ``unfused``: one per peer, started as soon as that peer's rows landed. ``2d``
 dispatch multiplies K columns c of every block by rows c of its expert's weight and adds the
 product into y (the first chunk writes; bf16/fp16 sums go to a float32 y rounded once, as the
-all-gather family's 2d points do). ``ring`` (PyTorch Async-TP's pipeline): step i moves the
-whole blocks of one peer, rank r + i, on one copy queue (``ccl``: an all-to-all in which each
-rank sends to r - i and receives from r + i only), while the GEMM of peer r + i - 1's rows runs.
+all-gather family's 2d points do). ``ring`` (PyTorch Async-TP's pipeline, as the all-gather's
+``ring``): over ``dma`` the publish and barrier 0 run on the compute queue, then the own
+block's GEMM; step i pulls the whole blocks of one peer, rank r + i, and multiplies them, the
+pull and its GEMM on one queue, copy0 (odd steps) and compute (even ones) taking turns, so a
+pull runs beside the other queue's GEMM with no event between a pull and its GEMM (``ccl``:
+an all-to-all in which each rank sends to r - i and receives from r + i only, while the GEMM
+of peer r + i - 1's rows runs).
 
 Combine runs it backwards (as ``matmul_reduce_scatter``'s family does): step c multiplies
 chunk c of every block bound for a peer into the symmetric buffer (2d: output columns c, a
@@ -51,7 +55,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ....plan import COMM, COMPUTE, Plan, PlanBuilder, copy_queue
+from ....plan import COMM, COMPUTE, Barrier, Plan, PlanBuilder, copy_queue
 from ....schedules.common import Schedule, barrier, check_plan_args, pad_barriers, pull_order
 from ..plan_ops import Exchange, GroupedGemm, Publish, Pull
 from ..problem import COMBINE, DISPATCH, check_op, chunk_of
@@ -186,13 +190,14 @@ class ExpertSchedule:
 
 @dataclass(frozen=True)
 class ExpertRing:
-    """``ring``: one peer's whole blocks per step, on one copy queue (see the module
-    docstring); the own block first (dispatch) or last (combine).
+    """``ring``: one peer's whole blocks per step (see the module docstring: dispatch pulls and
+    multiplies each on copy0 and compute in turn, combine pulls on copy0); the own block first
+    (dispatch) or last (combine).
 
     >>> from ficco.ops.expert.problem import ExpertProblem
     >>> p = ExpertProblem(8, 4, 2, "float32", 4, rank=1)
     >>> dict(ExpertRing(DISPATCH).plan(p, "dma").count())
-    {'expert_gemm': 4, 'expert_publish': 1, 'barrier': 2, 'expert_copy': 3}
+    {'expert_publish': 1, 'barrier': 2, 'expert_gemm': 4, 'expert_copy': 3}
     """
 
     op: str = DISPATCH
@@ -210,17 +215,24 @@ class ExpertRing:
             return builder.build()
         last = None
         if self.op == DISPATCH:
-            builder.add(GroupedGemm(COMPUTE, (r,), None))
             if transport == "dma":
-                ready = barrier(builder, step=0, after=[builder.add(Publish(copy_queue(0)))])
+                ready = builder.add(Barrier(COMPUTE, channel=0, step=0),
+                                    after=[builder.add(Publish(COMPUTE))])
+            builder.add(GroupedGemm(COMPUTE, (r,), None))
+            pulls = []
             for i in range(1, world):
                 q = (r + i) % world
+                queue = COMPUTE
                 if transport == "ccl":
                     landed = builder.add(Exchange(COMM, None, step=i, shift=i))
                 else:
-                    landed = last = builder.add(Pull(copy_queue(0), q, None, step=i),
-                                                after=[ready])
-                builder.add(GroupedGemm(COMPUTE, (q,), None, step=i), after=[landed])
+                    queue = copy_queue(0) if i % 2 else COMPUTE
+                    landed = builder.add(Pull(queue, q, None, step=i), after=[ready])
+                    pulls.append(landed)
+                builder.add(GroupedGemm(queue, (q,), None, step=i), after=[landed])
+            if transport == "dma":
+                barrier(builder, step=world + 1, after=pulls)
+            return builder.build()
         else:
             if transport == "dma":
                 pad_barriers(builder, world)

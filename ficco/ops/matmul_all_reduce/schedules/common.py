@@ -32,7 +32,7 @@ from ....plan import (
     ReduceScatter,
     copy_queue,
 )
-from ....plan.problem import MATMUL_ALL_REDUCE, Problem, even_split
+from ....plan.problem import Problem, even_split
 from ....schedules.common import avg_scale, barrier, check_plan_args, pull_order
 
 #: (first row, rows) of one rank's piece of a range of rows
@@ -43,7 +43,7 @@ def begin(name: str, problem: Problem, transport: str,
           copy_engines: int | None) -> tuple[PlanBuilder, bool]:
     """Check the arguments and start schedule ``name``'s plan: (builder, whole), ``whole``
     when one rank makes the plan its own GEMMs alone (already added)."""
-    check_plan_args(MATMUL_ALL_REDUCE, problem, transport, copy_engines)
+    check_plan_args("matmul_all_reduce", problem, transport, copy_engines)
     builder = PlanBuilder(name, transport, problem)
     if problem.world == 1:
         gemms(builder, 0, problem.m, "out")

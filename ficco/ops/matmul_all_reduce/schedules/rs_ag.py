@@ -41,7 +41,7 @@ from ....plan import (
     Wait,
     copy_queue,
 )
-from ....plan.problem import MATMUL_REDUCE_SCATTER, Problem, even_split
+from ....plan.problem import Problem, even_split
 from ....schedules.common import barrier, pad_barriers, pull_order
 from ...matmul_reduce_scatter import schedules as reduce_scatter
 from . import common
@@ -68,7 +68,7 @@ class RsAg:
         if whole:
             return builder.build()
         schedule = _rs_schedule(self.reduce_scatter)
-        rs = dataclasses.replace(problem, op=MATMUL_REDUCE_SCATTER)
+        rs = dataclasses.replace(problem, op="matmul_reduce_scatter")
         mine = schedule.plan(rs, transport, copy_engines)
         lead = mine if problem.rank == 0 else \
             schedule.plan(dataclasses.replace(rs, rank=0), transport, copy_engines)

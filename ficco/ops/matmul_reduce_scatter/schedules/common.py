@@ -13,7 +13,7 @@ per step (a partial may move only once its producer has computed it), so pull co
 from __future__ import annotations
 
 from ....plan import COMM, COMPUTE, AllToAll, Block, Copy, Gemm, PlanBuilder, Reduce, copy_queue
-from ....plan.problem import MATMUL_REDUCE_SCATTER, Problem, even_split
+from ....plan.problem import Problem, even_split
 from ....schedules.common import avg_scale, barrier, check_plan_args
 
 #: a rectangle of one destination block, relative to the block: (row0, rows, col0, cols)
@@ -21,7 +21,7 @@ Piece = tuple[int, int, int, int]
 
 
 def check(problem: Problem, transport: str, copy_engines: int | None) -> None:
-    check_plan_args(MATMUL_REDUCE_SCATTER, problem, transport, copy_engines)
+    check_plan_args("matmul_reduce_scatter", problem, transport, copy_engines)
 
 
 def begin(name: str, problem: Problem, transport: str,
