@@ -19,6 +19,8 @@ that names no setting (a misspelt ``FICCO_SCHEDUEL``) is warned about once per p
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import math
 import os
 import threading
@@ -35,7 +37,9 @@ class Knob:
     default: Any
     parse: Callable[[str], Any]
     doc: str
-    choices: tuple | None = None
+    #: the values it takes (a function of none: asked when a value is checked, its answer
+    #: cached by the function itself)
+    choices: tuple | Callable[[], tuple] | None = None
     #: ``parse`` also checks values set from Python (numbers), not only env strings
     checks_values: bool = False
 
@@ -52,9 +56,10 @@ class Knob:
             value = self.parse(raw.strip())
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{self.env}={raw!r} is not valid: {exc}; {self.doc}") from None
-        if self.choices is not None and value not in self.choices:
-            named = ", ".join(str(c) for c in self.choices if c is not None)
-            unset = f", or leave {self.env} unset" if None in self.choices else ""
+        choices = self.choices() if callable(self.choices) else self.choices
+        if choices is not None and value not in choices:
+            named = ", ".join(str(c) for c in choices if c is not None)
+            unset = f", or leave {self.env} unset" if None in choices else ""
             raise ConfigError(f"{self.env}={raw!r} is not valid; use one of: {named}{unset}")
         return value
 
@@ -119,8 +124,17 @@ def _names(raw: str) -> tuple[str, ...]:
     return names
 
 
+@functools.lru_cache(maxsize=1)
+def backend_names() -> tuple[str | None, ...]:
+    """What FICCO_BACKEND takes: the name of a backend package of ficco/backends, or nothing
+    (``ficco.backends.names``, asked by name: the backends sit above the settings;
+    ``ficco.backends.refresh`` asks again)."""
+    return (None, *importlib.import_module("ficco.backends").names())
+
+
 KNOBS: dict[str, Knob] = {k.env: k for k in [
-    Knob("FICCO_BACKEND", None, str.lower, "cpu, cuda or rocm", choices=(None, "cpu", "cuda", "rocm")),
+    Knob("FICCO_BACKEND", None, str.lower, "a backend of ficco/backends: cpu, cuda, rocm",
+         choices=backend_names),
     # Checked against the op's schedules when a call reads it (names depend on the op): it
     # forces the ops that have a schedule of that name; the others choose as if unset.
     Knob("FICCO_SCHEDULE", None, str.lower,
@@ -234,9 +248,10 @@ def scope(**settings):
                 value = knob.parse(value)
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"{name}={value!r} is not valid: {exc}; {knob.doc}") from None
-        if knob.choices is not None and value not in knob.choices:
+        choices = knob.choices() if callable(knob.choices) else knob.choices
+        if choices is not None and value not in choices:
             raise ConfigError(f"{name}={value!r} is not valid; use one of: "
-                              f"{', '.join(map(str, knob.choices))}")
+                              f"{', '.join(map(str, choices))}")
         new[env] = value
     _overrides_stack().append(new)
     try:
@@ -261,7 +276,7 @@ def snapshot() -> tuple:
     stack = getattr(_local, "stack", None)   # (one Python call per call: no helpers)
     overrides = stack[-1] if stack else None
     return (tuple(map(os.environ.get, _SNAPSHOT_ENV)),
-            tuple(sorted([(k, repr(v)) for k, v in overrides.items()])) if overrides else ())
+            tuple(sorted(zip(overrides, map(repr, overrides.values())))) if overrides else ())
 
 
 # Typed accessors: the names the rest of ficco uses. Each is its knob's bound ``read``, one

@@ -47,9 +47,11 @@ class ShardRNG:
     def __init__(self, seed: int, group=None, *, devices=None):
         rank, _ = rank_world(resolve(group))
         self.rank_seed = (int(seed) * _SPREAD + rank + 1) % (1 << 63)
-        if devices is None:
-            devices = ["cpu"] + ([f"cuda:{torch.cuda.current_device()}"]
-                                 if torch.cuda.is_available() else [])
+        if devices is None:   # the CPU and the current accelerator (cuda, xpu…), if any
+            accelerator = torch.accelerator.current_accelerator(check_available=True)
+            devices = ["cpu"] + ([torch.device(accelerator.type,
+                                               torch.accelerator.current_device_index())]
+                                 if accelerator is not None else [])
         self.devices = [torch.device(d) for d in devices]
         self._mine = {d: torch.Generator(device=d).manual_seed(self.rank_seed).get_state()
                       for d in self.devices}
@@ -75,14 +77,14 @@ class ShardRNG:
 def _get(device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return torch.get_rng_state()
-    return torch.cuda.get_rng_state(device)
+    return torch.get_device_module(device.type).get_rng_state(device)
 
 
 def _set(device: torch.device, state: torch.Tensor) -> None:
     if device.type == "cpu":
         torch.set_rng_state(state)
     else:
-        torch.cuda.set_rng_state(state, device)
+        torch.get_device_module(device.type).set_rng_state(state, device)
 
 
 __all__ = ["ShardRNG"]

@@ -544,7 +544,7 @@ def stream_ordered(real):
     the fake GPU's host tensors they would run at once, before the queued GEMMs wrote what they
     read. The caller waits for its stream instead (a logged blocking host call)."""
     def ordered(*args, **kwargs):
-        if not torch.cuda.is_current_stream_capturing():
+        if not capturing():
             current_stream().synchronize()
         return real(*args, **kwargs)
     ordered.real = real  # type: ignore[attr-defined]
@@ -552,13 +552,21 @@ def stream_ordered(real):
 
 
 # -- the backend -----------------------------------------------------------------------------------
-def backend_class(vendor_name: str):
-    """A CudaBackend / RocmBackend whose torch work runs in stream order on the fake device."""
+def capturing() -> bool:
+    """Whether this thread captures a graph on the fake device."""
+    return getattr(_tls, "capture", None) is not None
+
+
+def backend_class(vendor_name: str, base=None):
+    """A CudaBackend / RocmBackend (or ``base``, a GpuBackend of another device module, with
+    the ``vendor_name`` vendor's calls) whose torch work runs in stream order on the fake
+    device."""
     from ficco.backends.cuda import CudaBackend
     from ficco.backends.gpu import GpuBackend
     from ficco.backends.rocm import RocmBackend
 
-    base = CudaBackend if vendor_name == "cuda" else RocmBackend
+    if base is None:
+        base = CudaBackend if vendor_name == "cuda" else RocmBackend
 
     class FakeGpuBackend(base):
         make_vendor = vendor_class(vendor_name)
@@ -592,13 +600,13 @@ def backend_class(vendor_name: str):
             # while a queued copy may still read or write it by address: the call's tensors
             # are retired with its commands (dropped once every queue was idle), as a device's
             # caching allocator reuses them only for work ordered after the call.
-            if not torch.cuda.is_current_stream_capturing():
+            if not capturing():
                 device = _device()
                 with device.cond:
                     device._retired.append(buffers)
 
         def fence(self, outputs, *args):
-            if torch.cuda.is_current_stream_capturing():
+            if capturing():
                 return GpuBackend.fence(self, outputs, *args)
             current_stream().enqueue(lambda: GpuBackend.fence(self, outputs, *args))
 
@@ -607,6 +615,7 @@ def backend_class(vendor_name: str):
 
 # -- install ---------------------------------------------------------------------------------------
 _state: dict = {}
+_MISSING = object()
 _PATCHED = ("Stream", "Event", "current_stream", "stream", "current_device", "set_device",
             "synchronize", "is_current_stream_capturing", "get_device_properties",
             "get_device_capability", "device_count")
@@ -623,25 +632,29 @@ class _Properties:
 
 
 def install(vendor: str = "cuda", hw_queues: int = 8, sms: int = 16,
-            batch_copies: bool = False):
-    """Replace ``torch.cuda``'s streams and events by the fake device's and make the fake
-    backend ficco's ``vendor`` backend (``FICCO_BACKEND=vendor``). Returns the device.
-    ``batch_copies``: the vendor submits a queue's copies in one call (as CUDA >= 12.8)."""
+            batch_copies: bool = False, device_type: str = "cuda"):
+    """Replace the streams and events of torch's ``device_type`` module (``torch.cuda``) by
+    the fake device's and make the fake backend ficco's ``vendor`` backend
+    (``FICCO_BACKEND=vendor``; a vendor other than cuda and rocm is a backend package of
+    ``ficco.backends`` found by its name). Returns the device. ``batch_copies``: the vendor
+    submits a queue's copies in one call (as CUDA >= 12.8)."""
     from ficco import backends
 
     uninstall()
     device = Device(hw_queues, sms)
+    module = getattr(torch, device_type)
     _state.update(device=device, vendor=vendor, hw_queues=hw_queues, batch_copies=batch_copies,
-                  saved={name: getattr(torch.cuda, name) for name in _PATCHED})
+                  module=module,
+                  saved={name: getattr(module, name, _MISSING) for name in _PATCHED})
     patched = {"Stream": FakeStream, "Event": FakeEvent, "current_stream": current_stream,
                "stream": stream_context, "current_device": lambda: 0,
                "set_device": lambda d: None,
                "synchronize": lambda device=None: _device().synchronize(),
-               "is_current_stream_capturing": lambda: getattr(_tls, "capture", None) is not None,
+               "is_current_stream_capturing": capturing,
                "get_device_properties": lambda d=None: _Properties(_device().sms),
                "get_device_capability": lambda d=None: (9, 0), "device_count": lambda: 1}
     for name, value in patched.items():
-        setattr(torch.cuda, name, value)
+        setattr(module, name, value)
     # the device's own argument checks, on host tensors
     from ficco.plan import epilogue as scaled
 
@@ -656,8 +669,17 @@ def install(vendor: str = "cuda", hw_queues: int = 8, sms: int = 16,
     for m, real in _state["saved_finish"]:
         m.finish = stream_ordered(real)
     os.environ["FICCO_BACKEND"] = vendor
-    backends.install(vendor, backend_class(vendor)())
+    backends.install(vendor, _make(vendor))
     return device
+
+
+def _make(vendor: str):
+    """The fake backend of ``vendor``: cuda's or rocm's here, another one's from its package."""
+    from ficco import backends
+
+    if vendor in ("cuda", "rocm"):
+        return backend_class(vendor)()
+    return backends.backend_class(vendor)()
 
 
 def uninstall() -> None:
@@ -670,7 +692,10 @@ def uninstall() -> None:
         backend.close()
     _state["device"].stop()
     for name, value in _state["saved"].items():
-        setattr(torch.cuda, name, value)
+        if value is _MISSING:
+            delattr(_state["module"], name)
+        else:
+            setattr(_state["module"], name, value)
     if "saved_checks" in _state:
         from ficco.plan import epilogue as scaled
 
@@ -689,7 +714,7 @@ def ensure(vendor: str = "cuda", hw_queues: int = 8) -> Device:
     if _state.get("vendor") != vendor or _state.get("hw_queues") != hw_queues:
         install(vendor, hw_queues)
     elif not backends.installed(vendor):
-        backends.install(vendor, backend_class(vendor)())
+        backends.install(vendor, _make(vendor))
     os.environ["FICCO_BACKEND"] = vendor
     return _device()
 
@@ -703,3 +728,8 @@ def submitted() -> int:
     GPU: a copy or batch of copies, an event record or wait, a stream memory operation, a
     kernel)."""
     return getattr(_tls, "submitted", 0)
+
+
+def installed() -> bool:
+    """Whether a fake device is installed in this process."""
+    return "device" in _state

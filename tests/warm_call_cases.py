@@ -54,3 +54,29 @@ def warm_call_counts(rank, world, op, warmup=3, calls=10):
     ran = ficco.session_of().last
     ficco.shutdown()
     return count(stats, calls)["ficco"], lock_acquisitions(stats, calls), ran
+
+
+def fewest_warm_calls(rank, world, op, schedule, transport, warmup=3, calls=8):
+    """The fewest ficco Python calls any of ``calls`` warm calls of ``op`` (``schedule`` over
+    ``transport``) made on this rank, each profiled alone: what the warm path itself costs,
+    without the polls a loaded host adds when a queue is slow to drain (and, as the benchmark
+    runs, without FICCO_POISON's fills, which the test ranks' environment turns on)."""
+    gen = torch.Generator().manual_seed(200 + rank)
+    b = torch.randn(64, 64, generator=gen)
+    rows = 64 if op == "all_gather_matmul" else world * 64
+    a = torch.randn(rows, 64, generator=gen)
+    fn = getattr(ficco, op)
+    fewest = None
+    with ficco.config.scope(transport=transport, poison=False):
+        for i in range(warmup + calls):
+            profiler = cProfile.Profile()
+            if i >= warmup:
+                profiler.enable()
+            fn(a, b, schedule=schedule)
+            profiler.disable()
+            if i >= warmup:
+                made = count(pstats.Stats(profiler), 1)["ficco"]
+                fewest = made if fewest is None else min(fewest, made)
+    ran = ficco.session_of().last
+    ficco.shutdown()
+    return fewest, (ran.schedule, ran.transport)

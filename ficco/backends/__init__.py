@@ -1,44 +1,101 @@
 """Backend selection: exactly one backend is active per process.
 
-``FICCO_BACKEND`` forces one (cpu, cuda, rocm); otherwise the first usable of rocm (torch's
-ROCm build), cuda, cpu — a GPU build with a visible device wins over the CPU. The automatic
-choice is made once per process (asking the GPU runtimes costs far more than a call's own
-host work); a changed ``FICCO_BACKEND`` is honoured at the next call, since it is read each
-time like every setting.
+A backend is a package of this folder (``ficco/backends/<name>/``) that defines a
+:class:`Backend` subclass whose ``name`` is the package's: found by that name, nothing listed
+elsewhere (:func:`names`). ``FICCO_BACKEND`` forces one; otherwise the usable backend of the
+highest ``priority`` its class declares (rocm, a ROCm build of torch, before cuda before cpu:
+a GPU build with a visible device wins over the CPU). The automatic choice is made once per
+process (asking the GPU runtimes costs far more than a call's own host work); a changed
+``FICCO_BACKEND`` is honoured at the next call, since it is read each time like every
+setting. Each backend instance registers its symmetric-memory provider for its device type
+with :mod:`ficco.symm_mem` when it is made (symmetric memory sits below the backends).
 """
 from __future__ import annotations
 
 import functools
 import importlib
+import pkgutil
 import threading
 
 from .. import config
 from ..errors import BackendUnavailableError
+from ..symm_mem.handle import register_provider
 from .base import Backend
 
-_CLASSES = {"cuda": ("ficco.backends.cuda", "CudaBackend"),
-            "rocm": ("ficco.backends.rocm", "RocmBackend"),
-            "cpu": ("ficco.backends.cpu", "CpuBackend")}
 _active: dict[str, Backend] = {}
 _lock = threading.Lock()
 
 
+@functools.lru_cache(maxsize=1)
+def _found() -> dict[str, type[Backend] | str]:
+    """name -> the Backend subclass of every backend package of this folder's path (or why
+    its package cannot be imported); a package of shared code (``gpu``) defines none of its
+    own name."""
+    found: dict[str, type[Backend] | str] = {}
+    for info in pkgutil.iter_modules(__path__):
+        if not info.ispkg:
+            continue
+        module = f"{__name__}.{info.name}"
+        try:
+            package = importlib.import_module(module)
+        except ImportError as exc:
+            found[info.name] = f"the {info.name} backend cannot be imported: {exc}"
+            continue
+        classes = [c for c in vars(package).values() if isinstance(c, type) and
+                   issubclass(c, Backend) and c.__dict__.get("name") == info.name]
+        if classes:
+            found[info.name] = classes[0]
+    return found
+
+
+def names() -> tuple[str, ...]:
+    """Every backend package's name, sorted.
+
+    >>> names()
+    ('cpu', 'cuda', 'rocm')
+    """
+    return tuple(sorted(_found()))
+
+
+def refresh() -> None:
+    """Look for backend packages again (one added to this folder's path at run time, as a
+    test does) and make the next automatic choice anew."""
+    _found.cache_clear()
+    config.backend_names.cache_clear()
+    auto_name.cache_clear()
+
+
 def backend_class(name: str) -> type[Backend]:
-    if name not in _CLASSES:
+    """The :class:`Backend` subclass of backend package ``name``."""
+    found = _found().get(name)
+    if found is None:
         raise BackendUnavailableError(
-            f"unknown backend {name!r}; valid backends: {', '.join(_CLASSES)}")
-    module, cls = _CLASSES[name]
+            f"unknown backend {name!r}; valid backends: {', '.join(names())}")
+    if isinstance(found, str):
+        raise BackendUnavailableError(found)
+    return found
+
+
+def by_priority() -> list[str]:
+    """Every backend's name, the highest ``priority`` first (the automatic choice's order)."""
+    return sorted(names(), key=lambda n: -_priority(n))
+
+
+def _priority(name: str) -> int:
     try:
-        return getattr(importlib.import_module(module), cls)
-    except (ImportError, AttributeError) as exc:
-        raise BackendUnavailableError(f"the {name} backend cannot be imported: {exc}") from exc
+        return backend_class(name).priority
+    except BackendUnavailableError:
+        return -1
 
 
 def gpu_reasons() -> dict[str, str]:
-    """Why each GPU backend cannot run here (empty for one that can), so an error about a
-    tensor on a GPU under the cpu backend can say what is missing (a binding, a device)."""
+    """Why each device backend (every one but cpu) cannot run here (empty for one that can),
+    so an error about a tensor on a GPU under the cpu backend can say what is missing (a
+    binding, a device)."""
     reasons = {}
-    for name in ("rocm", "cuda"):
+    for name in by_priority():
+        if name == "cpu":
+            continue
         try:
             reason = backend_class(name).unavailable_reason()
         except BackendUnavailableError as exc:
@@ -49,13 +106,13 @@ def gpu_reasons() -> dict[str, str]:
 
 
 def unavailable_note() -> str:
-    """One sentence naming why each GPU backend is unavailable ("" when one is available).
+    """One sentence naming why each device backend is unavailable ("" when one is available).
 
     >>> "cuda:" in unavailable_note() or unavailable_note() == ""
     True
     """
     reasons = gpu_reasons()
-    if len(reasons) < 2:
+    if len(reasons) < len(names()) - 1:
         return ""
     return "no GPU backend can run here (" + "; ".join(f"{n}: {r}" for n, r in reasons.items()) \
         + ")"
@@ -63,10 +120,11 @@ def unavailable_note() -> str:
 
 @functools.lru_cache(maxsize=1)
 def auto_name() -> str:
-    """The backend chosen when ``FICCO_BACKEND`` names none: the first usable of rocm, cuda,
-    cpu, asked once per process (``auto_name.cache_clear()`` asks again)."""
+    """The backend chosen when ``FICCO_BACKEND`` names none: the usable one of the highest
+    priority, asked once per process (``auto_name.cache_clear()`` asks again)."""
     reasons = gpu_reasons()
-    return next((name for name in ("rocm", "cuda") if name not in reasons), "cpu")
+    return next((name for name in by_priority() if name != "cpu" and name not in reasons),
+                "cpu")
 
 
 def get_backend(name: str | None = None) -> Backend:
@@ -86,8 +144,18 @@ def get_backend(name: str | None = None) -> Backend:
             reason = cls.unavailable_reason()
             if reason is not None:
                 raise BackendUnavailableError(f"FICCO_BACKEND={name} cannot run here: {reason}")
-            _active[name] = cls()
+            _active[name] = _registered(cls())
         return _active[name]
+
+
+def _registered(backend: Backend) -> Backend:
+    """``backend``, its symmetric-memory provider registered for its device type."""
+    register_provider(backend.device_type, backend.symm_provider, backend.device)
+    return backend
+
+
+# Symmetric memory named by no device: the active backend's (made on first use).
+register_provider(None, lambda: get_backend().symm_provider(), lambda: get_backend().device())
 
 
 def install(name: str, backend: Backend | None) -> Backend | None:
@@ -96,7 +164,7 @@ def install(name: str, backend: Backend | None) -> Backend | None:
     with _lock:
         old = _active.pop(name, None)
         if backend is not None:
-            _active[name] = backend
+            _active[name] = _registered(backend)
     return old
 
 
@@ -116,10 +184,13 @@ __all__ = [
     "Backend",
     "auto_name",
     "backend_class",
+    "by_priority",
     "close_all",
     "get_backend",
     "gpu_reasons",
     "install",
     "installed",
+    "names",
+    "refresh",
     "unavailable_note",
 ]

@@ -21,8 +21,15 @@ from ..symm_mem.barrier import WRITE
 
 
 class Backend(ABC):
-    #: short name used by FICCO_BACKEND: "cpu", "cuda", "rocm"
+    #: short name used by FICCO_BACKEND, the name of the backend's package: "cpu", "cuda"…
     name: ClassVar[str]
+    #: the torch device type of what it drives ("cpu", "cuda": torch's ROCm build too, "xpu"…):
+    #: its GPU code reaches torch through ``torch.get_device_module(device_type)``
+    #: (:meth:`device_module`), and its symmetric-memory provider is registered for it
+    device_type: ClassVar[str]
+    #: the automatic choice takes the usable backend of the highest priority
+    #: (:func:`ficco.backends.auto_name`): a device over the CPU
+    priority: ClassVar[int] = 0
     #: Compute-queue GEMMs and host tasks go through :meth:`gemm_current` and
     #: :meth:`launch_current`, no queue looked up per step (GPUs: the compute queue is the
     #: caller's current stream while the executor enqueues).
@@ -51,6 +58,13 @@ class Backend(ABC):
     #: program per channel serves every call (ficco.symm_mem.barrier); else the programs come
     #: with their values filled in.
     signal_templates: ClassVar[bool] = False
+    #: :meth:`keep_alive` has work to do (set for every class that overrides it); else the
+    #: executor skips it.
+    keeps_alive: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.keeps_alive = cls.keep_alive is not Backend.keep_alive
 
     # -- availability -----------------------------------------------------------------------
     @classmethod
@@ -67,11 +81,22 @@ class Backend(ABC):
     def device(self) -> torch.device:
         """The torch device tensors of this backend live on."""
 
+    def device_module(self) -> Any:
+        """torch's module of :attr:`device_type` (``torch.cuda``, ``torch.xpu``…): its streams,
+        events, synchronize, properties and random state."""
+        return torch.get_device_module(self.device_type)
+
+    def fp8_forms(self) -> tuple[torch.dtype, ...]:
+        """The fp8 dtypes this device's matrix units multiply, preferred first (the OCP forms
+        here; MI300's CDNA3 takes only the fnuz ones)."""
+        return (torch.float8_e4m3fn, torch.float8_e5m2)
+
     # -- queues and events ------------------------------------------------------------------
     @abstractmethod
     def queue(self, name: str) -> Any:
         """The queue for a plan queue name: "compute", "copy{i}", "comm". "compute" is the
-        caller's current stream on GPUs. Copy queues beyond what exists wrap around."""
+        caller's current stream on GPUs. Copy queues beyond what exists wrap around. Its form
+        is the backend's: a worker thread (CPU), a ``Stream`` of :meth:`device_module` (GPUs)."""
 
     def lane(self) -> Any:
         """A set of queues of its own for one session (a group's calls), so calls on two
@@ -185,9 +210,10 @@ class Backend(ABC):
                 self.signal_wait(queue, op, deadline)
 
     @abstractmethod
-    def finish(self, queues: list[Any]) -> None:
+    def finish(self, queues: list[Any], timeout_s: float | None = None) -> None:
         """End of one call: make the caller's compute queue wait for every other queue (GPU),
-        or block until all queues drained and re-raise any worker error (CPU)."""
+        or block until all queues drained and re-raise any worker error (CPU); ``timeout_s``:
+        the call's FICCO_TIMEOUT (None: read it now), for a backend whose finish waits."""
 
     def keep_alive(self, buffers: Any) -> None:
         """End of one call, after :meth:`finish` (or :meth:`finish_failed`): the call's

@@ -200,7 +200,7 @@ NOTHING_FUSED = (
     "docs/training.md, 'torch's async TP on ficco'.")
 
 
-def install_symm_mem_override(device_types=("cpu", "cuda")) -> SymmMemOverride:
+def install_symm_mem_override(device_types=None) -> SymmMemOverride:
     """Run ficco behind torch's own async tensor parallelism.
 
     torch's compiler pass for async TP (``torch._inductor.config._micro_pipeline_tp = True``,
@@ -212,7 +212,8 @@ def install_symm_mem_override(device_types=("cpu", "cuda")) -> SymmMemOverride:
     graphs keep the shapes and strides torch promised. Idempotent; returns a handle whose
     ``remove()`` (or ``with``) undoes it and whose ``calls`` count what ran ficco. When the
     first optimizer step after it ran no GEMM through ficco, it warns once
-    (:class:`ficco.errors.FiccoWarning`, naming the pass's conditions).
+    (:class:`ficco.errors.FiccoWarning`, naming the pass's conditions). ``device_types``:
+    where the twins run (default: every device type of ficco's backends, cpu and cuda).
 
     >>> import ficco
     >>> with ficco.compat.install_symm_mem_override() as override:   # doctest: +SKIP
@@ -223,8 +224,15 @@ def install_symm_mem_override(device_types=("cpu", "cuda")) -> SymmMemOverride:
     if _override is None:
         import torch.distributed._symmetric_memory  # noqa: F401 - defines the symm_mem ops
 
-        _override = SymmMemOverride(device_types)
+        _override = SymmMemOverride(device_types or _device_types())
     return _override
+
+
+def _device_types() -> tuple[str, ...]:
+    """The device type of every backend package (cpu, cuda: ROCm's too)."""
+    from ..backends import backend_class, names
+
+    return tuple(dict.fromkeys(backend_class(n).device_type for n in names()))
 
 
 def _symm_all_gather_matmul(A_shard, Bs, gather_dim, group_name, *, return_A=True):
@@ -232,8 +240,9 @@ def _symm_all_gather_matmul(A_shard, Bs, gather_dim, group_name, *, return_A=Tru
 
 
 def _dispatch_key(device_type: str) -> str:
-    keys = {"cpu": "CPU", "cuda": "CUDA"}
-    if device_type not in keys:
+    types = _device_types()    # torch's dispatch key of a device type is its name, upper case
+    if device_type not in types:
         raise InvalidArgumentError(f"device_types holds {device_type!r}; ficco overrides torch's "
-                                   f"symm_mem ops for 'cpu' and 'cuda' (ROCm included)")
-    return keys[device_type]
+                                   f"symm_mem ops for its backends' device types: "
+                                   f"{', '.join(types)}")
+    return device_type.upper()

@@ -93,13 +93,14 @@ def execute(plan: Plan | CompiledPlan, backend, buffers: Buffers, *, timeout_s: 
                 lambda op: op_label(op, plan.problem.rank))
         else:
             _run(steps, backend, buffers, queues, events, views, timeout_s, lane)
-        backend.finish(queues_used)
+        backend.finish(queues_used, timeout_s)
     except BaseException as exc:
         _name_work_step(exc, compiled, variant.work, steps, views)
         backend.finish_failed(queues_used)   # what was queued still runs: order it (GPUs)
         raise
     finally:
-        backend.keep_alive(buffers)
+        if backend.keeps_alive:
+            backend.keep_alive(buffers)
     return None
 
 

@@ -139,9 +139,11 @@ def gated_task(backend, problem, op, a_local, gathered, b, out, flags, timeout_s
             return
         err = gated_gemm(a, gathered, b, out, segments, flags, local_row0=local_row0,
                          halt=fault.word_device, timeout_s=timeout_s, family=family,
-                         max_programs=_resident(out.device, symm.device_sharers), trace=trace,
+                         max_programs=_resident(backend.device_module(), out.device,
+                                                symm.device_sharers), trace=trace,
                          trace_mode=mode)
-        if torch.cuda.is_current_stream_capturing():
+        dm = backend.device_module()
+        if dm.is_current_stream_capturing():
             # Captured: nothing to check from here (an entry bound to a captured event and
             # to a word only a replay writes would mislead the next eager call). A replay
             # that gives up raises the group's word and writes NaN tiles itself, which the
@@ -149,7 +151,7 @@ def gated_task(backend, problem, op, a_local, gathered, b, out, flags, timeout_s
             return
         word = torch.empty(1, dtype=torch.int32, pin_memory=out.device.type != "cpu")
         word.copy_(err, non_blocking=True)
-        done = torch.cuda.Event()
+        done = dm.Event()
         done.record()
         fault.gated.append((done, lambda: _error(word, describe, timeout_s)))
     return run
@@ -166,14 +168,15 @@ def _error(word, describe, timeout_s):
     return None
 
 
-def _resident(device, sharers: int) -> int:
-    """:func:`~ficco.kernels.configs.resident_programs` of ``device`` shared by ``sharers``
-    ranks of the call's group (the device's units looked up once)."""
+def _resident(device_module, device, sharers: int) -> int:
+    """:func:`~ficco.kernels.configs.resident_programs` of ``device`` (of torch's
+    ``device_module``) shared by ``sharers`` ranks of the call's group (the device's units
+    looked up once)."""
     index = device.index or 0
     units = _resident_cache.get(index)
     if units is None:
         units = _resident_cache[index] = \
-            torch.cuda.get_device_properties(index).multi_processor_count
+            device_module.get_device_properties(index).multi_processor_count
     from . import configs
 
     return configs.resident_programs(units, sharers)
@@ -305,7 +308,8 @@ def shot_task(buffers, op):
             check_error(err, rank, timeout_s)
             return
         family = configs.family(symm.backend.target())
-        capturing = torch.cuda.is_current_stream_capturing()
+        dm = symm.backend.device_module()
+        capturing = dm.is_current_stream_capturing()
         # watched from before the launch: a launch that blocks its host thread (Triton's
         # interpreter on the fake GPU) is answered while it waits too
         entry = _Answering.watch(answer, fault) if answer is not None and not capturing \
@@ -315,7 +319,7 @@ def shot_task(buffers, op):
                                   two_shot=op.two_shot, first_channel=op.first_channel,
                                   scale=op.scale, halt=fault.word_device, timeout_s=timeout_s,
                                   family=family,
-                                  max_programs=_resident(out.device, symm.device_sharers),
+                                  max_programs=_resident(dm, out.device, symm.device_sharers),
                                   tables=tables)
         except BaseException:
             if entry is not None:
@@ -325,7 +329,7 @@ def shot_task(buffers, op):
             return     # a replay that gives up raises the group's word and writes NaN itself
         word = torch.empty(4, dtype=torch.int32, pin_memory=out.device.type != "cpu")
         word.copy_(err, non_blocking=True)
-        done = torch.cuda.Event()
+        done = dm.Event()
         done.record()
         fault.gated.append((done, lambda: _shot_error(word, rank, timeout_s)))
         if entry is not None:

@@ -10,11 +10,12 @@ dtypes, the backend and the settings every rank must share (groups: :mod:`ficco.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 import os
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
@@ -23,7 +24,15 @@ from ..backends import get_backend
 from ..errors import ConfigError, InvalidArgumentError
 from ..group import key as group_key
 from ..plan.problem import dtype_name
+from . import agreement
 from . import session as sessions
+
+if TYPE_CHECKING:
+    from ..executor.compiler import CompiledPlan
+    from ..heuristics.decision import Decision
+    from ..heuristics.explore import Exploration
+    from ..plan import Plan
+    from ..plan.problem import DtypeFields
 
 #: The dtypes every op accepts (float64 is for references and tests).
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -101,6 +110,46 @@ class Reuse:
 
     def __init__(self) -> None:
         self.offsets: tuple[int, ...] | None = None
+
+
+class Answer:
+    """What a call's first dma barrier runs while it waits (:func:`ficco.runtime.agreement.answer`),
+    made once per :class:`Prepared`; ``number`` is set per call (calls on one session are
+    serialised). It holds the session, never the group (which the session holds weakly)."""
+
+    __slots__ = ("number", "session", "signature")
+
+    def __init__(self, call: Call, sig: dict[str, Any]):
+        self.session, self.signature, self.number = call.session, sig, 0
+
+    def __call__(self) -> None:
+        session = self.session
+        agreement.answer(session.group, session.rank, session.world, self.signature,
+                         self.number)
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """Everything a warm call of one key under one set of settings reuses: made once, at its
+    first sight (:func:`ficco.runtime.path.run`), then looked up. ``decision`` is None for the
+    plain path (FICCO_DISABLE, or nothing to overlap)."""
+
+    template: Call | None       # the checked Call, without group and tensors
+    settings: Settings          # validated settings (ficco.runtime.path.settings)
+    signature: dict[str, Any]   # what every rank agreed on
+    digest: int                 # its 63-bit digest
+    agreed: agreement.Agreed
+    problem: DtypeFields        # the problem decided on (per-rank widths at the widest)
+    decision: Decision | None
+    plan: Plan | None           # its Plan (None: plain path)
+    compiled: CompiledPlan | None   # the Plan compiled once
+    workspace_bytes: int | None  # per rank, dma only
+    wide: bool                  # the plan's outputs are float32, rounded once (Plan.wide_outputs)
+    answer: Answer              # what the call's first dma barrier runs while it waits
+    #: ``auto``'s exploration of the key while its calls run the shortlist, and this key's
+    #: Prepared form per candidate (schedule, transport) it ran
+    explorer: Exploration | None = None
+    variants: dict[tuple[str, str], Prepared] | None = None
 
 
 # -- warm calls: the canonical Call of a known key, validated once -----------------------------
@@ -280,10 +329,12 @@ def check_fits(nbytes: int, device: torch.device, what: str) -> None:
 def _memory_bytes(kind: str, index: int | None) -> int | None:
     if kind == "cpu":
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if kind == "cuda":   # (ROCm too)
-        return torch.cuda.get_device_properties(
-            index if index is not None else torch.cuda.current_device()).total_memory
-    return None          # meta tensors: shapes only
+    module = getattr(torch, kind, None)      # torch's device module (cuda: ROCm too; xpu…)
+    if module is None or not hasattr(module, "get_device_properties"):
+        return None      # meta tensors: shapes only
+    props = module.get_device_properties(index if index is not None else
+                                         module.current_device())
+    return getattr(props, "total_memory", None)
 
 
 def backend_for(t: torch.Tensor, name: str, backend=None):
@@ -319,8 +370,56 @@ def check_environment(knobs: dict) -> None:
                           f"directory (made if missing) or unset it")
 
 
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Every setting of one call, read and validated once (:func:`settings`); a call reads
+    them as fields. Field names are the keys ranks agree on (:meth:`agreed`)."""
+
+    disable: bool                        # FICCO_DISABLE: the plain path
+    schedule: str | None                 # the forced schedule (argument > FICCO_SCHEDULE)
+    schedule_by: str | None              # "argument", "FICCO_SCHEDULE", or None
+    transport: str                       # "dma", "ccl" or "auto"
+    selector: str                        # FICCO_SELECTOR (argument first)
+    #: auto's measuring mode (FICCO_AUTO): every rank must explore (or measure up front) alike
+    auto_mode: str
+    #: tune measures each candidate collectively: every rank must measure the same list
+    tune_candidates: tuple[str, ...] | None
+    profile: str | None                  # FICCO_PROFILE, then the identity of the one in force
+    topology: str | None
+    copy_engines: int | None
+    symm: str | None
+    signal_pads: str | None
+    #: the selector prices one hardware queue differently: agreed
+    hardware_queues: tuple[int | None, int | None]
+    backward_gather: str | None
+    paper: tuple[float, float]
+    # how long a rank waits, and whether it poisons its buffers: not agreed
+    timeout_s: float
+    poison: bool
+
+    #: settings that change how long or how loudly a rank works, not what it computes
+    NOT_AGREED: ClassVar[frozenset[str]] = frozenset({"schedule_by", "timeout_s", "poison"})
+    #: the settings a Decision depends on (the transport enters through the candidate
+    #: transports; timeout, log level and poisoning change how a call runs, not what it picks)
+    DECIDING: ClassVar[tuple[str, ...]] = ("selector", "schedule", "schedule_by", "profile",
+                                           "topology", "copy_engines", "paper",
+                                           "tune_candidates", "auto_mode")
+
+    def agreed(self) -> dict[str, Any]:
+        """The settings every rank must share, by name (part of the call's signature)."""
+        return {f: getattr(self, f) for f in self.__slots__ if f not in self.NOT_AGREED}
+
+    def deciding(self) -> tuple:
+        """The values of :attr:`DECIDING` (part of a decision's key)."""
+        return tuple(getattr(self, f) for f in self.DECIDING)
+
+    def replace(self, **changes: Any) -> Settings:
+        """These settings with ``changes``."""
+        return dataclasses.replace(self, **changes)
+
+
 def settings(schedule: str | None = None, transport: str | None = None,
-             selector: str | None = None) -> dict:
+             selector: str | None = None) -> Settings:
     """Every setting that changes what a rank does, read and validated now (before any
     communication) so a bad value fails on its own rank, and so ranks can agree on them.
     Settings that only change how long or how loudly a rank works (timeout, log, poison,
@@ -330,27 +429,23 @@ def settings(schedule: str | None = None, transport: str | None = None,
     config.warn_unknown()
     check_environment(knobs)
     low, high = config.paper_thresholds()
-    return {
-        "disable": knobs["FICCO_DISABLE"],
-        "schedule": schedule if schedule is not None else knobs["FICCO_SCHEDULE"],
-        "schedule_by": "argument" if schedule is not None else (
+    return Settings(
+        disable=knobs["FICCO_DISABLE"],
+        schedule=schedule if schedule is not None else knobs["FICCO_SCHEDULE"],
+        schedule_by="argument" if schedule is not None else (
             "FICCO_SCHEDULE" if knobs["FICCO_SCHEDULE"] else None),
-        "transport": transport or knobs["FICCO_TRANSPORT"],
-        "selector": selector or knobs["FICCO_SELECTOR"],
-        # auto's measuring mode: every rank must explore (or measure up front) alike
-        "auto_mode": knobs["FICCO_AUTO"],
-        # tune measures each candidate collectively: every rank must measure the same list
-        "tune_candidates": knobs["FICCO_TUNE_CANDIDATES"],
-        "profile": knobs["FICCO_PROFILE"],
-        "topology": knobs["FICCO_TOPOLOGY"],
-        "copy_engines": knobs["FICCO_COPY_ENGINES"],
-        "symm": knobs.get("FICCO_SYMM"),
-        "signal_pads": knobs.get("FICCO_SIGNAL_PADS"),
-        # the selector prices one hardware queue differently: agreed
-        "hardware_queues": (config.hardware_queues("cuda"), config.hardware_queues("rocm")),
-        "backward_gather": knobs.get("FICCO_BACKWARD_GATHER"),
-        "paper": (low, high),
-        # how long a rank waits, and whether it poisons its buffers: not agreed
-        "timeout_s": knobs["FICCO_TIMEOUT"],
-        "poison": knobs["FICCO_POISON"],
-    }
+        transport=transport or knobs["FICCO_TRANSPORT"],
+        selector=selector or knobs["FICCO_SELECTOR"],
+        auto_mode=knobs["FICCO_AUTO"],
+        tune_candidates=knobs["FICCO_TUNE_CANDIDATES"],
+        profile=knobs["FICCO_PROFILE"],
+        topology=knobs["FICCO_TOPOLOGY"],
+        copy_engines=knobs["FICCO_COPY_ENGINES"],
+        symm=knobs.get("FICCO_SYMM"),
+        signal_pads=knobs.get("FICCO_SIGNAL_PADS"),
+        hardware_queues=(config.hardware_queues("cuda"), config.hardware_queues("rocm")),
+        backward_gather=knobs.get("FICCO_BACKWARD_GATHER"),
+        paper=(low, high),
+        timeout_s=knobs["FICCO_TIMEOUT"],
+        poison=knobs["FICCO_POISON"],
+    )

@@ -12,7 +12,6 @@ communicates: :func:`run` hands it to the op's plain path, here and nowhere else
 from __future__ import annotations
 
 import dataclasses
-import operator
 
 import torch
 
@@ -29,21 +28,16 @@ from ..symm_mem import workspace
 from ..symm_mem.barrier import call_flag
 from . import agreement, guard
 from . import session as sessions
-from .call import Call
+from .call import Answer, Call, Prepared, Settings
 from .call import settings as read_settings
-from .session import Prepared, Session, channel_of, drop_all, peek
+from .session import Session, channel_of, drop_all, peek
 
-#: The settings a Decision depends on (the transport setting enters through the candidate
-#: transports; timeout, log level and poisoning change how a call runs, not what it picks).
-_DECIDING = operator.itemgetter("selector", "schedule", "schedule_by", "profile", "topology",
-                                "copy_engines", "paper", "tune_candidates", "auto_mode")
-_RUNNING = operator.itemgetter("copy_engines", "poison", "timeout_s")
 _PREPARED_PER_KEY = 16       # settings x roles x overrides one call key is run under
 
 
 # -- settings and agreement -----------------------------------------------------------------------
 def settings(call: Call, schedule: str | None = None, transport: str | None = None,
-             selector: str | None = None) -> dict:
+             selector: str | None = None) -> Settings:
     """Every setting of this call, validated before any communication: env values, the forced
     schedule (against the op's schedules), the transport, the device profile. Remembered per
     (environment, overrides, arguments) on the call's session. (A forced schedule is checked
@@ -60,72 +54,51 @@ def settings(call: Call, schedule: str | None = None, transport: str | None = No
     return s
 
 
-def _settings(call: Call, schedule, transport, selector) -> dict:
+def _settings(call: Call, schedule, transport, selector) -> Settings:
     if transport is not None and transport not in TRANSPORT_SETTINGS:
         raise InvalidArgumentError(f"transport must be one of {', '.join(TRANSPORT_SETTINGS)}; "
                                    f"got {transport!r}")
     s = read_settings(schedule, transport, selector)
-    if s["schedule_by"] == "FICCO_SCHEDULE" and call.op.name not in schedules.ops_with(
-            s["schedule"]) and schedules.ops_with(s["schedule"]):
+    forced = s.schedule
+    if s.schedule_by == "FICCO_SCHEDULE" and forced is not None and call.op.name not in \
+            schedules.ops_with(forced) and schedules.ops_with(forced):
         # One variable for every op: it forces the ops that have a schedule of that name
         # (ring-bidir: the dense ones); the others choose as if it were unset.
-        s = {**s, "schedule": None, "schedule_by": None}
-    if s["schedule"] is not None:
+        s = s.replace(schedule=None, schedule_by=None)
+    if s.schedule is not None:
         try:
-            chosen = call.op.schedule(s["schedule"])
+            chosen = call.op.schedule(s.schedule)
         except InvalidArgumentError as exc:
-            if s["schedule_by"] != "FICCO_SCHEDULE":
+            if s.schedule_by != "FICCO_SCHEDULE":
                 raise
-            raise ConfigError(f"FICCO_SCHEDULE={s['schedule']!r} is not valid: {exc}") from None
+            raise ConfigError(f"FICCO_SCHEDULE={s.schedule!r} is not valid: {exc}") from None
         # Optional schedules (gated-*: Triton) say here, before any communication, why not.
         why = schedules.why_not_here(chosen.name, call.target,
-                                     "ccl" if s["transport"] == "ccl" else "dma", call.op.name)
+                                     "ccl" if s.transport == "ccl" else "dma", call.op.name)
         if why and call.world > 1:
-            raise InvalidArgumentError(f"schedule {s['schedule']!r} cannot run here: {why}")
+            raise InvalidArgumentError(f"schedule {s.schedule!r} cannot run here: {why}")
 
     from ..heuristics import profiles
 
     profiles.resolve(call.target)   # a bad FICCO_PROFILE fails here, alone
     # agreed and part of the decision key: which profile prices (a calibrated one included)
-    s["profile"] = profiles.identity(call.target)
-    return s
+    return s.replace(profile=profiles.identity(call.target))
 
 
-#: Settings that change how long or how loudly a rank works, not what it computes: not agreed.
-_NOT_AGREED = frozenset({"schedule_by", "timeout_s", "poison"})
+def signature(call: Call, s: Settings) -> dict:
+    """What every rank must share for this call: the op's fields and the agreed settings."""
+    return {**call.op.signature(call), **s.agreed()}
 
 
-def signature(call: Call, s: dict) -> dict:
-    """What every rank must share for this call: the op's fields and the settings."""
-    agreed = {k: v for k, v in s.items() if k not in _NOT_AGREED}
-    return {**call.op.signature(call), **agreed}
-
-
-def signed(call: Call, s: dict) -> tuple[dict, int]:
+def signed(call: Call, s: Settings) -> tuple[dict, int]:
     """``(signature, digest)`` of ``call`` under settings ``s``, a forced schedule checked
     against the call's epilogue first (no communication yet)."""
-    if s["schedule"] is not None and call.world > 1:
-        why = epilogue_reason(s["schedule"], call.problem)
+    if s.schedule is not None and call.world > 1:
+        why = epilogue_reason(s.schedule, call.problem)
         if why:
-            raise InvalidArgumentError(f"schedule {s['schedule']!r} cannot run this call: {why}")
+            raise InvalidArgumentError(f"schedule {s.schedule!r} cannot run this call: {why}")
     sig = signature(call, s)
     return sig, agreement.digest(sig)
-
-
-class _Answer:
-    """What a call's first dma barrier runs while it waits (:func:`ficco.runtime.agreement.answer`),
-    made once per Prepared; ``number`` is set per call (calls on one session are
-    serialised). It holds the session, never the group (which the session holds weakly)."""
-
-    __slots__ = ("number", "session", "signature")
-
-    def __init__(self, call: Call, sig: dict):
-        self.session, self.signature, self.number = call.session, sig, 0
-
-    def __call__(self) -> None:
-        session = self.session
-        agreement.answer(session.group, session.rank, session.world, self.signature,
-                         self.number)
 
 
 # -- running ----------------------------------------------------------------------------------------
@@ -157,22 +130,62 @@ def abandoned(group) -> None:
         channel.take()
 
 
+def _alone(call: Call, schedule, transport, selector):
+    """A world of one: its settings validated as any call's, then the op's plain path.
+    Nothing is agreed and nothing communicates (docs/design.md section 10)."""
+    settings(call, schedule, transport, selector)
+    return call.op.plain(call)
+
+
 def _run(call: Call, schedule, transport, selector, profiled: bool):
+    """A call in phases (a world of one: :func:`_alone`): admitted, agreed, run (the plain
+    path or the plan), a failure named; docs/design.md section 10 walks through them."""
     if call.world == 1:
-        settings(call, schedule, transport, selector)   # validated alike
-        return call.op.plain(call)
-    session, channel = call.session, call.session.channel
-    assert channel is not None             # (a group of more than one rank has one)
+        return _alone(call, schedule, transport, selector)
     known = call.known
     run_key = (config.snapshot(), call.role, schedule, transport, selector)
-    prepared: Prepared | None = None if known is None else known.prepared.get(run_key)
+    prepared = None if known is None else known.prepared.get(run_key)
+    session = call.session
+    s, number = _admitted(call, prepared, schedule, transport, selector)
+    stage = guard.Stage()
+    values = 0
+    try:
+        try:
+            # values every rank must pass alike beyond the signature (the all-reduce's bias)
+            values = call.op.values_word(call) if call.op.values_what else 0
+            prepared, call, word, exchanged = _agreed(call, prepared, s, run_key, number, stage)
+            if prepared.decision is None:      # FICCO_DISABLE, or nothing to overlap
+                return _plain(call, prepared, number, exchanged, values, stage)
+            if prepared.explorer is not None:      # auto exploring the key's shortlist
+                return _explored(call, prepared, known, run_key, word ^ values, number,
+                                 exchanged, stage, profiled, values)
+            buffers = _execute(session, call, prepared, word ^ values, number, exchanged, stage,
+                               profiled, values)
+            session.last = prepared.decision
+            return call.op.result(call, buffers, prepared.decision.transport)
+        except BaseException as exc:
+            named = _named(call, exc, number, prepared, values, stage)
+            if named is exc:
+                raise
+            raise named from exc
+    finally:
+        session.lock.release()
+
+
+def _admitted(call: Call, prepared: Prepared | None, schedule, transport, selector
+              ) -> tuple[Settings, int]:
+    """Phase 1: the call's settings (its Prepared's, else validated now), its group's lock
+    (bounded; none on a poisoned group) and its number in the group's sequence of calls."""
+    session = call.session
+    channel = session.channel
+    assert channel is not None             # (a group of more than one rank has one)
     lock = session.lock
     try:
         s = prepared.settings if prepared is not None else \
             settings(call, schedule, transport, selector)
         # One call per group at a time (bounded), and none on a poisoned group.
-        if not lock.acquire(timeout=s["timeout_s"]):
-            raise session.busy(call.op.name, s["timeout_s"])
+        if not lock.acquire(timeout=s.timeout_s):
+            raise session.busy(call.op.name, s.timeout_s)
         if session.poisoned is not None:
             lock.release()
             raise session.refusal()
@@ -182,54 +195,59 @@ def _run(call: Call, schedule, transport, selector, profiled: bool):
     # This call's place in the group's sequence, in the order calls run (the lock's): two
     # threads of a rank take numbers in the order their calls pair with the peers'.
     number = channel.number = next(channel.numbers)
-    stage = guard.Stage()
-    try:
-        try:
-            exchanged = prepared is None or prepared.digest not in channel.agreed
-            # values every rank must pass alike beyond the signature (the all-reduce's bias)
-            values = call.op.values_word(call) if call.op.values_what else 0
-            if exchanged or prepared is None:
-                prepared, call, word, exchanged = _prepare(call, s, number, stage)
-                # (a decision made without measuring where the selector measures, a rank that
-                # could not time, is not kept: the next call measures)
-                if known is not None and not call.op.exchanges and (
-                        prepared.decision is None or prepared.decision.final
-                        or prepared.explorer is not None):
-                    if len(known.prepared) >= _PREPARED_PER_KEY:
-                        known.prepared.clear()
-                    known.prepared[run_key] = prepared
-            else:       # (agreement.mixed, written out: the warm path)
-                word = (prepared.digest ^ (number * agreement.MIX)) & agreement.MASK
-            word ^= values
-            decision = prepared.decision
-            if decision is None:      # FICCO_DISABLE, or nothing to overlap
-                stage.transport, stage.schedule = "ccl", "plain"
-                stage.step = "the call check before the plain path"
-                if not exchanged or values:   # the plain path is a collective too: check it
-                    agreement.check(channel, call.group, call.rank, call.world,
-                                    prepared.digest ^ values, number, call.op.name)
-                stage.step, stage.pending = "the plain path's collective", True
-                return call.op.plain(call)
-            if prepared.explorer is not None:
-                return _explored(call, prepared, known, run_key, word, number, exchanged, stage,
-                                 profiled, values)
-            buffers = _execute(session, call, prepared, word, number, exchanged, stage,
-                               profiled, values)
-            session.last = decision
-            return call.op.result(call, buffers, decision.transport)
-        except BaseException as exc:
-            digest = None if prepared is None else prepared.digest
-            named = guard.failed(call, _described(call, exc, number, digest), stage)
-            if values and isinstance(named, MismatchError):
-                named = _values_differ(call, named, values)
-            if named is exc:
-                raise
-            raise named from exc
-    finally:
-        lock.release()
+    return s, number
 
 
-def _prepare(call: Call, s: dict, number: int, stage: guard.Stage):
+def _agreed(call: Call, prepared: Prepared | None, s: Settings, run_key: tuple, number: int,
+            stage: guard.Stage) -> tuple[Prepared, Call, int, bool]:
+    """Phase 2: ``(Prepared, call, word, exchanged)``: a warm call's word from its digest and
+    number; else the call agreed with every rank and prepared (:func:`_prepare`), then kept."""
+    channel = call.session.channel
+    assert channel is not None
+    if prepared is not None and prepared.digest in channel.agreed:
+        # (agreement.mixed, written out: the warm path)
+        return prepared, call, (prepared.digest ^ (number * agreement.MIX)) & agreement.MASK, \
+            False
+    prepared, call, word, exchanged = _prepare(call, s, number, stage)
+    known = call.known
+    # (a decision made without measuring where the selector measures, a rank that could not
+    # time, is not kept: the next call measures)
+    if known is not None and not call.op.exchanges and (
+            prepared.decision is None or prepared.decision.final
+            or prepared.explorer is not None):
+        if len(known.prepared) >= _PREPARED_PER_KEY:
+            known.prepared.clear()
+        known.prepared[run_key] = prepared
+    return prepared, call, word, exchanged
+
+
+def _plain(call: Call, prepared: Prepared, number: int, exchanged: bool, values: int,
+           stage: guard.Stage):
+    """Phase 3 of a call without a plan (FICCO_DISABLE, nothing to overlap): the call check
+    where no exchange just compared the ranks' calls, then the op's plain collective."""
+    stage.transport, stage.schedule = "ccl", "plain"
+    stage.step = "the call check before the plain path"
+    if not exchanged or values:   # the plain path is a collective too: check it
+        channel = call.session.channel
+        assert channel is not None
+        agreement.check(channel, call.group, call.rank, call.world, prepared.digest ^ values,
+                        number, call.op.name)
+    stage.step, stage.pending = "the plain path's collective", True
+    return call.op.plain(call)
+
+
+def _named(call: Call, exc: BaseException, number: int, prepared: Prepared | None, values: int,
+           stage: guard.Stage) -> BaseException:
+    """Phase 4, on failure: ``exc`` named for the caller (rank, op, schedule, step, the peers'
+    calls), the group poisoned where the failure left it out of step (:mod:`.guard`)."""
+    digest = None if prepared is None else prepared.digest
+    named = guard.failed(call, _described(call, exc, number, digest), stage)
+    if values and isinstance(named, MismatchError):
+        named = _values_differ(call, named, values)
+    return named
+
+
+def _prepare(call: Call, s: Settings, number: int, stage: guard.Stage):
     """The first sight of a call key under settings ``s`` (or a call whose routing is data):
     its signature agreed with every rank (an exchange when its digest is new to the group),
     the call's data exchanged (expert routing), its decision, plan and compiled plan.
@@ -251,20 +269,20 @@ def _prepare(call: Call, s: dict, number: int, stage: guard.Stage):
     stage.step = None
     decision = plan = compiled = nbytes = None
     problem = call.problem
-    if not (s["disable"] or call.plain_only):
+    if not (s.disable or call.plain_only):
         problem = call.op.agreed_problem(call, agreed.per_rank)
         # (at a key's first sight a measuring selector runs the call's candidates here)
         stage.step = "choosing its schedule"
         decision = _decide(call, s, agreed, problem, Live(call, s, digest, number))
         stage.step = None
         plan, compiled = _plan(call.session, call.op, decision.schedule, decision.transport,
-                               call.problem, s["copy_engines"])
+                               call.problem, s.copy_engines)
         if decision.transport == "dma":
             nbytes = call.op.workspace_bytes(call)
     template = call.known.template if call.known is not None else None
     exploring = None if decision is None else decision.exploring
     prepared = Prepared(template, s, sig, digest, agreed, problem, decision, plan, compiled,
-                        nbytes, plan is not None and plan.wide_outputs(), _Answer(call, sig),
+                        nbytes, plan is not None and plan.wide_outputs(), Answer(call, sig),
                         exploring, None if exploring is None else {})
     return prepared, call, word, exchanged
 
@@ -279,14 +297,15 @@ def _explored(call: Call, prepared: Prepared, known, run_key, word: int, number:
     from ..heuristics import Decision
 
     backend = call.backend
-    exploration = prepared.explorer
+    exploration, decided, variants = prepared.explorer, prepared.decision, prepared.variants
+    assert exploration is not None and decided is not None and variants is not None
     if exploration.settled is None:
         live = Live(call, prepared.settings, prepared.digest, number)
         # (the first call's selector just checked)
         blocked = live.cannot_time() if exploration.calls else None
         if blocked is not None:
             choice = exploration.model_choice()
-            decision = Decision(choice.schedule, choice.transport, "auto", prepared.decision.inputs,
+            decision = Decision(choice.schedule, choice.transport, "auto", decided.inputs,
                                 choice.scores, f"not explored: the model's pick: {choice.reason}",
                                 decided_by=f"the model's prediction (not explored: this rank "
                                            f"cannot time now: {blocked})", final=False)
@@ -301,16 +320,16 @@ def _explored(call: Call, prepared: Prepared, known, run_key, word: int, number:
             known.prepared[run_key] = final
         return _run_as(call, final, word, number, exchanged, stage, profiled, values)
     index, candidate, _ = exploration.next_call()
-    variant = prepared.variants.get(candidate)
+    variant = variants.get(candidate)
     if variant is None:
-        if candidate == (prepared.decision.schedule, prepared.decision.transport):
+        if candidate == (decided.schedule, decided.transport):
             variant = prepared
         else:
             variant = _variant(call, prepared, dataclasses.replace(
-                prepared.decision, schedule=candidate[0], transport=candidate[1],
+                decided, schedule=candidate[0], transport=candidate[1],
                 reason=f"exploring: this call of the key runs {candidate[0]} ({candidate[1]}), "
                        f"one of the shortlisted candidates", exploring=None))
-        prepared.variants[candidate] = variant
+        variants[candidate] = variant
     watch = backend.started()
     out = _run_as(call, variant, word, number, exchanged, stage, profiled, values)
     exploration.record(index, backend.stopped(watch))
@@ -321,7 +340,7 @@ def _explored(call: Call, prepared: Prepared, known, run_key, word: int, number:
 def _variant(call: Call, prepared: Prepared, decision) -> Prepared:
     """``prepared`` running ``decision``'s schedule and transport instead (not exploring)."""
     plan, compiled = _plan(call.session, call.op, decision.schedule, decision.transport,
-                           call.problem, prepared.settings["copy_engines"])
+                           call.problem, prepared.settings.copy_engines)
     nbytes = call.op.workspace_bytes(call) if decision.transport == "dma" else None
     return dataclasses.replace(prepared, decision=decision, plan=plan, compiled=compiled,
                                workspace_bytes=nbytes, wide=plan.wide_outputs(), explorer=None,
@@ -330,9 +349,13 @@ def _variant(call: Call, prepared: Prepared, decision) -> Prepared:
 
 def _run_as(call: Call, prepared: Prepared, word: int, number: int, exchanged: bool,
             stage: guard.Stage, profiled: bool, values: int):
+    """Phase 3 of ``call`` run as ``prepared`` says (an exploring call's candidate, or its
+    settled decision): the plan executed, the result in the caller's layout."""
     buffers = _execute(call.session, call, prepared, word, number, exchanged, stage, profiled,
                        values)
-    decision = call.session.last = prepared.decision
+    decision = prepared.decision
+    assert decision is not None           # (a call with a plan)
+    call.session.last = decision
     return call.op.result(call, buffers, decision.transport)
 
 
@@ -356,8 +379,9 @@ def _execute(session: Session, call: Call, prepared: Prepared, word: int, number
     flag made from the call's ``word``: digest and number), the op's buffers, then (ccl, a
     call not just agreed by an exchange) the call check, then the plan. The buffers come
     before the check: a rank that cannot allocate leaves no collective of this call pending
-    in its peers. Returns the buffers."""
-    decision, backend = prepared.decision, call.backend
+    in its peers. Returns the buffers (phase 3 of a call with a plan)."""
+    decision, compiled, backend = prepared.decision, prepared.compiled, call.backend
+    assert decision is not None and compiled is not None     # (a call with a plan)
     transport = stage.transport = decision.transport
     stage.schedule = decision.schedule
     symm = None
@@ -378,7 +402,7 @@ def _execute(session: Session, call: Call, prepared: Prepared, word: int, number
         answer.number = number
     stage.step, stage.local = "allocating the call's buffers", True
     buffers = call.op.buffers(call, transport, symm, wide=prepared.wide, plan=prepared.plan)
-    if prepared.settings["poison"]:
+    if prepared.settings.poison:
         _poison(call.op, backend, buffers)
     stage.local = False
     if transport == "ccl" and (not exchanged or values):
@@ -388,7 +412,7 @@ def _execute(session: Session, call: Call, prepared: Prepared, word: int, number
         agreement.check(channel, call.group, call.rank, call.world, prepared.digest ^ values,
                         number, call.op.name)
     stage.step, stage.pending = None, transport == "ccl"
-    execute_plan(prepared.compiled, backend, buffers, timeout_s=prepared.settings["timeout_s"],
+    execute_plan(compiled, backend, buffers, timeout_s=prepared.settings.timeout_s,
                  lane=session.lane or session.queues_lane(), profiled=profiled)
     if symm is not None and backend.guards_dma:
         # GPUs: NaN instead of data if the watchdog had to release one of this call's barriers.
@@ -435,7 +459,7 @@ def candidate_transports(setting: str, same_host: bool) -> tuple[str, ...]:
     return ("dma", "ccl") if same_host else ("ccl",)
 
 
-def decide(call: Call, s: dict, agreed: agreement.Agreed):
+def decide(call: Call, s: Settings, agreed: agreement.Agreed):
     """The Decision for ``call`` (identical on every rank: selectors see no rank, and the
     problem they see has each per-rank width at its widest, as ``agreed``), made once per
     (op, that problem's key, backend target, candidate transports, deciding settings) and then
@@ -449,10 +473,10 @@ def decide(call: Call, s: dict, agreed: agreement.Agreed):
                    Live(call, s))
 
 
-def _decide(call: Call, s: dict, agreed, problem, live: Live):
-    transports = candidate_transports(s["transport"], agreed.same_host)
+def _decide(call: Call, s: Settings, agreed, problem, live: Live):
+    transports = candidate_transports(s.transport, agreed.same_host)
     problem = _decided_as(problem)
-    key = (call.op.name, problem.key(), call.target, transports, _DECIDING(s))
+    key = (call.op.name, problem.key(), call.target, transports, s.deciding())
     decisions = call.session.decisions
     decision = decisions.get(key)
     if decision is not None:
@@ -463,8 +487,8 @@ def _decide(call: Call, s: dict, agreed, problem, live: Live):
     from ..heuristics import choose
 
     decision = choose(problem, transport=transports, target=call.target,
-                      selector=s["selector"], forced=s["schedule"], forced_by=s["schedule_by"],
-                      live=live, auto_mode=s["auto_mode"])
+                      selector=s.selector, forced=s.schedule, forced_by=s.schedule_by,
+                      live=live, auto_mode=s.auto_mode)
     if isinstance(problem, Problem) and problem.m > EXACT_ROWS and decision.selector != "forced":
         decision = dataclasses.replace(decision, reason=f"{decision.reason} (decided at "
                                        f"m={problem.m}: every m of its bucket takes it)")
@@ -527,7 +551,7 @@ def _plan(session: Session, op, name: str, transport: str, problem, engines) -> 
 
 
 def execute(call: Call, name: str, transport: str, trace: bool = False,
-            settings: dict | None = None, word: int | None = None):
+            settings: Settings | None = None, word: int | None = None):
     """Run schedule ``name`` over ``transport`` once, outside the call's own run (the
     measuring selectors' runs, traces): returns (buffers, plan, trace rows). Every rank runs
     the same call here, so its barriers carry one flag on every rank: the call's (``word``:
@@ -536,7 +560,7 @@ def execute(call: Call, name: str, transport: str, trace: bool = False,
     if settings is None:
         engines, poison, timeout_s = config.copy_engines(), config.poison(), config.timeout_s()
     else:
-        engines, poison, timeout_s = _RUNNING(settings)
+        engines, poison, timeout_s = settings.copy_engines, settings.poison, settings.timeout_s
     session = call.session
     plan, compiled = _plan(session, call.op, name, transport, call.problem, engines)
     symm = None
@@ -568,7 +592,7 @@ class Live:
     layout, so a transport's per-call cost is in its time. Every rank runs the same runs in
     the same order (the selectors' order), each one collective."""
 
-    def __init__(self, call: Call, s: dict, digest: int | None = None, number: int = 0):
+    def __init__(self, call: Call, s: Settings, digest: int | None = None, number: int = 0):
         self.call, self.settings, self.digest, self.number = call, s, digest, number
         self.word = None if digest is None else agreement.mixed(digest, number)
         self.agreed = call.session.measured
@@ -617,7 +641,7 @@ def traced(call: Call, schedule: str, transport: str | None = None):
     assert session.channel is not None
     try:
         sig, word = signed(call, s)
-        lock = session.enter(call.op.name, s["timeout_s"])
+        lock = session.enter(call.op.name, s.timeout_s)
     except BaseException:
         session.channel.take()
         raise
@@ -628,7 +652,7 @@ def traced(call: Call, schedule: str, transport: str | None = None):
                                                 call.op.name, word, number).same_host
         if call.op.exchanges:
             call, _ = call.op.exchange(call, agreement.mixed(word, number))
-        via = candidate_transports(s["transport"], same_host)[0]
+        via = candidate_transports(s.transport, same_host)[0]
         stage.transport, stage.schedule, stage.step = via, schedule, None
         stage.pending = via == "ccl"
         buffers, plan, rows = execute(call, call.op.schedule(schedule).name, via, trace=True,
@@ -655,16 +679,16 @@ def explain(call: Call, schedule: str | None = None):
     s = settings(call, schedule)
     sig, _ = signed(call, s)
     known = agreement.known(call.group, sig) if call.world > 1 else None
-    transports = candidate_transports(s["transport"], True if known is None else
+    transports = candidate_transports(s.transport, True if known is None else
                                       known.same_host)
     # The widths every rank agreed on, once agreed (before: this rank's own); the rows in
     # their decision bucket, as the call decides.
     problem = _decided_as(call.problem if known is None else
                           call.op.agreed_problem(call, known.per_rank))
     decision = choose(problem, transport=transports, target=call.target,
-                      selector=s["selector"], forced=s["schedule"], forced_by=s["schedule_by"],
-                      auto_mode=s["auto_mode"], exploring=_explorations(call))
-    if known is None and s["transport"] == "auto" and call.world > 1:
+                      selector=s.selector, forced=s.schedule, forced_by=s.schedule_by,
+                      auto_mode=s.auto_mode, exploring=_explorations(call))
+    if known is None and s.transport == "auto" and call.world > 1:
         decision = dataclasses.replace(
             decision, reason=f"{decision.reason} (transport assumes one host: not yet agreed "
                              f"with the other ranks)")

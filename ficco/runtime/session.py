@@ -4,8 +4,9 @@ from the group *object*, never from its name.
 Everything ficco keeps about a group between calls lives here: the lock that serialises its
 calls, whether an earlier call left it poisoned, its symmetric workspace, its queues (a
 backend *lane*: threads or streams of its own), the calls it agreed with its peers, the
-:class:`Prepared` form of each call it made, its plans and decisions, which measured
-decisions (``auto``, ``tune``) every rank of it holds, and the last decision it ran. The
+:class:`~ficco.runtime.call.Prepared` form of each call it made, its plans and decisions,
+which measured decisions (``auto``, ``tune``) every rank of it holds, and the last decision
+it ran. The
 conversation with the peers through the group's store (which epoch of it the ranks joined,
 how many exchanges it holds, where every rank runs, the number of this rank's next call) is
 the group's :class:`Channel`, shared by its sessions.
@@ -31,7 +32,6 @@ import itertools
 import threading
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CommTimeoutError, PoisonedGroupError
@@ -102,39 +102,16 @@ class Channel:
             self.sequence = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Prepared:
-    """Everything a warm call of one key under one set of settings reuses: made once, at its
-    first sight, then looked up. ``decision`` is None for the plain path (FICCO_DISABLE, or
-    nothing to overlap)."""
-
-    template: Any               # the checked Call, without group and tensors
-    settings: dict              # validated settings (ficco.runtime.path.settings)
-    signature: dict             # what every rank agreed on
-    digest: int                 # its 63-bit digest
-    agreed: Any                 # ficco.runtime.agreement.Agreed
-    problem: Any                # the problem decided on (per-rank widths at the widest)
-    decision: Any               # ficco.heuristics.Decision, or None
-    plan: Any                   # its Plan (None: plain path)
-    compiled: Any               # the Plan compiled once (ficco.executor.compiler.CompiledPlan)
-    workspace_bytes: int | None  # per rank, dma only
-    wide: bool                  # the plan's outputs are float32, rounded once (Plan.wide_outputs)
-    answer: Any                 # what the call's first dma barrier runs while it waits
-    #: ``auto``'s exploration of the key (ficco.heuristics.explore.Exploration) while its calls
-    #: run the shortlist, and this key's Prepared form per candidate it ran
-    explorer: Any = None
-    variants: Any = None
-
-
 class Known:
     """What a session knows of one call key: the checked call (without group and tensors) a
-    warm call clones, and its :class:`Prepared` forms by (settings snapshot, role, overrides)."""
+    warm call clones, and its :class:`ficco.runtime.call.Prepared` forms by (settings snapshot,
+    role, overrides)."""
 
     __slots__ = ("prepared", "template")
 
     def __init__(self, template: Any):
         self.template = template
-        self.prepared: dict = {}
+        self.prepared: dict[tuple, Any] = {}     # run key -> ficco.runtime.call.Prepared
 
 
 class Session:
@@ -154,7 +131,8 @@ class Session:
         self.calls: OrderedDict[Any, Known] = OrderedDict()
         self.plans: OrderedDict[tuple, tuple] = OrderedDict()      # key -> (plan, compiled)
         self.decisions: OrderedDict[tuple, Any] = OrderedDict()
-        self.settings: dict = {}            # settings by (snapshot, op, overrides)
+        #: ficco.runtime.call.Settings by (snapshot, op, overrides)
+        self.settings: dict[tuple, Any] = {}
         self.routings: OrderedDict[tuple, tuple] = OrderedDict()   # dispatch matrices (expert)
         #: the measuring selectors' (auto, tune) cache entries ``(cache file, key)`` every rank
         #: of this group holds: found in this process's memory without asking the ranks again

@@ -205,8 +205,10 @@ class Runner:
     # -- schedules -------------------------------------------------------------------------
     def fp8_dtype(self):
         """The fp8 type this device multiplies (``torch._scaled_mm`` answers), else None."""
-        kinds = [torch.float8_e4m3fnuz] if "gfx94" in self.backend.target() else []
-        kinds.append(torch.float8_e4m3fn)
+        kinds = [k for k in self.backend.fp8_forms()      # its e4m3 form (fnuz on MI300)
+                 if k in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)]
+        if torch.float8_e4m3fn not in kinds:
+            kinds.append(torch.float8_e4m3fn)
         one = torch.ones((), dtype=torch.float32, device=self.device)
         for kind in kinds:
             try:

@@ -76,8 +76,8 @@ def local_facts(rank: int) -> dict:
         from ..symm_mem.device import device_identity
 
         index = backend.device().index or 0
-        props = torch.cuda.get_device_properties(index)
-        facts.update(name=props.name, identity=device_identity(index),
+        props = backend.device_module().get_device_properties(index)
+        facts.update(name=props.name, identity=device_identity(index, backend.device_module()),
                      compute_units=props.multi_processor_count,
                      memory_gib=round(getattr(props, "total_memory", 0) / 2 ** 30, 1),
                      copy_engines=_copy_engines(index))

@@ -22,16 +22,22 @@ and the ``FICCO_SYMM`` choice between the two).
 """
 from __future__ import annotations
 
-import importlib
-
 import torch
 
 from ..errors import InvalidArgumentError
 from .barrier import SIGNAL_CHANNELS
-from .handle import Provider, SymmHandle, aligned, owner_of, register_local
+from .handle import (
+    Provider,
+    SymmHandle,
+    aligned,
+    owner_of,
+    provider_for,
+    register_local,
+    register_provider,
+)
 
-__all__ = ["SIGNAL_CHANNELS", "Provider", "SymmHandle", "aligned", "empty", "register_local",
-           "rendezvous"]
+__all__ = ["SIGNAL_CHANNELS", "Provider", "SymmHandle", "aligned", "empty", "provider_for",
+           "register_local", "register_provider", "rendezvous"]
 
 
 def empty(shape, dtype: torch.dtype = torch.float32, device=None, group=None) -> torch.Tensor:
@@ -39,10 +45,10 @@ def empty(shape, dtype: torch.dtype = torch.float32, device=None, group=None) ->
     rank's part; ``rendezvous(t, group)`` returns its handle."""
     from .workspace import allocate_symmetric
 
-    # The process's backend, selected by name as ficco.backends selects it: the backends sit
-    # above symmetric memory (each hands in its provider, Backend.symm_provider).
-    backends = importlib.import_module("ficco.backends")
-    _handle, tensor = allocate_symmetric(backends.get_backend(), shape, dtype, device, group)
+    # The provider the backend of ``device``'s type registered (none named: the active
+    # backend's): the backends sit above symmetric memory and hand theirs in.
+    provider, default = provider_for(None if device is None else torch.device(device).type)
+    _handle, tensor = allocate_symmetric(provider, shape, dtype, device or default, group)
     return tensor
 
 

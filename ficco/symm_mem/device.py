@@ -71,10 +71,11 @@ def tensor_at(address: int, nbytes: int, device: torch.device) -> torch.Tensor:
         f"with this torch {torch.__version__}: {'; '.join(seen)}")
 
 
-def device_identity(device) -> str:
-    """What names ``device`` the same in every process that uses it, however
-    CUDA_VISIBLE_DEVICES numbers it: its UUID, else its name and PCI location."""
-    props = torch.cuda.get_device_properties(device)
+def device_identity(device, device_module) -> str:
+    """What names ``device`` (of torch's ``device_module``, the backend's) the same in every
+    process that uses it, however CUDA_VISIBLE_DEVICES numbers it: its UUID, else its name and
+    PCI location."""
+    props = device_module.get_device_properties(device)
     uuid = str(getattr(props, "uuid", "") or "")
     if uuid:
         return uuid
@@ -179,7 +180,7 @@ class GpuSymmHandle(SymmHandle):
             return
         self._closed = True
         try:
-            torch.cuda.synchronize(self.backend.device())
+            self.backend.device_module().synchronize(self.backend.device())
             if self.world > 1 and not self.local_peers:
                 self.barrier(CLOSE_CHANNEL, CLOSE_TIMEOUT_S)
             peers_done = True
@@ -208,7 +209,7 @@ def single_gpu_group(backend, world: int, nbytes: int, pad_value: int = 0) -> Gp
                  .view(torch.int32).view(SIGNAL_CHANNELS, world) for a in pads]
     for pad in pad_views:
         pad.fill_(pad_value)
-    torch.cuda.synchronize(dev)
+    backend.device_module().synchronize(dev)
 
     def release(peers_done=True):
         for a in data:

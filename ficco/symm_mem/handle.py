@@ -1,11 +1,13 @@
 """A symmetric allocation as every provider hands it out (:class:`SymmHandle`), the provider
-contract (:class:`Provider`), and the registry of tensors made by ``ficco.symm_mem.empty``.
+contract (:class:`Provider`) and the providers by device type (each backend registers its
+own: :func:`register_provider`), and the registry of tensors made by ``ficco.symm_mem.empty``.
 Kept apart from the package so its modules import these without importing the package back."""
 from __future__ import annotations
 
 import math
 import weakref
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -94,6 +96,32 @@ class Provider(ABC):
     @abstractmethod
     def allocate(self, nbytes: int, group: Any, device: torch.device) -> SymmHandle:
         """Collective over ``group``: every rank allocates ``nbytes`` and maps all peers."""
+
+
+#: device type -> (the provider, the device it allocates on by default) of the backend
+#: instance that registered last for that type; None: the process's active backend's
+_providers: dict[str | None, tuple[Callable[[], Provider], Callable[[], torch.device]]] = {}
+
+
+def register_provider(device_type: str | None, provider: Callable[[], Provider],
+                      device: Callable[[], torch.device]) -> None:
+    """A backend's symmetric memory for ``device_type`` (``provider()``: its
+    :class:`Provider`; ``device()``: where it allocates by default). Each backend instance
+    registers when it is made; ``ficco.backends`` registers None, the active backend's."""
+    _providers[device_type] = (provider, device)
+
+
+def provider_for(device_type: str | None) -> tuple[Provider, torch.device]:
+    """``(provider, default device)`` registered for ``device_type`` (None: the active
+    backend's); raises InvalidArgumentError when no backend registered one."""
+    found = _providers.get(device_type)
+    if found is None:
+        raise InvalidArgumentError(
+            f"no backend of this process provides symmetric memory on "
+            f"{device_type or 'any device'} (registered: "
+            f"{', '.join(sorted(t for t in _providers if t)) or 'none'}); make a ficco call "
+            f"or ficco.backends.get_backend() first")
+    return found[0](), found[1]()
 
 
 _owned: weakref.WeakValueDictionary[int, SymmHandle] = weakref.WeakValueDictionary()

@@ -72,9 +72,10 @@ class IpcSymmProvider(Provider):
                 pad_span = tensor_at(pad, pad_bytes(world), device)
                 pad_span.zero_()
                 pad_handle = vendor.ipc_export(pad)
-            torch.cuda.synchronize(device)  # pads are zero before any peer can write them
+            dm = self.backend.device_module()
+            dm.synchronize(device)  # pads are zero before any peer can write them
             where = (socket.gethostname(), vendor.ipc_export(data), pad_handle, on_host,
-                     device_identity(device))
+                     device_identity(device, dm))
         except Exception as exc:  # noqa: BLE001 - exchange_or_fail reports it everywhere
             failure = f"{type(exc).__name__}: {exc}"
         everyone = exchange_or_fail(group, rank, world, where, failure,

@@ -35,11 +35,12 @@ class TorchSymmProvider(Provider):
         local = handle = placement = None
         failure = None
         try:
-            placement = (socket.gethostname(), device_identity(device))
+            placement = (socket.gethostname(),
+                         device_identity(device, self.backend.device_module()))
             local = torch_symm.empty(total, dtype=torch.uint8, device=device)
             if not on_host:
                 local[aligned(nbytes):].zero_()
-            torch.cuda.synchronize(device)  # pads are zero before any peer can write them
+            self.backend.device_module().synchronize(device)  # pads zero before peers write
         except Exception as exc:  # noqa: BLE001 - exchange_or_fail reports it everywhere
             failure = f"{type(exc).__name__}: {exc}"
         # torch's rendezvous is a collective of its own, bounded only by the group's timeout:
@@ -94,6 +95,7 @@ class AutoSymmProvider(Provider):
     """
 
     def __init__(self, backend):
+        self.backend = backend
         self.ipc = IpcSymmProvider(backend)
         self.torch = TorchSymmProvider(backend)
 
@@ -107,7 +109,8 @@ class AutoSymmProvider(Provider):
             return self.ipc.allocate(nbytes, group, device)
         placement, failure = None, None
         try:
-            placement = (socket.gethostname(), device_identity(device))
+            placement = (socket.gethostname(),
+                         device_identity(device, self.backend.device_module()))
         except Exception as exc:  # noqa: BLE001 - exchange_or_fail reports it everywhere
             failure = f"{type(exc).__name__}: {exc}"
         # Bounded by FICCO_TIMEOUT and naming absent ranks (was a raw all_gather_object).

@@ -95,13 +95,13 @@ def kept(handle) -> bool:
         return any(h is handle for h in _kept)
 
 
-def allocate_symmetric(backend, shape, dtype, device, group):
-    """Back end of ``ficco.symm_mem.empty``: a symmetric allocation holding one tensor."""
+def allocate_symmetric(provider, shape, dtype, device, group):
+    """Back end of ``ficco.symm_mem.empty``: a symmetric allocation of ``provider`` on
+    ``device`` holding one tensor."""
     group = resolve(group)
     rank, _ = rank_world(group)
     nbytes = aligned(int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size())
-    handle = backend.symm_provider().allocate(nbytes, group,
-                                              torch.device(device or backend.device()))
+    handle = provider.allocate(nbytes, group, torch.device(device))
     tensor = handle.get_buffer(rank, tuple(shape), dtype)
     register_local(handle, tensor)
     keep(handle)      # never unmapped before exit: views may outlive anything

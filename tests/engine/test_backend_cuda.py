@@ -394,7 +394,7 @@ def test_an_input_on_another_gpu_than_the_backends_is_a_clear_error():
     from ficco.backends.gpu import GpuBackend
 
     class Bound:
-        name, _device = "cuda", torch.device("cuda", 0)
+        name, device_type, _device = "cuda", "cuda", torch.device("cuda", 0)
 
 
     class OnGpu1:     # only .device is read
@@ -495,6 +495,7 @@ def test_eager_barrier_records_arrival_then_program_then_done(monkeypatch):
     class Fake:
         name, captures_signals = "cuda", True
         vendor, _watchdog = Vendor(), Dog()
+        dm, native = torch.cuda, GpuBackend.native     # torch's device module, stream handle
 
     class Queue:
         cuda_stream = 0x77

@@ -261,7 +261,7 @@ def test_rocm_refuses_to_capture_a_cross_rank_barrier(monkeypatch):
     from ficco.symm_mem.barrier import Deadline
 
     class Fake:
-        name, captures_signals = "rocm", False
+        name, captures_signals, dm = "rocm", False, torch.cuda
         capture_refusal = RocmBackend.capture_refusal
 
         def _raise_died(self):

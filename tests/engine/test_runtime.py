@@ -263,3 +263,26 @@ def _group_released(rank, world, seed):
 def test_a_known_call_keeps_no_destroyed_group_alive():
     for collected, right in harness.pool(2).run(_group_released, random.randrange(1 << 30)):
         assert collected and right
+
+
+def test_a_calls_settings_and_prepared_form_are_frozen_and_typed():
+    """Settings are read as fields of a frozen object (a 16-key dict was read by string
+    before), every field of Settings and Prepared has a type of its own (none is ``Any``), and
+    what the ranks agree on is every setting but the three that only change how long or how
+    loudly a rank works."""
+    from ficco.runtime.call import Prepared, Settings
+
+    s = runtime.settings(_call())
+    assert isinstance(s, Settings)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.timeout_s = 1.0       # type: ignore[misc]
+    for cls in (Settings, Prepared):
+        fields = dataclasses.fields(cls)
+        assert len(fields) >= 12 and all(str(f.type) != "Any" for f in fields), cls
+    with config.scope(timeout=7.0, transport="ccl"):
+        other = runtime.settings(_call())
+    assert (other.timeout_s, other.transport) == (7.0, "ccl")
+    assert set(s.agreed()) == {f.name for f in dataclasses.fields(Settings)} - \
+        {"schedule_by", "timeout_s", "poison"}
+    assert s.agreed()["transport"] != other.agreed()["transport"]
+    assert s.deciding() == other.deciding()       # the transport decides through its candidates

@@ -16,13 +16,14 @@ _CONTAINERS = {"dict", "list", "set", "OrderedDict", "defaultdict", "deque", "Co
 _ALWAYS = {"WeakKeyDictionary", "WeakValueDictionary", "WeakSet", "local"}
 _MUTATORS = {"append", "extend", "insert", "pop", "popitem", "clear", "update", "setdefault",
              "add", "discard", "remove", "move_to_end", "appendleft", "popleft", "sort"}
-#: what is left: process-wide registries (backends, ops and their Problems' collectives,
-#: sessions, settings' per-thread scopes, the integrations' saved styles), memos keyed by what they memoise (profiles, the
+#: what is left: process-wide registries (backends, their symmetric-memory providers by
+#: device type, ops and their Problems' collectives, sessions, settings' per-thread scopes,
+#: the integrations' saved styles), memos keyed by what they memoise (profiles, the
 #: model's decisions, tuned kernel configs, compiled shot tables per workspace handle, bias
 #: digests per tensor, the calls a dynamo trace met, one warn-once memo) and the few kept
 #: per group object weakly (torch's symmetric buffers, the workspaces); none keyed by a
 #: group's name
-LIMIT = 19
+LIMIT = 20
 
 
 def _container(value: ast.expr) -> str | None:
@@ -203,6 +204,24 @@ def test_a_warm_dense_call_makes_few_python_calls_and_takes_one_lock():
         for ficco_calls, locks, ran in pool.run(warm_call_counts, op):
             assert ficco_calls <= WARM_CALL_LIMIT, (op, ficco_calls, ran)
             assert locks == 1, (op, locks, ran)
+
+
+#: ficco Python calls of the warm serial call over dma at W=2 (``python -m ficco.bench calls
+#: --schedule serial --transport dma``), per op
+SERIAL_DMA_LIMITS = {"all_gather_matmul": 61, "matmul_reduce_scatter": 64}
+
+
+def test_a_warm_serial_dma_call_stays_within_its_python_calls():
+    """The warm path of a forced serial call over dma, its fewest ficco Python calls on each
+    rank (each warm call profiled alone), at most :data:`SERIAL_DMA_LIMITS`."""
+    from .. import harness
+    from ..warm_call_cases import fewest_warm_calls
+
+    pool = harness.pool(2)
+    for op, limit in SERIAL_DMA_LIMITS.items():
+        for fewest, ran in pool.run(fewest_warm_calls, op, "serial", "dma"):
+            assert ran == ("serial", "dma"), (op, ran)
+            assert fewest <= limit, (op, fewest)
 
 
 def test_the_lock_count_sees_ficco_locks_only():

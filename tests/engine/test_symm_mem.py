@@ -1,6 +1,7 @@
 """ficco.symm_mem on the CPU backend: every rank sees every peer's allocation."""
 from __future__ import annotations
 
+import operator
 import os
 import random
 import time
@@ -460,7 +461,8 @@ def _expire_on_host_pads(memory: dict, flag: int):
     Handle.fault = fault
     waits = tuple(SignalOp(WAIT, 0x100 + 4 * p, flag, p, True) for p in range(3))
     item = PendingBarrier(None, None, Deadline(0, 1, 4, 2.0, flag, waits, Handle()), None)
-    dog = Watchdog(Rescue(torch.device("cpu"), None, None, None))   # vendor None: unused
+    dog = Watchdog(Rescue(torch.device("cpu"), None, None, None, torch.cuda,    # vendor None:
+                          operator.attrgetter("cuda_stream")))                 # unused
     dog._expire(item, fault)
     # The call's fence must see the error word raised, and every peer's too (this rank gave
     # up on the group), before any slot is released.
@@ -568,7 +570,8 @@ def _torch_symm_provider(rank, world, seed, failing_rank, symm, pads="device"):
     torch.cuda.synchronize, torch.cuda.get_device_properties = (lambda *a: None), properties
     start = time.monotonic()
     try:
-        backend = SimpleNamespace(vendor=_UvaVendor(), device=lambda: torch.device("cpu"))
+        backend = SimpleNamespace(vendor=_UvaVendor(), device=lambda: torch.device("cpu"),
+                                  device_module=lambda: torch.cuda)
         with ficco.config.scope(timeout=5, symm=symm, signal_pads=pads):
             handle = AutoSymmProvider(backend).allocate(100, None, "cpu")
         seen = [torch.equal(handle.get_buffer(p, (64,), torch.uint8),

@@ -22,6 +22,7 @@ run in queue order by the worker threads, so the CPU runs the barrier protocol o
 """
 from __future__ import annotations
 
+import itertools
 import queue as queue_mod
 import threading
 import time
@@ -137,6 +138,9 @@ class Lane:
         self.errors: list[tuple] = []       # (queue name, exception, step, task)
         self.lock = threading.Lock()
         self.workers: dict[str, _Worker] = {}
+        #: the workers of each list of queue names asked for (:meth:`CpuBackend.queues`),
+        #: forgotten whenever a worker ends
+        self.lists: dict[tuple[str, ...], list[_Worker]] = {}
         self.closed = False
 
     def queue(self, name: str) -> _Worker:
@@ -158,6 +162,7 @@ class Lane:
             if not worker.fifo.empty() or self.workers.get(worker.name) is not worker:
                 return False
             del self.workers[worker.name]
+            self.lists.clear()
             return True
 
     def fail(self, name, exc, step=None, task=None) -> None:
@@ -171,12 +176,14 @@ class Lane:
         with self.lock:
             workers = list(self.workers.values())
             self.workers.clear()
+            self.lists.clear()
         for worker in workers:
             worker.fifo.put((None, False))
 
 
 class CpuBackend(Backend):
     name = "cpu"
+    device_type = "cpu"
     signal_templates = True     # signal_batch reads a template's flag from the deadline
 
     def __init__(self, device=None) -> None:
@@ -207,8 +214,13 @@ class CpuBackend(Backend):
 
     def queues(self, names, lane=None):
         lane = lane or self._default
-        workers = lane.workers
-        return [workers.get(name) or lane.queue(name) for name in names]
+        found = lane.lists.get(names)    # a plan's names: the same workers every call
+        if found is None:
+            found = [lane.queue(name) for name in names]
+            with lane.lock:
+                if all(lane.workers.get(w.name) is w for w in found):   # none ended since
+                    lane.lists[tuple(names)] = found
+        return found
 
     def _every_lane(self) -> list[Lane]:
         with self._lock:
@@ -218,7 +230,8 @@ class CpuBackend(Backend):
         return CpuEvent()
 
     def plan_events(self, compiled, count):
-        return [CpuEvent() for _ in range(count)]   # fresh every call: an event fires once
+        # fresh every call (an event fires once), made without a Python frame of ficco's
+        return list(itertools.starmap(CpuEvent, itertools.repeat((), count)))
 
     def record(self, event, queue):
         queue.fifo.put((event.set, _inference_mode()))      # instant: never held
@@ -284,11 +297,12 @@ class CpuBackend(Backend):
     def signal_now(self, ops, deadline):
         run_on_host(ops, deadline, _read, _write)
 
-    def finish(self, queues):
-        from ... import config
-
+    def finish(self, queues, timeout_s=None):
         lane = queues[0].lane if queues else self._default
-        timeout_s = config.timeout_s()
+        if timeout_s is None:
+            from ... import config
+
+            timeout_s = config.timeout_s()
         markers = []
         inference = _inference_mode()
         for q in queues:

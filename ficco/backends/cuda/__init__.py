@@ -258,6 +258,7 @@ class CudaBackend(GpuBackend):
     """ficco on NVIDIA GPUs. ``CudaBackend(device=None)`` uses the current CUDA device."""
 
     name = "cuda"
+    priority = 10
     make_vendor = CudaVendor
 
     @classmethod
@@ -279,13 +280,13 @@ class CudaBackend(GpuBackend):
         mismatch = cuda_python_mismatch(torch.version.cuda, installed_bindings_version())
         if mismatch:
             return mismatch
-        if not torch.cuda.is_available():
+        if not torch.get_device_module(cls.device_type).is_available():
             return ("no CUDA device is visible (torch.cuda.is_available() is False); check the "
                     "driver with nvidia-smi and CUDA_VISIBLE_DEVICES")
         return None
 
     def target(self):
-        major, minor = torch.cuda.get_device_capability(self._device)
+        major, minor = self.device_module().get_device_capability(self._device)
         return f"cuda:sm_{major}{minor}"
 
 

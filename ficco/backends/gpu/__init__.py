@@ -17,7 +17,9 @@ barrier of one group never holds another group's copies on a shared stream.
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 
@@ -53,6 +55,10 @@ class GpuBackend(Backend):
     ``make_vendor`` and answer ``unavailable_reason``."""
 
     make_vendor: Callable[[], Vendor]
+    #: torch's ROCm build exposes HIP through ``torch.cuda`` as well
+    device_type = "cuda"
+    #: a stream's native handle, as the vendor's calls take it (``Stream.cuda_stream``)
+    native: ClassVar[Any] = operator.attrgetter("cuda_stream")
     # The compute queue is the caller's current stream; copies are driver calls on addresses;
     # plan events are one reused set per compiled plan; a released barrier's error reaches
     # the group's next call and the call's outputs (see Backend).
@@ -65,43 +71,47 @@ class GpuBackend(Backend):
         reason = type(self).unavailable_reason() or torch_lacks_gpu_gemms()
         if reason is not None:
             raise BackendUnavailableError(f"the {self.name} backend cannot run here: {reason}")
+        #: torch's module of the device type (torch.cuda…): every stream, event and
+        #: synchronize goes through it
+        self.dm = self.device_module()
         self._device = self._torch_device(device)
         self.vendor = type(self).make_vendor()
         self.vendor.bind_device(self._device.index)
         self.batches_copies = self.vendor.batches_copies
-        self._copy_streams: dict[int, torch.cuda.Stream] = {}
-        self._comm_stream: torch.cuda.Stream | None = None
-        self._side_stream: torch.cuda.Stream | None = None
+        self._copy_streams: dict[int, Any] = {}
+        self._comm_stream: Any = None
+        self._side_stream: Any = None
         self._shared_lane: dict = {}   # the caller's stream of the last call on no lane
         self._provider = AutoSymmProvider(self)
         # Failures of a group live with the group (its workspace's GroupFault);
         # only the watchdog's own death concerns every group.
         self._died: FiccoError | None = None
         self._watchdog = Watchdog(Rescue(self._device, self.vendor, self.bind_thread,
-                                         self._watchdog_died))
+                                         self._watchdog_died, self.dm, self.native))
         self._plan_events: dict = {}
         self._join_events: dict = {}   # (stream handle, capturing) -> event, for finish()
 
     def device(self):
         return self._device
 
-    @staticmethod
-    def _torch_device(device) -> torch.device:
+    def _torch_device(self, device) -> torch.device:
         """The torch device this backend drives: ``device``'s index, else the current one."""
-        index = torch.cuda.current_device() if device is None else torch.device(device).index
-        return torch.device("cuda", torch.cuda.current_device() if index is None else index)
+        index = self.dm.current_device() if device is None else torch.device(device).index
+        return torch.device(self.device_type, self.dm.current_device() if index is None
+                            else index)
 
     def bind_thread(self) -> None:
-        torch.cuda.set_device(self._device)
+        self.dm.set_device(self._device)
         self.vendor.bind_device(self._device.index)
 
     def check_device(self, t: torch.Tensor, name: str) -> None:
         """Clear error when ``t`` lives on another GPU than the one this backend drives (every
-        rank would otherwise bind GPU 0 when nobody called torch.cuda.set_device)."""
-        if t.device.type != "cuda" or t.device.index != self._device.index:
+        rank would otherwise bind GPU 0 when nobody called ``set_device``)."""
+        if t.device.type != self.device_type or t.device.index != self._device.index:
             raise InvalidArgumentError(
                 f"{name} is on {t.device} but ficco's {self.name} backend of this process drives "
-                f"{self._device}; call torch.cuda.set_device(local_rank) before the first ficco "
+                f"{self._device}; call torch.{self.device_type}.set_device(local_rank) before "
+                f"the first ficco "
                 f"call (or move {name} to {self._device})")
 
     # -- queues and events --------------------------------------------------------------------
@@ -122,7 +132,7 @@ class GpuBackend(Backend):
         executor's per-call lookup; reading a setting costs about a microsecond)."""
         self._raise_died()
         engines = config.copy_engines()
-        current = torch.cuda.current_stream(self._device)   # the compute queue
+        current = self.dm.current_stream(self._device)   # the compute queue
         self._after_last_call(self._shared_lane if lane is None else lane, current)
         return [current if name == "compute" else self._queue(name, engines, lane)
                 for name in names]
@@ -136,7 +146,7 @@ class GpuBackend(Backend):
         GEMMs and reductions reading that memory, and before its closing barrier told the
         peers' pulls are done. Not while capturing: ``torch.cuda.graph`` synchronizes the
         device before it begins, and a capture may not wait on an event recorded outside."""
-        if torch.cuda.is_current_stream_capturing():
+        if self.dm.is_current_stream_capturing():
             return
         last = lane.get("caller")
         if last is None or last == current:
@@ -144,24 +154,24 @@ class GpuBackend(Backend):
             return
         event = lane.get("caller_event")
         if event is None:
-            event = lane["caller_event"] = torch.cuda.Event()
+            event = lane["caller_event"] = self.dm.Event()
         event.record(last)
         current.wait_event(event)
         lane["caller"] = current
 
     def _queue(self, name, engines, lane=None):
         if name == "compute":
-            return torch.cuda.current_stream(self._device)
+            return self.dm.current_stream(self._device)
         copy = name.startswith("copy") and name[4:].isdigit()
         if lane is not None and (copy or name == "comm"):   # a session's own streams
             key = int(name[4:]) % (engines or 1 << 30) if copy else name
             stream = lane.get(key)
             if stream is None:
-                stream = lane[key] = torch.cuda.Stream(self._device)
+                stream = lane[key] = self.dm.Stream(self._device)
             return stream
         if name == "comm":
             if self._comm_stream is None:
-                self._comm_stream = torch.cuda.Stream(self._device)
+                self._comm_stream = self.dm.Stream(self._device)
             return self._comm_stream
         if copy:
             index = int(name[4:])
@@ -169,26 +179,26 @@ class GpuBackend(Backend):
                 index %= engines
             stream = self._copy_streams.get(index)
             if stream is None:
-                stream = self._copy_streams[index] = torch.cuda.Stream(self._device)
+                stream = self._copy_streams[index] = self.dm.Stream(self._device)
             return stream
         raise InvalidArgumentError(f"unknown queue {name!r}; use compute, comm or copy<i>")
 
     def new_event(self):
         # Timing on (traces and benchmarks read elapsed times from these events), except
         # while a CUDA graph is being captured, where only plain events may be recorded.
-        return torch.cuda.Event(enable_timing=not torch.cuda.is_current_stream_capturing())
+        return self.dm.Event(enable_timing=not self.dm.is_current_stream_capturing())
 
     def plan_events(self, compiled, count):
         # Re-recording an event is how CUDA/HIP events are meant to be reused: a wait binds to
         # the record made before it, and within one call every event is recorded before it is
         # waited on. Timing off (cheaper records); traces make their own timed events. Calls
         # on one group are serialised by the runtime, so one set per compiled plan suffices.
-        key = (id(compiled), torch.cuda.is_current_stream_capturing())
+        key = (id(compiled), self.dm.is_current_stream_capturing())
         cached = self._plan_events.get(key)
         if cached is None or cached[0] is not compiled or len(cached[1]) != count:
             if len(self._plan_events) > 1024:
                 self._plan_events.clear()
-            cached = self._plan_events[key] = (compiled, [torch.cuda.Event()
+            cached = self._plan_events[key] = (compiled, [self.dm.Event()
                                                           for _ in range(count)])
         return cached[1]
 
@@ -217,9 +227,9 @@ class GpuBackend(Backend):
         plan's side streams join the compute queue before it ends (:meth:`finish`), so the end
         event follows all of it."""
         self.synchronize()
-        stream = torch.cuda.current_stream(self._device)
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
+        stream = self.dm.current_stream(self._device)
+        start = self.dm.Event(enable_timing=True)
+        end = self.dm.Event(enable_timing=True)
         start.record(stream)
         run()
         end.record(stream)
@@ -233,29 +243,29 @@ class GpuBackend(Backend):
     def started(self):
         """An event recorded on the compute queue (the caller's stream) before a call's work;
         no synchronize."""
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self._device))
+        event = self.dm.Event(enable_timing=True)
+        event.record(self.dm.current_stream(self._device))
         return event
 
     def stopped(self, watch):
         """``(start, end)``: the end event recorded after the call's work, which its side
         streams joined (:meth:`finish`)."""
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(torch.cuda.current_stream(self._device))
+        end = self.dm.Event(enable_timing=True)
+        end.record(self.dm.current_stream(self._device))
         return watch, end
 
     def seconds_of(self, watch) -> float:
         return self.elapsed_s(*watch)
 
     def timing_blocked(self) -> str | None:
-        if torch.cuda.is_current_stream_capturing():
+        if self.dm.is_current_stream_capturing():
             return "a CUDA/HIP graph is being captured (a synchronize would break it)"
         return None
 
     def synchronize(self) -> None:
         """Block until this device finished everything queued; raise the watchdog's death.
         A group's failure is raised by that group's next call (:meth:`before_dma`)."""
-        torch.cuda.synchronize(self._device)
+        self.dm.synchronize(self._device)
         self._raise_died()
 
     # -- work ---------------------------------------------------------------------------------
@@ -272,11 +282,12 @@ class GpuBackend(Backend):
         args = copy_call_args(dst, src, two_d)
         if args is None:
             return copy_nothing
+        native = self.native
         if type(args) is Copy2D:
             copy_2d = self.vendor.copy_2d
-            return lambda queue: copy_2d(args, queue.cuda_stream)
+            return lambda queue: copy_2d(args, native(queue))
         copy_1d, (d, s, n) = self.vendor.copy_1d, args
-        return lambda queue: copy_1d(d, s, n, queue.cuda_stream)
+        return lambda queue: copy_1d(d, s, n, native(queue))
 
     def prepare_copies(self, pairs):
         """Copies of one queue as one ready call of the queue: where the vendor batches
@@ -288,9 +299,10 @@ class GpuBackend(Backend):
         pitched = [a for a in args if type(a) is Copy2D]
         vendor = self.vendor
         copy_1d, copy_2d = vendor.copy_1d, vendor.copy_2d
+        native = self.native
         if not self.batches_copies:
             def one_by_one(queue):
-                stream = queue.cuda_stream
+                stream = native(queue)
                 for d, s, n in flat:
                     copy_1d(d, s, n, stream)
                 for a in pitched:
@@ -298,10 +310,10 @@ class GpuBackend(Backend):
             return one_by_one
         batch, batch_2d = vendor.copy_batch, vendor.copy_batch_2d
         dsts, srcs, sizes = ([a[i] for a in flat] for i in range(3))
-        capturing = torch.cuda.is_current_stream_capturing
+        capturing = self.dm.is_current_stream_capturing
 
         def batched(queue):
-            stream = queue.cuda_stream
+            stream = native(queue)
             if capturing():
                 for d, s, n in flat:
                     copy_1d(d, s, n, stream)
@@ -356,9 +368,9 @@ class GpuBackend(Backend):
 
     def _on(self, queue):
         # Switching streams costs host time per op; GEMMs mostly run on the current stream.
-        if queue == torch.cuda.current_stream(self._device):
+        if queue == self.dm.current_stream(self._device):
             return contextlib.nullcontext()
-        return torch.cuda.stream(queue)
+        return self.dm.stream(queue)
 
     # -- signals: the primitives of ficco.symm_mem.barrier ---------------------------------
     def signal_write(self, queue, slot, value):
@@ -371,7 +383,7 @@ class GpuBackend(Backend):
         self.enqueue_signals(queue, ops, deadline)
 
     def enqueue_signals(self, queue, ops, deadline: Deadline | None):
-        capturing = torch.cuda.is_current_stream_capturing()
+        capturing = self.dm.is_current_stream_capturing()
         if capturing and not self.captures_signals:
             raise self.capture_refusal()    # before_dma refuses earlier; never mid-capture
         if capturing:
@@ -380,15 +392,15 @@ class GpuBackend(Backend):
             owner = deadline.handle if deadline is not None else None
             if owner is not None:
                 owner.captured = True
-            self.vendor.mem_ops(queue.cuda_stream, ops, True)
+            self.vendor.mem_ops(self.native(queue), ops, True)
             return None
         watched = deadline is not None and any(op.kind == WAIT for op in ops)
         if not watched:
-            self.vendor.mem_ops(queue.cuda_stream, ops, False)
+            self.vendor.mem_ops(self.native(queue), ops, False)
             return None
         arrived, done = self._watchdog.event(), self._watchdog.event()
         arrived.record(queue)
-        self.vendor.mem_ops(queue.cuda_stream, ops, False)
+        self.vendor.mem_ops(self.native(queue), ops, False)
         done.record(queue)
         item = PendingBarrier(arrived, done, deadline, queue)
         self._watchdog.watch(item)
@@ -429,7 +441,7 @@ class GpuBackend(Backend):
         the FICCO_POISON fill of the symmetric buffers (the last call's GEMMs and the peers'
         pulls still read them)."""
         self._raise_died()
-        if torch.cuda.is_current_stream_capturing():
+        if self.dm.is_current_stream_capturing():
             if not self.captures_signals:
                 raise self.capture_refusal()
             if symm is None or symm.nbytes < nbytes:
@@ -442,7 +454,7 @@ class GpuBackend(Backend):
                     f"allocated during a CUDA graph capture. Run the call (at the largest "
                     f"shape the graph will use) once eagerly on every rank before capturing")
         self._after_last_call(self._shared_lane if lane is None else lane,
-                              torch.cuda.current_stream(self._device))
+                              self.dm.current_stream(self._device))
         if symm is not None:
             error = self._take(symm)
             if error is not None:
@@ -464,10 +476,10 @@ class GpuBackend(Backend):
         if not fault.failed():
             return None
         error = fault.take()
-        if torch.cuda.is_current_stream_capturing():
+        if self.dm.is_current_stream_capturing():
             fault.lower()
         else:
-            self.vendor.write_value32(torch.cuda.current_stream(self._device).cuda_stream,
+            self.vendor.write_value32(self.native(self.dm.current_stream(self._device)),
                                       fault.address, 0)
         return error
 
@@ -482,7 +494,7 @@ class GpuBackend(Backend):
     def fence(self, outputs, symm=None) -> None:
         """End of an eager dma call, on the caller's stream: its outputs become NaN if the
         group's error word is raised when the stream gets there (:mod:`.fence`)."""
-        if symm is None or symm.fault is None or torch.cuda.is_current_stream_capturing():
+        if symm is None or symm.fault is None or self.dm.is_current_stream_capturing():
             return        # a replayed graph has no watchdog: nothing can raise the word
         poison_if_raised(outputs, symm.fault.word_device)
 
@@ -490,19 +502,20 @@ class GpuBackend(Backend):
         """The device address of int32 ``t[index]``, as signal primitives take slots."""
         return t.data_ptr() + 4 * index
 
-    def _side(self) -> torch.cuda.Stream:
+    def _side(self) -> Any:
         if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(self._device)
+            self._side_stream = self.dm.Stream(self._device)
         return self._side_stream
 
-    def finish(self, queues):
+    def finish(self, queues, timeout_s=None):
         """The caller's stream waits for every side stream: one reused event per stream
         (``wait_stream`` would create an event per stream per call)."""
-        compute = torch.cuda.current_stream(self._device)
-        capturing = torch.cuda.is_current_stream_capturing()
-        joined = {compute.cuda_stream}
+        compute = self.dm.current_stream(self._device)
+        capturing = self.dm.is_current_stream_capturing()
+        native = self.native
+        joined = {native(compute)}
         for q in queues:
-            handle = q.cuda_stream
+            handle = native(q)
             if handle in joined:   # the compute stream, or copy queues wrapped onto one stream
                 continue
             joined.add(handle)
@@ -511,7 +524,7 @@ class GpuBackend(Backend):
             key = (handle, capturing)
             event = self._join_events.get(key)
             if event is None:
-                event = self._join_events[key] = torch.cuda.Event()
+                event = self._join_events[key] = self.dm.Event()
             event.record(q)
             compute.wait_event(event)
 

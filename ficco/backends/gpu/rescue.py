@@ -17,6 +17,7 @@ return, and a watchdog thread that blocks leaves every other barrier without a d
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -33,8 +34,11 @@ class Rescue(WatchdogPort):
     backend's; reads and releases go through host pads, or the vendor's stream writes."""
 
     def __init__(self, device: torch.device, vendor: Vendor, bind_thread: Callable[[], None],
-                 died: Callable[[FiccoError], None]):
+                 died: Callable[[FiccoError], None], device_module: Any,
+                 native: Callable[[Any], int]):
         self._device, self.vendor = device, vendor
+        #: the backend's torch device module and a stream's native handle (GpuBackend's)
+        self.dm, self.native = device_module, native
         self._bind, self._died = bind_thread, died
         self._stream = None
         self._probes: dict[int, tuple] = {}    # id(deadline) -> (deadline, event, host buffer)
@@ -44,14 +48,14 @@ class Rescue(WatchdogPort):
         self.vendor.relax_capture_mode()
 
     def new_event(self):
-        return torch.cuda.Event()
+        return self.dm.Event()
 
     def died(self, error: FiccoError) -> None:
         self._died(error)
 
     def _side(self):
         if self._stream is None:
-            self._stream = torch.cuda.Stream(self._device)
+            self._stream = self.dm.Stream(self._device)
         return self._stream
 
     def reader(self, deadline):
@@ -82,11 +86,11 @@ class Rescue(WatchdogPort):
         side = self._side()
         buffer = torch.empty(len(waits), dtype=torch.int32,
                              pin_memory=self._device.type != "cpu")
-        with torch.cuda.stream(side):
+        with self.dm.stream(side):
             for i, op in enumerate(waits):
                 slot = tensor_at(op.slot, 4, self._device).view(torch.int32)
                 buffer[i: i + 1].copy_(slot, non_blocking=True)
-            event = torch.cuda.Event()
+            event = self.dm.Event()
             event.record(side)
         return event, buffer
 
@@ -96,6 +100,6 @@ class Rescue(WatchdogPort):
             for op in ops:
                 host.write(op.slot, op.value)
             return
-        stream = self._side().cuda_stream
+        stream = self.native(self._side())
         for op in ops:     # never waited for: see the module docstring
             self.vendor.write_value32(stream, op.slot, op.value)

@@ -278,6 +278,7 @@ class RocmBackend(GpuBackend):
     """ficco on AMD Instinct GPUs. ``RocmBackend(device=None)`` uses the current device."""
 
     name = "rocm"
+    priority = 20        # torch's ROCm build answers through torch.cuda too: asked first
     make_vendor = RocmVendor
     captures_signals = False
     #: hipMemcpy2DAsync ignores the NoCU kind: 2-D copies take compute units on ROCm
@@ -305,7 +306,7 @@ class RocmBackend(GpuBackend):
             from hip import hip  # noqa: F401
         except ImportError as exc:
             return f"hip-python {installed} is installed but does not import ({exc}); reinstall it"
-        if not torch.cuda.is_available():
+        if not torch.get_device_module(cls.device_type).is_available():
             return ("no AMD GPU is visible (torch.cuda.is_available() is False); check rocm-smi "
                     "and HIP_VISIBLE_DEVICES")
         return None
@@ -321,8 +322,16 @@ class RocmBackend(GpuBackend):
             raise BackendUnavailableError(f"the rocm backend cannot run here: {problem}")
 
     def target(self):
-        arch = getattr(torch.cuda.get_device_properties(self._device), "gcnArchName", "gfx")
+        arch = getattr(self.device_module().get_device_properties(self._device), "gcnArchName",
+                       "gfx")
         return f"rocm:{arch.split(':')[0]}"
+
+    def fp8_forms(self) -> tuple[torch.dtype, ...]:
+        """MI300X / MI325X (CDNA3, gfx94*) multiply only the fnuz forms; later AMD GPUs the
+        OCP ones."""
+        if self.target().startswith("rocm:gfx94"):
+            return (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+        return super().fp8_forms()
 
 
 __all__ = ["RocmBackend", "RocmVendor", "duplicate_hip_runtimes", "hip_python_mismatch"]
