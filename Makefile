@@ -84,8 +84,11 @@ install: $(BIN)/.test-installed
 demo: $(BIN)/.demo-installed
 	$(BIN)/python -m ficco demo
 
+# two workers, each test file on one of them (its rank pools reused across its cases); TEST_WORKERS=0
+# runs the suite in this process alone
+TEST_WORKERS ?= 2
 test: $(BIN)/.test-installed
-	$(BIN)/python -m pytest -q -rs --durations=15
+	$(BIN)/python -m pytest -q -rs --durations=15 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 test-oldest-torch: $(OLDEST_VENV)/bin/.installed
 	$(OLDEST_VENV)/bin/python -m pytest -q -rs $(OLDEST_TESTS)

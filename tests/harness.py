@@ -170,13 +170,26 @@ _pools: dict = {}
 def pool(world: int, env: dict | None = None, pg_backend: str = "gloo") -> RankPool:
     """A live pool of ``world`` ranks with ``env``; restarted if a previous case broke it."""
     key = (world, tuple(sorted((env or {}).items())), pg_backend)
-    current = _pools.get(key)
+    current = _pools.pop(key, None)
     if current is not None and (current.broken or not all(current.alive())):
         current.close()
         current = None
     if current is None:
-        current = _pools[key] = RankPool(world, env, pg_backend)
+        _make_room(world)
+        current = RankPool(world, env, pg_backend)
+    _pools[key] = current       # the most recently used last
     return current
+
+
+#: the most rank processes this test process keeps alive between cases (~0.4 GB each): a new
+#: pool first closes the least recently used ones past it, so a long run (and each of
+#: pytest-xdist's workers) holds a bounded share of the machine's memory
+MAX_LIVE_RANKS = int(os.environ.get("FICCO_TEST_MAX_RANKS", "12"))
+
+
+def _make_room(world: int) -> None:
+    while _pools and sum(p.world for p in _pools.values()) + world > MAX_LIVE_RANKS:
+        _pools.pop(next(iter(_pools))).close()
 
 
 def run_alone(world: int, fn, *args, timeout_s: float = 120, raw: bool = False,

@@ -31,8 +31,7 @@ sums, and rules 2 and 3 become: every ``out`` cell of rank r ends as row ``block
 ``sum over all W ranks of a_q @ b_j`` at its own column, each rank's partial added exactly
 once (sets added must be disjoint), initialised once and, for ``avg``, scaled exactly once
 after the last partial arrived; a pull takes a rectangle of this rank's block from a peer's
-``partial`` into that peer's slot of ``recv``, a push a rectangle of peer d's block from this
-rank's ``partial`` into this rank's slot of d's staging rows (``Problem.partial_rows``). Rule 1 then also says that no partial is read
+``partial`` into that peer's slot of ``recv``. Rule 1 then also says that no partial is read
 before it landed and none is overwritten before it was reduced.
 
 Usage::
@@ -297,8 +296,6 @@ class _Checker:
 
     def run_pull_partial(self, rank: int, op: Copy, node: int) -> None:
         p, src = self.p, op.src
-        if op.dst.peer not in (None, rank):
-            return self.run_push_partial(rank, op, node)
         row0, rows = p.block(rank)
         if src.buf != "partial" or src.peer in (None, rank) \
                 or not row0 <= src.row0 <= src.row0 + src.rows <= row0 + rows:
@@ -313,27 +310,6 @@ class _Checker:
                       f"{p.ns[src.index]} columns")
         self.write(rank, op.dst, node, self.read(rank, src, node).copy(), init=True,
                    received=True)
-
-    def run_push_partial(self, rank: int, op: Copy, node: int) -> None:
-        """A push: rows of peer d's block from this rank's partial into this rank's slot of
-        d's staging rows (``partial`` rows ``M + rank * R_d`` on; see Problem.partial_rows)."""
-        p, src, dest = self.p, op.src, op.dst.peer
-        assert dest is not None
-        row0, rows = p.block(dest)
-        if src.buf != "partial" or src.peer not in (None, rank) \
-                or not row0 <= src.row0 <= src.row0 + src.rows <= row0 + rows:
-            self.fail(f"{self.label(node)}: a push must send rows of peer {dest}'s block from "
-                      f"this rank's partial; got {src}")
-        expect = Block("partial", p.m + rank * rows + src.row0 - row0, src.rows, src.col0,
-                       src.cols, peer=dest, index=src.index)
-        if op.dst != expect:
-            self.fail(f"{self.label(node)} lands in {op.dst}, expected {expect}")
-        if op.two_d != (src.cols != p.ns[src.index]):
-            self.fail(f"{self.label(node)}: two_d={op.two_d} but it moves {src.cols} of "
-                      f"{p.ns[src.index]} columns")
-        self.write(rank, op.dst, node, self.read(rank, src, node).copy(), init=True,
-                   received=True)
-        self.remote_reads.append(node)   # a peer's memory: before the closing barrier too
 
     def run_gemm_rs(self, rank: int, op: Gemm, node: int) -> None:
         """Reduce-scatter GEMM: rows of this rank's ``a`` (all of K) times columns of b_j,

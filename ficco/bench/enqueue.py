@@ -83,7 +83,7 @@ def _buffers(problem, handle, dtype):
         out = torch.empty(problem.big_m, problem.ns[0], dtype=dtype)
         return Buffers(a, [b], [out], gathered, handle, None)
     rows, n = problem.block_rows, problem.ns[0]
-    partial = handle.get_buffer(0, (problem.partial_rows, n), dtype)
+    partial = handle.get_buffer(0, (problem.m, n), dtype)
     return Buffers(a, [b], [torch.empty(rows, n, dtype=dtype)], None, handle, None,
                    partials=[partial], recvs=[torch.empty(problem.world * rows, n, dtype=dtype)],
                    partial_offsets=(0,))
@@ -106,7 +106,7 @@ def measure_cpu_enqueue(quick: bool, names: list[str] | None = None, progress=No
     try:
         for problem in problems:
             handle = LoopbackHandle(backend, WORLD, 4 * max(problem.big_m * problem.k,
-                                                            problem.partial_rows * n))
+                                                            problem.m * n))
             buffers = _buffers(problem, handle, torch.float32)
             for name in names or schedules.names(op=problem.op):
                 plan = schedules.get(name, op=problem.op).plan(problem, "dma")

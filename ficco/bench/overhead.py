@@ -102,7 +102,7 @@ def workspace_numel(p) -> int:
         return 2 * sum(map(sum, p.counts)) * max(p.k, p.n)
     if p.all_reduces:
         return 2 * p.m * p.n_total * 2    # partials, then the float32 reduced rows
-    return p.partial_rows * p.n_total if p.reduces else p.big_m * p.k
+    return p.m * p.n_total if p.reduces else p.big_m * p.k
 
 
 def schedule_names(op: str) -> list[str]:
@@ -322,8 +322,7 @@ def call_buffers(ex, plan, handle, a, bs, device):
                         device=device) for n in p.ns]
     if p.reduces:
         return ex.Buffers(a, bs, outs, None, handle, None,
-                          partials=[handle.get_buffer(p.rank, (p.partial_rows, p.ns[0]),
-                                                      DTYPE)],
+                          partials=[handle.get_buffer(p.rank, (p.m, p.ns[0]), DTYPE)],
                           recvs=[torch.empty(p.world * p.block_rows, p.ns[0], dtype=DTYPE,
                                              device=device)],
                           partial_offsets=(0,))
@@ -461,7 +460,7 @@ def gpu_rows(ops, before) -> list[str]:
         handle = Loopback(real)
         try:
             for peer in range(1, WORLD):   # the peers' data: shards or partial products
-                handle.get_buffer(peer, (p.partial_rows if p.reduces else p.big_m,
+                handle.get_buffer(peer, (p.m if p.reduces else p.big_m,
                                          p.n_total if p.reduces else p.k), DTYPE).normal_()
             a = torch.randn(p.m, p.k, device=dev).to(DTYPE)
             bs = [torch.randn(p.k, n, device=dev).to(DTYPE) for n in p.ns]
@@ -504,8 +503,7 @@ def _rel_err(p, buffers, handle, a, bs) -> float:
         row0, rows = p.block(p.rank)
         expect = (a.float() @ b)[row0: row0 + rows]
         for peer in range(1, WORLD):
-            expect += handle.get_buffer(peer, (p.partial_rows, p.ns[0]),
-                                        DTYPE)[row0: row0 + rows].float()
+            expect += handle.get_buffer(peer, (p.m, p.ns[0]), DTYPE)[row0: row0 + rows].float()
     else:
         full = torch.cat([a] + [handle.get_buffer(peer, (p.big_m, p.k), DTYPE)
                                 [peer * p.m: (peer + 1) * p.m] for peer in range(1, WORLD)])

@@ -79,7 +79,7 @@ def buffer_shapes(problem: Problem) -> dict[tuple, tuple[int, int]]:
     elif p.reduces:
         rows = p.block_rows
         for j, n in enumerate(p.ns):
-            shapes[("partial", j)] = (p.partial_rows, n)
+            shapes[("partial", j)] = (p.m, n)
             shapes[("recv", j)] = (p.world * rows, n)
             shapes[("out", j)] = (rows, n)
     else:

@@ -244,16 +244,6 @@ class Problem(DtypeFields):
         return sum(self.ns)
 
     @property
-    def partial_rows(self) -> int:
-        """Rows of the reduce-scatter's ``partial`` buffer: the M rows of partial products,
-        then W staging slots as long as the longest block, where the ring schedules push each
-        peer its partial of that peer's block (slot s of rank d: rank s's partial of d's
-        block, at row ``M + s * R_d``). The all-reduce's holds the M rows only."""
-        if not self.reduces or self.all_reduces or self.world == 1:
-            return self.m
-        return self.m + self.world * self.block(0)[1]
-
-    @property
     def output_elements(self) -> int:
         """Elements of this rank's outputs (what a float32 output's rounding pass reads)."""
         rows = self.block_rows if self.reduces and not self.all_reduces else self.big_m

@@ -293,9 +293,8 @@ RS_NAMES = schedules.names(op="matmul_reduce_scatter")
 
 def _rs_run_once(plan, backend, handle, recvs=None):
     """Rank RANK's reduce-scatter call with fresh data: the peers' partials (their a_q @ b_qj)
-    are placed in their symmetric buffers as they would have computed them, and their
-    partials of this rank's block in its staging slots as they would have pushed them;
-    returns (outputs, float64 references of this rank's block)."""
+    are placed in their symmetric buffers as they would have computed them; returns
+    (outputs, float64 references of this rank's block)."""
     from ficco.ops.matmul_reduce_scatter.spec import SPEC
 
     p = plan.problem
@@ -304,25 +303,20 @@ def _rs_run_once(plan, backend, handle, recvs=None):
     offsets, at = [], 0
     for n in p.ns:
         offsets.append(at)
-        at += p.partial_rows * n * 4
-    row0, rows = p.block(p.rank)
+        at += p.m * n * 4
     for q in range(p.world):
         if q != p.rank:
             for j, n in enumerate(p.ns):
-                product = a_s[q] @ b_s[q][j]
-                handle.get_buffer(q, (p.partial_rows, n), torch.float32,
-                                  offsets[j])[:p.m].copy_(product)
-                handle.get_buffer(p.rank, (p.partial_rows, n), torch.float32, offsets[j])[
-                    p.m + q * rows: p.m + (q + 1) * rows].copy_(product[row0: row0 + rows])
+                handle.get_buffer(q, (p.m, n), torch.float32, offsets[j]).copy_(a_s[q] @ b_s[q][j])
     outs = [torch.full((p.block_rows, n), float("nan")) for n in p.ns]
     if recvs is None:
         recvs = [torch.empty(p.world * p.block_rows, n) for n in p.ns]
     for t in recvs:
         t.fill_(float("nan"))
-    partials = [handle.get_buffer(p.rank, (p.partial_rows, n), torch.float32, off)
+    partials = [handle.get_buffer(p.rank, (p.m, n), torch.float32, off)
                 for n, off in zip(p.ns, offsets)]
     for t in partials:
-        t[:p.m].fill_(float("nan"))
+        t.fill_(float("nan"))
     buffers = Buffers(a_s[p.rank].clone(), b_s[p.rank], outs, None, handle, None,
                       partials=partials, recvs=recvs, partial_offsets=tuple(offsets))
     execute(plan, backend, buffers, timeout_s=10.0)
@@ -344,7 +338,7 @@ def test_reduce_scatter_plans_match_float64(name, backend):
     p = Problem(m=13, k=K, ns=NS, dtype="float32", world=WORLD, rank=RANK,
                 op="matmul_reduce_scatter", reduce_op="avg")
     plan = schedules.get(name, op=p.op).plan(p, "dma", None)
-    handle = _OffsetStub(WORLD, p.partial_rows * sum(p.ns))
+    handle = _OffsetStub(WORLD, p.m * sum(p.ns))
     for _ in range(2):   # fresh data each time, same workspace handle
         outs, refs = _rs_run_once(plan, backend, handle)
         _assert_close(outs, [r / WORLD for r in refs])
@@ -427,12 +421,12 @@ def test_prepared_copies_into_moved_landing_buffers(name, prepared):
     p = Problem(m=13, k=K, ns=NS, dtype="float32", world=WORLD, rank=RANK,
                 op="matmul_reduce_scatter")
     plan = schedules.get(name, op=p.op).plan(p, "dma", None)
-    handle = _OffsetStub(WORLD, p.partial_rows * sum(p.ns))
+    handle = _OffsetStub(WORLD, p.m * sum(p.ns))
     recvs, alive = None, []
     for moved, grown in ((True, False), (False, False), (True, False), (False, False),
                          (True, True)):
         if grown:
-            old, handle = handle, _OffsetStub(WORLD, 2 * p.partial_rows * sum(p.ns))
+            old, handle = handle, _OffsetStub(WORLD, 2 * p.m * sum(p.ns))
             for t in old.data:
                 t.fill_(float("nan"))
         if moved:   # new landing buffers while the last ones stay alive: other addresses

@@ -215,7 +215,7 @@ class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
             p, out, at = call.problem, [], 0
             for n in p.ns:
                 out.append(at)
-                at += aligned(p.partial_rows * n * p.partial_itemsize)
+                at += aligned(p.m * n * p.partial_itemsize)
             offsets = call.reuse.offsets = (*out, at)
         return offsets
 
@@ -234,19 +234,14 @@ class MatmulReduceScatter(OpSpec[MatmulReduceScatterCall]):
         for n, off in zip(p.ns, offsets):   # one loop, no comprehension: the warm path
             outs.append(torch.empty(rows, n, dtype=out_dtype, device=dev))
             recvs.append(torch.empty(p.world * rows, n, dtype=dtype, device=dev))
-            partials.append(torch.empty(p.partial_rows, n, dtype=dtype, device=dev)
-                            if symm is None
-                            else symm.get_buffer(p.rank, (p.partial_rows, n), dtype, off))
+            partials.append(torch.empty(p.m, n, dtype=dtype, device=dev) if symm is None
+                            else symm.get_buffer(p.rank, (p.m, n), dtype, off))
         return Buffers(call.a, call.bs, outs, None, symm, call.group, partials=partials,
                        recvs=recvs, partial_offsets=tuple(offsets), a_scale=ops.a_scale,
                        b_scales=ops.b_scales, biases=ops.biases, wide=wide)
 
     def poison(self, buffers: Buffers) -> None:
-        """NaN in the outputs, the landing rows and the M rows of partial products; never in
-        the staging rows after them, where a faster peer may already have pushed this call's
-        partials (every cell a plan reads there is pushed in the same call)."""
-        m = buffers.a.shape[0]
-        for t in (*buffers.outs, *buffers.recvs, *(t[:m] for t in buffers.partials)):
+        for t in (*buffers.outs, *buffers.recvs, *buffers.partials):
             t.fill_(float("nan"))
 
     def result(self, call: MatmulReduceScatterCall, buffers: Buffers, transport: str):

@@ -13,7 +13,7 @@ import ficco
 from ficco import schedules
 from ficco.errors import InvalidArgumentError
 from ficco.ops.matmul_reduce_scatter.schedules import Ficco, Ring
-from ficco.plan import AllToAll, Barrier, Copy, Gemm, Record, Reduce, Wait
+from ficco.plan import AllToAll, Barrier, Copy, Gemm, Reduce
 from ficco.plan.problem import Problem
 
 from ... import harness, rs_cases
@@ -98,9 +98,8 @@ def test_ficco_steps_move_one_chunk_of_every_peer_at_once():
 
 def test_hetero_computes_its_own_block_last_and_reduces_per_step():
     p = rs_problem(16, 8, (12,), 4, rank=2)
-    for schedule, transport in ((Ficco(uniform=False, fused=True, reduce_each_step=True), "dma"),
-                                (Ring(), "ccl")):
-        compute = [op for op in schedule.plan(p, transport).ops if op.queue == "compute"]
+    for schedule in (Ficco(uniform=False, fused=True, reduce_each_step=True), Ring()):
+        compute = [op for op in schedule.plan(p, "dma").ops if op.queue == "compute"]
         kinds = [op.kind for op in compute]
         own = [i for i, op in enumerate(compute) if isinstance(op, Gemm) and op.out[0].buf == "out"]
         assert own and all(isinstance(compute[i], Gemm) for i in own)
@@ -108,34 +107,6 @@ def test_hetero_computes_its_own_block_last_and_reduces_per_step():
         assert max(i for i, op in enumerate(compute) if isinstance(op, Gemm)
                    and op.out[0].buf == "partial") < own[0]
         assert kinds.index("reduce") < own[0] and kinds[-1] == "reduce"
-
-
-@pytest.mark.parametrize("bidirectional", [False, True])
-def test_dma_rings_push_every_partial_then_reduce_once_in_rank_order(bidirectional):
-    """The rings over dma: each peer's partial pushed into this rank's slot of that peer's
-    staging rows, the GEMM and push of one peer on one queue (compute and copy0 in turn), an
-    entry barrier before the first push and none between pushes, then one barrier and one
-    reduction of the W slots in rank order: two barriers a call."""
-    world, rank = 8, 3
-    p = rs_problem(64, 8, (12,), world, rank=rank)
-    plan = Ring(bidirectional=bidirectional).plan(p, "dma")
-    ops = plan.ops
-    pushes = [i for i, op in enumerate(ops) if isinstance(op, Copy)]
-    barriers = [i for i, op in enumerate(ops) if isinstance(op, Barrier)]
-    assert len(pushes) == world - 1 and len(barriers) == 2
-    assert barriers[0] < min(pushes) and max(pushes) < barriers[1]
-    assert sorted(ops[i].dst.peer for i in pushes) == [q for q in range(world) if q != rank]
-    for i in pushes:
-        d = ops[i].dst.peer
-        assert ops[i].dst.row0 == p.m + rank * p.block(d)[1] and ops[i].src.peer is None
-        gemm = next(op for op in reversed(ops[:i]) if not isinstance(op, (Record, Wait)))
-        assert isinstance(gemm, Gemm) and gemm.queue == ops[i].queue and gemm.out[0] == ops[i].src
-    assert len({ops[i].queue for i in pushes}) == 2
-    reduces = [op for op in ops if isinstance(op, Reduce)]
-    assert len(reduces) == 1
-    rows = p.block(rank)[1]
-    assert [s.row0 for s in reduces[0].srcs] == [
-        p.block(rank)[0] if q == rank else p.m + q * rows for q in range(world)]
 
 
 def test_uniform_fused_is_one_gemm_per_step_when_blocks_are_equal():

@@ -89,10 +89,6 @@ def _rs_schedule(name: str):
         raise InvalidArgumentError(
             f"rs-ag-{name}: {name!r} is not a matmul_reduce_scatter schedule; use one of "
             f"{', '.join(s.name for s in reduce_scatter.SCHEDULES)}")
-    if getattr(schedule, "push", False):
-        # the replay all-gathers rows as the barriers free them: the rings' pull form, whose
-        # barrier a step frees a block a step (the push form has one barrier, at the end)
-        schedule = dataclasses.replace(schedule, push=False)  # type: ignore[type-var]
     return schedule
 
 

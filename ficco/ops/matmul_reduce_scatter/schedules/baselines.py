@@ -9,48 +9,28 @@
     copy0..   |         |bar|P[r+1] P[r+2] …|bar|
     compute   |=== G ===|                   |R|
 
-``ring`` over ``dma`` (PyTorch Async-TP's produce-and-all-to-all, pushed): after an entry
-barrier, step s = 1 … W-1 computes the partial of the block owned by rank r-s into
-``partial`` and pushes it into slot r of that rank's *staging rows* (the ``partial`` rows
-after the first M: W slots as long as the longest block, so the symmetric workspace holds
-``M + W * R_0`` rows per output instead of M, :attr:`Problem.partial_rows`). Slots are
-disjoint, so no step waits for a barrier: the GEMM and push of one step share a queue,
-compute and copy0 taking turns, and a push runs beside the next step's GEMM. The own block is
-computed last, beside the last push; one barrier says every push landed, then one reduction
-sums the W slots in rank order (the own partial in place of slot r)::
+``ring`` (PyTorch Async-TP's produce-and-all-to-all, pulled): step s = 1 … W-1 computes the
+block owned by rank r-s into ``partial``, then a barrier says every rank's step-s partial is
+ready, and rank r pulls its block's partial from r+s (who computed it at the same step) while
+the next block is computed. This rank's own block never travels: it is computed last, so its
+GEMM hides the last pull, and goes straight into ``out``::
 
-    copy0     |bar|   G[r-2] P|   G[r-4] P|  …  | G[r] (own) |bar|R|
-    compute   |   G[r-1] P|   G[r-3] P|   …   G[r+1] P|
+    copy0     |    |bar|P[r+1]|bar|P[r+2]|bar|P[r+3]|bar|
+    compute   |G[r-1]|G[r-2]|R1|G[r-3]|R2| G[r] (own) |R3|
 
-The next call's entry barrier keeps its pushes off the slots until this reduction is done
-(and off any rows an earlier call of another op still reads). ``ring-bidir`` pushes to r-1,
-r+1, r-2, r+2, … in that order, the same way.
+``ring-bidir``: each step computes the blocks of r-s and r+s and pulls from r+s and r-s on
+two copy queues, in ceil((W-1)/2) steps. With ``ccl`` each pull is a send/recv pair.
 
-With ``ccl`` (and when ``push`` is False, as the all-reduce's ``rs-ag-ring`` runs it): step s
-computes the block of r-s, a barrier (``dma``) says every rank's step-s partial is ready, and
-rank r pulls its block's partial from r+s (a send/recv pair with ``ccl``) while the next
-block is computed; ``ring-bidir`` computes the blocks of r-s and r+s and pulls from both on
-two copy queues, in ceil((W-1)/2) steps. The own block is computed last, straight into
-``out``. Reductions there (``reduce_each_step``): each received partial is added as it lands,
-so only the last one's reduction is exposed; ``False`` reduces all W-1 at the end in one op
-(Async-TP's way). Per step is the registered default: the simulator predicts it faster for
-the pulled ring on most row-parallel llama GEMMs (see docs/reduce_scatter.md).
+Reductions (``reduce_each_step``): each received partial is added as it lands (``R1 R2 …``
+above), so only the last one's reduction is exposed; ``False`` reduces all W-1 at the end in
+one op (Async-TP's way). Per step is the registered default: the simulator predicts it
+faster for ring on most row-parallel llama GEMMs (see docs/reduce_scatter.md).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ....plan import (
-    COMM,
-    COMPUTE,
-    Gemm,
-    Plan,
-    PlanBuilder,
-    Reduce,
-    ReduceScatter,
-    SendRecv,
-    copy_queue,
-)
+from ....plan import COMM, COMPUTE, Gemm, Plan, ReduceScatter, SendRecv
 from ....plan.problem import Problem
 from ....schedules.common import avg_scale, barrier, pad_barriers, pull_order
 from . import common
@@ -107,7 +87,6 @@ class Serial:
 class Ring:
     bidirectional: bool = False
     reduce_each_step: bool = True
-    push: bool = True     # dma: push into staging slots (False: pull after a barrier a step)
     op = "matmul_reduce_scatter"
 
     @property
@@ -136,9 +115,6 @@ class Ring:
             return builder.build()
         p = problem
         steps = self.steps(p.world, p.rank)
-        if transport == "dma" and self.push:
-            self._push(builder, [dest for pairs in steps for dest, _ in pairs])
-            return builder.build()
         if transport == "dma":
             pad_barriers(builder, len(steps) + 1)
         copies: dict = {}
@@ -205,48 +181,3 @@ class Ring:
                               after=[h for _, _, hs in arrived for h in hs])
         common.close(builder, transport, copies)
         return builder.build()
-
-    def _push(self, builder: PlanBuilder, dests: list[int]) -> None:
-        """``dma``: an entry barrier, then the partial of each peer's block in turn
-        (``dests``), pushed into this rank's slot of that peer's staging rows; GEMM and push
-        of one peer on one queue, compute and copy0 taking turns, so a push runs beside the
-        next peer's GEMM with no event between them. Then the own block, one barrier (every
-        push landed) and the reduction of the W slots in rank order. The next call's entry
-        barrier keeps its pushes off these slots until this reduction is done."""
-        p = builder.problem
-        # Every peer is in this call, so no work of an earlier call on its side (this op's
-        # reduction or any op's last reads of the group's workspace) still reads the rows a
-        # push writes.
-        entry = barrier(builder, step=0)
-        last: dict[str, int] = {}
-        for k, dest in enumerate(dests):
-            queue = COMPUTE if k % 2 == 0 else copy_queue(0)
-            for j in range(len(p.ns)):
-                piece = common.whole(p, dest, j)
-                if piece:
-                    made = builder.add(Gemm(queue, (common.a_rows(p, dest, piece),),
-                                            (common.partial(p, j, dest, piece),), j, 0, p.k,
-                                            step=k + 1))
-                    last[queue] = common.push(builder, queue, dest, j, piece, step=k + 1,
-                                              after=[made, entry])
-        # The own block beside the last push, on the other queue; the barrier (copy0's, as
-        # every plan barrier) waits for the last push of compute, the reduction follows it on
-        # copy0 with no event between them.
-        own_queue = COMPUTE if len(dests) % 2 == 0 else copy_queue(0)
-        own = []
-        for j in range(len(p.ns)):
-            piece = common.whole(p, p.rank, j)
-            if piece:
-                own.append(builder.add(Gemm(own_queue, (common.a_rows(p, p.rank, piece),),
-                                            (common.partial(p, j, p.rank, piece),), j, 0, p.k,
-                                            step=len(dests) + 1)))
-        landed = barrier(builder, step=len(dests) + 1, after=list(last.values()))
-        reduced = []
-        for j in range(len(p.ns)):
-            piece = common.whole(p, p.rank, j)
-            if piece:
-                srcs = tuple(common.partial(p, j, p.rank, piece) if q == p.rank
-                             else common.staged(p, j, q, p.rank, piece) for q in range(p.world))
-                reduced.append(builder.add(Reduce(copy_queue(0), srcs, common.out(p, j, piece),
-                                                  False, len(dests) + 1, avg_scale(p)),
-                                           after=[landed, *own]))

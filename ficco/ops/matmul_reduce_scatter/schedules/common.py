@@ -76,26 +76,6 @@ def partial(p: Problem, j: int, dest: int, piece: Piece, peer: int | None = None
     return Block("partial", p.block(dest)[0] + r0, rows, c0, cols, peer=peer, index=j)
 
 
-def staged(p: Problem, j: int, src: int, dest: int, piece: Piece,
-           peer: int | None = None) -> Block:
-    """Slot ``src`` of ``dest``'s staging rows (the ``partial`` rows after the first M, see
-    :attr:`Problem.partial_rows`): where ``src`` pushes its partial of ``piece`` of ``dest``'s
-    block (``peer``: whose copy the block names)."""
-    r0, rows, c0, cols = piece
-    return Block("partial", p.m + src * p.block(dest)[1] + r0, rows, c0, cols, peer=peer,
-                 index=j)
-
-
-def push(builder: PlanBuilder, queue: str, dest: int, j: int, piece: Piece, *, step: int,
-         after) -> int:
-    """DMA-push this rank's partial of ``piece`` of ``dest``'s block into this rank's slot
-    of ``dest``'s staging rows."""
-    p = builder.problem
-    return builder.add(Copy(queue, partial(p, j, dest, piece),
-                            staged(p, j, p.rank, dest, piece, peer=dest),
-                            two_d=piece[3] != p.ns[j], step=step), after=after)
-
-
 def recv(p: Problem, j: int, src: int, piece: Piece) -> Block:
     """Where ``src``'s partial of ``piece`` of this rank's block lands."""
     r0, rows, c0, cols = piece
