@@ -85,7 +85,7 @@ def add_arguments(parser) -> None:
                         help="output folder (default bench/runs/simulate-<profile>, overwritten)")
     parser.add_argument("--no-png", action="store_true", help="skip the timeline PNGs")
     parser.add_argument("--graph", action="store_true",
-                        help="price CUDA-graph replays: no host enqueue time per plan op "
+                        help="price CUDA-graph replays: no host enqueue time per runtime call "
                              "(the profile's host_op_s set to 0)")
     parser.add_argument("--markdown", action="store_true",
                         help="print the summary as markdown tables (what the docs quote): per "
@@ -93,7 +93,7 @@ def add_arguments(parser) -> None:
                              "with their simulated speedups, the band and what it costs")
     parser.add_argument("--host-op-us", default=None, metavar="LIST",
                         help="also print the selector's pick at each of these host costs per "
-                             "plan op, in us (e.g. 0,1,2,3,5,8,14): where eager picks flip")
+                             "runtime call, in us (e.g. 0,1,2,3,5,8,14): where eager picks flip")
     parser.add_argument("--optional", action="store_true",
                         help="also simulate the optional schedules (gated-1d, gated-2d: need "
                              "Triton on the device) and let the model pick among them")
@@ -270,7 +270,7 @@ def table(report: dict) -> str:
     if costs:
         values = list(costs[0]["selector_by_host_op_us"])
         lines += ["", ("selector's pick (transport, simulated gain over the best serial) by host "
-                      "time per plan op, us:"),
+                      "time per runtime call, us:"),
                   f"{'scenario':<10} " + " ".join(f"{v + ' us':<30}" for v in values)]
         for sc in costs:
             cells = [f"{p['schedule']} ({p['transport']}) {p['gain']:+.0%}"
@@ -316,7 +316,7 @@ def markdown(report: dict) -> str:
     if costs:
         values = list(costs[0]["selector_by_host_op_us"])
         lines += ["", (f"{op}: the selector's pick (simulated gain over the best serial) by host "
-                      f"time per plan op"), "",
+                      f"time per runtime call"), "",
                   "| GEMM | " + " | ".join(f"{v} us" for v in values) + " |",
                   "|---|" + "---|" * len(values)]
         for sc in costs:
