@@ -57,7 +57,14 @@ CASES = {
                               ("copy-bound", (1024, 512, 8))),
     "grouped_mm_all_to_all": (("tiny", (8, 16, 16)), ("GEMM-bound", (256, 256, 512)),
                               ("copy-bound", (1024, 8, 512))),
+    "matmul_all_to_all": (("tiny", (8, 16, 16)), ("GEMM-bound", (128, 1024, 128)),
+                          ("copy-bound", (512, 16, 512))),
+    "all_to_all_matmul": (("tiny", (8, 16, 16)), ("GEMM-bound", (128, 1024, 128)),
+                          ("copy-bound", (512, 16, 512))),
 }
+#: ops whose inputs come from their spec's :meth:`~ficco.ops.base.OpSpec.example` (float32,
+#: its ``(m, k, n)``), whose explain() is the op's own
+FROM_EXAMPLE = ("matmul_all_to_all", "all_to_all_matmul")
 EXPERTS_PER_RANK = 2
 
 
@@ -85,6 +92,14 @@ def _inputs(op: str, rank: int, world: int, sizes: tuple, seed: int):
     import ficco
 
     rows, k, n = sizes
+    if op in FROM_EXAMPLE:
+        from ..ops import get as op_spec
+        from ..ops.examples import Rounding
+
+        ex = op_spec(op).example(rank, world, sizes, Rounding("float32"), seed)
+        run = getattr(ficco, op)
+        return (lambda schedule: run(*ex.args, schedule=schedule, **ex.kwargs),
+                lambda: ficco.explain(ex.args[0], ex.args[1], op=op, **ex.kwargs))
     gen = torch.Generator().manual_seed(seed * 100 + rank)
     if op == "all_gather_matmul":
         a, b = torch.randn(rows, k, generator=gen), torch.randn(k, n, generator=gen)

@@ -329,3 +329,17 @@ def test_bench_default_pairs_each_round_so_a_drifting_load_cancels_out():
     # the better serial is the one with the lower median: ccl, once it is faster
     row = summary([list(default), list(dma), list(0.5 * dma_s * load), list(same)])
     assert row["vs_serial"] == pytest.approx(2 * true, rel=1e-12)
+
+
+def test_bench_default_has_cases_for_every_registered_op():
+    """``python -m ficco.bench default`` is how "never slower than serial" is checked: an op
+    without cases there is not checked (the verb then exits 1)."""
+    from ficco import ops
+    from ficco.bench import default
+
+    assert sorted(set(ops.names()) - set(default.CASES)) == []
+    import ficco
+
+    for op in default.FROM_EXAMPLE:        # their inputs and explain() come from the spec
+        _, explain = default._inputs(op, 0, 1, default.CASES[op][0][1], 3)
+        assert explain().schedule in ficco.schedules.names(op=op)

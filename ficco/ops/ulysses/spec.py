@@ -119,6 +119,15 @@ class UlyssesSpec(OpSpec[UlyssesCall]):
             remember(key, call, a=None, b=None)
         return call
 
+    def explained(self, a, b, group, *, gather_dim, scatter_dim, reduce_op, counts, epilogue):
+        """The call ``ficco.explain(a, b, op=..., scatter_dim=..., gather_dim=...)`` decides on:
+        local, so it assumes every rank's length along ``gather_dim`` is this rank's."""
+        call = self.prepare(a, b, group, scatter_dim=scatter_dim, gather_dim=gather_dim)
+        p = call.problem
+        local = call.clone(problem=dataclasses.replace(p, sizes=(p.shape[p.gather],) * p.world))
+        assert isinstance(local, UlyssesCall)
+        return local
+
     def signature(self, call: UlyssesCall) -> dict:
         p = call.problem
         nd = len(p.shape)

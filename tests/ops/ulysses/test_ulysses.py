@@ -142,3 +142,12 @@ def test_ulysses_attention_matches_the_unsharded_attention(world, heads, causal)
 def test_parallel_style_pair_matches_the_unsharded_attention(world, heads):
     failures = harness.pool(world).run(style_parity, random.randrange(1 << 30), heads)
     assert failures == [[]] * world, failures
+
+
+@pytest.mark.parametrize("op", ["matmul_all_to_all", "all_to_all_matmul"])
+def test_explain_decides_locally_assuming_every_rank_is_like_this_one(op):
+    """explain() never communicates: on one process it takes this rank's length along
+    gather_dim for every rank's and names one of the op's schedules."""
+    a, w = torch.randn(6, 8, 4), torch.randn(4, 8)
+    decision = ficco.explain(a, w, op=op, scatter_dim=1, gather_dim=0)
+    assert decision.schedule in ficco.schedules.names(op=op)
