@@ -181,10 +181,11 @@ def pool(world: int, env: dict | None = None, pg_backend: str = "gloo") -> RankP
     return current
 
 
-#: the most rank processes this test process keeps alive between cases (~0.4 GB each): a new
+#: the most rank processes this test process keeps alive between cases (~0.4 GB each; two
+#: workers, ~13 GB at most): a new
 #: pool first closes the least recently used ones past it, so a long run (and each of
 #: pytest-xdist's workers) holds a bounded share of the machine's memory
-MAX_LIVE_RANKS = int(os.environ.get("FICCO_TEST_MAX_RANKS", "12"))
+MAX_LIVE_RANKS = int(os.environ.get("FICCO_TEST_MAX_RANKS", "16"))
 
 
 def _make_room(world: int) -> None:
