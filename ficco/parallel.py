@@ -150,7 +150,23 @@ class PrepareModuleInputOutput(_torch.PrepareModuleInputOutput):
         return super()._apply(module, device_mesh)
 
 
-class UlyssesHeadsParallel(_torch.ParallelStyle):
+class _UlyssesStyle(_torch.ParallelStyle):
+    """What both Ulysses styles share: the sequence dim, and the forward each puts on the
+    linear."""
+
+    def __init__(self, *, sequence_dim: int = 1):
+        super().__init__()
+        self.sequence_dim = sequence_dim
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        return _ulysses(module, device_mesh, type(self).__name__, self.sequence_dim,
+                        self._linear_forward())
+
+    def _linear_forward(self):
+        raise NotImplementedError       # each style's forward of the linear
+
+
+class UlyssesHeadsParallel(_UlyssesStyle):
     """Ulysses' Q/K/V projection: an ``nn.Linear`` whose input is this rank's sequence shard
     (along ``sequence_dim``; the shards' lengths are the chunk rule's, ``even_split``, for a
     gradient) returns every position of this rank's chunk of its output features, through
@@ -162,16 +178,11 @@ class UlyssesHeadsParallel(_torch.ParallelStyle):
     >>> style = UlyssesHeadsParallel(sequence_dim=1)
     """
 
-    def __init__(self, *, sequence_dim: int = 1):
-        super().__init__()
-        self.sequence_dim = sequence_dim
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        return _ulysses(module, device_mesh, "UlyssesHeadsParallel", self.sequence_dim,
-                        _heads_forward)
+    def _linear_forward(self):
+        return _heads_forward
 
 
-class UlyssesSequenceParallel(_torch.ParallelStyle):
+class UlyssesSequenceParallel(_UlyssesStyle):
     """Ulysses' output projection, :class:`UlyssesHeadsParallel`'s inverse: an ``nn.Linear``
     whose input holds every position of this rank's heads (``(..., S, in_features / W)``,
     the chunk of the input features :class:`UlyssesHeadsParallel` gave the rank) returns this
@@ -182,13 +193,8 @@ class UlyssesSequenceParallel(_torch.ParallelStyle):
     >>> style = UlyssesSequenceParallel(sequence_dim=1)
     """
 
-    def __init__(self, *, sequence_dim: int = 1):
-        super().__init__()
-        self.sequence_dim = sequence_dim
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        return _ulysses(module, device_mesh, "UlyssesSequenceParallel", self.sequence_dim,
-                        _sequence_forward)
+    def _linear_forward(self):
+        return _sequence_forward
 
 
 # -- what runs ------------------------------------------------------------------------------------
