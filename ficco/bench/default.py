@@ -85,7 +85,7 @@ def add_arguments(parser) -> None:
                         help="only cases with this label (repeatable; default: all three)")
 
 
-def _inputs(op: str, rank: int, world: int, sizes: tuple, seed: int):
+def inputs(op: str, rank: int, world: int, sizes: tuple, seed: int):
     """``(call(schedule), explain())``: this rank's call of ``op`` on fresh random inputs."""
     import torch
 
@@ -165,13 +165,13 @@ def _case_rows(rank: int, world: int, calls: int, per_sample: int,
     for op, cases in CASES.items():
         # what a process pays once (queues, workspaces, communicators), on a shape of its own,
         # so that the first call below pays only for its own key
-        call, _ = _inputs(op, rank, world, tuple(2 * x for x in cases[0][1]), 99)
+        call, _ = inputs(op, rank, world, tuple(2 * x for x in cases[0][1]), 99)
         for via in ("dma", "ccl"):
             _timed(call, "serial", via)
     out = []
     for op, cases in cases_of.items():
         for seed, (label, sizes) in enumerate(cases):
-            call, explain = _inputs(op, rank, world, sizes, seed)
+            call, explain = inputs(op, rank, world, sizes, seed)
             first = _timed(call)
             # (FICCO_AUTO=explore: the key's next calls explore its shortlist until it settles)
             explored = 0

@@ -341,5 +341,5 @@ def test_bench_default_has_cases_for_every_registered_op():
     import ficco
 
     for op in default.FROM_EXAMPLE:        # their inputs and explain() come from the spec
-        _, explain = default._inputs(op, 0, 1, default.CASES[op][0][1], 3)
+        _, explain = default.inputs(op, 0, 1, default.CASES[op][0][1], 3)
         assert explain().schedule in ficco.schedules.names(op=op)
