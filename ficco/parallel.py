@@ -151,8 +151,10 @@ class PrepareModuleInputOutput(_torch.PrepareModuleInputOutput):
 
 
 class _UlyssesStyle(_torch.ParallelStyle):
-    """What both Ulysses styles share: the sequence dim, and the forward each puts on the
-    linear."""
+    """What both Ulysses styles share: the sequence dim, and :func:`_ulysses_forward` put on
+    the linear; ``heads`` says which of the pair it runs (the subclasses set it)."""
+
+    heads: bool
 
     def __init__(self, *, sequence_dim: int = 1):
         super().__init__()
@@ -160,10 +162,7 @@ class _UlyssesStyle(_torch.ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         return _ulysses(module, device_mesh, type(self).__name__, self.sequence_dim,
-                        self._linear_forward())
-
-    def _linear_forward(self):
-        raise NotImplementedError       # each style's forward of the linear
+                        self.heads)
 
 
 class UlyssesHeadsParallel(_UlyssesStyle):
@@ -178,8 +177,7 @@ class UlyssesHeadsParallel(_UlyssesStyle):
     >>> style = UlyssesHeadsParallel(sequence_dim=1)
     """
 
-    def _linear_forward(self):
-        return _heads_forward
+    heads = True
 
 
 class UlyssesSequenceParallel(_UlyssesStyle):
@@ -193,8 +191,7 @@ class UlyssesSequenceParallel(_UlyssesStyle):
     >>> style = UlyssesSequenceParallel(sequence_dim=1)
     """
 
-    def _linear_forward(self):
-        return _sequence_forward
+    heads = False
 
 
 # -- what runs ------------------------------------------------------------------------------------
@@ -299,9 +296,9 @@ def _rowwise_forward(self: nn.Linear, x: DTensor):
 
 
 # -- the Ulysses pair ---------------------------------------------------------------------------
-def _ulysses(module: nn.Module, mesh, style: str, sequence_dim: int, forward) -> nn.Module:
-    """``module`` with replicated parameters and ``forward`` bound (``sequence_dim`` kept
-    on the module); torch's path has no such style, so a module ficco cannot run is refused."""
+def _ulysses(module: nn.Module, mesh, style: str, sequence_dim: int, heads: bool) -> nn.Module:
+    """``module`` with replicated parameters and :func:`_ulysses_forward` bound (``style``,
+    ``sequence_dim`` and ``heads`` kept on the module); torch's path has no such style, so a module ficco cannot run is refused."""
     if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
         raise InvalidArgumentError(f"ficco.parallel.{style} takes an nn.Linear with "
                                    f"nn.Linear's forward; got {type(module).__name__}")
@@ -313,8 +310,8 @@ def _ulysses(module: nn.Module, mesh, style: str, sequence_dim: int, forward) ->
                                    f"{sequence_dim!r}")
     linear: nn.Module = module
     distribute_module(linear, mesh)          # every parameter Replicate()
-    object.__setattr__(linear, "_ficco_sequence_dim", sequence_dim)
-    linear.forward = types.MethodType(forward, linear)
+    object.__setattr__(linear, "_ficco_ulysses", (style, sequence_dim, heads))
+    linear.forward = types.MethodType(_ulysses_forward, linear)
     return linear
 
 
@@ -323,33 +320,27 @@ def _local(x):
     return x.to_local() if isinstance(x, DTensor) else x
 
 
-def _heads_forward(self: nn.Linear, x):
+def _ulysses_forward(self: nn.Linear, x):
+    """The style's op on this rank's ``x`` and the replicated weight: heads,
+    ``matmul_all_to_all`` (features scattered, sequence gathered; the bias's chunk of this
+    rank's features); else ``all_to_all_matmul`` (sequence scattered, heads gathered as K)."""
+    style, sequence_dim, heads = cast(tuple, self._ficco_ulysses)
     weight, bias = _distributed(self)
     mesh = weight.device_mesh
     x = _local(x)
     if x.dim() < 2:
-        raise InvalidArgumentError(f"UlyssesHeadsParallel needs an input with a sequence dim; "
-                                   f"got shape {tuple(x.shape)}")
+        raise InvalidArgumentError(f"{style} needs an input with a sequence dim; got shape "
+                                   f"{tuple(x.shape)}")
     w = replicated(weight.to_local(), mesh)
-    out = ulysses_op.front("matmul_all_to_all", x, w.t(), mesh, -1,
-                           cast(int, self._ficco_sequence_dim))
+    if heads:
+        out = ulysses_op.front("matmul_all_to_all", x, w.t(), mesh, -1, sequence_dim)
+    else:
+        out = ulysses_op.front("all_to_all_matmul", x, w.t(), mesh, sequence_dim, -1)
     if bias is not None:
-        _, rank, world = groups.name_rank_world(mesh)
-        start, cols = even_split(self.out_features, world)[rank]
-        out = out + replicated(bias.to_local(), mesh)[start:start + cols].to(out.dtype)
-    return out
-
-
-def _sequence_forward(self: nn.Linear, x):
-    weight, bias = _distributed(self)
-    mesh = weight.device_mesh
-    x = _local(x)
-    if x.dim() < 2:
-        raise InvalidArgumentError(f"UlyssesSequenceParallel needs an input with a sequence "
-                                   f"dim; got shape {tuple(x.shape)}")
-    w = replicated(weight.to_local(), mesh)
-    out = ulysses_op.front("all_to_all_matmul", x, w.t(), mesh,
-                           cast(int, self._ficco_sequence_dim), -1)
-    if bias is not None:
-        out = out + replicated(bias.to_local(), mesh).to(out.dtype)
+        b = replicated(bias.to_local(), mesh)
+        if heads:
+            _, rank, world = groups.name_rank_world(mesh)
+            start, cols = even_split(self.out_features, world)[rank]
+            b = b[start:start + cols]
+        out = out + b.to(out.dtype)
     return out
