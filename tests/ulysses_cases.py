@@ -120,6 +120,25 @@ def after_bad_inputs(rank, world, seed):
     return failures
 
 
+
+def reference_gradients(op, a_s, b, shape_of, scatter, gather, world, seed):
+    """Autograd through the float64 reference: every rank's ``a`` and a per-rank copy of
+    ``b`` (each rank's gradient is its copy's), with ``sum over ranks of (out_r * w_r)``
+    backpropagated for fresh random ``w_r``; returns ``(outs, a_ref, b_ref, ws)``."""
+    nd = len(shape_of(0))
+    s, g = scatter % nd, gather % nd
+    a_ref = [x.clone().requires_grad_() for x in a_s]
+    b_ref = [b.clone().requires_grad_() for _ in range(world)]
+    if op == "matmul_all_to_all":
+        outs = [reference_all_to_all([x @ y for x, y in zip(a_ref, b_ref)], s, g, r)
+                for r in range(world)]
+    else:
+        outs = [reference_all_to_all(a_ref, s, g, r) @ b_ref[r] for r in range(world)]
+    gen = torch.Generator().manual_seed(seed)
+    ws = [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in outs]
+    sum((o * w).sum() for o, w in zip(outs, ws)).backward()
+    return outs, a_ref, b_ref, ws
+
 def gradient_parity(rank, world, seed):
     """Every shape of :func:`shapes`, every schedule, in float64: the gradients of
     ``sum over ranks of (out_r * w_r)`` by ficco's backward (each op's the other's) against
@@ -129,18 +148,8 @@ def gradient_parity(rank, world, seed):
     for i, (op, shape_of, scatter, gather, k, n) in enumerate(shapes(world, chunk_rule=True)):
         a_s, b, _ = make_case(seed + i, world, op, shape_of, scatter, gather, k, n)
         fn = getattr(ficco, op)
-        a_ref = [x.clone().requires_grad_() for x in a_s]
-        b_ref = [b.clone().requires_grad_() for _ in range(world)]
-        nd = len(shape_of(0))
-        s, g = scatter % nd, gather % nd
-        if op == "matmul_all_to_all":
-            outs = [reference_all_to_all([x @ y for x, y in zip(a_ref, b_ref)], s, g, r)
-                    for r in range(world)]
-        else:
-            outs = [reference_all_to_all(a_ref, s, g, r) @ b_ref[r] for r in range(world)]
-        gen = torch.Generator().manual_seed(seed + 100 + i)
-        ws = [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in outs]
-        sum((o * w).sum() for o, w in zip(outs, ws)).backward()
+        _, a_ref, b_ref, ws = reference_gradients(op, a_s, b, shape_of, scatter, gather,
+                                                  world, seed + 100 + i)
         for schedule in ficco.schedules.names(op=op):
             for with_b in (True, False):
                 a = a_s[rank].clone().requires_grad_()
@@ -228,18 +237,8 @@ def compiled_parity(rank, world, seed):
              ("all_to_all_matmul", lambda q: (2, world + 2, seq, 4), 1, 2, 4, 6)]
     for i, (op, shape_of, scatter, gather, k, n) in enumerate(equal):
         a_s, b, _ = make_case(seed + i, world, op, shape_of, scatter, gather, k, n)
-        nd = len(shape_of(0))
-        s, g = scatter % nd, gather % nd
-        a_ref = [x.clone().requires_grad_() for x in a_s]
-        b_ref = [b.clone().requires_grad_() for _ in range(world)]
-        if op == "matmul_all_to_all":
-            outs = [reference_all_to_all([x @ y for x, y in zip(a_ref, b_ref)], s, g, r)
-                    for r in range(world)]
-        else:
-            outs = [reference_all_to_all(a_ref, s, g, r) @ b_ref[r] for r in range(world)]
-        gen = torch.Generator().manual_seed(seed + 100 + i)
-        ws = [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in outs]
-        sum((o * w).sum() for o, w in zip(outs, ws)).backward()
+        outs, a_ref, b_ref, ws = reference_gradients(op, a_s, b, shape_of, scatter, gather,
+                                                     world, seed + 100 + i)
         fn = getattr(ficco, op)
 
         def step(a, bb, fn=fn, scatter=scatter, gather=gather):
